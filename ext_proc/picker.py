@@ -1,0 +1,162 @@
+"""The per-request decision: request headers + endpoint view -> cluster and pinned endpoint.
+
+Pure and cheap (a few µs): no I/O, no locks, no mutation of its inputs, and no exception for
+any header value a client can send. The transport (``ext_proc.server``) turns a
+:class:`Decision` into Envoy's ext_proc answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ext_proc.view import EndpointView, ServiceRoute
+
+__all__ = ["Decision", "MAX_VERSION_BYTES", "pick"]
+
+MAX_VERSION_BYTES = 256
+"""Version header values longer than this are rejected without decoding them."""
+
+# Longest part of a client-supplied value quoted back in an error body.
+_MAX_QUOTED = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do with one request.
+
+    Attributes:
+        cluster: the cluster to route to (the picker sets the cluster header to it); None when
+            rejecting or when the picker has no view yet.
+        endpoint: ``"HOST:PORT"`` to pin through the override-host header, or None to leave the
+            choice to Envoy's weighted fallback policy.
+        status: HTTP status of an immediate rejection, None when routing.
+        body: the rejection's JSON body (``{"error": "..."}``), empty when routing.
+        reason: why, a short stable label (a metrics label value): "session", "no-session",
+            "no-healthy-endpoint", "unknown-service", "unknown-version", "invalid-version",
+            "not-ready".
+    """
+
+    cluster: str | None
+    endpoint: str | None
+    status: int | None
+    body: bytes
+    reason: str
+
+    @property
+    def rejected(self) -> bool:
+        """True when the request is answered at once with ``status`` and ``body``."""
+        return self.status is not None
+
+
+_NOT_READY = Decision(None, None, None, b"", "not-ready")
+
+
+def _reject(status: int, reason: str, message: str) -> Decision:
+    return Decision(None, None, status, json.dumps({"error": message}).encode(), reason)
+
+
+def _quote(raw: bytes) -> str:
+    """A client value made safe to quote in a message: decoded leniently and shortened."""
+    text = raw[:_MAX_QUOTED].decode("utf-8", errors="backslashreplace")
+    return text + "..." if len(raw) > _MAX_QUOTED else text
+
+
+def _authority_host(authority: bytes) -> str:
+    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable."""
+    if authority.startswith(b"["):
+        end = authority.find(b"]")
+        host = authority[: end + 1] if end > 0 else authority
+    else:
+        host, sep, port = authority.rpartition(b":")
+        if not sep or not port.isdigit():
+            host = authority
+    try:
+        return host.decode("ascii").lower().rstrip(".")
+    except UnicodeDecodeError:
+        return ""
+
+
+def _known(service: ServiceRoute) -> str:
+    return ", ".join(sorted(service.clusters))
+
+
+def _bad_version(header: str, raw: bytes, service: ServiceRoute) -> Decision:
+    """The 400 for a version value that is not a valid version string at all."""
+    if len(raw) > MAX_VERSION_BYTES:
+        problem = f"is too long ({len(raw)} bytes, limit {MAX_VERSION_BYTES})"
+    else:
+        problem = f"is not valid UTF-8 ({_quote(raw)!r})"
+    return _reject(
+        400,
+        "invalid-version",
+        f"model version in header '{header}' {problem}; known versions: {_known(service)}",
+    )
+
+
+def pick(
+    headers: Mapping[str, bytes],
+    view: EndpointView,
+    loads: Mapping[str, int] | None = None,
+) -> Decision:
+    """Decide the cluster and the pinned endpoint of one request.
+
+    Args:
+        headers: request headers, lower-case names -> raw value bytes (as Envoy's ext_proc
+            sends them in ``raw_value``); pseudo-headers such as ``:authority`` included.
+        view: the current endpoint view.
+        loads: per-endpoint load (requests in flight) for bounded-load hashing; None hashes
+            without load bounds.
+
+    Returns:
+        A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
+        400 when the version header names an unknown version or is not a valid version string
+        (not UTF-8, longer than :data:`MAX_VERSION_BYTES`). A missing or empty version header
+        means the service's default version. The first non-empty session header is hashed
+        onto the ring of the cluster's healthy endpoints; without one, or without a healthy
+        endpoint, nothing is pinned. Before the first real view, nothing is decided
+        (reason "not-ready") so Envoy's own routing applies.
+
+    Never raises for any header content.
+    """
+    if not view.ready:
+        return _NOT_READY
+    routing = view.routing
+    authority = headers.get(":authority") or headers.get("host") or b""
+    host = _authority_host(authority)
+    service = view.service_for_host(host)
+    if service is None:
+        return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'")
+
+    raw = headers.get(routing.version_header)
+    if not raw:
+        cluster = service.clusters[service.default_version]
+    else:
+        if len(raw) > MAX_VERSION_BYTES:
+            return _bad_version(routing.version_header, raw, service)
+        try:
+            version = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return _bad_version(routing.version_header, raw, service)
+        cluster = service.clusters.get(version)
+        if cluster is None:
+            return _reject(
+                400,
+                "unknown-version",
+                f"unknown model version '{version}' in header '{routing.version_header}'; "
+                f"known versions: {_known(service)}",
+            )
+
+    key = None
+    for name in routing.session_headers:
+        key = headers.get(name)
+        if key:
+            break
+    if not key:
+        return Decision(cluster, None, None, b"", "no-session")
+    pool = view.clusters.get(cluster)
+    if pool is None or not pool.endpoints:
+        return Decision(cluster, None, None, b"", "no-healthy-endpoint")
+    endpoint = pool.ring.lookup(key, loads, routing.load_factor)
+    return Decision(cluster, endpoint, None, b"", "session")

@@ -1,0 +1,64 @@
+"""The picker's metrics and its rate-limited error log.
+
+Metrics live on prometheus_client's default registry:
+- ``inferlb_ext_proc_decisions_total{outcome}``: decisions by :attr:`Decision.reason`.
+- ``inferlb_ext_proc_errors_total{kind}``: malformed or unexpected input and internal errors.
+- ``inferlb_ext_proc_decision_seconds``: time spent in ``pick`` (seconds; buckets from 1 µs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import Counter, Histogram
+
+__all__ = ["DECISIONS", "DECISION_SECONDS", "ERRORS", "ErrorReporter"]
+
+DECISIONS = Counter(
+    "inferlb_ext_proc_decisions_total",
+    "ext_proc picker decisions by outcome (the decision reason).",
+    ["outcome"],
+)
+ERRORS = Counter(
+    "inferlb_ext_proc_errors_total",
+    "ext_proc requests that were malformed, unexpected or failed inside the picker, by kind.",
+    ["kind"],
+)
+DECISION_SECONDS = Histogram(
+    "inferlb_ext_proc_decision_seconds",
+    "Time spent deciding one request (headers already parsed), in seconds.",
+    buckets=(1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 1e-3, 1e-2),
+)
+
+
+class ErrorReporter:
+    """Counts every error and logs each kind at most once per ``interval`` seconds.
+
+    The first occurrence of a kind is logged at once; later ones within the interval are only
+    counted, and the next log line says how many were suppressed. Not thread-safe: use one per
+    event loop (the picker runs on one).
+
+    Args:
+        logger: where to log (WARNING level).
+        interval: seconds between two log lines of the same kind.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def report(self, kind: str, message: str, *, exc_info: bool = False) -> None:
+        """Count one error of ``kind`` and maybe log ``message``."""
+        ERRORS.labels(kind).inc()
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        more = f" ({suppressed} more of this kind since the last report)" if suppressed else ""
+        self._logger.warning("ext_proc %s: %s%s", kind, message, more, exc_info=exc_info)

@@ -1,0 +1,267 @@
+"""The picker's read-only world: routing rules plus the pinnable endpoints of each cluster.
+
+The slow loop builds a new :class:`EndpointView` whenever EDS or the routing rules change and
+swaps it into a :class:`ViewHolder`; the request path reads ``holder.current`` once per request
+and never waits on a lock. Endpoints come in as Envoy ``ClusterLoadAssignment`` protos (the
+same objects Envoy receives), so this module needs nothing from the control plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from ext_proc.ring import HashRing
+
+__all__ = [
+    "ClusterEndpoints",
+    "EndpointView",
+    "RoutingTable",
+    "ServiceRoute",
+    "ViewHolder",
+    "pinnable_endpoints",
+]
+
+# Envoy's override_host policy sends a pinned request to its host whatever the host's health,
+# so only these states may ever be pinned. DRAINING, UNHEALTHY, DEGRADED and TIMEOUT may not.
+_PINNABLE_HEALTH = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
+
+
+@dataclass(frozen=True)
+class ServiceRoute:
+    """One service: which requests it takes and the cluster of each model version.
+
+    Attributes:
+        name: the service name (used in logs and messages).
+        hosts: authority host names without port (IPv6 in brackets: ``"[::1]"``), compared
+            case-insensitively, trailing dot ignored; ``("*",)`` takes any host.
+        default_version: the version used when the request names none; must be a key of
+            ``clusters``.
+        clusters: model version -> Envoy cluster name.
+
+    Raises:
+        ValueError: no hosts, no clusters, or ``default_version`` not in ``clusters``.
+    """
+
+    name: str
+    hosts: tuple[str, ...]
+    default_version: str
+    clusters: Mapping[str, str] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
+        if not hosts or any(not h for h in hosts):
+            raise ValueError(f"service {self.name!r}: hosts must be non-empty names, got {self.hosts!r}")
+        if not self.clusters:
+            raise ValueError(f"service {self.name!r}: clusters must map at least one version")
+        if self.default_version not in self.clusters:
+            raise ValueError(
+                f"service {self.name!r}: default_version {self.default_version!r} is not one of "
+                f"the versions in clusters ({', '.join(sorted(self.clusters))})"
+            )
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "clusters", MappingProxyType(dict(self.clusters)))
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """Header names, ring parameters and services: everything the picker needs besides endpoints.
+
+    Header names are stored lower-case (Envoy hands them to ext_proc lower-case).
+
+    Attributes:
+        version_header: header naming the model version.
+        session_headers: headers tried in order for the session key; the first non-empty wins.
+        override_host_header: header the picker sets to ``"HOST:PORT"`` for Envoy's
+            override_host load-balancing policy.
+        cluster_header: header the picker sets to the cluster name (read by the route's
+            ``cluster_header``).
+        vnodes: virtual nodes per endpoint on each cluster's ring.
+        load_factor: bounded-loads factor ``c`` (>= 1.0).
+        services: matched in order against the request's authority.
+
+    Raises:
+        ValueError: an empty header name, ``vnodes`` < 1 or ``load_factor`` < 1.0.
+    """
+
+    version_header: str = "model-version"
+    session_headers: tuple[str, ...] = ("x-session-id", "x-user-id")
+    override_host_header: str = "x-gateway-destination-endpoint"
+    cluster_header: str = "x-inferlb-cluster"
+    vnodes: int = 160
+    load_factor: float = 1.25
+    services: tuple[ServiceRoute, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("version_header", "override_host_header", "cluster_header"):
+            value = getattr(self, name)
+            if not value:
+                raise ValueError(f"routing: {name} must be a header name, got {value!r}")
+            object.__setattr__(self, name, value.lower())
+        if any(not h for h in self.session_headers):
+            raise ValueError(f"routing: session_headers must be header names, got {self.session_headers!r}")
+        object.__setattr__(self, "session_headers", tuple(h.lower() for h in self.session_headers))
+        object.__setattr__(self, "services", tuple(self.services))
+        if self.vnodes < 1:
+            raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
+        if self.load_factor < 1.0:
+            raise ValueError(f"routing: load_factor must be >= 1.0, got {self.load_factor}")
+
+
+@dataclass(frozen=True)
+class ClusterEndpoints:
+    """The pinnable endpoints of one cluster and the ring over them.
+
+    Attributes:
+        name: the cluster name.
+        endpoints: ``"HOST:PORT"`` of each pinnable endpoint, sorted, no duplicates.
+        ring: a :class:`HashRing` over ``endpoints`` (empty when there are none).
+    """
+
+    name: str
+    endpoints: tuple[str, ...]
+    ring: HashRing = field(compare=False)
+
+
+def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:
+    """``"HOST:PORT"`` of an LbEndpoint (IPv6 hosts in brackets), or None without a socket port."""
+    sock = lb_endpoint.endpoint.address.socket_address
+    if not sock.address or sock.WhichOneof("port_specifier") != "port_value":
+        return None
+    host = sock.address
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{sock.port_value}"
+
+
+def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[str, ...]:
+    """Return the endpoints of ``assignment`` the picker may pin, as sorted ``"HOST:PORT"``.
+
+    An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
+    address with a numeric port. Only the lowest priority level that has a pinnable endpoint
+    counts: higher priorities are failover, and a session should not be pinned to them while
+    the primary level has capacity. Load-balancing weights are not used here: they steer
+    Envoy's fallback policy, not the session ring.
+    """
+    by_priority: dict[int, set[str]] = {}
+    for locality in assignment.endpoints:
+        for lb_endpoint in locality.lb_endpoints:
+            if lb_endpoint.health_status not in _PINNABLE_HEALTH:
+                continue
+            address = _address(lb_endpoint)
+            if address is not None:
+                by_priority.setdefault(locality.priority, set()).add(address)
+    if not by_priority:
+        return ()
+    return tuple(sorted(by_priority[min(by_priority)]))
+
+
+class EndpointView:
+    """An immutable snapshot of routing rules and per-cluster pinnable endpoints.
+
+    Build it with :meth:`build` (or :meth:`empty`); never mutate it afterwards. Lookups on the
+    request path are dictionary reads.
+
+    Attributes:
+        routing: the :class:`RoutingTable` in force.
+        clusters: cluster name -> :class:`ClusterEndpoints`.
+        ready: False only for the placeholder view a :class:`ViewHolder` starts with, before
+            the first real view arrives.
+    """
+
+    __slots__ = ("routing", "clusters", "ready", "_by_host", "_wildcard")
+
+    def __init__(
+        self,
+        routing: RoutingTable,
+        clusters: Mapping[str, ClusterEndpoints],
+        ready: bool = True,
+    ) -> None:
+        self.routing = routing
+        self.clusters: Mapping[str, ClusterEndpoints] = MappingProxyType(dict(clusters))
+        self.ready = ready
+        # The first service (in order) taking each named host; a "*" service shadows every
+        # service after it, so hosts named only after it are not indexed.
+        by_host: dict[str, ServiceRoute] = {}
+        wildcard: ServiceRoute | None = None
+        for service in routing.services:
+            if wildcard is not None:
+                break
+            for host in service.hosts:
+                if host == "*":
+                    wildcard = service
+                else:
+                    by_host.setdefault(host, service)
+        self._by_host = by_host
+        self._wildcard = wildcard
+
+    @classmethod
+    def empty(cls) -> EndpointView:
+        """The not-ready placeholder: default routing, no services, no clusters."""
+        return cls(RoutingTable(), {}, ready=False)
+
+    @classmethod
+    def build(
+        cls,
+        assignments: Mapping[str, endpoint_pb2.ClusterLoadAssignment],
+        routing: RoutingTable,
+        previous: EndpointView | None = None,
+    ) -> EndpointView:
+        """Build a view from EDS assignments and routing rules.
+
+        Args:
+            assignments: cluster name -> its ``ClusterLoadAssignment``. A cluster named by the
+                routing table but missing here is routed to without pinning.
+            routing: the routing rules.
+            previous: an earlier view; rings of clusters whose pinnable endpoints and
+                ``vnodes`` are unchanged are reused instead of rehashed.
+
+        Raises:
+            ValueError: a routing value is invalid (see :class:`RoutingTable`).
+        """
+        old = previous.clusters if previous is not None else {}
+        clusters: dict[str, ClusterEndpoints] = {}
+        for name, assignment in assignments.items():
+            endpoints = pinnable_endpoints(assignment)
+            kept = old.get(name)
+            if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
+                clusters[name] = kept
+            else:
+                clusters[name] = ClusterEndpoints(name, endpoints, HashRing(endpoints, routing.vnodes))
+        return cls(routing, clusters)
+
+    def service_for_host(self, host: str) -> ServiceRoute | None:
+        """The first service whose hosts name ``host`` (lower-case, no port) or "*", else None."""
+        return self._by_host.get(host, self._wildcard)
+
+
+class ViewHolder:
+    """Holds the current :class:`EndpointView`; the slow loop swaps it, requests read it.
+
+    Assigning ``current`` is a single reference store, atomic in CPython, so readers need no
+    lock and always see one whole view. Only one writer (the slow loop) should call
+    :meth:`update` at a time.
+    """
+
+    __slots__ = ("current",)
+
+    def __init__(self, view: EndpointView | None = None) -> None:
+        self.current: EndpointView = view if view is not None else EndpointView.empty()
+
+    def update(
+        self,
+        assignments: Mapping[str, endpoint_pb2.ClusterLoadAssignment],
+        routing: RoutingTable,
+    ) -> EndpointView:
+        """Build a new view (reusing unchanged rings), make it current and return it.
+
+        Raises:
+            ValueError: as :meth:`EndpointView.build`; the current view is then kept.
+        """
+        view = EndpointView.build(assignments, routing, previous=self.current)
+        self.current = view
+        return view

@@ -1,0 +1,106 @@
+"""``inferlb sim-backend``: run one simulated GPU inference backend."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from sim.config import BackendConfig
+from sim.model import GPU_CLASSES
+from sim.server import run_backend
+
+
+@click.command("sim-backend")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="Port to listen on (0 = any free port).",
+)
+@click.option(
+    "--gpu-class",
+    type=click.Choice(sorted(GPU_CLASSES)),
+    default="a100",
+    show_default=True,
+    help="Simulated GPU: latency factor and memory.",
+)
+@click.option(
+    "--version",
+    "version",
+    default="v1",
+    show_default=True,
+    help="Model version string reported in x-backend-version.",
+)
+@click.option("--model-name", default="sim-7b", show_default=True, help="Model name served and reported.")
+@click.option(
+    "--gpu-memory-mib",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="GPU memory in MiB  [default: per GPU class]",
+)
+@click.option(
+    "--max-concurrency",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Requests run at once; further ones wait in a FIFO queue.",
+)
+@click.option(
+    "--long-tail",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.0,
+    show_default=True,
+    help="Probability (0-1) that a request takes 10x its latency.",
+)
+@click.option(
+    "--legacy-metrics",
+    is_flag=True,
+    help="Expose vllm:gpu_cache_usage_perc instead of vllm:kv_cache_usage_perc.",
+)
+@click.option("--seed", type=int, default=None, help="Random seed (long-tail draws) for reproducible runs.")
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Multiply every latency (e.g. 0.1 for time-compressed benchmarks).",
+)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
+def sim_backend(
+    host: str,
+    port: int,
+    gpu_class: str,
+    version: str,
+    model_name: str,
+    gpu_memory_mib: float | None,
+    max_concurrency: int,
+    long_tail: float,
+    legacy_metrics: bool,
+    seed: int | None,
+    time_scale: float,
+    log_level: str,
+) -> None:
+    """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = BackendConfig(
+            host=host,
+            port=port,
+            gpu_class=gpu_class,
+            version=version,
+            model_name=model_name,
+            gpu_memory_mib=gpu_memory_mib,
+            max_concurrency=max_concurrency,
+            long_tail=long_tail,
+            legacy_metrics=legacy_metrics,
+            seed=seed,
+            time_scale=time_scale,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    run_backend(cfg)

@@ -1,0 +1,66 @@
+"""Configuration of one simulated inference backend (one node, one GPU)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from sim.model import DEFAULT_WEIGHTS_MIB, GPU_CLASSES
+
+
+@dataclass
+class BackendConfig:
+    """Everything that defines one simulated backend.
+
+    Units: memory in MiB, latency in ms, probabilities 0-1. ``port=0`` asks the OS for a free
+    port (the bound port is reported by :func:`sim.server.start_backend`).
+    ``gpu_memory_mib=None`` means "the GPU class default".
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gpu_class: str = "a100"
+    version: str = "v1"
+    model_name: str = "sim-7b"
+    gpu_memory_mib: float | None = None
+    weights_mib: float = DEFAULT_WEIGHTS_MIB
+    kv_mib_per_token: float = 0.5
+    max_concurrency: int = 8
+    long_tail: float = 0.0
+    legacy_metrics: bool = False
+    seed: int | None = None
+    time_scale: float = 1.0
+    prefill_penalty_ms: float = 40.0
+    session_cache_size: int = 10_000
+    hostname: str = field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        if self.gpu_class not in GPU_CLASSES:
+            raise ValueError(f"gpu_class must be one of {sorted(GPU_CLASSES)}, got {self.gpu_class!r}")
+        if self.gpu_memory_mib is None:
+            self.gpu_memory_mib = float(GPU_CLASSES[self.gpu_class].memory_mib)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0-65535, got {self.port}")
+        if self.weights_mib < 0 or self.gpu_memory_mib <= self.weights_mib:
+            raise ValueError(
+                f"gpu_memory_mib ({self.gpu_memory_mib}) must exceed the model weights "
+                f"({self.weights_mib} MiB)"
+            )
+        if self.kv_mib_per_token < 0:
+            raise ValueError("kv_mib_per_token must be >= 0")
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if not 0.0 <= self.long_tail <= 1.0:
+            raise ValueError("long_tail must be a probability in 0-1")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        if self.prefill_penalty_ms < 0:
+            raise ValueError("prefill_penalty_ms must be >= 0")
+        if self.session_cache_size < 1:
+            raise ValueError("session_cache_size must be >= 1")
+
+    @property
+    def gpu_memory_total_mib(self) -> float:
+        """Total GPU memory in MiB (class default or the explicit override)."""
+        assert self.gpu_memory_mib is not None
+        return self.gpu_memory_mib

@@ -1,0 +1,167 @@
+"""Prometheus exposition of one simulated backend, on its own ``CollectorRegistry``.
+
+Names follow real vLLM (labels ``model_name``, ``engine``) and the NVIDIA DCGM exporter
+(labels ``gpu``, ``UUID``, ``modelName``, ``Hostname``), plus a few ``inferlb_sim_*`` counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: Histogram buckets in seconds, fine enough to resolve milliseconds.
+# fmt: off
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+)
+# fmt: on
+
+KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
+LEGACY_KV_USAGE_METRIC = "vllm:gpu_cache_usage_perc"
+
+#: Prometheus' text format content type, as prometheus_client produces it.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class GaugeSnapshot:
+    """Instantaneous node state copied into gauges at scrape time.
+
+    ``kv_usage`` 0-1, ``gpu_util_percent`` 0-100, memory in MiB.
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float
+    gpu_util_percent: float
+    fb_used_mib: float
+    fb_free_mib: float
+
+
+class SimMetrics:
+    """All metric families of one backend. Not thread-safe; use from the event loop."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        gpu_model_name: str,
+        gpu_uuid: str,
+        hostname: str,
+        legacy_kv_name: bool = False,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        vl = ("model_name", "engine")
+        self._vllm = {"model_name": model_name, "engine": "0"}
+        self._dcgm = {"gpu": "0", "UUID": gpu_uuid, "modelName": gpu_model_name, "Hostname": hostname}
+        dl = tuple(self._dcgm)
+        kv_name = LEGACY_KV_USAGE_METRIC if legacy_kv_name else KV_USAGE_METRIC
+        self.kv_metric_name = kv_name
+
+        self.running = Gauge("vllm:num_requests_running", "Requests running on the GPU.", vl, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to run.", vl, registry=reg)
+        self.kv_usage = Gauge(kv_name, "KV-cache usage, 0-1 (1 = full).", vl, registry=reg)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency, s.",
+            vl,
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (queue + prefill), s.",
+            vl,
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent waiting for a running slot, s.",
+            vl,
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.success = Counter(
+            "vllm:request_success_total", "Finished requests.", (*vl, "finished_reason"), registry=reg
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens_total", "Prefill tokens processed.", vl, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens_total", "Generation tokens produced.", vl, registry=reg
+        )
+        self.gpu_util = Gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilisation, percent.", dl, registry=reg)
+        self.fb_used = Gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used, MiB.", dl, registry=reg)
+        self.fb_free = Gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free, MiB.", dl, registry=reg)
+        self.session_hits = Counter(
+            "inferlb_sim_session_cache_hits_total",
+            "Requests whose session was warm on this node.",
+            registry=reg,
+        )
+        self.session_misses = Counter(
+            "inferlb_sim_session_cache_misses_total", "Requests with a new (cold) session.", registry=reg
+        )
+        self.oom = Counter("inferlb_sim_oom_total", "Requests refused with CUDA out of memory.", registry=reg)
+        # Make every labelled series exist from the first scrape (value 0).
+        for family in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.e2e,
+            self.ttft,
+            self.queue_time,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            family.labels(**self._vllm)
+
+    @property
+    def gpu_uuid(self) -> str:
+        """The ``UUID`` label of the DCGM series."""
+        return self._dcgm["UUID"]
+
+    def set_gpu_uuid(self, gpu_uuid: str) -> None:
+        """Change the DCGM ``UUID`` label (e.g. once the bound port is known); drops old series."""
+        for family in (self.gpu_util, self.fb_used, self.fb_free):
+            family.clear()
+        self._dcgm["UUID"] = gpu_uuid
+
+    def observe_finished(
+        self,
+        *,
+        e2e_s: float,
+        ttft_s: float,
+        queue_s: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finished_reason: str = "length",
+    ) -> None:
+        """Record one successful request (times in seconds)."""
+        self.e2e.labels(**self._vllm).observe(e2e_s)
+        self.ttft.labels(**self._vllm).observe(ttft_s)
+        self.queue_time.labels(**self._vllm).observe(queue_s)
+        self.success.labels(**self._vllm, finished_reason=finished_reason).inc()
+        self.prompt_tokens.labels(**self._vllm).inc(prompt_tokens)
+        self.generation_tokens.labels(**self._vllm).inc(generation_tokens)
+
+    def observe_session(self, hit: bool) -> None:
+        """Count a session-cache hit or miss."""
+        (self.session_hits if hit else self.session_misses).inc()
+
+    def observe_oom(self) -> None:
+        """Count a request refused for lack of GPU memory."""
+        self.oom.inc()
+
+    def render(self, snapshot: GaugeSnapshot) -> bytes:
+        """Set the gauges from ``snapshot`` and return the text exposition (UTF-8 bytes)."""
+        self.running.labels(**self._vllm).set(snapshot.running)
+        self.waiting.labels(**self._vllm).set(snapshot.waiting)
+        self.kv_usage.labels(**self._vllm).set(snapshot.kv_usage)
+        self.gpu_util.labels(**self._dcgm).set(snapshot.gpu_util_percent)
+        self.fb_used.labels(**self._dcgm).set(snapshot.fb_used_mib)
+        self.fb_free.labels(**self._dcgm).set(snapshot.fb_free_mib)
+        return generate_latest(self.registry)

@@ -1,0 +1,187 @@
+"""aiohttp HTTP front of a simulated backend.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health``,
+``GET /metrics``, ``POST /sim/fault`` (see :mod:`sim.faults`), ``GET /sim/state``.
+Every response carries ``x-served-by: HOST:PORT`` and ``x-backend-version: VERSION``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from sim.config import BackendConfig
+from sim.faults import FaultError, parse_fault_patch
+from sim.metrics import CONTENT_TYPE
+from sim.node import NodeClosing, OutOfMemory, SimNode
+from sim.protocol import Kind, RequestError, completion_body, error_body, parse_request
+
+log = logging.getLogger("inferlb.sim")
+
+NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def get_node(app: web.Application) -> SimNode:
+    """The :class:`SimNode` behind an app made by :func:`make_app`."""
+    return app[NODE_KEY]
+
+
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT`` as reported in ``x-served-by`` (IPv6 hosts in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _json_error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, err_type, param), status=status)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn aiohttp's HTTP errors (404, 405, 413 ...) and unexpected exceptions into JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _json_error(exc.status, exc.reason, "http_error")
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # never let a bug take the server down
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(500, "internal simulator error", "internal_error")
+
+
+async def _inference(request: web.Request, kind: Kind) -> web.Response:
+    node = get_node(request.app)
+    try:
+        req = parse_request(kind, await request.read(), request.headers)
+    except RequestError as exc:
+        node.counters["bad_requests"] += 1
+        return _json_error(400, str(exc), "invalid_request_error", exc.field)
+    try:
+        done = await node.serve(req)
+    except OutOfMemory as exc:
+        return _json_error(500, str(exc), "oom")
+    except NodeClosing as exc:
+        return _json_error(503, str(exc), "unavailable")
+    body = completion_body(
+        req,
+        request_id=done.request_id,
+        model_name=node.cfg.model_name,
+        text=done.text,
+        created=int(time.time()),
+    )
+    return web.json_response(body)
+
+
+async def _chat(request: web.Request) -> web.Response:
+    return await _inference(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.Response:
+    return await _inference(request, "completion")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    node = get_node(request.app)
+    faults = node.faults
+    await faults.wait_while(lambda: faults.metrics == "hang")
+    if faults.closing or faults.metrics == "error":
+        return web.Response(status=503, text="metrics unavailable (simulated fault)\n")
+    return web.Response(body=node.metrics.render(node.gauges()), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _set_fault(request: web.Request) -> web.Response:
+    node = get_node(request.app)
+    try:
+        raw = await request.read()
+        patch = parse_fault_patch(json.loads(raw) if raw.strip() else None)
+    except ValueError as exc:  # includes JSONDecodeError and FaultError
+        field = exc.field if isinstance(exc, FaultError) else "body"
+        msg = str(exc) if isinstance(exc, FaultError) else "fault body is not valid JSON"
+        return _json_error(400, msg, "invalid_request_error", field)
+    node.faults.apply(patch)
+    log.info("%s faults now %s", node.served_by, node.faults.as_dict())
+    return web.json_response({"faults": node.faults.as_dict()})
+
+
+async def _state(request: web.Request) -> web.Response:
+    return web.json_response(get_node(request.app).state())
+
+
+def make_app(cfg: BackendConfig) -> web.Application:
+    """Build the aiohttp application of one simulated backend (not yet listening)."""
+    node = SimNode(cfg)
+    app = web.Application(middlewares=[_errors_as_json])
+    app[NODE_KEY] = node
+
+    async def add_identity_headers(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-served-by"] = node.served_by
+        response.headers["x-backend-version"] = cfg.version
+
+    async def release_held_requests(app: web.Application) -> None:
+        node.faults.close()
+
+    app.on_response_prepare.append(add_identity_headers)
+    app.on_shutdown.append(release_held_requests)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/sim/fault", _set_fault)
+    app.router.add_get("/sim/state", _state)
+    return app
+
+
+async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) -> tuple[web.AppRunner, int]:
+    """Start a backend in the running loop; returns ``(runner, bound_port)``.
+
+    ``cfg.port=0`` picks a free port. Stop it with ``await runner.cleanup()``. A client that
+    disconnects cancels its request (memory and running slot are released).
+    """
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1]
+    get_node(app).bind(format_address(cfg.host, port))
+    return runner, port
+
+
+async def _serve_forever(cfg: BackendConfig) -> None:
+    runner, port = await start_backend(cfg)
+    node = get_node(runner.app)
+    print(
+        f"sim backend {node.cfg.model_name} {cfg.version} ({cfg.gpu_class}) listening on {node.served_by}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_backend(cfg: BackendConfig) -> None:
+    """Run one backend until SIGINT/SIGTERM (blocking)."""
+    asyncio.run(_serve_forever(cfg))

@@ -1,0 +1,151 @@
+"""Consistent hashing with bounded loads: balance, minimal movement, determinism."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.ring import HashRing, key_hash
+
+# Ring building hashes n * vnodes points; keep hypothesis example counts modest.
+FAST = settings(max_examples=40, deadline=None)
+
+endpoint_sets = st.sets(
+    st.builds(
+        lambda a, b, port: f"10.{a}.{b}.1:{port}",
+        st.integers(0, 255),
+        st.integers(0, 255),
+        st.integers(1, 65535),
+    ),
+    min_size=1,
+    max_size=12,
+)
+salts = st.binary(min_size=0, max_size=8)
+
+
+def keys(n: int, salt: bytes = b"") -> list[bytes]:
+    return [salt + b"session-%d" % i for i in range(n)]
+
+
+def test_empty_ring_returns_none():
+    ring = HashRing([])
+    assert ring.lookup(b"anything") is None
+    assert ring.lookup(b"anything", loads={}) is None
+    assert len(ring) == 0 and not ring
+
+
+def test_invalid_parameters_raise():
+    with pytest.raises(ValueError, match="vnodes"):
+        HashRing(["a:1"], vnodes=0)
+    with pytest.raises(ValueError, match="load_factor"):
+        HashRing(["a:1"]).lookup(b"k", loads={}, load_factor=0.9)
+
+
+def test_key_hash_is_fixed_blake2b():
+    # A pinned value: the ring must agree across processes, releases and machines.
+    digest = hashlib.blake2b(b"session-1", digest_size=8).digest()
+    assert key_hash(b"session-1") == int.from_bytes(digest, "big")
+
+
+@FAST
+@given(endpoint_sets, st.integers(20, 400), st.sampled_from([1.0, 1.25, 1.5, 2.0]), salts)
+def test_bounded_loads_never_exceed_ceil_c_times_average(endpoints, n_keys, c, salt):
+    ring = HashRing(sorted(endpoints), vnodes=40)
+    loads = dict.fromkeys(endpoints, 0)
+    for key in keys(n_keys, salt):
+        chosen = ring.lookup(key, loads=loads, load_factor=c)
+        assert chosen in loads
+        loads[chosen] += 1
+    limit = math.ceil(c * n_keys / len(endpoints))
+    assert max(loads.values()) <= limit
+    assert sum(loads.values()) == n_keys
+
+
+@FAST
+@given(st.sets(st.integers(1, 10_000), min_size=5, max_size=5), salts)
+def test_adding_a_fifth_endpoint_moves_about_a_fifth_and_none_between_old(ports, salt):
+    names = [f"10.0.0.1:{p}" for p in sorted(ports)]
+    old, new = HashRing(names[:4]), HashRing(names)
+    ks = keys(1000, salt)
+    before = {k: old.lookup(k) for k in ks}
+    after = {k: new.lookup(k) for k in ks}
+    moved = [k for k in ks if before[k] != after[k]]
+    assert all(after[k] == names[4] for k in moved), "a key moved between two old endpoints"
+    assert 0.12 <= len(moved) / len(ks) <= 0.28
+
+
+@FAST
+@given(endpoint_sets.filter(lambda s: len(s) >= 2), st.data(), salts)
+def test_removing_an_endpoint_moves_only_its_keys(endpoints, data, salt):
+    names = sorted(endpoints)
+    gone = data.draw(st.sampled_from(names))
+    full = HashRing(names)
+    smaller = HashRing([n for n in names if n != gone])
+    for key in keys(300, salt):
+        before, after = full.lookup(key), smaller.lookup(key)
+        if before != gone:
+            assert after == before
+        else:
+            assert after != gone
+
+
+@FAST
+@given(endpoint_sets, salts)
+def test_same_inputs_same_answers_regardless_of_order(endpoints, salt):
+    names = sorted(endpoints)
+    a = HashRing(names)
+    b = HashRing(list(reversed(names)) + names[:1])  # other order, a duplicate
+    for key in keys(100, salt):
+        assert a.lookup(key) == b.lookup(key) == a.lookup(key)
+    loads = {n: i for i, n in enumerate(names)}
+    for key in keys(50, salt):
+        assert a.lookup(key, loads) == b.lookup(key, loads)
+
+
+def test_separately_built_rings_agree_across_processes():
+    names = [f"10.0.0.{i}:8000" for i in range(6)]
+    here = [HashRing(names).lookup(k) for k in keys(200)]
+    code = (
+        "from ext_proc.ring import HashRing\n"
+        f"names = {names!r}\n"
+        "print('\\n'.join(HashRing(names).lookup(b'session-%d' % i) for i in range(200)))\n"
+    )
+    # A new interpreter has a different hash() salt: the answers must not change.
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
+    assert out.stdout.split() == here
+
+
+def test_keys_spread_over_all_endpoints():
+    names = [f"10.0.0.{i}:8000" for i in range(4)]
+    ring = HashRing(names)
+    counts = dict.fromkeys(names, 0)
+    for key in keys(4000):
+        counts[ring.lookup(key)] += 1
+    assert min(counts.values()) > 4000 / 4 * 0.75
+
+
+def test_full_endpoint_is_skipped_for_the_next_clockwise():
+    names = [f"10.0.0.{i}:8000" for i in range(3)]
+    ring = HashRing(names)
+    key = b"session-7"
+    home = ring.lookup(key)
+    # home is at capacity: ceil(1.25 * (total + 1) / 3) with total = 9 -> 5; home holds 5.
+    loads = {n: (5 if n == home else 2) for n in names}
+    other = ring.lookup(key, loads=loads, load_factor=1.25)
+    assert other != home and other in names
+    # Below capacity again (total 7 -> capacity ceil(1.25 * 8 / 3) = 4): back home.
+    loads[home] = 3
+    assert ring.lookup(key, loads=loads, load_factor=1.25) == home

@@ -1,0 +1,302 @@
+"""The HTTP backend over real sockets: endpoints, headers, metrics, faults, disconnects."""
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim.config import BackendConfig
+from sim.metrics import LATENCY_BUCKETS_S
+from sim.server import start_backend
+
+CHAT = {"messages": [{"role": "user", "content": "Hello, GPU"}], "max_tokens": 16}
+
+
+@pytest.fixture
+async def backends():
+    """Factory: ``await backends(**cfg)`` -> base URL; everything is stopped afterwards."""
+    runners = []
+
+    async def start(**kwargs):
+        kwargs.setdefault("time_scale", 0.1)
+        cfg = BackendConfig(host="127.0.0.1", port=0, seed=1, **kwargs)
+        runner, port = await start_backend(cfg)
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def _state(http, base):
+    async with http.get(f"{base}/sim/state") as resp:
+        return await resp.json()
+
+
+async def _fault(http, base, **patch):
+    async with http.post(f"{base}/sim/fault", json=patch) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def _poll_state(http, base, cond, timeout=2.0):
+    async with asyncio.timeout(timeout):
+        while not cond(state := await _state(http, base)):
+            await asyncio.sleep(0.01)
+    return state
+
+
+async def test_chat_and_completion_responses_are_openai_shaped(backends, http):
+    base = await backends(version="v7", model_name="sim-13b")
+    port = base.rsplit(":", 1)[1]
+    async with http.post(f"{base}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-served-by"] == f"127.0.0.1:{port}"
+        assert resp.headers["x-backend-version"] == "v7"
+        body = await resp.json()
+    assert body["object"] == "chat.completion" and body["model"] == "sim-13b"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 16
+    async with http.post(f"{base}/v1/completions", json={"prompt": "abc"}) as resp:
+        body = await resp.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 128
+
+
+async def test_every_response_carries_identity_headers(backends, http):
+    base = await backends(version="v2")
+    calls = [
+        ("GET", "/health", None, 200),
+        ("GET", "/metrics", None, 200),
+        ("GET", "/sim/state", None, 200),
+        ("GET", "/no/such/path", None, 404),
+        ("GET", "/v1/completions", None, 405),
+        ("POST", "/v1/completions", b"not json", 400),
+        ("POST", "/v1/chat/completions", b"", 400),
+        ("POST", "/sim/fault", b'{"hang": 3}', 400),
+    ]
+    for method, path, data, status in calls:
+        async with http.request(method, f"{base}{path}", data=data) as resp:
+            assert resp.status == status, path
+            assert resp.headers["x-served-by"].startswith("127.0.0.1:"), path
+            assert resp.headers["x-backend-version"] == "v2", path
+
+
+async def test_bad_requests_get_400_naming_the_field(backends, http):
+    base = await backends()
+    for payload, field in [
+        (b"{oops", "body"),
+        (b'{"max_tokens": -3}', "max_tokens"),
+        (b'{"user": 1}', "user"),
+    ]:
+        async with http.post(f"{base}/v1/chat/completions", data=payload) as resp:
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert err["param"] == field and field in err["message"]
+    headers = {"x-sim-memory-mib": "huge"}
+    async with http.post(f"{base}/v1/completions", json={}, headers=headers) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "x-sim-memory-mib"
+    assert (await _state(http, base))["counters"]["bad_requests"] == 4
+
+
+async def test_oom_returns_500_at_once_and_is_counted(backends, http):
+    base = await backends(gpu_class="a10", time_scale=2.0)  # the first request runs 450 ms
+    big = asyncio.create_task(
+        http.post(f"{base}/v1/completions", json={}, headers={"x-sim-memory-mib": "8192"})
+    )
+    await _poll_state(http, base, lambda s: s["running"] == 1)
+    async with http.post(f"{base}/v1/completions", json={}, headers={"x-sim-memory-mib": "8192"}) as resp:
+        assert resp.status == 500
+        err = (await resp.json())["error"]
+    assert not big.done()  # refused at once, while the first one still holds the memory
+    assert err["type"] == "oom" and err["message"].startswith(
+        "CUDA out of memory. Tried to allocate 8192 MiB"
+    )
+    (await big).release()
+    async with http.get(f"{base}/metrics") as resp:
+        assert "inferlb_sim_oom_total 1.0" in await resp.text()
+
+
+async def test_returning_session_is_faster_than_new(backends, http):
+    base = await backends(time_scale=2.0)  # new: 180 ms, returning: 100 ms
+
+    async def timed(headers):
+        started = time.monotonic()
+        async with http.post(f"{base}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+        return time.monotonic() - started
+
+    new = await timed({"x-session-id": "conv-1"})
+    returning = await timed({"x-session-id": "conv-1"})
+    assert returning < new - 0.04
+    assert new >= 0.18 and returning >= 0.1
+    counters = (await _state(http, base))["counters"]
+    assert (counters["session_hits"], counters["session_misses"]) == (1, 1)
+
+
+async def _scrape(http, base):
+    async with http.get(f"{base}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return await resp.text()
+
+
+async def test_metrics_exposition_has_real_names_labels_and_buckets(backends, http):
+    base = await backends(gpu_class="h100")
+    async with http.post(f"{base}/v1/chat/completions", json=CHAT, headers={"x-user-id": "u"}) as resp:
+        assert resp.status == 200
+    text = await _scrape(http, base)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_success",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_FB_FREE",
+        "inferlb_sim_session_cache_hits",
+        "inferlb_sim_session_cache_misses",
+        "inferlb_sim_oom",
+    ):
+        assert name in families, name
+    assert "vllm:gpu_cache_usage_perc" not in text
+    for le in LATENCY_BUCKETS_S:
+        assert f'vllm:e2e_request_latency_seconds_bucket{{engine="0",le="{le}",model_name="sim-7b"}}' in text
+        assert f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}",model_name="sim-7b"}}' in text
+    assert 'vllm:e2e_request_latency_seconds_count{engine="0",model_name="sim-7b"} 1.0' in text
+    assert "vllm:e2e_request_latency_seconds_sum{" in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="sim-7b"} 1.0' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="sim-7b"} 16.0' in text
+    (used,) = families["DCGM_FI_DEV_FB_USED"].samples
+    assert used.labels["modelName"] == "NVIDIA H100 80GB HBM3"
+    assert used.labels["gpu"] == "0" and used.labels["UUID"].startswith("GPU-") and used.labels["Hostname"]
+    assert used.value == 14336.0
+    (util,) = families["DCGM_FI_DEV_GPU_UTIL"].samples
+    assert util.value == 0.0
+
+
+async def test_gauges_follow_load(backends, http):
+    base = await backends(max_concurrency=2, time_scale=2.0)
+    headers = {"x-sim-memory-mib": "6758.4"}  # 10 % of the KV memory each
+    tasks = [
+        asyncio.create_task(http.post(f"{base}/v1/completions", json={}, headers=headers)) for _ in range(3)
+    ]
+    await _poll_state(http, base, lambda s: s["running"] == 2 and s["waiting"] == 1)
+    text = await _scrape(http, base)
+    assert 'vllm:num_requests_running{engine="0",model_name="sim-7b"} 2.0' in text
+    assert 'vllm:num_requests_waiting{engine="0",model_name="sim-7b"} 1.0' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vllm:kv_cache_usage_perc"].samples[0].value == pytest.approx(0.3)
+    assert families["DCGM_FI_DEV_GPU_UTIL"].samples[0].value == 100.0
+    assert families["DCGM_FI_DEV_FB_FREE"].samples[0].value == pytest.approx(81920 - 14336 - 3 * 6758.4)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_legacy_flag_switches_kv_metric_name(backends, http):
+    base = await backends(legacy_metrics=True)
+    text = await _scrape(http, base)
+    assert 'vllm:gpu_cache_usage_perc{engine="0",model_name="sim-7b"} 0.0' in text
+    assert "vllm:kv_cache_usage_perc" not in text
+
+
+async def test_several_backends_in_one_process_have_separate_metrics(backends, http):
+    a, b = await backends(), await backends(gpu_class="a10")
+    async with http.post(f"{a}/v1/completions", json={}) as resp:
+        assert resp.status == 200
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="sim-7b"} 1.0' in (
+        await _scrape(http, a)
+    )
+    assert "vllm:request_success_total{" not in await _scrape(http, b)
+
+
+async def test_hang_fault_holds_requests_until_cleared(backends, http):
+    base = await backends()
+    assert (await _fault(http, base, hang=True))["faults"]["hang"] is True
+    task = asyncio.create_task(http.post(f"{base}/v1/chat/completions", json=CHAT))
+    await _poll_state(http, base, lambda s: s["hung"] == 1)
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    async with http.get(f"{base}/health") as resp:
+        assert resp.status == 200  # the process is alive; only inference hangs
+    await _fault(http, base, hang=False)
+    resp = await asyncio.wait_for(task, 1.0)
+    assert resp.status == 200
+    resp.release()
+
+
+async def test_metrics_fault_modes(backends, http):
+    base = await backends()
+    await _fault(http, base, metrics="error")
+    async with http.get(f"{base}/metrics") as resp:
+        assert resp.status == 503
+    await _fault(http, base, metrics="hang")
+    scrape = asyncio.create_task(http.get(f"{base}/metrics"))
+    await asyncio.sleep(0.15)
+    assert not scrape.done()
+    async with http.post(f"{base}/v1/completions", json={}) as resp:
+        assert resp.status == 200  # inference is unaffected
+    await _fault(http, base, metrics="ok")
+    resp = await asyncio.wait_for(scrape, 1.0)
+    assert resp.status == 200 and "vllm:num_requests_running" in await resp.text()
+    resp.release()
+
+
+async def test_slow_factor_and_long_tail_faults(backends, http):
+    base = await backends(time_scale=1.0)
+    state = await _fault(http, base, slow_factor=4.0, long_tail=0.25)
+    assert state["faults"] == {"hang": False, "metrics": "ok", "slow_factor": 4.0, "long_tail": 0.25}
+    await _fault(http, base, long_tail=0.0)
+    started = time.monotonic()
+    async with http.post(f"{base}/v1/completions", json={}, headers={"x-session-id": "s"}) as resp:
+        assert resp.status == 200
+    assert time.monotonic() - started >= 4.0 * 0.09  # (50 + 40) ms x 4
+    await _fault(http, base, reset=True)
+    assert (await _state(http, base))["faults"]["slow_factor"] == 1.0
+
+
+async def test_client_disconnect_releases_memory_and_slot(backends, http):
+    base = await backends()
+    await _fault(http, base, slow_factor=400.0)  # 3.6 s: far longer than the test waits
+    headers = {"x-sim-memory-mib": "18432"}
+    request = asyncio.create_task(http.post(f"{base}/v1/completions", json={}, headers=headers))
+    state = await _poll_state(http, base, lambda s: s["running"] == 1)
+    assert state["memory"]["held_mib"] == 18432
+    request.cancel()  # closes the client connection mid-request
+    await asyncio.gather(request, return_exceptions=True)
+    state = await _poll_state(http, base, lambda s: s["running"] == 0)
+    assert state["memory"]["held_mib"] == 0 and state["counters"]["cancelled"] == 1
+    await _fault(http, base, reset=True)
+    async with http.post(f"{base}/v1/completions", json={}, headers=headers) as resp:
+        assert resp.status == 200  # the backend still serves, with the memory free again
+
+
+async def test_shutdown_does_not_wait_for_hung_requests(http):
+    runner, port = await start_backend(BackendConfig(port=0, time_scale=0.1))
+    base = f"http://127.0.0.1:{port}"
+    await _fault(http, base, hang=True, metrics="hang")
+    pending = [
+        asyncio.create_task(http.post(f"{base}/v1/completions", json={})),
+        asyncio.create_task(http.get(f"{base}/metrics")),
+    ]
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    await runner.cleanup()
+    assert time.monotonic() - started < 1.0
+    await asyncio.gather(*pending, return_exceptions=True)

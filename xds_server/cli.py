@@ -1,0 +1,108 @@
+"""The ``inferlb`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+
+import click
+from sim.cli import sim_backend
+
+from .config import ConfigError, load_config
+
+DEFAULT_ADMIN = "http://127.0.0.1:18090"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _load(path: str):
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        click.echo(f"invalid config:\n{err}", err=True)
+        sys.exit(2)
+
+
+@click.group()
+def main() -> None:
+    """inferlb: an inference-aware control plane for Envoy (xDS weights + ext_proc picker)."""
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
+def validate(config_path: str) -> None:
+    """Check a config file; print each problem with its field and line."""
+    cfg = _load(config_path)
+    n = sum(len(v.endpoints) for s in cfg.services for v in s.versions)
+    click.echo(f"{config_path}: OK ({len(cfg.services)} services, {n} endpoints)")
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(config_path: str, log_level: str) -> None:
+    """Run the xDS server, the ext_proc picker and the admin API."""
+    from .serve import serve as run
+
+    cfg = _load(config_path)
+    _setup_logging(log_level)
+    asyncio.run(run(cfg))
+
+
+@main.command()
+@click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
+@click.option("--node-id", required=True, help="Envoy node.id (the control plane keys its state by it).")
+@click.option("--node-cluster", default="inferlb", show_default=True, help="Envoy node.cluster.")
+@click.option("--listener-port", default=10000, show_default=True, type=int)
+@click.option("--admin-port", default=9901, show_default=True, type=int)
+def bootstrap(config_path: str, node_id: str, node_cluster: str, listener_port: int, admin_port: int) -> None:
+    """Print the Envoy bootstrap YAML for CONFIG."""
+    from .bootstrap import render_bootstrap
+
+    cfg = _load(config_path)
+    click.echo(render_bootstrap(cfg, node_id=node_id, node_cluster=node_cluster,
+                                listener_port=listener_port, admin_port=admin_port))
+
+
+@main.command()
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
+def weights(admin: str, as_json: bool) -> None:
+    """Show the current weights, health and reasons."""
+    from .table import weights_table
+
+    try:
+        with urllib.request.urlopen(f"{admin.rstrip('/')}/api/v1/weights", timeout=5) as r:
+            doc = json.load(r)
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        click.echo(f"cannot read {admin}/api/v1/weights: {err}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(doc, indent=2) if as_json else weights_table(doc))
+
+
+@main.command()
+@click.option("--duration", default=60.0, show_default=True, type=float, help="Seconds of traffic.")
+@click.option("--json", "json_path", type=click.Path(), help="Write the run summary here.")
+@click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
+@click.option("--concurrency", default=8, show_default=True, type=int, help="Concurrent client requests.")
+@click.option("--quiet", is_flag=True, help="No live table.")
+def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool) -> None:
+    """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
+    from .demo import run_demo
+
+    _setup_logging("warning")
+    sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
+                      live=not quiet))
+
+
+main.add_command(sim_backend, "sim-backend")
+
+if __name__ == "__main__":
+    main()

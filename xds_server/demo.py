@@ -1,0 +1,184 @@
+"""``inferlb demo``: the main job on embedded defaults, every part a real process on this machine.
+
+Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus scraping every
+second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
+traffic with session and version headers, shows the live weights, and writes a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from . import stack
+from .bootstrap import render_bootstrap
+from .config import load_config
+from .envoy_admin import envoy_hosts
+from .loadgen import Traffic, drive, make_sessions
+from .table import weights_table
+
+ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT = 10000, 9901, 9090
+XDS_PORT, EXT_PROC_PORT, ADMIN_PORT = 18000, 18080, 18090
+#: (version, GPU class) of each simulated backend.
+BACKENDS = (("v1", "a100"), ("v1", "a100"), ("v1", "a10"), ("v2", "a100"), ("v2", "a10"))
+
+
+def demo_config(backends: list[tuple[str, str, int]]) -> dict:
+    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``."""
+    versions: dict[str, list[dict]] = {}
+    for version, gpu, port in backends:
+        versions.setdefault(version, []).append(
+            {"address": f"127.0.0.1:{port}", "gpu_class": gpu, "max_concurrency": 8})
+    return {
+        "listen": {"xds": f"127.0.0.1:{XDS_PORT}", "ext_proc": f"127.0.0.1:{EXT_PROC_PORT}",
+                   "admin": f"127.0.0.1:{ADMIN_PORT}"},
+        "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10, "interval_s": 1,
+                       "timeout_s": 1},
+        "engine": {"stale_after_s": 15},
+        "services": [{
+            "name": "chat",
+            "default_version": "v1",
+            "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()],
+        }],
+    }
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def _check_ports(ports: list[int]) -> None:
+    import socket
+
+    for p in ports:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", p)) == 0:
+                raise stack.StackError(f"port {p} on 127.0.0.1 is already in use; stop what holds it")
+
+
+def _compare_weights(cp_doc: dict, envoy: dict) -> dict:
+    out: dict[str, dict[str, dict]] = {}
+    for c in cp_doc["clusters"]:
+        out[c["name"]] = {
+            e["address"]: {"control_plane": e["weight"],
+                           "envoy": envoy.get(c["name"], {}).get(e["address"], {}).get("weight")}
+            for e in c["endpoints"]
+        }
+    return out
+
+
+def _settled_weights(admin: str, envoy_admin: str, tries: int = 30) -> dict:
+    """Control-plane and Envoy weights read at one moment, retried until they agree (or tries run out)."""
+    weights: dict = {}
+    for _ in range(tries):
+        weights = _compare_weights(_get_json(f"{admin}/api/v1/weights"), envoy_hosts(envoy_admin))
+        if all(v["control_plane"] == v["envoy"] for c in weights.values() for v in c.values()):
+            break
+        time.sleep(0.2)
+    return weights
+
+
+async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
+    tty = sys.stdout.isatty()
+    while not stop.is_set():
+        try:
+            doc = await asyncio.to_thread(_get_json, f"{admin}/api/v1/weights")
+            table = weights_table(doc)
+        except OSError as err:
+            table = f"(admin API not answering: {err})"
+        n = len(traffic.results)
+        errors = sum(1 for r in traffic.results if not 200 <= r.status < 300)
+        head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  requests={n}  errors={errors}"
+        print(("\x1b[H\x1b[2J" if tty else "\n") + head + "\n" + table, flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), 2.0)
+        except TimeoutError:
+            pass
+
+
+async def _traffic(duration: float, concurrency: int, admin: str, live: bool) -> Traffic:
+    sessions = make_sessions(48, ["v1", "v2", None], unsessioned_share=0.25, seed=7)
+    traffic = Traffic()
+    stop = asyncio.Event()
+    started = time.monotonic()
+    shower = asyncio.create_task(_live(admin, stop, traffic, started)) if live else None
+    try:
+        await drive(f"http://127.0.0.1:{ENVOY_LISTENER}/v1/chat/completions", sessions,
+                    duration_s=duration, concurrency=concurrency, traffic=traffic)
+    finally:
+        stop.set()
+        if shower:
+            await shower
+    return traffic
+
+
+def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
+             live: bool) -> int:
+    """Run the demo; returns the process exit code (0 = ran and wrote its summary)."""
+    if stack.prometheus_binary() is None:
+        print(f"inferlb demo: {stack.PROMETHEUS_INSTALL_HINT}", file=sys.stderr)
+        return 2
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    procs: list[stack.Proc] = []
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        _check_ports([ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT])
+        print(f"inferlb demo: work dir {work}", flush=True)
+        backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
+        for version, gpu, port in backends:
+            procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
+        procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
+                                            PROMETHEUS_PORT, scrape_interval_s=1.0))
+        cfg_path = work / "inferlb.yaml"
+        cfg_path.write_text(yaml.safe_dump(demo_config(backends), sort_keys=False))
+        cfg = load_config(cfg_path)
+        cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
+        procs.append(cp)
+        admin = f"http://127.0.0.1:{ADMIN_PORT}"
+        stack.wait_http(f"{admin}/readyz", cp)
+        envoy_admin = f"http://127.0.0.1:{ENVOY_ADMIN}"
+        procs.append(stack.start_envoy(
+            render_bootstrap(cfg, node_id="inferlb-demo", listener_port=ENVOY_LISTENER,
+                             admin_port=ENVOY_ADMIN), work, ENVOY_ADMIN))
+        stack.wait_http(f"{envoy_admin}/ready", procs[-1])
+        print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
+              f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
+        traffic = asyncio.run(_traffic(duration, concurrency, admin, live))
+        summary = {
+            "duration_s": duration,
+            "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
+            "envoy_version": stack.envoy_version(),
+            **traffic.summary(default_version=cfg.services[0].default),
+            "weights": _settled_weights(admin, envoy_admin),
+            "workdir": str(work),
+        }
+        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
+        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms")}, indent=1))
+        if json_path:
+            Path(json_path).write_text(json.dumps(summary, indent=2))
+            print(f"inferlb demo: summary written to {json_path}")
+        return 0
+    except stack.StackError as err:
+        print(f"inferlb demo: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("inferlb demo: interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,180 @@
+"""Config + engine weights -> one immutable, versioned set of xDS resources (pure).
+
+Each resource carries its own version (a digest of its deterministic serialisation), so the ADS
+server can tell exactly which clusters changed and re-send only those. Type versions are digests
+of the ``(name, version)`` pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, extension_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from .config import Config, ServiceConfig, cluster_name, split_hostport
+from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+#: Push order: clusters before their endpoints (make-before-break).
+TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE)
+
+_HEALTH = {
+    HEALTHY: health_check_pb2.HEALTHY,
+    UNHEALTHY: health_check_pb2.UNHEALTHY,
+    DRAINING: health_check_pb2.DRAINING,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """One xDS resource: ``version`` is a 16-hex digest of ``packed`` (the Any-wrapped message)."""
+
+    name: str
+    version: str
+    packed: any_pb2.Any
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the control plane serves at one moment.
+
+    ``resources``: ``{type_url: {name: Resource}}``; ``versions``: ``{type_url: type version}``;
+    ``version``: digest over all types.
+    """
+
+    resources: Mapping[str, Mapping[str, Resource]]
+    versions: Mapping[str, str]
+    version: str
+
+    def of(self, type_url: str) -> Mapping[str, Resource]:
+        """The resources of one type (empty mapping for a type we don't serve)."""
+        return self.resources.get(type_url, MappingProxyType({}))
+
+    def assignments(self) -> dict[str, endpoint_pb2.ClusterLoadAssignment]:
+        """Every ClusterLoadAssignment, by cluster name (what the picker's endpoint view is built from)."""
+        out = {}
+        for name, res in self.of(ENDPOINT_TYPE).items():
+            cla = endpoint_pb2.ClusterLoadAssignment()
+            res.packed.Unpack(cla)
+            out[name] = cla
+        return out
+
+
+def _digest(parts: Iterable[bytes]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _resource(name: str, msg: Message) -> Resource:
+    packed = any_pb2.Any()
+    packed.Pack(msg)
+    return Resource(name, _digest([msg.SerializeToString(deterministic=True)]), packed)
+
+
+def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
+    cfg = any_pb2.Any()
+    cfg.Pack(msg)
+    return cluster_pb2.LoadBalancingPolicy.Policy(
+        typed_extension_config=extension_pb2.TypedExtensionConfig(name=name, typed_config=cfg)
+    )
+
+
+def build_cluster(name: str, service: ServiceConfig, override_host_header: str) -> cluster_pb2.Cluster:
+    """An EDS cluster over ADS whose LB policy is ``envoy.load_balancing_policies.override_host``.
+
+    The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
+    cluster) go to the fallback policy, which honours EDS ``load_balancing_weight`` (see
+    shared/ENVOY-NOTES.md: override_host ignores health, so the picker pins only healthy hosts).
+    """
+    fallback = (
+        _policy("envoy.load_balancing_policies.least_request", least_request_pb2.LeastRequest())
+        if service.lb_policy == "least_request"
+        else _policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())
+    )
+    override = override_host_pb2.OverrideHost(
+        override_host_sources=[override_host_pb2.OverrideHost.OverrideHostSource(header=override_host_header)],
+        fallback_policy=cluster_pb2.LoadBalancingPolicy(policies=[fallback]),
+    )
+    timeout = duration_pb2.Duration()
+    timeout.FromNanoseconds(int(service.connect_timeout_s * 1e9))
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        connect_timeout=timeout,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
+            eds_config=config_source_pb2.ConfigSource(
+                ads=config_source_pb2.AggregatedConfigSource(),
+                resource_api_version=config_source_pb2.V3,
+            )
+        ),
+        load_balancing_policy=cluster_pb2.LoadBalancingPolicy(
+            policies=[_policy("envoy.load_balancing_policies.override_host", override)]
+        ),
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
+            healthy_panic_threshold=percent_pb2.Percent(value=service.panic_threshold_percent)
+        ),
+    )
+
+
+def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoint_pb2.ClusterLoadAssignment:
+    """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
+
+    Raises:
+        ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
+    """
+    lb = []
+    for w in weights:
+        if w.weight < 1:
+            raise ValueError(f"{cluster}/{w.address}: load_balancing_weight must be >= 1, got {w.weight}")
+        host, port = split_hostport(w.address)
+        lb.append(
+            endpoint_components_pb2.LbEndpoint(
+                endpoint=endpoint_components_pb2.Endpoint(
+                    address=address_pb2.Address(
+                        socket_address=address_pb2.SocketAddress(address=host, port_value=port)
+                    )
+                ),
+                health_status=_HEALTH[w.health],
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=w.weight),
+            )
+        )
+    localities = [endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb)] if lb else []
+    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster, endpoints=localities)
+
+
+def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight]) -> Snapshot:
+    """All CDS and EDS resources for ``cfg`` with the engine's ``weights`` (pure)."""
+    by_cluster: dict[str, list[EndpointWeight]] = {}
+    for w in weights:
+        by_cluster.setdefault(w.cluster, []).append(w)
+    clusters: dict[str, Resource] = {}
+    assignments: dict[str, Resource] = {}
+    for service in cfg.services:
+        for version in service.versions:
+            name = cluster_name(service.name, version.name)
+            clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host))
+            assignments[name] = _resource(name, build_assignment(name, by_cluster.get(name, ())))
+    resources = {CLUSTER_TYPE: MappingProxyType(clusters), ENDPOINT_TYPE: MappingProxyType(assignments)}
+    versions = {
+        t: _digest(f"{n}={r.version}".encode() for n, r in sorted(rs.items())) for t, rs in resources.items()
+    }
+    return Snapshot(
+        MappingProxyType(resources),
+        MappingProxyType(versions),
+        _digest(v.encode() for _, v in sorted(versions.items())),
+    )
