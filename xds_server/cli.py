@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import click
+
 from sim.cli import sim_backend
 
 from .config import ConfigError, load_config

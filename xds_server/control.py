@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from types import MappingProxyType
 
-from ext_proc.view import RoutingTable, ServiceRoute
 from prometheus_client import Counter, Gauge
+
+from ext_proc.view import RoutingTable, ServiceRoute
 
 from .ads.server import SnapshotCache
 from .config import Config, cluster_name

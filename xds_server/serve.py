@@ -8,6 +8,7 @@ import logging
 import signal
 
 from aiohttp import web
+
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 

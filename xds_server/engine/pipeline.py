@@ -58,7 +58,7 @@ def compute_weights(
     for spec in specs:
         by_cluster[spec.cluster].append(spec)
     out: dict[tuple[str, str], EndpointWeight] = {}
-    for cluster, members in by_cluster.items():
+    for members in by_cluster.values():
         for ew in _cluster_weights(members, stats, prev, params):
             out[(ew.cluster, ew.address)] = ew
     ordered = [out[(s.cluster, s.address)] for s in specs]
