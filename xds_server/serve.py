@@ -7,13 +7,13 @@ import contextlib
 import logging
 import signal
 
+import grpc
 from aiohttp import web
-
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
-from .ads.server import SnapshotCache, start_ads_server
+from .ads.server import AdsServicer, SnapshotCache, start_ads_server
 from .config import Config, split_hostport
 from .control import ControlPlane, routing_table
 from .metrics.prometheus import PrometheusSource
@@ -21,35 +21,64 @@ from .metrics.prometheus import PrometheusSource
 log = logging.getLogger(__name__)
 
 
+class InferLB:
+    """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
+
+    After :meth:`start`, ``xds_port``, ``ext_proc_port`` and ``admin_port`` hold the bound ports
+    (the config may ask for port 0).
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
+        self.cache = SnapshotCache()
+        self.view = ViewHolder()
+        routing = routing_table(cfg)
+        self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
+                                    [lambda snap: self.view.update(snap.assignments(), routing)])
+        self.ads: AdsServicer | None = None
+        self.ads_server: grpc.aio.Server | None = None
+        self.ext_server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.xds_port = self.ext_proc_port = self.admin_port = 0
+
+    async def start(self) -> None:
+        """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
+        self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
+        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.view, self.cfg.listen.ext_proc)
+        self._runner = web.AppRunner(make_admin_app(self.control, self.ads), access_log=None)
+        await self._runner.setup()
+        host, port = split_hostport(self.cfg.listen.admin)
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.admin_port = self._runner.addresses[0][1]
+        self._loop_task = asyncio.create_task(self.control.run())
+        log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
+                 self.admin_port)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
+        if self._loop_task:
+            self._loop_task.cancel()
+        for server in (self.ads_server, self.ext_server):
+            if server is not None:
+                await server.stop(grace=grace_s)
+        if self._runner:
+            await self._runner.cleanup()
+
+
 async def serve(cfg: Config, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or SIGINT/SIGTERM): ADS, ext_proc and admin servers plus the weight loop."""
+    """Run until ``stop`` is set or SIGINT/SIGTERM arrives."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-
-    source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
-    cache = SnapshotCache()
-    view = ViewHolder()
-    routing = routing_table(cfg)
-    cp = ControlPlane(cfg, source.fetch, source.name, cache,
-                      [lambda snap: view.update(snap.assignments(), routing)])
-    ads_server, ads, xds_port = await start_ads_server(cache, cfg.listen.xds)
-    ext_server, ext_port = await start_ext_proc_server(view, cfg.listen.ext_proc)
-    runner = web.AppRunner(make_admin_app(cp, ads), access_log=None)
-    await runner.setup()
-    host, port = split_hostport(cfg.listen.admin)
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("inferlb serving: xDS %s, ext_proc %s, admin %s", cfg.listen.xds, cfg.listen.ext_proc,
-             cfg.listen.admin)
-    loop_task = asyncio.create_task(cp.run())
+    app = InferLB(cfg)
+    await app.start()
     try:
         await stop.wait()
     finally:
         log.info("shutting down")
-        loop_task.cancel()
-        await ads_server.stop(grace=1.0)
-        await ext_server.stop(grace=1.0)
-        await runner.cleanup()
+        await app.stop()

@@ -157,19 +157,9 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoin
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster, endpoints=localities)
 
 
-def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight]) -> Snapshot:
-    """All CDS and EDS resources for ``cfg`` with the engine's ``weights`` (pure)."""
-    by_cluster: dict[str, list[EndpointWeight]] = {}
-    for w in weights:
-        by_cluster.setdefault(w.cluster, []).append(w)
-    clusters: dict[str, Resource] = {}
-    assignments: dict[str, Resource] = {}
-    for service in cfg.services:
-        for version in service.versions:
-            name = cluster_name(service.name, version.name)
-            clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host))
-            assignments[name] = _resource(name, build_assignment(name, by_cluster.get(name, ())))
-    resources = {CLUSTER_TYPE: MappingProxyType(clusters), ENDPOINT_TYPE: MappingProxyType(assignments)}
+def make_snapshot(messages: Mapping[str, Mapping[str, Message]]) -> Snapshot:
+    """A :class:`Snapshot` from ``{type_url: {name: message}}`` (versions computed here)."""
+    resources = {t: MappingProxyType({n: _resource(n, m) for n, m in ms.items()}) for t, ms in messages.items()}
     versions = {
         t: _digest(f"{n}={r.version}".encode() for n, r in sorted(rs.items())) for t, rs in resources.items()
     }
@@ -178,3 +168,18 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight]) -> Snapshot:
         MappingProxyType(versions),
         _digest(v.encode() for _, v in sorted(versions.items())),
     )
+
+
+def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight]) -> Snapshot:
+    """All CDS and EDS resources for ``cfg`` with the engine's ``weights`` (pure)."""
+    by_cluster: dict[str, list[EndpointWeight]] = {}
+    for w in weights:
+        by_cluster.setdefault(w.cluster, []).append(w)
+    clusters: dict[str, Message] = {}
+    assignments: dict[str, Message] = {}
+    for service in cfg.services:
+        for version in service.versions:
+            name = cluster_name(service.name, version.name)
+            clusters[name] = build_cluster(name, service, cfg.headers.override_host)
+            assignments[name] = build_assignment(name, by_cluster.get(name, ()))
+    return make_snapshot({CLUSTER_TYPE: clusters, ENDPOINT_TYPE: assignments})

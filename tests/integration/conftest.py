@@ -1,0 +1,162 @@
+"""Real stacks for integration tests: simulated backends, real Prometheus, inferlb, real Envoy.
+
+inferlb runs in a thread of the test process (its own event loop), so tests can reach its parts
+(stop the picker, publish a snapshot); everything else is a plain child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from xds_server import stack
+from xds_server.bootstrap import render_bootstrap
+from xds_server.config import Config, load_config
+from xds_server.serve import InferLB
+
+
+def wait_until(check: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:
+    """Call ``check`` until it returns a truthy value; return it. Fails the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}; last value: {last!r}")
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``run(coro)`` runs a coroutine there and returns its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@dataclass
+class Backend:
+    version: str
+    gpu_class: str
+    port: int
+    proc: stack.Proc
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def fault(self, **faults) -> None:
+        requests.post(f"http://{self.address}/sim/fault", json=faults, timeout=5).raise_for_status()
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    cfg: Config
+    app: InferLB
+    loop: LoopThread
+    backends: list[Backend]
+    envoy: stack.Proc
+    envoy_admin: str
+    listener: str
+    procs: list[stack.Proc] = field(default_factory=list)
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.app.admin_port}"
+
+    def weights(self) -> dict[str, dict[str, dict]]:
+        """``{cluster: {address: endpoint document}}`` from the control plane's admin API."""
+        doc = requests.get(f"{self.admin}/api/v1/weights", timeout=5).json()
+        return {c["name"]: {e["address"]: e for e in c["endpoints"]} for c in doc["clusters"]}
+
+    def send(self, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions",
+             timeout: float = 10.0) -> requests.Response:
+        return requests.post(f"{self.listener}{path}", json={"max_tokens": 16, "messages": []},
+                             headers=headers or {}, timeout=timeout)
+
+
+def backend_config(backends: list[Backend], prometheus_url: str, **engine) -> dict:
+    versions: dict[str, list[dict]] = {}
+    for b in backends:
+        versions.setdefault(b.version, []).append({"address": b.address, "gpu_class": b.gpu_class})
+    return {
+        "listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+        "prometheus": {"url": prometheus_url, "window_s": 5, "interval_s": 0.5, "timeout_s": 1},
+        "engine": {"stale_after_s": 6, "hysteresis": 0.05, **engine},
+        "services": [{"name": "chat", "default_version": "v1",
+                      "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}],
+    }
+
+
+def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None) -> Stack:
+    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy."""
+    procs: list[stack.Proc] = []
+    loop = LoopThread()
+    try:
+        backends = []
+        for version, gpu in layout:
+            port = stack.free_port()
+            proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version,
+                                   extra=["--time-scale", "0.2", *(sim_args or [])])
+            procs.append(proc)
+            backends.append(Backend(version, gpu, port, proc))
+        prom_port = stack.free_port()
+        procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
+        cfg_path = workdir / "inferlb.yaml"
+        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}")))
+        cfg = load_config(cfg_path)
+        app = InferLB(cfg)
+        loop.run(app.start())
+        wait_until(lambda: app.control.ready.is_set(), 10, what="first snapshot")
+        listener_port, admin_port = stack.free_port(), stack.free_port()
+        envoy = stack.start_envoy(
+            render_bootstrap(cfg, node_id="test-envoy", listener_port=listener_port, admin_port=admin_port,
+                             xds_port=app.xds_port, ext_proc_port=app.ext_proc_port), workdir, admin_port)
+        procs.append(envoy)
+        envoy_admin = f"http://127.0.0.1:{admin_port}"
+        stack.wait_http(f"{envoy_admin}/ready", envoy, timeout=20)
+        return Stack(workdir, cfg, app, loop, backends, envoy, envoy_admin,
+                     f"http://127.0.0.1:{listener_port}", procs)
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        loop.close()
+        raise
+
+
+def stop_stack(s: Stack) -> None:
+    s.envoy.stop()
+    try:
+        s.loop.run(s.app.stop(grace_s=0.2))
+    finally:
+        s.loop.close()
+        for p in reversed(s.procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def live_stack(tmp_path_factory) -> Iterator[Stack]:
+    """v1: two A100-class and one A10-class backend; v2: one A100-class backend."""
+    s = start_stack(tmp_path_factory.mktemp("stack"), [("v1", "a100"), ("v1", "a100"), ("v1", "a10"),
+                                                        ("v2", "a100")])
+    yield s
+    stop_stack(s)
