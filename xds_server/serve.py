@@ -9,6 +9,7 @@ import signal
 
 import grpc
 from aiohttp import web
+
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 
