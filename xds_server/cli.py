@@ -61,15 +61,14 @@ def serve(config_path: str, log_level: str) -> None:
 @click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
 @click.option("--node-id", required=True, help="Envoy node.id (the control plane keys its state by it).")
 @click.option("--node-cluster", default="inferlb", show_default=True, help="Envoy node.cluster.")
-@click.option("--listener-port", default=10000, show_default=True, type=int)
-@click.option("--admin-port", default=9901, show_default=True, type=int)
-def bootstrap(config_path: str, node_id: str, node_cluster: str, listener_port: int, admin_port: int) -> None:
-    """Print the Envoy bootstrap YAML for CONFIG."""
+@click.option("--admin-port", default=9901, show_default=True, type=int, help="Envoy's admin port (127.0.0.1).")
+def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int) -> None:
+    """Print the Envoy bootstrap YAML for CONFIG (everything else comes over xDS)."""
     from .bootstrap import render_bootstrap
 
     cfg = _load(config_path)
-    click.echo(render_bootstrap(cfg, node_id=node_id, node_cluster=node_cluster,
-                                listener_port=listener_port, admin_port=admin_port))
+    click.echo(render_bootstrap(xds_address=cfg.listen.xds, node_id=node_id, node_cluster=node_cluster,
+                                admin_port=admin_port))
 
 
 @main.command()

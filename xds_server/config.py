@@ -65,6 +65,29 @@ class Listen(_Strict):
     _hp = field_validator("xds", "ext_proc", "admin")(_check_hostport)
 
 
+class EnvoySide(_Strict):
+    """What the control plane configures inside Envoy (sent over LDS/RDS/CDS).
+
+    ``listener``: the address Envoy's inference listener binds (``HOST:PORT``).
+    ``ext_proc_timeout_s``: how long Envoy waits for the picker per request before failing open (s).
+    ``failure_mode_allow``: true = a dead or slow picker degrades to weighted load balancing; false = 5xx.
+    ``route_timeout_s``: upstream request timeout (s).
+    ``ext_proc_address``: where Envoy dials the picker (``HOST:PORT``); default: ``listen.ext_proc``
+    with a wildcard host read as 127.0.0.1. Set it when Envoy runs on another host.
+    """
+
+    listener: str = "127.0.0.1:10000"
+    ext_proc_address: str | None = None
+    ext_proc_timeout_s: float = Field(0.25, gt=0, le=60)
+    failure_mode_allow: bool = True
+    route_timeout_s: float = Field(120.0, gt=0)
+
+    @field_validator("listener", "ext_proc_address")
+    @classmethod
+    def _hp(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hostport(v)
+
+
 class PrometheusSource(_Strict):
     """Where the sliding-window statistics come from.
 
@@ -203,6 +226,7 @@ class Config(_Strict):
     """The whole inferlb config (one YAML file)."""
 
     listen: Listen = Listen()
+    envoy: EnvoySide = EnvoySide()
     prometheus: PrometheusSource = PrometheusSource()
     headers: Headers = Headers()
     engine: Engine = Engine()

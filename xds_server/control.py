@@ -86,12 +86,15 @@ def routing_table(cfg: Config) -> RoutingTable:
 class ControlPlane:
     """Runs weight rounds and publishes each new snapshot to ``cache`` and to ``on_snapshot`` hooks.
 
-    ``fetch``: blocking ``(instances) -> {instance: EndpointStats}`` raising MetricsUnavailable.
+    ``fetch``: blocking ``(instances) -> {instance: EndpointStats}`` raising MetricsUnavailable;
+    ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
     """
 
     def __init__(self, cfg: Config, fetch: Callable[[list[str]], dict[str, EndpointStats]], source_name: str,
-                 cache: SnapshotCache, on_snapshot: list[Callable[[Snapshot], None]]) -> None:
+                 cache: SnapshotCache, on_snapshot: list[Callable[[Snapshot], None]],
+                 ext_proc_address: Callable[[], str]) -> None:
         self.cfg = cfg
+        self._ext_proc_address = ext_proc_address
         self._fetch = fetch
         self.source_name = source_name
         self.cache = cache
@@ -125,7 +128,7 @@ class ControlPlane:
         weights, self._state = compute_weights(self._specs, stats, self._state, self._params)
         self._log_changes(weights)
         self.weights = weights
-        await self._publish(build_snapshot(self.cfg, weights))
+        await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()))
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}

@@ -40,6 +40,7 @@ def demo_config(backends: list[tuple[str, str, int]]) -> dict:
     return {
         "listen": {"xds": f"127.0.0.1:{XDS_PORT}", "ext_proc": f"127.0.0.1:{EXT_PROC_PORT}",
                    "admin": f"127.0.0.1:{ADMIN_PORT}"},
+        "envoy": {"listener": f"127.0.0.1:{ENVOY_LISTENER}"},
         "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10, "interval_s": 1,
                        "timeout_s": 1},
         "engine": {"stale_after_s": 15},
@@ -152,8 +153,8 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         stack.wait_http(f"{admin}/readyz", cp)
         envoy_admin = f"http://127.0.0.1:{ENVOY_ADMIN}"
         procs.append(stack.start_envoy(
-            render_bootstrap(cfg, node_id="inferlb-demo", listener_port=ENVOY_LISTENER,
-                             admin_port=ENVOY_ADMIN), work, ENVOY_ADMIN))
+            render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN),
+            work, ENVOY_ADMIN))
         stack.wait_http(f"{envoy_admin}/ready", procs[-1])
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
               f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)

@@ -24,11 +24,22 @@ from google.protobuf.message import Message
 
 from .config import Config, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+from .listener import (
+    EXT_PROC_CLUSTER,
+    LISTENER_NAME,
+    ROUTE_NAME,
+    build_ext_proc_cluster,
+    build_listener,
+    build_route_config,
+)
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-#: Push order: clusters before their endpoints (make-before-break).
-TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE)
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+#: Push order (xDS protocol doc, "eventual consistency considerations"): clusters, then their
+#: endpoints, then listeners, then routes, so nothing points at a resource Envoy doesn't have yet.
+TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 
 _HEALTH = {
     HEALTHY: health_check_pb2.HEALTHY,
@@ -170,16 +181,24 @@ def make_snapshot(messages: Mapping[str, Mapping[str, Message]]) -> Snapshot:
     )
 
 
-def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight]) -> Snapshot:
-    """All CDS and EDS resources for ``cfg`` with the engine's ``weights`` (pure)."""
+def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str) -> Snapshot:
+    """All CDS, EDS, LDS and RDS resources for ``cfg`` with the engine's ``weights`` (pure).
+
+    ``ext_proc_address``: where Envoy reaches the picker (``HOST:PORT``, the bound address).
+    """
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    clusters: dict[str, Message] = {}
+    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address)}
     assignments: dict[str, Message] = {}
     for service in cfg.services:
         for version in service.versions:
             name = cluster_name(service.name, version.name)
             clusters[name] = build_cluster(name, service, cfg.headers.override_host)
             assignments[name] = build_assignment(name, by_cluster.get(name, ()))
-    return make_snapshot({CLUSTER_TYPE: clusters, ENDPOINT_TYPE: assignments})
+    return make_snapshot({
+        CLUSTER_TYPE: clusters,
+        ENDPOINT_TYPE: assignments,
+        LISTENER_TYPE: {LISTENER_NAME: build_listener(cfg)},
+        ROUTE_TYPE: {ROUTE_NAME: build_route_config(cfg)},
+    })

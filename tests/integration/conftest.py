@@ -94,12 +94,13 @@ class Stack:
                              headers=headers or {}, timeout=timeout)
 
 
-def backend_config(backends: list[Backend], prometheus_url: str, **engine) -> dict:
+def backend_config(backends: list[Backend], prometheus_url: str, listener_port: int, **engine) -> dict:
     versions: dict[str, list[dict]] = {}
     for b in backends:
         versions.setdefault(b.version, []).append({"address": b.address, "gpu_class": b.gpu_class})
     return {
         "listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+        "envoy": {"listener": f"127.0.0.1:{listener_port}"},
         "prometheus": {"url": prometheus_url, "window_s": 5, "interval_s": 0.5, "timeout_s": 1},
         "engine": {"stale_after_s": 6, "hysteresis": 0.05, **engine},
         "services": [{"name": "chat", "default_version": "v1",
@@ -121,16 +122,15 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
             backends.append(Backend(version, gpu, port, proc))
         prom_port = stack.free_port()
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
+        listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}")))
+        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)))
         cfg = load_config(cfg_path)
         app = InferLB(cfg)
         loop.run(app.start())
         wait_until(lambda: app.control.ready.is_set(), 10, what="first snapshot")
-        listener_port, admin_port = stack.free_port(), stack.free_port()
-        envoy = stack.start_envoy(
-            render_bootstrap(cfg, node_id="test-envoy", listener_port=listener_port, admin_port=admin_port,
-                             xds_port=app.xds_port, ext_proc_port=app.ext_proc_port), workdir, admin_port)
+        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="test-envoy",
+                                                   admin_port=admin_port), workdir, admin_port)
         procs.append(envoy)
         envoy_admin = f"http://127.0.0.1:{admin_port}"
         stack.wait_http(f"{envoy_admin}/ready", envoy, timeout=20)

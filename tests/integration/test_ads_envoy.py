@@ -24,11 +24,20 @@ from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EngineParams, EngineState
 from xds_server.envoy_admin import envoy_hosts, envoy_stat
 from xds_server.metrics.stats import EndpointStats
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_snapshot, make_snapshot
+from xds_server.snapshot import CLUSTER_TYPE, TYPE_ORDER, Snapshot, build_snapshot, make_snapshot
 
 from .conftest import LoopThread, wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def unpack(res):
+    """A snapshot Resource back to its message."""
+    from google.protobuf import symbol_database
+
+    msg = symbol_database.Default().GetSymbol(res.packed.TypeName())()
+    res.packed.Unpack(msg)
+    return msg
 
 
 @dataclass
@@ -53,22 +62,29 @@ class Harness:
         return requests.post(f"{self.listener}{path}", json={"max_tokens": 4}, timeout=5)
 
 
+LISTENER = 0  # set by the fixture: Envoy's listener port
+EXT_PROC = "127.0.0.1:1"  # nothing listens there: the ext_proc filter fails open to the default route
+
+
 def config(backends: list[str], *, connect_timeout_s: float = 1.0, with_v2: bool = True) -> Config:
     versions = [{"name": "v1", "endpoints": [{"address": a} for a in backends[:2]]}]
     if with_v2:
         versions.append({"name": "v2", "endpoints": [{"address": backends[2]}]})
     return parse_config(yaml.safe_dump({
+        "envoy": {"listener": f"127.0.0.1:{LISTENER}"},
         "services": [{"name": "chat", "connect_timeout_s": connect_timeout_s, "versions": versions}],
     }))
 
 
 def snapshot_for(cfg: Config) -> Snapshot:
     weights, _ = compute_weights(endpoint_specs(cfg), {}, EngineState(), EngineParams())
-    return build_snapshot(cfg, weights)
+    return build_snapshot(cfg, weights, EXT_PROC)
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Iterator[Harness]:
+    global LISTENER
+    LISTENER = stack.free_port()
     work: Path = tmp_path_factory.mktemp("ads")
     procs = []
     loop = LoopThread()
@@ -82,15 +98,13 @@ def harness(tmp_path_factory) -> Iterator[Harness]:
         server, servicer, xds_port = loop.run(start_ads_server(cache, "127.0.0.1:0"))
         cfg = config(backends)
         loop.run(cache.set(snapshot_for(cfg)))
-        listener, admin_port = stack.free_port(), stack.free_port()
-        # ext_proc points at a closed port: the filter fails open and the default route is used.
-        envoy = stack.start_envoy(render_bootstrap(cfg, node_id="ads-test", listener_port=listener,
-                                                   admin_port=admin_port, xds_port=xds_port,
-                                                   ext_proc_port=stack.free_port()), work, admin_port)
+        admin_port = stack.free_port()
+        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{xds_port}", node_id="ads-test",
+                                                   admin_port=admin_port), work, admin_port)
         procs.append(envoy)
         admin = f"http://127.0.0.1:{admin_port}"
         stack.wait_http(f"{admin}/ready", envoy, timeout=20)
-        yield Harness(loop, cache, servicer, envoy, admin, f"http://127.0.0.1:{listener}", backends)
+        yield Harness(loop, cache, servicer, envoy, admin, f"http://127.0.0.1:{LISTENER}", backends)
         loop.run(server.stop(0))
     finally:
         for p in reversed(procs):
@@ -125,7 +139,7 @@ def test_tiny_scores_never_send_weight_zero(harness: Harness):
     stats[harness.backends[0]] = EndpointStats(latency_mean_ms=1, running=0, gpu_util=0, sample_age_s=0.1)
     weights, _ = compute_weights(specs, stats, EngineState(), replace(EngineParams(), max_weight=1))
     nacks = harness.node()["types"]["ClusterLoadAssignment"]["nacks"]
-    harness.push(build_snapshot(cfg, weights))
+    harness.push(build_snapshot(cfg, weights, EXT_PROC))
     hosts = wait_until(lambda: (h := envoy_hosts(harness.admin).get("chat-v2", {})) and len(h) == 150 and h,
                        3, 0.05, "150 hosts in Envoy")
     assert all(h["weight"] >= 1 for h in hosts.values())
@@ -141,11 +155,8 @@ def test_nacked_config_keeps_last_good_and_is_not_resent(harness: Harness):
     bad_cluster = cluster_pb2.Cluster()
     good.of(CLUSTER_TYPE)["chat-v1"].packed.Unpack(bad_cluster)
     bad_cluster.connect_timeout.CopyFrom(duration_pb2.Duration(seconds=-5))  # Envoy: must be > 0
-    messages = {CLUSTER_TYPE: {}, ENDPOINT_TYPE: good.assignments()}
-    for name, res in good.of(CLUSTER_TYPE).items():
-        c = cluster_pb2.Cluster()
-        res.packed.Unpack(c)
-        messages[CLUSTER_TYPE][name] = bad_cluster if name == "chat-v1" else c
+    messages = {t: {n: unpack(r) for n, r in good.of(t).items()} for t in TYPE_ORDER}
+    messages[CLUSTER_TYPE]["chat-v1"] = bad_cluster
     before = harness.node()["types"]["Cluster"]
     harness.push(make_snapshot(messages))
     after = wait_until(lambda: (t := harness.node()["types"]["Cluster"])["nacks"] > before["nacks"] and t,

@@ -56,7 +56,7 @@ def test_idle_backends_have_no_latency_data_not_zero(live_stack: Stack):
 
     def fresh():
         stats = src.fetch(instances)
-        return stats if all(st.sample_age_s is not None and st.sample_age_s < 3 for st in stats.values()) else None
+        return stats if all(st.running is not None and st.sample_age_s < 3 for st in stats.values()) else None
 
     stats = wait_until(fresh, 20, 0.5, "fresh samples for every backend")
     for inst, st in stats.items():

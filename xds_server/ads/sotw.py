@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ..snapshot import CLUSTER_TYPE, TYPE_ORDER, Snapshot
+from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, TYPE_ORDER, Snapshot
 
-WILDCARD_TYPES = frozenset({CLUSTER_TYPE, "type.googleapis.com/envoy.config.listener.v3.Listener"})
+WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
 NACK_DETAIL_CHARS = 400
 
 
@@ -105,7 +105,7 @@ class SotwStream:
             return None
         resources = snap.of(type_url)
         if type_url == CLUSTER_TYPE:
-            eds = self.types.get(TYPE_ORDER[1])
+            eds = self.types.get(ENDPOINT_TYPE)
             if eds is not None:
                 eds.rewarm |= {n for n, r in resources.items() if n in st.sent and st.sent[n] != r.version}
         st.sent = {n: r.version for n, r in resources.items()}

@@ -1,8 +1,10 @@
 """The Prometheus metrics source: sliding-window PromQL -> :class:`EndpointStats` per instance.
 
 Thin I/O shell: it runs the preset's queries with prometheus-api-client and parses the vectors.
-It keeps one piece of state, the newest sample time seen per instance, so an endpoint whose series
-went stale (Prometheus drops them from instant queries) keeps an honest, growing age (case C04).
+It keeps two pieces of state per instance: the newest sample time seen, so an endpoint whose series
+went stale (Prometheus drops them from instant queries) keeps an honest, growing age (case C04);
+and when it was first asked for, so an endpoint never seen yet ages from then (a new endpoint, or
+every endpoint at start-up before Prometheus's first scrape, is not stale at once).
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ class PrometheusSource:
         self._queries = {k: (q.replace("{w}", _window(window_s)), s) for k, q_s in queries.items()
                          for q, s in [q_s]}
         self._last_seen: dict[str, float] = {}
+        self._first_asked: dict[str, float] = {}
 
     def fetch(self, instances: Iterable[str], now: float | None = None) -> dict[str, EndpointStats]:
         """One round: ``{instance: EndpointStats}`` for every instance asked for (no data -> fields ``None``).
+
+        ``sample_age_s`` is the age of the newest sample seen, or, never seen, the time since the
+        instance was first asked for.
 
         Blocking (run it in a thread). Raises:
             MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
@@ -82,7 +88,7 @@ class PrometheusSource:
             ts = values["last_sample_ts"].get(inst)
             if ts is not None:
                 self._last_seen[inst] = max(ts, self._last_seen.get(inst, ts))
-            seen = self._last_seen.get(inst)
+            seen = self._last_seen.get(inst) or self._first_asked.setdefault(inst, now)
             stats = EndpointStats(**{f: values[f].get(inst) for f in values if f != "last_sample_ts"})
-            out[inst] = replace(stats, sample_age_s=None if seen is None else max(0.0, now - seen))
+            out[inst] = replace(stats, sample_age_s=max(0.0, now - seen))
         return out

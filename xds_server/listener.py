@@ -1,0 +1,116 @@
+"""LDS, RDS and the picker's cluster: what Envoy needs besides the inference clusters (pure).
+
+The listener's HTTP connection manager
+- strips client copies of the routing headers with ``early_header_mutation_extensions`` (a
+  ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
+- asks the picker (ext_proc, request headers only) for the cluster and the host;
+- routes by the cluster header the picker set, or, without it (picker down and
+  ``failure_mode_allow``), to the service's default version through the weighted fallback.
+"""
+
+from __future__ import annotations
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+
+# Imported for their side effect: they register the Any types ParseDict resolves.
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from google.protobuf import json_format
+
+from .config import Config, cluster_name, split_hostport
+
+LISTENER_NAME = "inferlb"
+ROUTE_NAME = "inferlb"
+EXT_PROC_CLUSTER = "inferlb_ext_proc"
+_ADS = {"ads": {}, "resource_api_version": "V3"}
+_T = "type.googleapis.com/"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f}s"
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
+    """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains)."""
+    vhosts = []
+    for s in cfg.services:
+        domains = []
+        for h in s.hosts:
+            domains += ["*"] if h == "*" else [h, f"{h}:*"]
+        timeout = _seconds(cfg.envoy.route_timeout_s)
+        vhosts.append({
+            "name": s.name,
+            "domains": domains,
+            "routes": [
+                {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
+                 "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}},
+                {"match": {"prefix": "/"},
+                 "route": {"cluster": cluster_name(s.name, s.default), "timeout": timeout}},
+            ],
+        })
+    return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
+                                 route_pb2.RouteConfiguration())
+
+
+def build_listener(cfg: Config) -> listener_pb2.Listener:
+    """LDS ``inferlb`` on ``cfg.envoy.listener`` with the header strip, the picker and the router."""
+    host, port = split_hostport(cfg.envoy.listener)
+    timeout = _seconds(cfg.envoy.ext_proc_timeout_s)
+    hcm = {
+        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "inferlb",
+        "early_header_mutation_extensions": [{
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "mutations": [{"remove": cfg.headers.override_host}, {"remove": cfg.headers.cluster}],
+            },
+        }],
+        "rds": {"route_config_name": ROUTE_NAME, "config_source": _ADS},
+        "http_filters": [
+            {"name": "envoy.filters.http.ext_proc", "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}, "timeout": timeout},
+                "failure_mode_allow": cfg.envoy.failure_mode_allow,
+                "message_timeout": timeout,
+                "processing_mode": {
+                    "request_header_mode": "SEND", "response_header_mode": "SKIP",
+                    "request_body_mode": "NONE", "response_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+                },
+            }},
+            {"name": "envoy.filters.http.router",
+             "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+    return json_format.ParseDict({
+        "name": LISTENER_NAME,
+        "address": {"socket_address": {"address": host, "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                        "typed_config": hcm}]}],
+    }, listener_pb2.Listener())
+
+
+def build_ext_proc_cluster(ext_proc_address: str) -> cluster_pb2.Cluster:
+    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``."""
+    host, port = split_hostport(ext_proc_address)
+    return json_format.ParseDict({
+        "name": EXT_PROC_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }},
+        "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"socket_address": {"address": _loopback(host), "port_value": port}}}}]}]},
+    }, cluster_pb2.Cluster())
