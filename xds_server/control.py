@@ -86,12 +86,15 @@ def routing_table(cfg: Config) -> RoutingTable:
 class ControlPlane:
     """Runs weight rounds and publishes each new snapshot to ``cache`` and to ``on_snapshot`` hooks.
 
+    A hook is called as ``hook(snapshot, weights)`` (weights: the round's ``EndpointWeight`` list)
+    on the event loop, once per new snapshot; it must not block (hand slow work to a thread).
+
     ``fetch``: blocking ``(instances) -> {instance: EndpointStats}`` raising MetricsUnavailable;
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
     """
 
     def __init__(self, cfg: Config, fetch: Callable[[list[str]], dict[str, EndpointStats]], source_name: str,
-                 cache: SnapshotCache, on_snapshot: list[Callable[[Snapshot], None]],
+                 cache: SnapshotCache, on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
                  ext_proc_address: Callable[[], str]) -> None:
         self.cfg = cfg
         self._ext_proc_address = ext_proc_address
@@ -128,7 +131,7 @@ class ControlPlane:
         weights, self._state = compute_weights(self._specs, stats, self._state, self._params)
         self._log_changes(weights)
         self.weights = weights
-        await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()))
+        await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()), weights)
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
@@ -139,12 +142,12 @@ class ControlPlane:
                 log.info("weight %s %s -> %d %s: %s", w.cluster, w.address, w.weight, w.health,
                          "; ".join(w.reasons))
 
-    async def _publish(self, snap: Snapshot) -> None:
+    async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         current = self.cache.snapshot
         if current is not None and current.version == snap.version:
             return
         for hook in self._hooks:
-            hook(snap)
+            hook(snap, weights)
         await self.cache.set(snap)
         SNAPSHOTS.inc()
         self.ready.set()

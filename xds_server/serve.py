@@ -36,7 +36,7 @@ class InferLB:
         self.view = ViewHolder()
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
-                                    [lambda snap: self.view.update(snap.assignments(), routing)],
+                                    [lambda snap, _weights: self.view.update(snap.assignments(), routing)],
                                     lambda: cfg.envoy.ext_proc_address or
                                     f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
         self.ads: AdsServicer | None = None

@@ -49,6 +49,21 @@ def test_defaults_follow_the_design_contracts():
     assert cfg.headers.cluster == "x-inferlb-cluster"
 
 
+def test_envoy_side_defaults():
+    cfg = parse_config(MINIMAL)
+    assert cfg.envoy.listener == "127.0.0.1:10000"
+    assert cfg.envoy.failure_mode_allow is True
+    assert cfg.envoy.ext_proc_address is None
+    assert 0 < cfg.envoy.ext_proc_timeout_s <= 1
+
+
+def test_envoy_side_addresses_may_be_host_names_but_must_have_a_port():
+    cfg = parse_config(MINIMAL + "envoy:\n  ext_proc_address: inferlb.internal:18080\n")
+    assert cfg.envoy.ext_proc_address == "inferlb.internal:18080"
+    text = MINIMAL + "envoy:\n  listener: 127.0.0.1\n"
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, 'listener:')}: envoy.listener: ")
+
+
 def test_engine_and_endpoint_defaults():
     cfg = parse_config(MINIMAL)
     assert cfg.engine.stale_after_s == 15.0
