@@ -31,8 +31,16 @@ class ConfigError(ValueError):
     """Raised when a config cannot be loaded; ``str(err)`` lists every problem, one per line."""
 
 
+class FieldProblem(ValueError):
+    """A cross-field check's finding about the field at ``loc`` (a path like pydantic's)."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _check_hostport(value: str, ip_only: bool = False) -> str:
@@ -202,7 +210,7 @@ class ServiceConfig(_Strict):
     name: str = Field(pattern=NAME_RE)
     hosts: tuple[str, ...] = ("*",)
     default_version: str | None = None
-    connect_timeout_s: float = Field(1.0, gt=0)
+    connect_timeout_s: float = Field(1.0, ge=0.001)
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
     panic_threshold_percent: float = Field(0.0, ge=0, le=100)
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
@@ -231,28 +239,40 @@ class Config(_Strict):
     headers: Headers = Headers()
     engine: Engine = Engine()
     gpu_classes: dict[str, GpuClass] = Field(
-        default_factory=lambda: {k: GpuClass(**v) for k, v in DEFAULT_GPU_CLASSES.items()}
-    )
+        default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
     services: tuple[ServiceConfig, ...] = Field(min_length=1)
+
+    @field_validator("gpu_classes", mode="after")
+    @classmethod
+    def _with_defaults(cls, v: dict[str, GpuClass]) -> dict[str, GpuClass]:
+        """Configured classes extend (and may override) the built-in ones."""
+        return {**{k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()}, **v}
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
         seen: dict[str, str] = {}
-        for s in self.services:
-            for v in s.versions:
-                for e in v.endpoints:
+        hosts: dict[str, str] = {}
+        services: dict[str, int] = {}
+        for i, s in enumerate(self.services):
+            if s.name in services:
+                raise FieldProblem(("services", i, "name"), f"service {s.name!r} is defined twice")
+            services[s.name] = i
+            for h in s.hosts:
+                if h.lower() in hosts:
+                    raise FieldProblem(("services", i, "hosts"),
+                                       f"host {h!r} is already taken by service {hosts[h.lower()]!r}")
+                hosts[h.lower()] = s.name
+            for j, v in enumerate(s.versions):
+                for k, e in enumerate(v.endpoints):
+                    loc = ("services", i, "versions", j, "endpoints", k)
                     if e.gpu_class not in self.gpu_classes:
-                        raise ValueError(
-                            f"endpoint {e.address}: unknown gpu_class {e.gpu_class!r}; "
-                            f"known: {sorted(self.gpu_classes)}"
-                        )
+                        raise FieldProblem((*loc, "gpu_class"), f"unknown gpu_class {e.gpu_class!r}; "
+                                                                f"known: {sorted(self.gpu_classes)}")
                     where = cluster_name(s.name, v.name)
                     if e.address in seen:
-                        raise ValueError(f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
+                        raise FieldProblem((*loc, "address"),
+                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
                     seen[e.address] = where
-        names = [s.name for s in self.services]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate service names in {names}")
         return self
 
     def memory_mib(self, endpoint: EndpointConfig) -> float:
@@ -306,10 +326,14 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        errors = [
-            (tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))), e)
-            for e in err.errors()
-        ]
+        errors = []
+        for e in err.errors():
+            problem = (e.get("ctx") or {}).get("error")
+            if isinstance(problem, FieldProblem):
+                errors.append((problem.loc, {**e, "msg": str(problem)}))
+            else:
+                errors.append((tuple(p for p in e["loc"]
+                                     if not (isinstance(p, str) and p.startswith("function-"))), e))
         # pydantic also reports a list as too short when its only items failed: keep the item errors.
         errors = [
             (loc, e) for loc, e in errors

@@ -222,12 +222,6 @@ services:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: two services with the same host (e.g. both on the default '*') pass config validation, but "
-    "their route config is rejected by Envoy ('Only a single wildcard domain is permitted' / 'Only unique "
-    "values for domains are permitted')",
-)
 @pytest.mark.parametrize("text", [TWO_WILDCARD_SERVICES, TWO_SAME_HOST_SERVICES], ids=["both-star", "same-host"])
 def test_a_config_that_validates_gives_routes_envoy_accepts(text, tmp_path):
     try:

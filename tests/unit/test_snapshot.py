@@ -32,7 +32,7 @@ CFG = config(
     [
         service("llm", [version("v1", 3, subnet=1), version("v2", 2, subnet=2)], connect_timeout_s=2.5,
                 panic_threshold_percent=10),
-        service("embed", [version("e1", 2, subnet=3)], lb_policy="round_robin"),
+        service("embed", [version("e1", 2, subnet=3)], lb_policy="round_robin", hosts=["embed.example.com"]),
     ],
     headers={"override_host": "x-pin-host", "cluster": "x-route-cluster"},
 )
@@ -220,7 +220,7 @@ def test_cluster_change_changes_only_that_services_cds_versions():
         [
             service("llm", [version("v1", 3, subnet=1), version("v2", 2, subnet=2)], connect_timeout_s=5,
                     panic_threshold_percent=10),
-            service("embed", [version("e1", 2, subnet=3)], lb_policy="round_robin"),
+            service("embed", [version("e1", 2, subnet=3)], lb_policy="round_robin", hosts=["embed.example.com"]),
         ],
         headers={"override_host": "x-pin-host", "cluster": "x-route-cluster"},
     )

@@ -10,8 +10,10 @@ previous value when it moved by less than ``hysteresis`` (so weights don't flap)
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 
 from ..metrics.stats import EndpointStats
@@ -24,6 +26,13 @@ from .types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EndpointWeight, E
 MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
 _NO_STATS = EndpointStats()
+
+
+def sanitize(stats: EndpointStats) -> EndpointStats:
+    """``stats`` with every non-finite value (NaN, ±Inf) replaced by ``None`` ("no data")."""
+    bad = {f: None for f in EndpointStats.__slots__
+           if (v := getattr(stats, f)) is not None and not math.isfinite(v)}
+    return replace(stats, **bad) if bad else stats
 
 
 def combine(scores: Mapping[str, float | None], weights: Mapping[str, float]) -> float:
@@ -70,7 +79,7 @@ def _cluster_weights(
     members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState, params: EngineParams
 ) -> list[EndpointWeight]:
     cap = max(1, MAX_WEIGHT_SUM // len(members))
-    seen = {s.address: stats.get(s.instance, _NO_STATS) for s in members}
+    seen = {s.address: sanitize(stats.get(s.instance, _NO_STATS)) for s in members}
     live = [s for s in members if not s.draining]
     all_stale = bool(live) and all(is_stale(seen[s.address], params) for s in live)
 
@@ -119,7 +128,7 @@ def _cluster_weights(
         scores = {name: fn(s, st, pool) for name, fn in SCORERS.items()}
         score = combine(scores, params.scorer_weights)
         target = max(1, min(cap, round(params.max_weight * s.capacity * score)))
-        weight = stability.hold(old, target, params.hysteresis)
+        weight = min(cap, stability.hold(old, target, params.hysteresis))
         reasons = [f"score {score:.2f} x capacity {s.capacity:g} ({s.gpu_class}) -> weight {target}"]
         if weight != target:
             reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")

@@ -44,8 +44,10 @@ def parse_vector(result: object, scale: float = 1.0) -> dict[str, float | None]:
     for series in result:
         try:
             instance = series["metric"]["instance"]
-            raw = series["value"][1]
-        except (KeyError, IndexError, TypeError) as err:
+            ts, raw = series["value"]
+            if not isinstance(raw, str):
+                raise TypeError("sample value must be a string")
+        except (KeyError, ValueError, TypeError) as err:
             raise MetricsUnavailable(f"malformed series in answer: {series!r:.200}") from err
         value = finite(raw)
         out[str(instance)] = None if value is None else value * scale
