@@ -165,6 +165,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "envoy_version": stack.envoy_version(),
             **traffic.summary(default_version=cfg.services[0].default),
             "weights": _settled_weights(admin, envoy_admin),
+            "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],
             "workdir": str(work),
         }
         print(weights_table(_get_json(f"{admin}/api/v1/weights")))
