@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 
@@ -14,9 +15,12 @@ pytestmark = pytest.mark.integration
 
 def test_demo_runs_and_its_summary_holds(tmp_path):
     out = tmp_path / "summary.json"
-    run = subprocess.run(inferlb_argv("demo", "--duration", "15", "--json", str(out), "--quiet",
-                                      "--workdir", str(tmp_path / "work")),
-                         capture_output=True, text=True, timeout=180)
+    # The demo binds fixed ports: one demo at a time on this machine.
+    with open("/tmp/inferlb-demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = subprocess.run(inferlb_argv("demo", "--duration", "15", "--json", str(out), "--quiet",
+                                          "--workdir", str(tmp_path / "work")),
+                             capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     s = json.loads(out.read_text())
 
