@@ -16,7 +16,8 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import duration_pb2
 
 from xds_server import stack
-from xds_server.ads.server import SnapshotCache, start_ads_server
+from xds_server.ads.cache import SnapshotCache
+from xds_server.ads.server import start_ads_server
 from xds_server.bootstrap import render_bootstrap
 from xds_server.config import Config, parse_config
 from xds_server.control import endpoint_specs
