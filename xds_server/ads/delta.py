@@ -8,9 +8,10 @@ Rules (Envoy's xDS protocol doc, "Incremental xDS", and shared/ENVOY-NOTES.md):
   ``initial_resource_versions`` (sent on reconnect, honoured: an unchanged resource is not re-sent)
   and from what was sent. A newly subscribed name without an initial version is sent even if
   unchanged; an unsubscribed name is forgotten (so a re-added cluster gets its assignment: C15).
-- Responses carry only resources whose version differs from ``known``, and ``removed_resources``
-  for names the client has that the snapshot no longer holds (for wildcard types, also names the
-  client reported in ``initial_resource_versions`` that we don't have).
+- Responses carry only resources whose version differs from ``known``; for CDS and LDS also
+  ``removed_resources``: names the client has (sent, or reported in ``initial_resource_versions``)
+  that the snapshot no longer holds. EDS and RDS names are never "removed": the client
+  unsubscribes them itself when it drops the cluster or listener that used them.
 - Every response has its own nonce; several may be in flight. An ACK or NACK names one by
   ``response_nonce``. A NACK leaves the rejected versions recorded as known, so they are not re-sent;
   the next change is (C03). A nonce we never sent (or already answered) changes no ACK state.
@@ -84,7 +85,7 @@ class DeltaStream:
             if name == WILDCARD:
                 st.wildcard = True
                 continue
-            if name not in st.subscribed and (name not in req.initial_resource_versions or name in st.rewarm):
+            if not st.wants(name) and (name not in req.initial_resource_versions or name in st.rewarm):
                 st.known.pop(name, None)
             st.subscribed.add(name)
         for name in unsubscribe:
@@ -126,7 +127,8 @@ class DeltaStream:
     def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> discovery_pb2.DeltaDiscoveryResponse | None:
         resources = snap.of(type_url)
         changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
-        removed = [n for n in st.known if n not in resources and st.wants(n)]
+        # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
+        removed = [n for n in st.known if n not in resources and st.wants(n)] if type_url in WILDCARD_TYPES else []
         if type_url == CLUSTER_TYPE:
             if removed and not routing_settled(self.types, snap):
                 removed = []  # make-before-break: the routes that used them go first
