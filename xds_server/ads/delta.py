@@ -29,6 +29,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, TYPE_ORDER, Snapshot
 from .common import WILDCARD_TYPES, AckState, rewarm_clusters, routing_settled
+from .push import Push
 
 WILDCARD = "*"
 
@@ -112,6 +113,10 @@ class DeltaStream:
 
     def pending(self, snap: Snapshot | None) -> list[discovery_pb2.DeltaDiscoveryResponse]:
         """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
+        return [p.message() for p in self.plan(snap)]
+
+    def plan(self, snap: Snapshot | None) -> list[Push]:
+        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
         if snap is None:
             return []
         out = []
@@ -124,7 +129,7 @@ class DeltaStream:
                 out.append(resp)
         return out
 
-    def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> discovery_pb2.DeltaDiscoveryResponse | None:
+    def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)
         changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
         # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
@@ -147,11 +152,4 @@ class DeltaStream:
         version = snap.versions.get(type_url, "")
         st.nonces[nonce] = version
         st.sent_type_version = version
-        return discovery_pb2.DeltaDiscoveryResponse(
-            system_version_info=version,
-            type_url=type_url,
-            nonce=nonce,
-            resources=[discovery_pb2.Resource(name=n, version=r.version, resource=r.packed)
-                       for n, r in changed.items()],
-            removed_resources=removed,
-        )
+        return Push(self.protocol, type_url, version, tuple(changed.values()), tuple(removed), nonce)

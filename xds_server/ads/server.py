@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc
+from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client import Counter, Gauge
 
 from .cache import SnapshotCache
 from .delta import DeltaStream
+from .push import WireCache
 from .sotw import SotwStream
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams, by protocol",
 #: is ``ads_config.grpc_services[].envoy_grpc.max_receive_message_length``, which the rendered
 #: bootstrap sets to the same value (see envoy/bootstrap.yaml and README).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 
 def short_type(type_url: str) -> str:
@@ -87,12 +89,17 @@ class NodeStream:
         }
 
 
-class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    """AggregatedDiscoveryService over a :class:`SnapshotCache`: SotW and delta streams."""
+class AdsServicer:
+    """AggregatedDiscoveryService over a :class:`SnapshotCache`: SotW and delta streams.
+
+    The stream methods yield wire bytes (see :mod:`xds_server.ads.push`); register the servicer with
+    :func:`add_ads_servicer`, whose serializer passes them through.
+    """
 
     def __init__(self, cache: SnapshotCache) -> None:
         self.cache = cache
         self.nodes: dict[int, NodeStream] = {}
+        self.wire = WireCache()
 
     def describe_nodes(self) -> list[dict]:
         """Every connected stream, for ``/api/v1/nodes``, ordered by node id."""
@@ -149,12 +156,12 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 generation = self.cache.generation
                 if node is None:
                     continue
-                for resp in state.pending(self.cache.snapshot_for(node.node_cluster)):
-                    size = resp.ByteSize()
-                    node.sent_bytes += size
-                    XDS_BYTES.labels(protocol, short_type(resp.type_url)).inc(size)
-                    XDS_RESPONSES.labels(protocol, short_type(resp.type_url)).inc()
-                    yield resp
+                for push in state.plan(self.cache.snapshot_for(node.node_cluster)):
+                    data = self.wire.encode(push)
+                    node.sent_bytes += len(data)
+                    XDS_BYTES.labels(protocol, short_type(push.type_url)).inc(len(data))
+                    XDS_RESPONSES.labels(protocol, short_type(push.type_url)).inc()
+                    yield data
         finally:
             reader.cancel()
             XDS_STREAMS.labels(protocol).dec()
@@ -163,7 +170,26 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 log.info("xDS stream from node %s closed", node.node_id)
 
 
-async def start_ads_server(cache: SnapshotCache, address: str) -> tuple[grpc.aio.Server, AdsServicer, int]:
+def _wire(data: bytes) -> bytes:
+    return data
+
+
+def add_ads_servicer(servicer: AdsServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``envoy.service.discovery.v3.AggregatedDiscoveryService`` on ``server``
+    (requests parsed as usual, responses already encoded)."""
+    handler = grpc.method_handlers_generic_handler(ADS_SERVICE, {
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources, request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=_wire),
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources, request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=_wire),
+    })
+    server.add_generic_rpc_handlers((handler,))
+
+
+async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: type[AdsServicer] = AdsServicer
+                           ) -> tuple[grpc.aio.Server, AdsServicer, int]:
     """Bind and start the ADS server on ``address`` (``HOST:PORT``, port 0 = any).
 
     Messages up to :data:`MAX_MESSAGE_BYTES` (64 MiB) each way. Returns ``(server, servicer,
@@ -173,8 +199,8 @@ async def start_ads_server(cache: SnapshotCache, address: str) -> tuple[grpc.aio
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
-    servicer = AdsServicer(cache)
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
+    servicer = servicer_cls(cache)
+    add_ads_servicer(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"cannot bind the xDS server to {address}")

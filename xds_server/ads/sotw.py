@@ -25,6 +25,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, TYPE_ORDER, Resource, Snapshot
 from .common import WILDCARD_TYPES, AckState, held_clusters, rewarm_clusters, routing_settled
+from .push import Push
 
 
 @dataclass
@@ -85,6 +86,10 @@ class SotwStream:
 
     def pending(self, snap: Snapshot | None) -> list[discovery_pb2.DiscoveryResponse]:
         """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
+        return [p.message() for p in self.plan(snap)]
+
+    def plan(self, snap: Snapshot | None) -> list[Push]:
+        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
         if snap is None:
             return []
         out = []
@@ -97,7 +102,7 @@ class SotwStream:
                 out.append(resp)
         return out
 
-    def _wildcard(self, type_url: str, st: TypeState, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
+    def _wildcard(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)
         version = snap.versions.get(type_url, "")
         if type_url == CLUSTER_TYPE:
@@ -114,16 +119,12 @@ class SotwStream:
         st.sent = {n: r.version for n, r in resources.items()}
         st.sent_resources = dict(resources)
         st.sent_type_version = version
-        return self._response(type_url, version, [r.packed for r in resources.values()], st)
+        return self._response(type_url, version, tuple(resources.values()), st)
 
-    def _named(self, type_url: str, st: TypeState, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
-        resources = snap.of(type_url)
+    def _named(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
         send = []
-        for name in sorted(st.subscribed):
-            res = resources.get(name)
-            if res is None:
-                continue
-            if st.sent.get(name) != res.version or name in st.rewarm:
+        for name, res in snap.of(type_url).items():  # the snapshot's order: deterministic
+            if name in st.subscribed and (st.sent.get(name) != res.version or name in st.rewarm):
                 send.append(res)
                 st.sent[name] = res.version
         st.rewarm.clear()
@@ -131,10 +132,8 @@ class SotwStream:
             return None
         version = snap.versions.get(type_url, "")
         st.sent_type_version = version
-        return self._response(type_url, version, [r.packed for r in send], st)
+        return self._response(type_url, version, tuple(send), st)
 
-    def _response(self, type_url, version, resources, st: TypeState) -> discovery_pb2.DiscoveryResponse:
+    def _response(self, type_url: str, version: str, resources: tuple[Resource, ...], st: TypeState) -> Push:
         st.nonce = self._next_nonce()
-        return discovery_pb2.DiscoveryResponse(
-            version_info=version, resources=resources, type_url=type_url, nonce=st.nonce
-        )
+        return Push(self.protocol, type_url, version, resources, (), st.nonce)
