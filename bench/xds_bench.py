@@ -30,6 +30,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -296,14 +297,17 @@ def run_one(mode: str, change: str, workdir: Path) -> dict:
     port_file = workdir / f"port-{mode}-{change}"
     port_file.unlink(missing_ok=True)
     server = subprocess.Popen([sys.executable, "-m", "bench.xds_bench", "--control-plane", mode, change,
-                               str(port_file)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                               str(port_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text():
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"control plane for {mode} did not start")
         time.sleep(0.05)
     asyncio.run(run_clients(int(port_file.read_text()), "delta" if mode == "delta" else "sotw", server))
-    out, _ = server.communicate(timeout=60)
+    out, err = server.communicate(timeout=60)  # stderr: gRPC logs the streams cancelled at shutdown
+    if server.returncode != 0:
+        raise RuntimeError(f"control plane for {mode}/{change} failed:\n{err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -318,10 +322,21 @@ def machine() -> str:
            f"grpcio {grpc.__version__}"
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per-metric medians of repeated runs of one case; ``round_cpu_range`` keeps min and max."""
+    out = dict(runs[0])
+    for key in ("round_cpu_ms", "build_cpu_ms", "last_stream_ms", "bytes_sent", "peak_rss_mb"):
+        out[key] = statistics.median(r[key] for r in runs)
+    cpus = [r["round_cpu_ms"] for r in runs]
+    out["round_cpu_range"] = f"{min(cpus)}–{max(cpus)}"
+    return out
+
+
 def report(results: list[dict]) -> str:
     by = {(r["mode"], r["change"]): r for r in results}
     lines = [
-        "| change | mode | clusters re-sent | round CPU (ms) | of which build (ms) | last stream has it (ms) "
+        "| change | mode | clusters re-sent | round CPU (ms), median (min–max) | of which build (ms) "
+        "| last stream has it (ms) "
         "| bytes sent | vs baseline | peak RSS (MB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -329,9 +344,10 @@ def report(results: list[dict]) -> str:
         base = by[("baseline", change)]["bytes_sent"]
         for mode in MODES:
             r = by[(mode, change)]
-            lines.append(f"| {change} | {mode} | {r['clusters_changed']} | {r['round_cpu_ms']} | {r['build_cpu_ms']} "
-                         f"| {r['last_stream_ms']} | {r['bytes_sent']:,} | {r['bytes_sent'] / base:.1%} "
-                         f"| {r['peak_rss_mb']} |")
+            lines.append(f"| {change} | {mode} | {r['clusters_changed']} "
+                         f"| {r['round_cpu_ms']} ({r['round_cpu_range']}) "
+                         f"| {r['build_cpu_ms']} | {r['last_stream_ms']} | {r['bytes_sent']:,} "
+                         f"| {r['bytes_sent'] / base:.1%} | {r['peak_rss_mb']} |")
     return "\n".join(lines)
 
 
@@ -352,6 +368,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--control-plane", nargs=3, metavar=("MODE", "CHANGE", "PORT_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--write", action="store_true", help="update the section in BENCHMARKS.md")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case; the table shows medians")
     args = parser.parse_args()
     if args.control_plane:
         mode, change, port_file = args.control_plane
@@ -363,13 +380,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for change in CHANGES:
             for mode in MODES:
-                r = run_one(mode, change, Path(tmp))
-                print(json.dumps(r), flush=True)
-                results.append(r)
+                runs = []
+                for _ in range(args.repeat):
+                    runs.append(run_one(mode, change, Path(tmp)))
+                    print(json.dumps(runs[-1]), flush=True)
+                results.append(median_run(runs))
     table = report(results)
     print(table)
     if args.write:
-        write_benchmarks(table, "python3 -m bench.xds_bench --write")
+        write_benchmarks(table, f"python3 -m bench.xds_bench --repeat {args.repeat} --write")
 
 
 if __name__ == "__main__":
