@@ -10,15 +10,19 @@ import json
 from pathlib import Path
 from string import Template
 
+from .ads.server import MAX_MESSAGE_BYTES
 from .config import split_hostport
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 
 
-def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cluster: str = "inferlb") -> str:
+def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cluster: str = "inferlb",
+                     delta: bool = False) -> str:
     """The bootstrap YAML text for one Envoy.
 
-    ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1).
+    ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1); ``node_cluster``:
+    picks the node group (``node_groups`` in the config); ``delta``: incremental ADS
+    (``DELTA_GRPC``) instead of State-of-the-World (``GRPC``).
 
     Raises:
         FileNotFoundError: the template is missing (not a source checkout).
@@ -30,5 +34,7 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
         "admin_port": admin_port,
         "xds_host": "127.0.0.1" if host in ("0.0.0.0", "", "::") else host,
         "xds_port": port,
+        "api_type": "DELTA_GRPC" if delta else "GRPC",
+        "max_message_bytes": MAX_MESSAGE_BYTES,
     }
     return Template(TEMPLATE.read_text()).substitute({k: json.dumps(v) for k, v in fields.items()})

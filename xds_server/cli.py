@@ -62,13 +62,14 @@ def serve(config_path: str, log_level: str) -> None:
 @click.option("--node-id", required=True, help="Envoy node.id (the control plane keys its state by it).")
 @click.option("--node-cluster", default="inferlb", show_default=True, help="Envoy node.cluster.")
 @click.option("--admin-port", default=9901, show_default=True, type=int, help="Envoy's admin port (127.0.0.1).")
-def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int) -> None:
+@click.option("--delta", is_flag=True, help="Delta (incremental) ADS instead of State-of-the-World.")
+def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int, delta: bool) -> None:
     """Print the Envoy bootstrap YAML for CONFIG (everything else comes over xDS)."""
     from .bootstrap import render_bootstrap
 
     cfg = _load(config_path)
     click.echo(render_bootstrap(xds_address=cfg.listen.xds, node_id=node_id, node_cluster=node_cluster,
-                                admin_port=admin_port))
+                                admin_port=admin_port, delta=delta))
 
 
 @main.command()
@@ -93,13 +94,16 @@ def weights(admin: str, as_json: bool) -> None:
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
 @click.option("--concurrency", default=8, show_default=True, type=int, help="Concurrent client requests.")
 @click.option("--quiet", is_flag=True, help="No live table.")
-def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool) -> None:
+@click.option("--xds-protocol", type=click.Choice(["sotw", "delta"]), default="sotw", show_default=True,
+              help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
+def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
+         xds_protocol: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from .demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
-                      live=not quiet))
+                      live=not quiet, xds_protocol=xds_protocol))
 
 
 main.add_command(sim_backend, "sim-backend")

@@ -230,6 +230,40 @@ class ServiceConfig(_Strict):
         return self.default_version or self.versions[0].name
 
 
+class XdsServing(_Strict):
+    """How the ADS server pushes (see ``xds_server/ads``).
+
+    A new snapshot is sent once no newer one has arrived for ``debounce_s`` seconds, and never later
+    than ``debounce_max_s`` after the first unsent one (so a steady stream of changes still goes out).
+    """
+
+    debounce_s: float = Field(0.1, ge=0, le=10)
+    debounce_max_s: float = Field(1.0, ge=0, le=60)
+
+    @model_validator(mode="after")
+    def _order(self) -> XdsServing:
+        if self.debounce_max_s < self.debounce_s:
+            raise ValueError(f"debounce_max_s ({self.debounce_max_s}) must be >= debounce_s ({self.debounce_s})")
+        return self
+
+
+class NodeGroup(_Strict):
+    """Node-specific config: Envoys whose ``node.cluster`` is this group's name get this view.
+
+    ``listener``: their inference listener address (default: ``envoy.listener``);
+    ``services``: the services (names) they serve (default: all). Envoys of any other
+    ``node.cluster`` get the default view.
+    """
+
+    listener: str | None = None
+    services: tuple[str, ...] | None = Field(None, min_length=1)
+
+    @field_validator("listener")
+    @classmethod
+    def _hp(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hostport(v)
+
+
 class Config(_Strict):
     """The whole inferlb config (one YAML file)."""
 
@@ -241,6 +275,8 @@ class Config(_Strict):
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
     services: tuple[ServiceConfig, ...] = Field(min_length=1)
+    xds: XdsServing = XdsServing()
+    node_groups: dict[str, NodeGroup] = Field(default_factory=dict)
 
     @field_validator("gpu_classes", mode="after")
     @classmethod
@@ -273,7 +309,22 @@ class Config(_Strict):
                         raise FieldProblem((*loc, "address"),
                                            f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
                     seen[e.address] = where
+        names = [s.name for s in self.services]
+        for group, g in self.node_groups.items():
+            unknown = sorted(set(g.services or ()) - set(names))
+            if unknown:
+                raise FieldProblem(("node_groups", group, "services"),
+                                   f"unknown services {unknown}; known: {names}")
         return self
+
+    def for_node_group(self, group: str) -> Config:
+        """The config as Envoys of ``node.cluster == group`` see it (itself for an unknown group)."""
+        g = self.node_groups.get(group)
+        if g is None:
+            return self
+        services = tuple(s for s in self.services if g.services is None or s.name in g.services)
+        envoy = self.envoy.model_copy(update={"listener": g.listener}) if g.listener else self.envoy
+        return self.model_copy(update={"services": services, "envoy": envoy})
 
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""

@@ -16,13 +16,13 @@ from prometheus_client import Counter, Gauge
 
 from ext_proc.view import RoutingTable, ServiceRoute
 
-from .ads.server import SnapshotCache
+from .ads.cache import SnapshotCache
 from .config import Config, cluster_name
 from .engine.pipeline import compute_weights
 from .engine.types import HEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
 from .metrics.prometheus import MetricsUnavailable
 from .metrics.stats import EndpointStats
-from .snapshot import Snapshot, build_snapshot
+from .snapshot import BuildMemo, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ class ControlPlane:
         self._specs = endpoint_specs(cfg)
         self._params = engine_params(cfg)
         self._state = EngineState()
+        self._memo = BuildMemo()
+        self._group_cfgs = {g: cfg.for_node_group(g) for g in cfg.node_groups}
         self.weights: list[EndpointWeight] = []
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
@@ -131,7 +133,10 @@ class ControlPlane:
         weights, self._state = compute_weights(self._specs, stats, self._state, self._params)
         self._log_changes(weights)
         self.weights = weights
-        await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()), weights)
+        ext_proc = self._ext_proc_address()
+        await self._publish(build_snapshot(self.cfg, weights, ext_proc, self._memo), weights)
+        for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
+            await self.cache.set(build_snapshot(group_cfg, weights, ext_proc, self._memo), group)
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
@@ -143,7 +148,7 @@ class ControlPlane:
                          "; ".join(w.reasons))
 
     async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
-        current = self.cache.snapshot
+        current = self.cache.latest()
         if current is not None and current.version == snap.version:
             return
         for hook in self._hooks:

@@ -88,6 +88,12 @@ def _settled_weights(admin: str, envoy_admin: str, tries: int = 30) -> dict:
     return weights
 
 
+def _xds_protocol(admin: str, node_id: str) -> str | None:
+    """The ADS protocol the control plane sees ``node_id`` using ("sotw" / "delta"; None if not connected)."""
+    nodes = _get_json(f"{admin}/api/v1/nodes")["nodes"]
+    return next((n["protocol"] for n in nodes if n["node_id"] == node_id), None)
+
+
 async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
     tty = sys.stdout.isatty()
     while not stop.is_set():
@@ -123,8 +129,12 @@ async def _traffic(duration: float, concurrency: int, admin: str, live: bool) ->
 
 
 def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
-             live: bool) -> int:
-    """Run the demo; returns the process exit code (0 = ran and wrote its summary)."""
+             live: bool, xds_protocol: str = "sotw") -> int:
+    """Run the demo; returns the process exit code (0 = ran and wrote its summary).
+
+    ``xds_protocol``: "sotw" or "delta", the ADS variant Envoy's bootstrap asks for; the summary
+    says which one served (``xds_protocol``, as the control plane saw the stream).
+    """
     if stack.prometheus_binary() is None:
         print(f"inferlb demo: {stack.PROMETHEUS_INSTALL_HINT}", file=sys.stderr)
         return 2
@@ -153,7 +163,8 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         stack.wait_http(f"{admin}/readyz", cp)
         envoy_admin = f"http://127.0.0.1:{ENVOY_ADMIN}"
         procs.append(stack.start_envoy(
-            render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN),
+            render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
+                             delta=xds_protocol == "delta"),
             work, ENVOY_ADMIN))
         stack.wait_http(f"{envoy_admin}/ready", procs[-1])
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
@@ -163,6 +174,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "duration_s": duration,
             "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
             "envoy_version": stack.envoy_version(),
+            "xds_protocol": _xds_protocol(admin, "inferlb-demo"),
             **traffic.summary(default_version=cfg.services[0].default),
             "weights": _settled_weights(admin, envoy_admin),
             "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],

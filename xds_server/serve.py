@@ -14,7 +14,8 @@ from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
-from .ads.server import AdsServicer, SnapshotCache, start_ads_server
+from .ads.cache import SnapshotCache
+from .ads.server import AdsServicer, start_ads_server
 from .config import Config, split_hostport
 from .control import ControlPlane, routing_table
 from .metrics.prometheus import PrometheusSource
@@ -32,7 +33,7 @@ class InferLB:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
-        self.cache = SnapshotCache()
+        self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, extension_pb2, health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.core.v3 import config_source_pb2, extension_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
 from .config import Config, ServiceConfig, cluster_name, split_hostport
@@ -145,60 +145,118 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
 def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoint_pb2.ClusterLoadAssignment:
     """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
 
+    An empty ``weights`` gives an assignment without endpoints (Envoy then has the cluster with no
+    hosts instead of waiting for EDS). Built by attribute assignment: ~3 µs per endpoint, against
+    ~8 µs with nested constructors (measured for the xDS benchmark).
+
     Raises:
         ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
     """
-    lb = []
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
+    locality = None
     for w in weights:
         if w.weight < 1:
             raise ValueError(f"{cluster}/{w.address}: load_balancing_weight must be >= 1, got {w.weight}")
+        if locality is None:
+            locality = cla.endpoints.add()
         host, port = split_hostport(w.address)
-        lb.append(
-            endpoint_components_pb2.LbEndpoint(
-                endpoint=endpoint_components_pb2.Endpoint(
-                    address=address_pb2.Address(
-                        socket_address=address_pb2.SocketAddress(address=host, port_value=port)
-                    )
-                ),
-                health_status=_HEALTH[w.health],
-                load_balancing_weight=wrappers_pb2.UInt32Value(value=w.weight),
-            )
-        )
-    localities = [endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb)] if lb else []
-    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster, endpoints=localities)
+        lb = locality.lb_endpoints.add()
+        sock = lb.endpoint.address.socket_address
+        sock.address = host
+        sock.port_value = port
+        lb.health_status = _HEALTH[w.health]
+        lb.load_balancing_weight.value = w.weight
+    return cla
+
+
+class BuildMemo:
+    """What one build can reuse from the previous ones (an optimisation: output is unchanged).
+
+    - per cluster, its assignment Resource, keyed by its endpoints' ``(address, weight, health)``:
+      a round that changes a few weights rebuilds and re-digests only those clusters' assignments;
+    - per config object and picker address, the config-derived resources (clusters, listener,
+      routes): they change only when the config does.
+
+    Not thread-safe: one memo per building loop.
+    """
+
+    _STATIC_ENTRIES = 8
+
+    def __init__(self) -> None:
+        self._assignments: dict[str, tuple[tuple, Resource]] = {}
+        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict[str, Resource]]]] = {}
+
+    def assignment(self, cluster: str, weights: list[EndpointWeight]) -> Resource:
+        """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ)."""
+        key = tuple((w.address, w.weight, w.health) for w in weights)
+        hit = self._assignments.get(cluster)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        res = _resource(cluster, build_assignment(cluster, weights))
+        self._assignments[cluster] = (key, res)
+        return res
+
+    def static(self, cfg: Config, ext_proc_address: str) -> dict[str, dict[str, Resource]]:
+        """CDS, LDS and RDS resources of ``cfg`` (the config object itself is the key, by identity)."""
+        key = (id(cfg), ext_proc_address)
+        hit = self._static.get(key)
+        if hit is not None and hit[0] is cfg:
+            return hit[1]
+        clusters = {EXT_PROC_CLUSTER: _resource(EXT_PROC_CLUSTER, build_ext_proc_cluster(ext_proc_address))}
+        for service in cfg.services:
+            for version in service.versions:
+                name = cluster_name(service.name, version.name)
+                clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host))
+        built = {
+            CLUSTER_TYPE: clusters,
+            LISTENER_TYPE: {LISTENER_NAME: _resource(LISTENER_NAME, build_listener(cfg))},
+            ROUTE_TYPE: {ROUTE_NAME: _resource(ROUTE_NAME, build_route_config(cfg))},
+        }
+        if len(self._static) >= self._STATIC_ENTRIES:
+            self._static.pop(next(iter(self._static)))
+        self._static[key] = (cfg, built)
+        return built
 
 
 def make_snapshot(messages: Mapping[str, Mapping[str, Message]]) -> Snapshot:
     """A :class:`Snapshot` from ``{type_url: {name: message}}`` (versions computed here)."""
-    resources = {t: MappingProxyType({n: _resource(n, m) for n, m in ms.items()}) for t, ms in messages.items()}
+    return snapshot_of({t: {n: _resource(n, m) for n, m in ms.items()} for t, ms in messages.items()})
+
+
+def snapshot_of(resources: Mapping[str, Mapping[str, Resource]]) -> Snapshot:
+    """A :class:`Snapshot` from ready ``{type_url: {name: Resource}}`` (type and overall versions computed)."""
+    frozen = {t: MappingProxyType(dict(rs)) for t, rs in resources.items()}
     versions = {
-        t: _digest(f"{n}={r.version}".encode() for n, r in sorted(rs.items())) for t, rs in resources.items()
+        t: _digest(f"{n}={r.version}".encode() for n, r in sorted(rs.items())) for t, rs in frozen.items()
     }
     return Snapshot(
-        MappingProxyType(resources),
+        MappingProxyType(frozen),
         MappingProxyType(versions),
         _digest(v.encode() for _, v in sorted(versions.items())),
     )
 
 
-def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str) -> Snapshot:
+def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str,
+                   memo: BuildMemo | None = None) -> Snapshot:
     """All CDS, EDS, LDS and RDS resources for ``cfg`` with the engine's ``weights`` (pure).
 
     ``ext_proc_address``: where Envoy reaches the picker (``HOST:PORT``, the bound address).
+    ``memo``: reuse unchanged resources from earlier builds (same result, less CPU); weights of
+    clusters that ``cfg`` does not configure are ignored, and a configured cluster without weights
+    gets an empty assignment.
     """
+    memo = memo or BuildMemo()
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address)}
-    assignments: dict[str, Message] = {}
-    for service in cfg.services:
-        for version in service.versions:
-            name = cluster_name(service.name, version.name)
-            clusters[name] = build_cluster(name, service, cfg.headers.override_host)
-            assignments[name] = build_assignment(name, by_cluster.get(name, ()))
-    return make_snapshot({
-        CLUSTER_TYPE: clusters,
+    static = memo.static(cfg, ext_proc_address)
+    assignments = {
+        name: memo.assignment(name, by_cluster.get(name, []))
+        for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
+    }
+    return snapshot_of({
+        CLUSTER_TYPE: static[CLUSTER_TYPE],
         ENDPOINT_TYPE: assignments,
-        LISTENER_TYPE: {LISTENER_NAME: build_listener(cfg)},
-        ROUTE_TYPE: {ROUTE_NAME: build_route_config(cfg)},
+        LISTENER_TYPE: static[LISTENER_TYPE],
+        ROUTE_TYPE: static[ROUTE_TYPE],
     })

@@ -186,6 +186,32 @@ def test_real_envoy_accepts_the_bootstrap(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
+def test_delta_bootstrap_asks_for_delta_ads_and_raises_the_message_limit():
+    ads = render(delta=True)["dynamic_resources"]["ads_config"]
+    assert ads["api_type"] == "DELTA_GRPC"
+    [svc] = ads["grpc_services"]
+    assert svc["envoy_grpc"]["max_receive_message_length"] == 64 * 1024 * 1024
+    assert render()["dynamic_resources"]["ads_config"]["grpc_services"] == ads["grpc_services"]
+
+
+@pytest.mark.integration
+def test_real_envoy_accepts_the_cli_delta_bootstrap(tmp_path):
+    """``inferlb bootstrap --delta`` output goes straight into ``envoy --mode validate``."""
+    from click.testing import CliRunner
+
+    from xds_server.cli import main
+
+    cfg_path = tmp_path / "inferlb.yaml"
+    cfg_path.write_text(yaml.safe_dump({"services": [{"name": "chat", "versions": [
+        {"name": "v1", "endpoints": [{"address": "10.0.0.1:8000"}]}]}]}))
+    out = CliRunner().invoke(main, ["bootstrap", "-c", str(cfg_path), "--node-id", "edge-1", "--delta"])
+    assert out.exit_code == 0, out.output
+    doc = yaml.safe_load(out.output)
+    assert doc["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"
+    result = envoy_validate(doc, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
 @pytest.mark.integration
 def test_real_envoy_accepts_the_listener_routes_and_clusters(tmp_path):
     doc = with_xds_resources_inline(CFG, render())

@@ -8,7 +8,8 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 
 from tests.unit.factories import request
-from xds_server.ads.sotw import NACK_DETAIL_CHARS, SotwStream
+from xds_server.ads.common import NACK_DETAIL_CHARS
+from xds_server.ads.sotw import SotwStream
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, make_snapshot
 
 CDS, EDS, LDS, RDS = CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
@@ -32,16 +33,21 @@ def assignment(name: str, weights: list[int]) -> endpoint_pb2.ClusterLoadAssignm
     return cla
 
 
-def snap(weights: dict[str, list[int]], timeouts: dict[str, int] | None = None, listener_port: int = 10000):
-    """Clusters and assignments named like ``weights``; optional per-cluster connect timeouts (ms)."""
+def snap(weights: dict[str, list[int]], timeouts: dict[str, int] | None = None, listener_port: int = 10000,
+         route_cluster: str | None = None):
+    """Clusters and assignments named like ``weights``; optional per-cluster connect timeouts (ms) and
+    a route to ``route_cluster``."""
     timeouts = timeouts or {}
     lst = listener_pb2.Listener(name="inferlb")
     lst.address.socket_address.port_value = listener_port
+    rc = route_pb2.RouteConfiguration(name="inferlb")
+    if route_cluster:
+        rc.virtual_hosts.add(name="x", domains=["*"]).routes.add().route.cluster = route_cluster
     return make_snapshot({
         CDS: {n: cluster(n, timeouts.get(n, 1000)) for n in weights},
         EDS: {n: assignment(n, w) for n, w in weights.items()},
         LDS: {"inferlb": lst},
-        RDS: {"inferlb": route_pb2.RouteConfiguration(name="inferlb")},
+        RDS: {"inferlb": rc},
     })
 
 
@@ -377,3 +383,26 @@ def test_two_streams_keep_separate_state():
     two.on_request(request(CDS))
     [r2] = two.pending(s0)
     assert sorted(names_in(r2)) == ["a", "b", "c"]
+
+
+# --- make-before-break ----------------------------------------------------------------------------
+
+
+def test_a_dropped_cluster_stays_in_cds_until_the_routes_that_used_it_are_acked():
+    s0 = snap(BASE, route_cluster="b")
+    s1 = snap({"a": BASE["a"], "c": BASE["c"]}, route_cluster="a")
+    stream = SotwStream()
+    for t, names in ((CDS, []), (EDS, ["a", "b", "c"]), (LDS, []), (RDS, ["inferlb"])):
+        stream.on_request(request(t, names))
+    for r in stream.pending(s0):
+        ack(stream, r, ["a", "b", "c"] if r.type_url == EDS else ["inferlb"] if r.type_url == RDS else [])
+    resps = stream.pending(s1)
+    assert [r.type_url for r in resps] == [CDS, RDS]
+    assert sorted(names_in(resps[0])) == ["a", "b", "c"]  # "b" held while the old route may use it
+    assert resps[0].version_info != s1.versions[CDS]
+    assert stream.pending(s1) == []
+    ack(stream, resps[0])
+    assert stream.pending(s1) == []  # routes not ACKed yet
+    ack(stream, resps[1], ["inferlb"])
+    [cds] = stream.pending(s1)
+    assert sorted(names_in(cds)) == ["a", "c"] and cds.version_info == s1.versions[CDS]

@@ -5,7 +5,11 @@
 - ``GET /metrics`` Prometheus exposition of the process's registry.
 - ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
   "score", "scores", "inputs", "reasons"}]}], "metrics_source": {...}, "snapshot_version"}``.
-- ``GET /api/v1/nodes`` connected Envoys with per-type ACKed version, last NACK, pending nonce.
+- ``GET /api/v1/nodes`` ``{"nodes": [{"node_id", "node_cluster", "peer", "protocol" ("sotw" | "delta"),
+  "connected_since", "sent_bytes", "types": {"Cluster": {"acked_version", "sent_version",
+  "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
+  ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
+  "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer) -> web.Application:
         return web.json_response(weights_document(cp))
 
     async def nodes(_: web.Request) -> web.Response:
-        return web.json_response({"nodes": ads.describe_nodes()})
+        rejected = [{"type": r.type_url.rsplit(".", 1)[-1], "name": r.name, "version": r.version,
+                     "problems": list(r.problems), "kept": r.kept} for r in ads.cache.rejections]
+        return web.json_response({"nodes": ads.describe_nodes(), "rejected_resources": rejected})
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

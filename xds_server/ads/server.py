@@ -1,7 +1,9 @@
-"""The ADS gRPC server (grpc.aio): streams the current :class:`Snapshot` to every connected Envoy.
+"""The ADS gRPC server (grpc.aio): streams each connected Envoy its node group's snapshot.
 
-Each stream runs its own task: a slow Envoy only slows its own stream. A new snapshot wakes every
-stream, which sends what changed for it (see :mod:`xds_server.ads.sotw`).
+Both protocols: ``StreamAggregatedResources`` (State-of-the-World, :mod:`xds_server.ads.sotw`) and
+``DeltaAggregatedResources`` (incremental, :mod:`xds_server.ads.delta`); the client chooses.
+Each stream runs its own task and sends the newest published snapshot when it is free: one push in
+flight per stream, a slow Envoy only slows its own stream and skips intermediate snapshots.
 """
 
 from __future__ import annotations
@@ -12,20 +14,28 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client import Counter, Gauge
 
-from ..snapshot import Snapshot
+from .cache import SnapshotCache
+from .delta import DeltaStream
+from .push import WireCache
 from .sotw import SotwStream
 
 log = logging.getLogger(__name__)
 
-XDS_REQUESTS = Counter("inferlb_xds_requests_total", "xDS requests received, by type and kind",
-                       ["type", "kind"])
-XDS_RESPONSES = Counter("inferlb_xds_responses_total", "xDS responses sent, by type", ["type"])
-XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams")
-#: 64 MiB: a SotW CDS/EDS response for a large fleet exceeds gRPC's 4 MiB default.
+XDS_REQUESTS = Counter("inferlb_xds_requests_total", "xDS requests received, by protocol, type and kind",
+                       ["protocol", "type", "kind"])
+XDS_RESPONSES = Counter("inferlb_xds_responses_total", "xDS responses sent, by protocol and type",
+                        ["protocol", "type"])
+XDS_BYTES = Counter("inferlb_xds_sent_bytes_total", "Serialized bytes of xDS responses sent, by protocol and type",
+                    ["protocol", "type"])
+XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams, by protocol", ["protocol"])
+#: 64 MiB: a SotW CDS/EDS response for a large fleet exceeds gRPC's 4 MiB default. The Envoy side
+#: is ``ads_config.grpc_services[].envoy_grpc.max_receive_message_length``, which the rendered
+#: bootstrap sets to the same value (see envoy/bootstrap.yaml and README).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 
 def short_type(type_url: str) -> str:
@@ -35,73 +45,77 @@ def short_type(type_url: str) -> str:
 
 @dataclass
 class NodeStream:
-    """One connected Envoy, as the admin API shows it."""
+    """One connected Envoy (one ADS stream), as the admin API shows it.
+
+    ``state`` is the stream's protocol state: a :class:`SotwStream` or a :class:`DeltaStream`.
+    """
 
     node_id: str
     node_cluster: str
     peer: str
-    protocol: str
+    state: SotwStream | DeltaStream
     connected_since: float = field(default_factory=time.time)
-    state: SotwStream = field(default_factory=SotwStream)
+    sent_bytes: int = 0
 
     def describe(self) -> dict:
-        """JSON-ready view: per type the ACKed version, last NACK reason, pending nonce, counts."""
+        """JSON-ready view: protocol, and per type the ACKed and sent versions, pending nonces,
+        the last NACK reason and when, ACK/NACK counts, subscription size."""
         types = {}
         for type_url, st in self.state.types.items():
-            types[short_type(type_url)] = {
+            if not st.requested:
+                continue
+            doc = {
                 "acked_version": st.acked,
                 "sent_version": st.sent_type_version,
-                "pending_nonce": st.nonce if st.nonce and st.acked != st.sent_type_version else None,
+                "pending_nonces": st.pending_nonces(),
                 "last_nack": st.nack,
                 "last_nack_at": st.nack_at,
                 "acks": st.acks,
                 "nacks": st.nacks,
+                "wildcard": st.wildcard,
                 "subscribed": len(st.subscribed),
             }
+            if isinstance(self.state, DeltaStream):
+                doc["resources_known"] = len(st.known)
+            types[short_type(type_url)] = doc
         return {
             "node_id": self.node_id,
             "node_cluster": self.node_cluster,
             "peer": self.peer,
-            "protocol": self.protocol,
+            "protocol": self.state.protocol,
             "connected_since": self.connected_since,
+            "sent_bytes": self.sent_bytes,
             "types": types,
         }
 
 
-class SnapshotCache:
-    """Holds the current snapshot; ``set`` wakes every waiting stream."""
+class AdsServicer:
+    """AggregatedDiscoveryService over a :class:`SnapshotCache`: SotW and delta streams.
 
-    def __init__(self) -> None:
-        self.snapshot: Snapshot | None = None
-        self._changed = asyncio.Condition()
-
-    async def set(self, snap: Snapshot) -> None:
-        """Publish ``snap`` (no-op when its version equals the current one)."""
-        if self.snapshot is not None and self.snapshot.version == snap.version:
-            return
-        async with self._changed:
-            self.snapshot = snap
-            self._changed.notify_all()
-
-    async def wait_change(self, version: str | None) -> None:
-        """Return once the snapshot's version differs from ``version``."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.snapshot is not None and self.snapshot.version != version)
-
-
-class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    """AggregatedDiscoveryService: State-of-the-World streams."""
+    The stream methods yield wire bytes (see :mod:`xds_server.ads.push`); register the servicer with
+    :func:`add_ads_servicer`, whose serializer passes them through.
+    """
 
     def __init__(self, cache: SnapshotCache) -> None:
         self.cache = cache
         self.nodes: dict[int, NodeStream] = {}
+        self.wire = WireCache()
 
     def describe_nodes(self) -> list[dict]:
-        """Every connected stream, for ``/api/v1/nodes``."""
-        return [n.describe() for n in list(self.nodes.values())]
+        """Every connected stream, for ``/api/v1/nodes``, ordered by node id."""
+        return sorted((n.describe() for n in list(self.nodes.values())), key=lambda d: (d["node_id"], d["peer"]))
 
     async def StreamAggregatedResources(self, request_iterator, context):  # noqa: N802 (gRPC name)
-        inbox: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+        async for resp in self._serve(SotwStream(), request_iterator, context):
+            yield resp
+
+    async def DeltaAggregatedResources(self, request_iterator, context):  # noqa: N802 (gRPC name)
+        async for resp in self._serve(DeltaStream(), request_iterator, context):
+            yield resp
+
+    async def _serve(self, state: SotwStream | DeltaStream, request_iterator, context):
+        protocol = state.protocol
+        inbox: asyncio.Queue = asyncio.Queue()
         node: NodeStream | None = None
 
         async def read() -> None:
@@ -114,12 +128,12 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 await inbox.put(None)
 
         reader = asyncio.create_task(read())
-        XDS_STREAMS.inc()
+        XDS_STREAMS.labels(protocol).inc()
         try:
-            seen_version: str | None = None
+            generation = self.cache.generation
             while True:
                 get = asyncio.create_task(inbox.get())
-                change = asyncio.create_task(self.cache.wait_change(seen_version))
+                change = asyncio.create_task(self.cache.wait_change(generation))
                 done, _ = await asyncio.wait({get, change}, return_when=asyncio.FIRST_COMPLETED)
                 change.cancel()
                 if get not in done:
@@ -129,40 +143,64 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                     if req is None:
                         return
                     if node is None:
-                        node = NodeStream(req.node.id, req.node.cluster, context.peer(), "sotw")
+                        node = NodeStream(req.node.id, req.node.cluster, context.peer(), state)
                         self.nodes[id(node)] = node
-                        log.info("xDS stream from node %s (%s) at %s", node.node_id, node.node_cluster, node.peer)
-                    kind = node.state.on_request(req)
-                    XDS_REQUESTS.labels(short_type(req.type_url), kind).inc()
+                        log.info("%s xDS stream from node %s (%s) at %s", protocol, node.node_id,
+                                 node.node_cluster, node.peer)
+                    kind = state.on_request(req)
+                    XDS_REQUESTS.labels(protocol, short_type(req.type_url), kind).inc()
                     if kind == "nack":
-                        log.warning("NACK from node %s for %s version %s: %s", node.node_id,
-                                    short_type(req.type_url), node.state.types[req.type_url].sent_type_version,
-                                    node.state.types[req.type_url].nack)
-                snap = self.cache.snapshot
-                seen_version = snap.version if snap else None
-                if node is not None:
-                    for resp in node.state.pending(snap):
-                        XDS_RESPONSES.labels(short_type(resp.type_url)).inc()
-                        yield resp
+                        st = state.types[req.type_url]
+                        log.warning("NACK from node %s for %s (sent version %s): %s", node.node_id,
+                                    short_type(req.type_url), st.sent_type_version, st.nack)
+                generation = self.cache.generation
+                if node is None:
+                    continue
+                for push in state.plan(self.cache.snapshot_for(node.node_cluster)):
+                    data = self.wire.encode(push)
+                    node.sent_bytes += len(data)
+                    XDS_BYTES.labels(protocol, short_type(push.type_url)).inc(len(data))
+                    XDS_RESPONSES.labels(protocol, short_type(push.type_url)).inc()
+                    yield data
         finally:
             reader.cancel()
-            XDS_STREAMS.dec()
+            XDS_STREAMS.labels(protocol).dec()
             if node is not None:
                 self.nodes.pop(id(node), None)
                 log.info("xDS stream from node %s closed", node.node_id)
 
 
-async def start_ads_server(cache: SnapshotCache, address: str) -> tuple[grpc.aio.Server, AdsServicer, int]:
+def _wire(data: bytes) -> bytes:
+    return data
+
+
+def add_ads_servicer(servicer: AdsServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``envoy.service.discovery.v3.AggregatedDiscoveryService`` on ``server``
+    (requests parsed as usual, responses already encoded)."""
+    handler = grpc.method_handlers_generic_handler(ADS_SERVICE, {
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources, request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=_wire),
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources, request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=_wire),
+    })
+    server.add_generic_rpc_handlers((handler,))
+
+
+async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: type[AdsServicer] = AdsServicer
+                           ) -> tuple[grpc.aio.Server, AdsServicer, int]:
     """Bind and start the ADS server on ``address`` (``HOST:PORT``, port 0 = any).
 
-    Returns ``(server, servicer, bound_port)``. Raises ``RuntimeError`` if the address can't be bound.
+    Messages up to :data:`MAX_MESSAGE_BYTES` (64 MiB) each way. Returns ``(server, servicer,
+    bound_port)``. Raises ``RuntimeError`` if the address can't be bound.
     """
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
-    servicer = AdsServicer(cache)
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
+    servicer = servicer_cls(cache)
+    add_ads_servicer(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"cannot bind the xDS server to {address}")

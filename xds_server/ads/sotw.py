@@ -6,51 +6,54 @@ Rules (Envoy's xDS protocol doc, and shared/ENVOY-NOTES.md for what Envoy 1.40 r
 - ACK: latest nonce, no ``error_detail``: ``version_info`` is now applied.
 - NACK: latest nonce with ``error_detail``: Envoy keeps its last good config; the rejected resource
   versions are not sent again (they stay recorded as sent), the next change to them is (case C03).
-- CDS is a wildcard type: every response carries every cluster. EDS is named: responses carry only
-  the assignments that changed or were newly subscribed (names compared as sets; Envoy reorders).
+- CDS and LDS are wildcard types (an empty first subscription or ``*``): every response carries
+  every resource. EDS and RDS are named: a subscription is a whole-set replacement (names compared
+  as sets; Envoy reorders), responses carry the resources that changed or were newly subscribed.
 - After a CDS change to a cluster Envoy re-warms it and waits for EDS, but its EDS re-request looks
   exactly like an ACK: so every changed cluster's assignment is re-sent right after the CDS
   response (case C01). A name that leaves the subscription is forgotten, so when it comes back
   (a cluster removed and added again) its assignment is sent again (case C15).
+- Make-before-break: a cluster that left the snapshot stays in CDS responses until the client has
+  ACKed the snapshot's listeners and routes (which no longer use it).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, TYPE_ORDER, Snapshot
-
-WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
-NACK_DETAIL_CHARS = 400
+from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, TYPE_ORDER, Resource, Snapshot
+from .common import WILDCARD_TYPES, AckState, held_clusters, rewarm_clusters, routing_settled
+from .push import Push
 
 
 @dataclass
-class TypeState:
-    """Per-type protocol state of one stream.
+class TypeState(AckState):
+    """Per-type SotW protocol state of one stream.
 
-    ``sent``: resource name -> version last sent; ``nonce``: latest nonce sent (None before any);
-    ``acked``: last ACKed ``version_info``; ``nack``: reason of the last NACK (tail of ``error_detail``).
+    ``sent``: resource name -> version last sent; ``sent_resources``: the resources of the last
+    wildcard response (what the client holds); ``nonce``: latest nonce sent (None before any);
+    ``rewarm``: names to re-send whatever their version (EDS after a CDS change).
     """
 
     subscribed: frozenset[str] = frozenset()
     wildcard: bool = False
     sent: dict[str, str] = field(default_factory=dict)
+    sent_resources: dict[str, Resource] = field(default_factory=dict)
     sent_type_version: str | None = None
     nonce: str | None = None
-    acked: str | None = None
-    nack: str | None = None
-    nack_at: float | None = None
-    acks: int = 0
-    nacks: int = 0
-    requested: bool = False
     rewarm: set[str] = field(default_factory=set)
+
+    def pending_nonces(self) -> list[str]:
+        """The nonce sent and not yet answered (SotW has at most one per type that counts)."""
+        return [self.nonce] if self.nonce and self.acked != self.sent_type_version else []
 
 
 class SotwStream:
     """Protocol state of one SotW ADS stream; feed it requests, ask it what to send."""
+
+    protocol = "sotw"
 
     def __init__(self) -> None:
         self.types: dict[str, TypeState] = {}
@@ -65,14 +68,10 @@ class SotwStream:
         kind = "initial"
         if req.response_nonce:
             if req.HasField("error_detail"):
-                st.nacks += 1
-                msg = req.error_detail.message
-                st.nack = msg[-NACK_DETAIL_CHARS:]
-                st.nack_at = time.time()
+                st.record_nack(req.error_detail.message)
                 kind = "nack"
             else:
-                st.acks += 1
-                st.acked = req.version_info
+                st.record_ack(req.version_info)
                 kind = "ack"
         st.requested = True
         st.wildcard = req.type_url in WILDCARD_TYPES and (not names or "*" in names)
@@ -86,7 +85,11 @@ class SotwStream:
         return str(self._nonce)
 
     def pending(self, snap: Snapshot | None) -> list[discovery_pb2.DiscoveryResponse]:
-        """Responses to send now for ``snap``, in CDS -> EDS order; records them as sent."""
+        """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
+        return [p.message() for p in self.plan(snap)]
+
+    def plan(self, snap: Snapshot | None) -> list[Push]:
+        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
         if snap is None:
             return []
         out = []
@@ -99,36 +102,38 @@ class SotwStream:
                 out.append(resp)
         return out
 
-    def _wildcard(self, type_url: str, st: TypeState, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
+    def _wildcard(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
+        resources = snap.of(type_url)
         version = snap.versions.get(type_url, "")
+        if type_url == CLUSTER_TYPE:
+            held = held_clusters(st.sent_resources, resources, routing_settled(self.types, snap))
+            if held:
+                resources = {**resources, **held}
+                version = f"{version}+held.{len(held)}"
         if st.sent_type_version == version:
             return None
-        resources = snap.of(type_url)
         if type_url == CLUSTER_TYPE:
             eds = self.types.get(ENDPOINT_TYPE)
             if eds is not None:
-                eds.rewarm |= {n for n, r in resources.items() if n in st.sent and st.sent[n] != r.version}
+                eds.rewarm |= rewarm_clusters(st.sent, resources)
         st.sent = {n: r.version for n, r in resources.items()}
+        st.sent_resources = dict(resources)
         st.sent_type_version = version
-        return self._response(type_url, version, [r.packed for r in resources.values()], st)
+        return self._response(type_url, version, tuple(resources.values()), st)
 
-    def _named(self, type_url: str, st: TypeState, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
-        resources = snap.of(type_url)
+    def _named(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
         send = []
-        for name in sorted(st.subscribed):
-            res = resources.get(name)
-            if res is None:
-                continue
-            if st.sent.get(name) != res.version or name in st.rewarm:
+        for name, res in snap.of(type_url).items():  # the snapshot's order: deterministic
+            if name in st.subscribed and (st.sent.get(name) != res.version or name in st.rewarm):
                 send.append(res)
                 st.sent[name] = res.version
         st.rewarm.clear()
         if not send:
             return None
-        return self._response(type_url, snap.versions.get(type_url, ""), [r.packed for r in send], st)
+        version = snap.versions.get(type_url, "")
+        st.sent_type_version = version
+        return self._response(type_url, version, tuple(send), st)
 
-    def _response(self, type_url, version, resources, st: TypeState) -> discovery_pb2.DiscoveryResponse:
+    def _response(self, type_url: str, version: str, resources: tuple[Resource, ...], st: TypeState) -> Push:
         st.nonce = self._next_nonce()
-        return discovery_pb2.DiscoveryResponse(
-            version_info=version, resources=resources, type_url=type_url, nonce=st.nonce
-        )
+        return Push(self.protocol, type_url, version, resources, (), st.nonce)

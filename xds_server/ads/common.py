@@ -1,0 +1,77 @@
+"""What the State-of-the-World and delta stream states share (pure): ACK/NACK bookkeeping,
+wildcard types, CDS re-warm and make-before-break.
+
+Sources: Envoy's xDS protocol doc ("ACK and NACK semantics", "How the client specifies what
+resources to return", "Eventual consistency considerations") and shared/ENVOY-NOTES.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, Resource, Snapshot
+
+#: Types whose empty first subscription (and explicit ``*``) means "every resource of the type".
+WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
+#: The reason Envoy gives ends a long debug dump; keep its tail (characters).
+NACK_DETAIL_CHARS = 400
+#: Types whose resources reference clusters: a cluster is removed only once these are ACKed.
+ROUTING_TYPES = (LISTENER_TYPE, ROUTE_TYPE)
+
+
+@dataclass
+class AckState:
+    """ACK/NACK record of one type on one stream.
+
+    ``acked``: the version the client last ACKed (SotW ``version_info``, delta
+    ``system_version_info`` of the ACKed response); ``nack``: tail of the last NACK's
+    ``error_detail.message``; ``nack_at``: when (Unix s); ``acks``/``nacks``: counts;
+    ``requested``: the client has asked for this type on this stream.
+    """
+
+    acked: str | None = None
+    nack: str | None = None
+    nack_at: float | None = None
+    acks: int = 0
+    nacks: int = 0
+    requested: bool = False
+
+    def record_ack(self, version: str | None) -> None:
+        """The client applied ``version``."""
+        self.acks += 1
+        self.acked = version
+
+    def record_nack(self, message: str) -> None:
+        """The client rejected a response; it keeps its last good config (``acked`` does not move)."""
+        self.nacks += 1
+        self.nack = message[-NACK_DETAIL_CHARS:]
+        self.nack_at = time.time()
+
+
+def rewarm_clusters(client_versions: Mapping[str, str], clusters: Mapping[str, Resource]) -> set[str]:
+    """Clusters the client has at another version than ``clusters``: Envoy re-warms each of them and
+    waits for its assignment, which it does not re-request (case C01), so it must be re-sent."""
+    return {n for n, r in clusters.items() if n in client_versions and client_versions[n] != r.version}
+
+
+def routing_settled(acks: Mapping[str, AckState], snap: Snapshot) -> bool:
+    """True when every routing type (LDS, RDS) this client asked for is ACKed at ``snap``'s version.
+
+    Until then a cluster that left the snapshot is still served (make-before-break: routes that
+    used it are replaced before it goes).
+    """
+    for type_url in ROUTING_TYPES:
+        st = acks.get(type_url)
+        if st is not None and st.requested and st.acked != snap.versions.get(type_url):
+            return False
+    return True
+
+
+def held_clusters(client_has: Mapping[str, Resource], snap_clusters: Mapping[str, Resource],
+                  settled: bool) -> dict[str, Resource]:
+    """Clusters the client has that ``snap`` dropped, kept while the routing is not ``settled``."""
+    if settled:
+        return {}
+    return {n: r for n, r in client_has.items() if n not in snap_clusters}
