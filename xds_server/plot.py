@@ -48,7 +48,8 @@ def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight 
         ax.set_ylabel("EDS weight")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8, ncols=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", fontsize=8, ncols=2)
     if not clusters:
         axes[0].text(0.5, 0.5, "no history in this range", ha="center", va="center", transform=axes[0].transAxes)
     axes[-1].xaxis.set_major_formatter(dates.DateFormatter("%H:%M:%S"))

@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import xds_server.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
-from tests.unit.test_metrics_exposition import NODES, WEIGHTS
+from tests.unit.test_metrics_exposition import NODES, VERSIONS, WEIGHTS
 from xds_server.admin.exposition import EndpointCollector, NodeCollector
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def dashboard_exprs() -> list[str]:
 def exposed_sample_names() -> set[str]:
     names = set()
     families = [*REGISTRY.collect(), *EndpointCollector(lambda: WEIGHTS).collect(),
-                *NodeCollector(lambda: NODES).collect()]
+                *NodeCollector(lambda: NODES, lambda: VERSIONS).collect()]
     for f in families:
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(f.type, [""])
         names |= {f.name + s for s in suffixes}

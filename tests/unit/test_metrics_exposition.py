@@ -31,6 +31,7 @@ WEIGHTS = [
     EndpointWeight("chat-v2", "10.0.1.2:8000", 20, HEALTHY, 0.5, EndpointStats(latency_mean_ms=80.0),
                    {"idle_compute": None, "concurrency": 0.5, "latency": 0.5}, ("score 0.50",)),
 ]
+VERSIONS = {"Cluster": "c-7", "ClusterLoadAssignment": "e-7", "Listener": "l-1"}
 NODES = [{
     "node_id": "envoy-1", "node_cluster": "inferlb", "peer": "ipv4:127.0.0.1:5555", "protocol": "sotw",
     "connected_since": 1.0,
@@ -49,7 +50,7 @@ NODES = [{
 def exposition() -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EndpointCollector(lambda: WEIGHTS))
-    registry.register(NodeCollector(lambda: NODES))
+    registry.register(NodeCollector(lambda: NODES, lambda: VERSIONS))
     return generate_latest(registry).decode()
 
 

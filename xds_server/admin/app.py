@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from ext_proc.sampler import DecisionSampler
 
-from ..ads.server import AdsServicer
+from ..ads.server import AdsServicer, short_type
 from ..control import ControlPlane
 from ..history.query import QueryError, parse_query, run_query
 from ..history.types import HistoryError, HistoryStore
@@ -73,7 +73,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     """
     local = CollectorRegistry(auto_describe=False)
     local.register(EndpointCollector(lambda: cp.weights))
-    local.register(NodeCollector(ads.describe_nodes))
+    local.register(NodeCollector(ads.describe_nodes, lambda: {
+        short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
     spec = json.dumps(openapi_document())
 
     async def healthz(_: web.Request) -> web.Response:

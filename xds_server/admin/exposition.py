@@ -8,13 +8,13 @@ is gone has no series left behind, and an input with no data has no sample (neve
   0 for the others), ``inferlb_endpoint_score{plugin}`` (each scorer's 0–1 score) and the engine's
   inputs as seen, in base units (:data:`INPUTS`).
 - :class:`NodeCollector`: per connected Envoy ``{node, type}``: ``inferlb_xds_node_acked_version_info
-  {version}``, ``inferlb_xds_node_in_sync`` (1 when the ACKed version is the one last sent),
+  {version}``, ``inferlb_xds_node_in_sync`` (1 when the node ACKed the current snapshot's version),
   ``inferlb_xds_node_acks_total``, ``inferlb_xds_node_nacks_total`` (per stream: they restart with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -73,10 +73,12 @@ class EndpointCollector(Collector):
 
 
 class NodeCollector(Collector):
-    """Per-node xDS state from ``nodes()`` (``AdsServicer.describe_nodes()`` documents)."""
+    """Per-node xDS state from ``nodes()`` (``AdsServicer.describe_nodes()`` documents), compared with
+    ``versions()``: the current snapshot's version per short type name (``Cluster``, ...)."""
 
-    def __init__(self, nodes: Callable[[], list[dict]]) -> None:
+    def __init__(self, nodes: Callable[[], list[dict]], versions: Callable[[], Mapping[str, str]]) -> None:
         self._nodes = nodes
+        self._versions = versions
 
     def collect(self) -> Iterator[Metric]:
         """The metric families (names in the module docstring)."""
@@ -85,15 +87,17 @@ class NodeCollector(Collector):
                                   "version_info the node last ACKed, per xDS type (value always 1)",
                                   labels=[*labels, "version"])
         in_sync = GaugeMetricFamily("inferlb_xds_node_in_sync",
-                                    "1 when the node ACKed the version last sent for the type", labels=labels)
+                                    "1 when the node ACKed the current snapshot's version of the type",
+                                    labels=labels)
         acks = CounterMetricFamily("inferlb_xds_node_acks", "ACKs on the node's current stream", labels=labels)
         nacks = CounterMetricFamily("inferlb_xds_node_nacks", "NACKs on the node's current stream", labels=labels)
+        current = self._versions()
         for node in self._nodes():
             for type_name, st in sorted(node["types"].items()):
                 key = [node["node_id"], type_name]
                 if st["acked_version"] is not None:
                     acked.add_metric([*key, st["acked_version"]], 1.0)
-                in_sync.add_metric(key, 1.0 if st["acked_version"] == st["sent_version"] else 0.0)
+                in_sync.add_metric(key, 1.0 if st["acked_version"] == current.get(type_name) else 0.0)
                 acks.add_metric(key, st["acks"])
                 nacks.add_metric(key, st["nacks"])
         yield acked
