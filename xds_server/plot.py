@@ -27,7 +27,7 @@ def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight 
     for s in doc["series"]:
         clusters.setdefault(s["cluster"], []).append(s)
     panels = max(1, len(clusters))
-    fig = Figure(figsize=(10, 2.2 + 2.6 * panels), layout="constrained")
+    fig = Figure(figsize=(11, 2.2 + 2.6 * panels), layout="constrained")
     axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
     drawn = 0
     for ax, (cluster, series) in zip(axes, sorted(clusters.items()), strict=False):
@@ -46,10 +46,10 @@ def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight 
             drawn += 1
         ax.set_title(cluster, loc="left", fontsize=10)
         ax.set_ylabel("EDS weight")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", fontsize=8, ncols=2)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if not clusters:
         axes[0].text(0.5, 0.5, "no history in this range", ha="center", va="center", transform=axes[0].transAxes)
     axes[-1].xaxis.set_major_formatter(dates.DateFormatter("%H:%M:%S"))
