@@ -1,10 +1,12 @@
 """A sample of recent picker decisions for operators (``GET /api/v1/decisions``), nearly free per request.
 
-Every request pays one ``next()`` on an :func:`itertools.count` and a modulo; only every
-``every``-th decision is copied into a bounded :class:`collections.deque` (appends and copies are
-atomic in CPython: no lock, nothing shared with the slow loop that could block a request). Session
-keys are never kept in clear: a sample holds a keyed BLAKE2b digest of it, with a key drawn at
-random per process, so it can be compared within one run and not reversed or correlated across runs.
+Every request pays one ``next()`` on an :func:`itertools.count` and a modulo; every ``every``-th
+decision is appended, as references to the request's headers and the decision, to a bounded
+:class:`collections.deque` (appends and copies are atomic in CPython: no lock, nothing shared with
+the slow loop that could block a request). The work of describing a sample happens when it is read.
+Session keys are never shown in clear: a sample shows a keyed BLAKE2b digest of it, with a key drawn
+at random per process, so it can be compared within one run and not reversed or correlated across
+runs.
 """
 
 from __future__ import annotations
@@ -68,14 +70,22 @@ class DecisionSampler:
         self.every = every
         self.size = size
         self._ticks = itertools.count()
-        self._samples: deque[SampledDecision] = deque(maxlen=size)
+        self._samples: deque[tuple[float, Mapping[str, bytes], RoutingTable, Decision]] = deque(maxlen=size)
         self._clock = clock
         self._key = os.urandom(16)
 
     def offer(self, headers: Mapping[str, bytes], routing: RoutingTable, decision: Decision) -> None:
-        """Count one decision; keep it when it is the ``every``-th. Never raises for any header value."""
+        """Count one decision; keep it when it is the ``every``-th. Never raises.
+
+        Only references are kept (``headers`` must not be mutated afterwards; the transport builds a
+        fresh mapping per request): hashing and decoding wait for :meth:`recent`, off the request path.
+        """
         if next(self._ticks) % self.every:
             return
+        self._samples.append((self._clock(), headers, routing, decision))
+
+    def _describe(self, at: float, headers: Mapping[str, bytes], routing: RoutingTable,
+                  decision: Decision) -> SampledDecision:
         session = None
         for name in routing.session_headers:
             key = headers.get(name)
@@ -84,11 +94,11 @@ class DecisionSampler:
                 break
         raw = headers.get(routing.version_header)
         version = raw[:256].decode("utf-8", errors="backslashreplace") if raw else None
-        self._samples.append(SampledDecision(self._clock(), session, version, decision.cluster,
-                                             decision.endpoint, decision.reason, decision.status))
+        return SampledDecision(at, session, version, decision.cluster, decision.endpoint, decision.reason,
+                               decision.status)
 
     def recent(self, limit: int | None = None) -> list[SampledDecision]:
         """The kept samples, newest first (at most ``limit``)."""
-        out = list(self._samples)
-        out.reverse()
-        return out if limit is None else out[:limit]
+        kept = list(self._samples)
+        kept.reverse()
+        return [self._describe(*sample) for sample in (kept if limit is None else kept[:limit])]
