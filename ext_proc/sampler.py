@@ -1,7 +1,7 @@
 """A sample of recent picker decisions for operators (``GET /api/v1/decisions``), nearly free per request.
 
 Every request pays one ``next()`` on an :func:`itertools.count` and a modulo; every ``every``-th
-decision is appended, as references to the request's headers and the decision, to a bounded
+decision's session key, version header and decision are appended to a bounded
 :class:`collections.deque` (appends and copies are atomic in CPython: no lock, nothing shared with
 the slow loop that could block a request). The work of describing a sample happens when it is read.
 Session keys are never shown in clear: a sample shows a keyed BLAKE2b digest of it, with a key drawn
@@ -70,31 +70,29 @@ class DecisionSampler:
         self.every = every
         self.size = size
         self._ticks = itertools.count()
-        self._samples: deque[tuple[float, Mapping[str, bytes], RoutingTable, Decision]] = deque(maxlen=size)
+        self._samples: deque[tuple[float, bytes | None, bytes | None, Decision]] = deque(maxlen=size)
         self._clock = clock
         self._key = os.urandom(16)
 
     def offer(self, headers: Mapping[str, bytes], routing: RoutingTable, decision: Decision) -> None:
         """Count one decision; keep it when it is the ``every``-th. Never raises.
 
-        Only references are kept (``headers`` must not be mutated afterwards; the transport builds a
-        fresh mapping per request): hashing and decoding wait for :meth:`recent`, off the request path.
+        A kept sample holds only the session key, the version header and the decision; hashing and
+        decoding wait for :meth:`recent`, off the request path.
         """
         if next(self._ticks) % self.every:
             return
-        self._samples.append((self._clock(), headers, routing, decision))
-
-    def _describe(self, at: float, headers: Mapping[str, bytes], routing: RoutingTable,
-                  decision: Decision) -> SampledDecision:
-        session = None
+        key = None
         for name in routing.session_headers:
             key = headers.get(name)
             if key:
-                session = hashlib.blake2b(key, digest_size=8, key=self._key).hexdigest()
                 break
-        raw = headers.get(routing.version_header)
-        version = raw[:256].decode("utf-8", errors="backslashreplace") if raw else None
-        return SampledDecision(at, session, version, decision.cluster, decision.endpoint, decision.reason,
+        self._samples.append((self._clock(), key, headers.get(routing.version_header), decision))
+
+    def _describe(self, at: float, key: bytes | None, version: bytes | None, decision: Decision) -> SampledDecision:
+        session = hashlib.blake2b(key, digest_size=8, key=self._key).hexdigest() if key else None
+        shown = version[:256].decode("utf-8", errors="backslashreplace") if version else None
+        return SampledDecision(at, session, shown, decision.cluster, decision.endpoint, decision.reason,
                                decision.status)
 
     def recent(self, limit: int | None = None) -> list[SampledDecision]:
