@@ -63,7 +63,7 @@ def test_history_plot_writes_a_png(admin, tmp_path):
     assert result.output.strip() == f"{out}: 2 endpoints"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = image.imread(out).shape
-    assert width == 1000 and height > 300
+    assert width == 1100 and height > 300
 
 
 def test_plot_draws_one_line_per_endpoint_and_a_panel_per_cluster(tmp_path):
