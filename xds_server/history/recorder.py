@@ -102,13 +102,13 @@ class HistoryRecorder:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            if item is None:
+            if item is not None:
+                self._write(*item)
+            if time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
-                if self._current is None:
-                    continue
-                version, weights = self._current()
-                item = (self._clock(), version, weights, True)
-            self._write(*item)
+                if self._current is not None:
+                    version, weights = self._current()
+                    self._write(self._clock(), version, weights, True)
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + self._prune_every_s
                 self._guard("prune", lambda: self.store.prune(self._clock()))
@@ -118,17 +118,24 @@ class HistoryRecorder:
         rows, last = to_record(weights, self._last, now, version, self._keyframe_s, keyframes_only)
         if not rows:
             return
-        if self._guard("write", lambda: self.store.append(rows) or True):
-            self._last = last
-            for r in rows:
-                ROWS_WRITTEN.labels(r.kind).inc()
+        try:
+            self.store.append(rows)
+        except HistoryError as err:
+            self._failed("write", err)  # _last stays: the change is written with a later round
+            return
+        self._last = last
+        for r in rows:
+            ROWS_WRITTEN.labels(r.kind).inc()
 
     def _guard(self, op: str, fn: Callable):
         try:
             return fn()
         except HistoryError as err:
-            ERRORS.labels(op).inc()
-            if time.monotonic() - self._last_error_log >= 60:
-                self._last_error_log = time.monotonic()
-                log.error("history %s failed (the control plane keeps running): %s", op, err)
+            self._failed(op, err)
             return None
+
+    def _failed(self, op: str, err: HistoryError) -> None:
+        ERRORS.labels(op).inc()
+        if time.monotonic() - self._last_error_log >= 60:
+            self._last_error_log = time.monotonic()
+            log.error("history %s failed (the control plane keeps running): %s", op, err)
