@@ -21,6 +21,7 @@ from prometheus_client import Counter
 
 from ext_proc.picker import pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
+from ext_proc.sampler import DecisionSampler
 from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
 from ext_proc.view import ViewHolder
 
@@ -56,6 +57,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         holder: where the current :class:`~ext_proc.view.EndpointView` is read, once per
             request; the slow loop swaps it.
         errors: the error reporter (default: one logging to this module's logger).
+        sampler: where a sample of decisions is kept for operators (None: no sampling).
 
     Malformed input never raises out of the servicer: an undecodable message or a failure
     inside the picker is counted in ``inferlb_ext_proc_errors_total{kind}``, logged (rate
@@ -63,8 +65,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     mode (fail-open with ``failure_mode_allow``).
     """
 
-    def __init__(self, holder: ViewHolder, errors: ErrorReporter | None = None) -> None:
+    def __init__(self, holder: ViewHolder, errors: ErrorReporter | None = None,
+                 sampler: DecisionSampler | None = None) -> None:
         self._holder = holder
+        self._sample = sampler.offer if sampler is not None else None
         self._errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._outcomes: dict[str, Counter] = {}
@@ -87,6 +91,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         decision = pick(headers, view)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         self._count(decision.reason)
+        if self._sample is not None:
+            self._sample(headers, view.routing, decision)
         return self._encoder.encode(decision, view, headers)
 
     async def Process(
@@ -134,7 +140,7 @@ def add_servicer(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
 
 
 async def start_ext_proc_server(
-    holder: ViewHolder, address: str, *, reuse_port: bool = False
+    holder: ViewHolder, address: str, *, reuse_port: bool = False, sampler: DecisionSampler | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Bind and start the ext_proc gRPC server (plaintext HTTP/2).
 
@@ -143,6 +149,7 @@ async def start_ext_proc_server(
         address: ``"HOST:PORT"``; port 0 picks a free port.
         reuse_port: allow several processes on one port (SO_REUSEPORT). Off by default so a
             second picker on a taken port fails instead of silently sharing it.
+        sampler: keeps a sample of decisions (see :class:`ext_proc.sampler.DecisionSampler`).
 
     Returns:
         ``(server, port)``: the started server (stop it with ``await server.stop(grace)``) and
@@ -158,7 +165,7 @@ async def start_ext_proc_server(
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
-    add_servicer(ExtProcServicer(holder), server)
+    add_servicer(ExtProcServicer(holder, sampler=sampler), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"ext_proc server could not bind {address}")

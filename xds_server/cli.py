@@ -50,11 +50,16 @@ def validate(config_path: str) -> None:
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str, log_level: str) -> None:
     """Run the xDS server, the ext_proc picker and the admin API."""
+    from .history.types import HistoryError
     from .serve import serve as run
 
     cfg = _load(config_path)
     _setup_logging(log_level)
-    asyncio.run(run(cfg))
+    try:
+        asyncio.run(run(cfg))
+    except HistoryError as err:
+        click.echo(f"inferlb serve: {err}", err=True)
+        sys.exit(2)
 
 
 @main.command()
@@ -86,6 +91,47 @@ def weights(admin: str, as_json: bool) -> None:
         click.echo(f"cannot read {admin}/api/v1/weights: {err}", err=True)
         sys.exit(1)
     click.echo(json.dumps(doc, indent=2) if as_json else weights_table(doc))
+
+
+@main.command()
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
+@click.option("--cluster", required=True, help="Cluster, e.g. chat-v1.")
+@click.option("--endpoint", help="Only this endpoint (HOST:PORT).")
+@click.option("--since", default="10m", show_default=True, help="A duration ago (10m, 2h) or an RFC 3339 time.")
+@click.option("--until", help="End, in the same forms (default: now).")
+@click.option("--step", help="Resample to one point per step (e.g. 30s).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot here instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
+def history(admin: str, cluster: str, endpoint: str | None, since: str, until: str | None, step: str | None,
+            plot_path: str | None, as_json: bool) -> None:
+    """Show the weight history of a cluster: a table, the JSON, or a PNG plot (--plot)."""
+    import urllib.parse
+
+    from .table import history_table
+
+    params = {k: v for k, v in (("cluster", cluster), ("endpoint", endpoint), ("since", since), ("until", until),
+                                ("step", step)) if v is not None}
+    url = f"{admin.rstrip('/')}/api/v1/history?{urllib.parse.urlencode(params)}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.load(r)
+    except urllib.error.HTTPError as err:
+        try:
+            message = json.load(err).get("error", err.reason)
+        except ValueError:
+            message = err.reason
+        click.echo(f"inferlb history: {message}", err=True)
+        sys.exit(2 if err.code == 400 else 1)
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        click.echo(f"cannot read {url}: {err}", err=True)
+        sys.exit(1)
+    if plot_path:
+        from .plot import plot_history
+
+        n = plot_history(doc, plot_path, title=f"inferlb: EDS weight per endpoint, {cluster}")
+        click.echo(f"{plot_path}: {n} endpoints")
+    else:
+        click.echo(json.dumps(doc, indent=2) if as_json else history_table(doc))
 
 
 @main.command()

@@ -165,6 +165,24 @@ class Engine(_Strict):
     scorers: Scorers = Scorers()
 
 
+class History(_Strict):
+    """The weight-history store (see ``xds_server/history``).
+
+    ``path``: the SQLite file; None (default) = ``$XDG_STATE_HOME/inferlb/history.sqlite3``
+    (``~/.local/state/inferlb/history.sqlite3`` without XDG_STATE_HOME); a relative path is relative
+    to the working directory; ``:memory:`` keeps history in memory only (lost at exit).
+    ``retention_days``: rows older than this are deleted (days).
+    ``max_rows``: at most this many rows are kept; the oldest go first.
+    ``keyframe_s``: an endpoint whose weight and health did not change gets a row at least this
+    often (s), so every time range starts from a recorded value.
+    """
+
+    path: str | None = None
+    retention_days: float = Field(7.0, gt=0)
+    max_rows: int = Field(1_000_000, ge=1)
+    keyframe_s: float = Field(600.0, gt=0)
+
+
 class GpuClass(_Strict):
     """``capacity``: throughput relative to an A100 (> 0); ``memory_mib``: GPU memory (MiB)."""
 
@@ -272,6 +290,7 @@ class Config(_Strict):
     prometheus: PrometheusSource = PrometheusSource()
     headers: Headers = Headers()
     engine: Engine = Engine()
+    history: History = History()
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
     services: tuple[ServiceConfig, ...] = Field(min_length=1)

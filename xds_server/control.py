@@ -1,4 +1,4 @@
-"""The slow loop: every interval, metrics -> weight engine -> snapshot -> (ADS, picker view, /metrics).
+"""The slow loop: every interval, metrics -> weight engine -> snapshot -> (ADS, picker view, history).
 
 The thin I/O shell around the pure parts. Metrics are fetched in a worker thread with a deadline;
 when the source fails, the last good weights keep serving and the failure is flagged (case C05).
@@ -19,15 +19,13 @@ from ext_proc.view import RoutingTable, ServiceRoute
 from .ads.cache import SnapshotCache
 from .config import Config, cluster_name
 from .engine.pipeline import compute_weights
-from .engine.types import HEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
+from .engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
 from .metrics.prometheus import MetricsUnavailable
 from .metrics.stats import EndpointStats
 from .snapshot import BuildMemo, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_WEIGHT = Gauge("inferlb_endpoint_weight", "EDS load_balancing_weight pushed", ["cluster", "endpoint"])
-ENDPOINT_HEALTHY = Gauge("inferlb_endpoint_healthy", "1 when the endpoint is HEALTHY in EDS", ["cluster", "endpoint"])
 METRICS_UP = Gauge("inferlb_metrics_source_up", "1 when the last metrics round succeeded")
 ROUNDS = Counter("inferlb_weight_rounds_total", "Weight-engine rounds, by outcome", ["outcome"])
 SNAPSHOTS = Counter("inferlb_snapshots_total", "New snapshots published")
@@ -141,8 +139,6 @@ class ControlPlane:
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
         for w in weights:
-            ENDPOINT_WEIGHT.labels(w.cluster, w.address).set(w.weight)
-            ENDPOINT_HEALTHY.labels(w.cluster, w.address).set(1 if w.health == HEALTHY else 0)
             if before.get((w.cluster, w.address)) != (w.weight, w.health):
                 log.info("weight %s %s -> %d %s: %s", w.cluster, w.address, w.weight, w.health,
                          "; ".join(w.reasons))

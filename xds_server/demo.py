@@ -2,7 +2,8 @@
 
 Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus scraping every
 second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
-traffic with session and version headers, shows the live weights, and writes a summary.
+traffic with session and version headers, shows the live weights, writes a summary, and ends by
+plotting the weight history to ``<workdir>/weight-history.png``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .bootstrap import render_bootstrap
 from .config import load_config
 from .envoy_admin import envoy_hosts
 from .loadgen import Traffic, drive, make_sessions
+from .plot import plot_history
 from .table import weights_table
 
 ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT = 10000, 9901, 9090
@@ -31,8 +33,9 @@ XDS_PORT, EXT_PROC_PORT, ADMIN_PORT = 18000, 18080, 18090
 BACKENDS = (("v1", "a100"), ("v1", "a100"), ("v1", "a10"), ("v2", "a100"), ("v2", "a10"))
 
 
-def demo_config(backends: list[tuple[str, str, int]]) -> dict:
-    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``."""
+def demo_config(backends: list[tuple[str, str, int]], history_path: str = ":memory:") -> dict:
+    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``, keeping its weight
+    history in ``history_path``."""
     versions: dict[str, list[dict]] = {}
     for version, gpu, port in backends:
         versions.setdefault(version, []).append(
@@ -44,6 +47,7 @@ def demo_config(backends: list[tuple[str, str, int]]) -> dict:
         "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10, "interval_s": 1,
                        "timeout_s": 1},
         "engine": {"stale_after_s": 15},
+        "history": {"path": history_path},
         "services": [{
             "name": "chat",
             "default_version": "v1",
@@ -149,13 +153,14 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     try:
         _check_ports([ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT])
         print(f"inferlb demo: work dir {work}", flush=True)
+        demo_started = time.time()
         backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
         for version, gpu, port in backends:
             procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
         procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
                                             PROMETHEUS_PORT, scrape_interval_s=1.0))
         cfg_path = work / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(demo_config(backends), sort_keys=False))
+        cfg_path.write_text(yaml.safe_dump(demo_config(backends, str(work / "history.sqlite3")), sort_keys=False))
         cfg = load_config(cfg_path)
         cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
         procs.append(cp)
@@ -182,9 +187,14 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         }
         print(weights_table(_get_json(f"{admin}/api/v1/weights")))
         print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms")}, indent=1))
+        plot_path = work / "weight-history.png"
+        history = _get_json(f"{admin}/api/v1/history?since={int(time.time() - demo_started) + 5}s")
+        plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")
+        summary["history_plot"] = str(plot_path)
         if json_path:
             Path(json_path).write_text(json.dumps(summary, indent=2))
             print(f"inferlb demo: summary written to {json_path}")
+        print(f"inferlb demo: weight history plotted to {plot_path}")
         return 0
     except stack.StackError as err:
         print(f"inferlb demo: {err}", file=sys.stderr)

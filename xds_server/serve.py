@@ -10,6 +10,7 @@ import signal
 import grpc
 from aiohttp import web
 
+from ext_proc.sampler import DecisionSampler
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 
@@ -18,6 +19,8 @@ from .ads.cache import SnapshotCache
 from .ads.server import AdsServicer, start_ads_server
 from .config import Config, split_hostport
 from .control import ControlPlane, routing_table
+from .history.recorder import HistoryRecorder
+from .history.sqlite import open_store
 from .metrics.prometheus import PrometheusSource
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,9 @@ class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
     After :meth:`start`, ``xds_port``, ``ext_proc_port`` and ``admin_port`` hold the bound ports
-    (the config may ask for port 0).
+    (the config may ask for port 0). ``recorder`` writes the weight history (``cfg.history``);
+    ``sampler`` keeps a sample of the picker's decisions. Raises ``HistoryError`` when the history
+    database cannot be opened.
     """
 
     def __init__(self, cfg: Config) -> None:
@@ -36,8 +41,11 @@ class InferLB:
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
         routing = routing_table(cfg)
+        self.sampler = DecisionSampler()
+        self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
-                                    [lambda snap, _weights: self.view.update(snap.assignments(), routing)],
+                                    [lambda snap, _weights: self.view.update(snap.assignments(), routing),
+                                     self.recorder.record],
                                     lambda: cfg.envoy.ext_proc_address or
                                     f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
         self.ads: AdsServicer | None = None
@@ -47,16 +55,23 @@ class InferLB:
         self._loop_task: asyncio.Task | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = 0
 
+    def _current_weights(self):
+        snap = self.cache.snapshot
+        return (snap.version if snap else None), self.control.weights
+
     async def start(self) -> None:
         """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
         self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
-        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.view, self.cfg.listen.ext_proc)
-        self._runner = web.AppRunner(make_admin_app(self.control, self.ads), access_log=None)
+        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.view, self.cfg.listen.ext_proc,
+                                                                          sampler=self.sampler)
+        self._runner = web.AppRunner(make_admin_app(self.control, self.ads, self.recorder.store, self.sampler),
+                                     access_log=None)
         await self._runner.setup()
         host, port = split_hostport(self.cfg.listen.admin)
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
+        self.recorder.start()
         self._loop_task = asyncio.create_task(self.control.run())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
                  self.admin_port)
@@ -70,6 +85,7 @@ class InferLB:
                 await server.stop(grace=grace_s)
         if self._runner:
             await self._runner.cleanup()
+        await asyncio.to_thread(self.recorder.close)
 
 
 async def serve(cfg: Config, stop: asyncio.Event | None = None) -> None:

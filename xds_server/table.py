@@ -27,3 +27,23 @@ def weights_table(doc: dict) -> str:
     rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
                 f"snapshot {doc.get('snapshot_version')}")
     return "\n".join(rows)
+
+
+def history_table(doc: dict) -> str:
+    """The ``/api/v1/history`` document as a fixed-width table, oldest first: time (UTC), cluster,
+    endpoint, weight, health, score, kind and the first reason."""
+    from datetime import UTC, datetime
+
+    head = f"{'time (UTC)':<19} {'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
+           f"{'kind':<8}  reason"
+    points = sorted(((p["t"], s["cluster"], s["endpoint"], p) for s in doc.get("series", []) for p in s["points"]),
+                    key=lambda x: x[:3])
+    rows = [head, "-" * len(head)]
+    for t, cluster, endpoint, p in points:
+        reason = (p.get("reasons") or [""])[0]
+        rows.append(f"{datetime.fromtimestamp(t, UTC).strftime('%Y-%m-%d %H:%M:%S'):<19} {cluster:<12} {endpoint:<21} "
+                    f"{p['weight']:>6} {p['health']:<9} {_fmt(p.get('score'), digits=2):>5} {p['kind']:<8}  "
+                    f"{reason[:70]}")
+    rows.append(f"{len(points)} points in {len(doc.get('series', []))} series"
+                + (" (truncated: narrow the range)" if doc.get("truncated") else ""))
+    return "\n".join(rows)

@@ -124,7 +124,9 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
         listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)))
+        doc = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
+        doc["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
+        cfg_path.write_text(yaml.safe_dump(doc))
         cfg = load_config(cfg_path)
         app = InferLB(cfg)
         loop.run(app.start())

@@ -1,8 +1,9 @@
-"""Admin HTTP API (aiohttp): health, readiness, Prometheus metrics, current weights, connected nodes.
+"""Admin HTTP API (aiohttp): health, readiness, metrics, weights, nodes, history, decisions, the page.
 
 - ``GET /healthz`` 200 while the process runs.
 - ``GET /readyz`` 200 once the first snapshot is published, else 503.
-- ``GET /metrics`` Prometheus exposition of the process's registry.
+- ``GET /metrics`` Prometheus exposition: the process's registry plus this control plane's
+  endpoint and node collectors (:mod:`xds_server.admin.exposition`).
 - ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
   "score", "scores", "inputs", "reasons"}]}], "metrics_source": {...}, "snapshot_version"}``.
 - ``GET /api/v1/nodes`` ``{"nodes": [{"node_id", "node_cluster", "peer", "protocol" ("sotw" | "delta"),
@@ -10,15 +11,37 @@
   "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
+- ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
+- ``GET /api/v1/decisions`` a sample of recent picker decisions (:mod:`ext_proc.sampler`).
+- ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
+- ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
 """
 
 from __future__ import annotations
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+import asyncio
+import json
+from pathlib import Path
 
-from ..ads.server import AdsServicer
+import yaml
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+from ext_proc.sampler import DecisionSampler
+
+from ..ads.server import AdsServicer, short_type
 from ..control import ControlPlane
+from ..history.query import QueryError, parse_query, run_query
+from ..history.types import HistoryError, HistoryStore
+from .exposition import EndpointCollector, NodeCollector
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+
+
+def openapi_document() -> dict:
+    """The OpenAPI document (``openapi.yaml`` next to this module) as a dict."""
+    return yaml.safe_load((HERE / "openapi.yaml").read_text())
 
 
 def weights_document(cp: ControlPlane) -> dict:
@@ -42,8 +65,21 @@ def weights_document(cp: ControlPlane) -> dict:
     }
 
 
-def make_admin_app(cp: ControlPlane, ads: AdsServicer) -> web.Application:
-    """The admin application for one control plane and its ADS servicer."""
+def _error(status: int, message: str, parameter: str | None = None) -> web.Response:
+    return web.json_response({"error": message, "parameter": parameter}, status=status)
+
+
+def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | None = None,
+                   sampler: DecisionSampler | None = None) -> web.Application:
+    """The admin application for one control plane, its ADS servicer, history store and decision sampler.
+
+    Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
+    """
+    local = CollectorRegistry(auto_describe=False)
+    local.register(EndpointCollector(lambda: cp.weights))
+    local.register(NodeCollector(ads.describe_nodes, lambda: {
+        short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
+    spec = json.dumps(openapi_document())
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -53,7 +89,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer) -> web.Application:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(REGISTRY) + generate_latest(local),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def weights(_: web.Request) -> web.Response:
         return web.json_response(weights_document(cp))
@@ -63,10 +100,46 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer) -> web.Application:
                      "problems": list(r.problems), "kept": r.kept} for r in ads.cache.rejections]
         return web.json_response({"nodes": ads.describe_nodes(), "rejected_resources": rejected})
 
+    async def history_series(request: web.Request) -> web.Response:
+        try:
+            query = parse_query(request.query)
+        except QueryError as err:
+            return _error(400, str(err), err.param)
+        if history is None:
+            return _error(503, "history: this process keeps no history")
+        try:
+            doc = await asyncio.to_thread(run_query, history, query)
+        except HistoryError as err:
+            return _error(503, str(err))
+        return web.json_response(doc)
+
+    async def decisions(request: web.Request) -> web.Response:
+        limit = None
+        if "limit" in request.query:
+            raw = request.query["limit"]
+            if not raw.isdigit() or int(raw) < 1:
+                return _error(400, f"limit: expected an integer >= 1, got {raw!r}", "limit")
+            limit = int(raw)
+        if sampler is None:
+            return web.json_response({"every": 1, "size": 1, "decisions": []})
+        return web.json_response({"every": sampler.every, "size": sampler.size,
+                                  "decisions": [d.as_dict() for d in sampler.recent(limit)]})
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.Response(text=spec, content_type="application/json")
+
+    async def page(_: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "index.html")
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/v1/weights", weights)
     app.router.add_get("/api/v1/nodes", nodes)
+    app.router.add_get("/api/v1/history", history_series)
+    app.router.add_get("/api/v1/decisions", decisions)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/", page)
+    app.router.add_static("/static/", STATIC)
     return app

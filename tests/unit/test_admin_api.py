@@ -1,0 +1,147 @@
+"""The admin API over real aiohttp: history filters, since/until/step parsing, 400s, decisions, the
+OpenAPI document (validated) and every JSON answer checked against its schema in that document."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from jsonschema import Draft202012Validator
+from openapi_spec_validator import validate
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+from ext_proc.sampler import DecisionSampler
+from ext_proc.server import ExtProcServicer
+from tests.unit.history_rows import admin_app, row, verdict
+from tests.unit.test_decision_sampler import holder, http_headers
+from xds_server.admin.app import openapi_document
+from xds_server.engine.types import DRAINING
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"
+NOW = time.time()
+ROWS = [row(NOW - 7200, A, 10), row(NOW - 1200, A, 20), row(NOW - 500, B, 30), row(NOW - 300, A, 25),
+        row(NOW - 200, B, 30, DRAINING), row(NOW - 100, C, 40, cluster="chat-v2")]
+SPEC = openapi_document()
+REGISTRY = Registry().with_resource("urn:inferlb-admin", Resource(SPEC, DRAFT202012))
+
+
+def conforms(instance: dict, schema_name: str) -> None:
+    Draft202012Validator({"$ref": f"urn:inferlb-admin#/components/schemas/{schema_name}"},
+                         registry=REGISTRY).validate(instance)
+
+
+@pytest.fixture
+async def client():
+    sampler = DecisionSampler(every=1)
+    servicer = ExtProcServicer(holder(), sampler=sampler)
+    servicer.decide(http_headers(x_session_id="s-1", model_version="v1"))
+    servicer.decide(http_headers())
+    app, store = admin_app(ROWS, [verdict(A, 25), verdict(B, 30, DRAINING), verdict(C, 40, cluster="chat-v2")],
+                           sampler)
+    async with TestClient(TestServer(app)) as c:
+        c.store = store
+        yield c
+    store.close()
+
+
+async def get(client, path: str, status: int = 200):
+    r = await client.get(path)
+    assert r.status == status, await r.text()
+    return await r.json()
+
+
+def test_openapi_document_is_valid_openapi_31():
+    assert SPEC["openapi"].startswith("3.1")
+    validate(SPEC)
+
+
+async def test_openapi_is_served_and_lists_every_route(client):
+    served = await get(client, "/openapi.json")
+    assert served == SPEC
+    routes = {r.resource.canonical for r in client.server.app.router.routes()
+              if r.method == "GET" and not r.resource.canonical.startswith("/static")}
+    assert routes == set(SPEC["paths"])
+
+
+async def test_history_filters_by_cluster_and_endpoint(client):
+    doc = await get(client, "/api/v1/history?since=3h")
+    conforms(doc, "HistoryDocument")
+    assert [(s["cluster"], s["endpoint"]) for s in doc["series"]] == [("chat-v1", A), ("chat-v1", B), ("chat-v2", C)]
+    assert [p["weight"] for p in doc["series"][0]["points"]] == [10, 20, 25]
+    doc = await get(client, "/api/v1/history?since=3h&cluster=chat-v1&endpoint=" + B)
+    assert [(p["weight"], p["health"]) for p in doc["series"][0]["points"]] == [(30, "HEALTHY"), (30, "DRAINING")]
+    assert len(doc["series"]) == 1
+    assert (await get(client, "/api/v1/history?since=3h&cluster=nope"))["series"] == []
+
+
+async def test_since_as_duration_carries_the_value_in_force(client):
+    doc = await get(client, "/api/v1/history?since=10m&cluster=chat-v1")
+    assert abs(doc["since"] - (time.time() - 600)) < 5 and abs(doc["until"] - time.time()) < 5
+    a = doc["series"][0]["points"]
+    assert [(p["weight"], p["kind"]) for p in a] == [(20, "carried"), (25, "change")]
+    assert a[0]["t"] == doc["since"]
+
+
+async def test_since_and_until_as_rfc3339(client):
+    def rfc(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    doc = await get(client, f"/api/v1/history?since={rfc(NOW - 600)}&until={rfc(NOW - 250)}&endpoint={A}")
+    assert doc["since"] == pytest.approx(NOW - 600, abs=1e-3) and doc["until"] == pytest.approx(NOW - 250, abs=1e-3)
+    assert [p["weight"] for p in doc["series"][0]["points"]] == [20, 25]
+
+
+async def test_step_resamples(client):
+    doc = await get(client, f"/api/v1/history?since=20m&step=5m&endpoint={A}")
+    assert doc["step"] == 300
+    assert [p["weight"] for p in doc["series"][0]["points"]] == [20, 20, 20, 25, 25]
+
+
+@pytest.mark.parametrize("query,param", [("since=soon", "since"), ("until=2026-01-01", "until"),
+                                         ("since=5m&until=10m", "since"), ("step=0s", "step"),
+                                         ("limit=-1", "limit"), ("clust=chat-v1", "clust")])
+async def test_bad_parameters_are_400s_naming_the_parameter(client, query, param):
+    doc = await get(client, f"/api/v1/history?{query}", 400)
+    conforms(doc, "Error")
+    assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ")
+
+
+async def test_decisions_sample(client):
+    doc = await get(client, "/api/v1/decisions")
+    conforms(doc, "DecisionsDocument")
+    assert doc["every"] == 1
+    latest, first = doc["decisions"]
+    assert (first["version"], first["cluster"], first["reason"]) == ("v1", "llm-v1", "session")
+    assert first["endpoint"].startswith("10.0.0.") and first["session"] and "s-1" not in first["session"]
+    assert (latest["session"], latest["endpoint"], latest["reason"]) == (None, None, "no-session")
+    assert len((await get(client, "/api/v1/decisions?limit=1"))["decisions"]) == 1
+    assert (await get(client, "/api/v1/decisions?limit=x", 400))["parameter"] == "limit"
+
+
+async def test_weights_nodes_readyz_conform(client):
+    conforms(await get(client, "/api/v1/weights"), "WeightsDocument")
+    conforms(await get(client, "/api/v1/nodes"), "NodesDocument")
+    assert (await get(client, "/readyz", 503)) == {"ready": False}
+
+
+async def test_page_and_its_chart_library_are_served_locally(client):
+    r = await client.get("/")
+    html = await r.text()
+    assert r.status == 200 and r.content_type == "text/html"
+    assert "http://" not in html and "https://" not in html  # nothing from elsewhere at run time
+    for path in ("/static/vendor/uplot/uPlot.iife.min.js", "/static/vendor/uplot/uPlot.min.css", "/static/app.js"):
+        assert f'"{path}"' in html
+        r = await client.get(path)
+        assert r.status == 200 and len(await r.read()) > 1000, path
+    js = await (await client.get("/static/app.js")).text()
+    assert "https://" not in js and "http://" not in js
+
+
+async def test_a_failing_store_is_a_503(client):
+    client.store.close()
+    doc = await get(client, "/api/v1/history", 503)
+    conforms(doc, "Error")
+    assert "closed" in doc["error"] and doc["parameter"] is None

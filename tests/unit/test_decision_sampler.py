@@ -1,0 +1,64 @@
+"""The decision sampler: every Nth decision, bounded, session keys hashed; wired into the real servicer."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.core.v3 import base_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.sampler import DecisionSampler
+from ext_proc.server import ExtProcServicer
+from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
+
+
+def holder() -> ViewHolder:
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="llm-v1")
+    locality = cla.endpoints.add()
+    for i in range(3):
+        lb = locality.lb_endpoints.add(health_status=health_check_pb2.HEALTHY)
+        lb.endpoint.address.socket_address.address = f"10.0.0.{i}"
+        lb.endpoint.address.socket_address.port_value = 8000
+    h = ViewHolder()
+    h.update({"llm-v1": cla}, RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),)))
+    return h
+
+
+def http_headers(**headers: str) -> pb.HttpHeaders:
+    values = {":authority": "api", ":path": "/v1/chat", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
+
+
+def test_every_nth_decision_is_kept_newest_first_and_bounded():
+    sampler = DecisionSampler(every=3, size=2, clock=iter(range(100)).__next__)
+    servicer = ExtProcServicer(holder(), sampler=sampler)
+    for i in range(9):
+        servicer.decide(http_headers(x_session_id=f"s{i}"))
+    kept = sampler.recent()
+    assert len(kept) == 2 and [d.at for d in kept] == [2, 1]  # decisions 0, 3, 6 sampled; the newest 2 kept
+    assert all(d.reason == "session" and d.cluster == "llm-v1" and d.endpoint.startswith("10.0.0.") for d in kept)
+    assert sampler.recent(limit=1) == kept[:1]
+
+
+def test_samples_hold_a_keyed_hash_of_the_session_never_the_key():
+    sampler = DecisionSampler(every=1)
+    servicer = ExtProcServicer(holder(), sampler=sampler)
+    servicer.decide(http_headers(x_session_id="alice-secret", model_version="v1"))
+    servicer.decide(http_headers(x_session_id="alice-secret"))
+    servicer.decide(http_headers(x_user_id="bob"))
+    servicer.decide(http_headers(model_version="v9"))
+    unknown, bob, alice2, alice1 = sampler.recent()
+    assert alice1.session == alice2.session and len(alice1.session) == 16 and int(alice1.session, 16) >= 0
+    assert "alice" not in alice1.session and bob.session not in (None, alice1.session)
+    assert alice1.version == "v1" and alice2.version is None
+    assert (unknown.session, unknown.version, unknown.reason, unknown.status, unknown.cluster) == \
+        (None, "v9", "unknown-version", 400, None)
+    other = DecisionSampler(every=1)
+    ExtProcServicer(holder(), sampler=other).decide(http_headers(x_session_id="alice-secret"))
+    assert other.recent()[0].session != alice1.session  # the key is per process (per sampler)
+
+
+def test_sampler_refuses_nonsense_settings():
+    with pytest.raises(ValueError, match="every"):
+        DecisionSampler(every=0)

@@ -1,0 +1,106 @@
+"""Prometheus collectors rendered from the control plane's state at scrape time.
+
+Rendering at scrape time (rather than setting gauges each round) means an endpoint or node that
+is gone has no series left behind, and an input with no data has no sample (never a fake 0).
+
+- :class:`EndpointCollector`: per ``{cluster, endpoint}``: ``inferlb_endpoint_weight`` (the EDS
+  ``load_balancing_weight``), ``inferlb_endpoint_health{status}`` (1 for the current health status,
+  0 for the others), ``inferlb_endpoint_score{plugin}`` (each scorer's 0–1 score) and the engine's
+  inputs as seen, in base units (:data:`INPUTS`).
+- :class:`NodeCollector`: per connected Envoy ``{node, type}``: ``inferlb_xds_node_acked_version_info
+  {version}``, ``inferlb_xds_node_in_sync`` (1 when the node ACKed the current snapshot's version),
+  ``inferlb_xds_node_acks_total``, ``inferlb_xds_node_nacks_total`` (per stream: they restart with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+
+HEALTH_STATUSES = (HEALTHY, UNHEALTHY, DRAINING)
+_MIB = 1024.0 * 1024.0
+#: EndpointStats field -> (metric name, help, factor to the base unit).
+INPUTS: dict[str, tuple[str, str, float]] = {
+    "latency_mean_ms": ("inferlb_endpoint_latency_mean_seconds", "Mean request latency over the window", 1e-3),
+    "latency_p95_ms": ("inferlb_endpoint_latency_p95_seconds", "95th-percentile request latency over the window",
+                       1e-3),
+    "queue": ("inferlb_endpoint_queue_requests", "Waiting requests (window average)", 1.0),
+    "running": ("inferlb_endpoint_running_requests", "Running requests (window average)", 1.0),
+    "gpu_util": ("inferlb_endpoint_gpu_utilization_ratio", "GPU utilisation, 0-1", 1.0),
+    "gpu_mem_free_mib": ("inferlb_endpoint_gpu_memory_free_bytes", "Free GPU memory", _MIB),
+    "gpu_mem_used_mib": ("inferlb_endpoint_gpu_memory_used_bytes", "Used GPU memory", _MIB),
+    "kv_cache": ("inferlb_endpoint_kv_cache_usage_ratio", "KV-cache usage, 0-1", 1.0),
+    "sample_age_s": ("inferlb_endpoint_sample_age_seconds", "Age of the newest metrics sample", 1.0),
+}
+
+
+class EndpointCollector(Collector):
+    """Endpoint weights, health, scores and inputs from ``weights()`` (the control plane's last round)."""
+
+    def __init__(self, weights: Callable[[], Sequence[EndpointWeight]]) -> None:
+        self._weights = weights
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families (names in the module docstring)."""
+        labels = ["cluster", "endpoint"]
+        weight = GaugeMetricFamily("inferlb_endpoint_weight", "EDS load_balancing_weight pushed", labels=labels)
+        health = GaugeMetricFamily("inferlb_endpoint_health", "1 for the endpoint's EDS health status, else 0",
+                                   labels=[*labels, "status"])
+        score = GaugeMetricFamily("inferlb_endpoint_score", "Score of one scorer plugin, 0-1 (absent: no data)",
+                                  labels=[*labels, "plugin"])
+        inputs = {field: GaugeMetricFamily(name, f"{doc} (input as seen by the weight engine)", labels=labels)
+                  for field, (name, doc, _) in INPUTS.items()}
+        for w in self._weights():
+            key = [w.cluster, w.address]
+            weight.add_metric(key, w.weight)
+            for status in HEALTH_STATUSES:
+                health.add_metric([*key, status], 1.0 if w.health == status else 0.0)
+            for plugin, value in sorted(w.scores.items()):
+                if value is not None:
+                    score.add_metric([*key, plugin], value)
+            for field, family in inputs.items():
+                value = getattr(w.inputs, field)
+                if value is not None:
+                    family.add_metric(key, value * INPUTS[field][2])
+        yield weight
+        yield health
+        yield score
+        yield from inputs.values()
+
+
+class NodeCollector(Collector):
+    """Per-node xDS state from ``nodes()`` (``AdsServicer.describe_nodes()`` documents), compared with
+    ``versions()``: the current snapshot's version per short type name (``Cluster``, ...)."""
+
+    def __init__(self, nodes: Callable[[], list[dict]], versions: Callable[[], Mapping[str, str]]) -> None:
+        self._nodes = nodes
+        self._versions = versions
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families (names in the module docstring)."""
+        labels = ["node", "type"]
+        acked = GaugeMetricFamily("inferlb_xds_node_acked_version_info",
+                                  "version_info the node last ACKed, per xDS type (value always 1)",
+                                  labels=[*labels, "version"])
+        in_sync = GaugeMetricFamily("inferlb_xds_node_in_sync",
+                                    "1 when the node ACKed the current snapshot's version of the type",
+                                    labels=labels)
+        acks = CounterMetricFamily("inferlb_xds_node_acks", "ACKs on the node's current stream", labels=labels)
+        nacks = CounterMetricFamily("inferlb_xds_node_nacks", "NACKs on the node's current stream", labels=labels)
+        current = self._versions()
+        for node in self._nodes():
+            for type_name, st in sorted(node["types"].items()):
+                key = [node["node_id"], type_name]
+                if st["acked_version"] is not None:
+                    acked.add_metric([*key, st["acked_version"]], 1.0)
+                in_sync.add_metric(key, 1.0 if st["acked_version"] == current.get(type_name) else 0.0)
+                acks.add_metric(key, st["acks"])
+                nacks.add_metric(key, st["nacks"])
+        yield acked
+        yield in_sync
+        yield acks
+        yield nacks

@@ -1,0 +1,173 @@
+"""The SQLite history backend (stdlib ``sqlite3``): one table, WAL journal, bounded retention.
+
+One connection, used under a lock by the writer thread and by the admin API's worker threads;
+``:memory:`` works the same way (in-process, lost at exit). Retention: rows older than
+``retention_s`` and all but the newest ``max_rows`` rows are deleted by :meth:`SqliteHistory.prune`.
+Row ids grow with time (one writer, appending in time order), so the row cap is a range delete on
+the primary key, never a count over the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..config import History
+from .types import HistoryError, HistoryRow
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS weight_history (
+    id INTEGER PRIMARY KEY,
+    t REAL NOT NULL,
+    cluster TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    weight INTEGER NOT NULL,
+    health TEXT NOT NULL,
+    score REAL,
+    inputs TEXT NOT NULL,
+    scores TEXT NOT NULL,
+    reasons TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    snapshot_version TEXT
+);
+CREATE INDEX IF NOT EXISTS weight_history_endpoint_t ON weight_history (cluster, endpoint, t);
+CREATE INDEX IF NOT EXISTS weight_history_t ON weight_history (t);
+"""
+_COLUMNS = "t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind, snapshot_version"
+
+
+def default_path() -> Path:
+    """``$XDG_STATE_HOME/inferlb/history.sqlite3``, or ``~/.local/state/inferlb/history.sqlite3``."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "inferlb" / "history.sqlite3"
+
+
+def _row(r: tuple) -> HistoryRow:
+    return HistoryRow(t=r[0], cluster=r[1], endpoint=r[2], weight=r[3], health=r[4], score=r[5],
+                      inputs=json.loads(r[6]), scores=json.loads(r[7]), reasons=tuple(json.loads(r[8])),
+                      kind=r[9], snapshot_version=r[10])
+
+
+def _where(clauses: list[str], args: list, cluster: str | None, endpoint: str | None) -> str:
+    if cluster is not None:
+        clauses.append("cluster = ?")
+        args.append(cluster)
+    if endpoint is not None:
+        clauses.append("endpoint = ?")
+        args.append(endpoint)
+    return " AND ".join(clauses) or "1"
+
+
+class SqliteHistory:
+    """A :class:`~xds_server.history.types.HistoryStore` in one SQLite database.
+
+    Args:
+        path: database file (parent folders are created) or ``":memory:"``.
+        retention_s: rows older than this many seconds are pruned (> 0).
+        max_rows: at most this many rows are kept (>= 1).
+    Raises:
+        HistoryError: the file cannot be opened or created, or was written by a newer schema.
+    """
+
+    def __init__(self, path: str | Path, retention_s: float, max_rows: int) -> None:
+        self.path = str(path)
+        self.retention_s = retention_s
+        self.max_rows = max_rows
+        self._lock = threading.Lock()
+        try:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._conn: sqlite3.Connection | None = sqlite3.connect(self.path, check_same_thread=False)
+            self._conn.execute("PRAGMA busy_timeout = 5000")
+            self._conn.execute("PRAGMA journal_mode = WAL")  # answers "memory" for :memory:
+            self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
+            version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise HistoryError(f"history.path: {self.path} was written by a newer inferlb "
+                                   f"(schema {version} > {SCHEMA_VERSION})")
+            with self._conn:
+                self._conn.executescript(_SCHEMA)
+                self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except (sqlite3.Error, OSError) as err:
+            raise HistoryError(f"history.path: cannot open {self.path}: {err}") from err
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise HistoryError(f"history store {self.path} is closed")
+        return self._conn
+
+    def append(self, rows: Sequence[HistoryRow]) -> None:
+        """Insert ``rows`` in one transaction. Raises :class:`HistoryError` on a database error."""
+        data = [(r.t, r.cluster, r.endpoint, r.weight, r.health, r.score, json.dumps(dict(r.inputs)),
+                 json.dumps(dict(r.scores)), json.dumps(list(r.reasons)), r.kind, r.snapshot_version)
+                for r in rows]
+        with self._lock:
+            try:
+                with self._db() as db:
+                    db.executemany(f"INSERT INTO weight_history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                                   data)
+            except sqlite3.Error as err:
+                raise HistoryError(f"history: cannot write to {self.path}: {err}") from err
+
+    def prune(self, now: float) -> int:
+        """Delete rows older than ``now - retention_s`` and past ``max_rows``; returns the count deleted."""
+        with self._lock:
+            try:
+                with self._db() as db:
+                    old = db.execute("DELETE FROM weight_history WHERE t < ?", (now - self.retention_s,)).rowcount
+                    over = db.execute(
+                        "DELETE FROM weight_history WHERE id <= (SELECT max(id) FROM weight_history) - ?",
+                        (self.max_rows,)).rowcount
+            except sqlite3.Error as err:
+                raise HistoryError(f"history: cannot prune {self.path}: {err}") from err
+        return old + over
+
+    def rows(self, since: float, until: float, cluster: str | None = None, endpoint: str | None = None,
+             limit: int = 10_000) -> list[HistoryRow]:
+        """See :meth:`HistoryStore.rows`."""
+        args: list = [since, until]
+        where = _where(["t >= ?", "t <= ?"], args, cluster, endpoint)
+        return self._select(f"SELECT {_COLUMNS} FROM weight_history WHERE {where} ORDER BY t, id LIMIT ?",
+                            [*args, limit])
+
+    def last_before(self, t: float, cluster: str | None = None, endpoint: str | None = None) -> list[HistoryRow]:
+        """See :meth:`HistoryStore.last_before`."""
+        args: list = []
+        clauses = [] if math.isinf(t) else ["t < ?"]
+        if clauses:
+            args.append(t)
+        where = _where(clauses, args, cluster, endpoint)
+        return self._select(
+            f"SELECT {_COLUMNS} FROM weight_history WHERE id IN "
+            f"(SELECT max(id) FROM weight_history WHERE {where} GROUP BY cluster, endpoint) "
+            f"ORDER BY cluster, endpoint", args)
+
+    def _select(self, sql: str, args: list) -> list[HistoryRow]:
+        with self._lock:
+            try:
+                return [_row(r) for r in self._db().execute(sql, args).fetchall()]
+            except sqlite3.Error as err:
+                raise HistoryError(f"history: cannot read {self.path}: {err}") from err
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def open_store(cfg: History) -> SqliteHistory:
+    """The store the ``history`` config section names (see :class:`xds_server.config.History`).
+
+    Raises:
+        HistoryError: the database cannot be opened.
+    """
+    path = cfg.path if cfg.path is not None else default_path()
+    return SqliteHistory(path, retention_s=cfg.retention_days * 86400.0, max_rows=cfg.max_rows)

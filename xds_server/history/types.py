@@ -1,0 +1,65 @@
+"""What the weight history holds, and the interface every history backend implements."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+#: A row written because weight or health changed vs the endpoint's previous row.
+CHANGE = "change"
+#: A row written because the endpoint had no row for ``history.keyframe_s`` (nothing changed).
+KEYFRAME = "keyframe"
+
+
+class HistoryError(RuntimeError):
+    """The history store cannot be opened or used; the message names the path and the cause."""
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryRow:
+    """One recorded state of one endpoint.
+
+    ``t``: when it was recorded (Unix seconds); ``weight``: the EDS ``load_balancing_weight``;
+    ``health``: HEALTHY, UNHEALTHY or DRAINING; ``score``: the combined 0–1 score (None when
+    excluded); ``inputs``: the engine's inputs as seen (``EndpointStats.as_dict()``: ms, 0–1, MiB,
+    s; None = no data); ``scores``: per-scorer 0–1 scores; ``reasons``: the engine's reasons (the
+    filters' and scorers' verdicts in words); ``kind``: :data:`CHANGE` or :data:`KEYFRAME`;
+    ``snapshot_version``: the snapshot that carried this state (None if unknown).
+    """
+
+    t: float
+    cluster: str
+    endpoint: str
+    weight: int
+    health: str
+    score: float | None
+    inputs: Mapping[str, float | None]
+    scores: Mapping[str, float | None]
+    reasons: tuple[str, ...]
+    kind: str
+    snapshot_version: str | None
+
+
+class HistoryStore(Protocol):
+    """A place to keep :class:`HistoryRow` s. Implementations must be safe to call from any thread.
+
+    Every method may raise :class:`HistoryError` when the backend fails.
+    """
+
+    def append(self, rows: Sequence[HistoryRow]) -> None:
+        """Store ``rows`` (in time order) atomically: all or none."""
+
+    def prune(self, now: float) -> int:
+        """Drop rows past the retention period or the row cap; return how many were dropped."""
+
+    def rows(self, since: float, until: float, cluster: str | None = None, endpoint: str | None = None,
+             limit: int = 10_000) -> list[HistoryRow]:
+        """Rows with ``since <= t <= until`` (filtered when ``cluster``/``endpoint`` are given), oldest
+        first, at most ``limit`` of them (the oldest ``limit``)."""
+
+    def last_before(self, t: float, cluster: str | None = None, endpoint: str | None = None) -> list[HistoryRow]:
+        """Per endpoint, its newest row with ``t' < t`` (``t = inf``: every endpoint's latest row)."""
+
+    def close(self) -> None:
+        """Release the backend; further calls raise :class:`HistoryError`."""
