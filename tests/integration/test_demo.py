@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,7 @@ def test_demo_runs_and_its_summary_holds(tmp_path):
     for cluster, endpoints in s["weights"].items():
         for address, w in endpoints.items():
             assert w["control_plane"] == w["envoy"], (cluster, address, w)
+    assert Path(s["history_plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every A10-class backend ends below every A100-class one of its version.
     for b in s["backends"]:
         if b["gpu_class"] != "a10":
