@@ -222,6 +222,21 @@ class ServiceConfig(_Strict):
         return self.default_version or self.versions[0].name
 
 
+class Picker(_Strict):
+    """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
+
+    ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
+    the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
+    when a worker's buffer reaches this size (bytes).
+    ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
+    default: ``envoy.route_timeout_s`` + 10.
+    """
+
+    access_log_flush_s: float = Field(0.005, gt=0, le=10)
+    access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
+    inflight_expiry_s: float | None = Field(None, gt=0)
+
+
 class Config(_Strict):
     """The whole inferlb config (one YAML file)."""
 
@@ -230,6 +245,7 @@ class Config(_Strict):
     prometheus: PrometheusSource = PrometheusSource()
     headers: Headers = Headers()
     engine: Engine = Engine()
+    picker: Picker = Picker()
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**v) for k, v in DEFAULT_GPU_CLASSES.items()}
     )

@@ -5,7 +5,10 @@ The listener's HTTP connection manager
   ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
 - asks the picker (ext_proc, request headers only) for the cluster and the host;
 - routes by the cluster header the picker set, or, without it (picker down and
-  ``failure_mode_allow``), to the service's default version through the weighted fallback.
+  ``failure_mode_allow``), to the service's default version through the weighted fallback;
+- logs every request the picker routed (it carries the cluster header) to the picker's
+  ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
+  counts requests in flight (ENVOY-NOTES: the ext_proc stream ends long before the request).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 
 # Imported for their side effect: they register the Any types ParseDict resolves.
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
@@ -76,6 +80,7 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
             },
         }],
         "rds": {"route_config_name": ROUTE_NAME, "config_source": _ADS},
+        "access_log": [completion_log(cfg)],
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -98,6 +103,32 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                         "typed_config": hcm}]}],
     }, listener_pb2.Listener())
+
+
+def completion_log(cfg: Config) -> dict:
+    """The HCM access log (JSON form) that reports each request the picker routed to the picker.
+
+    ``envoy.access_loggers.http_grpc`` over the ``inferlb_ext_proc`` cluster: one gRPC stream per
+    Envoy worker, entries batched for ``picker.access_log_flush_s`` or ``access_log_buffer_bytes``.
+    Only requests with the picker's cluster header are logged, each with its cluster and
+    override-host header values.
+    """
+    p = cfg.picker
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"header_filter": {"header": {"name": cfg.headers.cluster, "present_match": True}}},
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "inferlb_completions",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": _seconds(p.access_log_flush_s),
+                "buffer_size_bytes": p.access_log_buffer_bytes,
+            },
+            "additional_request_headers_to_log": [cfg.headers.cluster, cfg.headers.override_host],
+        },
+    }
 
 
 def build_ext_proc_cluster(ext_proc_address: str) -> cluster_pb2.Cluster:

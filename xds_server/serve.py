@@ -10,6 +10,8 @@ import signal
 import grpc
 from aiohttp import web
 
+from ext_proc.handler import PickerHandler
+from ext_proc.inflight import InFlight
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
 
@@ -34,6 +36,8 @@ class InferLB:
         source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
         self.cache = SnapshotCache()
         self.view = ViewHolder()
+        expiry = cfg.picker.inflight_expiry_s or cfg.envoy.route_timeout_s + 10
+        self.picker = PickerHandler(self.view, InFlight(expiry))
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing)],
@@ -44,12 +48,13 @@ class InferLB:
         self.ext_server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
+        self._picker_task: asyncio.Task | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = 0
 
     async def start(self) -> None:
         """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
         self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
-        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.view, self.cfg.listen.ext_proc)
+        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.picker, self.cfg.listen.ext_proc)
         self._runner = web.AppRunner(make_admin_app(self.control, self.ads), access_log=None)
         await self._runner.setup()
         host, port = split_hostport(self.cfg.listen.admin)
@@ -57,13 +62,15 @@ class InferLB:
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self._loop_task = asyncio.create_task(self.control.run())
+        self._picker_task = asyncio.create_task(self.picker.maintain())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
                  self.admin_port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
-        if self._loop_task:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._picker_task):
+            if task:
+                task.cancel()
         for server in (self.ads_server, self.ext_server):
             if server is not None:
                 await server.stop(grace=grace_s)
