@@ -20,6 +20,7 @@ from ext_proc.accesslog import record_completions
 from ext_proc.inflight import InFlight
 from ext_proc.picker import pick
 from ext_proc.responses import ResponseEncoder, headers_of
+from ext_proc.sessions import SessionTable
 from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
 from ext_proc.view import ViewHolder
 
@@ -34,13 +35,15 @@ class PickerHandler:
     Args:
         holder: where the current view is read, once per request.
         inflight: requests in flight, fed by picks and completions (default: a fresh one).
+        sessions: the session table (default: 30 min idle TTL, 1 000 000 sessions).
         errors: the error reporter (default: one logging to this module's logger).
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
-                 errors: ErrorReporter | None = None) -> None:
+                 sessions: SessionTable | None = None, errors: ErrorReporter | None = None) -> None:
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
+        self.sessions = sessions if sessions is not None else SessionTable()
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._outcomes: dict[str, Counter] = {}
@@ -66,10 +69,12 @@ class PickerHandler:
         view = self.holder.current
         inflight = self.inflight
         start = time.perf_counter()
-        decision = pick(headers, view, inflight.endpoints if inflight.streams else None)
+        decision = pick(headers, view, inflight.endpoints if inflight.streams else None, self.sessions)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         if decision.cluster is not None:
             inflight.picked(decision.cluster, decision.endpoint)
+            if decision.session is not None and decision.endpoint is not None:
+                self.sessions.touch(decision.session, decision.endpoint)
         self._count(decision.reason)
         return self._encoder.encode(decision, view, headers)
 
@@ -82,8 +87,9 @@ class PickerHandler:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
 
     def tick(self) -> None:
-        """Housekeeping, about once a second: expire picks whose completion never came."""
+        """Housekeeping, about once a second: expire lost picks, forget idle sessions."""
         self.inflight.expire()
+        self.sessions.sweep()
 
     async def maintain(self, interval_s: float = 1.0) -> None:
         """Call :meth:`tick` every ``interval_s`` seconds until cancelled (a failing tick is logged)."""

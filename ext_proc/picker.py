@@ -10,10 +10,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
+from ext_proc.ring import key_hash
+from ext_proc.sessions import session_slot
 from ext_proc.view import EndpointView, ServiceRoute
 
-__all__ = ["Decision", "MAX_VERSION_BYTES", "pick"]
+__all__ = ["Decision", "MAX_VERSION_BYTES", "pick", "session_cookie"]
+
+
+class _Pins(Protocol):
+    def get(self, slot: int, /) -> str | None: ...
+
 
 MAX_VERSION_BYTES = 256
 """Version header values longer than this are rejected without decoding them."""
@@ -36,6 +44,8 @@ class Decision:
         reason: why, a short stable label (a metrics label value): "session", "no-session",
             "no-healthy-endpoint", "unknown-service", "unknown-version", "invalid-version",
             "not-ready".
+        session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
+            session was pinned, else None.
     """
 
     cluster: str | None
@@ -43,6 +53,7 @@ class Decision:
     status: int | None
     body: bytes
     reason: str
+    session: int | None = None
 
     @property
     def rejected(self) -> bool:
@@ -95,10 +106,22 @@ def _bad_version(header: str, raw: bytes, service: ServiceRoute) -> Decision:
     )
 
 
+def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
+    """The value of cookie ``name`` in a ``cookie`` header value (``a=1; b=2``), or None."""
+    if not cookie:
+        return None
+    for part in cookie.split(b";"):
+        key, sep, value = part.strip().partition(b"=")
+        if sep and key == name:
+            return value or None
+    return None
+
+
 def pick(
     headers: Mapping[str, bytes],
     view: EndpointView,
     loads: Mapping[str, int] | None = None,
+    pins: _Pins | None = None,
 ) -> Decision:
     """Decide the cluster and the pinned endpoint of one request.
 
@@ -108,14 +131,18 @@ def pick(
         view: the current endpoint view.
         loads: per-endpoint load (requests in flight) for bounded-load hashing; None hashes
             without load bounds.
+        pins: the session table (read only: ``pins.get(slot)`` -> endpoint or None). A
+            session whose pinned endpoint is still pinnable in the cluster keeps it; otherwise
+            the ring chooses.
 
     Returns:
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
         400 when the version header names an unknown version or is not a valid version string
         (not UTF-8, longer than :data:`MAX_VERSION_BYTES`). A missing or empty version header
-        means the service's default version. The first non-empty session header is hashed
-        onto the ring of the cluster's healthy endpoints; without one, or without a healthy
-        endpoint, nothing is pinned. Before the first real view, nothing is decided
+        means the service's default version. The session key is the first non-empty session
+        header, else the session cookie (when configured); it is hashed onto the ring of the
+        cluster's healthy endpoints; without one, or without a healthy endpoint, nothing is
+        pinned. Before the first real view, nothing is decided
         (reason "not-ready") so Envoy's own routing applies.
 
     Never raises for any header content.
@@ -153,10 +180,18 @@ def pick(
         key = headers.get(name)
         if key:
             break
+    if not key and routing.session_cookie is not None:
+        key = session_cookie(headers.get("cookie"), routing.session_cookie.encode())
     if not key:
         return Decision(cluster, None, None, b"", "no-session")
     pool = view.clusters.get(cluster)
     if pool is None or not pool.endpoints:
         return Decision(cluster, None, None, b"", "no-healthy-endpoint")
-    endpoint = pool.ring.lookup(key, loads, routing.load_factor)
-    return Decision(cluster, endpoint, None, b"", "session")
+    position = key_hash(key)
+    slot = session_slot(position, pool.salt)
+    if pins is not None:
+        pinned = pins.get(slot)
+        if pinned is not None and pinned in pool.members:
+            return Decision(cluster, pinned, None, b"", "session", slot)
+    endpoint = pool.ring.lookup_hash(position, loads, routing.load_factor)
+    return Decision(cluster, endpoint, None, b"", "session", slot)

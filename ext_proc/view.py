@@ -15,7 +15,7 @@ from types import MappingProxyType
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from ext_proc.ring import HashRing
+from ext_proc.ring import HashRing, key_hash
 
 __all__ = [
     "ClusterEndpoints",
@@ -76,6 +76,7 @@ class RoutingTable:
     Attributes:
         version_header: header naming the model version.
         session_headers: headers tried in order for the session key; the first non-empty wins.
+        session_cookie: a cookie name tried after the headers (None: cookies are not read).
         override_host_header: header the picker sets to ``"HOST:PORT"`` for Envoy's
             override_host load-balancing policy.
         cluster_header: header the picker sets to the cluster name (read by the route's
@@ -90,6 +91,7 @@ class RoutingTable:
 
     version_header: str = "model-version"
     session_headers: tuple[str, ...] = ("x-session-id", "x-user-id")
+    session_cookie: str | None = None
     override_host_header: str = "x-gateway-destination-endpoint"
     cluster_header: str = "x-inferlb-cluster"
     vnodes: int = 160
@@ -120,11 +122,20 @@ class ClusterEndpoints:
         name: the cluster name.
         endpoints: ``"HOST:PORT"`` of each pinnable endpoint, sorted, no duplicates.
         ring: a :class:`HashRing` over ``endpoints`` (empty when there are none).
+        members: ``endpoints`` as a set (is a pinned endpoint still pinnable?).
+        salt: 64-bit hash of ``name``, mixed into session-table keys so one session key has a
+            separate pin in each cluster.
     """
 
     name: str
     endpoints: tuple[str, ...]
     ring: HashRing = field(compare=False)
+    members: frozenset[str] = field(init=False, compare=False)
+    salt: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", frozenset(self.endpoints))
+        object.__setattr__(self, "salt", key_hash(self.name.encode()))
 
 
 def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:

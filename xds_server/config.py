@@ -230,11 +230,17 @@ class Picker(_Strict):
     when a worker's buffer reaches this size (bytes).
     ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
     default: ``envoy.route_timeout_s`` + 10.
+    ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
+    size; the least recently used session goes first. ``session_cookie``: a cookie read for the
+    session key when no session header is present (None: cookies are not read).
     """
 
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
     access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)
+    session_ttl_s: float = Field(1800.0, gt=0)
+    max_sessions: int = Field(1_000_000, ge=1)
+    session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 class Config(_Strict):

@@ -69,6 +69,7 @@ def routing_table(cfg: Config) -> RoutingTable:
     return RoutingTable(
         version_header=cfg.headers.version,
         session_headers=tuple(cfg.headers.session),
+        session_cookie=cfg.picker.session_cookie,
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
         services=tuple(

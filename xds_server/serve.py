@@ -13,6 +13,7 @@ from aiohttp import web
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight
 from ext_proc.server import start_ext_proc_server
+from ext_proc.sessions import SessionTable
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
@@ -37,7 +38,8 @@ class InferLB:
         self.cache = SnapshotCache()
         self.view = ViewHolder()
         expiry = cfg.picker.inflight_expiry_s or cfg.envoy.route_timeout_s + 10
-        self.picker = PickerHandler(self.view, InFlight(expiry))
+        self.picker = PickerHandler(self.view, InFlight(expiry),
+                                    SessionTable(cfg.picker.session_ttl_s, cfg.picker.max_sessions))
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing)],
