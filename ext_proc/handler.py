@@ -1,14 +1,15 @@
 """The picker's request logic, independent of the transport: ext_proc messages in, answers out.
 
 Both transports (``grpcio`` in :mod:`ext_proc.server`, ``fast`` in :mod:`ext_proc.transport`)
-call one :class:`PickerHandler`, so they make identical decisions. Everything here runs on the
-picker's single event loop and takes no locks; the state it keeps (requests in flight) is only
-touched from that loop.
+feed every message of an ext_proc stream to one :class:`PickerHandler`, so they make identical
+decisions. Everything here runs on the picker's single event loop and takes no locks; the state
+it keeps (requests in flight, sessions) is only touched from that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -18,19 +19,62 @@ from prometheus_client import Counter
 
 from ext_proc.accesslog import record_completions
 from ext_proc.inflight import InFlight
-from ext_proc.picker import pick
-from ext_proc.responses import ResponseEncoder, headers_of
+from ext_proc.picker import NO_BODY, BodyFields, Decision, pick
+from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.sessions import SessionTable
 from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
-from ext_proc.view import ViewHolder
+from ext_proc.view import EndpointView, ViewHolder
 
-__all__ = ["PickerHandler"]
+__all__ = ["GRPC_INTERNAL", "GRPC_INVALID_ARGUMENT", "PickerHandler", "StreamError", "StreamState"]
 
 log = logging.getLogger(__name__)
 
+GRPC_INVALID_ARGUMENT = 3
+GRPC_INTERNAL = 13
+
+_HOLD_FOR_BODY = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override={"request_body_mode": "BUFFERED"},
+).SerializeToString()
+
+
+class StreamError(Exception):
+    """Ends an ext_proc stream with gRPC status ``code`` (an int) and ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class StreamState:
+    """What one ext_proc stream remembers between messages: request headers held for the body."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[str, bytes] | None = None
+
+
+def _body_fields(data: bytes, limit: int) -> BodyFields | None:
+    """``model`` and ``user`` of a JSON object body up to ``limit`` bytes; None when unreadable."""
+    if len(data) > limit:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model, user = doc.get("model"), doc.get("user")
+    return BodyFields(
+        model.encode() if isinstance(model, str) else None,
+        user.encode() if isinstance(user, str) else None,
+    )
+
 
 class PickerHandler:
-    """Answers ext_proc request-headers messages and counts access-log completions.
+    """Answers ext_proc messages with picks and counts access-log completions.
 
     Args:
         holder: where the current view is read, once per request.
@@ -54,29 +98,83 @@ class PickerHandler:
             child = self._outcomes[reason] = DECISIONS.labels(reason)
         child.inc()
 
-    def request_headers(self, http_headers: pb.HttpHeaders) -> bytes:
-        """Answer one request-headers message: the serialized ``ProcessingResponse``.
+    def process(self, stream: StreamState, data: bytes) -> tuple[bytes | None, bool]:
+        """Answer one serialized ``ProcessingRequest`` of ``stream``.
 
-        A routed request is counted in flight (its cluster, and its endpoint when pinned). The
-        ring's bounded loads use the in-flight counts only while an access-log stream is open:
-        without completions, picks alone would read as ever-growing load.
+        Returns:
+            ``(answer, end)``: the serialized ``ProcessingResponse`` to send (None: nothing to
+            send) and whether the stream is finished (the server then ends it with status OK).
+            Request headers are answered with the decision and end the stream, unless body
+            routing holds them for the body (answered with ``mode_override`` BUFFERED; the
+            decision then answers the body). Any other phase gets a no-change answer.
 
         Raises:
-            Exception: whatever the picker raised (it should not; transports count it as
-                ``pick-failed`` and end the stream with an error so Envoy applies its failure mode).
+            StreamError: undecodable message (INVALID_ARGUMENT) or a failure inside the picker
+                (INTERNAL); both counted and logged (rate limited). Envoy then applies its
+                failure mode.
         """
+        try:
+            request = pb.ProcessingRequest.FromString(data)
+        except DecodeError:
+            self.errors.report("decode", "a ProcessingRequest could not be decoded")
+            raise StreamError(GRPC_INVALID_ARGUMENT, "undecodable ProcessingRequest") from None
+        phase = request.WhichOneof("request")
+        try:
+            if phase == "request_headers":
+                return self._headers(stream, request.request_headers)
+            if phase == "request_body" and stream.held is not None:
+                headers, stream.held = stream.held, None
+                view = self.holder.current
+                fields = _body_fields(request.request_body.body, view.routing.body_max_bytes)
+                if fields is None:
+                    self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                return self._answer(self._decide(headers, view, fields or NO_BODY), view, headers,
+                                    "request_body"), True
+        except Exception:
+            self.errors.report("pick-failed", "the picker raised", exc_info=True)
+            raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
+        if phase is None:
+            self.errors.report("empty-request", "a ProcessingRequest carried no phase")
+            return None, False
+        self.errors.report(
+            f"unexpected-{phase.replace('_', '-')}",
+            f"Envoy sent {phase} (configure request headers only); answered with no change",
+        )
+        return EMPTY_ANSWERS[phase], False
+
+    def _headers(self, stream: StreamState, http_headers: pb.HttpHeaders) -> tuple[bytes, bool]:
         headers = headers_of(http_headers)
         view = self.holder.current
+        if view.routing.body_max_bytes and not http_headers.end_of_stream and self._wants_body(headers, view):
+            stream.held = headers
+            return _HOLD_FOR_BODY, False
+        return self._answer(self._decide(headers, view, NO_BODY), view, headers, "request_headers"), True
+
+    @staticmethod
+    def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
+        """A JSON body may name what the headers do not: the version or the session."""
+        if b"json" not in headers.get("content-type", b""):
+            return False
+        routing = view.routing
+        if not headers.get(routing.version_header):
+            return True
+        return not any(headers.get(name) for name in routing.session_headers)
+
+    def _decide(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
+        """Pick, then count the pick in flight and refresh the session's pin."""
         inflight = self.inflight
         start = time.perf_counter()
-        decision = pick(headers, view, inflight.endpoints if inflight.streams else None, self.sessions)
+        decision = pick(headers, view, inflight.endpoints if inflight.streams else None, self.sessions, body)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         if decision.cluster is not None:
             inflight.picked(decision.cluster, decision.endpoint)
             if decision.session is not None and decision.endpoint is not None:
                 self.sessions.touch(decision.session, decision.endpoint)
         self._count(decision.reason)
-        return self._encoder.encode(decision, view, headers)
+        return decision
+
+    def _answer(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
+        return self._encoder.encode(decision, view, headers, phase)
 
     def access_log(self, data: bytes) -> None:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""

@@ -18,12 +18,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf.message import DecodeError
 
-from ext_proc.handler import PickerHandler
-from ext_proc.responses import EMPTY_ANSWERS
+from ext_proc.handler import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, PickerHandler, StreamError, StreamState
 
 __all__ = ["ExtProcServicer", "MAX_MESSAGE_BYTES", "add_servicer", "start_ext_proc_server"]
 
@@ -36,12 +33,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Largest gRPC message accepted or sent (64 MiB)."""
 
 
-def _parse_request(data: bytes) -> pb.ProcessingRequest | None:
-    """Deserializer that turns undecodable bytes into None, so the servicer can count them."""
-    try:
-        return pb.ProcessingRequest.FromString(data)
-    except DecodeError:
-        return None
+_STATUS = {GRPC_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT, GRPC_INTERNAL: grpc.StatusCode.INTERNAL}
 
 
 def _identity(data: bytes) -> bytes:
@@ -65,38 +57,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, handler: PickerHandler) -> None:
         self._handler = handler
-        self._errors = handler.errors
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest | None],
+        request_iterator: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
-        """Serve one ext_proc stream: answer the request headers, then end the stream."""
-        async for request in request_iterator:
-            if request is None:
-                self._errors.report("decode", "a ProcessingRequest could not be decoded")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable ProcessingRequest")
+        """Serve one ext_proc stream: each message through the handler until it says the stream is done."""
+        stream = StreamState()
+        async for data in request_iterator:
+            try:
+                answer, end = self._handler.process(stream, data)
+            except StreamError as err:
+                await context.abort(_STATUS[err.code], err.message)
                 return
-            phase = request.WhichOneof("request")
-            if phase == "request_headers":
-                try:
-                    response = self._handler.request_headers(request.request_headers)
-                except Exception:
-                    self._errors.report("pick-failed", "the picker raised", exc_info=True)
-                    await context.abort(grpc.StatusCode.INTERNAL, "inferlb picker failed")
-                    return
-                yield response
+            if answer is not None:
+                yield answer
+            if end:
                 return
-            if phase is None:
-                self._errors.report("empty-request", "a ProcessingRequest carried no phase")
-                continue
-            self._errors.report(
-                f"unexpected-{phase.replace('_', '-')}",
-                f"Envoy sent {phase} (configure request headers only); answered with no change",
-            )
-            yield EMPTY_ANSWERS[phase]
-
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -117,7 +95,7 @@ def add_servicer(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
     handlers = {
         "Process": grpc.stream_stream_rpc_method_handler(
             servicer.Process,
-            request_deserializer=_parse_request,
+            request_deserializer=_identity,
             response_serializer=_identity,
         )
     }

@@ -70,6 +70,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         version_header=cfg.headers.version,
         session_headers=tuple(cfg.headers.session),
         session_cookie=cfg.picker.session_cookie,
+        body_max_bytes=cfg.picker.body_max_bytes,
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
         services=tuple(
@@ -78,6 +79,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                 hosts=tuple(s.hosts),
                 default_version=s.default,
                 clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
+                mixes=s.mixes,
             )
             for s in cfg.services
         ),

@@ -26,7 +26,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import heade
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
-from .config import Config, cluster_name, split_hostport
+from .config import Config, ServiceConfig, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
 ROUTE_NAME = "inferlb"
@@ -43,6 +43,16 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def _fallback(s: ServiceConfig) -> dict:
+    """Where a request without the picker's cluster header goes: the default version, or the
+    default mix's versions weighted by their shares (the picker is down: per-request split)."""
+    mix = s.mixes.get(s.default)
+    if mix is None:
+        return {"cluster": cluster_name(s.name, s.default)}
+    shares = [(cluster_name(s.name, v), round(p * 100)) for v, p in sorted(mix.items()) if p > 0]
+    return {"weighted_clusters": {"clusters": [{"name": n, "weight": w} for n, w in shares]}}
+
+
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains)."""
     vhosts = []
@@ -57,8 +67,7 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
             "routes": [
                 {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
                  "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}},
-                {"match": {"prefix": "/"},
-                 "route": {"cluster": cluster_name(s.name, s.default), "timeout": timeout}},
+                {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout}},
             ],
         })
     return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
@@ -86,6 +95,8 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
                 "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}, "timeout": timeout},
                 "failure_mode_allow": cfg.envoy.failure_mode_allow,
+                # Body routing: the picker asks for a request's body only when it needs it.
+                "allow_mode_override": cfg.picker.body_max_bytes > 0,
                 "message_timeout": timeout,
                 "processing_mode": {
                     "request_header_mode": "SEND", "response_header_mode": "SKIP",

@@ -10,18 +10,71 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import requests
 
 from .conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 
 
+def _patch(doc: dict) -> None:
+    doc["picker"] = {"body_max_bytes": 65536}
+    doc["services"][0]["mixes"] = {"canary": {"v1": 50, "v2": 50}}
+
+
 @pytest.fixture(scope="module")
 def picker_stack(tmp_path_factory) -> Iterator[Stack]:
-    """v1: two A100-class backends; v2: one."""
-    s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")])
+    """v1: two A100-class backends; v2: one. Body routing on; mix ``canary`` = v1 50 % / v2 50 %."""
+    s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
+                    config_patch=_patch)
     yield s
     stop_stack(s)
+
+
+def post(s: Stack, body: dict, headers: dict[str, str] | None = None) -> requests.Response:
+    return requests.post(f"{s.listener}/v1/chat/completions", json={"max_tokens": 8, "messages": [], **body},
+                         headers=headers or {}, timeout=10)
+
+
+def test_version_from_the_json_body_reroutes(picker_stack: Stack):
+    """clear_route_cache from the body phase re-selects the route on Envoy 1.40."""
+    s = picker_stack
+    for _ in range(5):
+        r = post(s, {"model": "v2"})
+        assert r.status_code == 200 and r.headers["x-backend-version"] == "v2"
+        r = post(s, {"model": "v1"})
+        assert r.status_code == 200 and r.headers["x-backend-version"] == "v1"
+    # The header wins over the body.
+    r = post(s, {"model": "v2"}, {"model-version": "v1"})
+    assert r.headers["x-backend-version"] == "v1"
+    r = post(s, {"model": "v9"})
+    assert r.status_code == 400
+    assert "v9" in r.text and "body field 'model'" in r.text and "v1, v2" in r.text
+    # Not JSON: routed by headers alone (default version), never an error.
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=b"{not json", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert r.headers["x-backend-version"] == "v1"
+
+
+def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):
+    s = picker_stack
+    for i in range(6):
+        by_body = {post(s, {"user": f"body-user-{i}"}).headers["x-served-by"] for _ in range(4)}
+        by_header = post(s, {}, {"x-session-id": f"body-user-{i}"}).headers["x-served-by"]
+        assert by_body == {by_header}
+
+
+def test_canary_split_is_decided_per_session_and_never_flips(picker_stack: Stack):
+    s = picker_stack
+    seen: dict[str, set[str]] = {}
+    for i in range(40):
+        for _ in range(3):
+            r = s.send({"model-version": "canary", "x-session-id": f"canary-{i}"})
+            assert r.status_code == 200
+            seen.setdefault(f"canary-{i}", set()).add(r.headers["x-backend-version"])
+    assert all(len(v) == 1 for v in seen.values()), seen
+    v2 = sum(1 for v in seen.values() if v == {"v2"})
+    assert 10 <= v2 <= 30, f"{v2}/40 sessions on v2 for a 50 % split"
 
 
 def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stack):
