@@ -18,8 +18,9 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
 from ext_proc.accesslog import record_completions
+from ext_proc.admission import ADMISSION, Admission, admit
 from ext_proc.inflight import InFlight
-from ext_proc.picker import NO_BODY, BodyFields, Decision, pick
+from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.sessions import SessionTable
 from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
@@ -80,14 +81,19 @@ class PickerHandler:
         holder: where the current view is read, once per request.
         inflight: requests in flight, fed by picks and completions (default: a fresh one).
         sessions: the session table (default: 30 min idle TTL, 1 000 000 sessions).
+        admission: admission control (None: requests are never held or refused for load).
+            It acts only while an access-log stream is open (completions can arrive) and on
+            clusters whose endpoints carry a max concurrency.
         errors: the error reporter (default: one logging to this module's logger).
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
-                 sessions: SessionTable | None = None, errors: ErrorReporter | None = None) -> None:
+                 sessions: SessionTable | None = None, admission: Admission | None = None,
+                 errors: ErrorReporter | None = None) -> None:
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
         self.sessions = sessions if sessions is not None else SessionTable()
+        self.admission = admission
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._outcomes: dict[str, Counter] = {}
@@ -98,12 +104,14 @@ class PickerHandler:
             child = self._outcomes[reason] = DECISIONS.labels(reason)
         child.inc()
 
-    def process(self, stream: StreamState, data: bytes) -> tuple[bytes | None, bool]:
+    def process(self, stream: StreamState, data: bytes) -> tuple[bytes | asyncio.Future[bytes] | None, bool]:
         """Answer one serialized ``ProcessingRequest`` of ``stream``.
 
         Returns:
             ``(answer, end)``: the serialized ``ProcessingResponse`` to send (None: nothing to
-            send) and whether the stream is finished (the server then ends it with status OK).
+            send; a future: the request waits for admission, send its result when it resolves,
+            cancel it if the stream ends first) and whether the stream is then finished (the
+            server ends it with status OK).
             Request headers are answered with the decision and end the stream, unless body
             routing holds them for the body (answered with ``mode_override`` BUFFERED; the
             decision then answers the body). Any other phase gets a no-change answer.
@@ -128,8 +136,7 @@ class PickerHandler:
                 fields = _body_fields(request.request_body.body, view.routing.body_max_bytes)
                 if fields is None:
                     self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                return self._answer(self._decide(headers, view, fields or NO_BODY), view, headers,
-                                    "request_body"), True
+                return self._route(headers, view, fields or NO_BODY, "request_body"), True
         except Exception:
             self.errors.report("pick-failed", "the picker raised", exc_info=True)
             raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
@@ -148,7 +155,7 @@ class PickerHandler:
         if view.routing.body_max_bytes and not http_headers.end_of_stream and self._wants_body(headers, view):
             stream.held = headers
             return _HOLD_FOR_BODY, False
-        return self._answer(self._decide(headers, view, NO_BODY), view, headers, "request_headers"), True
+        return self._route(headers, view, NO_BODY, "request_headers"), True
 
     @staticmethod
     def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
@@ -160,21 +167,55 @@ class PickerHandler:
             return True
         return not any(headers.get(name) for name in routing.session_headers)
 
-    def _decide(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
-        """Pick, then count the pick in flight and refresh the session's pin."""
+    def _pick(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
         inflight = self.inflight
         start = time.perf_counter()
         decision = pick(headers, view, inflight.endpoints if inflight.streams else None, self.sessions, body)
         DECISION_SECONDS.observe(time.perf_counter() - start)
+        return decision
+
+    def _commit(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
+        """Count the pick in flight, refresh the session's pin, and encode the answer."""
         if decision.cluster is not None:
-            inflight.picked(decision.cluster, decision.endpoint)
+            self.inflight.picked(decision.cluster, decision.endpoint)
             if decision.session is not None and decision.endpoint is not None:
                 self.sessions.touch(decision.session, decision.endpoint)
         self._count(decision.reason)
-        return decision
-
-    def _answer(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
         return self._encoder.encode(decision, view, headers, phase)
+
+    def _capacity(self, view: EndpointView, cluster: str) -> int:
+        pool = view.clusters.get(cluster)
+        return pool.capacity if pool is not None else 0
+
+    def _room(self, cluster: str) -> bool:
+        return self.inflight.clusters.get(cluster, 0) < self._capacity(self.holder.current, cluster)
+
+    def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
+               phase: str) -> bytes | asyncio.Future[bytes]:
+        decision = self._pick(headers, view, body)
+        cluster = decision.cluster
+        admission = self.admission
+        if cluster is None or admission is None or not self.inflight.streams:
+            return self._commit(decision, view, headers, phase)
+        verdict = admit(self.inflight.clusters.get(cluster, 0), self._capacity(view, cluster),
+                        admission.queued(cluster), admission.max_queue)
+        if verdict == "admit":
+            return self._commit(decision, view, headers, phase)
+
+        def refuse() -> bytes:
+            rejection = overloaded(cluster, admission.retry_after_s)
+            self._count(rejection.reason)
+            return self._encoder.encode(rejection, view, headers, phase)
+
+        if verdict == "reject":
+            ADMISSION.labels(cluster, "rejected_full").inc()
+            return refuse()
+
+        def resume() -> bytes:  # a slot is free: decide again on the view and loads of now
+            now = self.holder.current
+            return self._commit(self._pick(headers, now, body), now, headers, phase)
+
+        return admission.enqueue(cluster, resume, refuse)
 
     def access_log(self, data: bytes) -> None:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""
@@ -183,11 +224,16 @@ class PickerHandler:
             record_completions(data, self.inflight, routing.cluster_header, routing.override_host_header)
         except DecodeError:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
+            return
+        if self.admission is not None:
+            self.admission.release(self._room)
 
     def tick(self) -> None:
         """Housekeeping, about once a second: expire lost picks, forget idle sessions."""
         self.inflight.expire()
         self.sessions.sweep()
+        if self.admission is not None:
+            self.admission.release(self._room)
 
     async def maintain(self, interval_s: float = 1.0) -> None:
         """Call :meth:`tick` every ``interval_s`` seconds until cancelled (a failing tick is logged)."""

@@ -16,7 +16,7 @@ from ext_proc.ring import key_hash
 from ext_proc.sessions import session_slot
 from ext_proc.view import MIX_BUCKETS, EndpointView, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "pick", "session_cookie"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "overloaded", "pick", "session_cookie"]
 
 
 class _Pins(Protocol):
@@ -46,6 +46,7 @@ class Decision:
             "not-ready".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
+        retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
     """
 
     cluster: str | None
@@ -54,6 +55,7 @@ class Decision:
     body: bytes
     reason: str
     session: int | None = None
+    retry_after_s: int | None = None
 
     @property
     def rejected(self) -> bool:
@@ -66,6 +68,13 @@ _NOT_READY = Decision(None, None, None, b"", "not-ready")
 
 def _reject(status: int, reason: str, message: str) -> Decision:
     return Decision(None, None, status, json.dumps({"error": message}).encode(), reason)
+
+
+def overloaded(cluster: str, retry_after_s: int) -> Decision:
+    """The 429 for a request whose cluster is at its max concurrency (reason "overloaded")."""
+    message = f"cluster '{cluster}' is at its max concurrency; retry after {retry_after_s} s"
+    return Decision(None, None, 429, json.dumps({"error": message}).encode(), "overloaded",
+                    retry_after_s=retry_after_s)
 
 
 def _quote(raw: bytes) -> str:

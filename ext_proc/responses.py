@@ -74,7 +74,8 @@ def build_response(
 
     Returns:
         ``immediate_response`` (``status``, JSON ``body`` with content-type
-        application/json, ``details`` = ``"inferlb_<reason>"``) when the decision rejects;
+        application/json, ``retry-after`` when the decision has one, ``details`` =
+        ``"inferlb_<reason>"``) when the decision rejects;
         otherwise a ``phase`` answer whose mutation sets the cluster header (when a cluster is
         chosen) and the override-host header (when an endpoint is pinned), both in
         ``raw_value`` with OVERWRITE_IF_EXISTS_OR_ADD, with ``clear_route_cache`` set whenever
@@ -85,6 +86,8 @@ def build_response(
         immediate = response.immediate_response
         immediate.status.code = decision.status
         _add_set(immediate.headers, "content-type", b"application/json")
+        if decision.retry_after_s is not None:
+            _add_set(immediate.headers, "retry-after", str(decision.retry_after_s).encode())
         immediate.body = decision.body
         immediate.details = "inferlb_" + decision.reason.replace("-", "_")
         return response

@@ -14,6 +14,7 @@ The decisions themselves are made by :class:`ext_proc.handler.PickerHandler`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -71,6 +72,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             except StreamError as err:
                 await context.abort(_STATUS[err.code], err.message)
                 return
+            if isinstance(answer, asyncio.Future):
+                answer = await answer  # waiting for admission; cancelled with this task
             if answer is not None:
                 yield answer
             if end:

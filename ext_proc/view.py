@@ -25,6 +25,7 @@ __all__ = [
     "RoutingTable",
     "ServiceRoute",
     "ViewHolder",
+    "cluster_capacity",
     "pinnable_endpoints",
 ]
 
@@ -156,6 +157,9 @@ class ClusterEndpoints:
         endpoints: ``"HOST:PORT"`` of each pinnable endpoint, sorted, no duplicates.
         ring: a :class:`HashRing` over ``endpoints`` (empty when there are none).
         members: ``endpoints`` as a set (is a pinned endpoint still pinnable?).
+        capacity: the sum of the pinnable endpoints' max concurrency (EDS endpoint metadata
+            ``filter_metadata["inferlb"]["max_concurrency"]``); 0 when any of them has none
+            (admission control then leaves the cluster alone).
         salt: 64-bit hash of ``name``, mixed into session-table keys so one session key has a
             separate pin in each cluster.
     """
@@ -163,6 +167,7 @@ class ClusterEndpoints:
     name: str
     endpoints: tuple[str, ...]
     ring: HashRing = field(compare=False)
+    capacity: int = 0
     members: frozenset[str] = field(init=False, compare=False)
     salt: int = field(init=False, compare=False)
 
@@ -202,6 +207,28 @@ def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[
     if not by_priority:
         return ()
     return tuple(sorted(by_priority[min(by_priority)]))
+
+
+def cluster_capacity(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]) -> int:
+    """Sum of ``filter_metadata["inferlb"]["max_concurrency"]`` over ``endpoints`` of ``assignment``.
+
+    Returns 0 (unknown: not limited) when one of them carries no positive value.
+    """
+    wanted = set(endpoints)
+    total = 0
+    for locality in assignment.endpoints:
+        for lb_endpoint in locality.lb_endpoints:
+            address = _address(lb_endpoint)
+            if address not in wanted:
+                continue
+            wanted.discard(address)
+            meta = lb_endpoint.metadata.filter_metadata
+            field_ = meta["inferlb"].fields.get("max_concurrency") if "inferlb" in meta else None
+            value = int(field_.number_value) if field_ is not None else 0
+            if value <= 0:
+                return 0
+            total += value
+    return total
 
 
 class EndpointView:
@@ -271,11 +298,13 @@ class EndpointView:
         clusters: dict[str, ClusterEndpoints] = {}
         for name, assignment in assignments.items():
             endpoints = pinnable_endpoints(assignment)
+            capacity = cluster_capacity(assignment, endpoints)
             kept = old.get(name)
             if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
-                clusters[name] = kept
+                ring = kept.ring
             else:
-                clusters[name] = ClusterEndpoints(name, endpoints, HashRing(endpoints, routing.vnodes))
+                ring = HashRing(endpoints, routing.vnodes)
+            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity)
         return cls(routing, clusters)
 
     def service_for_host(self, host: str) -> ServiceRoute | None:

@@ -10,6 +10,7 @@ import signal
 import grpc
 from aiohttp import web
 
+from ext_proc.admission import Admission
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight
 from ext_proc.server import start_ext_proc_server
@@ -38,8 +39,10 @@ class InferLB:
         self.cache = SnapshotCache()
         self.view = ViewHolder()
         expiry = cfg.picker.inflight_expiry_s or cfg.envoy.route_timeout_s + 10
-        self.picker = PickerHandler(self.view, InFlight(expiry),
-                                    SessionTable(cfg.picker.session_ttl_s, cfg.picker.max_sessions))
+        p = cfg.picker
+        admission = Admission(p.max_queue, p.queue_timeout_s, p.retry_after_s) if p.admission else None
+        self.picker = PickerHandler(self.view, InFlight(expiry), SessionTable(p.session_ttl_s, p.max_sessions),
+                                    admission)
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing)],

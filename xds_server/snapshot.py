@@ -142,8 +142,12 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
     )
 
 
-def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoint_pb2.ClusterLoadAssignment:
+def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
+                     max_concurrency: Mapping[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
     """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
+
+    ``max_concurrency`` (address -> requests): written to each endpoint's metadata
+    ``filter_metadata["inferlb"]["max_concurrency"]`` for the picker's admission control.
 
     Raises:
         ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
@@ -164,6 +168,8 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoin
                 load_balancing_weight=wrappers_pb2.UInt32Value(value=w.weight),
             )
         )
+        if max_concurrency and w.address in max_concurrency:
+            lb[-1].metadata.filter_metadata["inferlb"].update({"max_concurrency": max_concurrency[w.address]})
     localities = [endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb)] if lb else []
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster, endpoints=localities)
 
@@ -195,7 +201,8 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
         for version in service.versions:
             name = cluster_name(service.name, version.name)
             clusters[name] = build_cluster(name, service, cfg.headers.override_host)
-            assignments[name] = build_assignment(name, by_cluster.get(name, ()))
+            limits = {e.address: e.max_concurrency for e in version.endpoints}
+            assignments[name] = build_assignment(name, by_cluster.get(name, ()), limits)
     return make_snapshot({
         CLUSTER_TYPE: clusters,
         ENDPOINT_TYPE: assignments,

@@ -7,6 +7,7 @@ One stack for the module (simulated backends at time scale 0.2, real Prometheus,
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,13 +19,18 @@ pytestmark = pytest.mark.integration
 
 
 def _patch(doc: dict) -> None:
-    doc["picker"] = {"body_max_bytes": 65536}
+    doc["picker"] = {"body_max_bytes": 65536, "max_queue": 1, "queue_timeout_s": 0.2}
     doc["services"][0]["mixes"] = {"canary": {"v1": 50, "v2": 50}}
+    for version in doc["services"][0]["versions"]:
+        if version["name"] == "v2":
+            for endpoint in version["endpoints"]:
+                endpoint["max_concurrency"] = 1
 
 
 @pytest.fixture(scope="module")
 def picker_stack(tmp_path_factory) -> Iterator[Stack]:
-    """v1: two A100-class backends; v2: one. Body routing on; mix ``canary`` = v1 50 % / v2 50 %."""
+    """v1: two A100-class backends; v2: one with max_concurrency 1. Body routing on; mix ``canary``
+    = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s."""
     s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
                     config_patch=_patch)
     yield s
@@ -105,3 +111,39 @@ def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stac
     finally:
         for b in s.backends:
             b.fault(reset=True)
+
+
+def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack: Stack):
+    s = picker_stack
+    v2 = next(b for b in s.backends if b.version == "v2")
+    wait_until(lambda: s.app.view.current.clusters["chat-v2"].capacity == 1, 5, what="v2's capacity in the view")
+    v2.fault(slow_factor=10)  # ~100 ms per request at time scale 0.2
+    try:
+        results: dict[int, requests.Response] = {}
+
+        def go(i: int) -> None:
+            results[i] = s.send({"model-version": "v2", "x-session-id": f"adm-{i}"})
+
+        threads = []
+        for i in range(3):  # one runs, one waits in the picker, one is refused at once
+            threads.append(threading.Thread(target=go, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results.values())
+        assert codes == [200, 200, 429], codes
+        refused = next(r for r in results.values() if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert "chat-v2" in refused.json()["error"]
+        # A queued request that waits past queue_timeout_s is refused too.
+        v2.fault(slow_factor=40)  # ~400 ms
+        threads = [threading.Thread(target=go, args=(i,)) for i in (10, 11)]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        assert sorted(results[i].status_code for i in (10, 11)) == [200, 429]
+    finally:
+        v2.fault(reset=True)
