@@ -235,6 +235,9 @@ class ServiceConfig(_Strict):
 class Picker(_Strict):
     """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
 
+    ``transport``: ``fast`` (a dedicated HTTP/2 server for the picker's two gRPC methods,
+    ``ext_proc/transport``) or ``grpcio`` (grpc.aio, the compatibility transport); both make the
+    same decisions.
     ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
     the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
     when a worker's buffer reaches this size (bytes).
@@ -252,6 +255,7 @@ class Picker(_Strict):
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
     """
 
+    transport: Literal["fast", "grpcio"] = "fast"
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
     access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)

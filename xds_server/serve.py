@@ -15,6 +15,7 @@ from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight
 from ext_proc.server import start_ext_proc_server
 from ext_proc.sessions import SessionTable
+from ext_proc.transport.server import FastServer, start_fast_server
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
@@ -50,7 +51,7 @@ class InferLB:
                                     f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
         self.ads: AdsServicer | None = None
         self.ads_server: grpc.aio.Server | None = None
-        self.ext_server: grpc.aio.Server | None = None
+        self.ext_server: grpc.aio.Server | FastServer | None = None
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
         self._picker_task: asyncio.Task | None = None
@@ -59,7 +60,10 @@ class InferLB:
     async def start(self) -> None:
         """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
         self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
-        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.picker, self.cfg.listen.ext_proc)
+        if self.cfg.picker.transport == "fast":
+            self.ext_server, self.ext_proc_port = await start_fast_server(self.picker, self.cfg.listen.ext_proc)
+        else:
+            self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.picker, self.cfg.listen.ext_proc)
         self._runner = web.AppRunner(make_admin_app(self.control, self.ads), access_log=None)
         await self._runner.setup()
         host, port = split_hostport(self.cfg.listen.admin)
