@@ -23,6 +23,7 @@ from ext_proc.inflight import InFlight
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.sessions import SessionTable
+from ext_proc.settings import PickerSettings
 from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
 from ext_proc.view import EndpointView, ViewHolder
 
@@ -97,6 +98,13 @@ class PickerHandler:
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._outcomes: dict[str, Counter] = {}
+
+    @classmethod
+    def from_settings(cls, holder: ViewHolder, settings: PickerSettings) -> PickerHandler:
+        """A handler with the in-flight expiry, session table and admission control of ``settings``."""
+        s = settings
+        admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if s.admission else None
+        return cls(holder, InFlight(s.inflight_expiry_s), SessionTable(s.session_ttl_s, s.max_sessions), admission)
 
     def _count(self, reason: str) -> None:
         child = self._outcomes.get(reason)

@@ -14,14 +14,13 @@ from types import MappingProxyType
 
 from prometheus_client import Counter, Gauge
 
-from ext_proc.view import RoutingTable, ServiceRoute
-
 from .ads.server import SnapshotCache
 from .config import Config, cluster_name
 from .engine.pipeline import compute_weights
 from .engine.types import HEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
 from .metrics.prometheus import MetricsUnavailable
 from .metrics.stats import EndpointStats
+from .picker_config import routing_table  # noqa: F401 (re-exported: callers import it from here)
 from .snapshot import Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
@@ -61,28 +60,6 @@ def engine_params(cfg: Config) -> EngineParams:
         max_weight=e.max_weight,
         hysteresis=e.hysteresis,
         scorer_weights=MappingProxyType(e.scorers.model_dump()),
-    )
-
-
-def routing_table(cfg: Config) -> RoutingTable:
-    """The picker's routing table: services, their versions' clusters, header names."""
-    return RoutingTable(
-        version_header=cfg.headers.version,
-        session_headers=tuple(cfg.headers.session),
-        session_cookie=cfg.picker.session_cookie,
-        body_max_bytes=cfg.picker.body_max_bytes,
-        override_host_header=cfg.headers.override_host,
-        cluster_header=cfg.headers.cluster,
-        services=tuple(
-            ServiceRoute(
-                name=s.name,
-                hosts=tuple(s.hosts),
-                default_version=s.default,
-                clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
-                mixes=s.mixes,
-            )
-            for s in cfg.services
-        ),
     )
 
 

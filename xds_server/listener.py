@@ -26,6 +26,8 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import heade
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
+from ext_proc.settings import METADATA_KEY
+
 from .config import Config, ServiceConfig, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
@@ -142,10 +144,16 @@ def completion_log(cfg: Config) -> dict:
     }
 
 
-def build_ext_proc_cluster(ext_proc_address: str) -> cluster_pb2.Cluster:
-    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``."""
+def build_ext_proc_cluster(ext_proc_address: str, picker: dict | None = None) -> cluster_pb2.Cluster:
+    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``.
+
+    ``picker``: the picker's configuration (``ext_proc.settings.to_wire``), carried in the
+    cluster's metadata (``filter_metadata["inferlb.picker"]``) for pickers that subscribe over ADS.
+    """
     host, port = split_hostport(ext_proc_address)
+    metadata = {"metadata": {"filter_metadata": {METADATA_KEY: picker}}} if picker is not None else {}
     return json_format.ParseDict({
+        **metadata,
         "name": EXT_PROC_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",

@@ -10,19 +10,17 @@ import signal
 import grpc
 from aiohttp import web
 
-from ext_proc.admission import Admission
 from ext_proc.handler import PickerHandler
-from ext_proc.inflight import InFlight
 from ext_proc.server import start_ext_proc_server
-from ext_proc.sessions import SessionTable
 from ext_proc.transport.server import FastServer, start_fast_server
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
 from .ads.server import AdsServicer, SnapshotCache, start_ads_server
 from .config import Config, split_hostport
-from .control import ControlPlane, routing_table
+from .control import ControlPlane
 from .metrics.prometheus import PrometheusSource
+from .picker_config import picker_settings, routing_table
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +37,7 @@ class InferLB:
         source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
         self.cache = SnapshotCache()
         self.view = ViewHolder()
-        expiry = cfg.picker.inflight_expiry_s or cfg.envoy.route_timeout_s + 10
-        p = cfg.picker
-        admission = Admission(p.max_queue, p.queue_timeout_s, p.retry_after_s) if p.admission else None
-        self.picker = PickerHandler(self.view, InFlight(expiry), SessionTable(p.session_ttl_s, p.max_sessions),
-                                    admission)
+        self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg))
         routing = routing_table(cfg)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing)],

@@ -22,6 +22,8 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from ext_proc.settings import to_wire
+
 from .config import Config, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from .listener import (
@@ -32,6 +34,7 @@ from .listener import (
     build_listener,
     build_route_config,
 )
+from .picker_config import picker_settings, routing_table
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -195,7 +198,8 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address)}
+    picker = to_wire(routing_table(cfg), picker_settings(cfg))
+    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address, picker)}
     assignments: dict[str, Message] = {}
     for service in cfg.services:
         for version in service.versions:

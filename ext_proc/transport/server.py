@@ -37,12 +37,11 @@ class _Protocol(asyncio.Protocol):
 
     def __init__(self, server: FastServer) -> None:
         self._server = server
-        self._transport: asyncio.Transport | None = None
+        self._transport: asyncio.Transport | None = None  # or uvloop's equivalent
         self.conn: Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = transport  # uvloop's transports are not asyncio.Transport subclasses
         if self._server.tls:
             ssl_object = transport.get_extra_info("ssl_object")
             if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":

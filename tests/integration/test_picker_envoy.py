@@ -6,13 +6,20 @@ One stack for the module (simulated backends at time scale 0.2, real Prometheus,
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import requests
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
+from xds_server.stack import free_port, inferlb_argv, spawn
+
+from ..unit.test_ext_proc_server import headers_request, set_headers
 from .conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -147,3 +154,42 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
         assert sorted(results[i].status_code for i in (10, 11)) == [200, 429]
     finally:
         v2.fault(reset=True)
+
+
+def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: Stack):
+    """`inferlb ext-proc --xds`: two picker processes subscribe to the control plane and agree,
+    with each other and with the ring over the control plane's healthy endpoints."""
+    s = picker_stack
+    ports = [free_port(), free_port()]
+    procs = [spawn(f"picker-{i}", inferlb_argv("ext-proc", "--xds", f"127.0.0.1:{s.app.xds_port}",
+                                               "--listen", f"127.0.0.1:{port}"), s.workdir)
+             for i, port in enumerate(ports)]
+    try:
+        for proc, port in zip(procs, ports, strict=True):
+            wait_until(lambda p=port, pr=proc: pr.alive() and _accepts(p), 15, 0.1, f"picker on {port}")
+        pins = []
+        for port in ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = ExternalProcessorStub(channel)
+                got = {}
+                for i in range(30):
+                    request = headers_request(model_version="v1", x_session_id=f"ads-{i}")
+                    [answer] = list(stub.Process(iter([request]), timeout=5))
+                    got[i] = set_headers(answer)["x-gateway-destination-endpoint"].decode()
+                pins.append(got)
+        assert pins[0] == pins[1]
+        v1 = sorted(b.address for b in s.backends if b.version == "v1")
+        assert set(pins[0].values()) == set(v1)
+        ring = s.app.view.current.clusters["chat-v1"].ring
+        assert all(pins[0][i] == ring.lookup(f"ads-{i}".encode()) for i in range(30))
+        nodes = requests.get(f"{s.admin}/api/v1/nodes", timeout=5).json()["nodes"]
+        assert sum(n["node_id"].startswith("inferlb-picker-") for n in nodes) == 2
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False

@@ -237,3 +237,22 @@ async def test_graceful_stop_lets_a_connection_finish(certificate):
         assert not server.protocols
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+def test_serves_on_uvloop():
+    """The production loop (``inferlb ext-proc`` runs on uvloop)."""
+    import uvloop
+
+    async def main() -> list[bytes]:
+        server, port = await start_fast_server(PickerHandler(holder()), "127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                process = channel.stream_stream(PROCESS_METHOD, request_serializer=lambda b: b,
+                                                response_deserializer=lambda b: b)
+                request = headers_request(x_session_id="uv").SerializeToString()
+                return [a async for a in process(iter([request]), timeout=5)]
+        finally:
+            await server.stop(0.5)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(main()) == [direct(headers_request(x_session_id="uv"))]
