@@ -15,7 +15,6 @@ import time
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
-from prometheus_client import Counter
 
 from ext_proc.accesslog import record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
@@ -24,7 +23,7 @@ from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.sessions import SessionTable
 from ext_proc.settings import PickerSettings
-from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
+from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.view import EndpointView, ViewHolder
 
 __all__ = ["GRPC_INTERNAL", "GRPC_INVALID_ARGUMENT", "PickerHandler", "StreamError", "StreamState"]
@@ -97,7 +96,7 @@ class PickerHandler:
         self.admission = admission
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
-        self._outcomes: dict[str, Counter] = {}
+        self._timed = 0
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings) -> PickerHandler:
@@ -106,11 +105,9 @@ class PickerHandler:
         admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if s.admission else None
         return cls(holder, InFlight(s.inflight_expiry_s), SessionTable(s.session_ttl_s, s.max_sessions), admission)
 
-    def _count(self, reason: str) -> None:
-        child = self._outcomes.get(reason)
-        if child is None:
-            child = self._outcomes[reason] = DECISIONS.labels(reason)
-        child.inc()
+    @staticmethod
+    def _count(reason: str) -> None:
+        OUTCOMES[reason] = OUTCOMES.get(reason, 0) + 1
 
     def process(self, stream: StreamState, data: bytes) -> tuple[bytes | asyncio.Future[bytes] | None, bool]:
         """Answer one serialized ``ProcessingRequest`` of ``stream``.
@@ -177,8 +174,13 @@ class PickerHandler:
 
     def _pick(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
         inflight = self.inflight
+        loads = inflight.endpoints if inflight.streams else None
+        self._timed += 1
+        if self._timed < SAMPLE_EVERY:
+            return pick(headers, view, loads, self.sessions, body)
+        self._timed = 0
         start = time.perf_counter()
-        decision = pick(headers, view, inflight.endpoints if inflight.streams else None, self.sessions, body)
+        decision = pick(headers, view, loads, self.sessions, body)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         return decision
 

@@ -152,6 +152,38 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
     uvloop.run(run_picker(xds, listen, transport=transport, node_id=node, reuse_port=reuse_port, ssl_context=ctx))
 
 
+@main.group()
+def bench() -> None:
+    """Benchmarks on this machine (results to JSON and BENCHMARKS.md)."""
+
+
+@bench.command("picker")
+@click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
+@click.option("--duration", default=5.0, show_default=True, type=float, help="Seconds per wrk run.")
+@click.option("--runs", default=3, show_default=True, type=int, help="Runs per measurement (medians).")
+@click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
+@click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
+@click.option("--envoy-concurrency", default=1, show_default=True, type=int, help="Envoy worker threads.")
+@click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
+def bench_picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
+                 md_path: str | None) -> None:
+    """The picker's cost on real Envoy with wrk: req/s, Python CPU per decision, added latency."""
+    from pathlib import Path
+
+    from bench.picker import markdown, run, write_markdown
+
+    _setup_logging("warning")
+    doc = run(duration_s=duration, runs=runs, transport=transport, workers=workers,
+              envoy_concurrency=envoy_concurrency)
+    command = "inferlb bench picker " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "inferlb bench picker"
+    doc["command"] = command
+    Path(json_path).write_text(json.dumps(doc, indent=2))
+    section = markdown(doc, command)
+    if md_path:
+        write_markdown(Path(md_path), section, f"picker-{transport}-w{workers}-c{envoy_concurrency}")
+    click.echo(section)
+
+
 main.add_command(sim_backend, "sim-backend")
 
 if __name__ == "__main__":

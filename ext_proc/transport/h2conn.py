@@ -9,9 +9,9 @@ read that carries many streams is answered with one write). It speaks the parts 
   no new streams, the connection closes when its streams are done), RST_STREAM, PRIORITY
   (ignored), WINDOW_UPDATE, HEADERS + CONTINUATION, DATA with padding; PUSH_PROMISE from a client
   is a PROTOCOL_ERROR; unknown frame types are ignored;
-- HPACK with the ``hpack`` library: every header block is decoded in order (the dynamic table
-  stays in sync); a block made only of one-byte indexed fields cannot change the table, so its
-  decoded form is cached until a block that may change the table arrives. Answers are encoded
+- HPACK with the ``hpack`` library: header blocks are decoded in order (the dynamic table
+  stays in sync); a block whose decoding left the table unchanged is cached by its bytes until
+  a decoding changes the table (see ``Connection._decode``). Answers are encoded
   once at import with static-table references and never-indexed literals, so they never touch the
   peer's dynamic table (a size update to 0 opens the first block we send);
 - flow control both ways: receive windows (connection and stream) are enforced and refilled with
@@ -66,7 +66,6 @@ _DEFAULT_FRAME = 16384
 _FRAME = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
 _U32 = struct.Struct(">I")
 _GRPC_PREFIX = struct.Struct(">BI")
-_HIGH_BYTES = bytes(range(128, 256))
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -442,18 +441,26 @@ class Connection:
             self._header_block = (stream_id, flags, bytearray(payload))
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """Decode a header block, or return the cached decoding of the same bytes.
+
+        Decoding is a function of the block and the dynamic table. A block whose decoding left
+        the table as it was (indexed fields, literals without indexing: Envoy sends ``:path``
+        Huffman-coded without indexing on every stream) decodes the same while the table stays,
+        so it is cached; any decoding that changes the table empties the cache.
+        """
         cache = self._block_cache
         cached = cache.get(block)
         if cached is not None:
             return cached
+        table = self._decoder.header_table
+        before = (table.maxsize, list(table.dynamic_entries))
         try:
             headers = self._decoder.decode(block, raw=True)
         except hpack.HPACKError as err:
             raise _ConnectionError(COMPRESSION_ERROR, f"HPACK: {err}") from None
         except (ValueError, IndexError, UnicodeError) as err:
             raise _ConnectionError(COMPRESSION_ERROR, f"HPACK: {err}") from None
-        if block and not block.translate(None, _HIGH_BYTES):
-            # Only one-byte indexed fields: the table did not change; the same bytes decode the same.
+        if (table.maxsize, list(table.dynamic_entries)) == before:
             if len(cache) < 64:
                 cache[block] = headers
         else:
