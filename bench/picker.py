@@ -247,7 +247,7 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
         "benchmark": "picker",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "envoy": stack.envoy_version()},
+                    "envoy": stack.envoy_version(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
         "transport": transport, "workers": workers, "envoy_concurrency": envoy_concurrency,
         "duration_s": duration_s, "runs": runs, "wrk": "1 thread, fixed session and version headers",
         "route_kinds": result,
@@ -273,7 +273,8 @@ def markdown(doc: dict[str, Any], command: str) -> str:
         f"Envoy --concurrency {doc['envoy_concurrency']}",
         "",
         f"`{command}` — {doc['date']}, {m['cores']} × {m['cpu']}, Python {m['python']}, Envoy {m['envoy']}; "
-        f"wrk {doc['wrk']}, {doc['duration_s']:g} s per run, medians of {doc['runs']} runs.",
+        f"wrk {doc['wrk']}, {doc['duration_s']:g} s per run, medians of {doc['runs']} runs; "
+        f"1-minute load average at the end: {m['load_average_1m_at_end']} (other work shared the 2 cores).",
         "",
         "| route kind | req/s with picker (16 conn) | req/s without | Python µs / decision (16 conn) "
         "| Python µs / decision (1 conn) | added p50 / p99, 1 conn (ms) |",

@@ -53,7 +53,8 @@ class InFlight:
         ValueError: ``expiry_s`` is not positive.
     """
 
-    __slots__ = ("endpoints", "clusters", "streams", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen")
+    __slots__ = ("endpoints", "clusters", "streams", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen",
+                 "_completions")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic) -> None:
         if expiry_s <= 0:
@@ -66,6 +67,7 @@ class InFlight:
         self._expiry = expiry_s
         self._clock = clock
         self._seen: set[str] = set()
+        self._completions = [0, 0]  # unmatched, matched: flushed to the counter by expire()
 
     @property
     def live(self) -> bool:
@@ -87,16 +89,24 @@ class InFlight:
         matched = _remove(self.clusters, self._pending_cl, cluster)
         if endpoint is not None:
             _remove(self.endpoints, self._pending_ep, endpoint)
-        COMPLETIONS.labels("yes" if matched else "no").inc()
+        self._completions[matched] += 1
         return matched
 
     def expire(self) -> int:
-        """Drop picks older than the expiry (call every second or so); returns how many picks expired."""
+        """Drop picks older than the expiry and publish the counters (call every second or so).
+
+        Returns how many picks expired. (Completions are counted in plain ints on the request
+        path and added to ``inferlb_ext_proc_completions_total`` here: no lock per request.)
+        """
         limit = self._clock() - self._expiry
         expired = _expire(self.clusters, self._pending_cl, limit)
         _expire(self.endpoints, self._pending_ep, limit)
         if expired:
             EXPIRED.inc(expired)
+        unmatched, matched = self._completions
+        self._completions = [0, 0]
+        COMPLETIONS.labels("no").inc(unmatched)
+        COMPLETIONS.labels("yes").inc(matched)
         self._seen.update(self.clusters)
         for cluster in self._seen:
             IN_FLIGHT.labels(cluster).set(self.clusters.get(cluster, 0))

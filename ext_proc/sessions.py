@@ -44,7 +44,7 @@ class SessionTable:
         ValueError: ``ttl_s`` <= 0 or ``max_sessions`` < 1.
     """
 
-    __slots__ = ("_entries", "_ttl", "_max", "_clock")
+    __slots__ = ("_entries", "_ttl", "_max", "_clock", "_lru_evicted")
 
     def __init__(self, ttl_s: float = 1800.0, max_sessions: int = 1_000_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -56,6 +56,7 @@ class SessionTable:
         self._ttl = ttl_s
         self._max = max_sessions
         self._clock = clock
+        self._lru_evicted = 0  # published by sweep(): no metrics lock on the request path
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,11 +75,12 @@ class SessionTable:
             entries.move_to_end(slot)
         elif len(entries) >= self._max:
             entries.popitem(last=False)
-            EVICTIONS.labels("lru").inc()
+            self._lru_evicted += 1
         entries[slot] = (endpoint, self._clock())
 
     def sweep(self) -> int:
-        """Drop sessions idle past the TTL (oldest first, stopping at the first live one); returns how many."""
+        """Drop sessions idle past the TTL (oldest first, stopping at the first live one) and publish
+        the metrics (call every second or so); returns how many were dropped."""
         entries = self._entries
         limit = self._clock() - self._ttl
         dropped = 0
@@ -90,5 +92,8 @@ class SessionTable:
             dropped += 1
         if dropped:
             EVICTIONS.labels("ttl").inc(dropped)
+        if self._lru_evicted:
+            EVICTIONS.labels("lru").inc(self._lru_evicted)
+            self._lru_evicted = 0
         SESSIONS.set(len(entries))
         return dropped

@@ -6,6 +6,7 @@ One stack for the module (simulated backends at time scale 0.2, real Prometheus,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -193,3 +194,61 @@ def _accepts(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
         return True
     return False
+
+
+def _hang(s: Stack):
+    """Make the picker accept requests and never answer them; returns the undo."""
+    handler = s.app.picker
+
+    def never(stream, data):
+        return asyncio.get_running_loop().create_future(), True
+
+    handler.process = never
+    return lambda: vars(handler).pop("process", None)
+
+
+def _set_failure_mode(s: Stack, allow: bool) -> None:
+    cfg = s.app.control.cfg
+    s.app.control.cfg = cfg.model_copy(update={"envoy": cfg.envoy.model_copy(update={"failure_mode_allow": allow})})
+    want = "true" if allow else "false"
+
+    def applied() -> bool:
+        dump = requests.get(f"{s.envoy_admin}/config_dump?resource=dynamic_listeners", timeout=5).text
+        return (f'"failure_mode_allow": {want}' in dump) or (not allow and '"failure_mode_allow"' not in dump)
+
+    wait_until(applied, 10, 0.1, f"Envoy's ext_proc filter with failure_mode_allow={allow}")
+
+
+def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):
+    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.25 s);
+    fail-closed -> 504 after the same wait. Forged routing headers stay ignored (C06)."""
+    s = picker_stack
+    timeout = s.cfg.envoy.ext_proc_timeout_s
+    v2 = next(b for b in s.backends if b.version == "v2")
+    undo = _hang(s)
+    try:
+        for _ in range(4):
+            start = time.monotonic()
+            r = s.send({"x-session-id": "hung", "x-gateway-destination-endpoint": v2.address,
+                        "x-inferlb-cluster": "chat-v2"})
+            waited = time.monotonic() - start
+            assert r.status_code == 200 and r.headers["x-served-by"] != v2.address
+            assert timeout * 0.9 <= waited <= timeout + 0.3, waited
+        _set_failure_mode(s, False)
+        start = time.monotonic()
+        r = s.send({"x-session-id": "hung"})
+        waited = time.monotonic() - start
+        assert r.status_code == 504 and timeout * 0.9 <= waited <= timeout + 0.3, (r.status_code, waited)
+    finally:
+        undo()
+    assert s.send({"x-session-id": "hung"}).status_code == 200  # answering again, fail-closed still on
+
+
+def test_a_dead_picker_fails_closed_with_500_when_configured(picker_stack: Stack):
+    """C07 with failure_mode_allow false (the previous test left it so): the picker is gone -> 500."""
+    s = picker_stack
+    _set_failure_mode(s, False)
+    assert s.send({"x-session-id": "closed"}).status_code == 200
+    s.loop.run(s.app.ext_server.stop(0))
+    codes = {s.send({"x-session-id": "closed"}).status_code for _ in range(5)}
+    assert codes == {500}, codes
