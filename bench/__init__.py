@@ -1,0 +1,1 @@
+"""Benchmarks that write BENCHMARKS.md: ``inferlb bench ...`` (see each module)."""

@@ -57,21 +57,26 @@ def _add_set(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
 
 
 def build_response(
-    decision: Decision, routing: RoutingTable, present: Container[str] = frozenset()
+    decision: Decision,
+    routing: RoutingTable,
+    present: Container[str] = frozenset(),
+    phase: str = "request_headers",
 ) -> pb.ProcessingResponse:
     """Turn a decision into the answer to a request-headers message.
 
     Args:
         decision: the picker's decision.
         routing: supplies the cluster and override-host header names.
+        phase: the message answered, ``"request_headers"`` or (body routing) ``"request_body"``.
         present: lower-case names of the request's headers (a dict's keys will do); a routing
             header the client sent and the picker does not overwrite is removed, so a client
             can never choose a host or cluster (Envoy should strip them earlier too).
 
     Returns:
         ``immediate_response`` (``status``, JSON ``body`` with content-type
-        application/json, ``details`` = ``"inferlb_<reason>"``) when the decision rejects;
-        otherwise ``request_headers`` whose mutation sets the cluster header (when a cluster is
+        application/json, ``retry-after`` when the decision has one, ``details`` =
+        ``"inferlb_<reason>"``) when the decision rejects;
+        otherwise a ``phase`` answer whose mutation sets the cluster header (when a cluster is
         chosen) and the override-host header (when an endpoint is pinned), both in
         ``raw_value`` with OVERWRITE_IF_EXISTS_OR_ADD, with ``clear_route_cache`` set whenever
         headers change.
@@ -81,11 +86,14 @@ def build_response(
         immediate = response.immediate_response
         immediate.status.code = decision.status
         _add_set(immediate.headers, "content-type", b"application/json")
+        if decision.retry_after_s is not None:
+            _add_set(immediate.headers, "retry-after", str(decision.retry_after_s).encode())
         immediate.body = decision.body
         immediate.details = "inferlb_" + decision.reason.replace("-", "_")
         return response
-    response.request_headers.SetInParent()  # an empty HeadersResponse when nothing changes
-    common = response.request_headers.response
+    answer = getattr(response, phase)
+    answer.SetInParent()  # an empty HeadersResponse / BodyResponse when nothing changes
+    common = answer.response
     mutation = common.header_mutation
     if decision.cluster is not None:
         _add_set(mutation, routing.cluster_header, decision.cluster.encode())
@@ -114,15 +122,18 @@ class ResponseEncoder:
 
     def __init__(self, max_entries: int = 8192) -> None:
         self._view: EndpointView | None = None
-        self._cache: dict[tuple[str | None, str | None, bool, bool], bytes] = {}
+        self._cache: dict[tuple[str, str | None, str | None, bool, bool], bytes] = {}
         self._max = max_entries
 
-    def encode(self, decision: Decision, view: EndpointView, present: Container[str]) -> bytes:
+    def encode(
+        self, decision: Decision, view: EndpointView, present: Container[str], phase: str = "request_headers"
+    ) -> bytes:
         """Serialized :func:`build_response` of ``decision`` under ``view.routing``."""
         routing = view.routing
         if decision.status is not None:
             return build_response(decision, routing).SerializeToString()
         key = (
+            phase,
             decision.cluster,
             decision.endpoint,
             routing.cluster_header in present,
@@ -135,6 +146,6 @@ class ResponseEncoder:
             cached = self._cache.get(key)
             if cached is not None:
                 return cached
-        data = build_response(decision, routing, present).SerializeToString()
+        data = build_response(decision, routing, present, phase).SerializeToString()
         self._cache[key] = data
         return data

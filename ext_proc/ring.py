@@ -94,10 +94,19 @@ class HashRing:
         Raises:
             ValueError: ``load_factor`` is below 1.0 (only checked when ``loads`` is given).
         """
+        return self.lookup_hash(key_hash(key), loads, load_factor)
+
+    def lookup_hash(
+        self,
+        position: int,
+        loads: Mapping[str, int] | None = None,
+        load_factor: float = 1.25,
+    ) -> str | None:
+        """As :meth:`lookup`, for a key already hashed with :func:`key_hash` (``position``)."""
         owners = self._owners
         if not owners:
             return None
-        start = bisect_right(self._points, key_hash(key))
+        start = bisect_right(self._points, position)
         if start == len(owners):
             start = 0
         if loads is None:

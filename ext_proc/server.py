@@ -1,46 +1,40 @@
-"""The ext_proc transport on grpc.aio: Envoy's request headers in, the picker's decision out.
+"""The grpcio transport (grpc.aio): ext_proc and the access-log service on one port.
 
 Envoy is configured to send request headers only. For each stream the servicer reads the
 request headers, calls :func:`ext_proc.picker.pick` on the current view and answers with
 either header mutations (cluster header, override-host header, ``clear_route_cache``) or an
 immediate rejection (see :mod:`ext_proc.responses`), then ends the stream: Envoy half-closes it
 about 1 ms after the answer anyway (ENVOY-NOTES, "How long the ext_proc stream lives").
+
+The same server answers ``envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs``: Envoy
+logs each finished request there, and because the access logger names the same cluster as the
+ext_proc filter, each Envoy worker's completions arrive over the connection its picks came from.
+The decisions themselves are made by :class:`ext_proc.handler.PickerHandler`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf.message import DecodeError
-from prometheus_client import Counter
 
-from ext_proc.picker import pick
-from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
-from ext_proc.sampler import DecisionSampler
-from ext_proc.telemetry import DECISION_SECONDS, DECISIONS, ErrorReporter
-from ext_proc.view import ViewHolder
+from ext_proc.handler import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, PickerHandler, StreamError, StreamState
 
 __all__ = ["ExtProcServicer", "MAX_MESSAGE_BYTES", "add_servicer", "start_ext_proc_server"]
 
 log = logging.getLogger(__name__)
 
 _SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_ALS_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Largest gRPC message accepted or sent (64 MiB)."""
 
 
-def _parse_request(data: bytes) -> pb.ProcessingRequest | None:
-    """Deserializer that turns undecodable bytes into None, so the servicer can count them."""
-    try:
-        return pb.ProcessingRequest.FromString(data)
-    except DecodeError:
-        return None
+_STATUS = {GRPC_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT, GRPC_INTERNAL: grpc.StatusCode.INTERNAL}
 
 
 def _identity(data: bytes) -> bytes:
@@ -48,16 +42,13 @@ def _identity(data: bytes) -> bytes:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """``envoy.service.ext_proc.v3.ExternalProcessor`` answering request headers with a pick.
+    """``ExternalProcessor`` and ``AccessLogService`` on grpc.aio, answering through a handler.
 
     ``Process`` yields already serialized ``ProcessingResponse`` bytes, so register the servicer
     with :func:`add_servicer` (not the generated ``add_ExternalProcessorServicer_to_server``).
 
     Args:
-        holder: where the current :class:`~ext_proc.view.EndpointView` is read, once per
-            request; the slow loop swaps it.
-        errors: the error reporter (default: one logging to this module's logger).
-        sampler: where a sample of decisions is kept for operators (None: no sampling).
+        handler: the transport-independent picker logic.
 
     Malformed input never raises out of the servicer: an undecodable message or a failure
     inside the picker is counted in ``inferlb_ext_proc_errors_total{kind}``, logged (rate
@@ -65,65 +56,41 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     mode (fail-open with ``failure_mode_allow``).
     """
 
-    def __init__(self, holder: ViewHolder, errors: ErrorReporter | None = None,
-                 sampler: DecisionSampler | None = None) -> None:
-        self._holder = holder
-        self._sample = sampler.offer if sampler is not None else None
-        self._errors = errors if errors is not None else ErrorReporter(log)
-        self._encoder = ResponseEncoder()
-        self._outcomes: dict[str, Counter] = {}
-
-    def _count(self, reason: str) -> None:
-        child = self._outcomes.get(reason)
-        if child is None:
-            child = self._outcomes[reason] = DECISIONS.labels(reason)
-        child.inc()
-
-    def decide(self, http_headers: pb.HttpHeaders) -> bytes:
-        """Answer one request-headers message: the serialized ``ProcessingResponse``.
-
-        Raises:
-            Exception: whatever the picker raised (it should not; counted as ``pick-failed``).
-        """
-        headers = headers_of(http_headers)
-        view = self._holder.current
-        start = time.perf_counter()
-        decision = pick(headers, view)
-        DECISION_SECONDS.observe(time.perf_counter() - start)
-        self._count(decision.reason)
-        if self._sample is not None:
-            self._sample(headers, view.routing, decision)
-        return self._encoder.encode(decision, view, headers)
+    def __init__(self, handler: PickerHandler) -> None:
+        self._handler = handler
 
     async def Process(
         self,
-        request_iterator: AsyncIterator[pb.ProcessingRequest | None],
+        request_iterator: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[bytes]:
-        """Serve one ext_proc stream: answer the request headers, then end the stream."""
-        async for request in request_iterator:
-            if request is None:
-                self._errors.report("decode", "a ProcessingRequest could not be decoded")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable ProcessingRequest")
+        """Serve one ext_proc stream: each message through the handler until it says the stream is done."""
+        stream = StreamState()
+        async for data in request_iterator:
+            try:
+                answer, end = self._handler.process(stream, data)
+            except StreamError as err:
+                await context.abort(_STATUS[err.code], err.message)
                 return
-            phase = request.WhichOneof("request")
-            if phase == "request_headers":
-                try:
-                    response = self.decide(request.request_headers)
-                except Exception:
-                    self._errors.report("pick-failed", "the picker raised", exc_info=True)
-                    await context.abort(grpc.StatusCode.INTERNAL, "inferlb picker failed")
-                    return
-                yield response
+            if isinstance(answer, asyncio.Future):
+                answer = await answer  # waiting for admission; cancelled with this task
+            if answer is not None:
+                yield answer
+            if end:
                 return
-            if phase is None:
-                self._errors.report("empty-request", "a ProcessingRequest carried no phase")
-                continue
-            self._errors.report(
-                f"unexpected-{phase.replace('_', '-')}",
-                f"Envoy sent {phase} (configure request headers only); answered with no change",
-            )
-            yield EMPTY_ANSWERS[phase]
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> bytes:
+        """Count the completions of one access-log stream until Envoy closes it."""
+        inflight = self._handler.inflight
+        inflight.streams += 1
+        try:
+            async for data in request_iterator:
+                self._handler.access_log(data)
+        finally:
+            inflight.streams -= 1
+        return b""
 
 
 def add_servicer(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
@@ -131,21 +98,28 @@ def add_servicer(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
     handlers = {
         "Process": grpc.stream_stream_rpc_method_handler(
             servicer.Process,
-            request_deserializer=_parse_request,
+            request_deserializer=_identity,
             response_serializer=_identity,
         )
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    als = {
+        "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+            servicer.StreamAccessLogs, request_deserializer=_identity, response_serializer=_identity
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),
+                                     grpc.method_handlers_generic_handler(_ALS_SERVICE, als)))
     server.add_registered_method_handlers(_SERVICE, handlers)
+    server.add_registered_method_handlers(_ALS_SERVICE, als)
 
 
 async def start_ext_proc_server(
-    holder: ViewHolder, address: str, *, reuse_port: bool = False, sampler: DecisionSampler | None = None
+    handler: PickerHandler, address: str, *, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int]:
     """Bind and start the ext_proc gRPC server (plaintext HTTP/2).
 
     Args:
-        holder: the view holder the servicer reads.
+        handler: the picker logic the servicer calls.
         address: ``"HOST:PORT"``; port 0 picks a free port.
         reuse_port: allow several processes on one port (SO_REUSEPORT). Off by default so a
             second picker on a taken port fails instead of silently sharing it.
@@ -165,7 +139,7 @@ async def start_ext_proc_server(
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
-    add_servicer(ExtProcServicer(holder, sampler=sampler), server)
+    add_servicer(ExtProcServicer(handler), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"ext_proc server could not bind {address}")

@@ -1,25 +1,43 @@
 """The picker's metrics and its rate-limited error log.
 
 Metrics live on prometheus_client's default registry:
-- ``inferlb_ext_proc_decisions_total{outcome}``: decisions by :attr:`Decision.reason`.
+- ``inferlb_ext_proc_decisions_total{outcome}``: decisions by :attr:`Decision.reason`. Counted
+  per request in a plain dict (:data:`OUTCOMES`, no lock: prometheus_client's own counters take
+  one per increment) and read at scrape time.
 - ``inferlb_ext_proc_errors_total{kind}``: malformed or unexpected input and internal errors.
-- ``inferlb_ext_proc_decision_seconds``: time spent in ``pick`` (seconds; buckets from 1 µs).
+- ``inferlb_ext_proc_decision_seconds``: time spent in ``pick`` (seconds; buckets from 1 µs),
+  sampled: one decision in :data:`SAMPLE_EVERY`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
-__all__ = ["DECISIONS", "DECISION_SECONDS", "ERRORS", "ErrorReporter"]
+__all__ = ["DECISION_SECONDS", "ERRORS", "OUTCOMES", "SAMPLE_EVERY", "ErrorReporter"]
 
-DECISIONS = Counter(
-    "inferlb_ext_proc_decisions_total",
-    "ext_proc picker decisions by outcome (the decision reason).",
-    ["outcome"],
-)
+OUTCOMES: dict[str, int] = {}
+"""Decisions by outcome, incremented on the request path (one event loop per picker process)."""
+
+SAMPLE_EVERY = 64
+"""One decision in this many is timed into ``inferlb_ext_proc_decision_seconds``."""
+
+
+class _Outcomes(Collector):
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("inferlb_ext_proc_decisions",
+                                     "ext_proc picker decisions by outcome (the decision reason).", labels=["outcome"])
+        for outcome, n in sorted(OUTCOMES.items()):
+            family.add_metric([outcome], n)
+        yield family
+
+
+REGISTRY.register(_Outcomes())
 ERRORS = Counter(
     "inferlb_ext_proc_errors_total",
     "ext_proc requests that were malformed, unexpected or failed inside the picker, by kind.",

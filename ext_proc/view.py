@@ -11,24 +11,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from ext_proc.ring import HashRing
+from ext_proc.ring import HashRing, key_hash
 
 __all__ = [
+    "MIX_BUCKETS",
     "ClusterEndpoints",
     "EndpointView",
     "RoutingTable",
     "ServiceRoute",
     "ViewHolder",
+    "cluster_capacity",
     "pinnable_endpoints",
 ]
 
 # Envoy's override_host policy sends a pinned request to its host whatever the host's health,
 # so only these states may ever be pinned. DRAINING, UNHEALTHY, DEGRADED and TIMEOUT may not.
 _PINNABLE_HEALTH = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
+
+MIX_BUCKETS = 10_000
+"""A mix splits session hashes into this many buckets (shares have a resolution of 0.01 %)."""
 
 
 @dataclass(frozen=True)
@@ -39,18 +45,23 @@ class ServiceRoute:
         name: the service name (used in logs and messages).
         hosts: authority host names without port (IPv6 in brackets: ``"[::1]"``), compared
             case-insensitively, trailing dot ignored; ``("*",)`` takes any host.
-        default_version: the version used when the request names none; must be a key of
-            ``clusters``.
+        default_version: the version used when the request names none; a key of
+            ``clusters`` or of ``mixes``.
         clusters: model version -> Envoy cluster name.
+        mixes: canary splits, mix name -> ``{version: percent}`` (percents sum to 100; a
+            version of ``clusters``). Stored as ``((bucket_upto, cluster), ...)`` over
+            :data:`MIX_BUCKETS` buckets, versions in name order.
 
     Raises:
-        ValueError: no hosts, no clusters, or ``default_version`` not in ``clusters``.
+        ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
+            clashing with a version, unknown version, negative share, shares not summing to 100).
     """
 
     name: str
     hosts: tuple[str, ...]
     default_version: str
     clusters: Mapping[str, str] = field(hash=False)
+    mixes: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
@@ -58,13 +69,32 @@ class ServiceRoute:
             raise ValueError(f"service {self.name!r}: hosts must be non-empty names, got {self.hosts!r}")
         if not self.clusters:
             raise ValueError(f"service {self.name!r}: clusters must map at least one version")
-        if self.default_version not in self.clusters:
+        mixes = {name: self._buckets(name, shares) for name, shares in self.mixes.items()}
+        if self.default_version not in self.clusters and self.default_version not in mixes:
             raise ValueError(
                 f"service {self.name!r}: default_version {self.default_version!r} is not one of "
-                f"the versions in clusters ({', '.join(sorted(self.clusters))})"
+                f"the versions or mixes ({', '.join(sorted([*self.clusters, *mixes]))})"
             )
         object.__setattr__(self, "hosts", hosts)
         object.__setattr__(self, "clusters", MappingProxyType(dict(self.clusters)))
+        object.__setattr__(self, "mixes", MappingProxyType(mixes))
+
+    def _buckets(self, name: str, shares: Any) -> tuple[tuple[int, str], ...]:
+        if isinstance(shares, tuple) and all(isinstance(p, tuple) for p in shares):
+            return shares  # already converted (a copy of a ServiceRoute)
+        where = f"service {self.name!r}: mix {name!r}"
+        if name in self.clusters:
+            raise ValueError(f"{where} has the name of a version")
+        if not shares or any(v not in self.clusters for v in shares):
+            raise ValueError(f"{where} must name versions of {sorted(self.clusters)}, got {sorted(shares)}")
+        if any(p < 0 for p in shares.values()) or abs(sum(shares.values()) - 100) > 1e-6:
+            raise ValueError(f"{where}: shares must be >= 0 and sum to 100, got {dict(shares)}")
+        out, upto = [], 0.0
+        for version in sorted(shares):
+            upto += shares[version]
+            out.append((round(upto * MIX_BUCKETS / 100), self.clusters[version]))
+        out[-1] = (MIX_BUCKETS, out[-1][1])
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -76,6 +106,10 @@ class RoutingTable:
     Attributes:
         version_header: header naming the model version.
         session_headers: headers tried in order for the session key; the first non-empty wins.
+        session_cookie: a cookie name tried after the headers (None: cookies are not read).
+        body_max_bytes: body routing: when > 0, a request with a body whose version or session
+            the headers do not give is held until Envoy sends its body (buffered), and the
+            JSON fields ``model`` and ``user`` of bodies up to this size are read. 0 = off.
         override_host_header: header the picker sets to ``"HOST:PORT"`` for Envoy's
             override_host load-balancing policy.
         cluster_header: header the picker sets to the cluster name (read by the route's
@@ -90,6 +124,8 @@ class RoutingTable:
 
     version_header: str = "model-version"
     session_headers: tuple[str, ...] = ("x-session-id", "x-user-id")
+    session_cookie: str | None = None
+    body_max_bytes: int = 0
     override_host_header: str = "x-gateway-destination-endpoint"
     cluster_header: str = "x-inferlb-cluster"
     vnodes: int = 160
@@ -120,11 +156,24 @@ class ClusterEndpoints:
         name: the cluster name.
         endpoints: ``"HOST:PORT"`` of each pinnable endpoint, sorted, no duplicates.
         ring: a :class:`HashRing` over ``endpoints`` (empty when there are none).
+        members: ``endpoints`` as a set (is a pinned endpoint still pinnable?).
+        capacity: the sum of the pinnable endpoints' max concurrency (EDS endpoint metadata
+            ``filter_metadata["inferlb"]["max_concurrency"]``); 0 when any of them has none
+            (admission control then leaves the cluster alone).
+        salt: 64-bit hash of ``name``, mixed into session-table keys so one session key has a
+            separate pin in each cluster.
     """
 
     name: str
     endpoints: tuple[str, ...]
     ring: HashRing = field(compare=False)
+    capacity: int = 0
+    members: frozenset[str] = field(init=False, compare=False)
+    salt: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", frozenset(self.endpoints))
+        object.__setattr__(self, "salt", key_hash(self.name.encode()))
 
 
 def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:
@@ -158,6 +207,28 @@ def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[
     if not by_priority:
         return ()
     return tuple(sorted(by_priority[min(by_priority)]))
+
+
+def cluster_capacity(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]) -> int:
+    """Sum of ``filter_metadata["inferlb"]["max_concurrency"]`` over ``endpoints`` of ``assignment``.
+
+    Returns 0 (unknown: not limited) when one of them carries no positive value.
+    """
+    wanted = set(endpoints)
+    total = 0
+    for locality in assignment.endpoints:
+        for lb_endpoint in locality.lb_endpoints:
+            address = _address(lb_endpoint)
+            if address not in wanted:
+                continue
+            wanted.discard(address)
+            meta = lb_endpoint.metadata.filter_metadata
+            field_ = meta["inferlb"].fields.get("max_concurrency") if "inferlb" in meta else None
+            value = int(field_.number_value) if field_ is not None else 0
+            if value <= 0:
+                return 0
+            total += value
+    return total
 
 
 class EndpointView:
@@ -227,11 +298,13 @@ class EndpointView:
         clusters: dict[str, ClusterEndpoints] = {}
         for name, assignment in assignments.items():
             endpoints = pinnable_endpoints(assignment)
+            capacity = cluster_capacity(assignment, endpoints)
             kept = old.get(name)
             if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
-                clusters[name] = kept
+                ring = kept.ring
             else:
-                clusters[name] = ClusterEndpoints(name, endpoints, HashRing(endpoints, routing.vnodes))
+                ring = HashRing(endpoints, routing.vnodes)
+            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity)
         return cls(routing, clusters)
 
     def service_for_host(self, host: str) -> ServiceRoute | None:

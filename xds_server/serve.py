@@ -10,18 +10,21 @@ import signal
 import grpc
 from aiohttp import web
 
+from ext_proc.handler import PickerHandler
 from ext_proc.sampler import DecisionSampler
 from ext_proc.server import start_ext_proc_server
+from ext_proc.transport.server import FastServer, start_fast_server
 from ext_proc.view import ViewHolder
 
 from .admin.app import make_admin_app
 from .ads.cache import SnapshotCache
 from .ads.server import AdsServicer, start_ads_server
 from .config import Config, split_hostport
-from .control import ControlPlane, routing_table
+from .control import ControlPlane
 from .history.recorder import HistoryRecorder
 from .history.sqlite import open_store
 from .metrics.prometheus import PrometheusSource
+from .picker_config import picker_settings, routing_table
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,9 @@ class InferLB:
         source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
-        routing = routing_table(cfg)
         self.sampler = DecisionSampler()
+        self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler)
+        routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing),
@@ -50,9 +54,10 @@ class InferLB:
                                     f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
         self.ads: AdsServicer | None = None
         self.ads_server: grpc.aio.Server | None = None
-        self.ext_server: grpc.aio.Server | None = None
+        self.ext_server: grpc.aio.Server | FastServer | None = None
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
+        self._picker_task: asyncio.Task | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = 0
 
     def _current_weights(self):
@@ -62,8 +67,10 @@ class InferLB:
     async def start(self) -> None:
         """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
         self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
-        self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.view, self.cfg.listen.ext_proc,
-                                                                          sampler=self.sampler)
+        if self.cfg.picker.transport == "fast":
+            self.ext_server, self.ext_proc_port = await start_fast_server(self.picker, self.cfg.listen.ext_proc)
+        else:
+            self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.picker, self.cfg.listen.ext_proc)
         self._runner = web.AppRunner(make_admin_app(self.control, self.ads, self.recorder.store, self.sampler),
                                      access_log=None)
         await self._runner.setup()
@@ -73,13 +80,15 @@ class InferLB:
         self.admin_port = self._runner.addresses[0][1]
         self.recorder.start()
         self._loop_task = asyncio.create_task(self.control.run())
+        self._picker_task = asyncio.create_task(self.picker.maintain())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
                  self.admin_port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
-        if self._loop_task:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._picker_task):
+            if task:
+                task.cancel()
         for server in (self.ads_server, self.ext_server):
             if server is not None:
                 await server.stop(grace=grace_s)

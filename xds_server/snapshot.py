@@ -22,6 +22,8 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
+from ext_proc.settings import to_wire
+
 from .config import Config, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from .listener import (
@@ -32,6 +34,7 @@ from .listener import (
     build_listener,
     build_route_config,
 )
+from .picker_config import picker_settings, routing_table
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -142,12 +145,15 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
     )
 
 
-def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoint_pb2.ClusterLoadAssignment:
+def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
+                     max_concurrency: Mapping[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
     """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
 
     An empty ``weights`` gives an assignment without endpoints (Envoy then has the cluster with no
     hosts instead of waiting for EDS). Built by attribute assignment: ~3 µs per endpoint, against
     ~8 µs with nested constructors (measured for the xDS benchmark).
+    ``max_concurrency`` (address -> requests): written to each endpoint's metadata
+    ``filter_metadata["inferlb"]["max_concurrency"]`` for the picker's admission control.
 
     Raises:
         ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
@@ -166,16 +172,19 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoin
         sock.port_value = port
         lb.health_status = _HEALTH[w.health]
         lb.load_balancing_weight.value = w.weight
+        if max_concurrency and w.address in max_concurrency:
+            lb.metadata.filter_metadata["inferlb"].update({"max_concurrency": max_concurrency[w.address]})
     return cla
 
 
 class BuildMemo:
     """What one build can reuse from the previous ones (an optimisation: output is unchanged).
 
-    - per cluster, its assignment Resource, keyed by its endpoints' ``(address, weight, health)``:
-      a round that changes a few weights rebuilds and re-digests only those clusters' assignments;
+    - per cluster, its assignment Resource, keyed by its endpoints' ``(address, weight, health,
+      max_concurrency)``: a round that changes a few weights rebuilds and re-digests only those
+      clusters' assignments;
     - per config object and picker address, the config-derived resources (clusters, listener,
-      routes): they change only when the config does.
+      routes) and per-cluster endpoint limits: they change only when the config does.
 
     Not thread-safe: one memo per building loop.
     """
@@ -184,29 +193,33 @@ class BuildMemo:
 
     def __init__(self) -> None:
         self._assignments: dict[str, tuple[tuple, Resource]] = {}
-        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict[str, Resource]]]] = {}
+        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict[str, dict[str, int]]]] = {}
 
-    def assignment(self, cluster: str, weights: list[EndpointWeight]) -> Resource:
+    def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int]) -> Resource:
         """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ)."""
-        key = tuple((w.address, w.weight, w.health) for w in weights)
+        key = tuple((w.address, w.weight, w.health, limits.get(w.address)) for w in weights)
         hit = self._assignments.get(cluster)
         if hit is not None and hit[0] == key:
             return hit[1]
-        res = _resource(cluster, build_assignment(cluster, weights))
+        res = _resource(cluster, build_assignment(cluster, weights, limits))
         self._assignments[cluster] = (key, res)
         return res
 
-    def static(self, cfg: Config, ext_proc_address: str) -> dict[str, dict[str, Resource]]:
-        """CDS, LDS and RDS resources of ``cfg`` (the config object itself is the key, by identity)."""
+    def static(self, cfg: Config, ext_proc_address: str) -> tuple[dict[str, dict[str, Resource]], dict]:
+        """CDS, LDS and RDS resources of ``cfg`` and ``{cluster: {address: max_concurrency}}``
+        (the config object itself is the key, by identity)."""
         key = (id(cfg), ext_proc_address)
         hit = self._static.get(key)
         if hit is not None and hit[0] is cfg:
-            return hit[1]
-        clusters = {EXT_PROC_CLUSTER: _resource(EXT_PROC_CLUSTER, build_ext_proc_cluster(ext_proc_address))}
+            return hit[1], hit[2]
+        picker = to_wire(routing_table(cfg), picker_settings(cfg))
+        clusters = {EXT_PROC_CLUSTER: _resource(EXT_PROC_CLUSTER, build_ext_proc_cluster(ext_proc_address, picker))}
+        limits: dict[str, dict[str, int]] = {}
         for service in cfg.services:
             for version in service.versions:
                 name = cluster_name(service.name, version.name)
                 clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host))
+                limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
         built = {
             CLUSTER_TYPE: clusters,
             LISTENER_TYPE: {LISTENER_NAME: _resource(LISTENER_NAME, build_listener(cfg))},
@@ -214,8 +227,8 @@ class BuildMemo:
         }
         if len(self._static) >= self._STATIC_ENTRIES:
             self._static.pop(next(iter(self._static)))
-        self._static[key] = (cfg, built)
-        return built
+        self._static[key] = (cfg, built, limits)
+        return built, limits
 
 
 def make_snapshot(messages: Mapping[str, Mapping[str, Message]]) -> Snapshot:
@@ -249,9 +262,9 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    static = memo.static(cfg, ext_proc_address)
+    static, limits = memo.static(cfg, ext_proc_address)
     assignments = {
-        name: memo.assignment(name, by_cluster.get(name, []))
+        name: memo.assignment(name, by_cluster.get(name, []), limits[name])
         for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
     }
     return snapshot_of({

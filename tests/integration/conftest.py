@@ -108,8 +108,12 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
     }
 
 
-def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None) -> Stack:
-    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy."""
+def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None,
+                config_patch: Callable[[dict], None] | None = None) -> Stack:
+    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
+
+    ``config_patch`` may edit the config dict (as from :func:`backend_config`) before it is written.
+    """
     procs: list[stack.Proc] = []
     loop = LoopThread()
     try:
@@ -126,6 +130,8 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         cfg_path = workdir / "inferlb.yaml"
         doc = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
         doc["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
+        if config_patch is not None:
+            config_patch(doc)
         cfg_path.write_text(yaml.safe_dump(doc))
         cfg = load_config(cfg_path)
         app = InferLB(cfg)

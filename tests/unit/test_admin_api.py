@@ -14,9 +14,8 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from ext_proc.sampler import DecisionSampler
-from ext_proc.server import ExtProcServicer
 from tests.unit.history_rows import admin_app, row, verdict
-from tests.unit.test_decision_sampler import holder, http_headers
+from tests.unit.test_decision_sampler import Picker, holder, http_headers
 from xds_server.admin.app import openapi_document
 from xds_server.engine.types import DRAINING
 
@@ -36,7 +35,7 @@ def conforms(instance: dict, schema_name: str) -> None:
 @pytest.fixture
 async def client():
     sampler = DecisionSampler(every=1)
-    servicer = ExtProcServicer(holder(), sampler=sampler)
+    servicer = Picker(holder(), sampler=sampler)
     servicer.decide(http_headers(x_session_id="s-1", model_version="v1"))
     servicer.decide(http_headers())
     app, store = admin_app(ROWS, [verdict(A, 25), verdict(B, 30, DRAINING), verdict(C, 40, cluster="chat-v2")],

@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.factories import config, line_of, service, version, yaml_text
 from xds_server.config import ConfigError, load_config, parse_config, split_hostport
-from xds_server.control import routing_table
+from xds_server.picker_config import routing_table
 
 MINIMAL = yaml_text(
     """

@@ -7,9 +7,17 @@ from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.sampler import DecisionSampler
-from ext_proc.server import ExtProcServicer
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
+
+
+class Picker(PickerHandler):
+    """The picker handler with a one-call ``decide(http_headers)`` for these tests."""
+
+    def decide(self, http_headers: pb.HttpHeaders) -> bytes:
+        answer, _ = self.process(StreamState(), pb.ProcessingRequest(request_headers=http_headers).SerializeToString())
+        return answer
 
 
 def holder() -> ViewHolder:
@@ -32,7 +40,7 @@ def http_headers(**headers: str) -> pb.HttpHeaders:
 
 def test_every_nth_decision_is_kept_newest_first_and_bounded():
     sampler = DecisionSampler(every=3, size=2, clock=iter(range(100)).__next__)
-    servicer = ExtProcServicer(holder(), sampler=sampler)
+    servicer = Picker(holder(), sampler=sampler)
     for i in range(9):
         servicer.decide(http_headers(x_session_id=f"s{i}"))
     kept = sampler.recent()
@@ -43,7 +51,7 @@ def test_every_nth_decision_is_kept_newest_first_and_bounded():
 
 def test_samples_hold_a_keyed_hash_of_the_session_never_the_key():
     sampler = DecisionSampler(every=1)
-    servicer = ExtProcServicer(holder(), sampler=sampler)
+    servicer = Picker(holder(), sampler=sampler)
     servicer.decide(http_headers(x_session_id="alice-secret", model_version="v1"))
     servicer.decide(http_headers(x_session_id="alice-secret"))
     servicer.decide(http_headers(x_user_id="bob"))
@@ -55,7 +63,7 @@ def test_samples_hold_a_keyed_hash_of_the_session_never_the_key():
     assert (unknown.session, unknown.version, unknown.reason, unknown.status, unknown.cluster) == \
         (None, "v9", "unknown-version", 400, None)
     other = DecisionSampler(every=1)
-    ExtProcServicer(holder(), sampler=other).decide(http_headers(x_session_id="alice-secret"))
+    Picker(holder(), sampler=other).decide(http_headers(x_session_id="alice-secret"))
     assert other.recent()[0].session != alice1.session  # the key is per process (per sampler)
 
 

@@ -12,6 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import REGISTRY
 
+from ext_proc.handler import PickerHandler
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 
@@ -57,7 +58,7 @@ async def holder():
 
 @pytest.fixture
 async def stub(holder):
-    server, port = await start_ext_proc_server(holder, "127.0.0.1:0")
+    server, port = await start_ext_proc_server(PickerHandler(holder), "127.0.0.1:0")
     assert port > 0
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -149,7 +150,7 @@ async def test_other_phases_get_an_empty_matching_answer(stub):
 
 
 async def test_undecodable_message_ends_the_stream_with_an_error_and_is_counted(holder):
-    server, port = await start_ext_proc_server(holder, "127.0.0.1:0")
+    server, port = await start_ext_proc_server(PickerHandler(holder), "127.0.0.1:0")
     before = counter("inferlb_ext_proc_errors_total", kind="decode")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -171,7 +172,7 @@ async def test_undecodable_message_ends_the_stream_with_an_error_and_is_counted(
 
 
 async def test_not_ready_view_passes_through():
-    server, port = await start_ext_proc_server(ViewHolder(), "127.0.0.1:0")
+    server, port = await start_ext_proc_server(PickerHandler(ViewHolder()), "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             [response] = await exchange(pb_grpc.ExternalProcessorStub(channel), headers_request())
@@ -181,10 +182,10 @@ async def test_not_ready_view_passes_through():
 
 
 async def test_binding_a_taken_port_fails(holder):
-    server, port = await start_ext_proc_server(holder, "127.0.0.1:0")
+    server, port = await start_ext_proc_server(PickerHandler(holder), "127.0.0.1:0")
     try:
         with pytest.raises(RuntimeError):
-            await start_ext_proc_server(holder, f"127.0.0.1:{port}")
+            await start_ext_proc_server(PickerHandler(holder), f"127.0.0.1:{port}")
     finally:
         await server.stop(None)
 
@@ -192,7 +193,7 @@ async def test_binding_a_taken_port_fails(holder):
 async def test_picker_failure_ends_the_stream_with_an_error_and_is_counted():
     broken = ViewHolder()
     broken.current = None  # a bug upstream: pick() raises on it
-    server, port = await start_ext_proc_server(broken, "127.0.0.1:0")
+    server, port = await start_ext_proc_server(PickerHandler(broken), "127.0.0.1:0")
     before = counter("inferlb_ext_proc_errors_total", kind="pick-failed")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -252,5 +252,8 @@ def test_packed_assignment_is_the_built_assignment():
     snap = snapshot(CFG, weights_of(CFG))
     res = snap.of(ENDPOINT_TYPE)["llm-v1"]
     cla = unpack(res.packed, endpoint_pb2.ClusterLoadAssignment)
-    rebuilt = build_assignment("llm-v1", [w for w in weights_of(CFG) if w.cluster == "llm-v1"])
+    limits = {e.address: e.max_concurrency for s in CFG.services for v in s.versions for e in v.endpoints}
+    rebuilt = build_assignment("llm-v1", [w for w in weights_of(CFG) if w.cluster == "llm-v1"], limits)
     assert cla == rebuilt
+    meta = cla.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"]
+    assert meta.fields["max_concurrency"].number_value == 8  # the endpoint default

@@ -1,0 +1,145 @@
+"""Admission control: when a cluster is at its max concurrency, queue in the picker or answer 429.
+
+A cluster is full when the requests in flight the picker routed to it (picks minus access-log
+completions, :mod:`ext_proc.inflight`) reach the sum of its pinnable endpoints' max concurrency
+(from EDS endpoint metadata ``inferlb.max_concurrency``). A request for a full cluster waits in
+that cluster's FIFO queue — at most ``max_queue`` waiting, each at most ``timeout_s`` — and is
+decided when a completion frees a slot; otherwise it gets 429 with ``Retry-After``. The wait must
+end before Envoy's ext_proc ``message_timeout``, or Envoy gives up on the picker first.
+
+:func:`admit` is the pure rule; :class:`Admission` keeps the queues (event loop only, no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+from prometheus_client import Counter, Gauge
+
+__all__ = ["Admission", "admit"]
+
+ADMISSION = Counter(
+    "inferlb_ext_proc_admission_total",
+    "Requests for a full cluster, by outcome: queued, admitted (after queueing), "
+    "rejected_full (queue full), rejected_timeout (waited too long), cancelled (stream ended).",
+    ["cluster", "outcome"],
+)
+QUEUED = Gauge("inferlb_ext_proc_queued", "Requests waiting in the picker for a free slot, by cluster.", ["cluster"])
+
+
+def admit(in_flight: int, capacity: int, queued: int, max_queue: int) -> Literal["admit", "queue", "reject"]:
+    """The admission rule for one request of a cluster.
+
+    Args:
+        in_flight: requests in flight in the cluster.
+        capacity: the cluster's max concurrency (sum over its pinnable endpoints); 0 = unknown,
+            never limited.
+        queued: requests already waiting for the cluster.
+        max_queue: how many may wait (0 = reject at once when full).
+
+    Returns:
+        "admit" when there is room (and nobody waits ahead: FIFO), "queue" when full and the
+        queue has room, else "reject".
+    """
+    if capacity <= 0 or (in_flight < capacity and queued == 0):
+        return "admit"
+    return "queue" if queued < max_queue else "reject"
+
+
+class _Waiter:
+    __slots__ = ("future", "resume", "timer")
+
+    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes]) -> None:
+        self.future = future
+        self.resume = resume
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Admission:
+    """Per-cluster FIFO queues of requests waiting for a slot.
+
+    Args:
+        max_queue: waiting requests per cluster (0 = never queue: 429 at once).
+        timeout_s: longest wait (s); then 429.
+        retry_after_s: the ``Retry-After`` value of a 429 (whole seconds, >= 1).
+
+    Raises:
+        ValueError: a negative ``max_queue``, ``timeout_s`` <= 0 or ``retry_after_s`` < 1.
+    """
+
+    def __init__(self, max_queue: int = 256, timeout_s: float = 0.1, retry_after_s: int = 1) -> None:
+        if max_queue < 0 or timeout_s <= 0 or retry_after_s < 1:
+            raise ValueError(f"admission: max_queue >= 0, timeout_s > 0, retry_after_s >= 1 needed; got "
+                             f"{max_queue}, {timeout_s}, {retry_after_s}")
+        self.max_queue = max_queue
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._queues: dict[str, deque[_Waiter]] = {}
+
+    def queued(self, cluster: str) -> int:
+        """Requests waiting for ``cluster`` now."""
+        queue = self._queues.get(cluster)
+        return len(queue) if queue else 0
+
+    def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes]) -> asyncio.Future:
+        """Queue a request (the caller checked :func:`admit` said "queue").
+
+        Args:
+            cluster: the full cluster.
+            resume: called when a slot frees; decides the request and returns the answer bytes.
+            reject: called on timeout; returns the 429 answer bytes.
+
+        Returns:
+            A future resolved with the answer bytes. Cancel it when the stream ends first.
+        """
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), resume)
+        queue = self._queues.setdefault(cluster, deque())
+        queue.append(waiter)
+        QUEUED.labels(cluster).set(len(queue))
+        ADMISSION.labels(cluster, "queued").inc()
+
+        def expire() -> None:
+            if not waiter.future.done():
+                ADMISSION.labels(cluster, "rejected_timeout").inc()
+                waiter.future.set_result(reject())
+            self._drop(cluster, waiter)
+
+        waiter.timer = loop.call_later(self.timeout_s, expire)
+        return waiter.future
+
+    def _drop(self, cluster: str, waiter: _Waiter) -> None:
+        queue = self._queues.get(cluster)
+        if queue is not None:
+            try:
+                queue.remove(waiter)
+            except ValueError:
+                pass
+            QUEUED.labels(cluster).set(len(queue))
+
+    def release(self, room: Callable[[str], bool]) -> int:
+        """Admit waiting requests, oldest first, while ``room(cluster)`` says the cluster has a slot.
+
+        ``resume`` of each admitted request counts it in flight, so ``room`` sees it. Returns how
+        many were admitted.
+        """
+        admitted = 0
+        for cluster, queue in self._queues.items():
+            while queue and room(cluster):
+                waiter = queue.popleft()
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                if waiter.future.done():  # cancelled: the stream went away
+                    ADMISSION.labels(cluster, "cancelled").inc()
+                    continue
+                try:
+                    waiter.future.set_result(waiter.resume())
+                except Exception as err:  # the transport turns it into an error status
+                    waiter.future.set_exception(err)
+                ADMISSION.labels(cluster, "admitted").inc()
+                admitted += 1
+            QUEUED.labels(cluster).set(len(queue))
+        return admitted

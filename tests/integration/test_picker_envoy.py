@@ -1,0 +1,254 @@
+"""The picker on real Envoy: in-flight counting from the access log, sessions, body routing,
+canary split, admission control, hung picker.
+
+One stack for the module (simulated backends at time scale 0.2, real Prometheus, inferlb, Envoy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import requests
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+
+from xds_server.stack import free_port, inferlb_argv, spawn
+
+from ..unit.test_ext_proc_server import headers_request, set_headers
+from .conftest import Stack, start_stack, stop_stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _patch(doc: dict) -> None:
+    doc["picker"] = {"body_max_bytes": 65536, "max_queue": 1, "queue_timeout_s": 0.2}
+    doc["services"][0]["mixes"] = {"canary": {"v1": 50, "v2": 50}}
+    for version in doc["services"][0]["versions"]:
+        if version["name"] == "v2":
+            for endpoint in version["endpoints"]:
+                endpoint["max_concurrency"] = 1
+
+
+@pytest.fixture(scope="module")
+def picker_stack(tmp_path_factory) -> Iterator[Stack]:
+    """v1: two A100-class backends; v2: one with max_concurrency 1. Body routing on; mix ``canary``
+    = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s."""
+    s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
+                    config_patch=_patch)
+    yield s
+    stop_stack(s)
+
+
+def post(s: Stack, body: dict, headers: dict[str, str] | None = None) -> requests.Response:
+    return requests.post(f"{s.listener}/v1/chat/completions", json={"max_tokens": 8, "messages": [], **body},
+                         headers=headers or {}, timeout=10)
+
+
+def test_version_from_the_json_body_reroutes(picker_stack: Stack):
+    """clear_route_cache from the body phase re-selects the route on Envoy 1.40."""
+    s = picker_stack
+    for _ in range(5):
+        r = post(s, {"model": "v2"})
+        assert r.status_code == 200 and r.headers["x-backend-version"] == "v2"
+        r = post(s, {"model": "v1"})
+        assert r.status_code == 200 and r.headers["x-backend-version"] == "v1"
+    # The header wins over the body.
+    r = post(s, {"model": "v2"}, {"model-version": "v1"})
+    assert r.headers["x-backend-version"] == "v1"
+    r = post(s, {"model": "v9"})
+    assert r.status_code == 400
+    assert "v9" in r.text and "body field 'model'" in r.text and "v1, v2" in r.text
+    # Not JSON: routed by headers alone (default version), never an error.
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=b"{not json", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert r.headers["x-backend-version"] == "v1"
+
+
+def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):
+    s = picker_stack
+    for i in range(6):
+        by_body = {post(s, {"user": f"body-user-{i}"}).headers["x-served-by"] for _ in range(4)}
+        by_header = post(s, {}, {"x-session-id": f"body-user-{i}"}).headers["x-served-by"]
+        assert by_body == {by_header}
+
+
+def test_canary_split_is_decided_per_session_and_never_flips(picker_stack: Stack):
+    s = picker_stack
+    seen: dict[str, set[str]] = {}
+    for i in range(40):
+        for _ in range(3):
+            r = s.send({"model-version": "canary", "x-session-id": f"canary-{i}"})
+            assert r.status_code == 200
+            seen.setdefault(f"canary-{i}", set()).add(r.headers["x-backend-version"])
+    assert all(len(v) == 1 for v in seen.values()), seen
+    v2 = sum(1 for v in seen.values() if v == {"v2"})
+    assert 10 <= v2 <= 30, f"{v2}/40 sessions on v2 for a 50 % split"
+
+
+def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stack):
+    s = picker_stack
+    inflight = s.app.picker.inflight
+    s.send({"x-session-id": "warm-up"})
+    wait_until(lambda: inflight.streams >= 1 and not inflight.clusters, 5, 0.02,
+               "Envoy's access-log stream and the first completion")
+    v1 = {b.address for b in s.backends if b.version == "v1"}
+    for b in s.backends:
+        b.fault(slow_factor=20)  # ~200 ms per request at time scale 0.2
+    try:
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda i=i: results.append(
+            s.send({"x-session-id": f"inflight-{i}"}).status_code)) for i in range(6)]
+        for t in threads:
+            t.start()
+        seen = wait_until(lambda: dict(inflight.endpoints) if sum(inflight.endpoints.values()) == 6 else None,
+                          3, 0.005, "six pinned requests in flight")
+        assert set(seen) <= v1
+        assert inflight.clusters == {"chat-v1": 6}
+        for t in threads:
+            t.join()
+        assert results == [200] * 6
+        # Completions arrive within the flush interval (5 ms) plus Envoy's batching.
+        wait_until(lambda: not inflight.endpoints and not inflight.clusters, 1, 0.005,
+                   "every completion to come back")
+    finally:
+        for b in s.backends:
+            b.fault(reset=True)
+
+
+def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack: Stack):
+    s = picker_stack
+    v2 = next(b for b in s.backends if b.version == "v2")
+    wait_until(lambda: s.app.view.current.clusters["chat-v2"].capacity == 1, 5, what="v2's capacity in the view")
+    v2.fault(slow_factor=10)  # ~100 ms per request at time scale 0.2
+    try:
+        results: dict[int, requests.Response] = {}
+
+        def go(i: int) -> None:
+            results[i] = s.send({"model-version": "v2", "x-session-id": f"adm-{i}"})
+
+        threads = []
+        for i in range(3):  # one runs, one waits in the picker, one is refused at once
+            threads.append(threading.Thread(target=go, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results.values())
+        assert codes == [200, 200, 429], codes
+        refused = next(r for r in results.values() if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert "chat-v2" in refused.json()["error"]
+        # A queued request that waits past queue_timeout_s is refused too.
+        v2.fault(slow_factor=40)  # ~400 ms
+        threads = [threading.Thread(target=go, args=(i,)) for i in (10, 11)]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        assert sorted(results[i].status_code for i in (10, 11)) == [200, 429]
+    finally:
+        v2.fault(reset=True)
+
+
+def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: Stack):
+    """`inferlb ext-proc --xds`: two picker processes subscribe to the control plane and agree,
+    with each other and with the ring over the control plane's healthy endpoints."""
+    s = picker_stack
+    ports = [free_port(), free_port()]
+    procs = [spawn(f"picker-{i}", inferlb_argv("ext-proc", "--xds", f"127.0.0.1:{s.app.xds_port}",
+                                               "--listen", f"127.0.0.1:{port}"), s.workdir)
+             for i, port in enumerate(ports)]
+    try:
+        for proc, port in zip(procs, ports, strict=True):
+            wait_until(lambda p=port, pr=proc: pr.alive() and _accepts(p), 15, 0.1, f"picker on {port}")
+        pins = []
+        for port in ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = ExternalProcessorStub(channel)
+                got = {}
+                for i in range(30):
+                    request = headers_request(model_version="v1", x_session_id=f"ads-{i}")
+                    [answer] = list(stub.Process(iter([request]), timeout=5))
+                    got[i] = set_headers(answer)["x-gateway-destination-endpoint"].decode()
+                pins.append(got)
+        assert pins[0] == pins[1]
+        v1 = sorted(b.address for b in s.backends if b.version == "v1")
+        assert set(pins[0].values()) == set(v1)
+        ring = s.app.view.current.clusters["chat-v1"].ring
+        assert all(pins[0][i] == ring.lookup(f"ads-{i}".encode()) for i in range(30))
+        nodes = requests.get(f"{s.admin}/api/v1/nodes", timeout=5).json()["nodes"]
+        assert sum(n["node_id"].startswith("inferlb-picker-") for n in nodes) == 2
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+def _hang(s: Stack):
+    """Make the picker accept requests and never answer them; returns the undo."""
+    handler = s.app.picker
+
+    def never(stream, data):
+        return asyncio.get_running_loop().create_future(), True
+
+    handler.process = never
+    return lambda: vars(handler).pop("process", None)
+
+
+def _set_failure_mode(s: Stack, allow: bool) -> None:
+    cfg = s.app.control.cfg
+    s.app.control.cfg = cfg.model_copy(update={"envoy": cfg.envoy.model_copy(update={"failure_mode_allow": allow})})
+    want = "true" if allow else "false"
+
+    def applied() -> bool:
+        dump = requests.get(f"{s.envoy_admin}/config_dump?resource=dynamic_listeners", timeout=5).text
+        return (f'"failure_mode_allow": {want}' in dump) or (not allow and '"failure_mode_allow"' not in dump)
+
+    wait_until(applied, 10, 0.1, f"Envoy's ext_proc filter with failure_mode_allow={allow}")
+
+
+def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):
+    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.25 s);
+    fail-closed -> 504 after the same wait. Forged routing headers stay ignored (C06)."""
+    s = picker_stack
+    timeout = s.cfg.envoy.ext_proc_timeout_s
+    v2 = next(b for b in s.backends if b.version == "v2")
+    undo = _hang(s)
+    try:
+        for _ in range(4):
+            start = time.monotonic()
+            r = s.send({"x-session-id": "hung", "x-gateway-destination-endpoint": v2.address,
+                        "x-inferlb-cluster": "chat-v2"})
+            waited = time.monotonic() - start
+            assert r.status_code == 200 and r.headers["x-served-by"] != v2.address
+            assert timeout * 0.9 <= waited <= timeout + 0.3, waited
+        _set_failure_mode(s, False)
+        start = time.monotonic()
+        r = s.send({"x-session-id": "hung"})
+        waited = time.monotonic() - start
+        assert r.status_code == 504 and timeout * 0.9 <= waited <= timeout + 0.3, (r.status_code, waited)
+    finally:
+        undo()
+    assert s.send({"x-session-id": "hung"}).status_code == 200  # answering again, fail-closed still on
+
+
+def test_a_dead_picker_fails_closed_with_500_when_configured(picker_stack: Stack):
+    """C07 with failure_mode_allow false (the previous test left it so): the picker is gone -> 500."""
+    s = picker_stack
+    _set_failure_mode(s, False)
+    assert s.send({"x-session-id": "closed"}).status_code == 200
+    s.loop.run(s.app.ext_server.stop(0))
+    codes = {s.send({"x-session-id": "closed"}).status_code for _ in range(5)}
+    assert codes == {500}, codes

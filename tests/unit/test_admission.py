@@ -1,0 +1,117 @@
+"""Admission control: the pure rule, the per-cluster queues, and the handler holding or refusing requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.admission import Admission, admit
+from ext_proc.handler import PickerHandler, StreamState
+from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_capacity
+
+from .test_inflight import log_message
+from .test_picker import HEALTHY, cla
+
+
+@pytest.mark.parametrize(("in_flight", "capacity", "queued", "max_queue", "want"), [
+    (0, 0, 0, 0, "admit"),  # capacity unknown: never limited
+    (99, 0, 5, 0, "admit"),
+    (3, 4, 0, 10, "admit"),
+    (4, 4, 0, 10, "queue"),
+    (3, 4, 1, 10, "queue"),  # room, but others wait first (FIFO)
+    (4, 4, 10, 10, "reject"),
+    (4, 4, 0, 0, "reject"),  # max_queue 0: reject mode
+])
+def test_admit(in_flight, capacity, queued, max_queue, want):
+    assert admit(in_flight, capacity, queued, max_queue) == want
+
+
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),))
+
+
+def limited(limits: list[int | None]):
+    assignment = cla("llm-v1", [(f"10.0.0.{i}", HEALTHY) for i in range(len(limits))])
+    for lb, limit in zip(assignment.endpoints[0].lb_endpoints, limits, strict=True):
+        if limit is not None:
+            lb.metadata.filter_metadata["inferlb"].update({"max_concurrency": limit})
+    return assignment
+
+
+def test_capacity_is_the_sum_of_endpoint_limits_or_unknown():
+    assert cluster_capacity(limited([2, 3]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 5
+    assert cluster_capacity(limited([2, None]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 0
+    view = EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)
+    assert view.clusters["llm-v1"].capacity == 2
+
+
+def headers_msg(session: str) -> bytes:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode())
+                                     for k, v in {":authority": "x", "x-session-id": session}.items()])
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=True)).SerializeToString()
+
+
+def make_handler(max_queue=2, timeout_s=0.2) -> PickerHandler:
+    h = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)),
+                      admission=Admission(max_queue, timeout_s, retry_after_s=3))
+    h.inflight.streams = 1  # an access-log stream is open
+    return h
+
+
+def kind(answer: bytes) -> tuple[str, int | None]:
+    r = pb.ProcessingResponse.FromString(answer)
+    return r.WhichOneof("response"), r.immediate_response.status.code if r.HasField("immediate_response") else None
+
+
+async def test_a_full_cluster_queues_then_admits_on_a_completion():
+    h = make_handler()
+    for i in range(2):
+        answer, end = h.process(StreamState(), headers_msg(f"s{i}"))
+        assert kind(answer) == ("request_headers", None) and end
+    waiting, end = h.process(StreamState(), headers_msg("s2"))
+    assert isinstance(waiting, asyncio.Future) and end and not waiting.done()
+    h.access_log(log_message(("llm-v1", None)))  # one request finished
+    assert waiting.done() and kind(waiting.result()) == ("request_headers", None)
+    assert h.inflight.clusters == {"llm-v1": 2}
+
+
+async def test_queue_bound_and_timeout_answer_429_with_retry_after():
+    h = make_handler(max_queue=1, timeout_s=0.05)
+    for i in range(2):
+        h.process(StreamState(), headers_msg(f"s{i}"))
+    queued, _ = h.process(StreamState(), headers_msg("q"))
+    refused, _ = h.process(StreamState(), headers_msg("r"))  # the queue (1) is full: at once
+    r = pb.ProcessingResponse.FromString(refused)
+    assert r.immediate_response.status.code == 429
+    extra = {o.header.key: o.header.raw_value for o in r.immediate_response.headers.set_headers}
+    assert extra["retry-after"] == b"3"
+    assert "llm-v1" in json.loads(r.immediate_response.body)["error"]
+    assert kind(await asyncio.wait_for(queued, 1)) == ("immediate_response", 429)  # timed out
+    assert h.inflight.clusters == {"llm-v1": 2}, "refused requests are not in flight"
+
+
+async def test_a_cancelled_waiter_gives_its_slot_to_the_next():
+    h = make_handler()
+    for i in range(2):
+        h.process(StreamState(), headers_msg(f"s{i}"))
+    first, _ = h.process(StreamState(), headers_msg("a"))
+    second, _ = h.process(StreamState(), headers_msg("b"))
+    first.cancel()  # its stream went away
+    h.access_log(log_message(("llm-v1", None)))
+    assert second.done() and kind(second.result()) == ("request_headers", None)
+
+
+async def test_without_an_access_log_stream_nothing_is_held():
+    h = make_handler()
+    h.inflight.streams = 0
+    for i in range(5):
+        answer, _ = h.process(StreamState(), headers_msg(f"s{i}"))
+        assert kind(answer) == ("request_headers", None)
+
+
+def test_bad_parameters_raise():
+    with pytest.raises(ValueError, match="admission"):
+        Admission(timeout_s=0)

@@ -1,0 +1,65 @@
+"""The picker's config: the `picker` section, mixes, and what the listener tells Envoy about them."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf import json_format
+
+from tests.unit.factories import config, service, version
+from xds_server.config import ConfigError
+from xds_server.listener import build_listener, build_route_config
+from xds_server.picker_config import routing_table
+
+
+def two_versions(**extra) -> dict:
+    return service("llm", [version("v1", 2), version("v2", 1)], **extra)
+
+
+def test_mixes_become_the_pickers_split_and_the_fallback_routes_weighted_clusters():
+    cfg = config([two_versions(default_version="stable", mixes={"stable": {"v1": 90, "v2": 10}})])
+    route = routing_table(cfg).services[0]
+    assert route.default_version == "stable"
+    assert route.mixes["stable"] == ((9000, "llm-v1"), (10000, "llm-v2"))
+    rds = json_format.MessageToDict(build_route_config(cfg))
+    fallback = rds["virtualHosts"][0]["routes"][1]["route"]["weightedClusters"]["clusters"]
+    assert fallback == [{"name": "llm-v1", "weight": 9000}, {"name": "llm-v2", "weight": 1000}]
+
+
+@pytest.mark.parametrize(("mixes", "needle"), [
+    ({"v1": {"v1": 100}}, "name of its own"),
+    ({"m": {"v3": 100}}, "must name versions"),
+    ({"m": {"v1": 60, "v2": 60}}, "summing to 100"),
+])
+def test_bad_mixes_name_the_problem(mixes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config([two_versions(mixes=mixes)])
+
+
+def test_default_version_may_not_be_an_unknown_mix():
+    with pytest.raises(ConfigError, match="default_version"):
+        config([two_versions(default_version="nope", mixes={"stable": {"v1": 100}})])
+
+
+def hcm(cfg) -> dict:
+    listener = json_format.MessageToDict(build_listener(cfg))
+    return listener["filterChains"][0]["filters"][0]["typedConfig"]
+
+
+def test_the_listener_logs_routed_requests_to_the_picker():
+    cfg = config(picker={"access_log_flush_s": 0.02, "access_log_buffer_bytes": 4096})
+    [log] = hcm(cfg)["accessLog"]
+    common = log["typedConfig"]["commonConfig"]
+    assert common["grpcService"]["envoyGrpc"]["clusterName"] == "inferlb_ext_proc"
+    assert common["bufferFlushInterval"] == "0.020s" and common["bufferSizeBytes"] == 4096
+    assert log["filter"]["headerFilter"]["header"] == {"name": "x-inferlb-cluster", "presentMatch": True}
+    assert log["typedConfig"]["additionalRequestHeadersToLog"] == ["x-inferlb-cluster",
+                                                                   "x-gateway-destination-endpoint"]
+
+
+def test_body_routing_lets_the_picker_ask_for_bodies():
+    ext = lambda cfg: hcm(cfg)["httpFilters"][0]["typedConfig"]  # noqa: E731
+    assert not ext(config()).get("allowModeOverride")
+    on = config(picker={"body_max_bytes": 65536})
+    assert ext(on)["allowModeOverride"] is True
+    assert ext(on)["processingMode"].get("requestBodyMode", "NONE") == "NONE"
+    assert routing_table(on).body_max_bytes == 65536

@@ -1,0 +1,141 @@
+"""Canary mixes and body routing in the pure picker and the handler (no transport)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.handler import PickerHandler, StreamState
+from ext_proc.picker import BodyFields, pick
+from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
+
+from .test_picker import HEALTHY, cla
+
+MIXED = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"},
+                     mixes={"stable": {"v1": 90, "v2": 10}, "half": {"v1": 50, "v2": 50}})
+ROUTING = RoutingTable(services=(MIXED,), body_max_bytes=4096)
+ASSIGN = {c: cla(c, [(f"10.0.{n}.{i}", HEALTHY) for i in range(3)]) for n, c in ((1, "llm-v1"), (2, "llm-v2"))}
+VIEW = EndpointView.build(ASSIGN, ROUTING)
+
+
+def route(**headers: bytes):
+    return pick({":authority": b"x", **{k.replace("_", "-"): v for k, v in headers.items()}}, VIEW)
+
+
+def test_a_mix_splits_sessions_by_share_and_a_session_never_flips():
+    clusters = {}
+    for i in range(4000):
+        first = route(x_session_id=b"s%d" % i).cluster
+        assert all(route(x_session_id=b"s%d" % i).cluster == first for _ in range(3))
+        clusters[i] = first
+    share = Counter(clusters.values())["llm-v2"] / 4000
+    assert 0.08 <= share <= 0.12
+    half = Counter(route(model_version=b"half", x_session_id=b"s%d" % i).cluster for i in range(4000))
+    assert 0.45 <= half["llm-v2"] / 4000 <= 0.55
+
+
+def test_raising_a_canary_share_only_moves_sessions_toward_it():
+    more = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"},
+                        mixes={"stable": {"v1": 70, "v2": 30}})
+    view = EndpointView.build(ASSIGN, RoutingTable(services=(more,)))
+    for i in range(2000):
+        before = route(x_session_id=b"s%d" % i).cluster
+        after = pick({":authority": b"x", "x-session-id": b"s%d" % i}, view).cluster
+        assert before == after or after == "llm-v2"
+
+
+def test_requests_without_a_session_split_by_request_id():
+    got = Counter(route(x_request_id=b"req-%d" % i).cluster for i in range(4000))
+    assert 0.08 <= got["llm-v2"] / 4000 <= 0.12
+    assert route(x_request_id=b"same").cluster == route(x_request_id=b"same").cluster
+
+
+def test_unknown_names_list_versions_and_mixes():
+    d = route(model_version=b"v9")
+    assert d.status == 400
+    assert "known versions: half, stable, v1, v2" in json.loads(d.body)["error"]
+
+
+@pytest.mark.parametrize("shares", [{"v1": 90, "v2": 20}, {"v3": 100}, {"v1": -10, "v2": 110}, {}])
+def test_bad_mixes_are_refused(shares):
+    with pytest.raises(ValueError, match="mix"):
+        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"m": shares})
+
+
+def test_a_mix_may_not_shadow_a_version():
+    with pytest.raises(ValueError, match="name of a version"):
+        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"v2": {"v1": 100}})
+
+
+def test_body_fields_route_and_pin_like_headers():
+    by_body = pick({":authority": b"x"}, VIEW, body=BodyFields(b"v2", b"alice"))
+    by_header = route(model_version=b"v2", x_session_id=b"alice")
+    assert (by_body.cluster, by_body.endpoint) == (by_header.cluster, by_header.endpoint) == (
+        "llm-v2", by_header.endpoint)
+    header_wins = pick({":authority": b"x", "model-version": b"v1"}, VIEW, body=BodyFields(b"v2"))
+    assert header_wins.cluster == "llm-v1"
+    bad = pick({":authority": b"x"}, VIEW, body=BodyFields(b"\xff"))
+    assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]
+
+
+def message(phase: str, **fields) -> bytes:
+    return pb.ProcessingRequest(**{phase: fields}).SerializeToString()
+
+
+def headers_msg(end: bool, **headers: str) -> bytes:
+    values = {":authority": "x", "content-type": "application/json", **{k.replace("_", "-"): v
+                                                                        for k, v in headers.items()}}
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=end)).SerializeToString()
+
+
+def handler() -> PickerHandler:
+    return PickerHandler(ViewHolder(VIEW))
+
+
+def set_headers(common) -> dict[str, bytes]:
+    return {o.header.key: o.header.raw_value for o in common.header_mutation.set_headers}
+
+
+def test_handler_holds_headers_for_the_body_then_answers_the_body():
+    h, stream = handler(), StreamState()
+    answer, end = h.process(stream, headers_msg(False))
+    first = pb.ProcessingResponse.FromString(answer)
+    assert not end and first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    assert not first.request_headers.response.header_mutation.set_headers
+    body = json.dumps({"model": "v2", "user": "bob", "messages": []}).encode()
+    answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
+    second = pb.ProcessingResponse.FromString(answer)
+    assert end and second.WhichOneof("response") == "request_body"
+    common = second.request_body.response
+    assert common.clear_route_cache
+    assert set_headers(common)["x-inferlb-cluster"] == b"llm-v2"
+    assert set_headers(common)["x-gateway-destination-endpoint"].startswith(b"10.0.2.")
+
+
+@pytest.mark.parametrize("headers", [
+    {"model_version": "v1", "x_session_id": "a"},  # the headers say it all
+    {"content_type": "text/plain"},  # not JSON
+])
+def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
+    answer, end = handler().process(StreamState(), headers_msg(False, **headers))
+    assert end and pb.ProcessingResponse.FromString(answer).WhichOneof("response") == "request_headers"
+
+
+def test_handler_decides_at_headers_without_a_body():
+    answer, end = handler().process(StreamState(), headers_msg(True))
+    assert end and not pb.ProcessingResponse.FromString(answer).HasField("mode_override")
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"x" * 5000, b'{"model": 7, "user": null}'])
+def test_unreadable_or_oversized_bodies_fall_back_to_the_headers(body):
+    h, stream = handler(), StreamState()
+    h.process(stream, headers_msg(False, model_version="v1"))
+    answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
+    response = pb.ProcessingResponse.FromString(answer)
+    assert end and set_headers(response.request_body.response)["x-inferlb-cluster"] == b"llm-v1"
