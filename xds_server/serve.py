@@ -17,7 +17,8 @@ from .admin.app import make_admin_app
 from .ads.server import AdsServicer, SnapshotCache, start_ads_server
 from .config import Config, split_hostport
 from .control import ControlPlane, routing_table
-from .metrics.prometheus import PrometheusSource
+from .metrics.push import start_push_server
+from .metrics.sources import build_sources
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +26,17 @@ log = logging.getLogger(__name__)
 class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
-    After :meth:`start`, ``xds_port``, ``ext_proc_port`` and ``admin_port`` hold the bound ports
-    (the config may ask for port 0).
+    After :meth:`start`, ``xds_port``, ``ext_proc_port``, ``admin_port`` (and ``push_port`` with the
+    push source) hold the bound ports (the config may ask for port 0).
     """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
+        self.sources = build_sources(cfg)
         self.cache = SnapshotCache()
         self.view = ViewHolder()
         routing = routing_table(cfg)
-        self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
+        self.control = ControlPlane(cfg, self.sources.combined, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing)],
                                     lambda: cfg.envoy.ext_proc_address or
                                     f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
@@ -44,7 +45,9 @@ class InferLB:
         self.ext_server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
-        self.xds_port = self.ext_proc_port = self.admin_port = 0
+        self._scrape_task: asyncio.Task | None = None
+        self.push_server: grpc.aio.Server | None = None
+        self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
 
     async def start(self) -> None:
         """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
@@ -56,15 +59,21 @@ class InferLB:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
+        if self.sources.push is not None:
+            self.push_server, self.push_port = await start_push_server(self.sources.push,
+                                                                       self.cfg.metrics.push.listen)
+        if self.sources.scrape is not None:
+            self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self.control.run())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
                  self.admin_port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
-        if self._loop_task:
-            self._loop_task.cancel()
-        for server in (self.ads_server, self.ext_server):
+        for task in (self._loop_task, self._scrape_task):
+            if task:
+                task.cancel()
+        for server in (self.ads_server, self.ext_server, self.push_server):
             if server is not None:
                 await server.stop(grace=grace_s)
         if self._runner:

@@ -4,8 +4,12 @@
 - ``GET /readyz`` 200 once the first snapshot is published, else 503.
 - ``GET /metrics`` Prometheus exposition of the process's registry.
 - ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
-  "score", "scores", "inputs", "reasons"}]}], "metrics_source": {...}, "snapshot_version"}``.
+  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}],
+  "metrics_source": {"name", "ok", "last_round_at", "configured", "fallback", "fallback_active",
+  "sources"}, "snapshot_version"}``.
 - ``GET /api/v1/nodes`` connected Envoys with per-type ACKed version, last NACK, pending nonce.
+- ``POST /api/v1/drain`` ``{"endpoint": "HOST:PORT", "drain": true|false}``: start (or cancel)
+  draining an endpoint (C11); 404 for an unknown endpoint, 400 for a bad body.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from ..control import ControlPlane
 def weights_document(cp: ControlPlane) -> dict:
     """The ``/api/v1/weights`` document (shape in the module docstring)."""
     clusters: dict[str, list[dict]] = {}
+    origin = getattr(cp.source, "origin", {})
     for w in cp.weights:
+        spec = cp.spec(w.cluster, w.address)
         clusters.setdefault(w.cluster, []).append({
             "address": w.address,
             "weight": w.weight,
@@ -29,11 +35,17 @@ def weights_document(cp: ControlPlane) -> dict:
             "scores": {k: (None if v is None else round(v, 4)) for k, v in w.scores.items()},
             "inputs": w.inputs.as_dict(),
             "reasons": list(w.reasons),
+            "filters": dict(w.filters),
+            "factors": {k: round(v, 4) for k, v in w.factors.items()},
+            "target": w.target,
+            "removed": w.removed,
+            "sources": origin.get(spec.instance, {}) if spec else {},
         })
     snap = cp.cache.snapshot
     return {
         "snapshot_version": snap.version if snap else None,
-        "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at},
+        "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at,
+                           **cp.source.describe()},
         "clusters": [{"name": n, "endpoints": eps} for n, eps in clusters.items()],
     }
 
@@ -57,10 +69,24 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer) -> web.Application:
     async def nodes(_: web.Request) -> web.Response:
         return web.json_response({"nodes": ads.describe_nodes()})
 
+    async def drain(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) \
+                or not isinstance(body.get("drain", True), bool):
+            return web.json_response({"error": 'expected {"endpoint": "HOST:PORT", "drain": true|false}'},
+                                     status=400)
+        if not cp.set_draining(body["endpoint"], body.get("drain", True)):
+            return web.json_response({"error": f"unknown endpoint {body['endpoint']!r}"}, status=404)
+        return web.json_response({"endpoint": body["endpoint"], "drain": body.get("drain", True)})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/v1/weights", weights)
     app.router.add_get("/api/v1/nodes", nodes)
+    app.router.add_post("/api/v1/drain", drain)
     return app
