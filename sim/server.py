@@ -21,6 +21,7 @@ from sim.faults import FaultError, parse_fault_patch
 from sim.metrics import CONTENT_TYPE
 from sim.node import NodeClosing, OutOfMemory, SimNode
 from sim.protocol import Kind, RequestError, completion_body, error_body, parse_request
+from sim.push import push_status
 
 log = logging.getLogger("inferlb.sim")
 
@@ -60,6 +61,12 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
 
 
 async def _inference(request: web.Request, kind: Kind) -> web.Response:
+    response = await _answer(request, kind)
+    get_node(request.app).metrics.observe_http(request.path, response.status)
+    return response
+
+
+async def _answer(request: web.Request, kind: Kind) -> web.Response:
     node = get_node(request.app)
     try:
         req = parse_request(kind, await request.read(), request.headers)
@@ -161,7 +168,16 @@ async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) ->
         await runner.cleanup()
         raise
     port = runner.addresses[0][1]
-    get_node(app).bind(format_address(cfg.host, port))
+    node = get_node(app)
+    node.bind(format_address(cfg.host, port))
+    if cfg.push_status:
+        pusher = asyncio.create_task(push_status(node, cfg.push_status, cfg.push_interval_s,
+                                                 cfg.push_instance or node.served_by))
+
+        async def stop_pushing(_: web.Application) -> None:
+            pusher.cancel()
+
+        app.on_cleanup.append(stop_pushing)
     return runner, port
 
 

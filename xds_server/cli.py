@@ -93,13 +93,16 @@ def weights(admin: str, as_json: bool) -> None:
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
 @click.option("--concurrency", default=8, show_default=True, type=int, help="Concurrent client requests.")
 @click.option("--quiet", is_flag=True, help="No live table.")
-def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool) -> None:
+@click.option("--metrics-source", type=click.Choice(["auto", "prometheus", "scrape"]), default="auto",
+              show_default=True, help="auto: Prometheus if installed, else the control plane scrapes the backends.")
+def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
+         metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from .demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
-                      live=not quiet))
+                      live=not quiet, metrics_source=metrics_source))
 
 
 main.add_command(sim_backend, "sim-backend")

@@ -226,7 +226,7 @@ def _cluster(
         target = min(cap, stability.quantize(raw[a], step))
         bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
         weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        parts = " x ".join(f"{n} {v:.3g}" for n, v in factors[a].items())
+        parts = " x ".join(f"{n} {v:.3g}" for n, v in factors[a].items() if v != 1.0)
         reasons = [f"score {combined[a]:.2f} x max_weight {params.max_weight:g}" + (f" x {parts}" if parts else "")
                    + f" -> {target}"]
         if bounded != target:
