@@ -121,6 +121,9 @@ class SimMetrics:
             self.generation_tokens,
         ):
             family.labels(**self._vllm)
+        for handler in ("/v1/chat/completions", "/v1/completions"):
+            for status in ("2xx", "5xx"):  # a first 5xx must count: rate() drops a series' first sample
+                self.http.labels(handler=handler, method="POST", status=status)
 
     @property
     def gpu_uuid(self) -> str:

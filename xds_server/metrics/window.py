@@ -94,12 +94,12 @@ def _agg(values: Sequence[float], agg: str) -> float | None:
     if not values:
         return None
     if agg == "sum":
-        return math.fsum(values)
+        return sum(values)
     if agg == "max":
         return max(values)
     if agg == "min":
         return min(values)
-    return math.fsum(values) / len(values)
+    return sum(values) / len(values)
 
 
 def _gauge(g: Gauge, scrapes: Sequence[Scrape], required: Mapping[str, str]) -> float | None:
@@ -122,7 +122,7 @@ def _gauge(g: Gauge, scrapes: Sequence[Scrape], required: Mapping[str, str]) -> 
     for s in scrapes:
         for key, v in _series(s, names, g.sel, required).items():
             sums.setdefault(key, []).append(v)
-    return _agg([math.fsum(v) / len(v) for v in sums.values()], g.agg)
+    return _agg([sum(v) / len(v) for v in sums.values()], g.agg)
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
@@ -170,8 +170,8 @@ def evaluate(signal: Signal, scrapes: Sequence[Scrape], required: Mapping[str, s
     if isinstance(signal, HistogramMean):
         s, n = _increases(scrapes, signal.base, "_sum", req)
         c, m = _increases(scrapes, signal.base, "_count", req)
-        count = math.fsum(c.values())
-        return math.fsum(s.values()) / count if min(n, m) >= 2 and count > 0 else None
+        count = sum(c.values())
+        return sum(s.values()) / count if min(n, m) >= 2 and count > 0 else None
     if isinstance(signal, HistogramQuantile):
         inc, n = _increases(scrapes, signal.base, "_bucket", req)
         if n < 2:
@@ -190,22 +190,22 @@ def evaluate(signal: Signal, scrapes: Sequence[Scrape], required: Mapping[str, s
     if isinstance(signal, Rate):
         inc, n = _increases(scrapes, signal.sel, "", req)
         span = scrapes[-1].t - scrapes[0].t
-        return math.fsum(inc.values()) / span if n >= 2 and span > 0 and inc else None
+        return sum(inc.values()) / span if n >= 2 and span > 0 and inc else None
     if isinstance(signal, Ratio):
         den, n = _increases(scrapes, signal.den, "", req)
         num, n_num = _increases(scrapes, signal.num, "", req)
-        d = math.fsum(den.values())
+        d = sum(den.values())
         if n < 2 or d <= 0 or (not signal.zero_fill and n_num < 2):
             return None
-        return math.fsum(num.values()) / d
+        return sum(num.values()) / d
     if isinstance(signal, Total):
         names = _names(signal.sel, scrapes, "")
         newest = next((s for s in reversed(scrapes) if _series(s, names, signal.sel, req)), None)
-        return None if newest is None else math.fsum(_series(newest, names, signal.sel, req).values())
+        return None if newest is None else sum(_series(newest, names, signal.sel, req).values())
     if isinstance(signal, SampleTime):
         names = _names(signal.sel, scrapes, "")
         return next((s.t for s in reversed(scrapes) if _series(s, names, signal.sel, req)), None)
     if isinstance(signal, Plus):
         parts = [evaluate(p, scrapes, required) for p in signal.parts]
-        return None if any(p is None for p in parts) else math.fsum(parts)  # type: ignore[arg-type]
+        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
     raise TypeError(f"not a signal: {signal!r}")

@@ -36,10 +36,11 @@ def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float
          ) -> tuple[Mapping[str, float], State]:
     bias = {m.address: float(state.get(m.address, 0.0)) for m in rnd.members}
     rates = {m.address: m.stats.request_rate for m in rnd.members}
-    total_w = math.fsum(weights.get(a, 0.0) for a in bias)
+    total_w = sum(weights.get(a, 0.0) for a in bias)
     known = [r for r in rates.values() if r is not None]
-    total_r = math.fsum(max(0.0, r) for r in known)
-    if len(known) == len(rates) and len(rates) > 1 and total_r >= max(p.min_rps, 1e-9) and total_w > 0:
+    total_r = sum(max(0.0, r) for r in known)
+    usable = math.isfinite(total_r) and math.isfinite(total_w) and total_w > 0
+    if usable and len(known) == len(rates) and len(rates) > 1 and total_r >= max(p.min_rps, 1e-9):
         bound = math.log(p.max_factor)
         for a in bias:
             target = weights.get(a, 0.0) / total_w
