@@ -115,7 +115,7 @@ def test_an_a10_as_slow_as_an_a10_should_be_is_not_an_outlier():
 def test_small_absolute_differences_and_quiet_endpoints_are_not_judged():
     eps = specs(3)
     seen = same_stats(eps, **{**OK, "latency_p95_ms": 2.0})
-    seen[eps[0].instance] = stats(**{**OK, "latency_p95_ms": 15.0})  # 7.5x, but only 13 ms more
+    seen[eps[0].instance] = stats(**{**OK, "latency_p95_ms": 45.0})  # 22x, but only 43 ms more
     assert len(healthy(Rounds(eps).run(seen))) == 3
     quiet = with_plugins(latency_outlier=latency_outlier.Params(min_request_rate=1.0))
     seen = long_tail(eps, 0)

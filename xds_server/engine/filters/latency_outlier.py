@@ -27,7 +27,7 @@ class Params(EjectionParams):
 
     signal: Literal["p95", "mean"] = "p95"
     factor: float = Field(3.0, gt=1)
-    min_delta_ms: float = Field(20.0, ge=0)
+    min_delta_ms: float = Field(50.0, ge=0)
     min_request_rate: float = Field(0.0, ge=0)
     normalize_by_capacity: bool = True
 
