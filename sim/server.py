@@ -26,6 +26,7 @@ from sim.push import push_status
 log = logging.getLogger("inferlb.sim")
 
 NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
+TASKS_KEY = web.AppKey("inferlb_sim_tasks", list)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -141,8 +142,14 @@ def make_app(cfg: BackendConfig) -> web.Application:
     async def release_held_requests(app: web.Application) -> None:
         node.faults.close()
 
+    async def stop_tasks(app: web.Application) -> None:
+        for task in app[TASKS_KEY]:
+            task.cancel()
+
+    app[TASKS_KEY] = []
     app.on_response_prepare.append(add_identity_headers)
     app.on_shutdown.append(release_held_requests)
+    app.on_cleanup.append(stop_tasks)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)
@@ -171,13 +178,8 @@ async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) ->
     node = get_node(app)
     node.bind(format_address(cfg.host, port))
     if cfg.push_status:
-        pusher = asyncio.create_task(push_status(node, cfg.push_status, cfg.push_interval_s,
-                                                 cfg.push_instance or node.served_by))
-
-        async def stop_pushing(_: web.Application) -> None:
-            pusher.cancel()
-
-        app.on_cleanup.append(stop_pushing)
+        app[TASKS_KEY].append(asyncio.create_task(
+            push_status(node, cfg.push_status, cfg.push_interval_s, cfg.push_instance or node.served_by)))
     return runner, port
 
 

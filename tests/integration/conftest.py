@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,8 @@ class Backend:
     version: str
     gpu_class: str
     port: int
-    proc: stack.Proc
+    proc: stack.Proc | None  # None: not started yet (see Stack.start_backend)
+    args: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -88,6 +89,11 @@ class Stack:
         doc = requests.get(f"{self.admin}/api/v1/weights", timeout=5).json()
         return {c["name"]: {e["address"]: e for e in c["endpoints"]} for c in doc["clusters"]}
 
+    def start_backend(self, b: Backend) -> None:
+        """Start a backend the layout deferred (a node joining later)."""
+        b.proc = stack.start_sim(b.port, self.workdir, gpu_class=b.gpu_class, version=b.version, extra=b.args)
+        self.procs.append(b.proc)
+
     def send(self, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions",
              timeout: float = 10.0) -> requests.Response:
         return requests.post(f"{self.listener}{path}", json={"max_tokens": 16, "messages": []},
@@ -109,23 +115,39 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
     }
 
 
-def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None) -> Stack:
-    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy."""
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None, *,
+                backend_args: dict[int, list[str]] | None = None, config: dict | None = None,
+                deferred: Collection[int] = ()) -> Stack:
+    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
+
+    ``sim_args``: for every backend; ``backend_args``: more per layout index; ``config``: merged into the
+    inferlb config; ``deferred``: layout indexes configured but not started (``Stack.start_backend``).
+    """
     procs: list[stack.Proc] = []
     loop = LoopThread()
     try:
         backends = []
-        for version, gpu in layout:
+        for i, (version, gpu) in enumerate(layout):
             port = stack.free_port()
-            proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version,
-                                   extra=["--time-scale", "0.2", *(sim_args or [])])
-            procs.append(proc)
-            backends.append(Backend(version, gpu, port, proc))
+            args = ["--time-scale", "0.2", *(sim_args or []), *(backend_args or {}).get(i, [])]
+            proc = None if i in deferred else stack.start_sim(port, workdir, gpu_class=gpu, version=version,
+                                                              extra=args)
+            if proc is not None:
+                procs.append(proc)
+            backends.append(Backend(version, gpu, port, proc, args))
         prom_port = stack.free_port()
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
         listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)))
+        cfg_dict = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
+        cfg_path.write_text(yaml.safe_dump(_merge(cfg_dict, config or {})))
         cfg = load_config(cfg_path)
         app = InferLB(cfg)
         loop.run(app.start())

@@ -21,6 +21,7 @@ from xds_server.metrics.prometheus import MetricsUnavailable
 from xds_server.metrics.push import BadStatus, PushSource, start_push_server, to_stats
 from xds_server.metrics.scrape import ScrapeSource, parse_exposition, sample_names
 from xds_server.metrics.stats import EndpointStats
+from xds_server.stack import free_port
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -245,6 +246,28 @@ def test_push_source_keeps_the_newest_per_known_instance_and_ages_it():
         src.record(node_status_pb2.NodeStatus(instance=B, queue=1), at=101.0)
     got = src.fetch([A, B], now=104.0)
     assert set(got) == {A} and got[A].queue == 3 and got[A].sample_age_s == pytest.approx(3.0)
+
+
+def test_a_simulator_started_with_push_status_pushes_as_its_bound_address():
+    from sim.server import start_backend
+
+    async def main():
+        sim_port = free_port()
+        src = PushSource([f"127.0.0.1:{sim_port}"])
+        server, port = await start_push_server(src, "127.0.0.1:0")
+        runner, _ = await start_backend(BackendConfig(port=sim_port, push_status=f"127.0.0.1:{port}",
+                                                      push_interval_s=0.02))
+        try:
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if src.fetch([f"127.0.0.1:{sim_port}"]):
+                    break
+            assert src.fetch([f"127.0.0.1:{sim_port}"])[f"127.0.0.1:{sim_port}"].running == 0
+        finally:
+            await runner.cleanup()
+            await server.stop(0)
+
+    asyncio.run(main())
 
 
 def test_push_over_grpc_from_the_simulator():
