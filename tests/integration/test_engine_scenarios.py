@@ -28,9 +28,11 @@ from xds_server.engine.types import EngineState
 from xds_server.envoy_admin import envoy_hosts
 from xds_server.loadgen import Session, Traffic, drive, make_sessions
 from xds_server.metrics.combined import CombinedSource
-from xds_server.metrics.presets import preset
+from xds_server.metrics.presets import preset, promql_queries
 from xds_server.metrics.prometheus import PrometheusSource
+from xds_server.metrics.promql import render
 from xds_server.metrics.scrape import ScrapeSource
+from xds_server.metrics.signals import Sel, Total
 
 from .conftest import Stack, start_stack, stop_stack, wait_until
 
@@ -118,6 +120,17 @@ def test_renamed_vllm_kv_cache_metric_is_read(eng: Stack):
         assert doc["inputs"]["kv_cache"] == 0.0 and doc["scores"]["kv_cache"] == 1.0
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "triton", "tgi"])
+def test_every_preset_query_is_valid_promql_on_real_prometheus(eng: Stack, engine: str):
+    """Prometheus 2.42 parses and evaluates each preset's queries (an invalid one answers 400)."""
+    gpu = "triton" if engine == "triton" else "dcgm"
+    for gpu_by in (("instance",), ("namespace", "pod")):
+        for field, (query, _, _) in promql_queries(preset(engine, gpu), gpu_by).items():
+            r = requests.get(f"{eng.cfg.prometheus.url}/api/v1/query", params={"query": query.replace("{w}", "5s")},
+                             timeout=5)
+            assert r.status_code == 200 and r.json()["status"] == "success", (field, query, r.text)
+
+
 def test_pushed_status_is_the_freshest_source_and_goes_stale_when_it_stops(eng: Stack):
     pusher, other = eng.backends[PUSHER], eng.backends[LEGACY]
     doc = wait_until(lambda: (d := cluster(eng, "v3"))[pusher.address]["sources"].get("queue") == "push"
@@ -156,6 +169,21 @@ def test_large_requests_never_reach_a_node_without_memory_for_them(eng: Stack):
                               json={"max_tokens": 16, "messages": []}, timeout=10).status_code for i in range(30)]
     assert statuses.count(500) == 10 and statuses.count(200) == 20
     assert requests.get(f"http://{small.address}/sim/state", timeout=5).json()["counters"]["oom"] == 10
+
+
+def test_a_union_of_metric_names_sums_them_on_real_prometheus(eng: Stack):
+    """The PromQL rendering of a union (distinct parts, then summed) against Prometheus' own sums."""
+    names = ("vllm:request_success_total", "vllm:prompt_tokens_total")
+
+    def query(q: str) -> dict[str, float]:
+        r = requests.get(f"{eng.cfg.prometheus.url}/api/v1/query", params={"query": q}, timeout=5).json()
+        return {x["metric"]["instance"]: float(x["value"][1]) for x in r["data"]["result"]}
+
+    union = query(render(Total(Sel(names, union=True)), ("instance",)))
+    parts = [query(f"sum by (instance) ({n})") for n in names]
+    assert union and any(v > 0 for v in union.values())
+    for inst, value in union.items():
+        assert value == pytest.approx(sum(p.get(inst, 0.0) for p in parts)), inst
 
 
 def test_an_a10_a100_pool_gets_traffic_in_proportion_to_capacity(eng: Stack):
@@ -204,7 +232,8 @@ def test_a_long_tail_node_is_ejected_and_comes_back_after_it_recovers(eng: Stack
 def test_a_new_node_ramps_up(eng: Stack):
     """Slow start: a node that joins after the cluster was decided ramps from 10 % to full over 8 s."""
     new = eng.backends[NEW_NODE]
-    assert cluster(eng, "v1")[new.address]["health"] == "UNHEALTHY"  # configured, never seen
+    wait_until(lambda: cluster(eng, "v1")[new.address]["health"] == "UNHEALTHY", 15, 0.2,
+               "the configured, never seen node to be out")
     eng.start_backend(new)
     seen: list[tuple[float, float, int, int]] = []
     deadline = time.monotonic() + 20
