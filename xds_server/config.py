@@ -15,6 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .engine.settings import parse_scorers, parse_switchable
+from .metrics.presets import SAMPLE_TIME
+from .metrics.stats import SIGNAL_FIELDS
+
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<service>-<version>" stays unique
 HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
@@ -161,8 +165,6 @@ class Engine(_Strict):
     @field_validator("filters", "factors", mode="before")
     @classmethod
     def _switchable(cls, v: Any, info: ValidationInfo) -> dict[str, Any]:
-        from .engine.settings import parse_switchable
-
         if not isinstance(v, dict):
             raise ValueError(f"expected a mapping of plugin names, got {type(v).__name__}")
         return parse_switchable(info.field_name, v)
@@ -170,8 +172,6 @@ class Engine(_Strict):
     @field_validator("scorers", mode="before")
     @classmethod
     def _scorers(cls, v: Any) -> dict[str, Any]:
-        from .engine.settings import parse_scorers
-
         if not isinstance(v, dict):
             raise ValueError(f"expected a mapping of scorer names, got {type(v).__name__}")
         return parse_scorers(v)
@@ -200,8 +200,8 @@ class MetricsSettings(_Strict):
     """Where the engine's inputs come from and which metric names they are read from.
 
     ``sources``: any of ``prometheus``, ``scrape``, ``push``; per endpoint and input the freshest
-    answer wins (stale answers are dropped). ``fallback``: ``scrape`` = when every pull source fails,
-    scrape the endpoints directly; ``none`` = keep the last good weights (C05).
+    answer wins (stale answers are dropped). ``fallback``: ``scrape`` = when a pull source fails, the
+    scrape source answers in its place; ``none`` = the round fails and the last good weights stay (C05).
     ``preset`` / ``gpu``: metric-name presets (engine: vllm | sglang | triton | tgi; GPU: dcgm | triton | none).
     ``gpu_join``: join GPU series to endpoints by ``instance`` or by ``pod`` (the ``namespace`` and ``pod``
     labels; every endpoint then names its ``pod`` and ``namespace``).
@@ -228,9 +228,6 @@ class MetricsSettings(_Strict):
     @field_validator("queries")
     @classmethod
     def _queries(cls, v: dict[str, str]) -> dict[str, str]:
-        from .metrics.presets import SAMPLE_TIME
-        from .metrics.stats import SIGNAL_FIELDS
-
         known = (*SIGNAL_FIELDS, SAMPLE_TIME)
         for name, query in v.items():
             if name not in known:

@@ -139,7 +139,9 @@ def _cluster(
     seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
     live = [s for s in members if not s.draining]
     first_round = not any((cluster, s.address) in prev.weights for s in members)
-    state: dict[str, dict[str, Any]] = {name: dict(v) for name, v in prev_plugins.items()}
+    addresses = {s.address for s in members}
+    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten
+        name: {a: x for a, x in v.items() if a in addresses} for name, v in prev_plugins.items()}
 
     def old_weight(s: EndpointSpec) -> int | None:
         return prev.weights.get((cluster, s.address))
