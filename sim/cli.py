@@ -69,6 +69,20 @@ from sim.server import run_backend
     help="Multiply every latency (e.g. 0.1 for time-compressed benchmarks).",
 )
 @click.option(
+    "--push-status",
+    metavar="HOST:PORT",
+    default=None,
+    help="Stream this node's status (inferlb.v1.NodeStatus) to an inferlb push source at HOST:PORT.",
+)
+@click.option(
+    "--push-interval-s",
+    type=click.FloatRange(0.01, 60.0),
+    default=0.5,
+    show_default=True,
+    help="Seconds between node-status messages.",
+)
+@click.option("--push-instance", default=None, help="Instance name pushed  [default: the bound HOST:PORT]")
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def sim_backend(
@@ -83,6 +97,9 @@ def sim_backend(
     legacy_metrics: bool,
     seed: int | None,
     time_scale: float,
+    push_status: str | None,
+    push_interval_s: float,
+    push_instance: str | None,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
@@ -100,6 +117,9 @@ def sim_backend(
             legacy_metrics=legacy_metrics,
             seed=seed,
             time_scale=time_scale,
+            push_status=push_status,
+            push_interval_s=push_interval_s,
+            push_instance=push_instance,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

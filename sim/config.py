@@ -14,7 +14,9 @@ class BackendConfig:
 
     Units: memory in MiB, latency in ms, probabilities 0-1. ``port=0`` asks the OS for a free
     port (the bound port is reported by :func:`sim.server.start_backend`).
-    ``gpu_memory_mib=None`` means "the GPU class default".
+    ``gpu_memory_mib=None`` means "the GPU class default". ``push_status``: ``HOST:PORT`` of an
+    inferlb ``NodeStatusService`` to stream this node's status to every ``push_interval_s`` (s), as
+    ``push_instance`` (default: the bound ``HOST:PORT``).
     """
 
     host: str = "127.0.0.1"
@@ -32,6 +34,9 @@ class BackendConfig:
     time_scale: float = 1.0
     prefill_penalty_ms: float = 40.0
     session_cache_size: int = 10_000
+    push_status: str | None = None
+    push_interval_s: float = 0.5
+    push_instance: str | None = None
     hostname: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,8 @@ class BackendConfig:
             raise ValueError("prefill_penalty_ms must be >= 0")
         if self.session_cache_size < 1:
             raise ValueError("session_cache_size must be >= 1")
+        if not 0.01 <= self.push_interval_s <= 60:
+            raise ValueError("push_interval_s must be 0.01-60 s")
 
     @property
     def gpu_memory_total_mib(self) -> float:

@@ -106,6 +106,9 @@ class SimMetrics:
             "inferlb_sim_session_cache_misses_total", "Requests with a new (cold) session.", registry=reg
         )
         self.oom = Counter("inferlb_sim_oom_total", "Requests refused with CUDA out of memory.", registry=reg)
+        # As vLLM's OpenAI server exposes it (prometheus-fastapi-instrumentator, grouped status codes).
+        self.http = Counter("http_requests_total", "HTTP responses of the inference API.",
+                            ("handler", "method", "status"), registry=reg)
         # Make every labelled series exist from the first scrape (value 0).
         for family in (
             self.running,
@@ -118,6 +121,9 @@ class SimMetrics:
             self.generation_tokens,
         ):
             family.labels(**self._vllm)
+        for handler in ("/v1/chat/completions", "/v1/completions"):
+            for status in ("2xx", "5xx"):  # a first 5xx must count: rate() drops a series' first sample
+                self.http.labels(handler=handler, method="POST", status=status)
 
     @property
     def gpu_uuid(self) -> str:
@@ -151,6 +157,10 @@ class SimMetrics:
     def observe_session(self, hit: bool) -> None:
         """Count a session-cache hit or miss."""
         (self.session_hits if hit else self.session_misses).inc()
+
+    def observe_http(self, handler: str, status: int) -> None:
+        """Count one inference-API response (``status`` grouped as ``2xx``, ``4xx``, ``5xx``)."""
+        self.http.labels(handler=handler, method="POST", status=f"{status // 100}xx").inc()
 
     def observe_oom(self) -> None:
         """Count a request refused for lack of GPU memory."""

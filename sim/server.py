@@ -21,10 +21,12 @@ from sim.faults import FaultError, parse_fault_patch
 from sim.metrics import CONTENT_TYPE
 from sim.node import NodeClosing, OutOfMemory, SimNode
 from sim.protocol import Kind, RequestError, completion_body, error_body, parse_request
+from sim.push import push_status
 
 log = logging.getLogger("inferlb.sim")
 
 NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
+TASKS_KEY = web.AppKey("inferlb_sim_tasks", list)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,6 +62,12 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
 
 
 async def _inference(request: web.Request, kind: Kind) -> web.Response:
+    response = await _answer(request, kind)
+    get_node(request.app).metrics.observe_http(request.path, response.status)
+    return response
+
+
+async def _answer(request: web.Request, kind: Kind) -> web.Response:
     node = get_node(request.app)
     try:
         req = parse_request(kind, await request.read(), request.headers)
@@ -134,8 +142,14 @@ def make_app(cfg: BackendConfig) -> web.Application:
     async def release_held_requests(app: web.Application) -> None:
         node.faults.close()
 
+    async def stop_tasks(app: web.Application) -> None:
+        for task in app[TASKS_KEY]:
+            task.cancel()
+
+    app[TASKS_KEY] = []
     app.on_response_prepare.append(add_identity_headers)
     app.on_shutdown.append(release_held_requests)
+    app.on_cleanup.append(stop_tasks)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)
@@ -161,7 +175,11 @@ async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) ->
         await runner.cleanup()
         raise
     port = runner.addresses[0][1]
-    get_node(app).bind(format_address(cfg.host, port))
+    node = get_node(app)
+    node.bind(format_address(cfg.host, port))
+    if cfg.push_status:
+        app[TASKS_KEY].append(asyncio.create_task(
+            push_status(node, cfg.push_status, cfg.push_interval_s, cfg.push_instance or node.served_by)))
     return runner, port
 
 

@@ -142,14 +142,17 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
 @click.option("--quiet", is_flag=True, help="No live table.")
 @click.option("--xds-protocol", type=click.Choice(["sotw", "delta"]), default="sotw", show_default=True,
               help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
+@click.option("--metrics-source", type=click.Choice(["auto", "prometheus", "scrape"]), default="auto",
+              show_default=True, help="auto: Prometheus if installed, else the control plane scrapes the backends.")
 def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
-         xds_protocol: str) -> None:
+         xds_protocol: str, metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from .demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
-                      live=not quiet, xds_protocol=xds_protocol))
+                      live=not quiet, xds_protocol=xds_protocol,
+                      metrics_source=metrics_source))
 
 
 @main.command("ext-proc")

@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from .engine.settings import parse_scorers, parse_switchable
+from .metrics.presets import SAMPLE_TIME
+from .metrics.stats import SIGNAL_FIELDS
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<service>-<version>" stays unique
@@ -140,21 +144,18 @@ class Headers(_Strict):
         return v
 
 
-class Scorers(_Strict):
-    """Relative weights (>= 0) of the scorers in the weighted sum; a scorer at 0 is off."""
-
-    idle_compute: float = Field(1.0, ge=0)
-    concurrency: float = Field(1.0, ge=0)
-    latency: float = Field(1.0, ge=0)
-
-
 class Engine(_Strict):
-    """Weight-engine parameters (see ``xds_server/engine``).
+    """Weight-engine parameters (see ``xds_server/engine`` and the README's weight-engine section).
 
     ``stale_after_s``: metrics older than this exclude an endpoint (never all of a cluster).
     ``request_memory_mib``: GPU memory a typical request needs; ``memory_margin``: safety share on top (0–1).
     ``max_weight``: the weight of a perfect endpoint on an A100-class GPU; EDS weights are 1..max_weight x capacity.
     ``hysteresis``: relative weight change (0–1) below which the previous weight is kept.
+    ``quantum``: weights snap to multiples of ``quantum x max_weight`` (at least 1).
+    ``max_change``: per round a weight grows at most x(1 + max_change) or shrinks at most /(1 + max_change);
+    null = unbounded. ``drain_timeout_s``: a draining endpoint is removed at the latest after this long.
+    ``filters`` / ``factors``: ``{plugin: {params}}``, ``{plugin: false}`` turns one off.
+    ``scorers``: ``{plugin: weight}`` or ``{plugin: {weight: W, <params>}}``; weight 0 turns one off.
     """
 
     stale_after_s: float = Field(15.0, gt=0)
@@ -162,7 +163,86 @@ class Engine(_Strict):
     memory_margin: float = Field(0.2, ge=0, le=10)
     max_weight: int = Field(100, ge=1, le=1_000_000)
     hysteresis: float = Field(0.1, ge=0, lt=1)
-    scorers: Scorers = Scorers()
+    quantum: float = Field(0.01, ge=0, le=1)
+    max_change: float | None = Field(1.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+    filters: dict[str, Any] = Field(default_factory=dict)
+    scorers: dict[str, Any] = Field(default_factory=dict)
+    factors: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("filters", "factors", mode="before")
+    @classmethod
+    def _switchable(cls, v: Any, info: ValidationInfo) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise ValueError(f"expected a mapping of plugin names, got {type(v).__name__}")
+        return parse_switchable(info.field_name, v)
+
+    @field_validator("scorers", mode="before")
+    @classmethod
+    def _scorers(cls, v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise ValueError(f"expected a mapping of scorer names, got {type(v).__name__}")
+        return parse_scorers(v)
+
+
+class ScrapeSettings(_Strict):
+    """The ``scrape`` source: the control plane GETs ``http://<address><path>`` of every endpoint itself.
+
+    ``interval_s``: time between scrapes (s); ``timeout_s``: per scrape (s).
+    """
+
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    path: str = Field("/metrics", pattern=r"^/")
+
+
+class PushSettings(_Strict):
+    """The ``push`` source: nodes stream ``inferlb.v1.NodeStatus`` to this gRPC address (``HOST:PORT``)."""
+
+    listen: str = "127.0.0.1:18070"
+
+    _hp = field_validator("listen")(_check_hostport)
+
+
+class MetricsSettings(_Strict):
+    """Where the engine's inputs come from and which metric names they are read from.
+
+    ``sources``: any of ``prometheus``, ``scrape``, ``push``; per endpoint and input the freshest
+    answer wins (stale answers are dropped). ``fallback``: ``scrape`` = when a pull source fails, the
+    scrape source answers in its place; ``none`` = the round fails and the last good weights stay (C05).
+    ``preset`` / ``gpu``: metric-name presets (engine: vllm | sglang | triton | tgi; GPU: dcgm | triton | none).
+    ``gpu_join``: join GPU series to endpoints by ``instance`` or by ``pod`` (the ``namespace`` and ``pod``
+    labels; every endpoint then names its ``pod`` and ``namespace``).
+    ``queries``: ``{input: PromQL}`` replacing a preset query for the Prometheus source (``{w}`` = the
+    window; values in engine units; one series per ``instance``, or per ``namespace``/``pod`` for GPU inputs).
+    """
+
+    sources: tuple[Literal["prometheus", "scrape", "push"], ...] = Field(("prometheus",), min_length=1)
+    fallback: Literal["scrape", "none"] = "none"
+    preset: Literal["vllm", "sglang", "triton", "tgi"] = "vllm"
+    gpu: Literal["dcgm", "triton", "none"] = "dcgm"
+    gpu_join: Literal["instance", "pod"] = "instance"
+    queries: dict[str, str] = Field(default_factory=dict)
+    scrape: ScrapeSettings = ScrapeSettings()
+    push: PushSettings = PushSettings()
+
+    @field_validator("sources")
+    @classmethod
+    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"sources listed twice in {list(v)}")
+        return v
+
+    @field_validator("queries")
+    @classmethod
+    def _queries(cls, v: dict[str, str]) -> dict[str, str]:
+        known = (*SIGNAL_FIELDS, SAMPLE_TIME)
+        for name, query in v.items():
+            if name not in known:
+                raise ValueError(f"unknown input {name!r}; known: {list(known)}")
+            if not query.strip():
+                raise ValueError(f"{name}: empty query")
+        return v
 
 
 class History(_Strict):
@@ -191,13 +271,20 @@ class GpuClass(_Strict):
 
 
 class EndpointConfig(_Strict):
-    """One inference server. ``address`` HOST:PORT serves both inference and ``/metrics``."""
+    """One inference server. ``address`` HOST:PORT serves both inference and ``/metrics``.
+
+    ``drain``: take no new requests; removed once nothing is in flight (or after ``engine.drain_timeout_s``).
+    ``pod`` / ``namespace``: its Kubernetes pod, for ``metrics.gpu_join: pod``.
+    """
 
     address: str
     gpu_class: str = "a100"
     max_concurrency: int = Field(8, ge=1)
     gpu_memory_mib: float | None = Field(None, gt=0)
     metrics_instance: str | None = None
+    drain: bool = False
+    pod: str | None = None
+    namespace: str | None = None
 
     @field_validator("address")
     @classmethod
@@ -337,6 +424,7 @@ class Config(_Strict):
     engine: Engine = Engine()
     history: History = History()
     picker: Picker = Picker()
+    metrics: MetricsSettings = MetricsSettings()
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
     services: tuple[ServiceConfig, ...] = Field(min_length=1)
@@ -397,6 +485,17 @@ class Config(_Strict):
                 f"picker.queue_timeout_s ({self.picker.queue_timeout_s}) must be below envoy.ext_proc_timeout_s "
                 f"({self.envoy.ext_proc_timeout_s}): Envoy stops waiting for the picker then"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_join(self) -> Config:
+        if self.metrics.gpu_join == "pod":
+            for s in self.services:
+                for v in s.versions:
+                    for e in v.endpoints:
+                        if not (e.pod and e.namespace):
+                            raise ValueError(f"endpoint {e.address}: metrics.gpu_join is 'pod', so it needs "
+                                             "'pod' and 'namespace'")
         return self
 
     def memory_mib(self, endpoint: EndpointConfig) -> float:

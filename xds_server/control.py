@@ -10,16 +10,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from types import MappingProxyType
+from dataclasses import replace
 
 from prometheus_client import Counter, Gauge
 
 from .ads.cache import SnapshotCache
 from .config import Config, cluster_name
+from .engine import settings
 from .engine.pipeline import compute_weights
 from .engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
+from .metrics.combined import MetricsSource
 from .metrics.prometheus import MetricsUnavailable
-from .metrics.stats import EndpointStats
 from .snapshot import BuildMemo, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
             capacity=cfg.gpu_classes[e.gpu_class].capacity,
             max_concurrency=e.max_concurrency,
             memory_mib=cfg.memory_mib(e),
+            draining=e.drain,
         )
         for s in cfg.services
         for v in s.versions
@@ -50,13 +52,10 @@ def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
 def engine_params(cfg: Config) -> EngineParams:
     """Engine parameters from the config."""
     e = cfg.engine
-    return EngineParams(
-        stale_after_s=e.stale_after_s,
-        request_memory_mib=e.request_memory_mib,
-        memory_margin=e.memory_margin,
-        max_weight=e.max_weight,
-        hysteresis=e.hysteresis,
-        scorer_weights=MappingProxyType(e.scorers.model_dump()),
+    return settings.engine_params(
+        stale_after_s=e.stale_after_s, request_memory_mib=e.request_memory_mib, memory_margin=e.memory_margin,
+        max_weight=e.max_weight, hysteresis=e.hysteresis, quantum=e.quantum, max_change=e.max_change,
+        drain_timeout_s=e.drain_timeout_s, filters=e.filters, scorers=e.scorers, factors=e.factors,
     )
 
 
@@ -66,17 +65,16 @@ class ControlPlane:
     A hook is called as ``hook(snapshot, weights)`` (weights: the round's ``EndpointWeight`` list)
     on the event loop, once per new snapshot; it must not block (hand slow work to a thread).
 
-    ``fetch``: blocking ``(instances) -> {instance: EndpointStats}`` raising MetricsUnavailable;
+    ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
     """
 
-    def __init__(self, cfg: Config, fetch: Callable[[list[str]], dict[str, EndpointStats]], source_name: str,
-                 cache: SnapshotCache, on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
+    def __init__(self, cfg: Config, source: MetricsSource, cache: SnapshotCache,
+                 on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
                  ext_proc_address: Callable[[], str]) -> None:
         self.cfg = cfg
         self._ext_proc_address = ext_proc_address
-        self._fetch = fetch
-        self.source_name = source_name
+        self.source = source
         self.cache = cache
         self._hooks = on_snapshot
         self._specs = endpoint_specs(cfg)
@@ -89,11 +87,34 @@ class ControlPlane:
         self.last_round_at: float | None = None
         self.ready = asyncio.Event()
 
+    @property
+    def source_name(self) -> str:
+        """The metrics source(s) the last round used, e.g. ``prometheus``, ``scrape``, ``prometheus+push``."""
+        return self.source.name
+
+    def spec(self, cluster: str, address: str) -> EndpointSpec | None:
+        """The engine's view of one configured endpoint."""
+        return next((s for s in self._specs if s.cluster == cluster and s.address == address), None)
+
+    def set_draining(self, address: str, draining: bool = True) -> int:
+        """Start (or stop) draining every endpoint at ``address``; takes effect next round (C11).
+
+        Returns how many endpoints matched (0: unknown address).
+        """
+        hits = 0
+        for i, s in enumerate(self._specs):
+            if s.address == address:
+                self._specs[i] = replace(s, draining=draining)
+                hits += 1
+        if hits:
+            log.info("endpoint %s: %s", address, "draining" if draining else "drain cancelled")
+        return hits
+
     async def run_round(self) -> None:
         """One round. On a metrics failure the previous weights stay (first round: neutral weights)."""
         instances = [s.instance for s in self._specs]
         try:
-            stats = await asyncio.wait_for(asyncio.to_thread(self._fetch, instances),
+            stats = await asyncio.wait_for(asyncio.to_thread(self.source.fetch, instances),
                                            timeout=self.cfg.prometheus.timeout_s * 3)
             ok = True
         except (MetricsUnavailable, TimeoutError) as err:
@@ -107,20 +128,22 @@ class ControlPlane:
         self.last_round_at = time.time()
         if not ok and self.weights:
             return
-        weights, self._state = compute_weights(self._specs, stats, self._state, self._params)
+        weights, self._state = compute_weights(self._specs, stats, self._state, self._params, now=time.monotonic())
         self._log_changes(weights)
         self.weights = weights
         ext_proc = self._ext_proc_address()
-        await self._publish(build_snapshot(self.cfg, weights, ext_proc, self._memo), weights)
+        served = [w for w in weights if not w.removed]
+        await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)
         for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
-            await self.cache.set(build_snapshot(group_cfg, weights, ext_proc, self._memo), group)
+            await self.cache.set(build_snapshot(group_cfg, served, ext_proc, self._memo), group)
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
         for w in weights:
             if before.get((w.cluster, w.address)) != (w.weight, w.health):
-                log.info("weight %s %s -> %d %s: %s", w.cluster, w.address, w.weight, w.health,
-                         "; ".join(w.reasons))
+                scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
+                log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
+                         "; ".join(w.reasons), f" [{scores}]" if scores else "")
 
     async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         current = self.cache.latest()

@@ -4,6 +4,11 @@ Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus s
 second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
 traffic with session and version headers, shows the live weights, writes a summary, and ends by
 plotting the weight history to ``<workdir>/weight-history.png``.
+
+Metrics source (``--metrics-source``): ``prometheus`` (with the scrape source as fallback),
+``scrape`` (no Prometheus: the control plane scrapes the backends itself), or ``auto`` (default):
+Prometheus when its binary is installed, else scrape. The summary's ``metrics_source`` says which
+source answered.
 """
 
 from __future__ import annotations
@@ -33,9 +38,13 @@ XDS_PORT, EXT_PROC_PORT, ADMIN_PORT = 18000, 18080, 18090
 BACKENDS = (("v1", "a100"), ("v1", "a100"), ("v1", "a10"), ("v2", "a100"), ("v2", "a10"))
 
 
-def demo_config(backends: list[tuple[str, str, int]], history_path: str = ":memory:") -> dict:
-    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``, keeping its weight
-    history in ``history_path``."""
+def demo_config(backends: list[tuple[str, str, int]], metrics_source: str = "prometheus",
+                history_path: str = ":memory:") -> dict:
+    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``.
+
+    ``metrics_source``: ``prometheus`` (scrape as fallback) or ``scrape``; the weight history is
+    kept in ``history_path``.
+    """
     versions: dict[str, list[dict]] = {}
     for version, gpu, port in backends:
         versions.setdefault(version, []).append(
@@ -48,6 +57,8 @@ def demo_config(backends: list[tuple[str, str, int]], history_path: str = ":memo
                        "timeout_s": 1},
         "engine": {"stale_after_s": 15},
         "history": {"path": history_path},
+        "metrics": ({"sources": ["prometheus"], "fallback": "scrape"} if metrics_source == "prometheus"
+                    else {"sources": ["scrape"]}),
         "services": [{
             "name": "chat",
             "default_version": "v1",
@@ -132,15 +143,31 @@ async def _traffic(duration: float, concurrency: int, admin: str, live: bool) ->
     return traffic
 
 
+def choose_metrics_source(requested: str, prometheus_installed: bool) -> str:
+    """``prometheus`` or ``scrape`` for ``--metrics-source`` ``requested`` (auto | prometheus | scrape).
+
+    Raises:
+        stack.StackError: ``prometheus`` was asked for and no binary is installed.
+    """
+    if requested == "auto":
+        return "prometheus" if prometheus_installed else "scrape"
+    if requested == "prometheus" and not prometheus_installed:
+        raise stack.StackError(stack.PROMETHEUS_INSTALL_HINT + " Or run with --metrics-source scrape.")
+    return requested
+
+
 def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
-             live: bool, xds_protocol: str = "sotw") -> int:
+             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto") -> int:
     """Run the demo; returns the process exit code (0 = ran and wrote its summary).
 
     ``xds_protocol``: "sotw" or "delta", the ADS variant Envoy's bootstrap asks for; the summary
     says which one served (``xds_protocol``, as the control plane saw the stream).
+    ``metrics_source``: "auto", "prometheus" or "scrape" (see the module docstring).
     """
-    if stack.prometheus_binary() is None:
-        print(f"inferlb demo: {stack.PROMETHEUS_INSTALL_HINT}", file=sys.stderr)
+    try:
+        source = choose_metrics_source(metrics_source, stack.prometheus_binary() is not None)
+    except stack.StackError as err:
+        print(f"inferlb demo: {err}", file=sys.stderr)
         return 2
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -151,16 +178,21 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        _check_ports([ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT])
+        ports = [ENVOY_LISTENER, ENVOY_ADMIN, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT]
+        _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
         print(f"inferlb demo: work dir {work}", flush=True)
         demo_started = time.time()
+        print(f"inferlb demo: metrics source {source}" + ("" if source == "prometheus" else
+              " (the control plane scrapes the backends' /metrics itself; no Prometheus)"), flush=True)
         backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
         for version, gpu, port in backends:
             procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
-        procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
-                                            PROMETHEUS_PORT, scrape_interval_s=1.0))
+        if source == "prometheus":
+            procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
+                                                PROMETHEUS_PORT, scrape_interval_s=1.0))
         cfg_path = work / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(demo_config(backends, str(work / "history.sqlite3")), sort_keys=False))
+        cfg_path.write_text(yaml.safe_dump(demo_config(backends, source, str(work / "history.sqlite3")),
+                                           sort_keys=False))
         cfg = load_config(cfg_path)
         cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
         procs.append(cp)

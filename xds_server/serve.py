@@ -23,7 +23,8 @@ from .config import Config, split_hostport
 from .control import ControlPlane
 from .history.recorder import HistoryRecorder
 from .history.sqlite import open_store
-from .metrics.prometheus import PrometheusSource
+from .metrics.push import start_push_server
+from .metrics.sources import build_sources
 from .picker_config import picker_settings, routing_table
 
 log = logging.getLogger(__name__)
@@ -32,22 +33,22 @@ log = logging.getLogger(__name__)
 class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
-    After :meth:`start`, ``xds_port``, ``ext_proc_port`` and ``admin_port`` hold the bound ports
-    (the config may ask for port 0). ``recorder`` writes the weight history (``cfg.history``);
-    ``sampler`` keeps a sample of the picker's decisions. Raises ``HistoryError`` when the history
-    database cannot be opened.
+    After :meth:`start`, ``xds_port``, ``ext_proc_port``, ``admin_port`` (and ``push_port`` with the
+    push source) hold the bound ports (the config may ask for port 0). ``recorder`` writes the weight
+    history (``cfg.history``); ``sampler`` keeps a sample of the picker's decisions. Raises
+    ``HistoryError`` when the history database cannot be opened.
     """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        source = PrometheusSource(cfg.prometheus.url, cfg.prometheus.window_s, cfg.prometheus.timeout_s)
+        self.sources = build_sources(cfg)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
         self.sampler = DecisionSampler()
         self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler)
         routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
-        self.control = ControlPlane(cfg, source.fetch, source.name, self.cache,
+        self.control = ControlPlane(cfg, self.sources.combined, self.cache,
                                     [lambda snap, _weights: self.view.update(snap.assignments(), routing),
                                      self.recorder.record],
                                     lambda: cfg.envoy.ext_proc_address or
@@ -58,7 +59,9 @@ class InferLB:
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
         self._picker_task: asyncio.Task | None = None
-        self.xds_port = self.ext_proc_port = self.admin_port = 0
+        self._scrape_task: asyncio.Task | None = None
+        self.push_server: grpc.aio.Server | None = None
+        self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
 
     def _current_weights(self):
         snap = self.cache.snapshot
@@ -79,6 +82,11 @@ class InferLB:
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self.recorder.start()
+        if self.sources.push is not None:
+            self.push_server, self.push_port = await start_push_server(self.sources.push,
+                                                                       self.cfg.metrics.push.listen)
+        if self.sources.scrape is not None:
+            self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self.control.run())
         self._picker_task = asyncio.create_task(self.picker.maintain())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
@@ -86,10 +94,10 @@ class InferLB:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
-        for task in (self._loop_task, self._picker_task):
+        for task in (self._loop_task, self._picker_task, self._scrape_task):
             if task:
                 task.cancel()
-        for server in (self.ads_server, self.ext_server):
+        for server in (self.ads_server, self.ext_server, self.push_server):
             if server is not None:
                 await server.stop(grace=grace_s)
         if self._runner:

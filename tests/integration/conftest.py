@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,8 @@ class Backend:
     version: str
     gpu_class: str
     port: int
-    proc: stack.Proc
+    proc: stack.Proc | None  # None: not started yet (see Stack.start_backend)
+    args: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -88,6 +89,11 @@ class Stack:
         doc = requests.get(f"{self.admin}/api/v1/weights", timeout=5).json()
         return {c["name"]: {e["address"]: e for e in c["endpoints"]} for c in doc["clusters"]}
 
+    def start_backend(self, b: Backend) -> None:
+        """Start a backend the layout deferred (a node joining later)."""
+        b.proc = stack.start_sim(b.port, self.workdir, gpu_class=b.gpu_class, version=b.version, extra=b.args)
+        self.procs.append(b.proc)
+
     def send(self, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions",
              timeout: float = 10.0) -> requests.Response:
         return requests.post(f"{self.listener}{path}", json={"max_tokens": 16, "messages": []},
@@ -102,37 +108,51 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
         "listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
         "envoy": {"listener": f"127.0.0.1:{listener_port}"},
         "prometheus": {"url": prometheus_url, "window_s": 5, "interval_s": 0.5, "timeout_s": 1},
-        "engine": {"stale_after_s": 6, "hysteresis": 0.05, **engine},
+        "engine": {"stale_after_s": 6, "hysteresis": 0.05,
+                   "filters": {"latency_outlier": {"base_ejection_s": 2, "max_ejection_s": 4}}, **engine},
         "services": [{"name": "chat", "default_version": "v1",
                       "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}],
     }
 
 
-def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None,
-                config_patch: Callable[[dict], None] | None = None) -> Stack:
+def _merge(base, extra):
+    """``extra`` merged into ``base``: dicts key by key, lists item by item (so one endpoint of a
+    version can be changed in place), anything else replaced."""
+    if isinstance(base, dict) and isinstance(extra, dict):
+        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in extra.items()}}
+    if isinstance(base, list) and isinstance(extra, list):
+        return [_merge(b, e) for b, e in zip(base, extra, strict=False)] + base[len(extra):] + extra[len(base):]
+    return extra
+
+
+def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None, *,
+                backend_args: dict[int, list[str]] | None = None, config: dict | None = None,
+                deferred: Collection[int] = ()) -> Stack:
     """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
 
-    ``config_patch`` may edit the config dict (as from :func:`backend_config`) before it is written.
+    ``sim_args``: for every backend; ``backend_args``: more per layout index; ``config``: merged into the
+    inferlb config (dicts by key, lists by position: see :func:`_merge`); ``deferred``: layout indexes
+    configured but not started (``Stack.start_backend``).
     """
     procs: list[stack.Proc] = []
     loop = LoopThread()
     try:
         backends = []
-        for version, gpu in layout:
+        for i, (version, gpu) in enumerate(layout):
             port = stack.free_port()
-            proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version,
-                                   extra=["--time-scale", "0.2", *(sim_args or [])])
-            procs.append(proc)
-            backends.append(Backend(version, gpu, port, proc))
+            args = ["--time-scale", "0.2", *(sim_args or []), *(backend_args or {}).get(i, [])]
+            proc = None if i in deferred else stack.start_sim(port, workdir, gpu_class=gpu, version=version,
+                                                              extra=args)
+            if proc is not None:
+                procs.append(proc)
+            backends.append(Backend(version, gpu, port, proc, args))
         prom_port = stack.free_port()
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
         listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        doc = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
-        doc["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
-        if config_patch is not None:
-            config_patch(doc)
-        cfg_path.write_text(yaml.safe_dump(doc))
+        cfg_dict = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
+        cfg_dict["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
+        cfg_path.write_text(yaml.safe_dump(_merge(cfg_dict, config or {})))
         cfg = load_config(cfg_path)
         app = InferLB(cfg)
         loop.run(app.start())

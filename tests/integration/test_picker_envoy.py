@@ -26,13 +26,13 @@ from .conftest import Stack, start_stack, stop_stack, wait_until
 pytestmark = pytest.mark.integration
 
 
-def _patch(doc: dict) -> None:
-    doc["picker"] = {"body_max_bytes": 65536, "max_queue": 1, "queue_timeout_s": 0.2}
-    doc["services"][0]["mixes"] = {"canary": {"v1": 50, "v2": 50}}
-    for version in doc["services"][0]["versions"]:
-        if version["name"] == "v2":
-            for endpoint in version["endpoints"]:
-                endpoint["max_concurrency"] = 1
+# Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s; v2's one endpoint
+# (the second version in the layout) at max_concurrency 1.
+CONFIG = {
+    "picker": {"body_max_bytes": 65536, "max_queue": 1, "queue_timeout_s": 0.2},
+    "services": [{"mixes": {"canary": {"v1": 50, "v2": 50}},
+                  "versions": [{}, {"endpoints": [{"max_concurrency": 1}]}]}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def picker_stack(tmp_path_factory) -> Iterator[Stack]:
     """v1: two A100-class backends; v2: one with max_concurrency 1. Body routing on; mix ``canary``
     = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s."""
     s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
-                    config_patch=_patch)
+                    config=CONFIG)
     yield s
     stop_stack(s)
 

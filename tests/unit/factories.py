@@ -10,7 +10,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
 from xds_server.config import Config, parse_config
-from xds_server.engine.types import HEALTHY, EndpointSpec, EndpointWeight
+from xds_server.engine.plugin import ClusterRound, Member
+from xds_server.engine.registry import FILTERS, SCORERS
+from xds_server.engine.types import HEALTHY, EndpointSpec, EndpointWeight, EngineParams
 from xds_server.metrics.stats import EndpointStats
 
 #: A fresh sample age (well under the 15 s staleness limit).
@@ -87,6 +89,30 @@ def stats(**kw: float | None) -> EndpointStats:
 def same_stats(endpoints: Iterable[EndpointSpec], **kw: float | None) -> dict[str, EndpointStats]:
     """The same stats for every endpoint, keyed by instance."""
     return {s.instance: stats(**kw) for s in endpoints}
+
+
+def cluster_round(pairs: Sequence[tuple[EndpointSpec, EndpointStats]], params: EngineParams | None = None,
+                  now: float = 0.0, first_round: bool = False, pool_size: int | None = None) -> ClusterRound:
+    """A plugin's view of one cluster made of ``(spec, stats)`` pairs."""
+    members = tuple(Member(sp, st) for sp, st in pairs)
+    return ClusterRound(members[0].spec.cluster if members else "c", now, members,
+                        len(members) if pool_size is None else pool_size, first_round, params or EngineParams())
+
+
+def filter_reason(name: str, sp: EndpointSpec, st: EndpointStats, params: EngineParams | None = None) -> str | None:
+    """What filter ``name`` (default parameters) says of one endpoint alone."""
+    f = FILTERS[name]
+    reasons, _ = f.run(cluster_round([(sp, st)], params), f.params(), {})
+    return reasons.get(sp.address)
+
+
+def score(name: str, sp: EndpointSpec, st: EndpointStats, peers: Sequence[EndpointStats] = (), **params: object
+          ) -> float | None:
+    """Scorer ``name``'s score of ``sp`` in a pool with ``peers`` (each on its own endpoint)."""
+    sc = SCORERS[name]
+    pairs = [(sp, st)] + [(spec(i + 1, sp.cluster), p) for i, p in enumerate(peers)]
+    values, _ = sc.run(cluster_round(pairs), sc.params(**params), {})
+    return values[sp.address]
 
 
 def weight(cluster: str, address: str, w: int, health: str = HEALTHY) -> EndpointWeight:

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from tests.unit.factories import config, same_stats, service, spec, specs, stats, version
+from tests.unit.factories import config, filter_reason, same_stats, score, service, spec, specs, stats, version
 from xds_server.control import endpoint_specs, engine_params
-from xds_server.engine import filters, scorers, stability
+from xds_server.engine import stability
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, NEUTRAL_SCORE, combine, compute_weights
+from xds_server.engine.registry import SCORERS
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.stats import EndpointStats
 
@@ -54,8 +55,11 @@ def test_150_endpoints_with_a_huge_max_weight_stay_within_uint32():
 
 def test_all_zero_scores_still_give_weight_1():
     eps = specs(5)
-    # idle compute 0 (GPU at 100 %), concurrency headroom 0 (7 running + 1 queued of 8), no latency data.
-    weights, _ = compute_weights(eps, same_stats(eps, gpu_util=1.0, running=7.0, queue=1.0), EngineState(), P)
+    # idle compute 0 (GPU at 100 %), concurrency headroom 0 (7 running + 1 queued of 8), KV cache full,
+    # every request failing; no latency data. The queue scorer is off (one queued request scores 0.89).
+    params = replace(P, scorer_weights={**P.scorer_weights, "queue": 0.0})
+    seen = same_stats(eps, gpu_util=1.0, running=7.0, queue=1.0, kv_cache=1.0, error_rate=1.0)
+    weights, _ = compute_weights(eps, seen, EngineState(), params)
     for w in weights:
         assert w.score == 0.0
         assert w.weight == 1
@@ -204,8 +208,8 @@ def test_gpu_memory_filter_adds_the_20_percent_margin(free, health):
 def test_gpu_memory_filter_uses_the_parameters():
     s = spec(0)
     params = EngineParams(request_memory_mib=1000.0, memory_margin=0.5)
-    assert filters.gpu_memory(s, stats(gpu_mem_free_mib=1499.0), params) is not None
-    assert filters.gpu_memory(s, stats(gpu_mem_free_mib=1500.0), params) is None
+    assert filter_reason("gpu_memory", s, stats(gpu_mem_free_mib=1499.0), params) is not None
+    assert filter_reason("gpu_memory", s, stats(gpu_mem_free_mib=1500.0), params) is None
 
 
 @pytest.mark.parametrize(("running", "health"), [(8.0, UNHEALTHY), (9.5, UNHEALTHY), (7.9, HEALTHY)])
@@ -280,9 +284,16 @@ def test_a10_with_slower_latency_gets_a_lower_weight_than_a100s():
     a10 = out["10.0.0.3:8000"]
     for a100 in ("10.0.0.1:8000", "10.0.0.2:8000"):
         assert a10.weight < out[a100].weight
-        assert a10.score < out[a100].score
-    assert a10.scores["latency"] == pytest.approx(100.0 / 250.0)
+    # 2.5x slower is exactly as slow as an A10 (capacity 0.4) should be: the capacity factor alone
+    # lowers its weight, the latency score does not punish it a second time.
+    assert a10.scores["latency"] == pytest.approx(1.0)
+    assert a10.factors["capacity"] == pytest.approx(0.4)
+    assert a10.weight == pytest.approx(0.4 * out["10.0.0.1:8000"].weight, abs=1)
     assert out["10.0.0.1:8000"].weight == out["10.0.0.2:8000"].weight
+    # slower than its class should be: the latency score drops
+    seen["10.0.0.3:8000"] = stats(gpu_util=0.5, running=2.0, latency_mean_ms=500.0)
+    out, _ = run(eps, seen, params=engine_params(cfg))
+    assert out["10.0.0.3:8000"].scores["latency"] == pytest.approx(0.5)
 
 
 def test_busier_endpoint_gets_less():
@@ -295,12 +306,12 @@ def test_busier_endpoint_gets_less():
 
 @pytest.mark.parametrize(
     ("own", "pool", "expected"),
-    [(100.0, [100.0, 50.0], 0.5), (50.0, [100.0, 50.0], 1.0), (10.0, [50.0], 1.0),  # own not in pool: clamped
+    [(100.0, [100.0, 50.0], 0.5), (50.0, [100.0, 50.0], 1.0), (10.0, [50.0], 1.0),
      (1e9, [1e-3], 1e-12), (0.0, [10.0], None), (-5.0, [10.0], None), (None, [10.0], None),
-     (10.0, [None, 0.0], None)],
+     (10.0, [None, 0.0], 1.0)],  # the only one with data is the pool's best
 )
 def test_latency_scorer_is_relative_and_bounded(own, pool, expected):
-    got = scorers.latency(spec(0), stats(latency_mean_ms=own), [stats(latency_mean_ms=v) for v in pool])
+    got = score("latency", spec(0), stats(latency_mean_ms=own), [stats(latency_mean_ms=v) for v in pool])
     if expected is None:
         assert got is None
     else:
@@ -311,14 +322,14 @@ def test_latency_scorer_is_relative_and_bounded(own, pool, expected):
 @pytest.mark.parametrize(("util", "expected"), [(0.0, 1.0), (0.3, 0.7), (1.0, 0.0), (1.7, 0.0), (-0.5, 1.0),
                                                 (None, None)])
 def test_idle_compute_scorer(util, expected):
-    got = scorers.idle_compute(spec(0), stats(gpu_util=util), [])
+    got = score("idle_compute", spec(0), stats(gpu_util=util))
     assert got == (None if expected is None else pytest.approx(expected))
 
 
 @pytest.mark.parametrize(("running", "queue", "expected"),
                          [(0.0, None, 1.0), (2.0, 2.0, 0.5), (6.0, 6.0, 0.0), (None, 3.0, None)])
 def test_concurrency_scorer_counts_the_queue(running, queue, expected):
-    got = scorers.concurrency(spec(0, max_concurrency=8), stats(running=running, queue=queue), [])
+    got = score("concurrency", spec(0, max_concurrency=8), stats(running=running, queue=queue))
     assert got == (None if expected is None else pytest.approx(expected))
 
 
@@ -433,8 +444,9 @@ def test_engine_params_from_config():
     p = engine_params(cfg)
     assert (p.stale_after_s, p.request_memory_mib, p.memory_margin, p.max_weight, p.hysteresis) == (
         7, 4096, 0.5, 50, 0.2)
-    assert dict(p.scorer_weights) == {"idle_compute": 2.0, "concurrency": 1.0, "latency": 0.0}
-    assert set(p.scorer_weights) == set(scorers.SCORERS)
+    defaults = {name: s.default_weight for name, s in SCORERS.items()}
+    assert dict(p.scorer_weights) == {**defaults, "idle_compute": 2.0, "latency": 0.0}
+    assert set(p.scorer_weights) == set(SCORERS)
 
 
 def test_endpoint_specs_from_config():

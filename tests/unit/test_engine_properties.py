@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.unit.factories import spec
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, compute_weights
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EngineParams, EngineState
-from xds_server.metrics.stats import EndpointStats
+from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -22,8 +22,8 @@ realistic_age = st.none() | st.floats(min_value=-5.0, max_value=60.0) | st.sampl
 
 endpoint_stats = st.builds(
     EndpointStats,
-    latency_mean_ms=maybe, latency_p95_ms=maybe, queue=maybe, running=maybe, gpu_util=maybe,
-    gpu_mem_free_mib=maybe, gpu_mem_used_mib=maybe, kv_cache=maybe, sample_age_s=realistic_age,
+    **{f: maybe for f in SIGNAL_FIELDS},
+    sample_age_s=realistic_age,
 )
 
 
@@ -49,6 +49,11 @@ params = st.builds(
     memory_margin=st.floats(min_value=0.0, max_value=10.0),
     max_weight=st.integers(1, 10**12),
     hysteresis=st.floats(min_value=0.0, max_value=0.99),
+    quantum=st.floats(min_value=0.0, max_value=1.0),
+    max_change=st.none() | st.floats(min_value=0.01, max_value=10.0),
+    drain_timeout_s=st.floats(min_value=0.1, max_value=600.0),
+    disabled=st.frozensets(st.sampled_from(["gpu_memory", "max_concurrency", "oom", "latency_outlier", "capacity",
+                                            "slow_start", "balance"])),
 )
 
 
@@ -83,12 +88,12 @@ def check_invariants(endpoints, weights) -> None:
 
 
 @SETTINGS
-@given(data=st.data(), endpoints=pools(), p=params)
-def test_weights_are_valid_for_any_input_over_two_rounds(data, endpoints, p):
-    first, state = compute_weights(endpoints, stats_for(data.draw, endpoints), EngineState(), p)
-    check_invariants(endpoints, first)
-    second, _ = compute_weights(endpoints, stats_for(data.draw, endpoints), state, p)
-    check_invariants(endpoints, second)
+@given(data=st.data(), endpoints=pools(), p=params, clock=st.lists(st.floats(0.0, 400.0), min_size=2, max_size=4))
+def test_weights_are_valid_for_any_input_over_several_rounds(data, endpoints, p, clock):
+    state = EngineState()
+    for now in sorted(clock):
+        weights, state = compute_weights(endpoints, stats_for(data.draw, endpoints), state, p, now=now)
+        check_invariants(endpoints, weights)
 
 
 @SETTINGS
@@ -104,7 +109,7 @@ def test_large_clusters_with_huge_max_weight_fit_uint32(n, samples, capacity, p)
     p = replace(p, max_weight=10**12)
     first, state = compute_weights(endpoints, seen, EngineState(), p)
     check_invariants(endpoints, first)
-    second, _ = compute_weights(endpoints, seen, state, p)
+    second, _ = compute_weights(endpoints, seen, state, p, now=1.0)
     check_invariants(endpoints, second)
 
 
@@ -127,36 +132,51 @@ def effective(w) -> int:
 
 
 positive = st.floats(min_value=1e-3, max_value=1e6)
+fraction = st.floats(min_value=0.0, max_value=1.0)
 fresh_stats = st.builds(
     EndpointStats,
     latency_mean_ms=positive,
-    queue=st.none() | st.floats(min_value=0.0, max_value=100.0),
+    latency_p95_ms=st.none() | positive,
+    queue=st.floats(min_value=0.0, max_value=100.0),
     running=st.floats(min_value=0.0, max_value=100.0),
-    gpu_util=st.floats(min_value=0.0, max_value=1.0),
-    gpu_mem_free_mib=st.none() | st.floats(min_value=0.0, max_value=1e5),
+    gpu_util=fraction,
+    gpu_mem_free_mib=st.floats(min_value=0.0, max_value=1e5),
+    kv_cache=fraction,
+    error_rate=fraction,
+    client_latency_p95_ms=st.none() | positive,
     sample_age_s=st.none() | st.floats(min_value=0.0, max_value=30.0),
 )
+#: field -> direction of "worse" (+1: higher is worse, -1: lower is worse)
+WORSE = {"latency_mean_ms": 1, "latency_p95_ms": 1, "gpu_util": 1, "running": 1, "queue": 1, "kv_cache": 1,
+         "error_rate": 1, "gpu_mem_free_mib": -1, "sample_age_s": 1}
 
 
 @SETTINGS
 @given(
     data=st.data(),
     n=st.integers(1, 8),
-    field=st.sampled_from(["latency_mean_ms", "gpu_util", "running"]),
+    field=st.sampled_from(sorted(WORSE)),
     p=params,
 )
 def test_a_worse_signal_never_raises_the_weight(data, n, field, p):
     p = replace(p, hysteresis=0.0, max_weight=data.draw(st.integers(1, 10**6)))
     endpoints = [spec(i, "mono", capacity=data.draw(st.floats(min_value=0.1, max_value=4.0)),
-                      max_concurrency=data.draw(st.integers(1, 64))) for i in range(n)]
+                      max_concurrency=data.draw(st.integers(1, 64)), memory_mib=81920.0) for i in range(n)]
     seen = {s.instance: data.draw(fresh_stats) for s in endpoints}
     target = data.draw(st.sampled_from(endpoints))
     before = seen[target.instance]
-    worse = getattr(before, field) + data.draw(st.floats(min_value=1e-6, max_value=1e3))
-    assume(worse > getattr(before, field))
+    old = getattr(before, field)
+    assume(old is not None)
+    step = data.draw(st.floats(min_value=1e-6, max_value=1e3))
+    worse = old + step if WORSE[field] > 0 else max(0.0, old - step)
+    if field in ("gpu_util", "kv_cache", "error_rate"):
+        worse = min(1.0, worse)
+    assume(worse != old)
     seen_worse = {**seen, target.instance: replace(before, **{field: worse})}
-    a, _ = compute_weights(endpoints, seen, EngineState(), p)
-    b, _ = compute_weights(endpoints, seen_worse, EngineState(), p)
+    # Same history for both: round b follows round a's state, as the next round would. (Without
+    # history, an all-stale cluster falls back to neutral weights, which may exceed a scored weight.)
+    a, state = compute_weights(endpoints, seen, EngineState(), p)
+    b, _ = compute_weights(endpoints, seen_worse, state, p)
     idx = endpoints.index(target)
     assert effective(b[idx]) <= effective(a[idx]), (field, a[idx], b[idx])
 

@@ -17,7 +17,7 @@ from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.presets import VLLM_DCGM
 from xds_server.metrics.prometheus import MetricsUnavailable, PrometheusSource, parse_vector
-from xds_server.metrics.stats import EndpointStats, finite
+from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats, finite
 
 
 def series(instance: str, value: str, ts: float = 1700000000.0, **labels: str) -> dict:
@@ -76,16 +76,16 @@ def test_finite(raw, expected):
 
 
 def test_preset_covers_every_stat_and_the_sample_time():
-    stat_fields = set(EndpointStats.__slots__) - {"sample_age_s"}
-    assert set(VLLM_DCGM) == stat_fields | {"last_sample_ts"}
-    for field, (query, _) in VLLM_DCGM.items():
+    client_side = {f for f in SIGNAL_FIELDS if f.startswith("client_")}  # Envoy's view, not the backend's
+    assert set(VLLM_DCGM) == set(SIGNAL_FIELDS) - client_side | {"last_sample_ts"}
+    for field, (query, *_) in VLLM_DCGM.items():
         assert "instance" in query, field
         assert not re.search(r"\{\s*\"", query), f"{field}: quoted metric names fail on Prometheus 2.42"
 
 
 def test_preset_reads_both_kv_cache_metric_names():
     """C09: older vLLM exposes gpu_cache_usage_perc, newer kv_cache_usage_perc."""
-    query, _ = VLLM_DCGM["kv_cache"]
+    query, *_ = VLLM_DCGM["kv_cache"]
     assert "vllm:kv_cache_usage_perc" in query and "vllm:gpu_cache_usage_perc" in query
     assert " or " in query
 
@@ -116,7 +116,7 @@ class FakeProm:
 
 def source(window_s: float = 60.0, timeout_s: float = 2.0) -> tuple[PrometheusSource, FakeProm]:
     src = PrometheusSource("http://127.0.0.1:1", window_s=window_s, timeout_s=timeout_s)
-    fake = FakeProm({f: q.replace("{w}", f"{round(window_s)}s") for f, (q, _) in VLLM_DCGM.items()})
+    fake = FakeProm({f: q.replace("{w}", f"{round(window_s)}s") for f, (q, *_) in VLLM_DCGM.items()})
     src._prom = fake
     return src, fake
 

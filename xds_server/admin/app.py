@@ -5,12 +5,16 @@
 - ``GET /metrics`` Prometheus exposition: the process's registry plus this control plane's
   endpoint and node collectors (:mod:`xds_server.admin.exposition`).
 - ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
-  "score", "scores", "inputs", "reasons"}]}], "metrics_source": {...}, "snapshot_version"}``.
+  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}],
+  "metrics_source": {"name", "ok", "last_round_at", "configured", "fallback", "fallback_active",
+  "sources"}, "snapshot_version"}``.
 - ``GET /api/v1/nodes`` ``{"nodes": [{"node_id", "node_cluster", "peer", "protocol" ("sotw" | "delta"),
   "connected_since", "sent_bytes", "types": {"Cluster": {"acked_version", "sent_version",
   "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
+- ``POST /api/v1/drain`` ``{"endpoint": "HOST:PORT", "drain": true|false}``: start (or cancel)
+  draining an endpoint (C11); 404 for an unknown endpoint, 400 for a bad body.
 - ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
 - ``GET /api/v1/decisions`` a sample of recent picker decisions (:mod:`ext_proc.sampler`).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
@@ -47,7 +51,9 @@ def openapi_document() -> dict:
 def weights_document(cp: ControlPlane) -> dict:
     """The ``/api/v1/weights`` document (shape in the module docstring)."""
     clusters: dict[str, list[dict]] = {}
+    origin = getattr(cp.source, "origin", {})
     for w in cp.weights:
+        spec = cp.spec(w.cluster, w.address)
         clusters.setdefault(w.cluster, []).append({
             "address": w.address,
             "weight": w.weight,
@@ -56,11 +62,17 @@ def weights_document(cp: ControlPlane) -> dict:
             "scores": {k: (None if v is None else round(v, 4)) for k, v in w.scores.items()},
             "inputs": w.inputs.as_dict(),
             "reasons": list(w.reasons),
+            "filters": dict(w.filters),
+            "factors": {k: round(v, 4) for k, v in w.factors.items()},
+            "target": w.target,
+            "removed": w.removed,
+            "sources": origin.get(spec.instance, {}) if spec else {},
         })
     snap = cp.cache.snapshot
     return {
         "snapshot_version": snap.version if snap else None,
-        "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at},
+        "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at,
+                           **cp.source.describe()},
         "clusters": [{"name": n, "endpoints": eps} for n, eps in clusters.items()],
     }
 
@@ -131,6 +143,19 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
+    async def drain(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) \
+                or not isinstance(body.get("drain", True), bool):
+            return web.json_response({"error": 'expected {"endpoint": "HOST:PORT", "drain": true|false}'},
+                                     status=400)
+        if not cp.set_draining(body["endpoint"], body.get("drain", True)):
+            return web.json_response({"error": f"unknown endpoint {body['endpoint']!r}"}, status=404)
+        return web.json_response({"endpoint": body["endpoint"], "drain": body.get("drain", True)})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -142,4 +167,5 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", page)
     app.router.add_static("/static/", STATIC)
+    app.router.add_post("/api/v1/drain", drain)
     return app

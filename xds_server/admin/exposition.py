@@ -34,6 +34,18 @@ INPUTS: dict[str, tuple[str, str, float]] = {
     "gpu_mem_free_mib": ("inferlb_endpoint_gpu_memory_free_bytes", "Free GPU memory", _MIB),
     "gpu_mem_used_mib": ("inferlb_endpoint_gpu_memory_used_bytes", "Used GPU memory", _MIB),
     "kv_cache": ("inferlb_endpoint_kv_cache_usage_ratio", "KV-cache usage, 0-1", 1.0),
+    "in_flight": ("inferlb_endpoint_in_flight_requests", "Requests in flight (pushed node status)", 1.0),
+    "request_rate": ("inferlb_endpoint_request_rate_per_second", "Finished requests per second over the window",
+                     1.0),
+    "error_rate": ("inferlb_endpoint_error_ratio", "Share of requests answered with a 5xx over the window, 0-1",
+                   1.0),
+    "success_total": ("inferlb_endpoint_backend_success", "Requests the backend reports served (its counter)", 1.0),
+    "oom_total": ("inferlb_endpoint_backend_oom", "Requests the backend refused for GPU memory (its counter)", 1.0),
+    "client_latency_mean_ms": ("inferlb_endpoint_client_latency_mean_seconds",
+                               "Mean latency as Envoy saw it over the window", 1e-3),
+    "client_latency_p95_ms": ("inferlb_endpoint_client_latency_p95_seconds",
+                              "95th-percentile latency as Envoy saw it over the window", 1e-3),
+    "client_error_rate": ("inferlb_endpoint_client_error_ratio", "Share of 5xx as Envoy saw it, 0-1", 1.0),
     "sample_age_s": ("inferlb_endpoint_sample_age_seconds", "Age of the newest metrics sample", 1.0),
 }
 

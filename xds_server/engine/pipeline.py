@@ -1,11 +1,22 @@
 """The weight engine: endpoints + stats (+ previous state) -> EDS weights, health and reasons.
 
-A pure function. Per cluster: drain, then staleness (never the whole cluster: when every endpoint
-is stale the last weights stay, case C05), then the filters; if the filters would exclude every
-endpoint, none is excluded (an empty assignment is an outage). Eligible endpoints are scored, the
-weighted scores combine into one score in [0, 1], and the weight is
-``max(1, round(max_weight x capacity x score))`` (EDS weights must be >= 1, case C02), held at its
-previous value when it moved by less than ``hysteresis`` (so weights don't flap).
+A pure function. Per cluster, in order:
+
+1. **drain**: a draining endpoint is ``DRAINING`` at once; it is ``removed`` (left out of the
+   ClusterLoadAssignment) once its fresh in-flight count is 0, or after ``drain_timeout_s`` (C11).
+2. **staleness**: an endpoint whose newest sample is older than ``stale_after_s`` (or never seen) is
+   ``UNHEALTHY`` (C04) — unless every live endpoint of the cluster is stale: then nothing is
+   excluded, the last weights and every plugin's state stay (C05).
+3. **filters** (registry order; the first reason wins). If they would exclude every remaining
+   endpoint, none is excluded (an empty assignment is an outage).
+4. **scorers** on the eligible endpoints; their weighted mean (weights from ``scorer_weights``, only
+   scorers with data count; none with data: :data:`NEUTRAL_SCORE`) is the score in [0, 1].
+5. **factors**: ``max_weight x score`` times each factor (capacity, slow start, balance).
+6. **stability**: bounded change against the last weight (if the endpoint was eligible then),
+   quantisation, hysteresis; then the per-endpoint cap so each cluster's sum fits uint32 and at
+   least 1 (EDS weights must be >= 1, case C02).
+
+Every verdict is kept on the :class:`EndpointWeight` for the admin API and the change log.
 """
 
 from __future__ import annotations
@@ -13,26 +24,22 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 from ..metrics.stats import EndpointStats
 from . import stability
-from .filters import FILTERS, is_stale
-from .scorers import SCORERS
+from .plugin import ClusterRound, Member
+from .registry import FACTORS, FILTERS, SCORERS
 from .types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
 
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
+#: State key of the drain stage (when each draining endpoint started draining, s).
+DRAIN = "drain"
 _NO_STATS = EndpointStats()
-
-
-def sanitize(stats: EndpointStats) -> EndpointStats:
-    """``stats`` with every non-finite value (NaN, ±Inf) replaced by ``None`` ("no data")."""
-    bad = {f: None for f in EndpointStats.__slots__
-           if (v := getattr(stats, f)) is not None and not math.isfinite(v)}
-    return replace(stats, **bad) if bad else stats
+Key = tuple[str, str]
 
 
 def combine(scores: Mapping[str, float | None], weights: Mapping[str, float]) -> float:
@@ -43,7 +50,23 @@ def combine(scores: Mapping[str, float | None], weights: Mapping[str, float]) ->
         if value is not None and w > 0:
             num += w * value
             den += w
-    return num / den if den else NEUTRAL_SCORE
+    return min(1.0, max(0.0, num / den)) if den else NEUTRAL_SCORE
+
+
+def is_stale(stats: EndpointStats, params: EngineParams) -> bool:
+    """True when the newest sample is older than ``stale_after_s`` or was never seen (case C04)."""
+    return stats.sample_age_s is None or stats.sample_age_s > params.stale_after_s
+
+
+def plugin_params(name: str, params: EngineParams) -> Any:
+    """The parameters of plugin ``name``: from ``params.plugin_params`` or the plugin's defaults."""
+    given = params.plugin_params.get(name)
+    if given is not None:
+        return given
+    for table in (FILTERS, SCORERS, FACTORS):
+        if name in table:
+            return table[name].params()
+    raise KeyError(name)
 
 
 def compute_weights(
@@ -51,14 +74,18 @@ def compute_weights(
     stats: Mapping[str, EndpointStats],
     prev: EngineState,
     params: EngineParams,
+    now: float = 0.0,
 ) -> tuple[list[EndpointWeight], EngineState]:
     """Decide every endpoint's weight and health.
 
     Args:
         specs: the configured endpoints (any clusters, any order).
-        stats: ``{instance: EndpointStats}``; a missing instance counts as "never seen".
+        stats: ``{instance: EndpointStats}``; a missing instance counts as "never seen"; NaN/Inf
+            values count as no data.
         prev: the state returned by the previous round (``EngineState()`` at first).
         params: engine parameters.
+        now: the round's time in seconds, on the clock used for every round (ejections, slow
+            start and drain timeouts are measured on it).
     Returns:
         ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order, and the state
         for the next round. Every weight is >= 1 and each cluster's sum is <= 2**32 - 1.
@@ -66,73 +93,156 @@ def compute_weights(
     by_cluster: dict[str, list[EndpointSpec]] = defaultdict(list)
     for spec in specs:
         by_cluster[spec.cluster].append(spec)
-    out: dict[tuple[str, str], EndpointWeight] = {}
-    for members in by_cluster.values():
-        for ew in _cluster_weights(members, stats, prev, params):
+    prev_plugins: dict[str, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
+    for name, entries in prev.plugins.items():
+        for (cluster, address), value in entries.items():
+            prev_plugins[cluster][name][address] = value
+    out: dict[Key, EndpointWeight] = {}
+    eligible: set[Key] = set()
+    plugins: dict[str, dict[Key, Any]] = defaultdict(dict)
+    for cluster, members in by_cluster.items():
+        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now)
+        for ew in weights:
             out[(ew.cluster, ew.address)] = ew
+        eligible |= {(cluster, a) for a in ok}
+        for name, entries in cluster_state.items():
+            plugins[name].update({(cluster, a): v for a, v in entries.items()})
     ordered = [out[(s.cluster, s.address)] for s in specs]
-    state = EngineState(MappingProxyType({(w.cluster, w.address): w.weight for w in ordered}))
+    state = EngineState(
+        MappingProxyType({(w.cluster, w.address): w.weight for w in ordered}),
+        frozenset(eligible),
+        MappingProxyType({n: MappingProxyType(e) for n, e in plugins.items() if e}),
+    )
     return ordered, state
 
 
-def _cluster_weights(
-    members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState, params: EngineParams
-) -> list[EndpointWeight]:
+def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EngineParams, now: float
+           ) -> tuple[bool, str]:
+    """``(removed, reason)`` for a draining endpoint."""
+    waited = max(0.0, now - started)
+    if waited >= params.drain_timeout_s:
+        return True, f"draining: removed after the {params.drain_timeout_s:g} s drain timeout"
+    if not is_stale(st, params):
+        idle = (st.in_flight <= 0 if st.in_flight is not None
+                else st.running is not None and st.running <= 0 and (st.queue or 0.0) <= 0)
+        if idle:
+            return True, f"draining: no request in flight after {waited:.0f} s; removed"
+    flight = "unknown" if st.in_flight is None else f"{st.in_flight:g}"
+    return False, f"draining: no new requests; {flight} in flight ({waited:.0f} of {params.drain_timeout_s:g} s)"
+
+
+def _cluster(
+    cluster: str, members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState,
+    prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float,
+) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
     cap = max(1, MAX_WEIGHT_SUM // len(members))
-    seen = {s.address: sanitize(stats.get(s.instance, _NO_STATS)) for s in members}
+    seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
     live = [s for s in members if not s.draining]
-    all_stale = bool(live) and all(is_stale(seen[s.address], params) for s in live)
+    first_round = not any((cluster, s.address) in prev.weights for s in members)
+    addresses = {s.address for s in members}
+    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten
+        name: {a: x for a, x in v.items() if a in addresses} for name, v in prev_plugins.items()}
 
-    excluded: dict[str, tuple[str, str]] = {}  # address -> (health, reason)
-    for s in members:
-        st = seen[s.address]
-        if s.draining:
-            excluded[s.address] = (DRAINING, "draining: no new requests")
-        elif not all_stale and is_stale(st, params):
-            age = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
-            excluded[s.address] = (UNHEALTHY, f"stale metrics ({age} > {params.stale_after_s:g} s)")
-    filtered: dict[str, str] = {}
-    if not all_stale:
-        for s in live:
-            if s.address in excluded:
-                continue
-            for name, fn in FILTERS.items():
-                reason = fn(s, seen[s.address], params)
-                if reason:
-                    filtered[s.address] = f"{name}: {reason}"
-                    break
-    eligible = [s for s in live if s.address not in excluded and s.address not in filtered]
-    kept_note = None
-    if not eligible and filtered:
-        eligible = [s for s in live if s.address in filtered]
-        kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
-    else:
-        excluded.update({a: (UNHEALTHY, r) for a, r in filtered.items()})
+    def old_weight(s: EndpointSpec) -> int | None:
+        return prev.weights.get((cluster, s.address))
 
-    pool = [seen[s.address] for s in eligible]
-    result = []
+    result: dict[str, EndpointWeight] = {}
+    drains = state.setdefault(DRAIN, {})
     for s in members:
-        st = seen[s.address]
-        key = (s.cluster, s.address)
-        old = prev.weights.get(key)
-        if s.address in excluded:
-            health, reason = excluded[s.address]
-            weight = min(old or 1, cap)
-            result.append(EndpointWeight(s.cluster, s.address, weight, health, None, st, {}, (reason,)))
+        if not s.draining:
+            drains.pop(s.address, None)
             continue
-        if all_stale:
+        started = drains.setdefault(s.address, now)
+        removed, reason = _drain(s, seen[s.address], started, params, now)
+        result[s.address] = EndpointWeight(cluster, s.address, min(old_weight(s) or 1, cap), DRAINING, None,
+                                           seen[s.address], {}, (reason,), removed=removed)
+
+    all_stale = bool(live) and all(is_stale(seen[s.address], params) for s in live)
+    if all_stale:
+        ok = {s.address for s in live if (cluster, s.address) in prev.eligible}
+        for s in live:
+            old = old_weight(s)
             weight = old if old is not None else max(1, round(params.max_weight * s.capacity * NEUTRAL_SCORE))
             reasons = ("metrics of every endpoint in the cluster are stale: last weights kept",)
-            result.append(EndpointWeight(s.cluster, s.address, min(weight, cap), HEALTHY, None, st, {}, reasons))
+            result[s.address] = EndpointWeight(cluster, s.address, max(1, min(weight, cap)), HEALTHY, None,
+                                               seen[s.address], {}, reasons)
+        return [result[s.address] for s in members], ok, state
+
+    verdicts: dict[str, dict[str, str]] = {s.address: {} for s in live}
+    excluded: dict[str, str] = {}
+    for s in live:
+        st = seen[s.address]
+        if is_stale(st, params):
+            age = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
+            excluded[s.address] = f"stale metrics ({age} > {params.stale_after_s:g} s)"
+
+    candidates = [Member(s, seen[s.address]) for s in live if s.address not in excluded]
+    filtered: dict[str, str] = {}
+    for name, f in FILTERS.items():
+        if name in params.disabled:
             continue
-        scores = {name: fn(s, st, pool) for name, fn in SCORERS.items()}
-        score = combine(scores, params.scorer_weights)
-        target = max(1, min(cap, round(params.max_weight * s.capacity * score)))
-        weight = min(cap, stability.hold(old, target, params.hysteresis))
-        reasons = [f"score {score:.2f} x capacity {s.capacity:g} ({s.gpu_class}) -> weight {target}"]
-        if weight != target:
+        rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
+        reasons, state[name] = f.run(rnd, plugin_params(name, params), state.get(name, {}))
+        for m in candidates:
+            verdicts[m.address][name] = reasons.get(m.address) or "pass"
+        for address, reason in reasons.items():
+            if address in verdicts and address not in filtered and address not in excluded:
+                filtered[address] = f"{name}: {reason}"
+        candidates = [m for m in candidates if m.address not in filtered]
+    for s in live:
+        for name in FILTERS:
+            verdicts[s.address].setdefault(name, "off" if name in params.disabled else "not run")
+
+    kept_note = None
+    if not candidates and filtered:
+        candidates = [Member(s, seen[s.address]) for s in live if s.address in filtered]
+        kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
+    else:
+        excluded.update(filtered)
+
+    rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
+    scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
+    for name, sc in SCORERS.items():
+        values, state[name] = sc.run(rnd, plugin_params(name, params), state.get(name, {}))
+        for m in candidates:
+            v = values.get(m.address)
+            scores[m.address][name] = None if v is None or not math.isfinite(v) else min(1.0, max(0.0, v))
+    combined = {a: combine(sc, params.scorer_weights) for a, sc in scores.items()}
+    raw = {a: params.max_weight * c for a, c in combined.items()}
+    factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
+    for name, fa in FACTORS.items():
+        if name in params.disabled:
+            continue
+        mults, state[name] = fa.run(rnd, plugin_params(name, params), state.get(name, {}), MappingProxyType(raw))
+        for a in raw:
+            m = mults.get(a, 1.0)
+            m = m if math.isfinite(m) and m > 0 else 1.0
+            factors[a][name] = m
+            raw[a] *= m
+
+    step = max(1, round(params.quantum * params.max_weight))
+    for m in candidates:
+        a, s = m.address, m.spec
+        key = (cluster, a)
+        was = old_weight(s) if key in prev.eligible else None
+        target = min(cap, stability.quantize(raw[a], step))
+        bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
+        weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
+        parts = " x ".join(f"{n} {v:.3g}" for n, v in factors[a].items() if v != 1.0)
+        reasons = [f"score {combined[a]:.2f} x max_weight {params.max_weight:g}" + (f" x {parts}" if parts else "")
+                   + f" -> {target}"]
+        if bounded != target:
+            reasons.append(f"bounded to {bounded}: at most x{1 + (params.max_change or 0):g} per round")
+        if weight != bounded:
             reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")
         if kept_note:
             reasons.append(kept_note)
-        result.append(EndpointWeight(s.cluster, s.address, weight, HEALTHY, score, st, scores, tuple(reasons)))
-    return result
+        result[a] = EndpointWeight(cluster, a, weight, HEALTHY, combined[a], m.stats, MappingProxyType(scores[a]),
+                                   tuple(reasons), MappingProxyType(verdicts[a]), MappingProxyType(factors[a]),
+                                   target)
+    for s in live:
+        if s.address in excluded:
+            result[s.address] = EndpointWeight(
+                cluster, s.address, max(1, min(old_weight(s) or 1, cap)), UNHEALTHY, None, seen[s.address], {},
+                (excluded[s.address],), MappingProxyType(verdicts[s.address]))
+    return [result[s.address] for s in members], {m.address for m in candidates}, state

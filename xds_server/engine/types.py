@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from ..metrics.stats import EndpointStats
 
@@ -25,18 +26,34 @@ class EndpointSpec:
     draining: bool = False
 
 
+def _default_scorer_weights() -> Mapping[str, float]:
+    from .registry import SCORERS  # the registry imports the plugins, which import this module
+
+    return MappingProxyType({name: s.default_weight for name, s in SCORERS.items()})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineParams:
-    """Engine knobs (see ``xds_server.config.Engine`` for meanings and units)."""
+    """Engine knobs (see ``xds_server.config.Engine`` for meanings and units).
+
+    ``quantum``: weights snap to multiples of ``max(1, round(quantum x max_weight))``.
+    ``max_change``: per round a weight grows at most x(1 + max_change) and shrinks at most
+    /(1 + max_change) (``None``: unbounded). ``drain_timeout_s``: a draining endpoint is removed
+    once its in-flight count reaches 0 or after this long (s). ``plugin_params``: ``{plugin name:
+    params model}`` (a missing plugin uses its defaults). ``disabled``: filters and factors turned off.
+    """
 
     stale_after_s: float = 15.0
     request_memory_mib: float = 2048.0
     memory_margin: float = 0.2
     max_weight: int = 100
     hysteresis: float = 0.1
-    scorer_weights: Mapping[str, float] = field(
-        default_factory=lambda: MappingProxyType({"idle_compute": 1.0, "concurrency": 1.0, "latency": 1.0})
-    )
+    scorer_weights: Mapping[str, float] = field(default_factory=_default_scorer_weights)
+    quantum: float = 0.01
+    max_change: float | None = 1.0
+    drain_timeout_s: float = 120.0
+    plugin_params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    disabled: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +62,10 @@ class EndpointWeight:
 
     ``weight``: the EDS ``load_balancing_weight`` (always >= 1: exclusion is by ``health``);
     ``health``: HEALTHY, UNHEALTHY or DRAINING; ``score``: 0–1 combined score (None when excluded);
-    ``scores``: per-scorer 0–1 values (None = no data); ``reasons``: human-readable why.
+    ``scores``: per-scorer 0–1 values (None = no data); ``reasons``: human-readable why;
+    ``filters``: per filter ``"pass"``, its reason, or ``"not run"``; ``factors``: per factor its
+    multiplier; ``target``: the weight before the stability rules (None when excluded);
+    ``removed``: a drained endpoint to leave out of the ClusterLoadAssignment.
     """
 
     cluster: str
@@ -56,10 +76,17 @@ class EndpointWeight:
     inputs: EndpointStats
     scores: Mapping[str, float | None]
     reasons: tuple[str, ...]
+    filters: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    factors: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    target: int | None = None
+    removed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class EngineState:
-    """What the engine remembers between rounds: the last weight per ``(cluster, address)``."""
+    """What the engine remembers between rounds, per ``(cluster, address)``: the last weight, whether
+    it was eligible (HEALTHY and scored), and each stateful plugin's value (``plugins[name]``)."""
 
     weights: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
+    eligible: frozenset[tuple[str, str]] = frozenset()
+    plugins: Mapping[str, Mapping[tuple[str, str], Any]] = field(default_factory=lambda: MappingProxyType({}))

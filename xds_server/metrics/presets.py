@@ -1,39 +1,152 @@
-"""PromQL per engine input. ``{w}`` is the window (e.g. ``60s``); every query returns one series per
-``instance`` so results join to endpoints by their Prometheus ``instance`` label.
+"""Engine presets: which metric names give each engine input (names from shared/METRICS.md).
 
-Names come from the engines' docs (see shared/METRICS.md). Renamed metrics are read with PromQL
-``or`` so old and new releases both work (case C09: vLLM's ``gpu_cache_usage_perc`` ->
-``kv_cache_usage_perc``). A pod with several GPUs takes the worst GPU (max utilisation, min free).
+A preset is ``{field: SignalSpec}`` (plus ``last_sample_ts``, the newest sample's time). Combine one
+serving-engine preset (``vllm``, ``sglang``, ``triton``, ``tgi``) with one GPU preset (``dcgm``,
+``triton``, ``none``) via :func:`preset`. Renamed metrics are listed as fallbacks, newest name first
+(case C09: vLLM's ``gpu_cache_usage_perc`` -> ``kv_cache_usage_perc``). GPU signals take the worst
+GPU of an endpoint (max utilisation, min free memory, max used memory).
+
+No engine exposes a standard "requests refused for lack of GPU memory" counter; every serving
+preset reads the simulator's ``inferlb_sim_oom_total`` for ``oom_total`` — point it at your own
+counter with a custom query. Inputs a preset cannot give stay ``None`` (plugins skip them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
-#: field of EndpointStats -> (PromQL template, scale applied to the value)
-VLLM_DCGM: MappingProxyType[str, tuple[str, float]] = MappingProxyType(
-    {
-        "latency_mean_ms": (
-            "sum by (instance) (rate(vllm:e2e_request_latency_seconds_sum[{w}]))"
-            " / sum by (instance) (rate(vllm:e2e_request_latency_seconds_count[{w}]))",
-            1000.0,
-        ),
-        "latency_p95_ms": (
-            "histogram_quantile(0.95, sum by (le, instance) (rate(vllm:e2e_request_latency_seconds_bucket[{w}])))",
-            1000.0,
-        ),
-        "queue": ("sum by (instance) (avg_over_time(vllm:num_requests_waiting[{w}]))", 1.0),
-        "running": ("sum by (instance) (avg_over_time(vllm:num_requests_running[{w}]))", 1.0),
-        "kv_cache": (
-            "max by (instance) (avg_over_time(vllm:kv_cache_usage_perc[{w}]))"
-            " or max by (instance) (avg_over_time(vllm:gpu_cache_usage_perc[{w}]))",
-            1.0,
-        ),
-        "gpu_util": ("max by (instance) (avg_over_time(DCGM_FI_DEV_GPU_UTIL[{w}]))", 0.01),
-        "gpu_mem_free_mib": ("min by (instance) (DCGM_FI_DEV_FB_FREE)", 1.0),
-        "gpu_mem_used_mib": ("max by (instance) (DCGM_FI_DEV_FB_USED)", 1.0),
-        # Absent once the target stops answering (Prometheus marks its series stale); the source
-        # then ages the last timestamp it saw.
-        "last_sample_ts": ("max by (instance) (timestamp(vllm:num_requests_running))", 1.0),
-    }
+from .promql import render
+from .signals import (
+    Gauge,
+    HistogramMean,
+    HistogramQuantile,
+    Plus,
+    Rate,
+    Ratio,
+    SampleTime,
+    Sel,
+    SignalSpec,
+    Total,
 )
+
+SAMPLE_TIME = "last_sample_ts"
+_SIM_OOM = SignalSpec(Total(Sel(("inferlb_sim_oom_total",))))
+
+
+def _s(*names: str, matchers: tuple[tuple[str, str, str], ...] = (), union: bool = False) -> Sel:
+    return Sel(tuple(names), matchers, union)
+
+
+def _latency(base: Sel, scale: float) -> dict[str, SignalSpec]:
+    return {
+        "latency_mean_ms": SignalSpec(HistogramMean(base), scale),
+        "latency_p95_ms": SignalSpec(HistogramQuantile(0.95, base), scale),
+    }
+
+
+_VLLM_RUN, _VLLM_WAIT = _s("vllm:num_requests_running"), _s("vllm:num_requests_waiting")
+#: vLLM's OpenAI server counts HTTP responses with prometheus-fastapi-instrumentator (status "2xx", "5xx"...).
+_HTTP = _s("http_requests_total")
+_HTTP_5XX = _s("http_requests_total", matchers=(("status", "=~", "5.."),))
+
+VLLM: Mapping[str, SignalSpec] = MappingProxyType({
+    **_latency(_s("vllm:e2e_request_latency_seconds"), 1000.0),
+    "queue": SignalSpec(Gauge(_VLLM_WAIT)),
+    "running": SignalSpec(Gauge(_VLLM_RUN)),
+    "in_flight": SignalSpec(Plus((Gauge(_VLLM_RUN, over_window=False), Gauge(_VLLM_WAIT, over_window=False)))),
+    "kv_cache": SignalSpec(Gauge(_s("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "max")),
+    "request_rate": SignalSpec(Rate(_s("vllm:e2e_request_latency_seconds_count"))),
+    "error_rate": SignalSpec(Ratio(_HTTP_5XX, _HTTP)),
+    "success_total": SignalSpec(Total(_s("vllm:request_success_total"))),
+    "oom_total": _SIM_OOM,
+    SAMPLE_TIME: SignalSpec(SampleTime(_VLLM_RUN)),
+})
+
+_SG_RUN, _SG_WAIT = _s("sglang:num_running_reqs"), _s("sglang:num_queue_reqs")
+SGLANG: Mapping[str, SignalSpec] = MappingProxyType({
+    **_latency(_s("sglang:e2e_request_latency_seconds"), 1000.0),
+    "queue": SignalSpec(Gauge(_SG_WAIT)),
+    "running": SignalSpec(Gauge(_SG_RUN)),
+    "in_flight": SignalSpec(Plus((Gauge(_SG_RUN, over_window=False), Gauge(_SG_WAIT, over_window=False)))),
+    "kv_cache": SignalSpec(Gauge(_s("sglang:token_usage"), "max")),
+    "request_rate": SignalSpec(Rate(_s("sglang:e2e_request_latency_seconds_count"))),
+    "success_total": SignalSpec(Total(_s("sglang:e2e_request_latency_seconds_count"))),
+    "oom_total": _SIM_OOM,
+    SAMPLE_TIME: SignalSpec(SampleTime(_SG_RUN)),
+})
+
+_TR_PENDING = _s("nv_inference_pending_request_count")
+_TR_OK, _TR_FAIL = _s("nv_inference_request_success"), _s("nv_inference_request_failure")
+TRITON: Mapping[str, SignalSpec] = MappingProxyType({
+    # Triton's durations are cumulative microsecond counters: their rate over the rate of successes.
+    "latency_mean_ms": SignalSpec(Ratio(_s("nv_inference_request_duration_us"), _TR_OK, zero_fill=False), 0.001),
+    "queue": SignalSpec(Gauge(_TR_PENDING)),
+    "in_flight": SignalSpec(Gauge(_TR_PENDING, over_window=False)),
+    "request_rate": SignalSpec(Rate(_TR_OK)),
+    "error_rate": SignalSpec(Ratio(_TR_FAIL, _s("nv_inference_request_success", "nv_inference_request_failure",
+                                                union=True))),
+    "success_total": SignalSpec(Total(_TR_OK)),
+    "oom_total": _SIM_OOM,
+    SAMPLE_TIME: SignalSpec(SampleTime(_TR_PENDING)),
+})
+
+_TGI_Q, _TGI_B = _s("tgi_queue_size"), _s("tgi_batch_current_size")
+TGI: Mapping[str, SignalSpec] = MappingProxyType({
+    **_latency(_s("tgi_request_duration"), 1000.0),
+    "queue": SignalSpec(Gauge(_TGI_Q)),
+    "running": SignalSpec(Gauge(_TGI_B)),
+    "in_flight": SignalSpec(Plus((Gauge(_TGI_B, over_window=False), Gauge(_TGI_Q, over_window=False)))),
+    "request_rate": SignalSpec(Rate(_s("tgi_request_duration_count"))),
+    "error_rate": SignalSpec(Ratio(_s("tgi_request_failure"), _s("tgi_request_count"))),
+    "success_total": SignalSpec(Total(_s("tgi_request_success"))),
+    "oom_total": _SIM_OOM,
+    SAMPLE_TIME: SignalSpec(SampleTime(_TGI_Q)),
+})
+
+DCGM: Mapping[str, SignalSpec] = MappingProxyType({
+    "gpu_util": SignalSpec(Gauge(_s("DCGM_FI_DEV_GPU_UTIL"), "max"), 0.01, gpu=True),  # percent -> 0..1
+    "gpu_mem_free_mib": SignalSpec(Gauge(_s("DCGM_FI_DEV_FB_FREE"), "min", over_window=False), gpu=True),
+    "gpu_mem_used_mib": SignalSpec(Gauge(_s("DCGM_FI_DEV_FB_USED"), "max", over_window=False), gpu=True),
+})
+
+_MIB = 1.0 / (1024 * 1024)
+TRITON_GPU: Mapping[str, SignalSpec] = MappingProxyType({
+    "gpu_util": SignalSpec(Gauge(_s("nv_gpu_utilization"), "max"), gpu=True),  # already 0..1
+    "gpu_mem_free_mib": SignalSpec(Gauge(_s("nv_gpu_memory_total_bytes"), "min", over_window=False,
+                                         minus=_s("nv_gpu_memory_used_bytes")), _MIB, gpu=True),
+    "gpu_mem_used_mib": SignalSpec(Gauge(_s("nv_gpu_memory_used_bytes"), "max", over_window=False), _MIB,
+                                   gpu=True),
+})
+
+ENGINE_PRESETS: Mapping[str, Mapping[str, SignalSpec]] = MappingProxyType(
+    {"vllm": VLLM, "sglang": SGLANG, "triton": TRITON, "tgi": TGI})
+GPU_PRESETS: Mapping[str, Mapping[str, SignalSpec]] = MappingProxyType(
+    {"dcgm": DCGM, "triton": TRITON_GPU, "none": MappingProxyType({})})
+
+
+def preset(engine: str = "vllm", gpu: str = "dcgm") -> Mapping[str, SignalSpec]:
+    """The specs of serving-engine preset ``engine`` merged with GPU preset ``gpu``.
+
+    Raises:
+        KeyError: an unknown preset name (the message lists the known ones).
+    """
+    if engine not in ENGINE_PRESETS:
+        raise KeyError(f"unknown engine preset {engine!r}; known: {sorted(ENGINE_PRESETS)}")
+    if gpu not in GPU_PRESETS:
+        raise KeyError(f"unknown GPU preset {gpu!r}; known: {sorted(GPU_PRESETS)}")
+    return MappingProxyType({**ENGINE_PRESETS[engine], **GPU_PRESETS[gpu]})
+
+
+def promql_queries(specs: Mapping[str, SignalSpec], gpu_by: tuple[str, ...] = ("instance",)
+                   ) -> dict[str, tuple[str, float, tuple[str, ...]]]:
+    """``{field: (PromQL template with {w}, scale, join labels)}``: GPU fields grouped by ``gpu_by``."""
+    out = {}
+    for field, spec in specs.items():
+        by = gpu_by if spec.gpu else ("instance",)
+        out[field] = (render(spec.signal, by), spec.scale, by)
+    return out
+
+
+#: The default queries (vLLM + DCGM, joined by ``instance``).
+VLLM_DCGM: Mapping[str, tuple[str, float, tuple[str, ...]]] = MappingProxyType(promql_queries(preset()))

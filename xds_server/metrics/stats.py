@@ -3,26 +3,45 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True, slots=True)
 class EndpointStats:
-    """What the metrics source saw for one endpoint; ``None`` means "no data" (never 0).
+    """What the metrics sources saw for one endpoint; ``None`` means "no data" (never 0).
 
-    Units: latencies in ms; ``queue`` and ``running`` in requests (window averages);
-    ``gpu_util`` and ``kv_cache`` as 0–1; GPU memory in MiB; ``sample_age_s`` is the age of the
-    newest sample in seconds (``None``: never seen).
+    Units and meaning (window = the sources' sliding window):
+
+    - ``latency_mean_ms``, ``latency_p95_ms``: end-to-end latency over the window, ms.
+    - ``queue``, ``running``: requests waiting / running, window averages (a pushed value is the latest).
+    - ``in_flight``: requests running + waiting at the newest sample (not averaged; drain uses it).
+    - ``gpu_util``: 0–1, the busiest GPU of the endpoint. ``gpu_mem_free_mib`` (the GPU with the least
+      free) and ``gpu_mem_used_mib`` (the most used): MiB. ``kv_cache``: KV-cache usage 0–1.
+    - ``request_rate``: finished requests per second over the window.
+    - ``error_rate``: 0–1, share of requests answered with a 5xx (an OOM is one) over the window.
+    - ``success_total``, ``oom_total``: cumulative counters (requests served, requests refused for
+      lack of GPU memory); plugins that need "since" compare them across rounds.
+    - ``client_latency_mean_ms``, ``client_latency_p95_ms``, ``client_error_rate``: the same as seen
+      by Envoy (its access-log stream), when such a source is plugged in; ``None`` otherwise.
+    - ``sample_age_s``: age of the newest sample, s (``None``: never seen).
     """
 
     latency_mean_ms: float | None = None
     latency_p95_ms: float | None = None
     queue: float | None = None
     running: float | None = None
+    in_flight: float | None = None
     gpu_util: float | None = None
     gpu_mem_free_mib: float | None = None
     gpu_mem_used_mib: float | None = None
     kv_cache: float | None = None
+    request_rate: float | None = None
+    error_rate: float | None = None
+    success_total: float | None = None
+    oom_total: float | None = None
+    client_latency_mean_ms: float | None = None
+    client_latency_p95_ms: float | None = None
+    client_error_rate: float | None = None
     sample_age_s: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
@@ -32,11 +51,21 @@ class EndpointStats:
             for name in self.__slots__  # type: ignore[attr-defined]
         }
 
+    def sanitized(self) -> EndpointStats:
+        """The same stats with every NaN/±Inf/non-number replaced by ``None`` (no data, case C08)."""
+        bad = {f.name: None for f in fields(self) if getattr(self, f.name) is not None
+               and finite(getattr(self, f.name)) is None}
+        return replace(self, **bad) if bad else self
+
+
+#: Every signal field (all but ``sample_age_s``), in declaration order.
+SIGNAL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats) if f.name != "sample_age_s")
+
 
 def finite(value: object) -> float | None:
     """``value`` as a float, or ``None`` for NaN, ±Inf or anything unparsable (case C08: 0/0 = no data)."""
     try:
         f = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return f if math.isfinite(f) else None

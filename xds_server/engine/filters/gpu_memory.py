@@ -1,0 +1,34 @@
+"""``gpu_memory``: excludes an endpoint whose free GPU memory can't hold a request plus the safety margin.
+
+Needed: ``engine.request_memory_mib x (1 + engine.memory_margin)`` (default 2048 MiB + 20 %). Free
+memory is the stat's ``gpu_mem_free_mib`` (the GPU with the least free memory), or, when only the
+used memory is known, the endpoint's configured GPU memory minus it. No memory data: not excluded.
+"""
+
+from __future__ import annotations
+
+from ..plugin import ClusterRound, Member, NoParams, per_endpoint_filter
+
+
+def free_mib(m: Member) -> float | None:
+    """Free GPU memory of ``m`` in MiB, or ``None`` when unknown."""
+    if m.stats.gpu_mem_free_mib is not None:
+        return m.stats.gpu_mem_free_mib
+    if m.stats.gpu_mem_used_mib is not None:
+        return max(0.0, m.spec.memory_mib - m.stats.gpu_mem_used_mib)
+    return None
+
+
+def needed_mib(rnd: ClusterRound) -> float:
+    """Memory one request needs including the margin, MiB."""
+    return rnd.engine.request_memory_mib * (1.0 + rnd.engine.memory_margin)
+
+
+def _check(m: Member, _: NoParams, rnd: ClusterRound) -> str | None:
+    free, need = free_mib(m), needed_mib(rnd)
+    if free is not None and free < need:
+        return f"gpu memory free {free:.0f} MiB < {need:.0f} MiB needed (request + margin)"
+    return None
+
+
+PLUGIN = per_endpoint_filter("gpu_memory", NoParams, _check)

@@ -1,0 +1,68 @@
+"""``latency_outlier``: ejects an endpoint whose latency over the window is far above its peers'.
+
+An endpoint is an outlier when its latency (``signal``: ``p95`` or ``mean``; Envoy's client-side
+view when a source provides it, else the backend's) is more than ``factor`` x the median of the
+other judged endpoints and at least ``min_delta_ms`` above it. With ``normalize_by_capacity`` each
+latency is multiplied by the endpoint's GPU-class capacity first, so an A10 that is as slow as an
+A10 should be is not an outlier next to A100s. Endpoints with a known request rate below
+``min_request_rate`` (req/s) are not judged (too few samples). Ejection times, their growth with
+repeats and ``max_ejection_percent`` follow :mod:`..ejection` (Envoy's outlier-detection rules).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field
+
+from ..ejection import EjectionParams, eject
+from ..plugin import ClusterRound, Filter, Member, State
+
+
+class Params(EjectionParams):
+    """See the module docstring."""
+
+    signal: Literal["p95", "mean"] = "p95"
+    factor: float = Field(3.0, gt=1)
+    min_delta_ms: float = Field(50.0, ge=0)
+    min_request_rate: float = Field(0.0, ge=0)
+    normalize_by_capacity: bool = True
+
+
+def latency_of(m: Member, signal: str) -> float | None:
+    """The latency ``m`` is judged by (ms): Envoy's view when known, else the backend's; ``None`` = no data."""
+    s = m.stats
+    if signal == "p95":
+        v = s.client_latency_p95_ms if s.client_latency_p95_ms is not None else s.latency_p95_ms
+    else:
+        v = s.client_latency_mean_ms if s.client_latency_mean_ms is not None else s.latency_mean_ms
+    return v if v is not None and v > 0 else None
+
+
+def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str], State]:
+    judged: dict[str, float] = {}
+    for m in rnd.members:
+        v = latency_of(m, p.signal)
+        rate = m.stats.request_rate
+        if v is None or (rate is not None and rate < p.min_request_rate):
+            continue
+        v *= m.spec.capacity if p.normalize_by_capacity else 1.0
+        if v > 0 and math.isfinite(v):
+            judged[m.address] = v
+    outliers: dict[str, tuple[float, str]] = {}
+    for address, v in judged.items():
+        peers = [x for a, x in judged.items() if a != address]
+        if not peers:
+            continue
+        ref = statistics.median(peers)
+        if ref > 0 and v > p.factor * ref and v - ref >= p.min_delta_ms:
+            unit = " (capacity-normalised)" if p.normalize_by_capacity else ""
+            outliers[address] = (v / ref, f"{p.signal} latency {v:.0f} ms > {p.factor:g} x peers' median "
+                                          f"{ref:.0f} ms{unit}")
+    return eject(rnd, p, state, outliers, "latency outlier")
+
+
+PLUGIN = Filter("latency_outlier", Params, _run)

@@ -1,0 +1,40 @@
+"""``latency``: the pool's best latency over the endpoint's own, in (0, 1] — bounded, never the
+unbounded ``1000 / (latency + 1)`` kind.
+
+``signal``: ``mean`` (default) or ``p95``; Envoy's client-side view is used when a source provides
+it. With ``normalize_by_capacity`` (default) latencies are multiplied by the GPU-class capacity
+first: the capacity factor already gives an A10 less traffic for being slower, so its expected
+slowness must not be penalised twice. No data, or no peer with data: ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from ..filters.latency_outlier import latency_of
+from ..plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+
+
+class Params(PluginParams):
+    """See the module docstring."""
+
+    signal: Literal["mean", "p95"] = "mean"
+    normalize_by_capacity: bool = True
+
+
+def _norm(m: Member, p: Params) -> float | None:
+    v = latency_of(m, p.signal)
+    v = None if v is None else v * (m.spec.capacity if p.normalize_by_capacity else 1.0)
+    return v if v is not None and v > 0 and math.isfinite(v) else None
+
+
+def _score(m: Member, p: Params, rnd: ClusterRound) -> float | None:
+    own = _norm(m, p)
+    peers = [v for x in rnd.members if (v := _norm(x, p)) is not None]
+    if own is None or not peers:
+        return None
+    return clamp01(min(peers) / own)
+
+
+PLUGIN = per_endpoint_scorer("latency", Params, 1.0, _score)

@@ -1,0 +1,54 @@
+"""Config -> the metrics sources (``metrics`` section): Prometheus, scrape, push, combined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from .combined import CombinedSource, PullSource
+from .presets import preset, promql_queries
+from .prometheus import PrometheusSource
+from .push import PushSource
+from .scrape import ScrapeSource
+
+
+@dataclass
+class Sources:
+    """The built sources: ``combined`` is what the control plane fetches from; ``scrape`` (its loop must
+    run) and ``push`` (its gRPC server must be started) are set when configured."""
+
+    combined: CombinedSource
+    scrape: ScrapeSource | None
+    push: PushSource | None
+
+
+def build_sources(cfg: Config) -> Sources:
+    """The sources ``cfg.metrics`` asks for, reading the preset's metric names (custom PromQL included)."""
+    m = cfg.metrics
+    specs = preset(m.preset, m.gpu)
+    endpoints = [e for s in cfg.services for v in s.versions for e in v.endpoints]
+    pod_join = m.gpu_join == "pod"
+    gpu_by = ("namespace", "pod") if pod_join else ("instance",)
+    window, stale = cfg.prometheus.window_s, cfg.engine.stale_after_s
+
+    scrape = None
+    if "scrape" in m.sources or m.fallback == "scrape":
+        scrape = ScrapeSource(
+            {e.instance: f"http://{e.address}{m.scrape.path}" for e in endpoints}, specs, window,
+            m.scrape.interval_s, m.scrape.timeout_s,
+            {e.instance: {"namespace": e.namespace, "pod": e.pod} for e in endpoints} if pod_join else None)
+    pulls: list[PullSource] = []
+    for name in m.sources:
+        if name == "prometheus":
+            queries = promql_queries(specs, gpu_by)
+            for field, q in m.queries.items():
+                gpu = field in specs and specs[field].gpu
+                queries[field] = (q, 1.0, gpu_by if gpu else ("instance",))
+            gpu_keys = {e.instance: f"{e.namespace}/{e.pod}" for e in endpoints} if pod_join else None
+            pulls.append(PrometheusSource(cfg.prometheus.url, window, cfg.prometheus.timeout_s, queries, gpu_keys))
+        elif name == "scrape":
+            assert scrape is not None
+            pulls.append(scrape)
+    push = PushSource([e.instance for e in endpoints]) if "push" in m.sources else None
+    fallback = scrape if m.fallback == "scrape" and "scrape" not in m.sources else None
+    return Sources(CombinedSource(pulls, push=push, fallback=fallback, stale_after_s=stale), scrape, push)
