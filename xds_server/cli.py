@@ -11,6 +11,7 @@ import urllib.request
 
 import click
 
+from bench.quality.cli import quality as bench_quality
 from sim.cli import sim_backend
 
 from .config import ConfigError, load_config
@@ -103,6 +104,14 @@ def demo(duration: float, json_path: str | None, workdir: str | None, concurrenc
 
 
 main.add_command(sim_backend, "sim-backend")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that write BENCHMARKS.md."""
+
+
+bench.add_command(bench_quality, "quality")
 
 if __name__ == "__main__":
     main()
