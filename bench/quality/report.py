@@ -66,6 +66,8 @@ def record(run: ScenarioRun, *, command: str, host: Mapping[str, Any], date: str
         "mode": "quick" if run.quick else "full", "seed": run.seed, "warmup_s": run.warmup_s,
         "measure_s": run.measure_s, "trace_requests": run.requests, "time_scale": sc.time_scale,
         "wall_s": round(run.wall_s, 1),
+        "load_average": {"before": [round(x, 2) for x in run.load_before],
+                         "after": [round(x, 2) for x in run.load_after]},
         "nodes": [run.node_label(a) for a in run.addresses],
         "max_send_lag_ms": {p: round(pr.max_lag_ms, 1) for p, pr in run.runs.items()},
         "served_share": {p: {run.node_label(a): round(n / max(1, sum(pr.served.values())), 3)
@@ -155,9 +157,11 @@ def _setup(sc: Scenario, meta: Mapping[str, Any]) -> str:
 def _run_line(meta: Mapping[str, Any]) -> str:
     m = meta["machine"]
     lag = max(meta["max_send_lag_ms"].values(), default=0.0)
+    load = meta["load_average"]
     return (f"`{meta['command']}` · {meta['mode']} mode · {meta['date']} · {m['nproc']} × {m['cpu']}, "
             f"Python {m['python']}, Envoy {meta['envoy']} · commit {meta['commit'] or 'unknown'} · seed "
-            f"{meta['seed']} · took {meta['wall_s']:g} s · worst send lag of the open-loop client {lag:g} ms")
+            f"{meta['seed']} · took {meta['wall_s']:g} s · load average (1 min) {load['before'][0]:g} before, "
+            f"{load['after'][0]:g} after · worst send lag of the open-loop client {lag:g} ms")
 
 
 def _get(store: Mapping[str, Any], scenario: str, policy: str, key: str) -> float | None:

@@ -70,6 +70,8 @@ class ScenarioRun:
     addresses: list[str]
     runs: dict[str, PolicyRun] = field(default_factory=dict)
     wall_s: float = 0.0
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def node_label(self, address: str) -> str:
         """``n<i> <gpu> <version>`` for a node address (the address itself if unknown)."""
@@ -148,10 +150,11 @@ class ScenarioRunner:
 
     def run(self, policies: list[str]) -> ScenarioRun:
         """Every policy in ``policies``, in order, on the same trace. Raises ``StackError`` when a
-        process does not start."""
+        process does not start. The machine's load averages before and after are recorded (other
+        work on the machine shares its cores with the benchmark)."""
         began = time.monotonic()
         out = ScenarioRun(self.sc, self.quick, self.seed, self.warmup_s, self.measure_s, len(self.trace),
-                          list(self.addresses))
+                          list(self.addresses), load_before=os.getloadavg())
         self.work.mkdir(parents=True, exist_ok=True)
         try:
             self._start_backends()
@@ -164,6 +167,7 @@ class ScenarioRunner:
         finally:
             self._stop_all()
         out.wall_s = time.monotonic() - began
+        out.load_after = os.getloadavg()
         return out
 
     def _run_policy(self, policy: str) -> PolicyRun:

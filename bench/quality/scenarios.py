@@ -129,9 +129,9 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         trap="small (8 GB) and large (18 GB) requests on GPUs with 24 GB free: a policy blind to "
              "memory puts a large request next to another and the GPU runs out of memory (HTTP 500 OOM)",
         nodes=tuple(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
-        traffic=Traffic(rps=22.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
+        traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
         time_scale=0.25,
-        engine={"request_memory_mib": 18432.0},
+        engine={"request_memory_mib": 8192.0},
     ),
     Scenario(
         name="sessions",
