@@ -52,9 +52,9 @@ def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, mar
         plots.latency_cdf(run, plots_path / f"{name}-latency.png")
         plots.weights_over_time(run, plots_path / f"{name}-weights.png")
         store_path.write_text(json.dumps(store, indent=1) + "\n")
+        report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))
         print(f"inferlb bench quality: {name} done in {run.wall_s:.0f} s", file=sys.stderr, flush=True)
     assert store is not None
-    report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))
     if json_path:
         Path(json_path).write_text(json.dumps(report.json_document(store, scenarios), indent=1) + "\n")
     print(f"inferlb bench quality: wrote {md}, {plots_path}/" + (f", {json_path}" if json_path else ""),
