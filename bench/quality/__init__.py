@@ -7,5 +7,6 @@ Modules: ``scenarios`` (what each trap is: nodes, traffic, events), ``trace`` (t
 trace, pure), ``policies`` (Envoy configs of the baselines and inferlb's config, pure), ``figures``
 (results -> latency, error, OOM, version, session figures, pure), ``runner`` (starts and stops the
 processes, replays, polls Envoy's weights), ``plots`` (matplotlib PNGs), ``report`` (the
-BENCHMARKS.md section and the results store), ``cli`` (the click command).
+BENCHMARKS.md section and the results store), ``main`` (the run behind the command), ``cli`` (the
+click command).
 """
