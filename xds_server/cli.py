@@ -11,6 +11,7 @@ import urllib.request
 
 import click
 
+from bench.quality.cli import quality as bench_quality
 from sim.cli import sim_backend
 
 from .config import ConfigError, load_config
@@ -238,6 +239,14 @@ def bench_picker(json_path: str, duration: float, runs: int, transport: str, wor
 
 
 main.add_command(sim_backend, "sim-backend")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that write BENCHMARKS.md."""
+
+
+bench.add_command(bench_quality, "quality")
 
 if __name__ == "__main__":
     main()

@@ -86,6 +86,9 @@ class EnvoySide(_Strict):
     ``route_timeout_s``: upstream request timeout (s).
     ``ext_proc_address``: where Envoy dials the picker (``HOST:PORT``); default: ``listen.ext_proc``
     with a wildcard host read as 127.0.0.1. Set it when Envoy runs on another host.
+    ``picker``: true = the listener asks the ext_proc picker (version routing, session pinning);
+    false = no ext_proc filter: routes match the version header and every request goes to the
+    weighted fallback policy (EDS weights only).
     """
 
     listener: str = "127.0.0.1:10000"
@@ -93,6 +96,7 @@ class EnvoySide(_Strict):
     ext_proc_timeout_s: float = Field(0.25, gt=0, le=60)
     failure_mode_allow: bool = True
     route_timeout_s: float = Field(120.0, gt=0)
+    picker: bool = True
 
     @field_validator("listener", "ext_proc_address")
     @classmethod

@@ -9,6 +9,8 @@ The listener's HTTP connection manager
 - logs every request the picker routed (it carries the cluster header) to the picker's
   ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
   counts requests in flight (ENVOY-NOTES: the ext_proc stream ends long before the request).
+With ``envoy.picker: false`` there is no ext_proc filter: routes match the version header and
+Envoy's weighted fallback policy picks every host (EDS weights only).
 """
 
 from __future__ import annotations
@@ -56,19 +58,31 @@ def _fallback(s: ServiceConfig) -> dict:
 
 
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
-    """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains)."""
+    """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
+
+    With the picker, a route follows the cluster header the picker set; without it
+    (``envoy.picker: false``), one route per version matches the version header exactly. Either
+    way the last route sends everything else to the service's default version.
+    """
     vhosts = []
     for s in cfg.services:
         domains = []
         for h in s.hosts:
             domains += ["*"] if h == "*" else [h, f"{h}:*"]
         timeout = _seconds(cfg.envoy.route_timeout_s)
+        if cfg.envoy.picker:
+            by_header = [{"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
+                          "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}}]
+        else:
+            by_header = [{"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
+                                                                "string_match": {"exact": v.name}}]},
+                          "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout}}
+                         for v in s.versions]
         vhosts.append({
             "name": s.name,
             "domains": domains,
             "routes": [
-                {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
-                 "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}},
+                *by_header,
                 {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout}},
             ],
         })
@@ -77,7 +91,10 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
 
 
 def build_listener(cfg: Config) -> listener_pb2.Listener:
-    """LDS ``inferlb`` on ``cfg.envoy.listener`` with the header strip, the picker and the router."""
+    """LDS ``inferlb`` on ``cfg.envoy.listener`` with the header strip, the picker and the router.
+
+    ``envoy.picker: false`` leaves the picker (ext_proc filter) out.
+    """
     host, port = split_hostport(cfg.envoy.listener)
     timeout = _seconds(cfg.envoy.ext_proc_timeout_s)
     hcm = {
@@ -91,9 +108,9 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
             },
         }],
         "rds": {"route_config_name": ROUTE_NAME, "config_source": _ADS},
-        "access_log": [completion_log(cfg)],
+        "access_log": [completion_log(cfg)] if cfg.envoy.picker else [],
         "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": {
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}, "timeout": timeout},
                 "failure_mode_allow": cfg.envoy.failure_mode_allow,
@@ -105,7 +122,7 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
                     "request_body_mode": "NONE", "response_body_mode": "NONE",
                     "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
                 },
-            }},
+            }}] if cfg.envoy.picker else []),
             {"name": "envoy.filters.http.router",
              "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}},
         ],

@@ -1,0 +1,62 @@
+"""The run behind ``inferlb bench quality``: scenarios -> store, BENCHMARKS.md section, plots, JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from xds_server import stack
+
+from . import plots, report
+from .policies import POLICIES
+from .runner import ScenarioRunner
+from .scenarios import SCENARIOS
+
+log = logging.getLogger(__name__)
+
+
+def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, markdown_path: str, plots_dir: str,
+                seed: int, workdir: str | None) -> int:
+    """Run ``scenarios`` (all policies each) and write the outputs; returns the exit code (0 = done,
+    1 = a process of the stack failed, 2 = Prometheus is not installed)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
+    if stack.prometheus_binary() is None:
+        print(f"inferlb bench quality: {stack.PROMETHEUS_INSTALL_HINT}", file=sys.stderr)
+        return 2
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-bench-quality-"))
+    plots_path = Path(plots_dir)
+    plots_path.mkdir(parents=True, exist_ok=True)
+    md = Path(markdown_path)
+    store_path = plots_path / "results.json"
+    store = report.load_store(store_path)
+    command = "inferlb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        "inferlb bench quality" + "".join(f" --scenario {s}" for s in scenarios) + (" --quick" if quick else "")
+    host, envoy = report.machine(), stack.envoy_version()
+    commit = report.git_commit(Path.cwd())
+    print(f"inferlb bench quality: {len(scenarios)} scenario(s) x {len(POLICIES)} policies"
+          f"{' (quick)' if quick else ''}; work dir {work}", file=sys.stderr, flush=True)
+    for name in scenarios:
+        try:
+            run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(list(POLICIES))
+        except stack.StackError as err:
+            print(f"inferlb bench quality: {name}: {err}", file=sys.stderr)
+            return 1
+        figures, meta = report.record(run, command=command, host=host, date=report.utc_now(), commit=commit,
+                                      envoy=envoy)
+        store = report.merge(store, name, figures, meta)
+        plots.latency_cdf(run, plots_path / f"{name}-latency.png")
+        plots.weights_over_time(run, plots_path / f"{name}-weights.png")
+        store_path.write_text(json.dumps(store, indent=1) + "\n")
+        report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))
+        print(f"inferlb bench quality: {name} done in {run.wall_s:.0f} s", file=sys.stderr, flush=True)
+    assert store is not None
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.json_document(store, scenarios), indent=1) + "\n")
+    print(f"inferlb bench quality: wrote {md}, {plots_path}/" + (f", {json_path}" if json_path else ""),
+          file=sys.stderr)
+    return 0

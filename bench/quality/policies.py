@@ -1,0 +1,127 @@
+"""The policies compared, and the configs that make them (pure: data in, YAML-able dicts out).
+
+Baselines are what a user would otherwise run: one Envoy with a static listener and one cluster
+over every node of the service, its endpoints from a file (Envoy's filesystem EDS subscription, so
+scaling events reach it the way a discovery system would), equal weights, no version awareness
+(v1 and v2 nodes under one service, as during a rolling upgrade), no retries:
+
+- ``round_robin``: ``lb_policy: ROUND_ROBIN``;
+- ``least_request``: ``LEAST_REQUEST`` (power of two choices on active requests);
+- ``ring_hash``: ``RING_HASH`` with the route hashing the session header (consistent hashing).
+
+inferlb runs as ``inferlb serve`` (its own process) and configures its Envoy over ADS:
+
+- ``inferlb_eds``: EDS weights and health from the weight engine, version routes on the version
+  header, no ext_proc picker (``envoy.picker: false``);
+- ``inferlb_full``: the same plus the ext_proc picker (version routing, session pinning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .scenarios import CONTROL, Node, Scenario
+
+BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash")
+INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")
+POLICIES: tuple[str, ...] = (*BASELINES, *INFERLB)
+
+BASELINE_CLUSTER = "chat"
+SERVICE = "chat"
+SESSION_HEADER = "x-session-id"
+VERSION_HEADER = "model-version"
+_LB_POLICY = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH"}
+_T = "type.googleapis.com/"
+
+
+def _socket(address: str) -> dict:
+    host, _, port = address.rpartition(":")
+    return {"socket_address": {"address": host, "port_value": int(port)}}
+
+
+def eds_document(addresses: Sequence[str]) -> dict:
+    """A filesystem-EDS file: one DiscoveryResponse with the baseline cluster's endpoints (weight 1 each)."""
+    return {
+        "version_info": "+".join(addresses) or "empty",
+        "resources": [{
+            "@type": _T + "envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": BASELINE_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in addresses]}],
+        }],
+    }
+
+
+def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_path: str, eds_dir: str,
+                       route_timeout_s: float) -> dict:
+    """The whole static Envoy bootstrap of one baseline policy.
+
+    ``eds_path``: the EDS file (see :func:`eds_document`) inside ``eds_dir``; Envoy reloads it when a
+    new file is moved into ``eds_dir``. Raises ``KeyError`` for a policy that is not a baseline.
+    """
+    route: dict[str, Any] = {"cluster": BASELINE_CLUSTER, "timeout": f"{route_timeout_s:.3f}s"}
+    cluster: dict[str, Any] = {
+        "name": BASELINE_CLUSTER,
+        "type": "EDS",
+        "connect_timeout": "1s",
+        "lb_policy": _LB_POLICY[policy],
+        "eds_cluster_config": {"eds_config": {
+            "path_config_source": {"path": eds_path, "watched_directory": {"path": eds_dir}},
+            "resource_api_version": "V3",
+        }},
+    }
+    if policy == "ring_hash":
+        route["hash_policy"] = [{"header": {"header_name": SESSION_HEADER}}]
+        cluster["ring_hash_lb_config"] = {"minimum_ring_size": 1024}
+    hcm = {
+        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "bench",
+        "route_config": {"name": "bench", "virtual_hosts": [
+            {"name": SERVICE, "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]},
+        ]},
+        "http_filters": [{"name": "envoy.filters.http.router",
+                          "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    return {
+        "node": {"id": f"bench-{policy}", "cluster": "bench"},
+        "admin": {"address": _socket(f"127.0.0.1:{admin_port}")},
+        "static_resources": {
+            "listeners": [{
+                "name": "bench",
+                "address": _socket(f"127.0.0.1:{listener_port}"),
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": [cluster],
+        },
+    }
+
+
+def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool, prometheus_url: str,
+                   xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float) -> dict:
+    """inferlb's YAML config (as a dict) for ``scenario`` with node ``i`` at ``addresses[i]``.
+
+    Every node is listed, including one that joins later: inferlb has no discovery source yet, so a
+    node counts as present while its metrics are fresh (an absent node's ``/metrics`` answers 503).
+    """
+    versions: dict[str, list[dict]] = {}
+    for node, address in zip(scenario.nodes, addresses, strict=True):
+        versions.setdefault(node.version, []).append(_endpoint(node, address))
+    return {
+        "listen": {"xds": f"127.0.0.1:{xds_port}", "ext_proc": "127.0.0.1:0", "admin": f"127.0.0.1:{admin_port}"},
+        "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker},
+        "prometheus": {"url": prometheus_url, "window_s": CONTROL["window_s"], "interval_s": CONTROL["interval_s"],
+                       "timeout_s": CONTROL["query_timeout_s"]},
+        "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
+        "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"],
+                   **scenario.engine},
+        "services": [{"name": SERVICE, "default_version": scenario.default_version,
+                      "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
+    }
+
+
+def _endpoint(node: Node, address: str) -> dict:
+    out: dict[str, Any] = {"address": address, "gpu_class": node.gpu_class}
+    if node.gpu_memory_mib is not None:
+        out["gpu_memory_mib"] = node.gpu_memory_mib
+    return out

@@ -1,0 +1,298 @@
+"""Run one scenario against every policy: the processes, the replay, the events, Envoy's weights.
+
+The I/O shell around the pure parts. Per scenario: the simulated backends and Prometheus start
+once; then, per policy, a fresh Envoy (and, for inferlb policies, a fresh ``inferlb serve``)
+starts, the whole trace is replayed open-loop while the scenario's events fire at their times and
+Envoy's per-host weights are polled, and everything but the backends and Prometheus stops again.
+Between policies each backend's faults are reset and a stopped backend is restarted; session keys
+differ per policy (see :func:`bench.quality.trace.to_planned`), so no policy inherits warm caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import urllib.request
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from xds_server import stack
+from xds_server.bootstrap import render_bootstrap
+from xds_server.envoy_admin import envoy_hosts
+from xds_server.loadgen import Result, Traffic, replay
+
+from . import figures
+from .policies import BASELINES, SESSION_HEADER, VERSION_HEADER, baseline_bootstrap, eds_document, inferlb_config
+from .scenarios import CONTROL, Event, Scenario
+from .trace import TraceRequest, build_trace, to_planned
+
+log = logging.getLogger(__name__)
+
+#: How often Envoy's weights are read during a run (s).
+WEIGHT_POLL_S = 0.5
+#: Envoy's route timeout is the client's plus this (s), so the client's timeout decides.
+ROUTE_TIMEOUT_SLACK_S = 1.0
+
+
+@dataclass
+class PolicyRun:
+    """One policy's run: its figures, the measured successful latencies (ms, for the CDF), Envoy's
+    weights over time as ``(t_s, cluster, address, weight, health)`` (t from the replay start),
+    the events as ``(t_s, label)`` when they were applied, the replay's worst send lag (ms) and the
+    measured requests each node answered."""
+
+    policy: str
+    figures: dict[str, float | None]
+    latencies_ms: list[float]
+    weights: list[tuple[float, str, str, int, str]]
+    events: list[tuple[float, str]]
+    max_lag_ms: float
+    served: dict[str, int]
+
+
+@dataclass
+class ScenarioRun:
+    """Every policy's run of one scenario, with the node addresses and the trace's shape."""
+
+    scenario: Scenario
+    quick: bool
+    seed: int
+    warmup_s: float
+    measure_s: float
+    requests: int
+    addresses: list[str]
+    runs: dict[str, PolicyRun] = field(default_factory=dict)
+    wall_s: float = 0.0
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def node_label(self, address: str) -> str:
+        """``n<i> <gpu> <version>`` for a node address (the address itself if unknown)."""
+        if address not in self.addresses:
+            return address
+        i = self.addresses.index(address)
+        n = self.scenario.nodes[i]
+        return f"n{i} {n.gpu_class} {n.version}"
+
+
+def _post_json(url: str, body: dict, timeout: float = 5.0) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
+def _event_label(e: Event) -> str:
+    if e.kind == "fault":
+        return f"n{e.node} " + ", ".join(f"{k}={v}" for k, v in e.patch.items())
+    return f"{e.kind} n{e.node}"
+
+
+class ScenarioRunner:
+    """Runs one scenario (all its policies) in ``workdir``; ``seed`` seeds the trace and the backends."""
+
+    def __init__(self, scenario: Scenario, *, quick: bool, seed: int, workdir: Path) -> None:
+        self.sc = scenario
+        self.quick = quick
+        self.seed = seed + zlib.crc32(scenario.name.encode()) % 1000
+        self.work = workdir / scenario.name
+        self.warmup_s, self.measure_s = scenario.durations(quick)
+        self.trace: list[TraceRequest] = build_trace(scenario.traffic, self.warmup_s + self.measure_s, self.seed)
+        self.ports = [stack.free_port() for _ in scenario.nodes]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        self.sims: list[stack.Proc | None] = [None] * len(scenario.nodes)
+        self.prometheus: stack.Proc | None = None
+        self.prometheus_port = stack.free_port()
+
+    # --- backends and Prometheus (once per scenario) ----------------------------------------------
+
+    def _start_sim(self, i: int) -> stack.Proc:
+        node = self.sc.nodes[i]
+        extra = ["--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i), "--log-level", "warning"]
+        if node.gpu_memory_mib is not None:
+            extra += ["--gpu-memory-mib", str(node.gpu_memory_mib)]
+        return stack.start_sim(self.ports[i], self.work, gpu_class=node.gpu_class, version=node.version,
+                               name=f"sim-n{i}", extra=extra)
+
+    def _start_backends(self) -> None:
+        with ThreadPoolExecutor(len(self.ports)) as pool:
+            for i, proc in enumerate(pool.map(self._start_sim, range(len(self.ports)))):
+                self.sims[i] = proc
+        self.prometheus = stack.start_prometheus(self.addresses, self.work / "prometheus", self.prometheus_port,
+                                                 CONTROL["scrape_interval_s"])
+
+    def _reset_backends(self) -> None:
+        """Every node running, without faults; a node that joins later answers /metrics with 503."""
+        for i, node in enumerate(self.sc.nodes):
+            proc = self.sims[i]
+            if proc is None or not proc.alive():
+                self.sims[i] = self._start_sim(i)
+            self._fault(i, {"reset": True})
+            if not node.present:
+                self._fault(i, {"metrics": "error"})
+
+    def _fault(self, i: int, patch: dict) -> None:
+        _post_json(f"http://{self.addresses[i]}/sim/fault", patch)
+
+    def _stop_all(self) -> None:
+        for p in [*self.sims, self.prometheus]:
+            if p is not None:
+                p.stop()
+
+    # --- one policy --------------------------------------------------------------------------------
+
+    def run(self, policies: list[str]) -> ScenarioRun:
+        """Every policy in ``policies``, in order, on the same trace. Raises ``StackError`` when a
+        process does not start. The machine's load averages before and after are recorded (other
+        work on the machine shares its cores with the benchmark)."""
+        began = time.monotonic()
+        out = ScenarioRun(self.sc, self.quick, self.seed, self.warmup_s, self.measure_s, len(self.trace),
+                          list(self.addresses), load_before=os.getloadavg())
+        self.work.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_backends()
+            for policy in policies:
+                out.runs[policy] = self._run_policy(policy)
+                f = out.runs[policy].figures
+                log.warning("%s / %s: %d requests, p95 %s ms, errors %.3f, OOM %.3f", self.sc.name, policy,
+                            f["requests"], None if f["p95_ms"] is None else round(f["p95_ms"], 1),
+                            f["error_rate"] or 0.0, f["oom_rate"] or 0.0)
+        finally:
+            self._stop_all()
+        out.wall_s = time.monotonic() - began
+        out.load_after = os.getloadavg()
+        return out
+
+    def _run_policy(self, policy: str) -> PolicyRun:
+        self._reset_backends()
+        work = self.work / policy
+        work.mkdir(parents=True, exist_ok=True)
+        listener, envoy_admin_port = stack.free_port(), stack.free_port()
+        route_timeout = self.sc.timeout_s + ROUTE_TIMEOUT_SLACK_S
+        present = {i for i, n in enumerate(self.sc.nodes) if n.present}
+        procs: list[stack.Proc] = []
+        eds = _EdsFile(work) if policy in BASELINES else None
+        try:
+            if eds is not None:
+                eds.write([self.addresses[i] for i in sorted(present)])
+                boot = yaml.safe_dump(baseline_bootstrap(
+                    policy, listener_port=listener, admin_port=envoy_admin_port, eds_path=str(eds.path),
+                    eds_dir=str(eds.path.parent), route_timeout_s=route_timeout))
+            else:
+                xds, admin = stack.free_port(), stack.free_port()
+                cfg = inferlb_config(self.sc, self.addresses, picker=policy == "inferlb_full",
+                                     prometheus_url=f"http://127.0.0.1:{self.prometheus_port}",
+                                     xds_port=xds, admin_port=admin,
+                                     listener_port=listener, route_timeout_s=route_timeout)
+                cfg_path = work / "inferlb.yaml"
+                cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                cp = stack.start_control_plane(cfg_path, work, admin)
+                procs.append(cp)
+                stack.wait_http(f"http://127.0.0.1:{admin}/readyz", cp)
+                boot = render_bootstrap(xds_address=f"127.0.0.1:{xds}", node_id=f"bench-{policy}",
+                                        admin_port=envoy_admin_port)
+            envoy = stack.start_envoy(boot, work, envoy_admin_port)
+            procs.append(envoy)
+            envoy_admin = f"http://127.0.0.1:{envoy_admin_port}"
+            stack.wait_http(f"{envoy_admin}/ready", envoy, timeout=20)
+            traffic, weights, events, started = asyncio.run(self._drive(policy, listener, envoy_admin, eds, present))
+        finally:
+            for p in reversed(procs):
+                p.stop()
+        return self._summarise(policy, traffic, weights, events, started)
+
+    async def _drive(self, policy: str, listener: int, envoy_admin: str, eds: _EdsFile | None, present: set[int]):
+        planned = to_planned(self.trace, f"{policy}-{self.seed}", self.sc.traffic.max_tokens)
+        weights: list[tuple[float, str, str, int, str]] = []
+        events: list[tuple[float, str]] = []
+        loop = asyncio.get_running_loop()
+        started = time.time()
+        t0 = loop.time()
+        done = asyncio.Event()
+
+        async def poll() -> None:
+            while not done.is_set():
+                try:
+                    hosts = await asyncio.to_thread(envoy_hosts, envoy_admin)
+                except OSError as err:
+                    log.warning("cannot read Envoy's weights: %s", err)
+                    hosts = {}
+                t = loop.time() - t0
+                weights.extend((t, c, a, h["weight"], h["health"]) for c, hs in hosts.items() for a, h in hs.items())
+                try:
+                    await asyncio.wait_for(done.wait(), WEIGHT_POLL_S)
+                except TimeoutError:
+                    pass
+
+        async def fire() -> None:
+            for e in sorted(self.sc.events, key=lambda e: e.at):
+                await asyncio.sleep(max(0.0, t0 + self.warmup_s + e.at * self.measure_s - loop.time()))
+                await asyncio.to_thread(self._apply, e, eds, present)
+                events.append((loop.time() - t0, _event_label(e)))
+
+        tasks = [asyncio.create_task(poll()), asyncio.create_task(fire())]
+        try:
+            traffic = await replay(f"http://127.0.0.1:{listener}/v1/chat/completions", planned,
+                                   timeout_s=self.sc.timeout_s, session_header=SESSION_HEADER,
+                                   version_header=VERSION_HEADER)
+        finally:
+            done.set()
+            tasks[1].cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return traffic, weights, events, started
+
+    def _apply(self, e: Event, eds: _EdsFile | None, present: set[int]) -> None:
+        """Apply one event (blocking): a fault, a node joining, or a node leaving."""
+        if e.kind == "fault":
+            self._fault(e.node, dict(e.patch))
+            return
+        if e.kind == "add":
+            present.add(e.node)
+            self._fault(e.node, {"metrics": "ok"})
+        else:
+            present.discard(e.node)
+        if eds is not None:
+            eds.write([self.addresses[i] for i in sorted(present)])
+        if e.kind == "remove":
+            proc = self.sims[e.node]
+            if proc is not None:
+                proc.stop()
+
+    def _summarise(self, policy: str, traffic: Traffic, weights, events, started: float) -> PolicyRun:
+        results: list[Result] = traffic.results
+        adds = sorted(e.at for e in self.sc.events if e.kind == "add")
+        later = sorted(e.at for e in self.sc.events if adds and e.at > adds[0])
+        window = figures.RunWindow(
+            started=started, warmup_s=self.warmup_s, default_version=self.sc.default_version,
+            multi_version=len(self.sc.versions) > 1,
+            scale_up_s=self.warmup_s + adds[0] * self.measure_s if adds else None,
+            next_event_s=self.warmup_s + later[0] * self.measure_s if later else None,
+        )
+        figs = figures.compute(self.trace, results, window)
+        measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
+        served: dict[str, int] = {}
+        for r in measured_ok:
+            if r.served_by:
+                served[r.served_by] = served.get(r.served_by, 0) + 1
+        return PolicyRun(policy, figs, sorted(r.latency_ms for r in measured_ok), weights, events,
+                         traffic.max_lag_ms, served)
+
+
+class _EdsFile:
+    """The baselines' filesystem EDS: written elsewhere, then moved into the watched directory."""
+
+    def __init__(self, work: Path) -> None:
+        self.path = work / "eds" / "chat.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = work / "eds.json.tmp"
+
+    def write(self, addresses: list[str]) -> None:
+        self._tmp.write_text(json.dumps(eds_document(addresses)))
+        os.replace(self._tmp, self.path)

@@ -1,0 +1,184 @@
+"""The scenarios: one classic load-balancing trap each (nodes, traffic, events). Pure data.
+
+All times are wall-clock seconds on the benchmark machine. The simulated backends run
+time-compressed (``time_scale``: an A100-class request that takes 50 ms at scale 1 takes
+``50 x time_scale`` ms), and inferlb's control loop is compressed the same way (see
+:data:`CONTROL`), so a scenario of tens of seconds plays what would be minutes in the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+#: inferlb's control loop in every scenario: Prometheus scrape interval and the inferlb config's
+#: ``prometheus`` and ``engine`` settings (s). The field defaults are 5-15 s scrapes, a 60 s window,
+#: 5 s rounds and 15 s staleness; here everything runs about 10x faster, like the backends.
+CONTROL: Mapping[str, float] = MappingProxyType({
+    "scrape_interval_s": 0.5,
+    "window_s": 2.0,
+    "interval_s": 0.5,
+    "query_timeout_s": 1.0,
+    "stale_after_s": 2.0,
+    "hysteresis": 0.05,
+})
+
+#: GPU memory (MiB) of a node with 24 GB free for requests next to the sim's 14 GB of model weights.
+GPU_24GB_FREE_MIB = 14336.0 + 24576.0
+
+
+@dataclass(frozen=True)
+class Node:
+    """One simulated backend.
+
+    ``gpu_class``: the sim's class (``a100``, ``a10``; latency x1 / x2.5). ``gpu_memory_mib``: total GPU
+    memory (None = the class default). ``present``: False for a node that an ``add`` event brings in.
+    """
+
+    gpu_class: str = "a100"
+    version: str = "v1"
+    gpu_memory_mib: float | None = None
+    present: bool = True
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happens to one node during the measured window.
+
+    ``at``: position in the measured window, 0-1 (0 = end of warm-up, 1 = end of the trace).
+    ``kind``: ``fault`` (POST ``patch`` to the sim's ``/sim/fault``), ``add`` (the node joins
+    discovery and becomes ready), ``remove`` (the node leaves discovery and its process is stopped).
+    """
+
+    at: float
+    kind: Literal["fault", "add", "remove"]
+    node: int
+    patch: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The request mix (see :mod:`bench.quality.trace`).
+
+    ``rps``: mean requests per second. ``anon_share``: share of requests without a session (single
+    requests). Sessions have ``turns`` (min, max) turns, ``think_s`` mean seconds between them.
+    ``versions``: (version or None = no header, share) per session. ``memory_mib``: (MiB or None =
+    no ``x-sim-memory-mib`` header, share) per request. ``burst``: (period s, burst s, rate factor):
+    arrivals run ``factor`` times faster for ``burst s`` of every ``period s`` (mean rate kept).
+    """
+
+    rps: float
+    anon_share: float = 0.0
+    turns: tuple[int, int] = (4, 12)
+    think_s: float = 0.6
+    versions: tuple[tuple[str | None, float], ...] = (("v1", 1.0),)
+    memory_mib: tuple[tuple[float | None, float], ...] = ((None, 1.0),)
+    burst: tuple[float, float, float] | None = None
+    max_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One trap. ``warmup_s`` + ``measure_s`` (full) or ``quick_warmup_s`` + ``quick_measure_s``
+    (``--quick``) make the trace; only requests sent after the warm-up count. ``timeout_s``: the
+    client's per-request timeout (a longer request is a timeout error). ``engine``: inferlb
+    ``engine`` settings for this scenario (on top of :data:`CONTROL`)."""
+
+    name: str
+    title: str
+    trap: str
+    nodes: tuple[Node, ...]
+    traffic: Traffic
+    time_scale: float = 0.5
+    warmup_s: float = 8.0
+    measure_s: float = 30.0
+    quick_warmup_s: float = 1.0
+    quick_measure_s: float = 2.0
+    timeout_s: float = 2.0
+    events: tuple[Event, ...] = ()
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def durations(self, quick: bool) -> tuple[float, float]:
+        """``(warmup_s, measure_s)`` for the mode."""
+        return (self.quick_warmup_s, self.quick_measure_s) if quick else (self.warmup_s, self.measure_s)
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """The model versions the nodes serve, sorted."""
+        return tuple(sorted({n.version for n in self.nodes}))
+
+    @property
+    def default_version(self) -> str:
+        """The version a request without a version header should get (the first one)."""
+        return self.versions[0]
+
+
+def _long_tail_episodes(node: int, p: float, spans: tuple[tuple[float, float], ...]) -> tuple[Event, ...]:
+    out: list[Event] = []
+    for start, end in spans:
+        out += [Event(start, "fault", node, {"long_tail": p}), Event(end, "fault", node, {"long_tail": 0.0})]
+    return tuple(out)
+
+
+SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
+    Scenario(
+        name="uneven",
+        title="Uneven request weight",
+        trap="small (8 GB) and large (18 GB) requests on GPUs with 24 GB free: a policy blind to "
+             "memory puts a large request next to another and the GPU runs out of memory (HTTP 500 OOM)",
+        nodes=tuple(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
+        traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
+        time_scale=0.25,
+        engine={"request_memory_mib": 8192.0},
+    ),
+    Scenario(
+        name="sessions",
+        title="Multi-turn sessions",
+        trap="a chat's next turn lands on a node without its KV cache and pays the prefill again",
+        nodes=tuple(Node("a100") for _ in range(4)),
+        traffic=Traffic(rps=80.0, turns=(6, 16), think_s=0.5),
+    ),
+    Scenario(
+        name="long_tail",
+        title="Long-tail node",
+        trap="one node intermittently answers 10x slower (the sim's long_tail fault on half its "
+             "requests); policies that keep feeding it raise mean and p95 latency and time out",
+        nodes=tuple(Node("a100") for _ in range(4)),
+        traffic=Traffic(rps=70.0, anon_share=0.2),
+        events=_long_tail_episodes(0, 0.5, ((0.0, 0.4), (0.55, 0.95))),
+        timeout_s=1.0,
+    ),
+    Scenario(
+        name="scaling",
+        title="Elastic scaling",
+        trap="a 5th node joins mid-run and later one of the first four leaves: a policy that rehashes "
+             "everything moves every session's KV cache; one that keeps sending to a gone node errors",
+        nodes=(*(Node("a100") for _ in range(4)), Node("a100", present=False)),
+        traffic=Traffic(rps=70.0, turns=(20, 40), think_s=0.5),
+        warmup_s=8.0,
+        measure_s=36.0,
+        quick_warmup_s=2.1,  # > stale_after_s: inferlb must have excluded the node yet to join
+        quick_measure_s=1.6,
+        events=(Event(0.3, "add", 4), Event(0.65, "remove", 1)),
+    ),
+    Scenario(
+        name="versions",
+        title="Model versions",
+        trap="v1 and v2 of a model serve side by side (a rolling upgrade); a client that asked for "
+             "one version must never get the other",
+        nodes=(Node("a100", "v1"), Node("a100", "v1"), Node("a100", "v2"), Node("a100", "v2")),
+        traffic=Traffic(rps=70.0, anon_share=0.2, versions=(("v1", 0.45), ("v2", 0.45), (None, 0.1))),
+    ),
+    Scenario(
+        name="heterogeneous",
+        title="Heterogeneous GPUs and bursts",
+        trap="A100- and A10-class nodes (the A10 is 2.5x slower) under bursty arrivals: equal shares "
+             "overload the A10s and the bursts queue behind them",
+        nodes=(Node("a100"), Node("a100"), Node("a10"), Node("a10"), Node("a10")),
+        traffic=Traffic(rps=60.0, anon_share=0.2, burst=(4.0, 1.0, 2.5)),
+    ),
+)})
+
+SCENARIO_NAMES: tuple[str, ...] = tuple(SCENARIOS)
