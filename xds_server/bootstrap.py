@@ -10,15 +10,19 @@ import json
 from pathlib import Path
 from string import Template
 
-from .config import split_hostport
+from .config import EnvoyTls, split_hostport
+from .listener import upstream_tls
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 
 
-def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cluster: str = "inferlb") -> str:
+def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cluster: str = "inferlb",
+                     tls: EnvoyTls | None = None) -> str:
     """The bootstrap YAML text for one Envoy.
 
     ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1).
+    ``tls``: dial the ADS server over TLS (CA to trust; client cert/key for mTLS): the xDS cluster
+    gets an ``UpstreamTlsContext``.
 
     Raises:
         FileNotFoundError: the template is missing (not a source checkout).
@@ -31,4 +35,6 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
         "xds_host": "127.0.0.1" if host in ("0.0.0.0", "", "::") else host,
         "xds_port": port,
     }
-    return Template(TEMPLATE.read_text()).substitute({k: json.dumps(v) for k, v in fields.items()})
+    values = {k: json.dumps(v) for k, v in fields.items()}
+    values["xds_transport_socket"] = f"transport_socket: {json.dumps(upstream_tls(tls))}" if tls else ""
+    return Template(TEMPLATE.read_text()).substitute(values)

@@ -61,8 +61,74 @@ class Listen(_Strict):
     xds: str = "127.0.0.1:18000"
     ext_proc: str = "127.0.0.1:18080"
     admin: str = "127.0.0.1:18090"
+    #: ADS streams served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory).
+    max_xds_streams: int = Field(1024, ge=1, le=1_000_000)
 
     _hp = field_validator("xds", "ext_proc", "admin")(_check_hostport)
+
+
+class OutlierDetection(_Strict):
+    """Envoy's outlier detection on every inference cluster (passive health checking, case C13).
+
+    ``consecutive_5xx`` / ``consecutive_gateway_failure``: errors in a row that eject a host (a
+    per-try timeout counts as a gateway failure); ``interval_s``: how often Envoy sweeps (s);
+    ``base_ejection_time_s``: first ejection length (s; Envoy multiplies it by the ejection count);
+    ``max_ejection_percent``: most of a cluster ejected at once (Envoy always allows one host).
+    Source: Envoy docs, "Outlier detection" (config.cluster.v3.OutlierDetection).
+    """
+
+    consecutive_5xx: int = Field(5, ge=1)
+    consecutive_gateway_failure: int = Field(3, ge=1)
+    interval_s: float = Field(2.0, gt=0)
+    base_ejection_time_s: float = Field(10.0, gt=0)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class EnvoyTls(_Strict):
+    """How Envoy dials inferlb's TLS gRPC servers (paths as Envoy's host sees them).
+
+    ``ca``: CA bundle that signed inferlb's server certificate; ``cert``/``key``: Envoy's client
+    certificate for mTLS (both or neither); ``server_name``: SNI sent and the subject alt name the
+    server certificate must carry (default: none checked beyond the CA).
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> EnvoyTls:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (Envoy's client certificate for mTLS)")
+        return self
+
+
+class TlsConfig(_Strict):
+    """TLS on inferlb's gRPC servers (xDS and ext_proc). PEM file paths on inferlb's host.
+
+    ``require_client_cert``: mTLS; clients must present a certificate signed by ``ca``.
+    """
+
+    cert: str
+    key: str
+    ca: str | None = None
+    require_client_cert: bool = False
+
+    @model_validator(mode="after")
+    def _ca(self) -> TlsConfig:
+        if self.require_client_cert and not self.ca:
+            raise ValueError("require_client_cert needs ca (the CA that signs client certificates)")
+        return self
+
+
+class AdminConfig(_Strict):
+    """Admin API access. ``token``: bearer token for write operations (drain, reload); the env var
+    ``INFERLB_ADMIN_TOKEN`` is used when unset. Without a token, write operations are allowed only
+    when the admin API binds a loopback address.
+    """
+
+    token: str | None = Field(None, min_length=16, repr=False)
 
 
 class EnvoySide(_Strict):
@@ -81,6 +147,12 @@ class EnvoySide(_Strict):
     ext_proc_timeout_s: float = Field(0.25, gt=0, le=60)
     failure_mode_allow: bool = True
     route_timeout_s: float = Field(120.0, gt=0)
+    #: Per-attempt upstream timeout (s): a backend that accepts and never answers times out (C13).
+    per_try_timeout_s: float = Field(60.0, gt=0)
+    #: Retries on connect failure, reset, 5xx or per-try timeout, each on another host.
+    retries: int = Field(2, ge=0, le=10)
+    outlier_detection: OutlierDetection = OutlierDetection()
+    tls: EnvoyTls | None = None
 
     @field_validator("listener", "ext_proc_address")
     @classmethod
@@ -100,6 +172,9 @@ class PrometheusSource(_Strict):
     window_s: float = Field(60.0, gt=0)
     interval_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
+    #: The first snapshot waits this long (s) for a successful metrics round; then it goes out
+    #: with neutral weights (flagged), so a dead Prometheus can't keep Envoy unconfigured forever.
+    first_round_wait_s: float = Field(10.0, ge=0)
 
     @field_validator("url")
     @classmethod
@@ -234,6 +309,17 @@ class Config(_Strict):
         default_factory=lambda: {k: GpuClass(**v) for k, v in DEFAULT_GPU_CLASSES.items()}
     )
     services: tuple[ServiceConfig, ...] = Field(min_length=1)
+    tls: TlsConfig | None = None
+    admin: AdminConfig = AdminConfig()
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        if self.tls is not None and self.envoy.tls is None:
+            raise ValueError("tls is set but envoy.tls is not: Envoy must dial the picker over TLS too "
+                             "(envoy.tls.ca, and cert/key for mTLS)")
+        if self.tls is not None and self.tls.require_client_cert and self.envoy.tls.cert is None:
+            raise ValueError("tls.require_client_cert is set but envoy.tls has no cert/key for Envoy")
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> Config:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import MappingProxyType
 
 from prometheus_client import Counter, Gauge
@@ -91,6 +92,10 @@ class ControlPlane:
 
     ``fetch``: blocking ``(instances) -> {instance: EndpointStats}`` raising MetricsUnavailable;
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
+
+    Nothing is published before the first successful metrics round, or before
+    ``prometheus.first_round_wait_s`` has passed without one (then neutral weights go out, flagged):
+    so a restarted control plane never replaces Envoy's last good weights with guesses.
     """
 
     def __init__(self, cfg: Config, fetch: Callable[[list[str]], dict[str, EndpointStats]], source_name: str,
@@ -105,13 +110,83 @@ class ControlPlane:
         self._specs = endpoint_specs(cfg)
         self._params = engine_params(cfg)
         self._state = EngineState()
+        self._stats: dict[str, EndpointStats] = {}
+        self._draining: set[str] = set()
+        self._created = time.monotonic()
+        self._lock = asyncio.Lock()
         self.weights: list[EndpointWeight] = []
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
         self.ready = asyncio.Event()
 
-    async def run_round(self) -> None:
-        """One round. On a metrics failure the previous weights stay (first round: neutral weights)."""
+    @property
+    def addresses(self) -> set[str]:
+        """Every configured endpoint address (``HOST:PORT``)."""
+        return {s.address for s in self._specs}
+
+    @property
+    def draining(self) -> frozenset[str]:
+        """Addresses set to drain through :meth:`set_draining`."""
+        return frozenset(self._draining)
+
+    def _specs_now(self) -> list[EndpointSpec]:
+        return [replace(s, draining=True) if s.address in self._draining else s for s in self._specs]
+
+    def reconfigure(self, cfg: Config, fetch: Callable[[list[str]], dict[str, EndpointStats]] | None = None,
+                    source_name: str | None = None) -> None:
+        """Take a new (already validated) config: endpoints, engine parameters, Envoy side, headers.
+
+        The engine's memory (last weights) is kept for endpoints that stay, so weights don't jump;
+        drains of endpoints that are gone are forgotten. Publishes nothing: call :meth:`republish`.
+        """
+        self.cfg = cfg
+        self._specs = endpoint_specs(cfg)
+        self._params = engine_params(cfg)
+        self._draining &= self.addresses
+        if fetch is not None:
+            self._fetch = fetch
+            self.source_name = source_name or self.source_name
+
+    async def set_draining(self, address: str, draining: bool = True) -> bool:
+        """Mark ``address`` DRAINING (or back) in every cluster and publish at once (case C11).
+
+        Returns False (and changes nothing) when no configured endpoint has that address.
+        """
+        if address not in self.addresses:
+            return False
+        if draining:
+            self._draining.add(address)
+        else:
+            self._draining.discard(address)
+        log.info("endpoint %s %s", address, "set to drain" if draining else "no longer draining")
+        await self.republish()
+        return True
+
+    async def republish(self) -> None:
+        """Recompute from the last metrics round's stats and publish (drain, reload). No metrics query.
+
+        Before the first snapshot this does nothing: the first round decides what goes out first.
+        """
+        if not self.ready.is_set():
+            return
+        await self._compute_and_publish(self._stats)
+
+    async def _compute_and_publish(self, stats: dict[str, EndpointStats]) -> None:
+        async with self._lock:
+            weights, self._state = compute_weights(self._specs_now(), stats, self._state, self._params)
+            self._log_changes(weights)
+            self.weights = weights
+            await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()), weights)
+
+    async def refresh(self) -> None:
+        """A round now (after a reload); if the metrics source fails, republish from the last stats so a
+        config change reaches Envoy even while Prometheus is down."""
+        if not await self.run_round() and self.weights:
+            await self.republish()
+
+    async def run_round(self) -> bool:
+        """One round; returns whether the metrics source answered. On a metrics failure the previous
+        weights stay (before the first snapshot: see the class docstring)."""
         instances = [s.instance for s in self._specs]
         try:
             stats = await asyncio.wait_for(asyncio.to_thread(self._fetch, instances),
@@ -127,11 +202,16 @@ class ControlPlane:
         ROUNDS.labels("ok" if ok else "metrics_unavailable").inc()
         self.last_round_at = time.time()
         if not ok and self.weights:
-            return
-        weights, self._state = compute_weights(self._specs, stats, self._state, self._params)
-        self._log_changes(weights)
-        self.weights = weights
-        await self._publish(build_snapshot(self.cfg, weights, self._ext_proc_address()), weights)
+            return False
+        if not ok:
+            waited = time.monotonic() - self._created
+            if waited < self.cfg.prometheus.first_round_wait_s:
+                return False
+            log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
+        else:
+            self._stats = stats
+        await self._compute_and_publish(stats)
+        return ok
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}

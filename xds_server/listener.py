@@ -5,10 +5,15 @@ The listener's HTTP connection manager
   ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
 - asks the picker (ext_proc, request headers only) for the cluster and the host;
 - routes by the cluster header the picker set, or, without it (picker down and
-  ``failure_mode_allow``), to the service's default version through the weighted fallback.
+  ``failure_mode_allow``), by the version header straight to that version's cluster (so versions
+  never mix while the picker is down), else to the service's default version; all through the
+  weighted fallback;
+- retries connect failures, resets, 5xx and per-try timeouts on another host (case C13).
 """
 
 from __future__ import annotations
+
+import re
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
@@ -19,10 +24,12 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
-from .config import Config, cluster_name, split_hostport
+from .config import Config, EnvoyTls, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
 ROUTE_NAME = "inferlb"
@@ -39,6 +46,25 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def retry_policy(cfg: Config) -> dict:
+    """The routes' retry policy (JSON form): ``envoy.retries`` retries, each try bounded by
+    ``envoy.per_try_timeout_s``, on another host (``previous_hosts`` predicate).
+
+    ``5xx`` covers upstream 5xx, resets, connect failures and per-try timeouts (Envoy docs,
+    "x-envoy-retry-on"); a backend that accepts and never answers costs one per-try timeout.
+    """
+    return {
+        "retry_on": "5xx",
+        "num_retries": cfg.envoy.retries,
+        "per_try_timeout": _seconds(cfg.envoy.per_try_timeout_s),
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains)."""
     vhosts = []
@@ -47,14 +73,23 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
         for h in s.hosts:
             domains += ["*"] if h == "*" else [h, f"{h}:*"]
         timeout = _seconds(cfg.envoy.route_timeout_s)
+        retry = retry_policy(cfg)
+        by_version = [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
+                                                   "string_match": {"exact": v.name}}]},
+             "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout, "retry_policy": retry}}
+            for v in s.versions
+        ]
         vhosts.append({
             "name": s.name,
             "domains": domains,
             "routes": [
                 {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
-                 "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}},
+                 "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout, "retry_policy": retry}},
+                *by_version,
                 {"match": {"prefix": "/"},
-                 "route": {"cluster": cluster_name(s.name, s.default), "timeout": timeout}},
+                 "route": {"cluster": cluster_name(s.name, s.default), "timeout": timeout,
+                           "retry_policy": retry}},
             ],
         })
     return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
@@ -100,10 +135,33 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
     }, listener_pb2.Listener())
 
 
-def build_ext_proc_cluster(ext_proc_address: str) -> cluster_pb2.Cluster:
-    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``."""
+def upstream_tls(tls: EnvoyTls) -> dict:
+    """An ``envoy.transport_sockets.tls`` transport socket (JSON form) for a cluster dialing inferlb.
+
+    Verifies the server certificate against ``tls.ca`` (and its SAN against ``tls.server_name``
+    when set); presents ``tls.cert``/``tls.key`` for mTLS; offers ALPN ``h2`` (gRPC).
+    """
+    validation: dict = {"trusted_ca": {"filename": tls.ca}}
+    if tls.server_name:
+        kind = "IP_ADDRESS" if re.fullmatch(r"[0-9.]+|[0-9a-fA-F:]+", tls.server_name) else "DNS"
+        validation["match_typed_subject_alt_names"] = [{"san_type": kind, "matcher": {"exact": tls.server_name}}]
+    common: dict = {"validation_context": validation, "alpn_protocols": ["h2"]}
+    if tls.cert:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert},
+                                       "private_key": {"filename": tls.key}}]
+    ctx: dict = {"@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                 "common_tls_context": common}
+    if tls.server_name:
+        ctx["sni"] = tls.server_name
+    return {"name": "envoy.transport_sockets.tls", "typed_config": ctx}
+
+
+def build_ext_proc_cluster(ext_proc_address: str, tls: EnvoyTls | None = None) -> cluster_pb2.Cluster:
+    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT`` (TLS when
+    ``tls`` is given)."""
     host, port = split_hostport(ext_proc_address)
-    return json_format.ParseDict({
+    extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}
+    return json_format.ParseDict({**extra,
         "name": EXT_PROC_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",

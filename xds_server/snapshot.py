@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, config_source_pb2, extension_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
@@ -22,7 +22,7 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from .config import Config, ServiceConfig, cluster_name, split_hostport
+from .config import Config, OutlierDetection, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from .listener import (
     EXT_PROC_CLUSTER,
@@ -105,7 +105,25 @@ def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
     )
 
 
-def build_cluster(name: str, service: ServiceConfig, override_host_header: str) -> cluster_pb2.Cluster:
+def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
+    """Envoy outlier detection from the config (a per-try timeout counts as a gateway failure)."""
+    def dur(s: float) -> duration_pb2.Duration:
+        d = duration_pb2.Duration()
+        d.FromNanoseconds(int(s * 1e9))
+        return d
+
+    return outlier_detection_pb2.OutlierDetection(
+        consecutive_5xx=wrappers_pb2.UInt32Value(value=o.consecutive_5xx),
+        consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=o.consecutive_gateway_failure),
+        enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
+        interval=dur(o.interval_s),
+        base_ejection_time=dur(o.base_ejection_time_s),
+        max_ejection_percent=wrappers_pb2.UInt32Value(value=o.max_ejection_percent),
+    )
+
+
+def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
+                  outlier: OutlierDetection | None = None) -> cluster_pb2.Cluster:
     """An EDS cluster over ADS whose LB policy is ``envoy.load_balancing_policies.override_host``.
 
     The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
@@ -123,7 +141,7 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
     )
     timeout = duration_pb2.Duration()
     timeout.FromNanoseconds(int(service.connect_timeout_s * 1e9))
-    return cluster_pb2.Cluster(
+    cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
         connect_timeout=timeout,
@@ -140,6 +158,9 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
             healthy_panic_threshold=percent_pb2.Percent(value=service.panic_threshold_percent)
         ),
     )
+    if outlier is not None:
+        cluster.outlier_detection.CopyFrom(_outlier(outlier))
+    return cluster
 
 
 def build_assignment(cluster: str, weights: Iterable[EndpointWeight]) -> endpoint_pb2.ClusterLoadAssignment:
@@ -189,12 +210,12 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address)}
+    clusters: dict[str, Message] = {EXT_PROC_CLUSTER: build_ext_proc_cluster(ext_proc_address, cfg.envoy.tls)}
     assignments: dict[str, Message] = {}
     for service in cfg.services:
         for version in service.versions:
             name = cluster_name(service.name, version.name)
-            clusters[name] = build_cluster(name, service, cfg.headers.override_host)
+            clusters[name] = build_cluster(name, service, cfg.headers.override_host, cfg.envoy.outlier_detection)
             assignments[name] = build_assignment(name, by_cluster.get(name, ()))
     return make_snapshot({
         CLUSTER_TYPE: clusters,

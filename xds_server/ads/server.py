@@ -24,8 +24,14 @@ XDS_REQUESTS = Counter("inferlb_xds_requests_total", "xDS requests received, by 
                        ["type", "kind"])
 XDS_RESPONSES = Counter("inferlb_xds_responses_total", "xDS responses sent, by type", ["type"])
 XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams")
+XDS_REFUSED = Counter("inferlb_xds_streams_refused_total", "ADS streams refused: max_xds_streams reached")
 #: 64 MiB: a SotW CDS/EDS response for a large fleet exceeds gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: A DiscoveryRequest is small (resource names, an ACK/NACK); 8 MiB is room for ~100k names.
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+#: Requests read ahead of processing, per stream; the reader then waits (HTTP/2 flow control
+#: pushes back on the client), so a client flooding requests can't grow our memory.
+INBOX_SIZE = 16
 
 
 def short_type(type_url: str) -> str:
@@ -90,18 +96,37 @@ class SnapshotCache:
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    """AggregatedDiscoveryService: State-of-the-World streams."""
+    """AggregatedDiscoveryService: State-of-the-World streams.
 
-    def __init__(self, cache: SnapshotCache) -> None:
+    ``max_streams``: streams served at once; one more is ended at once with RESOURCE_EXHAUSTED
+    (Envoy retries with back-off), so a flood of streams can't exhaust memory.
+    """
+
+    def __init__(self, cache: SnapshotCache, max_streams: int = 1024) -> None:
         self.cache = cache
         self.nodes: dict[int, NodeStream] = {}
+        self.max_streams = max_streams
+        self.open_streams = 0
 
     def describe_nodes(self) -> list[dict]:
         """Every connected stream, for ``/api/v1/nodes``."""
         return [n.describe() for n in list(self.nodes.values())]
 
     async def StreamAggregatedResources(self, request_iterator, context):  # noqa: N802 (gRPC name)
-        inbox: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+        if self.open_streams >= self.max_streams:
+            XDS_REFUSED.inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"inferlb serves at most {self.max_streams} ADS streams at once")
+            return
+        self.open_streams += 1
+        try:
+            async for resp in self._stream(request_iterator, context):
+                yield resp
+        finally:
+            self.open_streams -= 1
+
+    async def _stream(self, request_iterator, context):
+        inbox: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue(INBOX_SIZE)
         node: NodeStream | None = None
 
         async def read() -> None:
@@ -152,18 +177,22 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 log.info("xDS stream from node %s closed", node.node_id)
 
 
-async def start_ads_server(cache: SnapshotCache, address: str) -> tuple[grpc.aio.Server, AdsServicer, int]:
+async def start_ads_server(cache: SnapshotCache, address: str, *, max_streams: int = 1024,
+                           credentials: grpc.ServerCredentials | None = None,
+                           ) -> tuple[grpc.aio.Server, AdsServicer, int]:
     """Bind and start the ADS server on ``address`` (``HOST:PORT``, port 0 = any).
 
+    ``credentials``: TLS server credentials (None = plaintext); ``max_streams``: see :class:`AdsServicer`.
     Returns ``(server, servicer, bound_port)``. Raises ``RuntimeError`` if the address can't be bound.
     """
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
-    servicer = AdsServicer(cache)
+    servicer = AdsServicer(cache, max_streams)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"cannot bind the xDS server to {address}")
     await server.start()
