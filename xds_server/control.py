@@ -196,7 +196,10 @@ class ControlPlane:
             ok = False
             stats = {}
             if self.metrics_ok is not False:
-                log.error("metrics source failed: %s; keeping the last good weights", err or "timeout")
+                why = str(err) or f"no answer within {self.cfg.prometheus.timeout_s * 3:g} s"
+                log.error("metrics source failed: %s; keeping the last good weights", why)
+        if ok and self.metrics_ok is False:
+            log.info("metrics source is back")
         self.metrics_ok = ok
         METRICS_UP.set(1 if ok else 0)
         ROUNDS.labels("ok" if ok else "metrics_unavailable").inc()

@@ -108,8 +108,21 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
     }
 
 
-def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None) -> Stack:
-    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy."""
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` merged in, nested mappings merged key by key (a new dict)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None, *,
+                overrides: dict | None = None, prometheus_url: Callable[[int], str] | None = None) -> Stack:
+    """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
+
+    ``overrides``: merged into the inferlb config; ``prometheus_url``: Prometheus's port -> the URL
+    inferlb queries (a fault-injecting front, say).
+    """
     procs: list[stack.Proc] = []
     loop = LoopThread()
     try:
@@ -124,9 +137,10 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
         listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)))
+        url = prometheus_url(prom_port) if prometheus_url else f"http://127.0.0.1:{prom_port}"
+        cfg_path.write_text(yaml.safe_dump(merge(backend_config(backends, url, listener_port), overrides or {})))
         cfg = load_config(cfg_path)
-        app = InferLB(cfg)
+        app = InferLB(cfg, cfg_path)
         loop.run(app.start())
         wait_until(lambda: app.control.ready.is_set(), 10, what="first snapshot")
         envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="test-envoy",
