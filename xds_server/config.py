@@ -72,7 +72,8 @@ class OutlierDetection(_Strict):
 
     ``consecutive_5xx`` / ``consecutive_gateway_failure``: errors in a row that eject a host (a
     per-try timeout counts as a gateway failure); ``interval_s``: how often Envoy sweeps (s);
-    ``base_ejection_time_s``: first ejection length (s; Envoy multiplies it by the ejection count);
+    ``base_ejection_time_s``: first ejection length (s; Envoy multiplies it by the ejection count,
+    up to ``max_ejection_time_s``);
     ``max_ejection_percent``: most of a cluster ejected at once (Envoy always allows one host).
     Source: Envoy docs, "Outlier detection" (config.cluster.v3.OutlierDetection).
     """
@@ -81,6 +82,7 @@ class OutlierDetection(_Strict):
     consecutive_gateway_failure: int = Field(3, ge=1)
     interval_s: float = Field(2.0, gt=0)
     base_ejection_time_s: float = Field(10.0, gt=0)
+    max_ejection_time_s: float = Field(300.0, gt=0)
     max_ejection_percent: int = Field(50, ge=0, le=100)
 
 
@@ -151,6 +153,11 @@ class EnvoySide(_Strict):
     per_try_timeout_s: float = Field(60.0, gt=0)
     #: Retries on connect failure, reset, 5xx or per-try timeout, each on another host.
     retries: int = Field(2, ge=0, le=10)
+    #: Concurrent retries allowed per cluster, as % of its active requests, but at least
+    #: ``min_retry_concurrency`` (Envoy's retry budget; its default of 3 concurrent retries turns a
+    #: crashed backend under load into 503s: "upstream_rq_retry_overflow").
+    retry_budget_percent: float = Field(25.0, gt=0, le=100)
+    min_retry_concurrency: int = Field(16, ge=1)
     outlier_detection: OutlierDetection = OutlierDetection()
     tls: EnvoyTls | None = None
 

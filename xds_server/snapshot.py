@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, extension_pb2, health_check_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, extension_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
@@ -22,7 +22,7 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from .config import Config, OutlierDetection, ServiceConfig, cluster_name, split_hostport
+from .config import Config, EnvoySide, OutlierDetection, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from .listener import (
     EXT_PROC_CLUSTER,
@@ -118,12 +118,23 @@ def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
         enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
         interval=dur(o.interval_s),
         base_ejection_time=dur(o.base_ejection_time_s),
+        max_ejection_time=dur(max(o.max_ejection_time_s, o.base_ejection_time_s)),
         max_ejection_percent=wrappers_pb2.UInt32Value(value=o.max_ejection_percent),
     )
 
 
+def _retry_budget(envoy: EnvoySide) -> circuit_breaker_pb2.CircuitBreakers:
+    """A retry budget instead of Envoy's fixed max_retries (3) circuit breaker."""
+    budget = circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+        budget_percent=percent_pb2.Percent(value=envoy.retry_budget_percent),
+        min_retry_concurrency=wrappers_pb2.UInt32Value(value=envoy.min_retry_concurrency),
+    )
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=base_pb2.DEFAULT, retry_budget=budget)])
+
+
 def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
-                  outlier: OutlierDetection | None = None) -> cluster_pb2.Cluster:
+                  envoy: EnvoySide | None = None) -> cluster_pb2.Cluster:
     """An EDS cluster over ADS whose LB policy is ``envoy.load_balancing_policies.override_host``.
 
     The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
@@ -158,8 +169,9 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
             healthy_panic_threshold=percent_pb2.Percent(value=service.panic_threshold_percent)
         ),
     )
-    if outlier is not None:
-        cluster.outlier_detection.CopyFrom(_outlier(outlier))
+    if envoy is not None:
+        cluster.outlier_detection.CopyFrom(_outlier(envoy.outlier_detection))
+        cluster.circuit_breakers.CopyFrom(_retry_budget(envoy))
     return cluster
 
 
@@ -215,7 +227,7 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     for service in cfg.services:
         for version in service.versions:
             name = cluster_name(service.name, version.name)
-            clusters[name] = build_cluster(name, service, cfg.headers.override_host, cfg.envoy.outlier_detection)
+            clusters[name] = build_cluster(name, service, cfg.headers.override_host, cfg.envoy)
             assignments[name] = build_assignment(name, by_cluster.get(name, ()))
     return make_snapshot({
         CLUSTER_TYPE: clusters,

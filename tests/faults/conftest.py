@@ -29,7 +29,7 @@ RESILIENCE = {
         "per_try_timeout_s": 1.0,
         "retries": 2,
         "outlier_detection": {"consecutive_5xx": 3, "consecutive_gateway_failure": 2, "interval_s": 0.5,
-                              "base_ejection_time_s": 3, "max_ejection_percent": 50},
+                              "base_ejection_time_s": 2, "max_ejection_time_s": 4, "max_ejection_percent": 50},
     },
     "prometheus": {"first_round_wait_s": 5},
 }
