@@ -26,7 +26,7 @@ __all__ = ["Background", "PrometheusFront", "Sampler", "Stack", "wait_until"]
 #: Envoy-side resilience for the fault stacks: short per-try timeout, fast outlier detection.
 RESILIENCE = {
     "envoy": {
-        "per_try_timeout_s": 1.0,
+        "per_try_timeout_s": 1.5,
         "retries": 2,
         "outlier_detection": {"consecutive_5xx": 3, "consecutive_gateway_failure": 2, "interval_s": 0.5,
                               "base_ejection_time_s": 2, "max_ejection_time_s": 4, "max_ejection_percent": 50},
