@@ -377,7 +377,12 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 def _path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(part)):
+            out += f"[{str(part)!r}]"  # an odd key (spaces, control characters) stays on one line
+        else:
+            out += f".{part}" if out else str(part)
     return out or "(top level)"
 
 
@@ -393,7 +398,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError(f"{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line per problem
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(data).__name__}")
     try:
