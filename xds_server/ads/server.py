@@ -133,10 +133,11 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             try:
                 async for req in request_iterator:
                     await inbox.put(req)
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            except grpc.aio.AioRpcError:
                 pass
-            finally:
-                await inbox.put(None)
+            # The client is done (or broke): tell the loop. Not when cancelled: the stream is already
+            # closing, and the inbox may be full with no one left to make room.
+            await inbox.put(None)
 
         reader = asyncio.create_task(read())
         XDS_STREAMS.inc()
