@@ -304,6 +304,46 @@ class ServiceConfig(_Strict):
         return self.default_version or self.versions[0].name
 
 
+class KubernetesService(_Strict):
+    """One inferlb service whose endpoints come from a Kubernetes Service's EndpointSlices.
+
+    ``service``: the Kubernetes Service (EndpointSlices labelled ``kubernetes.io/service-name``);
+    ``port``: the port number or name serving inference and ``/metrics``; each ready endpoint's
+    pod labels give its version (``version_label``) and GPU class (``gpu_class_label``). The other
+    fields mean what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    service: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    port: int | str = 8000
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    max_concurrency: int = Field(8, ge=1)
+
+
+class KubernetesDiscovery(_Strict):
+    """Discovery from Kubernetes EndpointSlices (discovery.k8s.io/v1) in one namespace.
+
+    ``api_server``: the API server URL (tests, or out of cluster); default: the in-cluster service
+    account, else ``~/.kube/config``. Pods without ``version_label`` are skipped (logged, counted);
+    without ``gpu_class_label`` they get ``default_gpu_class``.
+    """
+
+    namespace: str = "default"
+    api_server: str | None = None
+    version_label: str = "inferlb.io/model-version"
+    gpu_class_label: str = "inferlb.io/gpu-class"
+    default_gpu_class: str = "a100"
+    services: tuple[KubernetesService, ...] = Field(min_length=1)
+
+
+class Discovery(_Strict):
+    """Where endpoints come from besides ``services`` (static)."""
+
+    kubernetes: KubernetesDiscovery | None = None
+
+
 class Config(_Strict):
     """The whole inferlb config (one YAML file)."""
 
@@ -315,9 +355,16 @@ class Config(_Strict):
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**v) for k, v in DEFAULT_GPU_CLASSES.items()}
     )
-    services: tuple[ServiceConfig, ...] = Field(min_length=1)
+    services: tuple[ServiceConfig, ...]
     tls: TlsConfig | None = None
     admin: AdminConfig = AdminConfig()
+    discovery: Discovery = Discovery()
+
+    @model_validator(mode="after")
+    def _some_service(self) -> Config:
+        if not self.services and self.discovery.kubernetes is None:
+            raise ValueError("services: at least one service is needed (or discovery.kubernetes.services)")
+        return self
 
     @model_validator(mode="after")
     def _tls(self) -> Config:

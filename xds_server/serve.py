@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
 
 from ext_proc.server import start_ext_proc_server
 from ext_proc.view import ViewHolder
@@ -31,6 +32,7 @@ from .admin.app import WriteAuth, make_admin_app
 from .ads.server import AdsServicer, SnapshotCache, start_ads_server
 from .config import Config, ConfigError, load_config, split_hostport
 from .control import ControlPlane, routing_table
+from .discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
 from .metrics.prometheus import PrometheusSource
 from .tls import server_credentials
 
@@ -54,6 +56,10 @@ class InferLB:
 
     def __init__(self, cfg: Config, config_path: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.base_cfg = cfg   # the file's config; discovered services are added to it
+        self.discovered: Discovered | None = None
+        self._discovered_once = asyncio.Event()
+        self._watcher: KubernetesWatcher | None = None
         self.config_path = config_path
         source = _source(cfg)
         self.cache = SnapshotCache()
@@ -92,19 +98,51 @@ class InferLB:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
-        self._loop_task = asyncio.create_task(self.control.run())
+        self._loop_task = asyncio.create_task(self._run_loop())
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")
+
+    async def _run_loop(self) -> None:
+        """The weight loop; with Kubernetes discovery, only once the first list is in (so nothing
+        partial is ever pushed)."""
+        spec = self.cfg.discovery.kubernetes
+        if spec is not None:
+            loop = asyncio.get_running_loop()
+            self._watcher = KubernetesWatcher(
+                spec, lambda d: loop.call_soon_threadsafe(lambda: loop.create_task(self.on_discovered(d))))
+            self._watcher.start()
+            await self._discovered_once.wait()
+        await self.control.run()
+
+    async def on_discovered(self, discovered: Discovered) -> None:
+        """A new discovered endpoint set: compose it into the config and apply it (a set that does
+        not make a valid config is logged and skipped; the last good one keeps serving)."""
+        try:
+            new = compose_config(self.base_cfg, discovered)
+        except ValidationError as err:
+            self._refused("invalid-discovery", f"discovered endpoints refused: {err}")
+            return
+        self.discovered = discovered
+        await self.apply_config(new)
+        self._discovered_once.set()
 
     async def reload(self) -> tuple[bool, str]:
         """Read ``config_path`` again and apply it. Returns ``(applied, message)``; never raises."""
         if self.config_path is None:
             return False, "no config file to reload (started from an in-memory config)"
         try:
-            new = load_config(self.config_path)
+            base = load_config(self.config_path)
+            new = compose_config(base, self.discovered) if self.discovered is not None else base
         except ConfigError as err:
             return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")
-        return await self.apply_config(new)
+        except ValidationError as err:
+            return self._refused("invalid", f"config reload refused (with the discovered endpoints): {err}")
+        if base.discovery != self.base_cfg.discovery:
+            return self._refused("refused", "config reload refused: discovery cannot change without a restart")
+        applied, message = await self.apply_config(new)
+        if applied:
+            self.base_cfg = base
+        return applied, message
 
     async def apply_config(self, new: Config) -> tuple[bool, str]:
         """Apply a validated config: rebuild the control plane's inputs and push at once.
@@ -143,6 +181,8 @@ class InferLB:
         self.stopping = True
         if self._loop_task:
             self._loop_task.cancel()
+        if self._watcher is not None:
+            self._watcher.stop()
         servers = [s for s in (self.ads_server, self.ext_server) if s is not None]
         await asyncio.gather(*(s.stop(grace=grace_s) for s in servers))
         if self._runner:
