@@ -13,6 +13,7 @@ The listener's HTTP connection manager
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -157,13 +158,18 @@ def upstream_tls(tls: EnvoyTls) -> dict:
 
 
 def build_ext_proc_cluster(ext_proc_address: str, tls: EnvoyTls | None = None) -> cluster_pb2.Cluster:
-    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT`` (TLS when
-    ``tls`` is given)."""
+    """CDS ``inferlb_ext_proc``: an HTTP/2 cluster for the picker at ``HOST:PORT`` (TLS when ``tls`` is
+    given): STATIC for an IP, STRICT_DNS for a name (every address it resolves to is a picker)."""
     host, port = split_hostport(ext_proc_address)
     extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}
+    try:
+        ipaddress.ip_address(host)
+        kind = "STATIC"
+    except ValueError:   # a DNS name (a Kubernetes Service, say): Envoy resolves it, every replica
+        kind = "STRICT_DNS"
     return json_format.ParseDict({**extra,
         "name": EXT_PROC_CLUSTER,
-        "type": "STATIC",
+        "type": kind,
         "connect_timeout": "0.25s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",

@@ -62,3 +62,14 @@ def test_ext_proc_cluster_dials_the_picker_over_tls_when_configured():
     c.transport_socket.typed_config.Unpack(ctx)
     assert ctx.sni == "lb" and ctx.common_tls_context.validation_context.trusted_ca.filename == "/etc/ca.pem"
     assert ctx.common_tls_context.alpn_protocols == ["h2"] and not ctx.common_tls_context.tls_certificates
+
+
+def test_ext_proc_cluster_resolves_a_dns_name_to_every_replica():
+    from envoy.config.cluster.v3 import cluster_pb2
+
+    for address, kind in (("inferlb-headless.inference.svc.cluster.local:18080", cluster_pb2.Cluster.STRICT_DNS),
+                          ("10.0.0.9:18080", cluster_pb2.Cluster.STATIC)):
+        cfg = config(SERVICES, envoy={"ext_proc_address": address})
+        c = cluster_pb2.Cluster()
+        build_snapshot(cfg, [], cfg.envoy.ext_proc_address).of(CLUSTER_TYPE)["inferlb_ext_proc"].packed.Unpack(c)
+        assert c.type == kind
