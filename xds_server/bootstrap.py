@@ -36,5 +36,5 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
         "xds_port": port,
     }
     values = {k: json.dumps(v) for k, v in fields.items()}
-    values["xds_transport_socket"] = f"transport_socket: {json.dumps(upstream_tls(tls))}" if tls else ""
+    values["xds_transport_socket"] = f"\n      transport_socket: {json.dumps(upstream_tls(tls))}" if tls else ""
     return Template(TEMPLATE.read_text()).substitute(values)
