@@ -67,7 +67,9 @@ def test_hostile_header_is_answered_counted_and_logged_at_most_once(fault_stack:
     assert all(len(body) < 2048 for _, body, _ in answers), "an error body must not echo the whole value"
     assert decisions(outcome) - before == 30
     assert errors_total() == errors_before, "no internal error in the picker"
-    noisy = [r for r in caplog.records if r.name.startswith(("ext_proc", "xds_server"))]
+    # The picker's lines, and any warning from inferlb (the slow loop's weight changes are not about this).
+    noisy = [r for r in caplog.records if r.name.startswith("ext_proc")
+             or (r.name.startswith("xds_server") and r.levelno >= logging.WARNING)]
     assert len(noisy) <= 1, [r.getMessage()[:200] for r in noisy]
     assert sum(len(r.getMessage()) for r in noisy) < 4096
     if outcome == "session" and want_status == 200:   # pinned: one backend for the one session key
