@@ -112,8 +112,11 @@ def test_mtls_xds_and_ext_proc_against_real_envoy(tmp_path: Path):
         wait_until(lambda: "chat-v1" in envoy_hosts(f"http://127.0.0.1:{admin}"), 15, 0.1,
                    "Envoy to get its clusters over mTLS xDS")
         def picker_says() -> str | None:
-            r = requests.post(f"http://127.0.0.1:{listener}/v1/chat/completions", headers={"model-version": "v9"},
-                              json={}, timeout=5)
+            try:
+                r = requests.post(f"http://127.0.0.1:{listener}/v1/chat/completions",
+                                  headers={"model-version": "v9"}, json={}, timeout=5)
+            except requests.ConnectionError:   # the listener (LDS) may come a moment after the clusters
+                return None
             return r.text if r.status_code == 400 else None
 
         text = wait_until(picker_says, 10, 0.2, "the picker to answer over mTLS")
