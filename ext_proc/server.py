@@ -114,16 +114,17 @@ def add_servicer(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
 
 
 async def start_ext_proc_server(
-    handler: PickerHandler, address: str, *, reuse_port: bool = False
+    handler: PickerHandler, address: str, *, reuse_port: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Bind and start the ext_proc gRPC server (plaintext HTTP/2).
+    """Bind and start the ext_proc gRPC server (plaintext HTTP/2, or TLS with ``credentials``).
 
     Args:
         handler: the picker logic the servicer calls.
         address: ``"HOST:PORT"``; port 0 picks a free port.
         reuse_port: allow several processes on one port (SO_REUSEPORT). Off by default so a
             second picker on a taken port fails instead of silently sharing it.
-        sampler: keeps a sample of decisions (see :class:`ext_proc.sampler.DecisionSampler`).
+        credentials: TLS server credentials (``grpc.ssl_server_credentials``); None = plaintext.
 
     Returns:
         ``(server, port)``: the started server (stop it with ``await server.stop(grace)``) and
@@ -140,7 +141,8 @@ async def start_ext_proc_server(
         ]
     )
     add_servicer(ExtProcServicer(handler), server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"ext_proc server could not bind {address}")
     await server.start()

@@ -11,18 +11,21 @@ from pathlib import Path
 from string import Template
 
 from .ads.server import MAX_MESSAGE_BYTES
-from .config import split_hostport
+from .config import EnvoyTls, split_hostport
+from .listener import upstream_tls
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 
 
 def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cluster: str = "inferlb",
-                     delta: bool = False) -> str:
+                     delta: bool = False, tls: EnvoyTls | None = None) -> str:
     """The bootstrap YAML text for one Envoy.
 
     ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1); ``node_cluster``:
     picks the node group (``node_groups`` in the config); ``delta``: incremental ADS
     (``DELTA_GRPC``) instead of State-of-the-World (``GRPC``).
+    ``tls``: dial the ADS server over TLS (CA to trust; client cert/key for mTLS): the xDS cluster
+    gets an ``UpstreamTlsContext``.
 
     Raises:
         FileNotFoundError: the template is missing (not a source checkout).
@@ -37,4 +40,6 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
         "api_type": "DELTA_GRPC" if delta else "GRPC",
         "max_message_bytes": MAX_MESSAGE_BYTES,
     }
-    return Template(TEMPLATE.read_text()).substitute({k: json.dumps(v) for k, v in fields.items()})
+    values = {k: json.dumps(v) for k, v in fields.items()}
+    values["xds_transport_socket"] = f"\n      transport_socket: {json.dumps(upstream_tls(tls))}" if tls else ""
+    return Template(TEMPLATE.read_text()).substitute(values)

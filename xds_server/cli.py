@@ -19,9 +19,18 @@ from .config import ConfigError, load_config
 DEFAULT_ADMIN = "http://127.0.0.1:18090"
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    """Log to stderr as text lines, or (``fmt="json"``) one JSON object per line (python-json-logger:
+    ``time``, ``level``, ``logger``, ``message`` and, on errors, ``exc_info``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
 def _load(path: str):
@@ -49,15 +58,21 @@ def validate(config_path: str) -> None:
 @main.command()
 @click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(config_path: str, log_level: str) -> None:
-    """Run the xDS server, the ext_proc picker and the admin API."""
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+              help="json: one JSON object per line (time, level, logger, message).")
+@click.option("--watch-config", "watch_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              help="Poll the config file every S seconds and reload it when it changes (0 = only on SIGHUP).")
+@click.option("--shutdown-grace", "grace_s", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds open streams get to finish on SIGTERM.")
+def serve(config_path: str, log_level: str, log_format: str, watch_s: float, grace_s: float) -> None:
+    """Run the xDS server, the ext_proc picker and the admin API. SIGHUP reloads the config."""
     from .history.types import HistoryError
     from .serve import serve as run
 
     cfg = _load(config_path)
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     try:
-        asyncio.run(run(cfg))
+        asyncio.run(run(cfg, config_path=config_path, watch_interval_s=watch_s, grace_s=grace_s))
     except HistoryError as err:
         click.echo(f"inferlb serve: {err}", err=True)
         sys.exit(2)
@@ -69,13 +84,28 @@ def serve(config_path: str, log_level: str) -> None:
 @click.option("--node-cluster", default="inferlb", show_default=True, help="Envoy node.cluster.")
 @click.option("--admin-port", default=9901, show_default=True, type=int, help="Envoy's admin port (127.0.0.1).")
 @click.option("--delta", is_flag=True, help="Delta (incremental) ADS instead of State-of-the-World.")
-def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int, delta: bool) -> None:
-    """Print the Envoy bootstrap YAML for CONFIG (everything else comes over xDS)."""
+@click.option("--tls-ca", type=click.Path(), help="CA bundle Envoy trusts for the xDS server (turns TLS on).")
+@click.option("--tls-cert", type=click.Path(), help="Envoy's client certificate (mTLS; with --tls-key).")
+@click.option("--tls-key", type=click.Path(), help="Envoy's client key (mTLS; with --tls-cert).")
+@click.option("--tls-server-name", help="SNI and subject alt name the xDS server certificate must carry.")
+def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int, delta: bool,
+              tls_ca: str | None,
+              tls_cert: str | None, tls_key: str | None, tls_server_name: str | None) -> None:
+    """Print the Envoy bootstrap YAML for CONFIG (everything else comes over xDS).
+
+    Paths are as Envoy's host sees them. Without --tls-ca the config's envoy.tls is used, if any.
+    """
     from .bootstrap import render_bootstrap
+    from .config import EnvoyTls
 
     cfg = _load(config_path)
+    tls = cfg.envoy.tls
+    if tls_ca or tls_cert or tls_key:
+        if not tls_ca or bool(tls_cert) != bool(tls_key):
+            raise click.UsageError("--tls-ca is required with TLS, and --tls-cert and --tls-key go together")
+        tls = EnvoyTls(ca=tls_ca, cert=tls_cert, key=tls_key, server_name=tls_server_name)
     click.echo(render_bootstrap(xds_address=cfg.listen.xds, node_id=node_id, node_cluster=node_cluster,
-                                admin_port=admin_port, delta=delta))
+                                admin_port=admin_port, delta=delta, tls=tls))
 
 
 @main.command()

@@ -73,8 +73,76 @@ class Listen(_Strict):
     xds: str = "127.0.0.1:18000"
     ext_proc: str = "127.0.0.1:18080"
     admin: str = "127.0.0.1:18090"
+    #: ADS streams served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory).
+    max_xds_streams: int = Field(1024, ge=1, le=1_000_000)
 
     _hp = field_validator("xds", "ext_proc", "admin")(_check_hostport)
+
+
+class OutlierDetection(_Strict):
+    """Envoy's outlier detection on every inference cluster (passive health checking, case C13).
+
+    ``consecutive_5xx`` / ``consecutive_gateway_failure``: errors in a row that eject a host (a
+    per-try timeout counts as a gateway failure); ``interval_s``: how often Envoy sweeps (s);
+    ``base_ejection_time_s``: first ejection length (s; Envoy multiplies it by the ejection count,
+    up to ``max_ejection_time_s``);
+    ``max_ejection_percent``: most of a cluster ejected at once (Envoy always allows one host).
+    Source: Envoy docs, "Outlier detection" (config.cluster.v3.OutlierDetection).
+    """
+
+    consecutive_5xx: int = Field(5, ge=1)
+    consecutive_gateway_failure: int = Field(3, ge=1)
+    interval_s: float = Field(2.0, gt=0)
+    base_ejection_time_s: float = Field(10.0, gt=0)
+    max_ejection_time_s: float = Field(300.0, gt=0)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class EnvoyTls(_Strict):
+    """How Envoy dials inferlb's TLS gRPC servers (paths as Envoy's host sees them).
+
+    ``ca``: CA bundle that signed inferlb's server certificate; ``cert``/``key``: Envoy's client
+    certificate for mTLS (both or neither); ``server_name``: SNI sent and the subject alt name the
+    server certificate must carry (default: none checked beyond the CA).
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> EnvoyTls:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (Envoy's client certificate for mTLS)")
+        return self
+
+
+class TlsConfig(_Strict):
+    """TLS on inferlb's gRPC servers (xDS and ext_proc). PEM file paths on inferlb's host.
+
+    ``require_client_cert``: mTLS; clients must present a certificate signed by ``ca``.
+    """
+
+    cert: str
+    key: str
+    ca: str | None = None
+    require_client_cert: bool = False
+
+    @model_validator(mode="after")
+    def _ca(self) -> TlsConfig:
+        if self.require_client_cert and not self.ca:
+            raise ValueError("require_client_cert needs ca (the CA that signs client certificates)")
+        return self
+
+
+class AdminConfig(_Strict):
+    """Admin API access. ``token``: bearer token for write operations (drain, reload); the env var
+    ``INFERLB_ADMIN_TOKEN`` is used when unset. Without a token, write operations are allowed only
+    when the admin API binds a loopback address.
+    """
+
+    token: str | None = Field(None, min_length=16, repr=False)
 
 
 class EnvoySide(_Strict):
@@ -97,6 +165,17 @@ class EnvoySide(_Strict):
     failure_mode_allow: bool = True
     route_timeout_s: float = Field(120.0, gt=0)
     picker: bool = True
+    #: Per-attempt upstream timeout (s): a backend that accepts and never answers times out (C13).
+    per_try_timeout_s: float = Field(60.0, gt=0)
+    #: Retries on connect failure, reset, 5xx or per-try timeout, each on another host.
+    retries: int = Field(2, ge=0, le=10)
+    #: Concurrent retries allowed per cluster, as % of its active requests, but at least
+    #: ``min_retry_concurrency`` (Envoy's retry budget; its default of 3 concurrent retries turns a
+    #: crashed backend under load into 503s: "upstream_rq_retry_overflow").
+    retry_budget_percent: float = Field(25.0, gt=0, le=100)
+    min_retry_concurrency: int = Field(16, ge=1)
+    outlier_detection: OutlierDetection = OutlierDetection()
+    tls: EnvoyTls | None = None
 
     @field_validator("listener", "ext_proc_address")
     @classmethod
@@ -116,6 +195,9 @@ class PrometheusSource(_Strict):
     window_s: float = Field(60.0, gt=0)
     interval_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
+    #: The first snapshot waits this long (s) for a successful metrics round; then it goes out
+    #: with neutral weights (flagged), so a dead Prometheus can't keep Envoy unconfigured forever.
+    first_round_wait_s: float = Field(10.0, ge=0)
 
     @field_validator("url")
     @classmethod
@@ -381,6 +463,8 @@ class NodeGroup(_Strict):
     @classmethod
     def _hp(cls, v: str | None) -> str | None:
         return None if v is None else _check_hostport(v)
+
+
 class Picker(_Strict):
     """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
 
@@ -418,6 +502,46 @@ class Picker(_Strict):
     session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
+class KubernetesService(_Strict):
+    """One inferlb service whose endpoints come from a Kubernetes Service's EndpointSlices.
+
+    ``service``: the Kubernetes Service (EndpointSlices labelled ``kubernetes.io/service-name``);
+    ``port``: the port number or name serving inference and ``/metrics``; each ready endpoint's
+    pod labels give its version (``version_label``) and GPU class (``gpu_class_label``). The other
+    fields mean what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    service: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    port: int | str = 8000
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    max_concurrency: int = Field(8, ge=1)
+
+
+class KubernetesDiscovery(_Strict):
+    """Discovery from Kubernetes EndpointSlices (discovery.k8s.io/v1) in one namespace.
+
+    ``api_server``: the API server URL (tests, or out of cluster); default: the in-cluster service
+    account, else ``~/.kube/config``. Pods without ``version_label`` are skipped (logged, counted);
+    without ``gpu_class_label`` they get ``default_gpu_class``.
+    """
+
+    namespace: str = "default"
+    api_server: str | None = None
+    version_label: str = "inferlb.io/model-version"
+    gpu_class_label: str = "inferlb.io/gpu-class"
+    default_gpu_class: str = "a100"
+    services: tuple[KubernetesService, ...] = Field(min_length=1)
+
+
+class Discovery(_Strict):
+    """Where endpoints come from besides ``services`` (static)."""
+
+    kubernetes: KubernetesDiscovery | None = None
+
+
 class Config(_Strict):
     """The whole inferlb config (one YAML file)."""
 
@@ -431,15 +555,34 @@ class Config(_Strict):
     metrics: MetricsSettings = MetricsSettings()
     gpu_classes: dict[str, GpuClass] = Field(
         default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
-    services: tuple[ServiceConfig, ...] = Field(min_length=1)
+    services: tuple[ServiceConfig, ...]
     xds: XdsServing = XdsServing()
     node_groups: dict[str, NodeGroup] = Field(default_factory=dict)
+    tls: TlsConfig | None = None
+    admin: AdminConfig = AdminConfig()
+    discovery: Discovery = Discovery()
 
     @field_validator("gpu_classes", mode="after")
     @classmethod
     def _with_defaults(cls, v: dict[str, GpuClass]) -> dict[str, GpuClass]:
         """Configured classes extend (and may override) the built-in ones."""
         return {**{k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()}, **v}
+
+    @model_validator(mode="after")
+    def _some_service(self) -> Config:
+        if not self.services and self.discovery.kubernetes is None:
+            raise FieldProblem(("services",), "at least one service is needed (or discovery.kubernetes.services)")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        if self.tls is not None and self.envoy.tls is None:
+            raise FieldProblem(("envoy", "tls"), "tls is set but envoy.tls is not: Envoy must dial the picker "
+                               "over TLS too (envoy.tls.ca, and cert/key for mTLS)")
+        if self.tls is not None and self.tls.require_client_cert and self.envoy.tls.cert is None:
+            raise FieldProblem(("envoy", "tls", "cert"),
+                               "tls.require_client_cert is set but envoy.tls has no cert/key for Envoy")
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
@@ -531,7 +674,12 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 def _path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(part)):
+            out += f"[{str(part)!r}]"  # an odd key (spaces, control characters) stays on one line
+        else:
+            out += f".{part}" if out else str(part)
     return out or "(top level)"
 
 
@@ -547,7 +695,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError(f"{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line per problem
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(data).__name__}")
     try:

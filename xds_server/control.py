@@ -21,6 +21,7 @@ from .engine.pipeline import compute_weights
 from .engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
 from .metrics.combined import MetricsSource
 from .metrics.prometheus import MetricsUnavailable
+from .metrics.stats import EndpointStats
 from .snapshot import BuildMemo, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class ControlPlane:
 
     ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
+
+    Nothing is published before the first successful metrics round, or before
+    ``prometheus.first_round_wait_s`` has passed without one (then neutral weights go out, flagged):
+    so a restarted control plane never replaces Envoy's last good weights with guesses.
     """
 
     def __init__(self, cfg: Config, source: MetricsSource, cache: SnapshotCache,
@@ -82,6 +87,10 @@ class ControlPlane:
         self._state = EngineState()
         self._memo = BuildMemo()
         self._group_cfgs = {g: cfg.for_node_group(g) for g in cfg.node_groups}
+        self._stats: dict[str, EndpointStats] = {}
+        self._draining: set[str] = set()
+        self._created = time.monotonic()
+        self._lock = asyncio.Lock()
         self.weights: list[EndpointWeight] = []
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
@@ -96,22 +105,78 @@ class ControlPlane:
         """The engine's view of one configured endpoint."""
         return next((s for s in self._specs if s.cluster == cluster and s.address == address), None)
 
-    def set_draining(self, address: str, draining: bool = True) -> int:
-        """Start (or stop) draining every endpoint at ``address``; takes effect next round (C11).
+    @property
+    def addresses(self) -> set[str]:
+        """Every configured endpoint address (``HOST:PORT``)."""
+        return {s.address for s in self._specs}
 
-        Returns how many endpoints matched (0: unknown address).
+    @property
+    def draining(self) -> frozenset[str]:
+        """Addresses set to drain through :meth:`set_draining`."""
+        return frozenset(self._draining)
+
+    def _specs_now(self) -> list[EndpointSpec]:
+        return [replace(s, draining=True) if s.address in self._draining else s for s in self._specs]
+
+    def reconfigure(self, cfg: Config, source: MetricsSource | None = None) -> None:
+        """Take a new (already validated) config: endpoints, engine parameters, Envoy side, headers.
+
+        The engine's memory (last weights) is kept for endpoints that stay, so weights don't jump;
+        drains of endpoints that are gone are forgotten. Publishes nothing: call :meth:`republish`.
         """
-        hits = 0
-        for i, s in enumerate(self._specs):
-            if s.address == address:
-                self._specs[i] = replace(s, draining=draining)
-                hits += 1
-        if hits:
-            log.info("endpoint %s: %s", address, "draining" if draining else "drain cancelled")
-        return hits
+        self.cfg = cfg
+        self._specs = endpoint_specs(cfg)
+        self._params = engine_params(cfg)
+        self._group_cfgs = {g: cfg.for_node_group(g) for g in cfg.node_groups}
+        self._draining &= self.addresses
+        if source is not None:
+            self.source = source
 
-    async def run_round(self) -> None:
-        """One round. On a metrics failure the previous weights stay (first round: neutral weights)."""
+    async def set_draining(self, address: str, draining: bool = True) -> bool:
+        """Mark ``address`` DRAINING (or back) in every cluster and publish at once (case C11).
+
+        Returns False (and changes nothing) when no configured endpoint has that address.
+        """
+        if address not in self.addresses:
+            return False
+        if draining:
+            self._draining.add(address)
+        else:
+            self._draining.discard(address)
+        log.info("endpoint %s %s", address, "set to drain" if draining else "no longer draining")
+        await self.republish()
+        return True
+
+    async def republish(self) -> None:
+        """Recompute from the last metrics round's stats and publish (drain, reload). No metrics query.
+
+        Before the first snapshot this does nothing: the first round decides what goes out first.
+        """
+        if not self.ready.is_set():
+            return
+        await self._compute_and_publish(self._stats)
+
+    async def _compute_and_publish(self, stats: dict[str, EndpointStats]) -> None:
+        async with self._lock:
+            weights, self._state = compute_weights(self._specs_now(), stats, self._state, self._params,
+                                                   now=time.monotonic())
+            self._log_changes(weights)
+            self.weights = weights
+            ext_proc = self._ext_proc_address()
+            served = [w for w in weights if not w.removed]
+            await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)
+            for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
+                await self.cache.set(build_snapshot(group_cfg, served, ext_proc, self._memo), group)
+
+    async def refresh(self) -> None:
+        """A round now (after a reload); if the metrics source fails, republish from the last stats so a
+        config change reaches Envoy even while Prometheus is down."""
+        if not await self.run_round() and self.weights:
+            await self.republish()
+
+    async def run_round(self) -> bool:
+        """One round; returns whether the metrics source answered. On a metrics failure the previous
+        weights stay (before the first snapshot: see the class docstring)."""
         instances = [s.instance for s in self._specs]
         try:
             stats = await asyncio.wait_for(asyncio.to_thread(self.source.fetch, instances),
@@ -121,21 +186,25 @@ class ControlPlane:
             ok = False
             stats = {}
             if self.metrics_ok is not False:
-                log.error("metrics source failed: %s; keeping the last good weights", err or "timeout")
+                why = str(err) or f"no answer within {self.cfg.prometheus.timeout_s * 3:g} s"
+                log.error("metrics source failed: %s; keeping the last good weights", why)
+        if ok and self.metrics_ok is False:
+            log.info("metrics source is back")
         self.metrics_ok = ok
         METRICS_UP.set(1 if ok else 0)
         ROUNDS.labels("ok" if ok else "metrics_unavailable").inc()
         self.last_round_at = time.time()
         if not ok and self.weights:
-            return
-        weights, self._state = compute_weights(self._specs, stats, self._state, self._params, now=time.monotonic())
-        self._log_changes(weights)
-        self.weights = weights
-        ext_proc = self._ext_proc_address()
-        served = [w for w in weights if not w.removed]
-        await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)
-        for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
-            await self.cache.set(build_snapshot(group_cfg, served, ext_proc, self._memo), group)
+            return False
+        if not ok:
+            waited = time.monotonic() - self._created
+            if waited < self.cfg.prometheus.first_round_wait_s:
+                return False
+            log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
+        else:
+            self._stats = stats
+        await self._compute_and_publish(stats)
+        return ok
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}

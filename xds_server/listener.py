@@ -5,7 +5,10 @@ The listener's HTTP connection manager
   ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
 - asks the picker (ext_proc, request headers only) for the cluster and the host;
 - routes by the cluster header the picker set, or, without it (picker down and
-  ``failure_mode_allow``), to the service's default version through the weighted fallback;
+  ``failure_mode_allow``), by the version header straight to that version's cluster (so versions
+  never mix while the picker is down), else to the service's default version (or its default mix);
+  all through the weighted fallback;
+- retries connect failures, resets, 5xx and per-try timeouts on another host (case C13);
 - logs every request the picker routed (it carries the cluster header) to the picker's
   ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
   counts requests in flight (ENVOY-NOTES: the ext_proc stream ends long before the request).
@@ -14,6 +17,9 @@ Envoy's weighted fallback policy picks every host (EDS weights only).
 """
 
 from __future__ import annotations
+
+import ipaddress
+import re
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
@@ -25,12 +31,14 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
 from ext_proc.settings import METADATA_KEY
 
-from .config import Config, ServiceConfig, cluster_name, split_hostport
+from .config import Config, EnvoyTls, ServiceConfig, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
 ROUTE_NAME = "inferlb"
@@ -57,6 +65,25 @@ def _fallback(s: ServiceConfig) -> dict:
     return {"weighted_clusters": {"clusters": [{"name": n, "weight": w} for n, w in shares]}}
 
 
+def retry_policy(cfg: Config) -> dict:
+    """The routes' retry policy (JSON form): ``envoy.retries`` retries, each try bounded by
+    ``envoy.per_try_timeout_s``, on another host (``previous_hosts`` predicate).
+
+    ``5xx`` covers upstream 5xx, resets, connect failures and per-try timeouts (Envoy docs,
+    "x-envoy-retry-on"); a backend that accepts and never answers costs one per-try timeout.
+    """
+    return {
+        "retry_on": "5xx",
+        "num_retries": cfg.envoy.retries,
+        "per_try_timeout": _seconds(cfg.envoy.per_try_timeout_s),
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
 
@@ -70,20 +97,24 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
         for h in s.hosts:
             domains += ["*"] if h == "*" else [h, f"{h}:*"]
         timeout = _seconds(cfg.envoy.route_timeout_s)
-        if cfg.envoy.picker:
-            by_header = [{"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
-                          "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout}}]
-        else:
-            by_header = [{"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
-                                                                "string_match": {"exact": v.name}}]},
-                          "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout}}
-                         for v in s.versions]
+        retry = retry_policy(cfg)
+        by_cluster_header = [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
+             "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout, "retry_policy": retry}}
+        ] if cfg.envoy.picker else []
+        by_version = [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
+                                                   "string_match": {"exact": v.name}}]},
+             "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout, "retry_policy": retry}}
+            for v in s.versions
+        ]
         vhosts.append({
             "name": s.name,
             "domains": domains,
             "routes": [
-                *by_header,
-                {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout}},
+                *by_cluster_header,
+                *by_version,
+                {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout, "retry_policy": retry}},
             ],
         })
     return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
@@ -161,18 +192,47 @@ def completion_log(cfg: Config) -> dict:
     }
 
 
-def build_ext_proc_cluster(ext_proc_address: str, picker: dict | None = None) -> cluster_pb2.Cluster:
-    """CDS ``inferlb_ext_proc``: a STATIC HTTP/2 cluster for the picker at ``HOST:PORT``.
+def upstream_tls(tls: EnvoyTls) -> dict:
+    """An ``envoy.transport_sockets.tls`` transport socket (JSON form) for a cluster dialing inferlb.
+
+    Verifies the server certificate against ``tls.ca`` (and its SAN against ``tls.server_name``
+    when set); presents ``tls.cert``/``tls.key`` for mTLS; offers ALPN ``h2`` (gRPC).
+    """
+    validation: dict = {"trusted_ca": {"filename": tls.ca}}
+    if tls.server_name:
+        kind = "IP_ADDRESS" if re.fullmatch(r"[0-9.]+|[0-9a-fA-F:]+", tls.server_name) else "DNS"
+        validation["match_typed_subject_alt_names"] = [{"san_type": kind, "matcher": {"exact": tls.server_name}}]
+    common: dict = {"validation_context": validation, "alpn_protocols": ["h2"]}
+    if tls.cert:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert},
+                                       "private_key": {"filename": tls.key}}]
+    ctx: dict = {"@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                 "common_tls_context": common}
+    if tls.server_name:
+        ctx["sni"] = tls.server_name
+    return {"name": "envoy.transport_sockets.tls", "typed_config": ctx}
+
+
+def build_ext_proc_cluster(ext_proc_address: str, picker: dict | None = None,
+                           tls: EnvoyTls | None = None) -> cluster_pb2.Cluster:
+    """CDS ``inferlb_ext_proc``: an HTTP/2 cluster for the picker at ``HOST:PORT`` (TLS when ``tls`` is
+    given): STATIC for an IP, STRICT_DNS for a name (every address it resolves to is a picker).
 
     ``picker``: the picker's configuration (``ext_proc.settings.to_wire``), carried in the
     cluster's metadata (``filter_metadata["inferlb.picker"]``) for pickers that subscribe over ADS.
     """
     host, port = split_hostport(ext_proc_address)
-    metadata = {"metadata": {"filter_metadata": {METADATA_KEY: picker}}} if picker is not None else {}
-    return json_format.ParseDict({
-        **metadata,
+    extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}
+    if picker is not None:
+        extra["metadata"] = {"filter_metadata": {METADATA_KEY: picker}}
+    try:
+        ipaddress.ip_address(host)
+        kind = "STATIC"
+    except ValueError:   # a DNS name (a Kubernetes Service, say): Envoy resolves it, every replica
+        kind = "STRICT_DNS"
+    return json_format.ParseDict({**extra,
         "name": EXT_PROC_CLUSTER,
-        "type": "STATIC",
+        "type": kind,
         "connect_timeout": "0.25s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",

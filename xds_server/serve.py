@@ -1,14 +1,30 @@
-"""``inferlb serve``: the control plane, the picker and the admin API in one process."""
+"""``inferlb serve``: the control plane, the picker and the admin API in one process.
+
+Lifecycle:
+- start: bind the ADS, ext_proc and admin servers, then run weight rounds. ``/readyz`` turns 200
+  once the first snapshot is published (after the first metrics round, see ``ControlPlane``).
+- reload (SIGHUP, the config file changing, or ``POST /api/v1/reload``): a valid new config
+  rebuilds the control plane's inputs and pushes at once; an invalid one is refused with a clear
+  error, logged and counted, and the last good config keeps serving. ``listen``, ``tls``,
+  ``picker``, ``metrics``, ``prometheus`` and ``history`` need a restart (the sockets, the picker,
+  the metrics sources and the history store were built with them).
+- stop (SIGTERM/SIGINT): ``/readyz`` turns 503, the gRPC servers stop accepting new streams,
+  open streams get ``grace_s`` seconds to finish, then the process exits.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+from pathlib import Path
 
 import grpc
 from aiohttp import web
+from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
 
 from ext_proc.handler import PickerHandler
 from ext_proc.sampler import DecisionSampler
@@ -16,43 +32,57 @@ from ext_proc.server import start_ext_proc_server
 from ext_proc.transport.server import FastServer, start_fast_server
 from ext_proc.view import ViewHolder
 
-from .admin.app import make_admin_app
+from .admin.app import WriteAuth, make_admin_app
 from .ads.cache import SnapshotCache
 from .ads.server import AdsServicer, start_ads_server
-from .config import Config, split_hostport
+from .config import Config, ConfigError, load_config, split_hostport
 from .control import ControlPlane
+from .discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
 from .history.recorder import HistoryRecorder
 from .history.sqlite import open_store
 from .metrics.push import start_push_server
 from .metrics.sources import build_sources
 from .picker_config import picker_settings, routing_table
+from .tls import server_credentials, server_ssl_context
 
 log = logging.getLogger(__name__)
+
+RELOADS = Counter("inferlb_config_reloads_total", "Config reloads, by outcome", ["outcome"])
+RELOAD_OK = Gauge("inferlb_config_last_reload_ok", "1 when the last config reload was applied, 0 when refused")
+TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
+#: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
+RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
 
 
 class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
     After :meth:`start`, ``xds_port``, ``ext_proc_port``, ``admin_port`` (and ``push_port`` with the
-    push source) hold the bound ports (the config may ask for port 0). ``recorder`` writes the weight
-    history (``cfg.history``); ``sampler`` keeps a sample of the picker's decisions. Raises
-    ``HistoryError`` when the history database cannot be opened.
+    push source) hold the bound ports (the config may ask for port 0). ``config_path``: the file
+    :meth:`reload` reads again. ``recorder`` writes the weight history (``cfg.history``);
+    ``sampler`` keeps a sample of the picker's decisions. Raises ``HistoryError`` when the history
+    database cannot be opened.
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, config_path: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.base_cfg = cfg   # the file's config; discovered services are added to it
+        self.discovered: Discovered | None = None
+        self._discovered_once = asyncio.Event()
+        self._watcher: KubernetesWatcher | None = None
+        self.config_path = config_path
         self.sources = build_sources(cfg)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
         self.sampler = DecisionSampler()
         self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler)
-        routing = routing_table(cfg)
+        self.routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, self.sources.combined, self.cache,
-                                    [lambda snap, _weights: self.view.update(snap.assignments(), routing),
+                                    [lambda snap, _weights: self.view.update(snap.assignments(), self.routing),
                                      self.recorder.record],
-                                    lambda: cfg.envoy.ext_proc_address or
-                                    f"{split_hostport(cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
+                                    lambda: self.cfg.envoy.ext_proc_address or
+                                    f"{split_hostport(self.cfg.listen.ext_proc)[0]}:{self.ext_proc_port}")
         self.ads: AdsServicer | None = None
         self.ads_server: grpc.aio.Server | None = None
         self.ext_server: grpc.aio.Server | FastServer | None = None
@@ -61,6 +91,9 @@ class InferLB:
         self._picker_task: asyncio.Task | None = None
         self._scrape_task: asyncio.Task | None = None
         self.push_server: grpc.aio.Server | None = None
+        self._reload_lock = asyncio.Lock()
+        self.stopping = False
+        self.last_reload_error: str | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
 
     def _current_weights(self):
@@ -68,16 +101,26 @@ class InferLB:
         return (snap.version if snap else None), self.control.weights
 
     async def start(self) -> None:
-        """Bind every server and start the weight loop. Raises ``RuntimeError``/``OSError`` on bind failure."""
-        self.ads_server, self.ads, self.xds_port = await start_ads_server(self.cache, self.cfg.listen.xds)
+        """Bind every server and start the weight loop.
+
+        Raises ``RuntimeError``/``OSError`` on bind failure, ``ConfigError`` on unreadable TLS files.
+        """
+        tls = self.cfg.tls
+        creds = server_credentials(tls) if tls else None
+        self.ads_server, self.ads, self.xds_port = await start_ads_server(
+            self.cache, self.cfg.listen.xds, max_streams=self.cfg.listen.max_xds_streams, credentials=creds)
         if self.cfg.picker.transport == "fast":
-            self.ext_server, self.ext_proc_port = await start_fast_server(self.picker, self.cfg.listen.ext_proc)
+            self.ext_server, self.ext_proc_port = await start_fast_server(
+                self.picker, self.cfg.listen.ext_proc, ssl_context=server_ssl_context(tls) if tls else None)
         else:
-            self.ext_server, self.ext_proc_port = await start_ext_proc_server(self.picker, self.cfg.listen.ext_proc)
-        self._runner = web.AppRunner(make_admin_app(self.control, self.ads, self.recorder.store, self.sampler),
-                                     access_log=None)
-        await self._runner.setup()
+            self.ext_server, self.ext_proc_port = await start_ext_proc_server(
+                self.picker, self.cfg.listen.ext_proc, credentials=creds)
         host, port = split_hostport(self.cfg.listen.admin)
+        auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
+        app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
+                             reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
@@ -87,35 +130,144 @@ class InferLB:
                                                                        self.cfg.metrics.push.listen)
         if self.sources.scrape is not None:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
-        self._loop_task = asyncio.create_task(self.control.run())
+        self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
-        log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d", self.xds_port, self.ext_proc_port,
-                 self.admin_port)
+        log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
+                 self.admin_port, " (TLS)" if creds else "")
+
+    async def _run_loop(self) -> None:
+        """The weight loop; with Kubernetes discovery, only once the first list is in (so nothing
+        partial is ever pushed)."""
+        spec = self.cfg.discovery.kubernetes
+        if spec is not None:
+            loop = asyncio.get_running_loop()
+            self._watcher = KubernetesWatcher(
+                spec, lambda d: loop.call_soon_threadsafe(lambda: loop.create_task(self.on_discovered(d))))
+            self._watcher.start()
+            await self._discovered_once.wait()
+        await self.control.run()
+
+    async def on_discovered(self, discovered: Discovered) -> None:
+        """A new discovered endpoint set: compose it into the config and apply it (a set that does
+        not make a valid config is logged and skipped; the last good one keeps serving)."""
+        try:
+            new = compose_config(self.base_cfg, discovered)
+        except ValidationError as err:
+            self._refused("invalid-discovery", f"discovered endpoints refused: {err}")
+            return
+        self.discovered = discovered
+        await self.apply_config(new)
+        self._discovered_once.set()
+
+    async def reload(self) -> tuple[bool, str]:
+        """Read ``config_path`` again and apply it. Returns ``(applied, message)``; never raises."""
+        if self.config_path is None:
+            return False, "no config file to reload (started from an in-memory config)"
+        try:
+            base = load_config(self.config_path)
+            new = compose_config(base, self.discovered) if self.discovered is not None else base
+        except ConfigError as err:
+            return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")
+        except ValidationError as err:
+            return self._refused("invalid", f"config reload refused (with the discovered endpoints): {err}")
+        if base.discovery != self.base_cfg.discovery:
+            return self._refused("refused", "config reload refused: discovery cannot change without a restart")
+        applied, message = await self.apply_config(new)
+        if applied:
+            self.base_cfg = base
+        return applied, message
+
+    async def apply_config(self, new: Config) -> tuple[bool, str]:
+        """Apply a validated config: rebuild the control plane's inputs and push at once.
+
+        Refused (``(False, why)``) when a :data:`RESTART_ONLY` section differs.
+        """
+        async with self._reload_lock:
+            fixed = [name for name in RESTART_ONLY if getattr(new, name) != getattr(self.cfg, name)]
+            if fixed:
+                return self._refused("refused", f"config reload refused: {', '.join(fixed)} cannot change "
+                                                "without a restart; the last good config keeps serving")
+            if new == self.cfg:
+                RELOADS.labels("unchanged").inc()
+                return True, "config unchanged"
+            self.cfg = new
+            self.routing = routing_table(new)
+            self.control.reconfigure(new)
+            await self.control.refresh()
+            RELOADS.labels("ok").inc()
+            RELOAD_OK.set(1)
+            self.last_reload_error = None
+            version = self.cache.snapshot.version if self.cache.snapshot else None
+            log.info("config reloaded from %s; snapshot %s", self.config_path, version)
+            return True, f"config reloaded; snapshot {version}"
+
+    def _refused(self, outcome: str, message: str) -> tuple[bool, str]:
+        RELOADS.labels(outcome).inc()
+        RELOAD_OK.set(0)
+        self.last_reload_error = message
+        log.error("%s", message)
+        return False, message
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop the loop and the servers (streams get ``grace_s`` seconds to finish)."""
+        """Graceful stop: not ready, no new streams, open streams get ``grace_s`` s, then all closed."""
+        self.stopping = True
         for task in (self._loop_task, self._picker_task, self._scrape_task):
             if task:
                 task.cancel()
-        for server in (self.ads_server, self.ext_server, self.push_server):
-            if server is not None:
-                await server.stop(grace=grace_s)
+        if self._watcher is not None:
+            self._watcher.stop()
+        servers = [s for s in (self.ads_server, self.ext_server, self.push_server) if s is not None]
+        await asyncio.gather(*(s.stop(grace=grace_s) for s in servers))
         if self._runner:
             await self._runner.cleanup()
         await asyncio.to_thread(self.recorder.close)
 
 
-async def serve(cfg: Config, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set or SIGINT/SIGTERM arrives."""
+async def _watch_file(path: Path, interval_s: float, on_change) -> None:
+    """Call ``on_change()`` when ``path``'s (mtime, size, inode) changes; polls every ``interval_s``."""
+    def stamp():
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        return None
+
+    last = stamp()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = stamp()
+        if now != last and now is not None:
+            last = now
+            log.info("config file %s changed; reloading", path)
+            await on_change()
+
+
+async def serve(cfg: Config, stop: asyncio.Event | None = None, *, config_path: str | Path | None = None,
+                watch_interval_s: float = 0.0, grace_s: float = 5.0) -> None:
+    """Run until ``stop`` is set or SIGINT/SIGTERM arrives; SIGHUP (and, with ``watch_interval_s`` > 0,
+    a change of ``config_path``) reloads the config."""
     stop = stop or asyncio.Event()
+    app = InferLB(cfg, config_path)
     loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    def reload_soon() -> None:
+        task = loop.create_task(app.reload())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    app = InferLB(cfg)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, reload_soon)
     await app.start()
+    watcher = (asyncio.create_task(_watch_file(Path(config_path), watch_interval_s, app.reload))
+               if config_path and watch_interval_s > 0 else None)
     try:
         await stop.wait()
     finally:
-        log.info("shutting down")
-        await app.stop()
+        log.info("shutting down: not ready, no new streams, %.1f s for open ones", grace_s)
+        if watcher:
+            watcher.cancel()
+        await app.stop(grace_s)
+        log.info("stopped")

@@ -12,19 +12,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import config_source_pb2, extension_pb2, health_check_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2, extension_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from ext_proc.settings import to_wire
 
-from .config import Config, ServiceConfig, cluster_name, split_hostport
+from .config import Config, EnvoySide, OutlierDetection, ServiceConfig, cluster_name, split_hostport
 from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from .listener import (
     EXT_PROC_CLUSTER,
@@ -108,7 +108,36 @@ def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
     )
 
 
-def build_cluster(name: str, service: ServiceConfig, override_host_header: str) -> cluster_pb2.Cluster:
+def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
+    """Envoy outlier detection from the config (a per-try timeout counts as a gateway failure)."""
+    def dur(s: float) -> duration_pb2.Duration:
+        d = duration_pb2.Duration()
+        d.FromNanoseconds(int(s * 1e9))
+        return d
+
+    return outlier_detection_pb2.OutlierDetection(
+        consecutive_5xx=wrappers_pb2.UInt32Value(value=o.consecutive_5xx),
+        consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=o.consecutive_gateway_failure),
+        enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
+        interval=dur(o.interval_s),
+        base_ejection_time=dur(o.base_ejection_time_s),
+        max_ejection_time=dur(max(o.max_ejection_time_s, o.base_ejection_time_s)),
+        max_ejection_percent=wrappers_pb2.UInt32Value(value=o.max_ejection_percent),
+    )
+
+
+def _retry_budget(envoy: EnvoySide) -> circuit_breaker_pb2.CircuitBreakers:
+    """A retry budget instead of Envoy's fixed max_retries (3) circuit breaker."""
+    budget = circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+        budget_percent=percent_pb2.Percent(value=envoy.retry_budget_percent),
+        min_retry_concurrency=wrappers_pb2.UInt32Value(value=envoy.min_retry_concurrency),
+    )
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=base_pb2.DEFAULT, retry_budget=budget)])
+
+
+def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
+                  envoy: EnvoySide | None = None) -> cluster_pb2.Cluster:
     """An EDS cluster over ADS whose LB policy is ``envoy.load_balancing_policies.override_host``.
 
     The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
@@ -126,7 +155,7 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
     )
     timeout = duration_pb2.Duration()
     timeout.FromNanoseconds(int(service.connect_timeout_s * 1e9))
-    return cluster_pb2.Cluster(
+    cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
         connect_timeout=timeout,
@@ -143,6 +172,10 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str) 
             healthy_panic_threshold=percent_pb2.Percent(value=service.panic_threshold_percent)
         ),
     )
+    if envoy is not None:
+        cluster.outlier_detection.CopyFrom(_outlier(envoy.outlier_detection))
+        cluster.circuit_breakers.CopyFrom(_retry_budget(envoy))
+    return cluster
 
 
 def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
@@ -213,12 +246,13 @@ class BuildMemo:
         if hit is not None and hit[0] is cfg:
             return hit[1], hit[2]
         picker = to_wire(routing_table(cfg), picker_settings(cfg))
-        clusters = {EXT_PROC_CLUSTER: _resource(EXT_PROC_CLUSTER, build_ext_proc_cluster(ext_proc_address, picker))}
+        ext_proc = build_ext_proc_cluster(ext_proc_address, picker, cfg.envoy.tls)
+        clusters = {EXT_PROC_CLUSTER: _resource(EXT_PROC_CLUSTER, ext_proc)}
         limits: dict[str, dict[str, int]] = {}
         for service in cfg.services:
             for version in service.versions:
                 name = cluster_name(service.name, version.name)
-                clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host))
+                clusters[name] = _resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy))
                 limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
         built = {
             CLUSTER_TYPE: clusters,

@@ -195,8 +195,9 @@ def start_sim(port: int, workdir: Path, *, gpu_class: str, version: str, name: s
     return proc
 
 
-def start_control_plane(config_path: Path, workdir: Path, admin_port: int, name: str = "inferlb") -> Proc:
-    """Run ``inferlb serve -c CONFIG`` and wait for ``/healthz`` on the admin port."""
-    proc = spawn(name, inferlb_argv("serve", "-c", str(config_path)), workdir)
+def start_control_plane(config_path: Path, workdir: Path, admin_port: int, name: str = "inferlb",
+                        extra: list[str] | None = None) -> Proc:
+    """Run ``inferlb serve -c CONFIG [EXTRA...]`` and wait for ``/healthz`` on the admin port."""
+    proc = spawn(name, inferlb_argv("serve", "-c", str(config_path), *(extra or [])), workdir)
     wait_http(f"http://127.0.0.1:{admin_port}/healthz", proc)
     return proc

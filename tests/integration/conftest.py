@@ -115,24 +115,25 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
     }
 
 
-def _merge(base, extra):
+def merge(base, extra):
     """``extra`` merged into ``base``: dicts key by key, lists item by item (so one endpoint of a
     version can be changed in place), anything else replaced."""
     if isinstance(base, dict) and isinstance(extra, dict):
-        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in extra.items()}}
+        return {**base, **{k: merge(base[k], v) if k in base else v for k, v in extra.items()}}
     if isinstance(base, list) and isinstance(extra, list):
-        return [_merge(b, e) for b, e in zip(base, extra, strict=False)] + base[len(extra):] + extra[len(base):]
+        return [merge(b, e) for b, e in zip(base, extra, strict=False)] + base[len(extra):] + extra[len(base):]
     return extra
 
 
 def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None, *,
                 backend_args: dict[int, list[str]] | None = None, config: dict | None = None,
-                deferred: Collection[int] = ()) -> Stack:
+                deferred: Collection[int] = (), prometheus_url: Callable[[int], str] | None = None) -> Stack:
     """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
 
     ``sim_args``: for every backend; ``backend_args``: more per layout index; ``config``: merged into the
-    inferlb config (dicts by key, lists by position: see :func:`_merge`); ``deferred``: layout indexes
-    configured but not started (``Stack.start_backend``).
+    inferlb config (dicts by key, lists by position: see :func:`merge`); ``deferred``: layout indexes
+    configured but not started (``Stack.start_backend``); ``prometheus_url``: Prometheus's port -> the
+    URL inferlb queries (a fault-injecting front, say).
     """
     procs: list[stack.Proc] = []
     loop = LoopThread()
@@ -150,11 +151,12 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         procs.append(stack.start_prometheus([b.address for b in backends], workdir, prom_port, 1.0))
         listener_port, admin_port = stack.free_port(), stack.free_port()
         cfg_path = workdir / "inferlb.yaml"
-        cfg_dict = backend_config(backends, f"http://127.0.0.1:{prom_port}", listener_port)
+        url = prometheus_url(prom_port) if prometheus_url else f"http://127.0.0.1:{prom_port}"
+        cfg_dict = backend_config(backends, url, listener_port)
         cfg_dict["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
-        cfg_path.write_text(yaml.safe_dump(_merge(cfg_dict, config or {})))
+        cfg_path.write_text(yaml.safe_dump(merge(cfg_dict, config or {})))
         cfg = load_config(cfg_path)
-        app = InferLB(cfg)
+        app = InferLB(cfg, cfg_path)
         loop.run(app.start())
         wait_until(lambda: app.control.ready.is_set(), 10, what="first snapshot")
         envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="test-envoy",

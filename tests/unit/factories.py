@@ -136,3 +136,13 @@ def request(
     if error is not None:
         req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
     return req
+
+
+def metrics_source(fetch, name: str = "fake"):
+    """A ControlPlane metrics source around one blocking ``fetch(instances)`` (a test's stand-in
+    for Prometheus)."""
+    from types import SimpleNamespace
+
+    from xds_server.metrics.combined import CombinedSource
+
+    return CombinedSource([SimpleNamespace(name=name, fetch=fetch)])

@@ -26,19 +26,16 @@ def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "c
 def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None):
     """A real admin application over an in-memory store holding ``rows`` and a control plane whose last
     round gave ``weights`` (its metrics source is never called). Returns ``(app, store)``."""
-    from types import SimpleNamespace
 
     from xds_server.admin.app import make_admin_app
     from xds_server.ads.server import AdsServicer, SnapshotCache
     from xds_server.control import ControlPlane
     from xds_server.history.sqlite import SqliteHistory
-    from xds_server.metrics.combined import CombinedSource
 
-    from .factories import config
+    from .factories import config, metrics_source
 
     cache = SnapshotCache()
-    source = CombinedSource([SimpleNamespace(name="prometheus", fetch=lambda instances: {})])
-    cp = ControlPlane(config(), source, cache, [], lambda: "127.0.0.1:1")
+    cp = ControlPlane(config(), metrics_source(lambda instances: {}, "prometheus"), cache, [], lambda: "127.0.0.1:1")
     cp.weights = list(weights)
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
     store.append(sorted(rows, key=lambda r: r.t))

@@ -132,21 +132,29 @@ def test_listener_binds_the_configured_address_and_takes_routes_over_ads():
 # --- the routes (RDS) -----------------------------------------------------------------------------
 
 
-def test_one_virtual_host_per_service_cluster_header_first_then_default_version():
+def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_default_version():
+    """Cluster header (the picker's) first; then the version header straight to its cluster (so versions
+    don't mix while the picker is down); then the default version."""
     rc = as_dict(build_route_config(CFG))
     assert rc["name"] == ROUTE_NAME
     assert rc.get("validate_clusters") is False
     vhosts = rc["virtual_hosts"]
     assert [v["name"] for v in vhosts] == ["llm", "embed"]
     expected_default = {"llm": "llm-v2", "embed": "embed-e1"}
+    expected_versions = {"llm": {"v1": "llm-v1", "v2": "llm-v2"}, "embed": {"e1": "embed-e1"}}
+    version_header = CFG.headers.version
     for vh in vhosts:
-        first, second = vh["routes"]
+        first, *by_version, last = vh["routes"]
         assert first["match"]["prefix"] == "/"
         assert first["match"]["headers"] == [{"name": "x-test-cluster", "present_match": True}]
         assert first["route"]["cluster_header"] == "x-test-cluster"
-        assert "headers" not in second["match"] and second["match"]["prefix"] == "/"
-        assert second["route"]["cluster"] == expected_default[vh["name"]]
-        assert first["route"]["timeout"] == second["route"]["timeout"] == "30s"
+        assert {r["match"]["headers"][0]["string_match"]["exact"]: r["route"]["cluster"] for r in by_version} \
+            == expected_versions[vh["name"]]
+        assert all(r["match"]["headers"][0]["name"] == version_header for r in by_version)
+        assert "headers" not in last["match"] and last["match"]["prefix"] == "/"
+        assert last["route"]["cluster"] == expected_default[vh["name"]]
+        assert {r["route"]["timeout"] for r in vh["routes"]} == {"30s"}
+        assert all(r["route"]["retry_policy"]["retry_on"] == "5xx" for r in vh["routes"])
     assert sorted(vhosts[0]["domains"]) == ["api.example.com", "api.example.com:*"]
     assert vhosts[1]["domains"] == ["*"]
 

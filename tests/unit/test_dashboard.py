@@ -75,4 +75,5 @@ def test_compose_provisions_prometheus_and_grafana_with_the_dashboard():
     assert datasource["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
     prometheus = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
     targets = [t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
-    assert "inferlb:18090" in targets
+    inferlb_ip = compose["services"]["inferlb"]["networks"]["mesh"]["ipv4_address"]
+    assert f"{inferlb_ip}:18090" in targets

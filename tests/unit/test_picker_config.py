@@ -21,7 +21,7 @@ def test_mixes_become_the_pickers_split_and_the_fallback_routes_weighted_cluster
     assert route.default_version == "stable"
     assert route.mixes["stable"] == ((9000, "llm-v1"), (10000, "llm-v2"))
     rds = json_format.MessageToDict(build_route_config(cfg))
-    fallback = rds["virtualHosts"][0]["routes"][1]["route"]["weightedClusters"]["clusters"]
+    fallback = rds["virtualHosts"][0]["routes"][-1]["route"]["weightedClusters"]["clusters"]
     assert fallback == [{"name": "llm-v1", "weight": 9000}, {"name": "llm-v2", "weight": 1000}]
 
 

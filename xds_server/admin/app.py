@@ -13,23 +13,30 @@
   "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
-- ``POST /api/v1/drain`` ``{"endpoint": "HOST:PORT", "drain": true|false}``: start (or cancel)
-  draining an endpoint (C11); 404 for an unknown endpoint, 400 for a bad body.
 - ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
 - ``GET /api/v1/decisions`` a sample of recent picker decisions (:mod:`ext_proc.sampler`).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
+
+Write operations (need the bearer token, see :class:`WriteAuth`):
+- ``POST /api/v1/endpoints/{address}/drain`` DRAINING at once: no new requests (Envoy's load
+  balancer and the picker skip it), in-flight ones finish (case C11); ``DELETE`` undoes it.
+- ``POST /api/v1/reload`` reads the config file again (refused with the reason when invalid).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import yaml
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
 from ext_proc.sampler import DecisionSampler
 
@@ -67,6 +74,7 @@ def weights_document(cp: ControlPlane) -> dict:
             "target": w.target,
             "removed": w.removed,
             "sources": origin.get(spec.instance, {}) if spec else {},
+            "draining": w.address in cp.draining,
         })
     snap = cp.cache.snapshot
     return {
@@ -81,12 +89,65 @@ def _error(status: int, message: str, parameter: str | None = None) -> web.Respo
     return web.json_response({"error": message, "parameter": parameter}, status=status)
 
 
+log = logging.getLogger(__name__)
+ADMIN_DENIED = Counter("inferlb_admin_denied_total", "Admin write requests refused, by reason", ["reason"])
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost`` (a wildcard such as 0.0.0.0 is not loopback)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class WriteAuth:
+    """Who may call write operations.
+
+    With a ``token``, every write request needs ``Authorization: Bearer <token>`` (compared in
+    constant time). Without one, writes are allowed only when the admin API binds a loopback
+    ``host``; otherwise they are refused (403) until a token is configured.
+    """
+
+    def __init__(self, token: str | None, host: str) -> None:
+        self._token = token.encode() if token else None
+        self._loopback = is_loopback(host)
+
+    def check(self, request: web.Request) -> web.Response | None:
+        """None when allowed, else the 401/403 answer (the token is never logged or echoed)."""
+        if self._token is None:
+            if self._loopback:
+                return None
+            ADMIN_DENIED.labels("no-token-configured").inc()
+            return web.json_response({"error": "write operations are disabled: the admin API is not bound to "
+                                               "loopback and no admin.token (or INFERLB_ADMIN_TOKEN) is set"},
+                                     status=403)
+        got = request.headers.get("Authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token):
+            return None
+        ADMIN_DENIED.labels("bad-token" if got else "no-token").inc()
+        log.warning("admin write %s %s refused: %s bearer token from %s", request.method, request.path,
+                    "wrong" if got else "no", request.remote)
+        return web.json_response({"error": "a valid bearer token is required (Authorization: Bearer ...)"},
+                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
 def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | None = None,
-                   sampler: DecisionSampler | None = None) -> web.Application:
+                   sampler: DecisionSampler | None = None, *, auth: WriteAuth | None = None,
+                   reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
+                   is_ready: Callable[[], bool] | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.
 
     Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
+    ``auth``: who may write (default: loopback only, no token); ``reload``: the config reload
+    (``() -> (applied, message)``; None = no reload endpoint); ``is_ready``: readiness (default:
+    the first snapshot is published).
     """
+    auth = auth or WriteAuth(None, "127.0.0.1")
+    ready_now = is_ready or cp.ready.is_set
     local = CollectorRegistry(auto_describe=False)
     local.register(EndpointCollector(lambda: cp.weights))
     local.register(NodeCollector(ads.describe_nodes, lambda: {
@@ -97,8 +158,27 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        ready = cp.ready.is_set()
+        ready = ready_now()
         return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def drain(request: web.Request) -> web.Response:
+        denied = auth.check(request)
+        if denied is not None:
+            return denied
+        address = request.match_info["address"]
+        draining = request.method == "POST"
+        if not await cp.set_draining(address, draining):
+            return web.json_response({"error": f"no configured endpoint has address {address!r}"}, status=404)
+        snap = cp.cache.snapshot
+        return web.json_response({"address": address, "draining": draining,
+                                  "snapshot_version": snap.version if snap else None})
+
+    async def do_reload(request: web.Request) -> web.Response:
+        denied = auth.check(request)
+        if denied is not None:
+            return denied
+        applied, message = await reload()
+        return web.json_response({"applied": applied, "message": message}, status=200 if applied else 422)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(REGISTRY) + generate_latest(local),
@@ -143,19 +223,6 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    async def drain(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) \
-                or not isinstance(body.get("drain", True), bool):
-            return web.json_response({"error": 'expected {"endpoint": "HOST:PORT", "drain": true|false}'},
-                                     status=400)
-        if not cp.set_draining(body["endpoint"], body.get("drain", True)):
-            return web.json_response({"error": f"unknown endpoint {body['endpoint']!r}"}, status=404)
-        return web.json_response({"endpoint": body["endpoint"], "drain": body.get("drain", True)})
-
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -167,5 +234,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", page)
     app.router.add_static("/static/", STATIC)
-    app.router.add_post("/api/v1/drain", drain)
+    app.router.add_post("/api/v1/endpoints/{address}/drain", drain)
+    app.router.add_delete("/api/v1/endpoints/{address}/drain", drain)
+    if reload is not None:
+        app.router.add_post("/api/v1/reload", do_reload)
     return app

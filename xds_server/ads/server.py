@@ -36,6 +36,12 @@ XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams, by protocol",
 #: bootstrap sets to the same value (see envoy/bootstrap.yaml and README).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+XDS_REFUSED = Counter("inferlb_xds_streams_refused_total", "ADS streams refused: max_xds_streams reached")
+#: A DiscoveryRequest is small (resource names, an ACK/NACK); 8 MiB is room for ~100k names.
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+#: Requests read ahead of processing, per stream; the reader then waits (HTTP/2 flow control
+#: pushes back on the client), so a client flooding requests can't grow our memory.
+INBOX_SIZE = 16
 
 
 def short_type(type_url: str) -> str:
@@ -94,12 +100,17 @@ class AdsServicer:
 
     The stream methods yield wire bytes (see :mod:`xds_server.ads.push`); register the servicer with
     :func:`add_ads_servicer`, whose serializer passes them through.
+
+    ``max_streams``: streams served at once; one more is ended at once with RESOURCE_EXHAUSTED
+    (Envoy retries with back-off), so a flood of streams can't exhaust memory.
     """
 
-    def __init__(self, cache: SnapshotCache) -> None:
+    def __init__(self, cache: SnapshotCache, max_streams: int = 1024) -> None:
         self.cache = cache
         self.nodes: dict[int, NodeStream] = {}
         self.wire = WireCache()
+        self.max_streams = max_streams
+        self.open_streams = 0
 
     def describe_nodes(self) -> list[dict]:
         """Every connected stream, for ``/api/v1/nodes``, ordered by node id."""
@@ -114,18 +125,32 @@ class AdsServicer:
             yield resp
 
     async def _serve(self, state: SotwStream | DeltaStream, request_iterator, context):
+        if self.open_streams >= self.max_streams:
+            XDS_REFUSED.inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"inferlb serves at most {self.max_streams} ADS streams at once")
+            return
+        self.open_streams += 1
+        try:
+            async for resp in self._stream(state, request_iterator, context):
+                yield resp
+        finally:
+            self.open_streams -= 1
+
+    async def _stream(self, state: SotwStream | DeltaStream, request_iterator, context):
         protocol = state.protocol
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox: asyncio.Queue = asyncio.Queue(INBOX_SIZE)
         node: NodeStream | None = None
 
         async def read() -> None:
             try:
                 async for req in request_iterator:
                     await inbox.put(req)
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            except grpc.aio.AioRpcError:
                 pass
-            finally:
-                await inbox.put(None)
+            # The client is done (or broke): tell the loop. Not when cancelled: the stream is already
+            # closing, and the inbox may be full with no one left to make room.
+            await inbox.put(None)
 
         reader = asyncio.create_task(read())
         XDS_STREAMS.labels(protocol).inc()
@@ -188,20 +213,24 @@ def add_ads_servicer(servicer: AdsServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((handler,))
 
 
-async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: type[AdsServicer] = AdsServicer
+async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: type[AdsServicer] = AdsServicer, *,
+                           max_streams: int = 1024, credentials: grpc.ServerCredentials | None = None,
                            ) -> tuple[grpc.aio.Server, AdsServicer, int]:
     """Bind and start the ADS server on ``address`` (``HOST:PORT``, port 0 = any).
+
+    ``credentials``: TLS server credentials (None = plaintext); ``max_streams``: see :class:`AdsServicer`.
 
     Messages up to :data:`MAX_MESSAGE_BYTES` (64 MiB) each way. Returns ``(server, servicer,
     bound_port)``. Raises ``RuntimeError`` if the address can't be bound.
     """
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
-    servicer = servicer_cls(cache)
+    servicer = servicer_cls(cache, max_streams)
     add_ads_servicer(servicer, server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"cannot bind the xDS server to {address}")
     await server.start()

@@ -19,6 +19,7 @@ from dataclasses import replace
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests import RequestException
+from urllib3.util.retry import Retry
 
 from .presets import SAMPLE_TIME, VLLM_DCGM
 from .stats import EndpointStats, finite
@@ -85,7 +86,9 @@ class PrometheusSource:
 
     def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
                  gpu_keys: Mapping[str, str] | None = None) -> None:
-        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
+        # next round is the retry.
+        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
         self._timeout_s = timeout_s
         self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
                          for f, q in queries.items()}
@@ -102,6 +105,8 @@ class PrometheusSource:
             result = self._prom.custom_query(query, params={"timeout": f"{round(self._timeout_s * 1000)}ms"})
         except (PrometheusApiClientException, RequestException, ValueError) as err:
             raise MetricsUnavailable(f"query for {field} failed: {err}") from err
+        except (KeyError, TypeError) as err:  # a 200 whose JSON is not a Prometheus answer
+            raise MetricsUnavailable(f"query for {field}: not a Prometheus answer ({err!r})") from err
         return parse_vector(result, scale, by)
 
     def fetch(self, instances: Iterable[str], now: float | None = None) -> dict[str, EndpointStats]:

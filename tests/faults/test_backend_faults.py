@@ -1,0 +1,116 @@
+"""C13 and friends: a backend that accepts and never answers, crashes, or comes back looping on OOM.
+
+What degrades: requests that reach the broken backend cost one per-try timeout (hang) or nothing
+visible (refused connection, 500 OOM): Envoy retries them on another host. Envoy's outlier
+detection ejects the backend within about a second; the control plane excludes a crashed one
+when its metrics go stale and an OOM-looping one on free GPU memory. Nothing is lost: every
+client request gets a 200, and the backend takes traffic again once it is healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from xds_server import stack as stk
+from xds_server.envoy_admin import envoy_stat
+
+from .conftest import Background, Stack, all_healthy, sessions, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def outlier_ejected(s: Stack, cluster: str, address: str) -> bool:
+    """Envoy's view: the host carries the failed_outlier_check flag."""
+    with urllib.request.urlopen(f"{s.envoy_admin}/clusters?format=json", timeout=5) as r:
+        doc = json.load(r)
+    for c in doc.get("cluster_statuses", []):
+        if c["name"] != cluster:
+            continue
+        for h in c.get("host_statuses", []):
+            sa = h["address"]["socket_address"]
+            if f"{sa['address']}:{sa['port_value']}" == address:
+                return bool(h.get("health_status", {}).get("failed_outlier_check"))
+    raise AssertionError(f"{address} not in Envoy's {cluster}")
+
+
+def health(s: Stack, address: str) -> str:
+    return next(eps[address]["health"] for eps in s.weights().values() if address in eps)
+
+
+def served_by(s: Stack, address: str, tries: int = 40) -> bool:
+    return any(s.send({"model-version": "v1"}).headers.get("x-served-by") == address for _ in range(tries))
+
+
+def test_a_backend_that_never_answers_times_out_and_is_ejected(fault_stack: Stack):
+    s = fault_stack
+    per_try = s.cfg.envoy.per_try_timeout_s
+    wait_until(lambda: all_healthy(s), 20, 0.2, "every endpoint HEALTHY")
+    target = s.backends[0]
+    timeouts_before = envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_rq_per_try_timeout") or 0
+    bg = Background(s.listener, sessions(3), duration_s=9, concurrency=6)
+    time.sleep(1.5)
+    hung_at = time.time()
+    target.fault(hang=True)
+    wait_until(lambda: outlier_ejected(s, "chat-v1", target.address), 3, 0.05, "Envoy to eject the hung backend")
+    ejected_after = time.time() - hung_at
+    time.sleep(3.5)
+    target.fault(reset=True)
+    healed_at = time.time()
+    results = bg.join()
+
+    assert ejected_after < per_try * 2 + 1.0
+    timeouts = (envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_rq_per_try_timeout") or 0) - timeouts_before
+    assert timeouts >= 1, "the hung backend's requests should time out per try"
+    assert results and all(r.status == 200 for r in results), sorted({r.status for r in results})
+    during = [r for r in results if hung_at < r.at < healed_at]
+    assert during and not [r for r in during if r.served_by == target.address and r.at > hung_at + per_try + 0.5]
+    # Requests that never met the hung backend are unaffected: no per-try timeout in their latency.
+    fast = [r for r in during if r.latency_ms < per_try * 1000]
+    assert len(fast) >= 0.5 * len(during), "most requests should not wait for the hung backend"
+    assert max(r.latency_ms for r in during) < per_try * 1000 * 2 + 500, "one timeout at most, then a retry"
+    # Back in rotation once the ejection ends (max_ejection_time_s caps it).
+    wait_until(lambda: not outlier_ejected(s, "chat-v1", target.address), 8, 0.2, "the ejection to end")
+    assert served_by(s, target.address), "the backend should take traffic again"
+
+
+def test_a_backend_that_crashes_then_loops_on_oom_then_recovers(fault_stack: Stack):
+    s = fault_stack
+    wait_until(lambda: all_healthy(s), 20, 0.2, "every endpoint HEALTHY")
+    target = s.backends[1]
+    bg = Background(s.listener, sessions(4), duration_s=16, concurrency=4)
+    time.sleep(1.0)
+
+    crashed_at = time.monotonic()
+    target.proc.kill()
+    wait_until(lambda: health(s, target.address) == "UNHEALTHY", s.cfg.engine.stale_after_s + 4, 0.2,
+               "the control plane to exclude the crashed backend (stale metrics)")
+    assert "stale" in s.weights()["chat-v1"][target.address]["reasons"][0]
+    excluded_after = time.monotonic() - crashed_at
+
+    # It comes back broken: every request needs more GPU memory than is free (CUDA OOM, HTTP 500).
+    target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
+                                name=f"sim-{target.port}-oom",
+                                extra=["--time-scale", "0.2", "--gpu-memory-mib", "14340"])
+    wait_until(lambda: any("gpu_memory" in r for r in s.weights()["chat-v1"][target.address]["reasons"]), 10, 0.2,
+               "the control plane to exclude the OOM-looping backend on free GPU memory")
+    assert health(s, target.address) == "UNHEALTHY"
+
+    target.proc.kill()
+    target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
+                                name=f"sim-{target.port}-ok", extra=["--time-scale", "0.2"])
+    wait_until(lambda: health(s, target.address) == "HEALTHY", 10, 0.2, "the healthy backend to be back")
+    back_after = time.monotonic() - crashed_at
+    results = bg.join()
+
+    assert excluded_after < s.cfg.engine.stale_after_s + 3
+    assert back_after < 30
+    assert results and all(r.status == 200 for r in results), sorted({r.status for r in results})
+    # Retries are bounded by a budget, not by Envoy's default of 3 at once (which overflowed into 503s).
+    assert envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_rq_retry_overflow") == 0
+    assert (envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_rq_retry_success") or 0) >= 1
+    wait_until(lambda: not outlier_ejected(s, "chat-v1", target.address), 8, 0.2, "the ejection to end")
+    assert served_by(s, target.address), "the recovered backend should take traffic again"

@@ -1,0 +1,78 @@
+"""deploy/kubernetes: the manifests fit together, the ConfigMap is a valid inferlb config, and real
+Envoy accepts the bootstrap that names both replicas."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from xds_server.config import parse_config, split_hostport
+from xds_server.stack import envoy_binary
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+
+
+def docs() -> list[dict]:
+    return [d for f in sorted(DEPLOY.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def one(kind: str, name: str) -> dict:
+    found = [d for d in docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name)
+    return found[0]
+
+
+def test_everything_lives_in_one_namespace():
+    assert {d["metadata"]["namespace"] for d in docs()} == {"inference"}
+
+
+def test_two_replicas_with_probes_on_health_and_readiness():
+    dep = one("Deployment", "inferlb")
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["serviceAccountName"] == one("ServiceAccount", "inferlb")["metadata"]["name"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for svc in ("inferlb", "inferlb-headless"):
+        for p in one("Service", svc)["spec"]["ports"]:
+            assert p["targetPort"] in ports
+    assert one("Service", "inferlb-headless")["spec"]["clusterIP"] == "None"
+
+
+def test_rbac_allows_exactly_what_discovery_reads():
+    rules = one("Role", "inferlb-discovery")["rules"]
+    grants = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert grants == {("discovery.k8s.io", "endpointslices"): {"list", "watch"}, ("", "pods"): {"list"}}
+    binding = one("RoleBinding", "inferlb-discovery")
+    assert binding["subjects"][0]["name"] == "inferlb" and binding["roleRef"]["name"] == "inferlb-discovery"
+
+
+def test_the_configmap_is_a_valid_config_that_matches_the_manifests():
+    cm = one("ConfigMap", "inferlb-config")
+    cfg = parse_config(cm["data"]["inferlb.yaml"], "configmap inferlb.yaml")
+    k8s = cfg.discovery.kubernetes
+    assert k8s is not None and k8s.namespace == "inference"
+    host, port = split_hostport(cfg.envoy.ext_proc_address)
+    assert host.startswith("inferlb-headless.inference.") and port == 18080
+    args = one("Deployment", "inferlb")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("-c") + 1] == "/etc/inferlb/inferlb.yaml"
+    assert split_hostport(cfg.listen.admin)[1] == 18090
+
+
+@pytest.mark.integration
+def test_real_envoy_accepts_the_bootstrap_naming_both_replicas(tmp_path):
+    bootstrap = yaml.safe_load(one("ConfigMap", "envoy-bootstrap")["data"]["envoy.yaml"])
+    xds = bootstrap["static_resources"]["clusters"][0]
+    assert xds["type"] == "STRICT_DNS"   # the headless Service: one host per ready replica
+    addr = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert addr["address"].startswith("inferlb-headless.") and addr["port_value"] == 18000
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
