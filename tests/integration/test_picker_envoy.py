@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 # Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s; v2's one endpoint
 # (the second version in the layout) at max_concurrency 1.
 CONFIG = {
-    "picker": {"body_max_bytes": 65536, "max_queue": 1, "queue_timeout_s": 0.2},
+    "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.2},
     "services": [{"mixes": {"canary": {"v1": 50, "v2": 50}},
                   "versions": [{}, {"endpoints": [{"max_concurrency": 1}]}]}],
 }

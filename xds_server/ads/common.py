@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, Resource, Snapshot
+from ..snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Resource, Snapshot
 
 #: Types whose empty first subscription (and explicit ``*``) means "every resource of the type".
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
@@ -75,3 +75,40 @@ def held_clusters(client_has: Mapping[str, Resource], snap_clusters: Mapping[str
     if settled:
         return {}
     return {n: r for n, r in client_has.items() if n not in snap_clusters}
+
+
+class StreamBase:
+    """What SotW and delta streams share: per-type state, the nonce counter, and the push plan
+    (types in CDS -> EDS -> LDS -> RDS order, each asked of :meth:`_respond`)."""
+
+    protocol = ""
+
+    def __init__(self) -> None:
+        self.types: dict = {}
+        self._nonce = 0
+
+    def _next_nonce(self) -> str:
+        self._nonce += 1
+        return str(self._nonce)
+
+    def pending(self, snap: Snapshot | None) -> list:
+        """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
+        return [p.message() for p in self.plan(snap)]
+
+    def plan(self, snap: Snapshot | None) -> list:
+        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
+        if snap is None:
+            return []
+        out = []
+        for type_url in TYPE_ORDER:
+            st = self.types.get(type_url)
+            if st is None or not st.requested:
+                continue
+            resp = self._respond(type_url, st, snap)
+            if resp is not None:
+                out.append(resp)
+        return out
+
+    def _respond(self, type_url: str, st, snap: Snapshot):
+        """The push for one type now, or None (each protocol's rule)."""
+        raise NotImplementedError

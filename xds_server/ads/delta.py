@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, TYPE_ORDER, Snapshot
-from .common import WILDCARD_TYPES, AckState, rewarm_clusters, routing_settled
+from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot
+from .common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
 from .push import Push
 
 WILDCARD = "*"
@@ -61,14 +61,14 @@ class DeltaTypeState(AckState):
         return self.wildcard or name in self.subscribed
 
 
-class DeltaStream:
+class DeltaStream(StreamBase):
     """Protocol state of one delta ADS stream; feed it requests, ask it what to send."""
 
     protocol = "delta"
 
     def __init__(self) -> None:
+        super().__init__()
         self.types: dict[str, DeltaTypeState] = {}
-        self._nonce = 0
 
     def on_request(self, req: discovery_pb2.DeltaDiscoveryRequest) -> str:
         """Apply one DeltaDiscoveryRequest. Returns "initial" (first of its type), "subscribe",
@@ -107,27 +107,8 @@ class DeltaStream:
         st.record_ack(version)
         return "ack"
 
-    def _next_nonce(self) -> str:
-        self._nonce += 1
-        return str(self._nonce)
-
-    def pending(self, snap: Snapshot | None) -> list[discovery_pb2.DeltaDiscoveryResponse]:
-        """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
-        return [p.message() for p in self.plan(snap)]
-
-    def plan(self, snap: Snapshot | None) -> list[Push]:
-        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
-        if snap is None:
-            return []
-        out = []
-        for type_url in TYPE_ORDER:
-            st = self.types.get(type_url)
-            if st is None or not st.requested:
-                continue
-            resp = self._diff(type_url, st, snap)
-            if resp is not None:
-                out.append(resp)
-        return out
+    def _respond(self, type_url: str, st, snap: Snapshot):
+        return self._diff(type_url, st, snap)
 
     def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)

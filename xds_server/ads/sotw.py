@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, TYPE_ORDER, Resource, Snapshot
-from .common import WILDCARD_TYPES, AckState, held_clusters, rewarm_clusters, routing_settled
+from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
+from .common import WILDCARD_TYPES, AckState, StreamBase, held_clusters, rewarm_clusters, routing_settled
 from .push import Push
 
 
@@ -50,14 +50,14 @@ class TypeState(AckState):
         return [self.nonce] if self.nonce and self.acked != self.sent_type_version else []
 
 
-class SotwStream:
+class SotwStream(StreamBase):
     """Protocol state of one SotW ADS stream; feed it requests, ask it what to send."""
 
     protocol = "sotw"
 
     def __init__(self) -> None:
+        super().__init__()
         self.types: dict[str, TypeState] = {}
-        self._nonce = 0
 
     def on_request(self, req: discovery_pb2.DiscoveryRequest) -> str:
         """Apply one DiscoveryRequest. Returns what it was: "initial", "ack", "nack" or "stale"."""
@@ -80,27 +80,8 @@ class SotwStream:
         st.subscribed = names
         return kind
 
-    def _next_nonce(self) -> str:
-        self._nonce += 1
-        return str(self._nonce)
-
-    def pending(self, snap: Snapshot | None) -> list[discovery_pb2.DiscoveryResponse]:
-        """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
-        return [p.message() for p in self.plan(snap)]
-
-    def plan(self, snap: Snapshot | None) -> list[Push]:
-        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
-        if snap is None:
-            return []
-        out = []
-        for type_url in TYPE_ORDER:
-            st = self.types.get(type_url)
-            if st is None or not st.requested:
-                continue
-            resp = self._wildcard(type_url, st, snap) if st.wildcard else self._named(type_url, st, snap)
-            if resp is not None:
-                out.append(resp)
-        return out
+    def _respond(self, type_url: str, st, snap: Snapshot):
+        return self._wildcard(type_url, st, snap) if st.wildcard else self._named(type_url, st, snap)
 
     def _wildcard(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)
