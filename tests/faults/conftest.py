@@ -208,16 +208,19 @@ def proc_named(s: Stack, name: str) -> stk.Proc:
     return next(p for p in s.procs if p.name == name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def front() -> Iterator[PrometheusFront]:
     f = PrometheusFront()
     yield f
     f.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fault_stack(tmp_path_factory, front: PrometheusFront) -> Iterator[Stack]:
-    """v1: two A100-class and one A10-class backend; v2: one A100-class backend; Prometheus behind
+    """Package-scoped: gone before other test folders run, so its control plane's process-wide
+    Prometheus gauges don't mix with theirs.
+
+    v1: two A100-class and one A10-class backend; v2: one A100-class backend; Prometheus behind
     :class:`PrometheusFront`; Envoy with a 1 s per-try timeout and fast outlier detection."""
     s = start_stack(tmp_path_factory.mktemp("faults"), [("v1", "a100"), ("v1", "a100"), ("v1", "a10"),
                                                          ("v2", "a100")],

@@ -40,3 +40,15 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
     store.append(sorted(rows, key=lambda r: r.t))
     return make_admin_app(cp, AdsServicer(cache), store, sampler), store
+
+
+def pin_history_clock(monkeypatch, now: float) -> None:
+    """Make the history API's "now" start at ``now`` (the rows' reference time) and run on from there:
+    test modules build their rows at import, possibly minutes before their tests run."""
+    import time
+    from types import SimpleNamespace
+
+    from xds_server.history import query
+
+    start = time.monotonic()
+    monkeypatch.setattr(query, "time", SimpleNamespace(time=lambda: now + (time.monotonic() - start)))

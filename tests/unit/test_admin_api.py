@@ -14,7 +14,7 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from ext_proc.sampler import DecisionSampler
-from tests.unit.history_rows import admin_app, row, verdict
+from tests.unit.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.test_decision_sampler import Picker, holder, http_headers
 from xds_server.admin.app import openapi_document
 from xds_server.engine.types import DRAINING
@@ -25,6 +25,11 @@ ROWS = [row(NOW - 7200, A, 10), row(NOW - 1200, A, 20), row(NOW - 500, B, 30), r
         row(NOW - 200, B, 30, DRAINING), row(NOW - 100, C, 40, cluster="chat-v2")]
 SPEC = openapi_document()
 REGISTRY = Registry().with_resource("urn:inferlb-admin", Resource(SPEC, DRAFT202012))
+
+
+@pytest.fixture(autouse=True)
+def _history_clock(monkeypatch):
+    pin_history_clock(monkeypatch, NOW)
 
 
 def conforms(instance: dict, schema_name: str) -> None:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from matplotlib import image
 
 from tests.integration.conftest import LoopThread
-from tests.unit.history_rows import admin_app, row, verdict
+from tests.unit.history_rows import admin_app, pin_history_clock, row, verdict
 from xds_server.cli import main
 from xds_server.engine.types import UNHEALTHY
 from xds_server.plot import plot_history
@@ -20,6 +20,11 @@ A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 NOW = time.time()
 ROWS = [row(NOW - 500, A, 10), row(NOW - 400, B, 20), row(NOW - 300, A, 15), row(NOW - 200, B, 20, UNHEALTHY),
         row(NOW - 100, "10.0.1.1:8000", 99, cluster="chat-v2")]
+
+
+@pytest.fixture(autouse=True)
+def _history_clock(monkeypatch):
+    pin_history_clock(monkeypatch, NOW)
 
 
 @pytest.fixture(scope="module")
