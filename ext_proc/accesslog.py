@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from envoy.service.accesslog.v3 import als_pb2
 
+from ext_proc.client_view import ClientView
 from ext_proc.inflight import InFlight
 
 __all__ = ["ACCESS_LOG_METHOD", "record_completions"]
@@ -18,13 +19,15 @@ __all__ = ["ACCESS_LOG_METHOD", "record_completions"]
 ACCESS_LOG_METHOD = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
 
 
-def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str) -> int:
+def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str,
+                       view: ClientView | None = None) -> int:
     """Count the completions in one serialized ``StreamAccessLogsMessage``.
 
     Args:
         data: the message bytes.
         inflight: where completions are counted.
         cluster_header, override_host_header: lower-case header names the entries were logged with.
+        view: also record each entry's upstream host, status and total time there (Envoy's view).
 
     Returns:
         The number of HTTP entries that named a cluster (entries without the cluster header are
@@ -42,5 +45,12 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             continue
         inflight.completed(cluster, logged.get(override_host_header) or None)
         counted += 1
+        if view is not None:
+            props = entry.common_properties
+            upstream = props.upstream_remote_address.socket_address
+            if upstream.address and props.HasField("time_to_last_downstream_tx_byte"):
+                view.record(f"{upstream.address}:{upstream.port_value}",
+                            props.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e6,
+                            entry.response.response_code.value)
     return counted
 

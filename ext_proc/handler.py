@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from ext_proc.accesslog import record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
+from ext_proc.client_view import ClientView
 from ext_proc.inflight import InFlight
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
@@ -87,11 +88,14 @@ class PickerHandler:
             clusters whose endpoints carry a max concurrency.
         errors: the error reporter (default: one logging to this module's logger).
         sampler: where a sample of decisions is kept for operators (None: no sampling).
+        client_view: where each completion's upstream latency and status are kept (Envoy's view of
+            the endpoints, an engine input; None: not kept).
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
-                 errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None) -> None:
+                 errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
+                 client_view: ClientView | None = None) -> None:
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
         self.sessions = sessions if sessions is not None else SessionTable()
@@ -99,16 +103,18 @@ class PickerHandler:
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._sample = sampler.offer if sampler is not None else None
+        self.client_view = client_view
         self._timed = 0
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
-                      sampler: DecisionSampler | None = None) -> PickerHandler:
+                      sampler: DecisionSampler | None = None, client_view: ClientView | None = None
+                      ) -> PickerHandler:
         """A handler with the in-flight expiry, session table and admission control of ``settings``."""
         s = settings
         admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if s.admission else None
         return cls(holder, InFlight(s.inflight_expiry_s), SessionTable(s.session_ttl_s, s.max_sessions), admission,
-                   sampler=sampler)
+                   sampler=sampler, client_view=client_view)
 
     @staticmethod
     def _count(reason: str) -> None:
@@ -238,7 +244,8 @@ class PickerHandler:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""
         routing = self.holder.current.routing
         try:
-            record_completions(data, self.inflight, routing.cluster_header, routing.override_host_header)
+            record_completions(data, self.inflight, routing.cluster_header, routing.override_host_header,
+                               self.client_view)
         except DecodeError:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
             return

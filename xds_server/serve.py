@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
+from ext_proc.client_view import ClientView
 from ext_proc.handler import PickerHandler
 from ext_proc.sampler import DecisionSampler
 from ext_proc.server import start_ext_proc_server
@@ -71,11 +72,13 @@ class InferLB:
         self._discovered_once = asyncio.Event()
         self._watcher: KubernetesWatcher | None = None
         self.config_path = config_path
-        self.sources = build_sources(cfg)
+        self.client_view = ClientView(window_s=cfg.prometheus.window_s)
+        self.sources = build_sources(cfg, self.client_view)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
         self.sampler = DecisionSampler()
-        self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler)
+        self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler,
+                                                  client_view=self.client_view)
         self.routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, self.sources.combined, self.cache,

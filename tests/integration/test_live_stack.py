@@ -162,6 +162,23 @@ def test_admin_api_shapes(live_stack: Stack):
     assert node["types"]["Cluster"]["nacks"] == 0
 
 
+def test_envoy_view_fills_client_side_latency(live_stack: Stack):
+    """Envoy's access log, as the picker receives it, becomes each endpoint's client-side inputs."""
+    s = live_stack
+    for i in range(30):
+        assert s.send({"x-session-id": f"view-{i}", "model-version": "v1"}).status_code == 200
+
+    def seen():
+        eps = s.weights()["chat-v1"]
+        return eps if all(e["inputs"]["client_latency_mean_ms"] for e in eps.values()) else None
+
+    eps = wait_until(seen, 10, 0.2, "client-side latency for every v1 endpoint")
+    for e in eps.values():
+        i = e["inputs"]
+        assert 0 < i["client_latency_mean_ms"] <= i["client_latency_p95_ms"] < 10_000
+        assert i["client_error_rate"] == 0.0
+
+
 def test_killed_picker_fails_open(live_stack: Stack):
     """C07 (+ C06 with the picker down): requests keep succeeding through the weighted fallback."""
     s = live_stack

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
+from .envoy_view import EnvoyView
 from .merge import merge
 from .prometheus import MetricsUnavailable
 from .stats import EndpointStats
@@ -51,19 +52,22 @@ class MetricsSource(Protocol):
 
 
 class CombinedSource:
-    """``pulls`` (priority order), an optional ``push`` source and an optional ``fallback`` pull source.
+    """``pulls`` (priority order), an optional ``push`` source and an optional ``fallback`` pull source;
+    ``envoy``: Envoy's view, which fills the ``client_*`` inputs after the merge (see :mod:`.envoy_view`).
 
     ``stale_after_s``: answers older than this are dropped when a fresher one exists (s).
     """
 
     def __init__(self, pulls: Sequence[PullSource], *, push: PullSource | None = None,
-                 fallback: PullSource | None = None, stale_after_s: float = 15.0) -> None:
+                 fallback: PullSource | None = None, stale_after_s: float = 15.0,
+                 envoy: EnvoyView | None = None) -> None:
         if not pulls and push is None:
             raise ValueError("at least one metrics source is needed")
         self.pulls = list(pulls)
         self.push = push
         self.fallback = fallback if fallback is not None and fallback not in self.pulls else None
         self.stale_after_s = stale_after_s
+        self.envoy = envoy
         configured = [s.name for s in self.pulls] + ([push.name] if push else [])
         self._name = "+".join(configured)
         self.configured = configured
@@ -118,7 +122,7 @@ class CombinedSource:
         merged, self.origin = merge(answers, instances, self.stale_after_s)
         used = {src for where in self.origin.values() for src in where.values()}
         self._name = "+".join(n for n in answers if n in used) or "+".join(answers)
-        return merged
+        return self.envoy.enrich(merged) if self.envoy is not None else merged
 
     def describe(self) -> dict:
         """For the admin API: configured sources, per-source failures and last error, fallback state."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ext_proc.client_view import ClientView
+
 from ..config import Config
 from .combined import CombinedSource, PullSource
+from .envoy_view import EnvoyView
 from .presets import preset, promql_queries
 from .prometheus import PrometheusSource
 from .push import PushSource
@@ -22,8 +25,12 @@ class Sources:
     push: PushSource | None
 
 
-def build_sources(cfg: Config) -> Sources:
-    """The sources ``cfg.metrics`` asks for, reading the preset's metric names (custom PromQL included)."""
+def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources:
+    """The sources ``cfg.metrics`` asks for, reading the preset's metric names (custom PromQL included).
+
+    ``client_view``: Envoy's view of the endpoints (the picker's access-log completions), which fills
+    the ``client_*`` inputs.
+    """
     m = cfg.metrics
     specs = preset(m.preset, m.gpu)
     endpoints = [e for s in cfg.services for v in s.versions for e in v.endpoints]
@@ -51,4 +58,5 @@ def build_sources(cfg: Config) -> Sources:
             pulls.append(scrape)
     push = PushSource([e.instance for e in endpoints]) if "push" in m.sources else None
     fallback = scrape if m.fallback == "scrape" and "scrape" not in m.sources else None
-    return Sources(CombinedSource(pulls, push=push, fallback=fallback, stale_after_s=stale), scrape, push)
+    envoy = EnvoyView(client_view, {e.address: e.instance for e in endpoints}) if client_view is not None else None
+    return Sources(CombinedSource(pulls, push=push, fallback=fallback, stale_after_s=stale, envoy=envoy), scrape, push)
