@@ -1,4 +1,4 @@
-"""What the decision sampler costs per request: ``ExtProcServicer.decide`` with and without it, and
+"""What the decision sampler costs per request: ``PickerHandler.process`` with and without it, and
 whole ext_proc streams through the real grpc.aio server (client in the same process, 8 at a time).
 
 Each variant decides the same request-headers message (a session header, 3 healthy endpoints) in
@@ -29,8 +29,9 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.sampler import DecisionSampler
-from ext_proc.server import ExtProcServicer, start_ext_proc_server
+from ext_proc.server import start_ext_proc_server
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 
 
@@ -53,11 +54,12 @@ def message() -> pb.HttpHeaders:
         headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in values.items()]))
 
 
-def per_call_us(servicer: ExtProcServicer, msg: pb.HttpHeaders, calls: int) -> float:
-    decide = servicer.decide
+def per_call_us(picker: PickerHandler, msg: pb.HttpHeaders, calls: int) -> float:
+    process = picker.process
+    data = pb.ProcessingRequest(request_headers=msg).SerializeToString()
     start = time.perf_counter()
     for _ in range(calls):
-        decide(msg)
+        process(StreamState(), data)
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -79,7 +81,7 @@ async def transport(rounds: int, streams: int) -> dict[str, list[float]]:
     variants = {"no sampler": None, "sampler, every 64th (default)": DecisionSampler(every=64)}
     stubs, servers, channels = {}, [], []
     for name, sampler in variants.items():
-        server, port = await start_ext_proc_server(holder(), "127.0.0.1:0", sampler=sampler)
+        server, port = await start_ext_proc_server(PickerHandler(holder(), sampler=sampler), "127.0.0.1:0")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         servers.append(server)
         channels.append(channel)
@@ -118,9 +120,9 @@ def main() -> None:
     args = ap.parse_args()
     msg = message()
     variants = {
-        "no sampler": ExtProcServicer(holder()),
-        "sampler, every 64th (default)": ExtProcServicer(holder(), sampler=DecisionSampler(every=64)),
-        "sampler, every decision (every=1)": ExtProcServicer(holder(), sampler=DecisionSampler(every=1)),
+        "no sampler": PickerHandler(holder()),
+        "sampler, every 64th (default)": PickerHandler(holder(), sampler=DecisionSampler(every=64)),
+        "sampler, every decision (every=1)": PickerHandler(holder(), sampler=DecisionSampler(every=1)),
     }
     for s in variants.values():
         per_call_us(s, msg, 2000)  # warm up
@@ -131,12 +133,12 @@ def main() -> None:
     streams = asyncio.run(transport(args.stream_rounds, args.streams))
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    print("## Decision sampler cost per request (`ExtProcServicer.decide`)\n")
+    print("## Decision sampler cost per request (`PickerHandler.process`)\n")
     print(f"Command: `python3 -m bench.decision_sampler --calls {args.calls} --rounds {args.rounds} "
           f"--stream-rounds {args.stream_rounds} --streams {args.streams}` · {datetime.date.today()} · {cpu}, "
           f"{os.cpu_count()} cores · Python {sys.version.split()[0]} · load average at the end "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("`decide()` alone (headers parsed, decision made, answer encoded):\n")
+    print("`process()` alone (headers parsed, decision made, answer encoded):\n")
     table(results, "µs / call")
     print("\nWhole ext_proc streams through the grpc.aio server:\n")
     table(streams, "µs / stream")
