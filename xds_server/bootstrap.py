@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from string import Template
 
-from .ads.server import MAX_MESSAGE_BYTES
-from .config import EnvoyTls, split_hostport
-from .listener import upstream_tls
+from xds_server.ads.server import MAX_MESSAGE_BYTES
+from xds_server.config import EnvoyTls, split_hostport
+from xds_server.listener import upstream_tls
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 

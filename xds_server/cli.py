@@ -14,7 +14,7 @@ import click
 from bench.quality.cli import quality as bench_quality
 from sim.cli import sim_backend
 
-from .config import ConfigError, load_config
+from xds_server.config import ConfigError, load_config
 
 DEFAULT_ADMIN = "http://127.0.0.1:18090"
 
@@ -66,8 +66,8 @@ def validate(config_path: str) -> None:
               help="Seconds open streams get to finish on SIGTERM.")
 def serve(config_path: str, log_level: str, log_format: str, watch_s: float, grace_s: float) -> None:
     """Run the xDS server, the ext_proc picker and the admin API. SIGHUP reloads the config."""
-    from .history.types import HistoryError
-    from .serve import serve as run
+    from xds_server.history.types import HistoryError
+    from xds_server.serve import serve as run
 
     cfg = _load(config_path)
     _setup_logging(log_level, log_format)
@@ -95,8 +95,8 @@ def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int
 
     Paths are as Envoy's host sees them. Without --tls-ca the config's envoy.tls is used, if any.
     """
-    from .bootstrap import render_bootstrap
-    from .config import EnvoyTls
+    from xds_server.bootstrap import render_bootstrap
+    from xds_server.config import EnvoyTls
 
     cfg = _load(config_path)
     tls = cfg.envoy.tls
@@ -113,7 +113,7 @@ def bootstrap(config_path: str, node_id: str, node_cluster: str, admin_port: int
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
 def weights(admin: str, as_json: bool) -> None:
     """Show the current weights, health and reasons."""
-    from .table import weights_table
+    from xds_server.table import weights_table
 
     try:
         with urllib.request.urlopen(f"{admin.rstrip('/')}/api/v1/weights", timeout=5) as r:
@@ -138,7 +138,7 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
     """Show the weight history of a cluster: a table, the JSON, or a PNG plot (--plot)."""
     import urllib.parse
 
-    from .table import history_table
+    from xds_server.table import history_table
 
     params = {k: v for k, v in (("cluster", cluster), ("endpoint", endpoint), ("since", since), ("until", until),
                                 ("step", step)) if v is not None}
@@ -157,7 +157,7 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
         click.echo(f"cannot read {url}: {err}", err=True)
         sys.exit(1)
     if plot_path:
-        from .plot import plot_history
+        from xds_server.plot import plot_history
 
         n = plot_history(doc, plot_path, title=f"inferlb: EDS weight per endpoint, {cluster}")
         click.echo(f"{plot_path}: {n} endpoints")
@@ -178,7 +178,7 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
 def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
          xds_protocol: str, metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
-    from .demo import run_demo
+    from xds_server.demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .engine.settings import parse_scorers, parse_switchable
-from .metrics.presets import SAMPLE_TIME
-from .metrics.stats import SIGNAL_FIELDS
+from xds_server.engine.settings import parse_scorers, parse_switchable
+from xds_server.metrics.presets import SAMPLE_TIME
+from xds_server.metrics.stats import SIGNAL_FIELDS
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<service>-<version>" stays unique

@@ -14,15 +14,15 @@ from dataclasses import replace
 
 from prometheus_client import Counter, Gauge
 
-from .ads.cache import SnapshotCache
-from .config import Config, cluster_name
-from .engine import settings
-from .engine.pipeline import compute_weights
-from .engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
-from .metrics.combined import MetricsSource
-from .metrics.prometheus import MetricsUnavailable
-from .metrics.stats import EndpointStats
-from .snapshot import BuildMemo, Snapshot, build_snapshot
+from xds_server.ads.cache import SnapshotCache
+from xds_server.config import Config, cluster_name
+from xds_server.engine import settings
+from xds_server.engine.pipeline import compute_weights
+from xds_server.engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
+from xds_server.metrics.combined import MetricsSource
+from xds_server.metrics.prometheus import MetricsUnavailable
+from xds_server.metrics.stats import EndpointStats
+from xds_server.snapshot import BuildMemo, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
 

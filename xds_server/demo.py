@@ -24,13 +24,13 @@ from pathlib import Path
 
 import yaml
 
-from . import stack
-from .bootstrap import render_bootstrap
-from .config import load_config
-from .envoy_admin import envoy_hosts
-from .loadgen import Traffic, drive, make_sessions
-from .plot import plot_history
-from .table import weights_table
+from xds_server import stack
+from xds_server.bootstrap import render_bootstrap
+from xds_server.config import load_config
+from xds_server.envoy_admin import envoy_hosts
+from xds_server.loadgen import Traffic, drive, make_sessions
+from xds_server.plot import plot_history
+from xds_server.table import weights_table
 
 ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT = 10000, 9901, 9090
 XDS_PORT, EXT_PROC_PORT, ADMIN_PORT = 18000, 18080, 18090

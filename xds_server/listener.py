@@ -38,7 +38,7 @@ from google.protobuf import json_format
 
 from ext_proc.settings import METADATA_KEY
 
-from .config import Config, EnvoyTls, ServiceConfig, cluster_name, split_hostport
+from xds_server.config import Config, EnvoyTls, ServiceConfig, cluster_name, split_hostport
 
 LISTENER_NAME = "inferlb"
 ROUTE_NAME = "inferlb"

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from ext_proc.settings import PickerSettings
 from ext_proc.view import RoutingTable, ServiceRoute
 
-from .config import Config, cluster_name
+from xds_server.config import Config, cluster_name
 
 
 def routing_table(cfg: Config) -> RoutingTable:

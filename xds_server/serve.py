@@ -33,18 +33,18 @@ from ext_proc.server import start_ext_proc_server
 from ext_proc.transport.server import FastServer, start_fast_server
 from ext_proc.view import ViewHolder
 
-from .admin.app import WriteAuth, make_admin_app
-from .ads.cache import SnapshotCache
-from .ads.server import AdsServicer, start_ads_server
-from .config import Config, ConfigError, load_config, split_hostport
-from .control import ControlPlane
-from .discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
-from .history.recorder import HistoryRecorder
-from .history.sqlite import open_store
-from .metrics.push import start_push_server
-from .metrics.sources import build_sources
-from .picker_config import picker_settings, routing_table
-from .tls import server_credentials, server_ssl_context
+from xds_server.admin.app import WriteAuth, make_admin_app
+from xds_server.ads.cache import SnapshotCache
+from xds_server.ads.server import AdsServicer, start_ads_server
+from xds_server.config import Config, ConfigError, load_config, split_hostport
+from xds_server.control import ControlPlane
+from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
+from xds_server.history.recorder import HistoryRecorder
+from xds_server.history.sqlite import open_store
+from xds_server.metrics.push import start_push_server
+from xds_server.metrics.sources import build_sources
+from xds_server.picker_config import picker_settings, routing_table
+from xds_server.tls import server_credentials, server_ssl_context
 
 log = logging.getLogger(__name__)
 

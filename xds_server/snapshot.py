@@ -24,9 +24,9 @@ from google.protobuf.message import Message
 
 from ext_proc.settings import to_wire
 
-from .config import Config, EnvoySide, OutlierDetection, ServiceConfig, cluster_name, split_hostport
-from .engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
-from .listener import (
+from xds_server.config import Config, EnvoySide, OutlierDetection, ServiceConfig, cluster_name, split_hostport
+from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+from xds_server.listener import (
     EXT_PROC_CLUSTER,
     LISTENER_NAME,
     ROUTE_NAME,
@@ -34,7 +34,7 @@ from .listener import (
     build_listener,
     build_route_config,
 )
-from .picker_config import picker_settings, routing_table
+from xds_server.picker_config import picker_settings, routing_table
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -9,7 +9,7 @@ import grpc
 
 from ext_proc.transport.server import tls_context
 
-from .config import ConfigError, TlsConfig
+from xds_server.config import ConfigError, TlsConfig
 
 
 def _read(field: str, path: str) -> bytes:

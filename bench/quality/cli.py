@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from .scenarios import SCENARIO_NAMES
+from bench.quality.scenarios import SCENARIO_NAMES
 
 
 @click.command("quality")
@@ -26,7 +26,7 @@ def quality(scenarios: tuple[str, ...], quick: bool, json_path: str | None, mark
             seed: int, workdir: str | None) -> None:
     """Decision quality: every scenario against Envoy's round_robin, least_request, ring_hash and
     inferlb (EDS weights only, and full), on the same seeded traffic."""
-    from .main import run_quality
+    from bench.quality.main import run_quality
 
     code = run_quality(scenarios=list(scenarios) or list(SCENARIO_NAMES), quick=quick, json_path=json_path,
                        markdown_path=markdown_path, plots_dir=plots_dir, seed=seed, workdir=workdir)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from xds_server.loadgen import Result, percentile
 
-from .trace import TraceRequest
+from bench.quality.trace import TraceRequest
 
 FIGURES: tuple[str, ...] = ("p50_ms", "p95_ms", "p99_ms", "error_rate", "oom_rate", "wrong_version",
                             "session_hit_rate", "sessions_moved", "throughput_rps")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from xds_server import stack
 
-from . import plots, report
-from .policies import POLICIES
-from .runner import ScenarioRunner
-from .scenarios import SCENARIOS
+from bench.quality import plots, report
+from bench.quality.policies import POLICIES
+from bench.quality.runner import ScenarioRunner
+from bench.quality.scenarios import SCENARIOS
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .policies import INFERLB, POLICIES  # noqa: E402
-from .runner import ScenarioRun  # noqa: E402
+from bench.quality.policies import INFERLB, POLICIES  # noqa: E402
+from bench.quality.runner import ScenarioRun  # noqa: E402
 
 
 def latency_cdf(run: ScenarioRun, path: Path) -> Path:

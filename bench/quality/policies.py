@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .scenarios import CONTROL, Node, Scenario
+from bench.quality.scenarios import CONTROL, Node, Scenario
 
 BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash")
 INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")

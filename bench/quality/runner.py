@@ -28,10 +28,10 @@ from xds_server.bootstrap import render_bootstrap
 from xds_server.envoy_admin import envoy_hosts
 from xds_server.loadgen import Result, Traffic, replay
 
-from . import figures
-from .policies import BASELINES, SESSION_HEADER, VERSION_HEADER, baseline_bootstrap, eds_document, inferlb_config
-from .scenarios import CONTROL, Event, Scenario
-from .trace import TraceRequest, build_trace, to_planned
+from bench.quality import figures
+from bench.quality.policies import BASELINES, SESSION_HEADER, VERSION_HEADER, baseline_bootstrap, eds_document, inferlb_config
+from bench.quality.scenarios import CONTROL, Event, Scenario
+from bench.quality.trace import TraceRequest, build_trace, to_planned
 
 log = logging.getLogger(__name__)
 

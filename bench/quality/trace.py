@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from xds_server.loadgen import Planned, Session
 
-from .scenarios import Traffic
+from bench.quality.scenarios import Traffic
 
 MEMORY_HEADER = "x-sim-memory-mib"
 

@@ -23,7 +23,7 @@ from xds_server import stack as stk
 from xds_server.bootstrap import render_bootstrap
 from xds_server.envoy_admin import envoy_hosts
 
-from .conftest import Background, sessions, wait_until
+from tests.faults.conftest import Background, sessions, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import requests
 from xds_server import stack as stk
 from xds_server.envoy_admin import envoy_hosts
 
-from .conftest import Background, Stack, all_healthy, sessions, wait_until
+from tests.faults.conftest import Background, Stack, all_healthy, sessions, wait_until
 
 pytestmark = pytest.mark.integration
 

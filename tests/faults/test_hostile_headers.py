@@ -9,7 +9,7 @@ import logging
 import pytest
 from prometheus_client import REGISTRY
 
-from .conftest import Stack, all_healthy, wait_until
+from tests.faults.conftest import Stack, all_healthy, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 
 from xds_server import stack as stk
 
-from .conftest import Background, PrometheusFront, Stack, all_healthy, metric_value, proc_named, sessions, wait_until
+from tests.faults.conftest import Background, PrometheusFront, Stack, all_healthy, metric_value, proc_named, sessions, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ def heal(s: Stack, front: PrometheusFront, fault: str) -> None:
 @pytest.mark.parametrize("fault", list(OUTAGE_S))
 def test_prometheus_fault_keeps_the_last_good_weights(fault_stack: Stack, front: PrometheusFront, fault: str,
                                                       caplog):
-    from .conftest import Sampler
+    from tests.faults.conftest import Sampler
 
     s = fault_stack
     control = s.app.control

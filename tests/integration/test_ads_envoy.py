@@ -36,7 +36,7 @@ from xds_server.envoy_admin import envoy_hosts, envoy_stat
 from xds_server.metrics.stats import EndpointStats
 from xds_server.snapshot import CLUSTER_TYPE, BuildMemo, Snapshot, build_snapshot, make_snapshot
 
-from .conftest import LoopThread, wait_until
+from tests.integration.conftest import LoopThread, wait_until
 
 pytestmark = pytest.mark.integration
 

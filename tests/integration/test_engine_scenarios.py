@@ -33,7 +33,7 @@ from xds_server.metrics.promql import render
 from xds_server.metrics.scrape import ScrapeSource
 from xds_server.metrics.signals import Sel, Total
 
-from .conftest import Background, Stack, start_stack, stop_stack, wait_until
+from tests.integration.conftest import Background, Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 

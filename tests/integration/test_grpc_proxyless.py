@@ -46,7 +46,7 @@ from xds_server.snapshot import (
     make_snapshot,
 )
 
-from .conftest import LoopThread
+from tests.integration.conftest import LoopThread
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from xds_server.config import parse_config
 from xds_server.discovery.kubernetes import KubernetesWatcher, compose_config, endpoints_from
 from xds_server.serve import InferLB
 
-from .conftest import LoopThread, wait_until
+from tests.integration.conftest import LoopThread, wait_until
 
 NS = "inference"
 

@@ -14,7 +14,7 @@ from xds_server.envoy_admin import envoy_hosts
 from xds_server.loadgen import make_sessions
 from xds_server.metrics.prometheus import PrometheusSource
 
-from .conftest import Background, Stack, wait_until
+from tests.integration.conftest import Background, Stack, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 
 from xds_server.stack import free_port, inferlb_argv, spawn
 
-from ..unit.test_ext_proc_server import headers_request, set_headers
-from .conftest import Stack, start_stack, stop_stack, wait_until
+from tests.unit.test_ext_proc_server import headers_request, set_headers
+from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 

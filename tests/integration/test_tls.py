@@ -29,7 +29,7 @@ from xds_server.config import EnvoyTls, load_config
 from xds_server.envoy_admin import envoy_hosts
 from xds_server.serve import InferLB
 
-from .conftest import LoopThread, wait_until
+from tests.integration.conftest import LoopThread, wait_until
 
 pytestmark = pytest.mark.integration
 

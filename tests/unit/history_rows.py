@@ -32,7 +32,7 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     from xds_server.control import ControlPlane
     from xds_server.history.sqlite import SqliteHistory
 
-    from .factories import config, metrics_source
+    from tests.unit.factories import config, metrics_source
 
     cache = SnapshotCache()
     cp = ControlPlane(config(), metrics_source(lambda instances: {}, "prometheus"), cache, [], lambda: "127.0.0.1:1")

@@ -16,7 +16,7 @@ from xds_server.ads.server import AdsServicer, SnapshotCache
 from xds_server.control import ControlPlane
 from xds_server.metrics.stats import EndpointStats
 
-from .factories import config, metrics_source, service, version
+from tests.unit.factories import config, metrics_source, service, version
 
 TOKEN = "s3cret-token-0123456789"
 CFG = config([service("chat", [version("v1", [{"address": "10.1.0.1:8000"}, {"address": "10.1.0.2:8000"}])])])

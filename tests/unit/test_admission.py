@@ -13,8 +13,8 @@ from ext_proc.admission import Admission, admit
 from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_capacity
 
-from .test_inflight import log_message
-from .test_picker import HEALTHY, cla
+from tests.unit.test_inflight import log_message
+from tests.unit.test_picker import HEALTHY, cla
 
 
 @pytest.mark.parametrize(("in_flight", "capacity", "queued", "max_queue", "want"), [

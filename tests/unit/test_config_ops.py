@@ -8,7 +8,7 @@ from xds_server.config import ConfigError, TlsConfig
 from xds_server.snapshot import CLUSTER_TYPE, build_snapshot
 from xds_server.tls import server_credentials
 
-from .factories import config, service, version
+from tests.unit.factories import config, service, version
 
 SERVICES = [service("chat", [version("v1", 2)])]
 

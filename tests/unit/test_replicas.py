@@ -15,7 +15,7 @@ from xds_server.config import parse_config
 from xds_server.metrics.stats import EndpointStats
 from xds_server.serve import InferLB
 
-from .factories import metrics_source
+from tests.unit.factories import metrics_source
 
 CONFIG = """
 listen: {xds: "127.0.0.1:0", ext_proc: "127.0.0.1:0", admin: "127.0.0.1:0"}

@@ -11,7 +11,7 @@ from ext_proc.picker import pick, session_cookie
 from ext_proc.sessions import SessionTable
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute
 
-from .test_picker import cla
+from tests.unit.test_picker import cla
 
 
 class Clock:

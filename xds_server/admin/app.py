@@ -40,11 +40,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from ext_proc.sampler import DecisionSampler
 
-from ..ads.server import AdsServicer, short_type
-from ..control import ControlPlane
-from ..history.query import QueryError, parse_query, run_query
-from ..history.types import HistoryError, HistoryStore
-from .exposition import EndpointCollector, NodeCollector
+from xds_server.ads.server import AdsServicer, short_type
+from xds_server.control import ControlPlane
+from xds_server.history.query import QueryError, parse_query, run_query
+from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.admin.exposition import EndpointCollector, NodeCollector
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"

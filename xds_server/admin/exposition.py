@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 
 HEALTH_STATUSES = (HEALTHY, UNHEALTHY, DRAINING)
 _MIB = 1024.0 * 1024.0

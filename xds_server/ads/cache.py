@@ -19,8 +19,8 @@ import logging
 
 from prometheus_client import Counter
 
-from ..snapshot import Snapshot
-from .validate import Rejection, guard
+from xds_server.snapshot import Snapshot
+from xds_server.ads.validate import Rejection, guard
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Resource, Snapshot
+from xds_server.snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Resource, Snapshot
 
 #: Types whose empty first subscription (and explicit ``*``) means "every resource of the type".
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})

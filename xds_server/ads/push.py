@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from ..snapshot import Resource
+from xds_server.snapshot import Resource
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client import Counter, Gauge
 
-from .cache import SnapshotCache
-from .delta import DeltaStream
-from .push import WireCache
-from .sotw import SotwStream
+from xds_server.ads.cache import SnapshotCache
+from xds_server.ads.delta import DeltaStream
+from xds_server.ads.push import WireCache
+from xds_server.ads.sotw import SotwStream
 
 log = logging.getLogger(__name__)
 

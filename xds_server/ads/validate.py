@@ -27,7 +27,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 
-from ..snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, Resource, Snapshot, snapshot_of
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, Resource, Snapshot, snapshot_of
 
 UINT32_MAX = 4_294_967_295
 MAX_PRIORITY = 128

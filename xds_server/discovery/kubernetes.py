@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from ..config import Config, KubernetesDiscovery, KubernetesService
+from xds_server.config import Config, KubernetesDiscovery, KubernetesService
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from pydantic import Field
 
-from .plugin import ClusterRound, PluginParams
+from xds_server.engine.plugin import ClusterRound, PluginParams
 
 
 class EjectionParams(PluginParams):

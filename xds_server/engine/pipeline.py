@@ -27,11 +27,11 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ..metrics.stats import EndpointStats
-from . import stability
-from .plugin import ClusterRound, Member
-from .registry import FACTORS, FILTERS, SCORERS
-from .types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
+from xds_server.metrics.stats import EndpointStats
+from xds_server.engine import stability
+from xds_server.engine.plugin import ClusterRound, Member
+from xds_server.engine.registry import FACTORS, FILTERS, SCORERS
+from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
 
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1

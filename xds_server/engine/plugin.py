@@ -21,8 +21,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from ..metrics.stats import EndpointStats
-from .types import EndpointSpec, EngineParams
+from xds_server.metrics.stats import EndpointStats
+from xds_server.engine.types import EndpointSpec, EngineParams
 
 
 class PluginParams(BaseModel):

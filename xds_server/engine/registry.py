@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from .factors import balance, capacity, slow_start
-from .filters import gpu_memory, latency_outlier, max_concurrency, oom
-from .plugin import Factor, Filter, Scorer
-from .scorers import concurrency, errors, idle_compute, kv_cache, latency, memory, queue
+from xds_server.engine.factors import balance, capacity, slow_start
+from xds_server.engine.filters import gpu_memory, latency_outlier, max_concurrency, oom
+from xds_server.engine.plugin import Factor, Filter, Scorer
+from xds_server.engine.scorers import concurrency, errors, idle_compute, kv_cache, latency, memory, queue
 
 FILTERS: Mapping[str, Filter] = MappingProxyType({p.name: p for p in (
     gpu_memory.PLUGIN, max_concurrency.PLUGIN, oom.PLUGIN, latency_outlier.PLUGIN,

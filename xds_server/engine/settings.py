@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .registry import FACTORS, FILTERS, SCORERS
-from .types import EngineParams
+from xds_server.engine.registry import FACTORS, FILTERS, SCORERS
+from xds_server.engine.types import EngineParams
 
 
 def _params(kind: str, name: str, cls: type, raw: Mapping[str, Any]) -> Any:

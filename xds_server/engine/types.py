@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..metrics.stats import EndpointStats
+from xds_server.metrics.stats import EndpointStats
 
 HEALTHY, UNHEALTHY, DRAINING = "HEALTHY", "UNHEALTHY", "DRAINING"
 
@@ -27,7 +27,7 @@ class EndpointSpec:
 
 
 def _default_scorer_weights() -> Mapping[str, float]:
-    from .registry import SCORERS  # the registry imports the plugins, which import this module
+    from xds_server.engine.registry import SCORERS  # the registry imports the plugins, which import this module
 
     return MappingProxyType({name: s.default_weight for name, s in SCORERS.items()})
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..engine.types import EndpointWeight
-from .types import CHANGE, KEYFRAME, HistoryRow
+from xds_server.engine.types import EndpointWeight
+from xds_server.history.types import CHANGE, KEYFRAME, HistoryRow
 
 
 @dataclass(frozen=True, slots=True)

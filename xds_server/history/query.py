@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .timeparse import parse_duration, parse_time
-from .types import HistoryRow, HistoryStore
+from xds_server.history.timeparse import parse_duration, parse_time
+from xds_server.history.types import HistoryRow, HistoryStore
 
 DEFAULT_SINCE = "1h"
 DEFAULT_LIMIT = 10_000

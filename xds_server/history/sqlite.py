@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config import History
-from .types import HistoryError, HistoryRow
+from xds_server.config import History
+from xds_server.history.types import HistoryError, HistoryRow
 
 SCHEMA_VERSION = 1
 _SCHEMA = """

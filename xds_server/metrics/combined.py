@@ -20,10 +20,10 @@ from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
-from .envoy_view import EnvoyView
-from .merge import merge
-from .prometheus import MetricsUnavailable
-from .stats import EndpointStats
+from xds_server.metrics.envoy_view import EnvoyView
+from xds_server.metrics.merge import merge
+from xds_server.metrics.prometheus import MetricsUnavailable
+from xds_server.metrics.stats import EndpointStats
 
 log = logging.getLogger(__name__)
 

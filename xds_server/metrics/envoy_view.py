@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ext_proc.client_view import ClientView
 
-from .stats import EndpointStats
+from xds_server.metrics.stats import EndpointStats
 
 #: Below this many requests in the window, the client-side figures are too noisy to use.
 MIN_REQUESTS = 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from .stats import SIGNAL_FIELDS, EndpointStats
+from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
 
 
 def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterable[str], stale_after_s: float

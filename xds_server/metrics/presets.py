@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from .promql import render
-from .signals import (
+from xds_server.metrics.promql import render
+from xds_server.metrics.signals import (
     Gauge,
     HistogramMean,
     HistogramQuantile,

@@ -21,8 +21,8 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests import RequestException
 from urllib3.util.retry import Retry
 
-from .presets import SAMPLE_TIME, VLLM_DCGM
-from .stats import EndpointStats, finite
+from xds_server.metrics.presets import SAMPLE_TIME, VLLM_DCGM
+from xds_server.metrics.stats import EndpointStats, finite
 
 log = logging.getLogger(__name__)
 

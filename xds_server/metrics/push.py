@@ -25,7 +25,7 @@ from prometheus_client import Counter
 
 from protos import node_status_pb2, node_status_pb2_grpc
 
-from .stats import EndpointStats
+from xds_server.metrics.stats import EndpointStats
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .presets import SAMPLE_TIME
-from .signals import (
+from xds_server.metrics.presets import SAMPLE_TIME
+from xds_server.metrics.signals import (
     Gauge,
     HistogramMean,
     HistogramQuantile,
@@ -36,8 +36,8 @@ from .signals import (
     SignalSpec,
     Total,
 )
-from .stats import EndpointStats, finite
-from .window import Labels, Scrape, evaluate
+from xds_server.metrics.stats import EndpointStats, finite
+from xds_server.metrics.window import Labels, Scrape, evaluate
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from ext_proc.client_view import ClientView
 
-from ..config import Config
-from .combined import CombinedSource, PullSource
-from .envoy_view import EnvoyView
-from .presets import preset, promql_queries
-from .prometheus import PrometheusSource
-from .push import PushSource
-from .scrape import ScrapeSource
+from xds_server.config import Config
+from xds_server.metrics.combined import CombinedSource, PullSource
+from xds_server.metrics.envoy_view import EnvoyView
+from xds_server.metrics.presets import preset, promql_queries
+from xds_server.metrics.prometheus import PrometheusSource
+from xds_server.metrics.push import PushSource
+from xds_server.metrics.scrape import ScrapeSource
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from ..plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):

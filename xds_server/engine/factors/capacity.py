@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):

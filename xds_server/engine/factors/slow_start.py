@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from ..plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):

@@ -7,7 +7,7 @@ used memory is known, the endpoint's configured GPU memory minus it. No memory d
 
 from __future__ import annotations
 
-from ..plugin import ClusterRound, Member, NoParams, per_endpoint_filter
+from xds_server.engine.plugin import ClusterRound, Member, NoParams, per_endpoint_filter
 
 
 def free_mib(m: Member) -> float | None:

@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..ejection import EjectionParams, eject
-from ..plugin import ClusterRound, Filter, Member, State
+from xds_server.engine.ejection import EjectionParams, eject
+from xds_server.engine.plugin import ClusterRound, Filter, Member, State
 
 
 class Params(EjectionParams):

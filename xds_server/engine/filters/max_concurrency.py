@@ -3,7 +3,7 @@ configured ``max_concurrency``."""
 
 from __future__ import annotations
 
-from ..plugin import ClusterRound, Member, NoParams, per_endpoint_filter
+from xds_server.engine.plugin import ClusterRound, Member, NoParams, per_endpoint_filter
 
 
 def _check(m: Member, _: NoParams, rnd: ClusterRound) -> str | None:

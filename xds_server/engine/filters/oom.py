@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from ..ejection import Ejection, EjectionParams, eject
-from ..plugin import ClusterRound, Filter, State
+from xds_server.engine.ejection import Ejection, EjectionParams, eject
+from xds_server.engine.plugin import ClusterRound, Filter, State
 
 
 class Params(EjectionParams):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
 
 
 class Params(PluginParams):

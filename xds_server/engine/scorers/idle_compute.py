@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
 
 
 def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from ..filters.latency_outlier import latency_of
-from ..plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+from xds_server.engine.filters.latency_outlier import latency_of
+from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
 
 
 class Params(PluginParams):

@@ -7,8 +7,8 @@ score higher, which is why the default weight is small (0.25).
 
 from __future__ import annotations
 
-from ..filters.gpu_memory import free_mib, needed_mib
-from ..plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+from xds_server.engine.filters.gpu_memory import free_mib, needed_mib
+from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
 
 
 def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:
