@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.sampler import DecisionSampler
-from ext_proc.server import start_ext_proc_server
+from ext_proc.transport.grpcio import start_ext_proc_server
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 
 

@@ -37,8 +37,8 @@ import psutil
 import yaml
 
 from bench.sessions import bytes_per_session
-from xds_server import stack
-from xds_server.bootstrap import render_bootstrap
+from inferlb.devstack import stack
+from xds_server.resources.bootstrap import render_bootstrap
 
 T = "type.googleapis.com/"
 HEADERS = {"x-session-id": "bench-session-1", "model-version": "v1"}

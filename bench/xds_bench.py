@@ -51,16 +51,8 @@ from xds_server.config import Config, parse_config
 from xds_server.control import endpoint_specs
 from xds_server.engine.types import HEALTHY, EndpointWeight
 from xds_server.metrics.stats import EndpointStats
-from xds_server.snapshot import (
-    CLUSTER_TYPE,
-    ENDPOINT_TYPE,
-    LISTENER_TYPE,
-    ROUTE_TYPE,
-    TYPE_ORDER,
-    BuildMemo,
-    Snapshot,
-    build_snapshot,
-)
+from xds_server.resources.build import BuildMemo, build_snapshot
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Snapshot
 
 SERVICES, VERSIONS, PER_CLUSTER = 20, 10, 50
 STREAMS = 100

@@ -9,18 +9,26 @@ header and adds the cluster and override-host headers to each entry
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from envoy.service.accesslog.v3 import als_pb2
 
-from ext_proc.client_view import ClientView
 from ext_proc.inflight import InFlight
 
-__all__ = ["ACCESS_LOG_METHOD", "record_completions"]
+__all__ = ["CompletionSink", "record_completions"]
 
-ACCESS_LOG_METHOD = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
+
+class CompletionSink(Protocol):
+    """Where finished requests go, one call each (Envoy's view of the endpoints)."""
+
+    def record(self, endpoint: str, duration_ms: float, status: int) -> None:
+        """``endpoint``: the upstream ``HOST:PORT``; ``duration_ms``: until the last byte sent
+        downstream (ms); ``status``: the HTTP response code (0 when none was sent)."""
+        ...
 
 
 def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str,
-                       view: ClientView | None = None) -> int:
+                       view: CompletionSink | None = None) -> int:
     """Count the completions in one serialized ``StreamAccessLogsMessage``.
 
     Args:

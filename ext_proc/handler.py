@@ -1,6 +1,6 @@
 """The picker's request logic, independent of the transport: ext_proc messages in, answers out.
 
-Both transports (``grpcio`` in :mod:`ext_proc.server`, ``fast`` in :mod:`ext_proc.transport`)
+Both transports (``grpcio`` in :mod:`ext_proc.transport.grpcio`, ``fast`` in :mod:`ext_proc.transport`)
 feed every message of an ext_proc stream to one :class:`PickerHandler`, so they make identical
 decisions. Everything here runs on the picker's single event loop and takes no locks; the state
 it keeps (requests in flight, sessions) is only touched from that loop.
@@ -16,9 +16,8 @@ import time
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 
-from ext_proc.accesslog import record_completions
+from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
-from ext_proc.client_view import ClientView
 from ext_proc.inflight import InFlight
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
@@ -26,37 +25,17 @@ from ext_proc.sampler import DecisionSampler
 from ext_proc.sessions import SessionTable
 from ext_proc.settings import PickerSettings
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
+from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
 from ext_proc.view import EndpointView, ViewHolder
 
-__all__ = ["GRPC_INTERNAL", "GRPC_INVALID_ARGUMENT", "PickerHandler", "StreamError", "StreamState"]
+__all__ = ["PickerHandler"]
 
 log = logging.getLogger(__name__)
-
-GRPC_INVALID_ARGUMENT = 3
-GRPC_INTERNAL = 13
 
 _HOLD_FOR_BODY = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override={"request_body_mode": "BUFFERED"},
 ).SerializeToString()
-
-
-class StreamError(Exception):
-    """Ends an ext_proc stream with gRPC status ``code`` (an int) and ``message``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class StreamState:
-    """What one ext_proc stream remembers between messages: request headers held for the body."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held: dict[str, bytes] | None = None
 
 
 def _body_fields(data: bytes, limit: int) -> BodyFields | None:
@@ -88,14 +67,14 @@ class PickerHandler:
             clusters whose endpoints carry a max concurrency.
         errors: the error reporter (default: one logging to this module's logger).
         sampler: where a sample of decisions is kept for operators (None: no sampling).
-        client_view: where each completion's upstream latency and status are kept (Envoy's view of
-            the endpoints, an engine input; None: not kept).
+        completions: where each completion's upstream host, latency and status go (the app keeps
+            them as Envoy's view of the endpoints, an engine input; None: not kept).
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
                  errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
-                 client_view: ClientView | None = None) -> None:
+                 completions: CompletionSink | None = None) -> None:
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
         self.sessions = sessions if sessions is not None else SessionTable()
@@ -103,18 +82,18 @@ class PickerHandler:
         self.errors = errors if errors is not None else ErrorReporter(log)
         self._encoder = ResponseEncoder()
         self._sample = sampler.offer if sampler is not None else None
-        self.client_view = client_view
+        self.completions = completions
         self._timed = 0
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
-                      sampler: DecisionSampler | None = None, client_view: ClientView | None = None
+                      sampler: DecisionSampler | None = None, completions: CompletionSink | None = None
                       ) -> PickerHandler:
         """A handler with the in-flight expiry, session table and admission control of ``settings``."""
         s = settings
         admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if s.admission else None
         return cls(holder, InFlight(s.inflight_expiry_s), SessionTable(s.session_ttl_s, s.max_sessions), admission,
-                   sampler=sampler, client_view=client_view)
+                   sampler=sampler, completions=completions)
 
     @staticmethod
     def _count(reason: str) -> None:
@@ -245,12 +224,20 @@ class PickerHandler:
         routing = self.holder.current.routing
         try:
             record_completions(data, self.inflight, routing.cluster_header, routing.override_host_header,
-                               self.client_view)
+                               self.completions)
         except DecodeError:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
             return
         if self.admission is not None:
             self.admission.release(self._room)
+
+    def access_log_opened(self) -> None:
+        """An access-log stream opened: completions can arrive from now on."""
+        self.inflight.streams += 1
+
+    def access_log_closed(self) -> None:
+        """An access-log stream ended (cleanly or by a reset)."""
+        self.inflight.streams -= 1
 
     def tick(self) -> None:
         """Housekeeping, about once a second: expire lost picks, forget idle sessions."""

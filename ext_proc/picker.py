@@ -1,7 +1,7 @@
 """The per-request decision: request headers + endpoint view -> cluster and pinned endpoint.
 
 Pure and cheap (a few µs): no I/O, no locks, no mutation of its inputs, and no exception for
-any header value a client can send. The transport (``ext_proc.server``) turns a
+any header value a client can send. The transport (``ext_proc.transport.grpcio``) turns a
 :class:`Decision` into Envoy's ext_proc answer.
 """
 

@@ -7,7 +7,9 @@ the generated classes can never drift from the ``.proto`` source. Import the mod
     from protos import node_status_pb2, node_status_pb2_grpc
 
 The proto package is ``inferlb.v1``; the generated modules are registered as
-``inferlb.v1.<name>_pb2`` in ``sys.modules``.
+``protos.inferlb.v1.<name>_pb2`` in ``sys.modules`` (compiled from the folder that holds this
+package, so their names never collide with the ``inferlb`` application package). A ``.proto`` that
+imports another names it from there too: ``import "protos/inferlb/v1/x.proto"``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from types import ModuleType
 
 import grpc
 
-_ROOT = str(Path(__file__).resolve().parent)
+_ROOT = str(Path(__file__).resolve().parent.parent)
 _LOCK = threading.Lock()
 
 
@@ -34,7 +36,7 @@ def load(proto: str) -> tuple[ModuleType, ModuleType]:
         if added:
             sys.path.append(_ROOT)
         try:
-            return grpc.protos_and_services(proto)
+            return grpc.protos_and_services(f"protos/{proto}")
         finally:
             if added:
                 sys.path.remove(_ROOT)

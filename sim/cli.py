@@ -8,7 +8,6 @@ import click
 
 from sim.config import BackendConfig
 from sim.model import GPU_CLASSES
-from sim.server import run_backend
 
 
 @click.command("sim-backend")
@@ -123,4 +122,6 @@ def sim_backend(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    from sim.server import run_backend
+
     run_backend(cfg)

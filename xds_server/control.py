@@ -9,20 +9,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from xds_server.ads.cache import SnapshotCache
 from xds_server.config import Config, cluster_name
 from xds_server.engine import settings
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
-from xds_server.metrics.combined import MetricsSource
-from xds_server.metrics.prometheus import MetricsUnavailable
+from xds_server.metrics.source import MetricsSource, MetricsUnavailable
 from xds_server.metrics.stats import EndpointStats
-from xds_server.snapshot import BuildMemo, Snapshot, build_snapshot
+from xds_server.resources.build import BuildMemo, build_snapshot
+from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +69,22 @@ class ControlPlane:
     on the event loop, once per new snapshot; it must not block (hand slow work to a thread).
 
     ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
-    ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started).
+    ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started);
+    ``picker_metadata(cfg)``: the picker cluster's ``filter_metadata`` (see
+    :class:`~xds_server.resources.build.BuildMemo`).
+
+    Hooks see only what the cache accepted: the snapshot it validated (rejected resources replaced by
+    their last good versions), after it was set, so history never records a version Envoy never got.
 
     Nothing is published before the first successful metrics round, or before
-    ``prometheus.first_round_wait_s`` has passed without one (then neutral weights go out, flagged):
+    ``loop.first_round_wait_s`` has passed without one (then neutral weights go out, flagged):
     so a restarted control plane never replaces Envoy's last good weights with guesses.
     """
 
     def __init__(self, cfg: Config, source: MetricsSource, cache: SnapshotCache,
                  on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
-                 ext_proc_address: Callable[[], str]) -> None:
+                 ext_proc_address: Callable[[], str],
+                 picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
         self.cfg = cfg
         self._ext_proc_address = ext_proc_address
         self.source = source
@@ -85,7 +93,7 @@ class ControlPlane:
         self._specs = endpoint_specs(cfg)
         self._params = engine_params(cfg)
         self._state = EngineState()
-        self._memo = BuildMemo()
+        self._memo = BuildMemo(picker_metadata)
         self._group_cfgs = {g: cfg.for_node_group(g) for g in cfg.node_groups}
         self._stats: dict[str, EndpointStats] = {}
         self._draining: set[str] = set()
@@ -159,7 +167,7 @@ class ControlPlane:
     async def _compute_and_publish(self, stats: dict[str, EndpointStats]) -> None:
         async with self._lock:
             weights, self._state = compute_weights(self._specs_now(), stats, self._state, self._params,
-                                                   now=time.monotonic())
+                                                   now=time.monotonic(), plugins=BUILTIN)
             self._log_changes(weights)
             self.weights = weights
             ext_proc = self._ext_proc_address()
@@ -180,13 +188,13 @@ class ControlPlane:
         instances = [s.instance for s in self._specs]
         try:
             stats = await asyncio.wait_for(asyncio.to_thread(self.source.fetch, instances),
-                                           timeout=self.cfg.prometheus.timeout_s * 3)
+                                           timeout=self.cfg.loop.timeout_s * 3)
             ok = True
         except (MetricsUnavailable, TimeoutError) as err:
             ok = False
             stats = {}
             if self.metrics_ok is not False:
-                why = str(err) or f"no answer within {self.cfg.prometheus.timeout_s * 3:g} s"
+                why = str(err) or f"no answer within {self.cfg.loop.timeout_s * 3:g} s"
                 log.error("metrics source failed: %s; keeping the last good weights", why)
         if ok and self.metrics_ok is False:
             log.info("metrics source is back")
@@ -198,7 +206,7 @@ class ControlPlane:
             return False
         if not ok:
             waited = time.monotonic() - self._created
-            if waited < self.cfg.prometheus.first_round_wait_s:
+            if waited < self.cfg.loop.first_round_wait_s:
                 return False
             log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
         else:
@@ -218,14 +226,14 @@ class ControlPlane:
         current = self.cache.latest()
         if current is not None and current.version == snap.version:
             return
+        served = await self.cache.set(snap)
         for hook in self._hooks:
-            hook(snap, weights)
-        await self.cache.set(snap)
+            hook(served, weights)
         SNAPSHOTS.inc()
         self.ready.set()
 
     async def run(self) -> None:
-        """Rounds forever, every ``prometheus.interval_s`` seconds."""
+        """Rounds forever, every ``loop.interval_s`` seconds."""
         while True:
             started = time.monotonic()
             try:
@@ -233,4 +241,4 @@ class ControlPlane:
             except Exception:  # a bug in one round must not stop the loop: last good snapshot stays
                 log.exception("weight round failed; the last good snapshot keeps serving")
                 ROUNDS.labels("error").inc()
-            await asyncio.sleep(max(0.0, self.cfg.prometheus.interval_s - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.cfg.loop.interval_s - (time.monotonic() - started)))

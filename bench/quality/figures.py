@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xds_server.loadgen import Result, percentile
-
 from bench.quality.trace import TraceRequest
+from inferlb.devstack.loadgen import Result, percentile
 
 FIGURES: tuple[str, ...] = ("p50_ms", "p95_ms", "p99_ms", "error_rate", "oom_rate", "wrong_version",
                             "session_hit_rate", "sessions_moved", "throughput_rps")

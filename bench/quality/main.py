@@ -10,12 +10,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from xds_server import stack
-
 from bench.quality import plots, report
 from bench.quality.policies import POLICIES
 from bench.quality.runner import ScenarioRunner
 from bench.quality.scenarios import SCENARIOS
+from inferlb.devstack import stack
 
 log = logging.getLogger(__name__)
 

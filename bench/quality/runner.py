@@ -23,15 +23,21 @@ from pathlib import Path
 
 import yaml
 
-from xds_server import stack
-from xds_server.bootstrap import render_bootstrap
-from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import Result, Traffic, replay
-
 from bench.quality import figures
-from bench.quality.policies import BASELINES, SESSION_HEADER, VERSION_HEADER, baseline_bootstrap, eds_document, inferlb_config
+from bench.quality.policies import (
+    BASELINES,
+    SESSION_HEADER,
+    VERSION_HEADER,
+    baseline_bootstrap,
+    eds_document,
+    inferlb_config,
+)
 from bench.quality.scenarios import CONTROL, Event, Scenario
 from bench.quality.trace import TraceRequest, build_trace, to_planned
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.devstack.loadgen import Result, Traffic, replay
+from inferlb.devstack import stack
+from xds_server.resources.bootstrap import render_bootstrap
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xds_server.loadgen import Planned, Session
-
 from bench.quality.scenarios import Traffic
+from inferlb.devstack.loadgen import Planned, Session
 
 MEMORY_HEADER = "x-sim-memory-mib"
 

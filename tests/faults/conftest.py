@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from inferlb.devstack import stack as stk
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.devstack.loadgen import Result, Session, Traffic, drive, make_sessions
 from tests.integration.conftest import LoopThread, Stack, start_stack, stop_stack, wait_until
-from xds_server import stack as stk
-from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import Result, Session, Traffic, drive, make_sessions
 
 __all__ = ["Background", "PrometheusFront", "Sampler", "Stack", "wait_until"]
 

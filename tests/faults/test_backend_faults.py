@@ -15,9 +15,8 @@ import urllib.request
 
 import pytest
 
-from xds_server import stack as stk
-from xds_server.envoy_admin import envoy_stat
-
+from inferlb.devstack import stack as stk
+from inferlb.devstack.envoy_admin import envoy_stat
 from tests.faults.conftest import Background, Stack, all_healthy, sessions, wait_until
 
 pytestmark = pytest.mark.integration

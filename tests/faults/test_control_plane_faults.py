@@ -18,12 +18,11 @@ import pytest
 import requests
 import yaml
 
-from tests.integration.conftest import backend_config, merge
-from xds_server import stack as stk
-from xds_server.bootstrap import render_bootstrap
-from xds_server.envoy_admin import envoy_hosts
-
+from inferlb.devstack import stack as stk
+from inferlb.devstack.envoy_admin import envoy_hosts
 from tests.faults.conftest import Background, sessions, wait_until
+from tests.integration.conftest import backend_config, merge
+from xds_server.resources.bootstrap import render_bootstrap
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,8 @@ import time
 import pytest
 import requests
 
-from xds_server import stack as stk
-from xds_server.envoy_admin import envoy_hosts
-
+from inferlb.devstack import stack as stk
+from inferlb.devstack.envoy_admin import envoy_hosts
 from tests.faults.conftest import Background, Stack, all_healthy, sessions, wait_until
 
 pytestmark = pytest.mark.integration

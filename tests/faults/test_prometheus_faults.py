@@ -17,9 +17,17 @@ import time
 
 import pytest
 
-from xds_server import stack as stk
-
-from tests.faults.conftest import Background, PrometheusFront, Stack, all_healthy, metric_value, proc_named, sessions, wait_until
+from inferlb.devstack import stack as stk
+from tests.faults.conftest import (
+    Background,
+    PrometheusFront,
+    Stack,
+    all_healthy,
+    metric_value,
+    proc_named,
+    sessions,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 

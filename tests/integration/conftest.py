@@ -18,11 +18,11 @@ import pytest
 import requests
 import yaml
 
-from xds_server import stack
-from xds_server.bootstrap import render_bootstrap
+from inferlb.devstack import stack
+from inferlb.devstack.loadgen import Session, Traffic, drive
+from inferlb.serve import InferLB
 from xds_server.config import Config, load_config
-from xds_server.loadgen import Session, Traffic, drive
-from xds_server.serve import InferLB
+from xds_server.resources.bootstrap import render_bootstrap
 
 
 def wait_until(check: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:

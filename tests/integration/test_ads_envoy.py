@@ -24,19 +24,21 @@ import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import duration_pb2, symbol_database
 
-from xds_server import stack
+from inferlb.devstack import stack
+from inferlb.devstack.envoy_admin import envoy_hosts, envoy_stat
+from tests.integration.conftest import LoopThread, wait_until
+from tests.support.snapshots import make_snapshot
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import start_ads_server
-from xds_server.bootstrap import render_bootstrap
 from xds_server.config import Config, parse_config
 from xds_server.control import endpoint_specs
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight, EngineParams, EngineState
-from xds_server.envoy_admin import envoy_hosts, envoy_stat
 from xds_server.metrics.stats import EndpointStats
-from xds_server.snapshot import CLUSTER_TYPE, BuildMemo, Snapshot, build_snapshot, make_snapshot
-
-from tests.integration.conftest import LoopThread, wait_until
+from xds_server.resources.bootstrap import render_bootstrap
+from xds_server.resources.build import BuildMemo, build_snapshot
+from xds_server.snapshot import CLUSTER_TYPE, Snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -291,7 +293,7 @@ def test_tiny_scores_never_send_weight_zero(harness: Harness, envoy: EnvoyNode):
     worst = EndpointStats(latency_mean_ms=1e9, running=0.99, gpu_util=1.0, queue=1e6, sample_age_s=0.1)
     stats = {s.instance: worst for s in specs}
     stats[harness.backends[0]] = EndpointStats(latency_mean_ms=1, running=0, gpu_util=0, sample_age_s=0.1)
-    weights, _ = compute_weights(specs, stats, EngineState(), replace(EngineParams(), max_weight=1))
+    weights, _ = compute_weights(specs, stats, EngineState(), replace(EngineParams(), max_weight=1), plugins=BUILTIN)
     nacks = harness.node(envoy.protocol)["types"]["ClusterLoadAssignment"]["nacks"]
     harness.push({g: build_snapshot(cfg.for_node_group(g) if g else cfg, weights, EXT_PROC)
                   for g in (None, *PROTOCOLS)})

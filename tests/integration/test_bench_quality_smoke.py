@@ -16,7 +16,7 @@ import pytest
 from bench.quality.figures import FIGURES
 from bench.quality.policies import POLICIES
 from bench.quality.report import BEGIN, END
-from xds_server.stack import inferlb_argv
+from inferlb.devstack.stack import inferlb_argv
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from xds_server.stack import inferlb_argv
+from inferlb.devstack.stack import inferlb_argv
 
 pytestmark = pytest.mark.integration
 

@@ -20,20 +20,20 @@ from collections import Counter
 import pytest
 import requests
 
-from xds_server import stack
+from inferlb.devstack import stack
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.devstack.loadgen import Session, make_sessions
+from tests.integration.conftest import Background, Stack, start_stack, stop_stack, wait_until
 from xds_server.control import endpoint_specs, engine_params
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EngineState
-from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import Session, make_sessions
 from xds_server.metrics.combined import CombinedSource
 from xds_server.metrics.presets import preset, promql_queries
-from xds_server.metrics.prometheus import PrometheusSource
 from xds_server.metrics.promql import render
-from xds_server.metrics.scrape import ScrapeSource
 from xds_server.metrics.signals import Sel, Total
-
-from tests.integration.conftest import Background, Stack, start_stack, stop_stack, wait_until
+from xds_server.metrics.sources.prometheus import PrometheusSource
+from xds_server.metrics.sources.scrape import ScrapeSource
 
 pytestmark = pytest.mark.integration
 
@@ -283,8 +283,8 @@ def test_scrape_source_gives_the_same_weights_as_prometheus(eng: Stack):
         task.cancel()
     specs = [sp for sp in endpoint_specs(eng.cfg) if sp.address in instances]
     params = engine_params(eng.cfg)
-    wp, _ = compute_weights(specs, a, EngineState(), params)
-    ws, _ = compute_weights(specs, b, EngineState(), params)
+    wp, _ = compute_weights(specs, a, EngineState(), params, plugins=BUILTIN)
+    ws, _ = compute_weights(specs, b, EngineState(), params, plugins=BUILTIN)
     for x, y in zip(wp, ws, strict=True):
         assert x.health == y.health, (x, y)
         assert abs(x.weight - y.weight) <= max(3, 0.15 * max(x.weight, y.weight)), (x.address, x.weight, y.weight,

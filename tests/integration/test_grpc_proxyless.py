@@ -29,24 +29,17 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.load_balancing_policies.ring_hash.v3 import ring_hash_pb2  # noqa: F401 (registers the type)
 from google.protobuf import json_format, symbol_database
 
+from tests.integration.conftest import LoopThread
+from tests.support.snapshots import make_snapshot
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import start_ads_server
 from xds_server.config import parse_config
 from xds_server.control import endpoint_specs
 from xds_server.engine.types import HEALTHY, EndpointWeight
 from xds_server.metrics.stats import EndpointStats
-from xds_server.snapshot import (
-    CLUSTER_TYPE,
-    ENDPOINT_TYPE,
-    LISTENER_TYPE,
-    ROUTE_TYPE,
-    Snapshot,
-    build_assignment,
-    build_snapshot,
-    make_snapshot,
-)
-
-from tests.integration.conftest import LoopThread
+from xds_server.resources.build import build_snapshot
+from xds_server.resources.endpoints import build_assignment
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, Snapshot
 
 pytestmark = pytest.mark.integration
 

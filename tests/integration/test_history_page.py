@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from tests.integration.conftest import LoopThread
-from tests.unit.history_rows import admin_app, row, verdict
+from tests.support.history_rows import admin_app, row, verdict
 from xds_server.engine.types import DRAINING, UNHEALTHY
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"

@@ -11,9 +11,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from xds_server.history.sqlite import SqliteHistory
-
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
+from xds_server.history.sqlite import SqliteHistory
 
 pytestmark = pytest.mark.integration
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "inferlb.json"

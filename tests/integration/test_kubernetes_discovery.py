@@ -18,11 +18,10 @@ import pytest
 import yaml
 from aiohttp import web
 
+from inferlb.serve import InferLB
+from tests.integration.conftest import LoopThread, wait_until
 from xds_server.config import parse_config
 from xds_server.discovery.kubernetes import KubernetesWatcher, compose_config, endpoints_from
-from xds_server.serve import InferLB
-
-from tests.integration.conftest import LoopThread, wait_until
 
 NS = "inference"
 

@@ -10,11 +10,10 @@ import time
 import pytest
 import requests
 
-from xds_server.envoy_admin import envoy_hosts
-from xds_server.loadgen import make_sessions
-from xds_server.metrics.prometheus import PrometheusSource
-
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.devstack.loadgen import make_sessions
 from tests.integration.conftest import Background, Stack, wait_until
+from xds_server.metrics.sources.prometheus import PrometheusSource
 
 pytestmark = pytest.mark.integration
 

@@ -18,10 +18,9 @@ import pytest
 import requests
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
-from xds_server.stack import free_port, inferlb_argv, spawn
-
-from tests.unit.test_ext_proc_server import headers_request, set_headers
+from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
+from tests.unit.test_ext_proc_server import headers_request, set_headers
 
 pytestmark = pytest.mark.integration
 

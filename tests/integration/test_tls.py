@@ -22,14 +22,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from xds_server import stack
-from xds_server.bootstrap import render_bootstrap
-from xds_server.cli import main
-from xds_server.config import EnvoyTls, load_config
-from xds_server.envoy_admin import envoy_hosts
-from xds_server.serve import InferLB
-
+from inferlb.cli import main
+from inferlb.devstack import stack
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.serve import InferLB
 from tests.integration.conftest import LoopThread, wait_until
+from xds_server.config import EnvoyTls, load_config
+from xds_server.resources.bootstrap import render_bootstrap
 
 pytestmark = pytest.mark.integration
 

@@ -11,12 +11,11 @@ import sys
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.support.factories import config, metrics_source, service, version
 from xds_server.admin.app import WriteAuth, is_loopback, make_admin_app
 from xds_server.ads.server import AdsServicer, SnapshotCache
 from xds_server.control import ControlPlane
 from xds_server.metrics.stats import EndpointStats
-
-from tests.unit.factories import config, metrics_source, service, version
 
 TOKEN = "s3cret-token-0123456789"
 CFG = config([service("chat", [version("v1", [{"address": "10.1.0.1:8000"}, {"address": "10.1.0.2:8000"}])])])
@@ -124,7 +123,7 @@ async def test_refused_reload_is_a_422_with_the_reason():
 
 
 async def test_nothing_is_published_before_the_first_metrics_round_within_the_wait():
-    from xds_server.metrics.prometheus import MetricsUnavailable
+    from xds_server.metrics.source import MetricsUnavailable
 
     def down(instances):
         raise MetricsUnavailable("connection refused")
@@ -140,7 +139,7 @@ async def test_nothing_is_published_before_the_first_metrics_round_within_the_wa
 
 
 def test_json_logs_are_one_object_per_line():
-    code = ("import logging; from xds_server.cli import _setup_logging; _setup_logging('info', 'json');"
+    code = ("import logging; from inferlb.cli import _setup_logging; _setup_logging('info', 'json');"
             "log = logging.getLogger('xds_server.test'); log.info('weight %s -> %d', 'a', 3)\n"
             "try:\n    1/0\nexcept ZeroDivisionError:\n    log.exception('round failed')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -157,7 +156,7 @@ async def test_session_keys_never_reach_the_logs(caplog):
 
     from ext_proc.handler import PickerHandler, StreamState
     from ext_proc.view import ViewHolder
-    from xds_server.picker_config import routing_table
+    from inferlb.picker_config import routing_table
 
     cp = await control_plane()
     holder = ViewHolder()

@@ -14,9 +14,11 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from xds_server.ads.server import INBOX_SIZE, AdsServicer, SnapshotCache, start_ads_server
 from xds_server.config import parse_config
 from xds_server.control import endpoint_specs
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EngineParams, EngineState
-from xds_server.snapshot import CLUSTER_TYPE, build_snapshot
+from xds_server.resources.build import build_snapshot
+from xds_server.snapshot import CLUSTER_TYPE
 
 CFG = parse_config(yaml.safe_dump({"services": [{"name": "chat", "versions": [
     {"name": "v1", "endpoints": [{"address": "10.0.0.1:8000"}]}]}]}))
@@ -46,7 +48,7 @@ async def open_stream(stub, node: str):
 @pytest.fixture
 async def ads():
     cache = SnapshotCache()
-    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), EngineParams())
+    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), EngineParams(), plugins=BUILTIN)
     await cache.set(build_snapshot(CFG, weights, "127.0.0.1:18080"))
     server, servicer, port = await start_ads_server(cache, "127.0.0.1:0", max_streams=4)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -83,7 +85,7 @@ async def test_a_client_that_floods_requests_and_reads_nothing_is_read_only_a_li
     INBOX_SIZE requests ahead, then waits (HTTP/2 flow control pushes back on the client), so our
     memory for that stream stays bounded."""
     cache = SnapshotCache()
-    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), EngineParams())
+    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), EngineParams(), plugins=BUILTIN)
     await cache.set(build_snapshot(CFG, weights, "127.0.0.1:18080"))
     servicer = AdsServicer(cache)
     pulled = 0

@@ -12,9 +12,9 @@ from bench.quality.figures import RunWindow
 from bench.quality.policies import BASELINES, POLICIES, baseline_bootstrap, eds_document, inferlb_config
 from bench.quality.scenarios import SCENARIOS, Traffic
 from bench.quality.trace import MEMORY_HEADER, TraceRequest, build_trace, session_key, to_planned
+from inferlb.devstack.loadgen import Result, Session, error_kind
+from inferlb.devstack.stack import envoy_binary
 from xds_server.config import parse_config
-from xds_server.loadgen import Result, Session, error_kind
-from xds_server.stack import envoy_binary
 
 # --- trace ----------------------------------------------------------------------------------------
 

@@ -13,12 +13,15 @@ import pytest
 import yaml
 from google.protobuf import json_format
 
-from tests.unit.factories import config, service, version
-from xds_server.bootstrap import render_bootstrap
+from inferlb.devstack.stack import envoy_binary
+from tests.support.factories import config, service, version
 from xds_server.config import ConfigError, parse_config
-from xds_server.listener import EXT_PROC_CLUSTER, ROUTE_NAME, build_listener, build_route_config
-from xds_server.snapshot import CLUSTER_TYPE, build_snapshot
-from xds_server.stack import envoy_binary
+from xds_server.resources.bootstrap import render_bootstrap
+from xds_server.resources.build import build_snapshot
+from xds_server.resources.listener import build_listener
+from xds_server.resources.names import EXT_PROC_CLUSTER, ROUTE_NAME
+from xds_server.resources.routes import build_route_config
+from xds_server.snapshot import CLUSTER_TYPE
 
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
@@ -207,7 +210,7 @@ def test_real_envoy_accepts_the_cli_delta_bootstrap(tmp_path):
     """``inferlb bootstrap --delta`` output goes straight into ``envoy --mode validate``."""
     from click.testing import CliRunner
 
-    from xds_server.cli import main
+    from inferlb.cli import main
 
     cfg_path = tmp_path / "inferlb.yaml"
     cfg_path.write_text(yaml.safe_dump({"services": [{"name": "chat", "versions": [

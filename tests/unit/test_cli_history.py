@@ -10,11 +10,11 @@ from aiohttp import web
 from click.testing import CliRunner
 from matplotlib import image
 
+from inferlb.cli import main
+from inferlb.output import plot_history
 from tests.integration.conftest import LoopThread
-from tests.unit.history_rows import admin_app, pin_history_clock, row, verdict
-from xds_server.cli import main
+from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from xds_server.engine.types import UNHEALTHY
-from xds_server.plot import plot_history
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 NOW = time.time()

@@ -9,9 +9,8 @@ from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, wrappers_pb2
 
 from ext_proc.accesslog import record_completions
-from ext_proc.client_view import ClientView
 from ext_proc.inflight import InFlight
-from xds_server.metrics.envoy_view import MIN_REQUESTS, EnvoyView
+from xds_server.metrics.sources.envoy import MIN_REQUESTS, ClientView, EnvoyView
 from xds_server.metrics.stats import EndpointStats
 
 

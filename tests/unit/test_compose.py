@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import yaml
 
-from xds_server.bootstrap import render_bootstrap
+from inferlb.devstack.stack import envoy_binary, prometheus_binary
 from xds_server.config import load_config, split_hostport
-from xds_server.stack import envoy_binary, prometheus_binary
+from xds_server.resources.bootstrap import render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from tests.unit.factories import config, line_of, service, version, yaml_text
+from inferlb.picker_config import routing_table
+from tests.support.factories import config, line_of, service, version, yaml_text
 from xds_server.config import ConfigError, load_config, parse_config, split_hostport
-from xds_server.picker_config import routing_table
 
 MINIMAL = yaml_text(
     """

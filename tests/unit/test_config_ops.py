@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.factories import config, service, version
 from xds_server.config import ConfigError, TlsConfig
-from xds_server.snapshot import CLUSTER_TYPE, build_snapshot
+from xds_server.resources.build import build_snapshot
+from xds_server.snapshot import CLUSTER_TYPE
 from xds_server.tls import server_credentials
-
-from tests.unit.factories import config, service, version
 
 SERVICES = [service("chat", [version("v1", 2)])]
 

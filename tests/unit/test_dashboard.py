@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import REGISTRY
 
-import xds_server.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
+import inferlb.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
 from tests.unit.test_metrics_exposition import NODES, VERSIONS, WEIGHTS
 from xds_server.admin.exposition import EndpointCollector, NodeCollector
 

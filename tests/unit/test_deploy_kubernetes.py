@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from inferlb.devstack.stack import envoy_binary
 from xds_server.config import parse_config, split_hostport
-from xds_server.stack import envoy_binary
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from tests.unit.factories import config, filter_reason, same_stats, score, service, spec, specs, stats, version
+from tests.support.factories import config, filter_reason, same_stats, score, service, spec, specs, stats, version
 from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine import stability
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, NEUTRAL_SCORE, combine, compute_weights
-from xds_server.engine.registry import SCORERS
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.stats import EndpointStats
 
@@ -21,7 +21,7 @@ BUSY = {"gpu_util": 0.5, "running": 2.0, "queue": 0.0, "latency_mean_ms": 100.0}
 
 
 def run(endpoints, seen, prev=None, params=P):
-    weights, state = compute_weights(endpoints, seen, prev or EngineState(), params)
+    weights, state = compute_weights(endpoints, seen, prev or EngineState(), params, plugins=BUILTIN)
     return {w.address: w for w in weights}, state
 
 
@@ -39,7 +39,7 @@ def test_150_endpoints_sharing_a_small_budget_all_get_at_least_1():
     eps = specs(150)
     seen = {s.instance: stats(gpu_util=(i % 100) / 100, running=float(i % 8), latency_mean_ms=10.0 + i)
             for i, s in enumerate(eps)}
-    weights, _ = compute_weights(eps, seen, EngineState(), EngineParams(max_weight=1))
+    weights, _ = compute_weights(eps, seen, EngineState(), EngineParams(max_weight=1), plugins=BUILTIN)
     assert len(weights) == 150
     assert all(w.weight >= 1 for w in weights)
     assert all(w.health == HEALTHY for w in weights)
@@ -48,7 +48,7 @@ def test_150_endpoints_sharing_a_small_budget_all_get_at_least_1():
 def test_150_endpoints_with_a_huge_max_weight_stay_within_uint32():
     eps = specs(150)
     weights, _ = compute_weights(eps, same_stats(eps, gpu_util=0.0, running=0.0), EngineState(),
-                                 EngineParams(max_weight=10**12))
+                                 EngineParams(max_weight=10**12), plugins=BUILTIN)
     assert sum(w.weight for w in weights) <= MAX_WEIGHT_SUM
     assert all(1 <= w.weight <= MAX_WEIGHT_SUM for w in weights)
 
@@ -59,7 +59,7 @@ def test_all_zero_scores_still_give_weight_1():
     # every request failing; no latency data. The queue scorer is off (one queued request scores 0.89).
     params = replace(P, scorer_weights={**P.scorer_weights, "queue": 0.0})
     seen = same_stats(eps, gpu_util=1.0, running=7.0, queue=1.0, kv_cache=1.0, error_rate=1.0)
-    weights, _ = compute_weights(eps, seen, EngineState(), params)
+    weights, _ = compute_weights(eps, seen, EngineState(), params, plugins=BUILTIN)
     for w in weights:
         assert w.score == 0.0
         assert w.weight == 1
@@ -366,7 +366,7 @@ def test_scores_are_finite_and_within_0_1():
             for s, (u, r, q, lat) in zip(eps, [(0.0, 0.0, 0.0, 1e-9), (1.0, 7.9, 50.0, 1e9), (2.0, -1.0, None, 5.0),
                                                (-1.0, 0.0, 0.0, 0.0), (0.5, None, 3.0, None), (0.1, 1.0, 1.0, 1e300)],
                                          strict=True)}
-    weights, _ = compute_weights(eps, seen, EngineState(), P)
+    weights, _ = compute_weights(eps, seen, EngineState(), P, plugins=BUILTIN)
     for w in weights:
         assert w.score is None or (math.isfinite(w.score) and 0.0 <= w.score <= 1.0)
         for v in w.scores.values():
@@ -380,7 +380,7 @@ def test_non_finite_stats_do_not_crash_the_engine(field):
     bad = math.inf if field == "latency_mean_ms" else math.nan
     seen = same_stats(eps, gpu_util=0.5, running=1.0, queue=0.0, latency_mean_ms=100.0)
     seen = {i: replace(s, **{field: bad}) for i, s in seen.items()}
-    weights, _ = compute_weights(eps, seen, EngineState(), P)
+    weights, _ = compute_weights(eps, seen, EngineState(), P, plugins=BUILTIN)
     for w in weights:
         assert w.weight >= 1
         assert w.score is None or 0.0 <= w.score <= 1.0
@@ -425,7 +425,7 @@ def test_hysteresis_holds_small_changes_and_passes_large_ones():
 def test_result_is_in_spec_order_across_interleaved_clusters():
     a, b = specs(3, "x-v1"), specs(3, "x-v2")
     interleaved = [a[0], b[0], a[1], b[1], b[2], a[2]]
-    weights, state = compute_weights(interleaved, same_stats(interleaved, **BUSY), EngineState(), P)
+    weights, state = compute_weights(interleaved, same_stats(interleaved, **BUSY), EngineState(), P, plugins=BUILTIN)
     assert [(w.cluster, w.address) for w in weights] == [(s.cluster, s.address) for s in interleaved]
     assert set(state.weights) == {(s.cluster, s.address) for s in interleaved}
     assert all(state.weights[(w.cluster, w.address)] == w.weight for w in weights)
@@ -434,7 +434,7 @@ def test_result_is_in_spec_order_across_interleaved_clusters():
 def test_same_address_in_two_clusters_is_kept_apart():
     a = spec(0, "llm-v1")
     b = replace(a, cluster="llm-v2")
-    weights, state = compute_weights([a, b], {a.instance: stats(**BUSY)}, EngineState(), P)
+    weights, state = compute_weights([a, b], {a.instance: stats(**BUSY)}, EngineState(), P, plugins=BUILTIN)
     assert len(weights) == 2 and len(state.weights) == 2
 
 
@@ -444,9 +444,8 @@ def test_engine_params_from_config():
     p = engine_params(cfg)
     assert (p.stale_after_s, p.request_memory_mib, p.memory_margin, p.max_weight, p.hysteresis) == (
         7, 4096, 0.5, 50, 0.2)
-    defaults = {name: s.default_weight for name, s in SCORERS.items()}
-    assert dict(p.scorer_weights) == {**defaults, "idle_compute": 2.0, "latency": 0.0}
-    assert set(p.scorer_weights) == set(SCORERS)
+    defaults = {name: s.default_weight for name, s in BUILTIN.scorers.items()}
+    assert BUILTIN.scorer_weights(p.scorer_weights) == {**defaults, "idle_compute": 2.0, "latency": 0.0}
 
 
 def test_endpoint_specs_from_config():
@@ -468,7 +467,7 @@ def test_weights_fit_uint32_after_the_cluster_grows():
     eps = specs(11, capacity=1000.0)
     params = EngineParams(max_weight=10**6)  # 1e9 per endpoint: every weight sits at the per-endpoint cap
     seen = same_stats(eps, gpu_util=0.0, running=0.0, latency_mean_ms=10.0)
-    first, state = compute_weights(eps[:10], seen, EngineState(), params)
+    first, state = compute_weights(eps[:10], seen, EngineState(), params, plugins=BUILTIN)
     assert sum(w.weight for w in first) <= MAX_WEIGHT_SUM
-    grown, _ = compute_weights(eps, seen, state, params)  # scale-up: an 11th endpoint joins
+    grown, _ = compute_weights(eps, seen, state, params, plugins=BUILTIN)  # scale-up: an 11th endpoint joins
     assert sum(w.weight for w in grown) <= MAX_WEIGHT_SUM

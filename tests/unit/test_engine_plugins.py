@@ -8,15 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from tests.unit.factories import config, same_stats, score, spec, specs, stats
+from tests.support.factories import config, same_stats, score, spec, specs, stats
 from xds_server.config import ConfigError
 from xds_server.control import engine_params
 from xds_server.engine import stability
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.ejection import max_ejected
 from xds_server.engine.factors import balance, capacity, slow_start
 from xds_server.engine.filters import latency_outlier, oom
 from xds_server.engine.pipeline import compute_weights
-from xds_server.engine.registry import FACTORS, FILTERS, SCORERS
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 
 BASE = EngineParams(hysteresis=0.0, max_change=None)
@@ -35,7 +35,7 @@ class Rounds:
 
     def run(self, seen, at=None):
         self.now = self.now if at is None else at
-        weights, self.state = compute_weights(self.eps, seen, self.state, self.params, now=self.now)
+        weights, self.state = compute_weights(self.eps, seen, self.state, self.params, now=self.now, plugins=BUILTIN)
         return {w.address: w for w in weights}
 
 
@@ -388,7 +388,7 @@ def test_every_endpoint_says_what_each_plugin_decided():
     ok, oomy, stale = (out[e.address] for e in eps)
     assert dict(ok.filters) == {"gpu_memory": "pass", "max_concurrency": "pass", "oom": "off",
                                 "latency_outlier": "pass"}
-    assert set(ok.scores) == set(SCORERS) and set(ok.factors) == set(FACTORS)
+    assert set(ok.scores) == set(BUILTIN.scorers) and set(ok.factors) == set(BUILTIN.factors)
     assert ok.reasons[0] == f"score {ok.score:.2f} x max_weight 100 -> {ok.target}"
     assert oomy.filters["gpu_memory"].startswith("gpu memory free 10 MiB") and oomy.filters["latency_outlier"] == \
         "not run"
@@ -425,7 +425,7 @@ def test_bad_plugin_config_names_the_plugin_and_parameter(engine, message):
 
 
 def test_every_registered_plugin_has_documented_defaults():
-    for table in (FILTERS, SCORERS, FACTORS):
+    for table in (BUILTIN.filters, BUILTIN.scorers, BUILTIN.factors):
         for name, p in table.items():
             p.params()  # defaults valid
             assert name and p.run.__module__.startswith("xds_server.engine")

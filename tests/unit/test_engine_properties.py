@@ -8,7 +8,8 @@ from dataclasses import replace
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.factories import spec
+from tests.support.factories import spec
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, compute_weights
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EngineParams, EngineState
 from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
@@ -92,7 +93,7 @@ def check_invariants(endpoints, weights) -> None:
 def test_weights_are_valid_for_any_input_over_several_rounds(data, endpoints, p, clock):
     state = EngineState()
     for now in sorted(clock):
-        weights, state = compute_weights(endpoints, stats_for(data.draw, endpoints), state, p, now=now)
+        weights, state = compute_weights(endpoints, stats_for(data.draw, endpoints), state, p, now=now, plugins=BUILTIN)
         check_invariants(endpoints, weights)
 
 
@@ -107,9 +108,10 @@ def test_large_clusters_with_huge_max_weight_fit_uint32(n, samples, capacity, p)
     endpoints = [spec(i, "big", capacity=capacity) for i in range(n)]
     seen = {s.instance: samples[i % len(samples)] for i, s in enumerate(endpoints)}
     p = replace(p, max_weight=10**12)
-    first, state = compute_weights(endpoints, seen, EngineState(), p)
+    first, state = compute_weights(endpoints, seen, EngineState(), p,
+                                   plugins=BUILTIN)
     check_invariants(endpoints, first)
-    second, _ = compute_weights(endpoints, seen, state, p, now=1.0)
+    second, _ = compute_weights(endpoints, seen, state, p, now=1.0, plugins=BUILTIN)
     check_invariants(endpoints, second)
 
 
@@ -117,11 +119,14 @@ def test_large_clusters_with_huge_max_weight_fit_uint32(n, samples, capacity, p)
 @given(data=st.data(), endpoints=pools(), p=params)
 def test_same_inputs_same_outputs_in_any_order(data, endpoints, p):
     seen = stats_for(data.draw, endpoints)
-    a, state_a = compute_weights(endpoints, seen, EngineState(), p)
-    b, state_b = compute_weights(endpoints, seen, EngineState(), p)
+    a, state_a = compute_weights(endpoints, seen, EngineState(), p,
+                                   plugins=BUILTIN)
+    b, state_b = compute_weights(endpoints, seen, EngineState(), p,
+                                   plugins=BUILTIN)
     assert a == b and dict(state_a.weights) == dict(state_b.weights)
     shuffled = data.draw(st.permutations(endpoints))
-    c, _ = compute_weights(shuffled, seen, EngineState(), p)
+    c, _ = compute_weights(shuffled, seen, EngineState(), p,
+                                   plugins=BUILTIN)
     by_key = {(w.cluster, w.address): w for w in c}
     assert all(by_key[(w.cluster, w.address)] == w for w in a)
 
@@ -175,8 +180,9 @@ def test_a_worse_signal_never_raises_the_weight(data, n, field, p):
     seen_worse = {**seen, target.instance: replace(before, **{field: worse})}
     # Same history for both: round b follows round a's state, as the next round would. (Without
     # history, an all-stale cluster falls back to neutral weights, which may exceed a scored weight.)
-    a, state = compute_weights(endpoints, seen, EngineState(), p)
-    b, _ = compute_weights(endpoints, seen_worse, state, p)
+    a, state = compute_weights(endpoints, seen, EngineState(), p,
+                                   plugins=BUILTIN)
+    b, _ = compute_weights(endpoints, seen_worse, state, p, plugins=BUILTIN)
     idx = endpoints.index(target)
     assert effective(b[idx]) <= effective(a[idx]), (field, a[idx], b[idx])
 
@@ -184,11 +190,12 @@ def test_a_worse_signal_never_raises_the_weight(data, n, field, p):
 @SETTINGS
 @given(data=st.data(), endpoints=pools(), p=params)
 def test_all_stale_keeps_the_last_weights(data, endpoints, p):
-    first, state = compute_weights(endpoints, stats_for(data.draw, endpoints, missing_ok=False), EngineState(), p)
+    first, state = compute_weights(endpoints, stats_for(data.draw, endpoints, missing_ok=False), EngineState(), p,
+                                   plugins=BUILTIN)
     stale_age = st.none() | st.floats(min_value=p.stale_after_s, max_value=1e9, exclude_min=True)
     stale = {s.instance: replace(data.draw(endpoint_stats), sample_age_s=data.draw(stale_age))
              for s in endpoints if data.draw(st.booleans())}  # the others are missing: never seen
-    second, state2 = compute_weights(endpoints, stale, state, p)
+    second, state2 = compute_weights(endpoints, stale, state, p, plugins=BUILTIN)
     for s, w1, w2 in zip(endpoints, first, second, strict=True):
         assert w2.weight == w1.weight
         assert w2.health == (DRAINING if s.draining else HEALTHY)

@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import REGISTRY
 
 from ext_proc.handler import PickerHandler
-from ext_proc.server import start_ext_proc_server
+from ext_proc.transport.grpcio import start_ext_proc_server
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD

@@ -19,10 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission
 from ext_proc.handler import PickerHandler, StreamState
-from ext_proc.transport import h2conn
-from ext_proc.transport.h2conn import PROCESS_METHOD, Connection, Limits, frame, parse_grpc_timeout
+from ext_proc.transport.h2 import conn as h2conn
+from ext_proc.transport.h2.conn import PROCESS_METHOD, Connection, Limits, frame, parse_grpc_timeout
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
-
 from tests.unit.test_admission import limited
 from tests.unit.test_ext_proc_server import assignment, headers_request
 

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.handler import PickerHandler
-from ext_proc.server import start_ext_proc_server
-from ext_proc.transport import h2conn
-from ext_proc.transport.h2conn import PREFACE, Connection, Limits, frame
-from ext_proc.transport.server import start_fast_server, tls_context
-
+from ext_proc.transport.base import TlsFiles, ssl_context
+from ext_proc.transport.grpcio import start_ext_proc_server
+from ext_proc.transport.h2 import conn as h2conn
+from ext_proc.transport.h2.conn import PREFACE, Connection, Limits, frame
+from ext_proc.transport.h2.server import start_fast_server
 from tests.unit.test_ext_proc_server import headers_request
 from tests.unit.test_fast_transport import PROCESS_METHOD, Peer, direct, holder
 
@@ -205,7 +205,7 @@ def certificate(tmp_path_factory) -> tuple[str, str]:
 async def test_tls_with_alpn_h2(certificate):
     cert, key = certificate
     server, port = await start_fast_server(PickerHandler(holder()), "127.0.0.1:0",
-                                           ssl_context=tls_context(cert, key))
+                                           ssl_context=ssl_context(TlsFiles(cert, key)))
     try:
         creds = grpc.ssl_channel_credentials(open(cert, "rb").read())
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.unit.history_rows import row
+from tests.support.history_rows import row
 from xds_server.engine.types import UNHEALTHY
 from xds_server.history.query import HistoryQuery, QueryError, build_series, parse_query
 from xds_server.history.timeparse import parse_duration, parse_time

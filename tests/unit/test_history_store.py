@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.unit.history_rows import row, verdict
+from tests.support.history_rows import row, verdict
 from xds_server.config import History
 from xds_server.engine.types import DRAINING, UNHEALTHY
 from xds_server.history.changes import Recorded, to_record

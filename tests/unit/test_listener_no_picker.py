@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.factories import config, service, version
+from tests.support.factories import config, service, version
 from tests.unit.test_bootstrap import as_dict, envoy_validate, hcm_of, render, with_xds_resources_inline
-from xds_server.listener import build_listener, build_route_config
+from xds_server.resources.listener import build_listener
+from xds_server.resources.routes import build_route_config
 
 SERVICES = [service("llm", [version("v1", 2), version("v2", 2), version("v3", 1)], default_version="v2")]
 WITH = config(SERVICES, headers={"version": "x-model-ver", "cluster": "x-test-cluster"})

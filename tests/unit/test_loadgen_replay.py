@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from xds_server.loadgen import Planned, Session, replay
+from inferlb.devstack.loadgen import Planned, Session, replay
 
 
 async def _server(handler) -> tuple[web.AppRunner, str]:

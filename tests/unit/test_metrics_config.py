@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.factories import config, service, version
-from xds_server import stack
+from inferlb.demo import choose_metrics_source, demo_config
+from inferlb.devstack import stack
+from tests.support.factories import config, service, version
 from xds_server.config import ConfigError
-from xds_server.demo import choose_metrics_source, demo_config
-from xds_server.metrics.prometheus import PrometheusSource
-from xds_server.metrics.scrape import ScrapeSource
-from xds_server.metrics.sources import build_sources
+from xds_server.metrics.build import build_sources
+from xds_server.metrics.sources.prometheus import PrometheusSource
+from xds_server.metrics.sources.scrape import ScrapeSource
 
 EPS = [{"address": "10.0.0.1:8000", "pod": "llm-0", "namespace": "ai"},
        {"address": "10.0.0.2:8000", "pod": "llm-1", "namespace": "ai", "metrics_instance": "llm-1:8000"}]

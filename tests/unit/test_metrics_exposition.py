@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import xds_server.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
-from tests.unit.history_rows import admin_app
+import inferlb.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
+from tests.support.history_rows import admin_app
 from xds_server.admin.exposition import INPUTS, EndpointCollector, NodeCollector
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 from xds_server.metrics.stats import EndpointStats

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
-from tests.unit.factories import config, service, version
+from inferlb.picker_config import routing_table
+from tests.support.factories import config, service, version
 from xds_server.config import ConfigError
-from xds_server.listener import build_listener, build_route_config
-from xds_server.picker_config import routing_table
+from xds_server.resources.listener import build_listener
+from xds_server.resources.routes import build_route_config
 
 
 def two_versions(**extra) -> dict:

@@ -12,11 +12,13 @@ import pytest
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests import ConnectionError as RequestsConnectionError
 
-from tests.unit.factories import spec
+from tests.support.factories import spec
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.presets import VLLM_DCGM
-from xds_server.metrics.prometheus import MetricsUnavailable, PrometheusSource, parse_vector
+from xds_server.metrics.source import MetricsUnavailable
+from xds_server.metrics.sources.prometheus import PrometheusSource, parse_vector
 from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats, finite
 
 
@@ -242,7 +244,7 @@ def test_nan_latency_reaches_the_engine_as_no_data():
         "last_sample_ts": [series(a, "100"), series(b, "100")],
     }
     stats = src.fetch([a, b], now=101.0)
-    weights, _ = compute_weights(eps, stats, EngineState(), EngineParams())
+    weights, _ = compute_weights(eps, stats, EngineState(), EngineParams(), plugins=BUILTIN)
     wa, wb = weights
     assert wa.health == HEALTHY and wb.health == HEALTHY
     assert wa.scores["latency"] is None
@@ -256,5 +258,5 @@ def test_fetched_stale_endpoint_is_excluded_by_the_engine():
     fake.answers = {"last_sample_ts": [series(a, "100"), series(b, "100")]}
     src.fetch([a, b], now=100.0)
     fake.answers = {"last_sample_ts": [series(b, "130")], "queue": [series(b, "3")]}
-    weights, _ = compute_weights(eps, src.fetch([a, b], now=130.0), EngineState(), EngineParams())
+    weights, _ = compute_weights(eps, src.fetch([a, b], now=130.0), EngineState(), EngineParams(), plugins=BUILTIN)
     assert [w.health for w in weights] == [UNHEALTHY, HEALTHY]

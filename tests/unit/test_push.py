@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from tests.unit.factories import request
+from tests.support.factories import request
 from tests.unit.test_delta import dreq
 from tests.unit.test_sotw import BASE, snap
 from xds_server.ads.delta import DeltaStream

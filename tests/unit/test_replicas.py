@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 
 from ext_proc.picker import pick
+from inferlb.serve import InferLB
+from tests.support.factories import metrics_source
 from xds_server.config import parse_config
 from xds_server.metrics.stats import EndpointStats
-from xds_server.serve import InferLB
-
-from tests.unit.factories import metrics_source
 
 CONFIG = """
 listen: {xds: "127.0.0.1:0", ext_proc: "127.0.0.1:0", admin: "127.0.0.1:0"}

@@ -16,7 +16,7 @@ def test_help_lists_the_options():
 
 
 def test_bad_values_are_usage_errors(monkeypatch):
-    monkeypatch.setattr("sim.cli.run_backend", lambda cfg: (_ for _ in ()).throw(AssertionError("ran")))
+    monkeypatch.setattr("sim.server.run_backend", lambda cfg: (_ for _ in ()).throw(AssertionError("ran")))
     runner = CliRunner()
     assert runner.invoke(sim_backend, ["--gpu-class", "v100"]).exit_code == 2
     assert runner.invoke(sim_backend, ["--long-tail", "1.5"]).exit_code == 2
@@ -27,7 +27,7 @@ def test_bad_values_are_usage_errors(monkeypatch):
 
 def test_options_reach_the_config(monkeypatch):
     seen = []
-    monkeypatch.setattr("sim.cli.run_backend", seen.append)
+    monkeypatch.setattr("sim.server.run_backend", seen.append)
     args = ["--port", "0", "--gpu-class", "a10", "--version", "v2", "--max-concurrency", "4", "--long-tail",
             "0.1", "--legacy-metrics", "--seed", "9", "--time-scale", "0.5", "--model-name", "m"]  # fmt: skip
     result = CliRunner().invoke(sim_backend, args)

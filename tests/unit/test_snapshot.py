@@ -12,21 +12,16 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 
-from tests.unit.factories import config, service, version, weight
+from tests.support.factories import config, service, version, weight
 from xds_server.control import endpoint_specs, engine_params
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineState
-from xds_server.listener import EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME
-from xds_server.snapshot import (
-    CLUSTER_TYPE,
-    ENDPOINT_TYPE,
-    LISTENER_TYPE,
-    ROUTE_TYPE,
-    TYPE_ORDER,
-    build_assignment,
-    build_cluster,
-    build_snapshot,
-)
+from xds_server.resources.build import build_snapshot
+from xds_server.resources.clusters import build_cluster
+from xds_server.resources.endpoints import build_assignment
+from xds_server.resources.names import EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER
 
 CFG = config(
     [
@@ -170,7 +165,7 @@ def test_cluster_without_weights_gets_an_empty_assignment():
 
 def test_snapshot_from_the_engine_is_valid_for_envoy():
     # A first round with no metrics: neutral weights, every one >= 1.
-    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), engine_params(CFG))
+    weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), engine_params(CFG), plugins=BUILTIN)
     snap = snapshot(CFG, weights)
     for cla in snap.assignments().values():
         for e in cla.endpoints[0].lb_endpoints:

@@ -7,10 +7,11 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 
-from tests.unit.factories import request
+from tests.support.factories import request
+from tests.support.snapshots import make_snapshot
 from xds_server.ads.common import NACK_DETAIL_CHARS
 from xds_server.ads.sotw import SotwStream
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, make_snapshot
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 
 CDS, EDS, LDS, RDS = CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 

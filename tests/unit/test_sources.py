@@ -9,6 +9,7 @@ import math
 import grpc
 import pytest
 
+from inferlb.devstack.stack import free_port
 from protos import node_status_pb2, node_status_pb2_grpc
 from sim.config import BackendConfig
 from sim.metrics import GaugeSnapshot, SimMetrics
@@ -17,11 +18,10 @@ from sim.push import push_status
 from xds_server.metrics.combined import CombinedSource
 from xds_server.metrics.merge import merge
 from xds_server.metrics.presets import preset
-from xds_server.metrics.prometheus import MetricsUnavailable
-from xds_server.metrics.push import BadStatus, PushSource, start_push_server, to_stats
-from xds_server.metrics.scrape import ScrapeSource, parse_exposition, sample_names
+from xds_server.metrics.source import MetricsUnavailable
+from xds_server.metrics.sources.push import BadStatus, PushSource, start_push_server, to_stats
+from xds_server.metrics.sources.scrape import ScrapeSource, parse_exposition, sample_names
 from xds_server.metrics.stats import EndpointStats
-from xds_server.stack import free_port
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 

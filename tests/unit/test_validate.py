@@ -7,9 +7,10 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_pb2
 from google.protobuf import symbol_database
 
+from tests.support.snapshots import make_snapshot
 from tests.unit.test_sotw import BASE, assignment, cluster, snap
 from xds_server.ads.validate import UINT32_MAX, check_assignment, check_route_config, guard
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, make_snapshot
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE
 
 
 def cla(*localities: tuple[int, list[int | None], int | None]) -> endpoint_pb2.ClusterLoadAssignment:

@@ -14,7 +14,8 @@
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
 - ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
-- ``GET /api/v1/decisions`` a sample of recent picker decisions (:mod:`ext_proc.sampler`).
+- ``GET /api/v1/decisions`` a sample of recent picker decisions (any :class:`DecisionLog`; the app
+  passes the picker's sampler).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
 
@@ -31,20 +32,19 @@ import hmac
 import ipaddress
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
-from ext_proc.sampler import DecisionSampler
-
+from xds_server.admin.exposition import EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
 from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
 from xds_server.history.types import HistoryError, HistoryStore
-from xds_server.admin.exposition import EndpointCollector, NodeCollector
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -103,6 +103,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class DecisionLog(Protocol):
+    """A sample of recent picker decisions: one of every ``every``, the newest ``size`` kept."""
+
+    every: int
+    size: int
+
+    def recent(self, limit: int) -> Sequence[Any]:
+        """The newest ``limit`` decisions, newest first; each has ``as_dict() -> dict``."""
+        ...
+
+
 class WriteAuth:
     """Who may call write operations.
 
@@ -136,7 +147,7 @@ class WriteAuth:
 
 
 def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | None = None,
-                   sampler: DecisionSampler | None = None, *, auth: WriteAuth | None = None,
+                   sampler: DecisionLog | None = None, *, auth: WriteAuth | None = None,
                    reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
                    is_ready: Callable[[], bool] | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.

@@ -19,8 +19,8 @@ import logging
 
 from prometheus_client import Counter
 
-from xds_server.snapshot import Snapshot
 from xds_server.ads.validate import Rejection, guard
+from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

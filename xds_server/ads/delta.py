@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
 from xds_server.ads.push import Push
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot
 
 WILDCARD = "*"
 

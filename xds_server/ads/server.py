@@ -33,7 +33,7 @@ XDS_BYTES = Counter("inferlb_xds_sent_bytes_total", "Serialized bytes of xDS res
 XDS_STREAMS = Gauge("inferlb_xds_streams", "Connected ADS streams, by protocol", ["protocol"])
 #: 64 MiB: a SotW CDS/EDS response for a large fleet exceeds gRPC's 4 MiB default. The Envoy side
 #: is ``ads_config.grpc_services[].envoy_grpc.max_receive_message_length``, which the rendered
-#: bootstrap sets to the same value (see envoy/bootstrap.yaml and README).
+#: bootstrap sets to the same value (see xds_server/resources/bootstrap.yaml).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 XDS_REFUSED = Counter("inferlb_xds_streams_refused_total", "ADS streams refused: max_xds_streams reached")

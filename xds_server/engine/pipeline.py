@@ -27,11 +27,18 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from xds_server.metrics.stats import EndpointStats
 from xds_server.engine import stability
-from xds_server.engine.plugin import ClusterRound, Member
-from xds_server.engine.registry import FACTORS, FILTERS, SCORERS
-from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointSpec, EndpointWeight, EngineParams, EngineState
+from xds_server.engine.plugin import ClusterRound, Member, PluginSet
+from xds_server.engine.types import (
+    DRAINING,
+    HEALTHY,
+    UNHEALTHY,
+    EndpointSpec,
+    EndpointWeight,
+    EngineParams,
+    EngineState,
+)
+from xds_server.metrics.stats import EndpointStats
 
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1
@@ -58,15 +65,14 @@ def is_stale(stats: EndpointStats, params: EngineParams) -> bool:
     return stats.sample_age_s is None or stats.sample_age_s > params.stale_after_s
 
 
-def plugin_params(name: str, params: EngineParams) -> Any:
-    """The parameters of plugin ``name``: from ``params.plugin_params`` or the plugin's defaults."""
+def plugin_params(name: str, params: EngineParams, plugins: PluginSet) -> Any:
+    """The parameters of plugin ``name``: from ``params.plugin_params`` or the plugin's defaults.
+
+    Raises:
+        KeyError: ``name`` is not in ``plugins``.
+    """
     given = params.plugin_params.get(name)
-    if given is not None:
-        return given
-    for table in (FILTERS, SCORERS, FACTORS):
-        if name in table:
-            return table[name].params()
-    raise KeyError(name)
+    return given if given is not None else plugins.params_model(name)()
 
 
 def compute_weights(
@@ -75,6 +81,8 @@ def compute_weights(
     prev: EngineState,
     params: EngineParams,
     now: float = 0.0,
+    *,
+    plugins: PluginSet,
 ) -> tuple[list[EndpointWeight], EngineState]:
     """Decide every endpoint's weight and health.
 
@@ -86,6 +94,7 @@ def compute_weights(
         params: engine parameters.
         now: the round's time in seconds, on the clock used for every round (ejections, slow
             start and drain timeouts are measured on it).
+        plugins: the filters, scorers and factors to run (``xds_server.engine.builtin.BUILTIN``).
     Returns:
         ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order, and the state
         for the next round. Every weight is >= 1 and each cluster's sum is <= 2**32 - 1.
@@ -99,19 +108,21 @@ def compute_weights(
             prev_plugins[cluster][name][address] = value
     out: dict[Key, EndpointWeight] = {}
     eligible: set[Key] = set()
-    plugins: dict[str, dict[Key, Any]] = defaultdict(dict)
+    new_state: dict[str, dict[Key, Any]] = defaultdict(dict)
+    scorer_weights = plugins.scorer_weights(params.scorer_weights)
     for cluster, members in by_cluster.items():
-        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now)
+        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now,
+                                              plugins, scorer_weights)
         for ew in weights:
             out[(ew.cluster, ew.address)] = ew
         eligible |= {(cluster, a) for a in ok}
         for name, entries in cluster_state.items():
-            plugins[name].update({(cluster, a): v for a, v in entries.items()})
+            new_state[name].update({(cluster, a): v for a, v in entries.items()})
     ordered = [out[(s.cluster, s.address)] for s in specs]
     state = EngineState(
         MappingProxyType({(w.cluster, w.address): w.weight for w in ordered}),
         frozenset(eligible),
-        MappingProxyType({n: MappingProxyType(e) for n, e in plugins.items() if e}),
+        MappingProxyType({n: MappingProxyType(e) for n, e in new_state.items() if e}),
     )
     return ordered, state
 
@@ -133,7 +144,8 @@ def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EnginePar
 
 def _cluster(
     cluster: str, members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState,
-    prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float,
+    prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
+    scorer_weights: Mapping[str, float],
 ) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
     cap = max(1, MAX_WEIGHT_SUM // len(members))
     seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
@@ -178,11 +190,11 @@ def _cluster(
 
     candidates = [Member(s, seen[s.address]) for s in live if s.address not in excluded]
     filtered: dict[str, str] = {}
-    for name, f in FILTERS.items():
+    for name, f in plugins.filters.items():
         if name in params.disabled:
             continue
         rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
-        reasons, state[name] = f.run(rnd, plugin_params(name, params), state.get(name, {}))
+        reasons, state[name] = f.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
         for m in candidates:
             verdicts[m.address][name] = reasons.get(m.address) or "pass"
         for address, reason in reasons.items():
@@ -190,7 +202,7 @@ def _cluster(
                 filtered[address] = f"{name}: {reason}"
         candidates = [m for m in candidates if m.address not in filtered]
     for s in live:
-        for name in FILTERS:
+        for name in plugins.filters:
             verdicts[s.address].setdefault(name, "off" if name in params.disabled else "not run")
 
     kept_note = None
@@ -202,18 +214,19 @@ def _cluster(
 
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
     scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
-    for name, sc in SCORERS.items():
-        values, state[name] = sc.run(rnd, plugin_params(name, params), state.get(name, {}))
+    for name, sc in plugins.scorers.items():
+        values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
         for m in candidates:
             v = values.get(m.address)
             scores[m.address][name] = None if v is None or not math.isfinite(v) else min(1.0, max(0.0, v))
-    combined = {a: combine(sc, params.scorer_weights) for a, sc in scores.items()}
+    combined = {a: combine(sc, scorer_weights) for a, sc in scores.items()}
     raw = {a: params.max_weight * c for a, c in combined.items()}
     factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
-    for name, fa in FACTORS.items():
+    for name, fa in plugins.factors.items():
         if name in params.disabled:
             continue
-        mults, state[name] = fa.run(rnd, plugin_params(name, params), state.get(name, {}), MappingProxyType(raw))
+        mults, state[name] = fa.run(rnd, plugin_params(name, params, plugins), state.get(name, {}),
+                                    MappingProxyType(raw))
         for a in raw:
             m = mults.get(a, 1.0)
             m = m if math.isfinite(m) and m > 0 else 1.0

@@ -5,7 +5,7 @@ frozen pydantic model: the YAML under ``engine.filters.<name>``, ``engine.scorer
 ``engine.factors.<name>`` is validated into it) and its own state from the previous round
 (``{address: value}``, immutable values). It returns its verdicts and its new state. A new plugin
 is one module that builds one of :class:`Filter`, :class:`Scorer` or :class:`Factor`, plus one line
-in :mod:`xds_server.engine.registry`.
+in :mod:`xds_server.engine.builtin`.
 
 - A **filter** returns ``{address: reason}`` for endpoints that must not take new traffic.
 - A **scorer** returns ``{address: score in [0, 1] or None}`` (``None`` = no data; 1 = best).
@@ -21,8 +21,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from xds_server.metrics.stats import EndpointStats
 from xds_server.engine.types import EndpointSpec, EngineParams
+from xds_server.metrics.stats import EndpointStats
 
 
 class PluginParams(BaseModel):
@@ -98,6 +98,26 @@ class Factor(Generic[P]):
     name: str
     params: type[P]
     run: Callable[[ClusterRound, P, State, Mapping[str, float]], tuple[Mapping[str, float], State]]
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSet:
+    """The plugins one pipeline runs, by name, each table in run order (names unique across kinds)."""
+
+    filters: Mapping[str, Filter]
+    scorers: Mapping[str, Scorer]
+    factors: Mapping[str, Factor]
+
+    def params_model(self, name: str) -> type[PluginParams]:
+        """The parameter model of plugin ``name``. Raises KeyError for an unknown name."""
+        for table in (self.filters, self.scorers, self.factors):
+            if name in table:
+                return table[name].params
+        raise KeyError(name)
+
+    def scorer_weights(self, configured: Mapping[str, float]) -> dict[str, float]:
+        """Each scorer's weight in the mean: ``configured`` where given, else the scorer's default."""
+        return {name: configured.get(name, s.default_weight) for name, s in self.scorers.items()}
 
 
 def per_endpoint_filter(name: str, params: type[P],

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from xds_server.engine.registry import FACTORS, FILTERS, SCORERS
+from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.types import EngineParams
 
 
@@ -38,7 +38,7 @@ def parse_switchable(kind: str, raw: Mapping[str, Any] | None) -> dict[str, Any]
     Raises:
         ValueError: unknown name, or a value that is neither a bool nor a mapping of valid params.
     """
-    table = FILTERS if kind == "filters" else FACTORS
+    table = BUILTIN.filters if kind == "filters" else BUILTIN.factors
     out: dict[str, Any] = {}
     for name, value in (raw or {}).items():
         _known(kind, name, table)
@@ -61,14 +61,14 @@ def parse_scorers(raw: Mapping[str, Any] | None) -> dict[str, tuple[float, Any]]
     """
     out: dict[str, tuple[float, Any]] = {}
     for name, value in (raw or {}).items():
-        _known("scorers", name, SCORERS)
+        _known("scorers", name, BUILTIN.scorers)
         params: Mapping[str, Any] = {}
         if isinstance(value, Mapping):
             params = {k: v for k, v in value.items() if k != "weight"}
-            value = value.get("weight", SCORERS[name].default_weight)
+            value = value.get("weight", BUILTIN.scorers[name].default_weight)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
             raise ValueError(f"scorers.{name}: the weight must be a number >= 0, got {value!r}")
-        out[name] = (float(value), _params("scorers", name, SCORERS[name].params, params))
+        out[name] = (float(value), _params("scorers", name, BUILTIN.scorers[name].params, params))
     return out
 
 
@@ -79,8 +79,7 @@ def engine_params(
 ) -> EngineParams:
     """:class:`EngineParams` from validated config values (``filters``/``factors`` from
     :func:`parse_switchable`, ``scorers`` from :func:`parse_scorers`)."""
-    weights = {name: s.default_weight for name, s in SCORERS.items()}
-    weights.update({name: w for name, (w, _) in scorers.items()})
+    weights = {name: w for name, (w, _) in scorers.items()}
     plugin_params: dict[str, Any] = {name: p for name, (_, p) in scorers.items()}
     disabled = set()
     for table in (filters, factors):

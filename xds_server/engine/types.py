@@ -26,12 +26,6 @@ class EndpointSpec:
     draining: bool = False
 
 
-def _default_scorer_weights() -> Mapping[str, float]:
-    from xds_server.engine.registry import SCORERS  # the registry imports the plugins, which import this module
-
-    return MappingProxyType({name: s.default_weight for name, s in SCORERS.items()})
-
-
 @dataclass(frozen=True, slots=True)
 class EngineParams:
     """Engine knobs (see ``xds_server.config.Engine`` for meanings and units).
@@ -41,6 +35,7 @@ class EngineParams:
     /(1 + max_change) (``None``: unbounded). ``drain_timeout_s``: a draining endpoint is removed
     once its in-flight count reaches 0 or after this long (s). ``plugin_params``: ``{plugin name:
     params model}`` (a missing plugin uses its defaults). ``disabled``: filters and factors turned off.
+    ``scorer_weights``: ``{scorer: weight in the mean}``; a scorer not named uses its own ``default_weight``.
     """
 
     stale_after_s: float = 15.0
@@ -48,7 +43,7 @@ class EngineParams:
     memory_margin: float = 0.2
     max_weight: int = 100
     hysteresis: float = 0.1
-    scorer_weights: Mapping[str, float] = field(default_factory=_default_scorer_weights)
+    scorer_weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     quantum: float = 0.01
     max_change: float | None = 1.0
     drain_timeout_s: float = 120.0

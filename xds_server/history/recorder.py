@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from prometheus_client import Counter
 
 from xds_server.engine.types import EndpointWeight
-from xds_server.snapshot import Snapshot
 from xds_server.history.changes import Key, Recorded, last_recorded, to_record
 from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

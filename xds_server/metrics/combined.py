@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
-from xds_server.metrics.envoy_view import EnvoyView
 from xds_server.metrics.merge import merge
-from xds_server.metrics.prometheus import MetricsUnavailable
+from xds_server.metrics.source import MetricsUnavailable, PullSource
+from xds_server.metrics.sources.envoy import EnvoyView
 from xds_server.metrics.stats import EndpointStats
 
 log = logging.getLogger(__name__)
@@ -30,25 +29,6 @@ log = logging.getLogger(__name__)
 FAILURES = Counter("inferlb_metrics_source_failures_total", "Rounds a metrics source failed in", ["source"])
 SOURCE_OK = Gauge("inferlb_metrics_source_ok", "1 when the source answered the last round", ["source"])
 FALLBACK = Gauge("inferlb_metrics_fallback_active", "1 while the fallback source answers for a failed one")
-
-
-class PullSource(Protocol):
-    """A source asked once per round. ``fetch`` raises MetricsUnavailable when it cannot answer."""
-
-    name: str
-
-    def fetch(self, instances: Iterable[str]) -> dict[str, EndpointStats]: ...
-
-
-class MetricsSource(Protocol):
-    """What the control plane needs: a current ``name``, a blocking ``fetch`` and a ``describe()``."""
-
-    @property
-    def name(self) -> str: ...
-
-    def fetch(self, instances: Iterable[str]) -> dict[str, EndpointStats]: ...
-
-    def describe(self) -> dict: ...
 
 
 class CombinedSource:

@@ -11,7 +11,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from xds_server.metrics.signals import Gauge, HistogramMean, HistogramQuantile, Plus, Rate, Ratio, SampleTime, Sel, Signal, Total
+from xds_server.metrics.signals import (
+    Gauge,
+    HistogramMean,
+    HistogramQuantile,
+    Plus,
+    Rate,
+    Ratio,
+    SampleTime,
+    Sel,
+    Signal,
+    Total,
+)
 
 
 def _matchers(sel: Sel, extra: tuple[tuple[str, str, str], ...] = ()) -> list[str]:

@@ -15,7 +15,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from xds_server.metrics.signals import Gauge, HistogramMean, HistogramQuantile, Plus, Rate, Ratio, SampleTime, Sel, Signal, Total
+from xds_server.metrics.signals import (
+    Gauge,
+    HistogramMean,
+    HistogramQuantile,
+    Plus,
+    Rate,
+    Ratio,
+    SampleTime,
+    Sel,
+    Signal,
+    Total,
+)
 
 #: A series' labels, sorted: ``(("gpu", "0"), ("model_name", "m"))``.
 Labels = tuple[tuple[str, str], ...]

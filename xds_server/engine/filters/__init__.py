@@ -1,1 +1,1 @@
-"""Filter plugins, one per module; each module's ``PLUGIN`` is registered in :mod:`..registry`."""
+"""Filter plugins, one per module; each module's ``PLUGIN`` is listed in :mod:`..builtin`."""

@@ -7,21 +7,8 @@ used memory is known, the endpoint's configured GPU memory minus it. No memory d
 
 from __future__ import annotations
 
+from xds_server.engine.inputs import free_mib, needed_mib
 from xds_server.engine.plugin import ClusterRound, Member, NoParams, per_endpoint_filter
-
-
-def free_mib(m: Member) -> float | None:
-    """Free GPU memory of ``m`` in MiB, or ``None`` when unknown."""
-    if m.stats.gpu_mem_free_mib is not None:
-        return m.stats.gpu_mem_free_mib
-    if m.stats.gpu_mem_used_mib is not None:
-        return max(0.0, m.spec.memory_mib - m.stats.gpu_mem_used_mib)
-    return None
-
-
-def needed_mib(rnd: ClusterRound) -> float:
-    """Memory one request needs including the margin, MiB."""
-    return rnd.engine.request_memory_mib * (1.0 + rnd.engine.memory_margin)
 
 
 def _check(m: Member, _: NoParams, rnd: ClusterRound) -> str | None:

@@ -19,7 +19,8 @@ from typing import Literal
 from pydantic import Field
 
 from xds_server.engine.ejection import EjectionParams, eject
-from xds_server.engine.plugin import ClusterRound, Filter, Member, State
+from xds_server.engine.inputs import latency_of
+from xds_server.engine.plugin import ClusterRound, Filter, State
 
 
 class Params(EjectionParams):
@@ -30,16 +31,6 @@ class Params(EjectionParams):
     min_delta_ms: float = Field(50.0, ge=0)
     min_request_rate: float = Field(0.0, ge=0)
     normalize_by_capacity: bool = True
-
-
-def latency_of(m: Member, signal: str) -> float | None:
-    """The latency ``m`` is judged by (ms): Envoy's view when known, else the backend's; ``None`` = no data."""
-    s = m.stats
-    if signal == "p95":
-        v = s.client_latency_p95_ms if s.client_latency_p95_ms is not None else s.latency_p95_ms
-    else:
-        v = s.client_latency_mean_ms if s.client_latency_mean_ms is not None else s.latency_mean_ms
-    return v if v is not None and v > 0 else None
 
 
 def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str], State]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from xds_server.engine.filters.latency_outlier import latency_of
+from xds_server.engine.inputs import latency_of
 from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
 
 

@@ -7,7 +7,7 @@ score higher, which is why the default weight is small (0.25).
 
 from __future__ import annotations
 
-from xds_server.engine.filters.gpu_memory import free_mib, needed_mib
+from xds_server.engine.inputs import free_mib, needed_mib
 from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
 
 

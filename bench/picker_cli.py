@@ -1,0 +1,35 @@
+"""``inferlb bench picker``: the picker's cost on real Envoy with wrk (only click imported at module level)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("picker")
+@click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
+@click.option("--duration", default=5.0, show_default=True, type=float, help="Seconds per wrk run.")
+@click.option("--runs", default=3, show_default=True, type=int, help="Runs per measurement (medians).")
+@click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
+@click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
+@click.option("--envoy-concurrency", default=1, show_default=True, type=int, help="Envoy worker threads.")
+@click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
+def picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
+           md_path: str | None) -> None:
+    """The picker's cost on real Envoy with wrk: req/s, Python CPU per decision, added latency."""
+    from bench.picker import markdown, run, write_markdown
+
+    logging.getLogger().setLevel(logging.WARNING)
+    doc = run(duration_s=duration, runs=runs, transport=transport, workers=workers,
+              envoy_concurrency=envoy_concurrency)
+    command = "inferlb bench picker " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "inferlb bench picker"
+    doc["command"] = command
+    Path(json_path).write_text(json.dumps(doc, indent=2))
+    section = markdown(doc, command)
+    if md_path:
+        write_markdown(Path(md_path), section, f"picker-{transport}-w{workers}-c{envoy_concurrency}")
+    click.echo(section)

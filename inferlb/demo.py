@@ -1,0 +1,239 @@
+"""``inferlb demo``: the main job on embedded defaults, every part a real process on this machine.
+
+Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus scraping every
+second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
+traffic with session and version headers, shows the live weights, writes a summary, and ends by
+plotting the weight history to ``<workdir>/weight-history.png``.
+
+Metrics source (``--metrics-source``): ``prometheus`` (with the scrape source as fallback),
+``scrape`` (no Prometheus: the control plane scrapes the backends itself), or ``auto`` (default):
+Prometheus when its binary is installed, else scrape. The summary's ``metrics_source`` says which
+source answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from inferlb.devstack.envoy_admin import envoy_hosts
+from inferlb.devstack.loadgen import Traffic, drive, make_sessions
+from inferlb.output import plot_history, weights_table
+from inferlb.devstack import stack
+from xds_server.config import load_config
+from xds_server.resources.bootstrap import render_bootstrap
+
+ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT = 10000, 9901, 9090
+XDS_PORT, EXT_PROC_PORT, ADMIN_PORT = 18000, 18080, 18090
+#: (version, GPU class) of each simulated backend.
+BACKENDS = (("v1", "a100"), ("v1", "a100"), ("v1", "a10"), ("v2", "a100"), ("v2", "a10"))
+
+
+def demo_config(backends: list[tuple[str, str, int]], metrics_source: str = "prometheus",
+                history_path: str = ":memory:") -> dict:
+    """The demo's inferlb config (as a dict) for ``[(version, gpu_class, port)]``.
+
+    ``metrics_source``: ``prometheus`` (scrape as fallback) or ``scrape``; the weight history is
+    kept in ``history_path``.
+    """
+    versions: dict[str, list[dict]] = {}
+    for version, gpu, port in backends:
+        versions.setdefault(version, []).append(
+            {"address": f"127.0.0.1:{port}", "gpu_class": gpu, "max_concurrency": 8})
+    return {
+        "listen": {"xds": f"127.0.0.1:{XDS_PORT}", "ext_proc": f"127.0.0.1:{EXT_PROC_PORT}",
+                   "admin": f"127.0.0.1:{ADMIN_PORT}"},
+        "envoy": {"listener": f"127.0.0.1:{ENVOY_LISTENER}"},
+        "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10, "interval_s": 1,
+                       "timeout_s": 1},
+        "engine": {"stale_after_s": 15},
+        "history": {"path": history_path},
+        "metrics": ({"sources": ["prometheus"], "fallback": "scrape"} if metrics_source == "prometheus"
+                    else {"sources": ["scrape"]}),
+        "services": [{
+            "name": "chat",
+            "default_version": "v1",
+            "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()],
+        }],
+    }
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def _check_ports(ports: list[int]) -> None:
+    import socket
+
+    for p in ports:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", p)) == 0:
+                raise stack.StackError(f"port {p} on 127.0.0.1 is already in use; stop what holds it")
+
+
+def _compare_weights(cp_doc: dict, envoy: dict) -> dict:
+    out: dict[str, dict[str, dict]] = {}
+    for c in cp_doc["clusters"]:
+        out[c["name"]] = {
+            e["address"]: {"control_plane": e["weight"],
+                           "envoy": envoy.get(c["name"], {}).get(e["address"], {}).get("weight")}
+            for e in c["endpoints"]
+        }
+    return out
+
+
+def _settled_weights(admin: str, envoy_admin: str, tries: int = 30) -> dict:
+    """Control-plane and Envoy weights read at one moment, retried until they agree (or tries run out)."""
+    weights: dict = {}
+    for _ in range(tries):
+        weights = _compare_weights(_get_json(f"{admin}/api/v1/weights"), envoy_hosts(envoy_admin))
+        if all(v["control_plane"] == v["envoy"] for c in weights.values() for v in c.values()):
+            break
+        time.sleep(0.2)
+    return weights
+
+
+def _xds_protocol(admin: str, node_id: str) -> str | None:
+    """The ADS protocol the control plane sees ``node_id`` using ("sotw" / "delta"; None if not connected)."""
+    nodes = _get_json(f"{admin}/api/v1/nodes")["nodes"]
+    return next((n["protocol"] for n in nodes if n["node_id"] == node_id), None)
+
+
+async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
+    tty = sys.stdout.isatty()
+    while not stop.is_set():
+        try:
+            doc = await asyncio.to_thread(_get_json, f"{admin}/api/v1/weights")
+            table = weights_table(doc)
+        except OSError as err:
+            table = f"(admin API not answering: {err})"
+        n = len(traffic.results)
+        errors = sum(1 for r in traffic.results if not 200 <= r.status < 300)
+        head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  requests={n}  errors={errors}"
+        print(("\x1b[H\x1b[2J" if tty else "\n") + head + "\n" + table, flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), 2.0)
+        except TimeoutError:
+            pass
+
+
+async def _traffic(duration: float, concurrency: int, admin: str, live: bool) -> Traffic:
+    sessions = make_sessions(48, ["v1", "v2", None], unsessioned_share=0.25, seed=7)
+    traffic = Traffic()
+    stop = asyncio.Event()
+    started = time.monotonic()
+    shower = asyncio.create_task(_live(admin, stop, traffic, started)) if live else None
+    try:
+        await drive(f"http://127.0.0.1:{ENVOY_LISTENER}/v1/chat/completions", sessions,
+                    duration_s=duration, concurrency=concurrency, traffic=traffic)
+    finally:
+        stop.set()
+        if shower:
+            await shower
+    return traffic
+
+
+def choose_metrics_source(requested: str, prometheus_installed: bool) -> str:
+    """``prometheus`` or ``scrape`` for ``--metrics-source`` ``requested`` (auto | prometheus | scrape).
+
+    Raises:
+        stack.StackError: ``prometheus`` was asked for and no binary is installed.
+    """
+    if requested == "auto":
+        return "prometheus" if prometheus_installed else "scrape"
+    if requested == "prometheus" and not prometheus_installed:
+        raise stack.StackError(stack.PROMETHEUS_INSTALL_HINT + " Or run with --metrics-source scrape.")
+    return requested
+
+
+def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
+             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto") -> int:
+    """Run the demo; returns the process exit code (0 = ran and wrote its summary).
+
+    ``xds_protocol``: "sotw" or "delta", the ADS variant Envoy's bootstrap asks for; the summary
+    says which one served (``xds_protocol``, as the control plane saw the stream).
+    ``metrics_source``: "auto", "prometheus" or "scrape" (see the module docstring).
+    """
+    try:
+        source = choose_metrics_source(metrics_source, stack.prometheus_binary() is not None)
+    except stack.StackError as err:
+        print(f"inferlb demo: {err}", file=sys.stderr)
+        return 2
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    procs: list[stack.Proc] = []
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        ports = [ENVOY_LISTENER, ENVOY_ADMIN, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT]
+        _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
+        print(f"inferlb demo: work dir {work}", flush=True)
+        demo_started = time.time()
+        print(f"inferlb demo: metrics source {source}" + ("" if source == "prometheus" else
+              " (the control plane scrapes the backends' /metrics itself; no Prometheus)"), flush=True)
+        backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
+        for version, gpu, port in backends:
+            procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
+        if source == "prometheus":
+            procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
+                                                PROMETHEUS_PORT, scrape_interval_s=1.0))
+        cfg_path = work / "inferlb.yaml"
+        cfg_path.write_text(yaml.safe_dump(demo_config(backends, source, str(work / "history.sqlite3")),
+                                           sort_keys=False))
+        cfg = load_config(cfg_path)
+        cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
+        procs.append(cp)
+        admin = f"http://127.0.0.1:{ADMIN_PORT}"
+        stack.wait_http(f"{admin}/readyz", cp)
+        envoy_admin = f"http://127.0.0.1:{ENVOY_ADMIN}"
+        procs.append(stack.start_envoy(
+            render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
+                             delta=xds_protocol == "delta"),
+            work, ENVOY_ADMIN))
+        stack.wait_http(f"{envoy_admin}/ready", procs[-1])
+        print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
+              f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
+        traffic = asyncio.run(_traffic(duration, concurrency, admin, live))
+        summary = {
+            "duration_s": duration,
+            "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
+            "envoy_version": stack.envoy_version(),
+            "xds_protocol": _xds_protocol(admin, "inferlb-demo"),
+            **traffic.summary(default_version=cfg.services[0].default),
+            "weights": _settled_weights(admin, envoy_admin),
+            "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],
+            "workdir": str(work),
+        }
+        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
+        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms")}, indent=1))
+        plot_path = work / "weight-history.png"
+        history = _get_json(f"{admin}/api/v1/history?since={int(time.time() - demo_started) + 5}s")
+        plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")
+        summary["history_plot"] = str(plot_path)
+        if json_path:
+            Path(json_path).write_text(json.dumps(summary, indent=2))
+            print(f"inferlb demo: summary written to {json_path}")
+        print(f"inferlb demo: weight history plotted to {plot_path}")
+        return 0
+    except stack.StackError as err:
+        print(f"inferlb demo: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("inferlb demo: interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        signal.signal(signal.SIGTERM, previous)

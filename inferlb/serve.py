@@ -1,0 +1,288 @@
+"""``inferlb serve``: the control plane, the picker and the admin API in one process.
+
+Lifecycle:
+- start: bind the ADS, ext_proc and admin servers, then run weight rounds. ``/readyz`` turns 200
+  once the first snapshot is published (after the first metrics round, see ``ControlPlane``).
+- reload (SIGHUP, the config file changing, or ``POST /api/v1/reload``): a valid new config
+  rebuilds the control plane's inputs and pushes at once; an invalid one is refused with a clear
+  error, logged and counted, and the last good config keeps serving. ``listen``, ``tls``,
+  ``picker``, ``metrics``, ``prometheus`` and ``history`` need a restart (the sockets, the picker,
+  the metrics sources and the history store were built with them).
+- stop (SIGTERM/SIGINT): ``/readyz`` turns 503, the gRPC servers stop accepting new streams,
+  open streams get ``grace_s`` seconds to finish, then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import ssl
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
+
+from ext_proc import transport
+from ext_proc.handler import PickerHandler
+from ext_proc.sampler import DecisionSampler
+from ext_proc.transport.base import Server, TlsFiles, ssl_context
+from ext_proc.view import ViewHolder
+from inferlb.picker_config import picker_metadata, picker_settings, routing_table
+from xds_server.admin.app import WriteAuth, make_admin_app
+from xds_server.ads.cache import SnapshotCache
+from xds_server.ads.server import AdsServicer, start_ads_server
+from xds_server.config import Config, ConfigError, TlsConfig, load_config, split_hostport
+from xds_server.control import ControlPlane
+from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
+from xds_server.history.recorder import HistoryRecorder
+from xds_server.history.sqlite import open_store
+from xds_server.metrics.build import build_sources
+from xds_server.metrics.sources.envoy import ClientView
+from xds_server.metrics.sources.push import start_push_server
+from xds_server.tls import server_credentials
+
+log = logging.getLogger(__name__)
+
+RELOADS = Counter("inferlb_config_reloads_total", "Config reloads, by outcome", ["outcome"])
+RELOAD_OK = Gauge("inferlb_config_last_reload_ok", "1 when the last config reload was applied, 0 when refused")
+TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
+#: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
+RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
+
+
+def picker_tls(tls: TlsConfig) -> TlsFiles:
+    """The picker's TLS files from the ``tls`` section, checked now (so a bad file is a config error).
+
+    Raises:
+        ConfigError: a file can't be read or is not a certificate, key or CA bundle.
+    """
+    files = TlsFiles(tls.cert, tls.key, tls.ca, tls.require_client_cert)
+    try:
+        ssl_context(files)
+    except (OSError, ssl.SSLError, ValueError) as err:
+        raise ConfigError(f"tls: cannot load {tls.cert}, {tls.key} or {tls.ca}: {err}") from None
+    return files
+
+
+class InferLB:
+    """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
+
+    After :meth:`start`, ``xds_port``, ``ext_proc_port``, ``admin_port`` (and ``push_port`` with the
+    push source) hold the bound ports (the config may ask for port 0). ``config_path``: the file
+    :meth:`reload` reads again. ``recorder`` writes the weight history (``cfg.history``);
+    ``sampler`` keeps a sample of the picker's decisions. Raises ``HistoryError`` when the history
+    database cannot be opened.
+    """
+
+    def __init__(self, cfg: Config, config_path: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.base_cfg = cfg   # the file's config; discovered services are added to it
+        self.discovered: Discovered | None = None
+        self._discovered_once = asyncio.Event()
+        self._watcher: KubernetesWatcher | None = None
+        self.config_path = config_path
+        self.client_view = ClientView(window_s=cfg.prometheus.window_s)
+        self.sources = build_sources(cfg, self.client_view)
+        self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
+        self.view = ViewHolder()
+        self.sampler = DecisionSampler()
+        self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler,
+                                                  completions=self.client_view)
+        self.routing = routing_table(cfg)
+        self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
+        self.control = ControlPlane(cfg, self.sources.combined, self.cache,
+                                    [lambda snap, _weights: self.view.update(snap.assignments(), self.routing),
+                                     self.recorder.record],
+                                    lambda: self.cfg.envoy.ext_proc_address or
+                                    f"{split_hostport(self.cfg.listen.ext_proc)[0]}:{self.ext_proc_port}",
+                                    picker_metadata=picker_metadata)
+        self.ads: AdsServicer | None = None
+        self.ads_server: grpc.aio.Server | None = None
+        self.ext_server: Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._picker_task: asyncio.Task | None = None
+        self._scrape_task: asyncio.Task | None = None
+        self.push_server: grpc.aio.Server | None = None
+        self._reload_lock = asyncio.Lock()
+        self.stopping = False
+        self.last_reload_error: str | None = None
+        self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
+
+    def _current_weights(self):
+        snap = self.cache.snapshot
+        return (snap.version if snap else None), self.control.weights
+
+    async def start(self) -> None:
+        """Bind every server and start the weight loop.
+
+        Raises ``RuntimeError``/``OSError`` on bind failure, ``ConfigError`` on unreadable TLS files.
+        """
+        tls = self.cfg.tls
+        creds = server_credentials(tls) if tls else None
+        self.ads_server, self.ads, self.xds_port = await start_ads_server(
+            self.cache, self.cfg.listen.xds, max_streams=self.cfg.listen.max_xds_streams, credentials=creds)
+        files = picker_tls(tls) if tls else None
+        self.ext_server, self.ext_proc_port = await transport.start(
+            self.cfg.picker.transport, self.picker, self.cfg.listen.ext_proc, tls=files)
+        host, port = split_hostport(self.cfg.listen.admin)
+        auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
+        app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
+                             reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.admin_port = self._runner.addresses[0][1]
+        self.recorder.start()
+        if self.sources.push is not None:
+            self.push_server, self.push_port = await start_push_server(self.sources.push,
+                                                                       self.cfg.metrics.push.listen)
+        if self.sources.scrape is not None:
+            self._scrape_task = asyncio.create_task(self.sources.scrape.run())
+        self._loop_task = asyncio.create_task(self._run_loop())
+        self._picker_task = asyncio.create_task(self.picker.maintain())
+        log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
+                 self.admin_port, " (TLS)" if creds else "")
+
+    async def _run_loop(self) -> None:
+        """The weight loop; with Kubernetes discovery, only once the first list is in (so nothing
+        partial is ever pushed)."""
+        spec = self.cfg.discovery.kubernetes
+        if spec is not None:
+            loop = asyncio.get_running_loop()
+            self._watcher = KubernetesWatcher(
+                spec, lambda d: loop.call_soon_threadsafe(lambda: loop.create_task(self.on_discovered(d))))
+            self._watcher.start()
+            await self._discovered_once.wait()
+        await self.control.run()
+
+    async def on_discovered(self, discovered: Discovered) -> None:
+        """A new discovered endpoint set: compose it into the config and apply it (a set that does
+        not make a valid config is logged and skipped; the last good one keeps serving)."""
+        try:
+            new = compose_config(self.base_cfg, discovered)
+        except ValidationError as err:
+            self._refused("invalid-discovery", f"discovered endpoints refused: {err}")
+            return
+        self.discovered = discovered
+        await self.apply_config(new)
+        self._discovered_once.set()
+
+    async def reload(self) -> tuple[bool, str]:
+        """Read ``config_path`` again and apply it. Returns ``(applied, message)``; never raises."""
+        if self.config_path is None:
+            return False, "no config file to reload (started from an in-memory config)"
+        try:
+            base = load_config(self.config_path)
+            new = compose_config(base, self.discovered) if self.discovered is not None else base
+        except ConfigError as err:
+            return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")
+        except ValidationError as err:
+            return self._refused("invalid", f"config reload refused (with the discovered endpoints): {err}")
+        if base.discovery != self.base_cfg.discovery:
+            return self._refused("refused", "config reload refused: discovery cannot change without a restart")
+        applied, message = await self.apply_config(new)
+        if applied:
+            self.base_cfg = base
+        return applied, message
+
+    async def apply_config(self, new: Config) -> tuple[bool, str]:
+        """Apply a validated config: rebuild the control plane's inputs and push at once.
+
+        Refused (``(False, why)``) when a :data:`RESTART_ONLY` section differs.
+        """
+        async with self._reload_lock:
+            fixed = [name for name in RESTART_ONLY if getattr(new, name) != getattr(self.cfg, name)]
+            if fixed:
+                return self._refused("refused", f"config reload refused: {', '.join(fixed)} cannot change "
+                                                "without a restart; the last good config keeps serving")
+            if new == self.cfg:
+                RELOADS.labels("unchanged").inc()
+                return True, "config unchanged"
+            self.cfg = new
+            self.routing = routing_table(new)
+            self.control.reconfigure(new)
+            await self.control.refresh()
+            RELOADS.labels("ok").inc()
+            RELOAD_OK.set(1)
+            self.last_reload_error = None
+            version = self.cache.snapshot.version if self.cache.snapshot else None
+            log.info("config reloaded from %s; snapshot %s", self.config_path, version)
+            return True, f"config reloaded; snapshot {version}"
+
+    def _refused(self, outcome: str, message: str) -> tuple[bool, str]:
+        RELOADS.labels(outcome).inc()
+        RELOAD_OK.set(0)
+        self.last_reload_error = message
+        log.error("%s", message)
+        return False, message
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Graceful stop: not ready, no new streams, open streams get ``grace_s`` s, then all closed."""
+        self.stopping = True
+        for task in (self._loop_task, self._picker_task, self._scrape_task):
+            if task:
+                task.cancel()
+        if self._watcher is not None:
+            self._watcher.stop()
+        servers = [s for s in (self.ads_server, self.ext_server, self.push_server) if s is not None]
+        await asyncio.gather(*(s.stop(grace=grace_s) for s in servers))
+        if self._runner:
+            await self._runner.cleanup()
+        await asyncio.to_thread(self.recorder.close)
+
+
+async def _watch_file(path: Path, interval_s: float, on_change) -> None:
+    """Call ``on_change()`` when ``path``'s (mtime, size, inode) changes; polls every ``interval_s``."""
+    def stamp():
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        return None
+
+    last = stamp()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = stamp()
+        if now != last and now is not None:
+            last = now
+            log.info("config file %s changed; reloading", path)
+            await on_change()
+
+
+async def serve(cfg: Config, stop: asyncio.Event | None = None, *, config_path: str | Path | None = None,
+                watch_interval_s: float = 0.0, grace_s: float = 5.0) -> None:
+    """Run until ``stop`` is set or SIGINT/SIGTERM arrives; SIGHUP (and, with ``watch_interval_s`` > 0,
+    a change of ``config_path``) reloads the config."""
+    stop = stop or asyncio.Event()
+    app = InferLB(cfg, config_path)
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    def reload_soon() -> None:
+        task = loop.create_task(app.reload())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, reload_soon)
+    await app.start()
+    watcher = (asyncio.create_task(_watch_file(Path(config_path), watch_interval_s, app.reload))
+               if config_path and watch_interval_s > 0 else None)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: not ready, no new streams, %.1f s for open ones", grace_s)
+        if watcher:
+            watcher.cancel()
+        await app.stop(grace_s)
+        log.info("stopped")

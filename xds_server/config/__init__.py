@@ -1,0 +1,26 @@
+"""inferlb's configuration: the model (:mod:`.model`) and loading it from YAML (:mod:`.load`)."""
+
+from xds_server.config.load import ConfigError, load_config, parse_config
+from xds_server.config.model import (
+    Config,
+    EndpointConfig,
+    EnvoySide,
+    EnvoyTls,
+    History,
+    KubernetesDiscovery,
+    KubernetesService,
+    Listen,
+    Loop,
+    OutlierDetection,
+    ServiceConfig,
+    TlsConfig,
+    cluster_name,
+    split_hostport,
+)
+
+__all__ = [
+    "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "History", "KubernetesDiscovery",
+    "KubernetesService", "Listen", "Loop", "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name",
+    "load_config",
+    "parse_config", "split_hostport",
+]

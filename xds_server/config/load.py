@@ -1,0 +1,128 @@
+"""YAML text or file -> validated :class:`~xds_server.config.model.Config`.
+
+Every error names the field (a dotted path such as ``services[0].versions[1].endpoints[2].address``)
+and, when the config came from a file, the line of that field, so an operator can find it at once.
+A bad config is refused at startup; nothing is half-applied. Deprecated spellings are rewritten
+here, each with one warning line that names the old and the new field.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from xds_server.config.model import LOOP_ALIASES, Config, FieldProblem
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """Raised when a config cannot be loaded; ``str(err)`` lists every problem, one per line."""
+
+
+def _deprecated(data: dict, source: str) -> dict:
+    """``data`` with ``prometheus.<f>`` for f in :data:`LOOP_ALIASES` moved to ``loop.<f>``.
+
+    Raises:
+        ConfigError: both spellings are given.
+    """
+    prom = data.get("prometheus")
+    if not isinstance(prom, dict) or not any(f in prom for f in LOOP_ALIASES):
+        return data
+    loop = data.get("loop") or {}
+    if not isinstance(loop, dict):
+        return data   # the model reports the bad section
+    prom, loop = dict(prom), dict(loop)
+    for f in LOOP_ALIASES:
+        if f in prom:
+            if f in loop:
+                raise ConfigError(f"{source}: prometheus.{f} and loop.{f} are both set; keep loop.{f}")
+            loop[f] = prom.pop(f)
+            log.warning("%s: prometheus.%s is deprecated; use loop.%s", source, f, f)
+    return {**data, "prometheus": prom, "loop": loop}
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at pydantic location ``loc`` (deepest node found)."""
+    line = None if node is None else node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        else:
+            nxt = None
+        if nxt is None:
+            break
+        node, line = nxt, nxt.start_mark.line + 1
+    return line
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(part)):
+            out += f"[{str(part)!r}]"  # an odd key (spaces, control characters) stays on one line
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    """Parse and validate YAML ``text``.
+
+    Raises:
+        ConfigError: listing each problem as ``SOURCE:LINE: FIELD: message``.
+    """
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line per problem
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(data).__name__}")
+    try:
+        return Config.model_validate(_deprecated(data, source))
+    except ValidationError as err:
+        errors = []
+        for e in err.errors():
+            problem = (e.get("ctx") or {}).get("error")
+            if isinstance(problem, FieldProblem):
+                errors.append((problem.loc, {**e, "msg": str(problem)}))
+            else:
+                errors.append((tuple(p for p in e["loc"]
+                                     if not (isinstance(p, str) and p.startswith("function-"))), e))
+        # pydantic also reports a list as too short when its only items failed: keep the item errors.
+        errors = [
+            (loc, e) for loc, e in errors
+            if not (e["type"] == "too_short" and any(o[: len(loc)] == loc and o != loc for o, _ in errors))
+        ]
+        lines = []
+        for loc, e in errors:
+            line = _line_of(node, loc)
+            where = f"{source}:{line}" if line else source
+            lines.append(f"{where}: {_path(loc)}: {e['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the YAML file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or invalid (each problem names field and line).
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config: {err.strerror}") from None
+    return parse_config(text, str(path))

@@ -1,0 +1,664 @@
+"""The config model: every section as a frozen pydantic model, validated with errors that name the field.
+
+Every error names the field (a dotted path such as ``services[0].versions[1].endpoints[2].address``)
+and, when the config came from a file, the line of that field, so an operator can find it at once.
+A bad config is refused at startup; nothing is half-applied.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from xds_server.engine.settings import parse_scorers, parse_switchable
+from xds_server.metrics.presets import SAMPLE_TIME
+from xds_server.metrics.stats import SIGNAL_FIELDS
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<service>-<version>" stays unique
+HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+#: Per GPU class: relative capacity (throughput vs an A100) and GPU memory (MiB). Operators may override.
+DEFAULT_GPU_CLASSES: dict[str, dict[str, float]] = {
+    "a100": {"capacity": 1.0, "memory_mib": 81920},
+    "h100": {"capacity": 1.6, "memory_mib": 81920},
+    "a10": {"capacity": 0.4, "memory_mib": 24576},
+}
+
+
+class FieldProblem(ValueError):
+    """A cross-field check's finding about the field at ``loc`` (a path like pydantic's)."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _check_hostport(value: str, ip_only: bool = False) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port 0-65535, got {value!r}")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError as err:
+        if ip_only or not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+            what = "an IP address (EDS endpoints are not resolved)" if ip_only else "a host name or IP"
+            raise ValueError(f"expected {what} in {value!r}") from err
+    return value
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(host, port)``; IPv6 brackets removed."""
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Listen(_Strict):
+    """Addresses our servers bind, each ``HOST:PORT`` (port 0 = any free port)."""
+
+    xds: str = "127.0.0.1:18000"
+    ext_proc: str = "127.0.0.1:18080"
+    admin: str = "127.0.0.1:18090"
+    #: ADS streams served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory).
+    max_xds_streams: int = Field(1024, ge=1, le=1_000_000)
+
+    _hp = field_validator("xds", "ext_proc", "admin")(_check_hostport)
+
+
+class OutlierDetection(_Strict):
+    """Envoy's outlier detection on every inference cluster (passive health checking, case C13).
+
+    ``consecutive_5xx`` / ``consecutive_gateway_failure``: errors in a row that eject a host (a
+    per-try timeout counts as a gateway failure); ``interval_s``: how often Envoy sweeps (s);
+    ``base_ejection_time_s``: first ejection length (s; Envoy multiplies it by the ejection count,
+    up to ``max_ejection_time_s``);
+    ``max_ejection_percent``: most of a cluster ejected at once (Envoy always allows one host).
+    Source: Envoy docs, "Outlier detection" (config.cluster.v3.OutlierDetection).
+    """
+
+    consecutive_5xx: int = Field(5, ge=1)
+    consecutive_gateway_failure: int = Field(3, ge=1)
+    interval_s: float = Field(2.0, gt=0)
+    base_ejection_time_s: float = Field(10.0, gt=0)
+    max_ejection_time_s: float = Field(300.0, gt=0)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class EnvoyTls(_Strict):
+    """How Envoy dials inferlb's TLS gRPC servers (paths as Envoy's host sees them).
+
+    ``ca``: CA bundle that signed inferlb's server certificate; ``cert``/``key``: Envoy's client
+    certificate for mTLS (both or neither); ``server_name``: SNI sent and the subject alt name the
+    server certificate must carry (default: none checked beyond the CA).
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> EnvoyTls:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (Envoy's client certificate for mTLS)")
+        return self
+
+
+class TlsConfig(_Strict):
+    """TLS on inferlb's gRPC servers (xDS and ext_proc). PEM file paths on inferlb's host.
+
+    ``require_client_cert``: mTLS; clients must present a certificate signed by ``ca``.
+    """
+
+    cert: str
+    key: str
+    ca: str | None = None
+    require_client_cert: bool = False
+
+    @model_validator(mode="after")
+    def _ca(self) -> TlsConfig:
+        if self.require_client_cert and not self.ca:
+            raise ValueError("require_client_cert needs ca (the CA that signs client certificates)")
+        return self
+
+
+class AdminConfig(_Strict):
+    """Admin API access. ``token``: bearer token for write operations (drain, reload); the env var
+    ``INFERLB_ADMIN_TOKEN`` is used when unset. Without a token, write operations are allowed only
+    when the admin API binds a loopback address.
+    """
+
+    token: str | None = Field(None, min_length=16, repr=False)
+
+
+class EnvoySide(_Strict):
+    """What the control plane configures inside Envoy (sent over LDS/RDS/CDS).
+
+    ``listener``: the address Envoy's inference listener binds (``HOST:PORT``).
+    ``ext_proc_timeout_s``: how long Envoy waits for the picker per request before failing open (s).
+    ``failure_mode_allow``: true = a dead or slow picker degrades to weighted load balancing; false = 5xx.
+    ``route_timeout_s``: upstream request timeout (s).
+    ``ext_proc_address``: where Envoy dials the picker (``HOST:PORT``); default: ``listen.ext_proc``
+    with a wildcard host read as 127.0.0.1. Set it when Envoy runs on another host.
+    ``picker``: true = the listener asks the ext_proc picker (version routing, session pinning);
+    false = no ext_proc filter: routes match the version header and every request goes to the
+    weighted fallback policy (EDS weights only).
+    """
+
+    listener: str = "127.0.0.1:10000"
+    ext_proc_address: str | None = None
+    ext_proc_timeout_s: float = Field(0.25, gt=0, le=60)
+    failure_mode_allow: bool = True
+    route_timeout_s: float = Field(120.0, gt=0)
+    picker: bool = True
+    #: Per-attempt upstream timeout (s): a backend that accepts and never answers times out (C13).
+    per_try_timeout_s: float = Field(60.0, gt=0)
+    #: Retries on connect failure, reset, 5xx or per-try timeout, each on another host.
+    retries: int = Field(2, ge=0, le=10)
+    #: Concurrent retries allowed per cluster, as % of its active requests, but at least
+    #: ``min_retry_concurrency`` (Envoy's retry budget; its default of 3 concurrent retries turns a
+    #: crashed backend under load into 503s: "upstream_rq_retry_overflow").
+    retry_budget_percent: float = Field(25.0, gt=0, le=100)
+    min_retry_concurrency: int = Field(16, ge=1)
+    outlier_detection: OutlierDetection = OutlierDetection()
+    tls: EnvoyTls | None = None
+
+    @field_validator("listener", "ext_proc_address")
+    @classmethod
+    def _hp(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hostport(v)
+
+
+class Loop(_Strict):
+    """The slow loop's timing, for every metrics source.
+
+    ``interval_s``: how often the control plane reads its metrics sources and recomputes weights (s).
+    ``timeout_s``: per-query timeout (s); a round waits at most 3x this for its sources, then counts
+    as failed (the last good weights stay).
+    ``first_round_wait_s``: the first snapshot waits this long (s) for a successful metrics round;
+    then it goes out with neutral weights (flagged), so a dead source can't keep Envoy unconfigured.
+    """
+
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    first_round_wait_s: float = Field(10.0, ge=0)
+
+
+#: ``prometheus.<field>`` spellings of :class:`Loop` fields, still read (with a deprecation line).
+LOOP_ALIASES = ("interval_s", "timeout_s", "first_round_wait_s")
+
+
+class PrometheusSource(_Strict):
+    """Where the sliding-window statistics come from.
+
+    ``window_s``: PromQL range for rates and averages (s); must cover >= 2 scrape intervals.
+    The query interval and timeout are in :class:`Loop` (``prometheus.interval_s``,
+    ``prometheus.timeout_s`` and ``prometheus.first_round_wait_s`` are read as deprecated aliases).
+    """
+
+    url: str = "http://127.0.0.1:9090"
+    window_s: float = Field(60.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"expected an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+
+class Headers(_Strict):
+    """Request header names (lower-case). Routing headers are stripped from clients by Envoy."""
+
+    version: str = "model-version"
+    session: tuple[str, ...] = ("x-session-id", "x-user-id")
+    override_host: str = "x-gateway-destination-endpoint"
+    cluster: str = "x-inferlb-cluster"
+
+    @field_validator("version", "override_host", "cluster")
+    @classmethod
+    def _one(cls, v: str) -> str:
+        if not HEADER_RE.match(v):
+            raise ValueError(f"not a lower-case HTTP header name: {v!r}")
+        return v
+
+    @field_validator("session")
+    @classmethod
+    def _many(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            cls._one(name)
+        return v
+
+
+class Engine(_Strict):
+    """Weight-engine parameters (see ``xds_server/engine`` and the README's weight-engine section).
+
+    ``stale_after_s``: metrics older than this exclude an endpoint (never all of a cluster).
+    ``request_memory_mib``: GPU memory a typical request needs; ``memory_margin``: safety share on top (0–1).
+    ``max_weight``: the weight of a perfect endpoint on an A100-class GPU; EDS weights are 1..max_weight x capacity.
+    ``hysteresis``: relative weight change (0–1) below which the previous weight is kept.
+    ``quantum``: weights snap to multiples of ``quantum x max_weight`` (at least 1).
+    ``max_change``: per round a weight grows at most x(1 + max_change) or shrinks at most /(1 + max_change);
+    null = unbounded. ``drain_timeout_s``: a draining endpoint is removed at the latest after this long.
+    ``filters`` / ``factors``: ``{plugin: {params}}``, ``{plugin: false}`` turns one off.
+    ``scorers``: ``{plugin: weight}`` or ``{plugin: {weight: W, <params>}}``; weight 0 turns one off.
+    """
+
+    stale_after_s: float = Field(15.0, gt=0)
+    request_memory_mib: float = Field(2048.0, ge=0)
+    memory_margin: float = Field(0.2, ge=0, le=10)
+    max_weight: int = Field(100, ge=1, le=1_000_000)
+    hysteresis: float = Field(0.1, ge=0, lt=1)
+    quantum: float = Field(0.01, ge=0, le=1)
+    max_change: float | None = Field(1.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+    filters: dict[str, Any] = Field(default_factory=dict)
+    scorers: dict[str, Any] = Field(default_factory=dict)
+    factors: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("filters", "factors", mode="before")
+    @classmethod
+    def _switchable(cls, v: Any, info: ValidationInfo) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise ValueError(f"expected a mapping of plugin names, got {type(v).__name__}")
+        return parse_switchable(info.field_name, v)
+
+    @field_validator("scorers", mode="before")
+    @classmethod
+    def _scorers(cls, v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise ValueError(f"expected a mapping of scorer names, got {type(v).__name__}")
+        return parse_scorers(v)
+
+
+class ScrapeSettings(_Strict):
+    """The ``scrape`` source: the control plane GETs ``http://<address><path>`` of every endpoint itself.
+
+    ``interval_s``: time between scrapes (s); ``timeout_s``: per scrape (s).
+    """
+
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    path: str = Field("/metrics", pattern=r"^/")
+
+
+class PushSettings(_Strict):
+    """The ``push`` source: nodes stream ``inferlb.v1.NodeStatus`` to this gRPC address (``HOST:PORT``)."""
+
+    listen: str = "127.0.0.1:18070"
+
+    _hp = field_validator("listen")(_check_hostport)
+
+
+class MetricsSettings(_Strict):
+    """Where the engine's inputs come from and which metric names they are read from.
+
+    ``sources``: any of ``prometheus``, ``scrape``, ``push``; per endpoint and input the freshest
+    answer wins (stale answers are dropped). ``fallback``: ``scrape`` = when a pull source fails, the
+    scrape source answers in its place; ``none`` = the round fails and the last good weights stay (C05).
+    ``preset`` / ``gpu``: metric-name presets (engine: vllm | sglang | triton | tgi; GPU: dcgm | triton | none).
+    ``gpu_join``: join GPU series to endpoints by ``instance`` or by ``pod`` (the ``namespace`` and ``pod``
+    labels; every endpoint then names its ``pod`` and ``namespace``).
+    ``queries``: ``{input: PromQL}`` replacing a preset query for the Prometheus source (``{w}`` = the
+    window; values in engine units; one series per ``instance``, or per ``namespace``/``pod`` for GPU inputs).
+    """
+
+    sources: tuple[Literal["prometheus", "scrape", "push"], ...] = Field(("prometheus",), min_length=1)
+    fallback: Literal["scrape", "none"] = "none"
+    preset: Literal["vllm", "sglang", "triton", "tgi"] = "vllm"
+    gpu: Literal["dcgm", "triton", "none"] = "dcgm"
+    gpu_join: Literal["instance", "pod"] = "instance"
+    queries: dict[str, str] = Field(default_factory=dict)
+    scrape: ScrapeSettings = ScrapeSettings()
+    push: PushSettings = PushSettings()
+
+    @field_validator("sources")
+    @classmethod
+    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"sources listed twice in {list(v)}")
+        return v
+
+    @field_validator("queries")
+    @classmethod
+    def _queries(cls, v: dict[str, str]) -> dict[str, str]:
+        known = (*SIGNAL_FIELDS, SAMPLE_TIME)
+        for name, query in v.items():
+            if name not in known:
+                raise ValueError(f"unknown input {name!r}; known: {list(known)}")
+            if not query.strip():
+                raise ValueError(f"{name}: empty query")
+        return v
+
+
+class History(_Strict):
+    """The weight-history store (see ``xds_server/history``).
+
+    ``path``: the SQLite file; None (default) = ``$XDG_STATE_HOME/inferlb/history.sqlite3``
+    (``~/.local/state/inferlb/history.sqlite3`` without XDG_STATE_HOME); a relative path is relative
+    to the working directory; ``:memory:`` keeps history in memory only (lost at exit).
+    ``retention_days``: rows older than this are deleted (days).
+    ``max_rows``: at most this many rows are kept; the oldest go first.
+    ``keyframe_s``: an endpoint whose weight and health did not change gets a row at least this
+    often (s), so every time range starts from a recorded value.
+    """
+
+    path: str | None = None
+    retention_days: float = Field(7.0, gt=0)
+    max_rows: int = Field(1_000_000, ge=1)
+    keyframe_s: float = Field(600.0, gt=0)
+
+
+class GpuClass(_Strict):
+    """``capacity``: throughput relative to an A100 (> 0); ``memory_mib``: GPU memory (MiB)."""
+
+    capacity: float = Field(gt=0)
+    memory_mib: float = Field(gt=0)
+
+
+class EndpointConfig(_Strict):
+    """One inference server. ``address`` HOST:PORT serves both inference and ``/metrics``.
+
+    ``drain``: take no new requests; removed once nothing is in flight (or after ``engine.drain_timeout_s``).
+    ``pod`` / ``namespace``: its Kubernetes pod, for ``metrics.gpu_join: pod``.
+    """
+
+    address: str
+    gpu_class: str = "a100"
+    max_concurrency: int = Field(8, ge=1)
+    gpu_memory_mib: float | None = Field(None, gt=0)
+    metrics_instance: str | None = None
+    drain: bool = False
+    pod: str | None = None
+    namespace: str | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        return _check_hostport(v, ip_only=True)
+
+    @property
+    def instance(self) -> str:
+        """The Prometheus ``instance`` label of this endpoint's series."""
+        return self.metrics_instance or self.address
+
+
+class VersionConfig(_Strict):
+    """One model version of a service: its own Envoy cluster ``<service>-<version>``."""
+
+    name: str = Field(pattern=VERSION_RE)
+    endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+
+
+class ServiceConfig(_Strict):
+    """A model service reachable through the listener; ``hosts`` match ``:authority`` ("*" = any).
+
+    ``lb_policy``: Envoy's fallback policy for requests the picker does not pin (honours EDS weights).
+    ``panic_threshold_percent``: Envoy's healthy panic threshold; 0 (default) never sends traffic to
+    hosts we marked unhealthy (the control plane already never excludes a whole cluster).
+    ``mixes``: canary splits usable like versions (in the version header, the body's ``model``,
+    ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    connect_timeout_s: float = Field(1.0, ge=0.001)
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    panic_threshold_percent: float = Field(0.0, ge=0, le=100)
+    versions: tuple[VersionConfig, ...] = Field(min_length=1)
+    mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _default_version(self) -> ServiceConfig:
+        names = [v.name for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate version names in {names}")
+        for mix, shares in self.mixes.items():
+            if mix in names or not re.fullmatch(VERSION_RE, mix):
+                raise ValueError(f"mix {mix!r}: needs a name of its own ({VERSION_RE}), not a version's")
+            if not shares or set(shares) - set(names):
+                raise ValueError(f"mix {mix!r}: shares must name versions of {names}, got {sorted(shares)}")
+            if any(p < 0 for p in shares.values()) or abs(sum(shares.values()) - 100) > 1e-6:
+                raise ValueError(f"mix {mix!r}: shares are percents >= 0 summing to 100, got {shares}")
+        if self.default_version is not None and self.default_version not in [*names, *self.mixes]:
+            raise ValueError(f"default_version {self.default_version!r} is not one of {names + list(self.mixes)}")
+        return self
+
+    @property
+    def default(self) -> str:
+        """The version used when a request names none."""
+        return self.default_version or self.versions[0].name
+
+
+class XdsServing(_Strict):
+    """How the ADS server pushes (see ``xds_server/ads``).
+
+    A new snapshot is sent once no newer one has arrived for ``debounce_s`` seconds, and never later
+    than ``debounce_max_s`` after the first unsent one (so a steady stream of changes still goes out).
+    """
+
+    debounce_s: float = Field(0.1, ge=0, le=10)
+    debounce_max_s: float = Field(1.0, ge=0, le=60)
+
+    @model_validator(mode="after")
+    def _order(self) -> XdsServing:
+        if self.debounce_max_s < self.debounce_s:
+            raise ValueError(f"debounce_max_s ({self.debounce_max_s}) must be >= debounce_s ({self.debounce_s})")
+        return self
+
+
+class NodeGroup(_Strict):
+    """Node-specific config: Envoys whose ``node.cluster`` is this group's name get this view.
+
+    ``listener``: their inference listener address (default: ``envoy.listener``);
+    ``services``: the services (names) they serve (default: all). Envoys of any other
+    ``node.cluster`` get the default view.
+    """
+
+    listener: str | None = None
+    services: tuple[str, ...] | None = Field(None, min_length=1)
+
+    @field_validator("listener")
+    @classmethod
+    def _hp(cls, v: str | None) -> str | None:
+        return None if v is None else _check_hostport(v)
+
+
+class Picker(_Strict):
+    """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
+
+    ``transport``: ``fast`` (a dedicated HTTP/2 server for the picker's two gRPC methods,
+    ``ext_proc/transport``) or ``grpcio`` (grpc.aio, the compatibility transport); both make the
+    same decisions.
+    ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
+    the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
+    when a worker's buffer reaches this size (bytes).
+    ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
+    default: ``envoy.route_timeout_s`` + 10.
+    ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
+    size; the least recently used session goes first. ``session_cookie``: a cookie read for the
+    session key when no session header is present (None: cookies are not read).
+    ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
+    the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
+    up to this size (bytes). Envoy refuses bodies above its buffer limit (1 MiB) with 413.
+    ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
+    ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
+    (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
+    answer 429 with ``Retry-After: retry_after_s`` past either bound.
+    """
+
+    transport: Literal["fast", "grpcio"] = "fast"
+    access_log_flush_s: float = Field(0.005, gt=0, le=10)
+    access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
+    inflight_expiry_s: float | None = Field(None, gt=0)
+    body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
+    admission: bool = False
+    max_queue: int = Field(256, ge=0, le=1_000_000)
+    queue_timeout_s: float = Field(0.1, gt=0)
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    session_ttl_s: float = Field(1800.0, gt=0)
+    max_sessions: int = Field(1_000_000, ge=1)
+    session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+class KubernetesService(_Strict):
+    """One inferlb service whose endpoints come from a Kubernetes Service's EndpointSlices.
+
+    ``service``: the Kubernetes Service (EndpointSlices labelled ``kubernetes.io/service-name``);
+    ``port``: the port number or name serving inference and ``/metrics``; each ready endpoint's
+    pod labels give its version (``version_label``) and GPU class (``gpu_class_label``). The other
+    fields mean what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    service: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    port: int | str = 8000
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    max_concurrency: int = Field(8, ge=1)
+
+
+class KubernetesDiscovery(_Strict):
+    """Discovery from Kubernetes EndpointSlices (discovery.k8s.io/v1) in one namespace.
+
+    ``api_server``: the API server URL (tests, or out of cluster); default: the in-cluster service
+    account, else ``~/.kube/config``. Pods without ``version_label`` are skipped (logged, counted);
+    without ``gpu_class_label`` they get ``default_gpu_class``.
+    """
+
+    namespace: str = "default"
+    api_server: str | None = None
+    version_label: str = "inferlb.io/model-version"
+    gpu_class_label: str = "inferlb.io/gpu-class"
+    default_gpu_class: str = "a100"
+    services: tuple[KubernetesService, ...] = Field(min_length=1)
+
+
+class Discovery(_Strict):
+    """Where endpoints come from besides ``services`` (static)."""
+
+    kubernetes: KubernetesDiscovery | None = None
+
+
+class Config(_Strict):
+    """The whole inferlb config (one YAML file)."""
+
+    listen: Listen = Listen()
+    envoy: EnvoySide = EnvoySide()
+    loop: Loop = Loop()
+    prometheus: PrometheusSource = PrometheusSource()
+    headers: Headers = Headers()
+    engine: Engine = Engine()
+    history: History = History()
+    picker: Picker = Picker()
+    metrics: MetricsSettings = MetricsSettings()
+    gpu_classes: dict[str, GpuClass] = Field(
+        default_factory=lambda: {k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()})
+    services: tuple[ServiceConfig, ...]
+    xds: XdsServing = XdsServing()
+    node_groups: dict[str, NodeGroup] = Field(default_factory=dict)
+    tls: TlsConfig | None = None
+    admin: AdminConfig = AdminConfig()
+    discovery: Discovery = Discovery()
+
+    @field_validator("gpu_classes", mode="after")
+    @classmethod
+    def _with_defaults(cls, v: dict[str, GpuClass]) -> dict[str, GpuClass]:
+        """Configured classes extend (and may override) the built-in ones."""
+        return {**{k: GpuClass(**d) for k, d in DEFAULT_GPU_CLASSES.items()}, **v}
+
+    @model_validator(mode="after")
+    def _some_service(self) -> Config:
+        if not self.services and self.discovery.kubernetes is None:
+            raise FieldProblem(("services",), "at least one service is needed (or discovery.kubernetes.services)")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        if self.tls is not None and self.envoy.tls is None:
+            raise FieldProblem(("envoy", "tls"), "tls is set but envoy.tls is not: Envoy must dial the picker "
+                               "over TLS too (envoy.tls.ca, and cert/key for mTLS)")
+        if self.tls is not None and self.tls.require_client_cert and self.envoy.tls.cert is None:
+            raise FieldProblem(("envoy", "tls", "cert"),
+                               "tls.require_client_cert is set but envoy.tls has no cert/key for Envoy")
+        return self
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        seen: dict[str, str] = {}
+        hosts: dict[str, str] = {}
+        services: dict[str, int] = {}
+        for i, s in enumerate(self.services):
+            if s.name in services:
+                raise FieldProblem(("services", i, "name"), f"service {s.name!r} is defined twice")
+            services[s.name] = i
+            for h in s.hosts:
+                if h.lower() in hosts:
+                    raise FieldProblem(("services", i, "hosts"),
+                                       f"host {h!r} is already taken by service {hosts[h.lower()]!r}")
+                hosts[h.lower()] = s.name
+            for j, v in enumerate(s.versions):
+                for k, e in enumerate(v.endpoints):
+                    loc = ("services", i, "versions", j, "endpoints", k)
+                    if e.gpu_class not in self.gpu_classes:
+                        raise FieldProblem((*loc, "gpu_class"), f"unknown gpu_class {e.gpu_class!r}; "
+                                                                f"known: {sorted(self.gpu_classes)}")
+                    where = cluster_name(s.name, v.name)
+                    if e.address in seen:
+                        raise FieldProblem((*loc, "address"),
+                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
+                    seen[e.address] = where
+        names = [s.name for s in self.services]
+        for group, g in self.node_groups.items():
+            unknown = sorted(set(g.services or ()) - set(names))
+            if unknown:
+                raise FieldProblem(("node_groups", group, "services"),
+                                   f"unknown services {unknown}; known: {names}")
+        return self
+
+    def for_node_group(self, group: str) -> Config:
+        """The config as Envoys of ``node.cluster == group`` see it (itself for an unknown group)."""
+        g = self.node_groups.get(group)
+        if g is None:
+            return self
+        services = tuple(s for s in self.services if g.services is None or s.name in g.services)
+        envoy = self.envoy.model_copy(update={"listener": g.listener}) if g.listener else self.envoy
+        return self.model_copy(update={"services": services, "envoy": envoy})
+    @model_validator(mode="after")
+    def _queue_fits_envoy(self) -> Config:
+        if self.picker.admission and self.picker.queue_timeout_s >= self.envoy.ext_proc_timeout_s:
+            raise ValueError(
+                f"picker.queue_timeout_s ({self.picker.queue_timeout_s}) must be below envoy.ext_proc_timeout_s "
+                f"({self.envoy.ext_proc_timeout_s}): Envoy stops waiting for the picker then"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_join(self) -> Config:
+        if self.metrics.gpu_join == "pod":
+            for s in self.services:
+                for v in s.versions:
+                    for e in v.endpoints:
+                        if not (e.pod and e.namespace):
+                            raise ValueError(f"endpoint {e.address}: metrics.gpu_join is 'pod', so it needs "
+                                             "'pod' and 'namespace'")
+        return self
+
+    def memory_mib(self, endpoint: EndpointConfig) -> float:
+        """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""
+        return endpoint.gpu_memory_mib or self.gpu_classes[endpoint.gpu_class].memory_mib
+
+
+def cluster_name(service: str, version: str) -> str:
+    """The Envoy cluster name of one service version: ``<service>-<version>``."""
+    return f"{service}-{version}"

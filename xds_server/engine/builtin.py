@@ -1,0 +1,26 @@
+"""The built-in plugin set, in the order the pipeline runs them: the one module that imports every plugin.
+
+Adding a plugin: write its module (see :mod:`.plugin`) and add its ``PLUGIN`` to one tuple here.
+Config keys under ``engine.filters`` / ``engine.scorers`` / ``engine.factors`` are these names.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from xds_server.engine.factors import balance, capacity, slow_start
+from xds_server.engine.filters import gpu_memory, latency_outlier, max_concurrency, oom
+from xds_server.engine.plugin import PluginSet
+from xds_server.engine.scorers import concurrency, errors, idle_compute, kv_cache, latency, memory, queue
+
+
+def _by_name(*plugins):
+    return MappingProxyType({p.name: p for p in plugins})
+
+
+BUILTIN = PluginSet(
+    filters=_by_name(gpu_memory.PLUGIN, max_concurrency.PLUGIN, oom.PLUGIN, latency_outlier.PLUGIN),
+    scorers=_by_name(idle_compute.PLUGIN, concurrency.PLUGIN, latency.PLUGIN, queue.PLUGIN, memory.PLUGIN,
+                     kv_cache.PLUGIN, errors.PLUGIN),
+    factors=_by_name(capacity.PLUGIN, slow_start.PLUGIN, balance.PLUGIN),
+)

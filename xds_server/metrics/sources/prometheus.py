@@ -1,0 +1,138 @@
+"""The Prometheus metrics source: sliding-window PromQL -> :class:`EndpointStats` per instance.
+
+Thin I/O shell: it runs the preset's queries with prometheus-api-client (in parallel, all under
+one deadline) and parses the vectors. It keeps two pieces of state per instance: the newest sample
+time seen, so an endpoint whose series went stale (Prometheus drops them from instant queries)
+keeps an honest, growing age (case C04); and when it was first asked for, so an endpoint never seen
+yet ages from then (a new endpoint, or every endpoint at start-up before Prometheus's first scrape,
+is not stale at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
+
+from prometheus_api_client import PrometheusConnect
+from prometheus_api_client.exceptions import PrometheusApiClientException
+from requests import RequestException
+from urllib3.util.retry import Retry
+
+from xds_server.metrics.presets import SAMPLE_TIME, VLLM_DCGM
+from xds_server.metrics.source import MetricsUnavailable
+from xds_server.metrics.stats import EndpointStats, finite
+
+log = logging.getLogger(__name__)
+
+#: ``{field: (PromQL template with {w}, scale, join labels)}``; a 2-tuple means join by ``instance``.
+Queries = Mapping[str, tuple[str, float, tuple[str, ...]] | tuple[str, float]]
+
+
+def _window(seconds: float) -> str:
+    return f"{max(1, round(seconds))}s"
+
+
+def join_key(labels: Mapping[str, str], by: tuple[str, ...]) -> str:
+    """The join key of a series: its ``by`` label values joined with ``/`` (``instance`` -> the instance)."""
+    return "/".join(str(labels[k]) for k in by)
+
+
+def parse_vector(result: object, scale: float = 1.0, by: tuple[str, ...] = ("instance",)) -> dict[str, float | None]:
+    """A PromQL instant-vector answer -> ``{join key: value x scale}``; NaN/Inf -> ``None`` (C08).
+
+    Joined by ``instance``, every series must carry it; joined by other labels (``namespace``/``pod``),
+    a series without them cannot be joined and is skipped.
+
+    Raises:
+        MetricsUnavailable: the answer is not a list of ``{"metric": {...}, "value": [ts, "v"]}``.
+    """
+    if not isinstance(result, list):
+        raise MetricsUnavailable(f"expected a vector, got {type(result).__name__}")
+    out: dict[str, float | None] = {}
+    for series in result:
+        try:
+            labels = series["metric"]
+            _, raw = series["value"]
+            if not isinstance(raw, str):
+                raise TypeError("sample value must be a string")
+            if by == ("instance",):
+                key = str(labels["instance"])
+            elif all(k in labels for k in by):
+                key = join_key(labels, by)
+            else:
+                continue
+        except (KeyError, ValueError, TypeError) as err:
+            raise MetricsUnavailable(f"malformed series in answer: {series!r:.200}") from err
+        value = finite(raw)
+        out[key] = None if value is None else value * scale
+    return out
+
+
+class PrometheusSource:
+    """Queries Prometheus every round.
+
+    ``window_s``: range of rates/averages (s); ``timeout_s``: deadline of one round's queries (s);
+    ``queries``: see :data:`Queries` (default: vLLM + DCGM joined by instance); ``gpu_keys``:
+    ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``).
+    """
+
+    name = "prometheus"
+
+    def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
+                 gpu_keys: Mapping[str, str] | None = None) -> None:
+        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
+        # next round is the retry.
+        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
+        self._timeout_s = timeout_s
+        self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
+                         for f, q in queries.items()}
+        if SAMPLE_TIME not in self._queries:
+            raise ValueError(f"queries must include {SAMPLE_TIME!r} (the newest sample's time)")
+        self._gpu_keys = dict(gpu_keys or {})
+        self._last_seen: dict[str, float] = {}
+        self._first_asked: dict[str, float] = {}
+        self._pool = ThreadPoolExecutor(max_workers=min(16, len(self._queries)), thread_name_prefix="promql")
+
+    def _query(self, field: str) -> dict[str, float | None]:
+        query, scale, by = self._queries[field]
+        try:
+            result = self._prom.custom_query(query, params={"timeout": f"{round(self._timeout_s * 1000)}ms"})
+        except (PrometheusApiClientException, RequestException, ValueError) as err:
+            raise MetricsUnavailable(f"query for {field} failed: {err}") from err
+        except (KeyError, TypeError) as err:  # a 200 whose JSON is not a Prometheus answer
+            raise MetricsUnavailable(f"query for {field}: not a Prometheus answer ({err!r})") from err
+        return parse_vector(result, scale, by)
+
+    def fetch(self, instances: Iterable[str], now: float | None = None) -> dict[str, EndpointStats]:
+        """One round: ``{instance: EndpointStats}`` for every instance asked for (no data -> fields ``None``).
+
+        ``sample_age_s`` is the age of the newest sample seen, or, never seen, the time since the
+        instance was first asked for.
+
+        Blocking (run it in a thread). Raises:
+            MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
+        """
+        futures = {f: self._pool.submit(self._query, f) for f in self._queries}
+        done, pending = wait(futures.values(), timeout=self._timeout_s + 0.5)
+        if pending:
+            for fut in pending:
+                fut.cancel()
+            raise MetricsUnavailable(f"{len(pending)} queries did not answer within {self._timeout_s:g} s")
+        values = {f: fut.result() for f, fut in futures.items()}  # re-raises MetricsUnavailable
+        now = time.time() if now is None else now
+        out: dict[str, EndpointStats] = {}
+        for inst in instances:
+            ts = values[SAMPLE_TIME].get(inst)
+            if ts is not None:
+                self._last_seen[inst] = max(ts, self._last_seen.get(inst, ts))
+            seen = self._last_seen.get(inst) or self._first_asked.setdefault(inst, now)
+            fields = {}
+            for f, v in values.items():
+                if f != SAMPLE_TIME:
+                    by = self._queries[f][2]
+                    fields[f] = v.get(inst if by == ("instance",) else self._gpu_keys.get(inst, ""))
+            out[inst] = replace(EndpointStats(**fields), sample_age_s=max(0.0, now - seen))
+        return out

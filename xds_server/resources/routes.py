@@ -1,0 +1,82 @@
+"""RDS ``inferlb``: one virtual host per service, routed by the picker's cluster header (pure).
+
+With the picker, a route follows the cluster header it set; without it (picker down and
+``failure_mode_allow``, or ``envoy.picker: false``) the version header picks the version's cluster
+(so versions never mix), else the service's default version (or its default mix). Every route
+retries connect failures, resets, 5xx and per-try timeouts on another host (case C13).
+"""
+
+from __future__ import annotations
+
+from envoy.config.route.v3 import route_pb2
+from google.protobuf import json_format
+
+from xds_server.config import Config, ServiceConfig, cluster_name
+from xds_server.resources.names import ROUTE_NAME, TYPE_PREFIX, seconds
+
+
+def _fallback(s: ServiceConfig) -> dict:
+    """Where a request without the picker's cluster header goes: the default version, or the
+    default mix's versions weighted by their shares (the picker is down: per-request split)."""
+    mix = s.mixes.get(s.default)
+    if mix is None:
+        return {"cluster": cluster_name(s.name, s.default)}
+    shares = [(cluster_name(s.name, v), round(p * 100)) for v, p in sorted(mix.items()) if p > 0]
+    return {"weighted_clusters": {"clusters": [{"name": n, "weight": w} for n, w in shares]}}
+
+
+def retry_policy(cfg: Config) -> dict:
+    """The routes' retry policy (JSON form): ``envoy.retries`` retries, each try bounded by
+    ``envoy.per_try_timeout_s``, on another host (``previous_hosts`` predicate).
+
+    ``5xx`` covers upstream 5xx, resets, connect failures and per-try timeouts (Envoy docs,
+    "x-envoy-retry-on"); a backend that accepts and never answers costs one per-try timeout.
+    """
+    return {
+        "retry_on": "5xx",
+        "num_retries": cfg.envoy.retries,
+        "per_try_timeout": seconds(cfg.envoy.per_try_timeout_s),
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": TYPE_PREFIX + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
+    """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
+
+    With the picker, a route follows the cluster header the picker set; without it
+    (``envoy.picker: false``), one route per version matches the version header exactly. Either
+    way the last route sends everything else to the service's default version.
+    """
+    vhosts = []
+    for s in cfg.services:
+        domains = []
+        for h in s.hosts:
+            domains += ["*"] if h == "*" else [h, f"{h}:*"]
+        timeout = seconds(cfg.envoy.route_timeout_s)
+        retry = retry_policy(cfg)
+        by_cluster_header = [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.cluster, "present_match": True}]},
+             "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout, "retry_policy": retry}}
+        ] if cfg.envoy.picker else []
+        by_version = [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
+                                                   "string_match": {"exact": v.name}}]},
+             "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout, "retry_policy": retry}}
+            for v in s.versions
+        ]
+        vhosts.append({
+            "name": s.name,
+            "domains": domains,
+            "routes": [
+                *by_cluster_header,
+                *by_version,
+                {"match": {"prefix": "/"}, "route": {**_fallback(s), "timeout": timeout, "retry_policy": retry}},
+            ],
+        })
+    return json_format.ParseDict({"name": ROUTE_NAME, "validate_clusters": False, "virtual_hosts": vhosts},
+                                 route_pb2.RouteConfiguration())
