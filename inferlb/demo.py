@@ -24,10 +24,10 @@ from pathlib import Path
 
 import yaml
 
+from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import Traffic, drive, make_sessions
 from inferlb.output import plot_history, weights_table
-from inferlb.devstack import stack
 from xds_server.config import load_config
 from xds_server.resources.bootstrap import render_bootstrap
 

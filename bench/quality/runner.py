@@ -34,9 +34,9 @@ from bench.quality.policies import (
 )
 from bench.quality.scenarios import CONTROL, Event, Scenario
 from bench.quality.trace import TraceRequest, build_trace, to_planned
+from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import Result, Traffic, replay
-from inferlb.devstack import stack
 from xds_server.resources.bootstrap import render_bootstrap
 
 log = logging.getLogger(__name__)

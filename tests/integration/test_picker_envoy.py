@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
-from tests.unit.test_ext_proc_server import headers_request, set_headers
+from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_headers
 
 pytestmark = pytest.mark.integration
 

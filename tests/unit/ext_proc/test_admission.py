@@ -12,8 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.admission import Admission, admit
 from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_capacity
-from tests.unit.test_inflight import log_message
-from tests.unit.test_picker import HEALTHY, cla
+from tests.unit.ext_proc.test_inflight import log_message
+from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
 
 @pytest.mark.parametrize(("in_flight", "capacity", "queued", "max_queue", "want"), [

@@ -8,7 +8,7 @@ from envoy.config.route.v3 import route_pb2
 from google.protobuf import symbol_database
 
 from tests.support.snapshots import make_snapshot
-from tests.unit.test_sotw import BASE, assignment, cluster, snap
+from tests.unit.xds_server.test_sotw import BASE, assignment, cluster, snap
 from xds_server.ads.validate import UINT32_MAX, check_assignment, check_route_config, guard
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE
 

@@ -22,8 +22,8 @@ from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.transport.h2 import conn as h2conn
 from ext_proc.transport.h2.conn import PROCESS_METHOD, Connection, Limits, frame, parse_grpc_timeout
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
-from tests.unit.test_admission import limited
-from tests.unit.test_ext_proc_server import assignment, headers_request
+from tests.unit.ext_proc.test_admission import limited
+from tests.unit.ext_proc.test_ext_proc_server import assignment, headers_request
 
 ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}),))
 ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -231,7 +231,7 @@ def test_access_log_stream_counts_completions_and_open_streams():
     handler = PickerHandler(holder())
     handler.inflight.picked("llm-v1", "10.0.0.1:8000")
     peer = Peer(handler)
-    from tests.unit.test_inflight import log_message
+    from tests.unit.ext_proc.test_inflight import log_message
     sid = peer.call([log_message(("llm-v1", "10.0.0.1:8000"))], path=ACCESS_LOG, end=False)
     peer.pump()
     assert handler.inflight.streams == 1 and handler.inflight.endpoints == {}
@@ -330,7 +330,7 @@ async def test_a_waiting_answer_is_written_when_admitted():
     sid = peer.call([headers_request(x_session_id="w").SerializeToString()])
     peer.pump()
     assert not peer.ended(sid) and handler.admission.queued("llm-v1") == 1
-    from tests.unit.test_inflight import log_message
+    from tests.unit.ext_proc.test_inflight import log_message
     handler.access_log(log_message(("llm-v1", None)))  # a slot frees: the answer goes out
     await asyncio.sleep(0)  # the future's callbacks run on the loop
     peer.pump()

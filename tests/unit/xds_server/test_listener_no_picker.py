@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.factories import config, service, version
-from tests.unit.test_bootstrap import as_dict, envoy_validate, hcm_of, render, with_xds_resources_inline
+from tests.unit.xds_server.test_bootstrap import as_dict, envoy_validate, hcm_of, render, with_xds_resources_inline
 from xds_server.resources.listener import build_listener
 from xds_server.resources.routes import build_route_config
 

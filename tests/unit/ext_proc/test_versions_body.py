@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.picker import BodyFields, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
-from tests.unit.test_picker import HEALTHY, cla
+from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
 MIXED = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"},
                      mixes={"stable": {"v1": 90, "v2": 10}, "half": {"v1": 50, "v2": 50}})

@@ -26,8 +26,8 @@ from ext_proc.transport.grpcio import start_ext_proc_server
 from ext_proc.transport.h2 import conn as h2conn
 from ext_proc.transport.h2.conn import PREFACE, Connection, Limits, frame
 from ext_proc.transport.h2.server import start_fast_server
-from tests.unit.test_ext_proc_server import headers_request
-from tests.unit.test_fast_transport import PROCESS_METHOD, Peer, direct, holder
+from tests.unit.ext_proc.test_ext_proc_server import headers_request
+from tests.unit.ext_proc.test_fast_transport import PROCESS_METHOD, Peer, direct, holder
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

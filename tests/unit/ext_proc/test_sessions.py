@@ -10,7 +10,7 @@ from envoy.config.core.v3 import health_check_pb2
 from ext_proc.picker import pick, session_cookie
 from ext_proc.sessions import SessionTable
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute
-from tests.unit.test_picker import cla
+from tests.unit.ext_proc.test_picker import cla
 
 
 class Clock:

@@ -15,7 +15,7 @@ from referencing.jsonschema import DRAFT202012
 
 from ext_proc.sampler import DecisionSampler
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
-from tests.unit.test_decision_sampler import Picker, holder, http_headers
+from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
 from xds_server.admin.app import openapi_document
 from xds_server.engine.types import DRAINING
 

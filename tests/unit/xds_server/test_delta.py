@@ -6,7 +6,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
 from tests.support.snapshots import make_snapshot
-from tests.unit.test_sotw import BASE, assignment, cluster, snap
+from tests.unit.xds_server.test_sotw import BASE, assignment, cluster, snap
 from xds_server.ads.delta import DeltaStream
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 

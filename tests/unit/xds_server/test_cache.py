@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.unit.test_sotw import BASE, assignment, snap
-from tests.unit.test_validate import bad_snapshot
+from tests.unit.xds_server.test_sotw import BASE, assignment, snap
+from tests.unit.xds_server.test_validate import bad_snapshot
 from xds_server.ads.cache import SnapshotCache, publish_at
 from xds_server.snapshot import ENDPOINT_TYPE
 

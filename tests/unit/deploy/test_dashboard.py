@@ -11,10 +11,10 @@ import yaml
 from prometheus_client import REGISTRY
 
 import inferlb.serve  # noqa: F401  (registers every module-level metric, as `inferlb serve` does)
-from tests.unit.test_metrics_exposition import NODES, VERSIONS, WEIGHTS
+from tests.unit.xds_server.test_metrics_exposition import NODES, VERSIONS, WEIGHTS
 from xds_server.admin.exposition import EndpointCollector, NodeCollector
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "dashboards" / "inferlb.json"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from envoy.service.discovery.v3 import discovery_pb2
 
 from tests.support.factories import request
-from tests.unit.test_delta import dreq
-from tests.unit.test_sotw import BASE, snap
+from tests.unit.xds_server.test_delta import dreq
+from tests.unit.xds_server.test_sotw import BASE, snap
 from xds_server.ads.delta import DeltaStream
 from xds_server.ads.push import WireCache
 from xds_server.ads.sotw import SotwStream

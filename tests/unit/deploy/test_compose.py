@@ -17,7 +17,7 @@ from inferlb.devstack.stack import envoy_binary, prometheus_binary
 from xds_server.config import load_config, split_hostport
 from xds_server.resources.bootstrap import render_bootstrap
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 

@@ -12,7 +12,7 @@ import yaml
 from inferlb.devstack.stack import envoy_binary
 from xds_server.config import parse_config, split_hostport
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 
 
 def docs() -> list[dict]:
