@@ -1,6 +1,6 @@
 """Requests in flight per endpoint and per cluster: the picker's own picks minus Envoy's completions.
 
-Envoy ends an ext_proc stream about 1 ms after the request-headers answer (ENVOY-NOTES, "How long
+Envoy ends an ext_proc stream about 1 ms after the request-headers answer (docs/envoy-facts.md, "How long
 the ext_proc stream lives"), so stream lifetime says nothing about when a request ends. Envoy's
 gRPC access log does: it reports every finished request that carried the picker's cluster header
 (:mod:`ext_proc.accesslog` feeds those reports here). In flight = picks - completions, counted

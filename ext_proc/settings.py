@@ -19,7 +19,8 @@ METADATA_KEY = "inferlb.picker"
 
 @dataclass(frozen=True)
 class PickerSettings:
-    """Per-process picker settings (units: seconds, counts).
+    """Per-process picker settings (units: seconds, counts). No defaults here: the app builds them from
+    the config (``inferlb.picker_config.picker_settings``), whose defaults are the only ones.
 
     Attributes:
         inflight_expiry_s: a pick without completion after this long counts as finished.
@@ -28,13 +29,13 @@ class PickerSettings:
             ``retry_after_s`` as in :class:`ext_proc.admission.Admission`.
     """
 
-    inflight_expiry_s: float = 130.0
-    session_ttl_s: float = 1800.0
-    max_sessions: int = 1_000_000
-    admission: bool = True
-    max_queue: int = 256
-    queue_timeout_s: float = 0.1
-    retry_after_s: int = 1
+    inflight_expiry_s: float
+    session_ttl_s: float
+    max_sessions: int
+    admission: bool
+    max_queue: int
+    queue_timeout_s: float
+    retry_after_s: int
 
 
 def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Envoy is configured to send request headers only. For each stream the servicer r
 request headers, calls :func:`ext_proc.picker.pick` on the current view and answers with
 either header mutations (cluster header, override-host header, ``clear_route_cache``) or an
 immediate rejection (see :mod:`ext_proc.responses`), then ends the stream: Envoy half-closes it
-about 1 ms after the answer anyway (ENVOY-NOTES, "How long the ext_proc stream lives").
+about 1 ms after the answer anyway (docs/envoy-facts.md, "How long the ext_proc stream lives").
 
 The same server answers ``envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs``: Envoy
 logs each finished request there, and because the access logger names the same cluster as the

@@ -6,7 +6,8 @@ import json
 import urllib.request
 
 
-def _get(admin: str, path: str, timeout: float = 5.0) -> bytes:
+def admin_get(admin: str, path: str, timeout: float = 5.0) -> bytes:
+    """The body of ``GET admin+path`` on Envoy's admin API. Raises ``OSError`` when unreachable."""
     with urllib.request.urlopen(f"{admin.rstrip('/')}{path}", timeout=timeout) as r:
         return r.read()
 
@@ -16,7 +17,7 @@ def envoy_hosts(admin: str) -> dict[str, dict[str, dict]]:
 
     ``admin`` is the base URL, e.g. ``http://127.0.0.1:9901``. Raises ``OSError`` when unreachable.
     """
-    doc = json.loads(_get(admin, "/clusters?format=json"))
+    doc = json.loads(admin_get(admin, "/clusters?format=json"))
     out: dict[str, dict[str, dict]] = {}
     for c in doc.get("cluster_statuses", []):
         hosts = {}
@@ -30,11 +31,3 @@ def envoy_hosts(admin: str) -> dict[str, dict[str, dict]]:
     return out
 
 
-def envoy_stat(admin: str, name: str) -> int | None:
-    """The value of one counter or gauge (exact name), or None when Envoy has no such stat."""
-    text = _get(admin, f"/stats?filter=^{name}$").decode()
-    for line in text.splitlines():
-        key, _, value = line.partition(": ")
-        if key == name:
-            return int(value)
-    return None

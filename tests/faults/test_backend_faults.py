@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from inferlb.devstack import stack as stk
-from inferlb.devstack.envoy_admin import envoy_stat
 from tests.faults.conftest import Background, Stack, all_healthy, sessions, wait_until
+from tests.support.envoy import envoy_stat
 
 pytestmark = pytest.mark.integration
 

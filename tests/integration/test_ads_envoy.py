@@ -25,8 +25,9 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import duration_pb2, symbol_database
 
 from inferlb.devstack import stack
-from inferlb.devstack.envoy_admin import envoy_hosts, envoy_stat
+from inferlb.devstack.envoy_admin import envoy_hosts
 from tests.integration.conftest import LoopThread, wait_until
+from tests.support.envoy import envoy_stat
 from tests.support.snapshots import make_snapshot
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import start_ads_server
@@ -92,8 +93,7 @@ class Harness:
             and not t["pending_nonces"] for name, t in node["types"].items())
 
     def settle(self, protocol: str) -> None:
-        """Publish now and wait until that Envoy applied it."""
-        self.loop.run(self.cache.flush())
+        """Wait until that Envoy applied the published snapshot (the cache publishes after its debounce)."""
         wait_until(lambda: self.applied(protocol), 5, 0.02, f"{protocol} Envoy to ACK the snapshot")
 
     def node(self, protocol: str) -> dict:

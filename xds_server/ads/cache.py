@@ -98,10 +98,6 @@ class SnapshotCache:
             self._timer = loop.create_task(self._publish_when_due())
         return served
 
-    async def flush(self) -> None:
-        """Publish whatever is pending now (skips the debounce)."""
-        await self._publish()
-
     async def _publish_when_due(self) -> None:
         loop = asyncio.get_running_loop()
         while self._first_pending is not None:

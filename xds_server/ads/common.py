@@ -2,7 +2,7 @@
 wildcard types, CDS re-warm and make-before-break.
 
 Sources: Envoy's xDS protocol doc ("ACK and NACK semantics", "How the client specifies what
-resources to return", "Eventual consistency considerations") and shared/ENVOY-NOTES.md.
+resources to return", "Eventual consistency considerations") and docs/envoy-facts.md.
 """
 
 from __future__ import annotations
@@ -91,12 +91,9 @@ class StreamBase:
         self._nonce += 1
         return str(self._nonce)
 
-    def pending(self, snap: Snapshot | None) -> list:
-        """Responses to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order; records them as sent."""
-        return [p.message() for p in self.plan(snap)]
-
     def plan(self, snap: Snapshot | None) -> list:
-        """What :meth:`pending` returns, before encoding (the server encodes it once for all streams)."""
+        """The pushes to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order, recorded as sent
+        (:class:`~xds_server.ads.push.Push`; the server encodes each once for all streams)."""
         if snap is None:
             return []
         out = []

@@ -1,6 +1,6 @@
 """Delta (incremental) ADS protocol state for one stream (no I/O).
 
-Rules (Envoy's xDS protocol doc, "Incremental xDS", and shared/ENVOY-NOTES.md):
+Rules (Envoy's xDS protocol doc, "Incremental xDS", and docs/envoy-facts.md):
 - Subscriptions change by ``resource_names_subscribe`` / ``resource_names_unsubscribe``. For CDS and
   LDS an empty first request (legacy) or ``*`` subscribes to every resource (wildcard);
   unsubscribing ``*`` ends the wildcard.

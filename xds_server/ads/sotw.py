@@ -1,6 +1,6 @@
 """State-of-the-World ADS protocol state for one stream (no I/O).
 
-Rules (Envoy's xDS protocol doc, and shared/ENVOY-NOTES.md for what Envoy 1.40 really does):
+Rules (Envoy's xDS protocol doc, and docs/envoy-facts.md for what Envoy 1.40 really does):
 - One nonce per response; a request whose ``response_nonce`` is not the latest nonce sent for its
   type is stale and ignored.
 - ACK: latest nonce, no ``error_detail``: ``version_info`` is now applied.

@@ -1,4 +1,4 @@
-"""Engine presets: which metric names give each engine input (names from shared/METRICS.md).
+"""Engine presets: which metric names give each engine input (names from docs/metrics-names.md).
 
 A preset is ``{field: SignalSpec}`` (plus ``last_sample_ts``, the newest sample's time). Combine one
 serving-engine preset (``vllm``, ``sglang``, ``triton``, ``tgi``) with one GPU preset (``dcgm``,

@@ -122,7 +122,7 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
 
     The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
     cluster) go to the fallback policy, which honours EDS ``load_balancing_weight`` (see
-    shared/ENVOY-NOTES.md: override_host ignores health, so the picker pins only healthy hosts).
+    docs/envoy-facts.md: override_host ignores health, so the picker pins only healthy hosts).
     """
     fallback = (
         _policy("envoy.load_balancing_policies.least_request", least_request_pb2.LeastRequest())

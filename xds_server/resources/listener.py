@@ -2,7 +2,7 @@
 
 The listener's HTTP connection manager
 - strips client copies of the routing headers with ``early_header_mutation_extensions`` (a
-  ``header_mutation`` HTTP filter would run after the route is chosen: case C06, ENVOY-NOTES);
+  ``header_mutation`` HTTP filter would run after the route is chosen: case C06, docs/envoy-facts.md);
 - asks the picker (ext_proc, request headers only) for the cluster and the host;
 - routes by the cluster header the picker set, or, without it (picker down and
   ``failure_mode_allow``), by the version header straight to that version's cluster (so versions
@@ -11,7 +11,7 @@ The listener's HTTP connection manager
 - retries connect failures, resets, 5xx and per-try timeouts on another host (case C13);
 - logs every request the picker routed (it carries the cluster header) to the picker's
   ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
-  counts requests in flight (ENVOY-NOTES: the ext_proc stream ends long before the request).
+  counts requests in flight (docs/envoy-facts.md: the ext_proc stream ends long before the request).
 With ``envoy.picker: false`` there is no ext_proc filter: routes match the version header and
 Envoy's weighted fallback policy picks every host (EDS weights only).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
+from tests.support.ads import pending
 from tests.support.snapshots import make_snapshot
 from tests.unit.xds_server.test_sotw import BASE, assignment, cluster, snap
 from xds_server.ads.delta import DeltaStream
@@ -41,9 +42,9 @@ def connected(s0, eds_names=("a", "b", "c"), routing: bool = False) -> DeltaStre
     if routing:
         stream.on_request(dreq(LDS))
         stream.on_request(dreq(RDS, ["inferlb"]))
-    for resp in stream.pending(s0):
+    for resp in pending(stream, s0):
         assert ack(stream, resp) == "ack"
-    assert stream.pending(s0) == []
+    assert pending(stream, s0) == []
     return stream
 
 
@@ -54,31 +55,31 @@ def test_empty_first_cds_request_is_wildcard_and_gets_every_cluster():
     s0 = snap(BASE)
     stream = DeltaStream()
     assert stream.on_request(dreq(CDS)) == "initial"
-    [resp] = stream.pending(s0)
+    [resp] = pending(stream, s0)
     assert resp.type_url == CDS and names(resp) == ["a", "b", "c"]
     assert resp.system_version_info == s0.versions[CDS]
     assert {r.name: r.version for r in resp.resources} == {n: r.version for n, r in s0.of(CDS).items()}
     assert list(resp.removed_resources) == []
-    assert stream.pending(s0) == []
+    assert pending(stream, s0) == []
 
 
 def test_explicit_star_is_wildcard_and_unsubscribing_it_ends_it():
     s0, s1 = snap(BASE), snap({**BASE, "d": [1]})
     stream = DeltaStream()
     stream.on_request(dreq(CDS, ["*"]))
-    [resp] = stream.pending(s0)
+    [resp] = pending(stream, s0)
     assert names(resp) == ["a", "b", "c"]
     ack(stream, resp)
     stream.on_request(dreq(CDS, ["a"], ["*"]))
-    assert stream.pending(s1) == []  # "d" is new but the client now wants only "a"
+    assert pending(stream, s1) == []  # "d" is new but the client now wants only "a"
 
 
 def test_empty_first_eds_request_is_not_wildcard():
     stream = DeltaStream()
     stream.on_request(dreq(EDS))
-    assert stream.pending(snap(BASE)) == []
+    assert pending(stream, snap(BASE)) == []
     stream.on_request(dreq(EDS, ["b"]))
-    [resp] = stream.pending(snap(BASE))
+    [resp] = pending(stream, snap(BASE))
     assert names(resp) == ["b"]
 
 
@@ -87,14 +88,14 @@ def test_lds_is_wildcard_and_rds_is_named_in_push_order():
     stream = DeltaStream()
     for t, subscribe in ((RDS, ["inferlb"]), (LDS, []), (EDS, ["a"]), (CDS, [])):
         stream.on_request(dreq(t, subscribe))
-    assert [r.type_url for r in stream.pending(s0)] == [CDS, EDS, LDS, RDS]
+    assert [r.type_url for r in pending(stream, s0)] == [CDS, EDS, LDS, RDS]
 
 
 def test_an_empty_cluster_gets_an_empty_assignment_at_once():
     s0 = make_snapshot({CDS: {"e": cluster("e")}, EDS: {"e": assignment("e", [])}})
     stream = DeltaStream()
     stream.on_request(dreq(EDS, ["e"]))
-    [resp] = stream.pending(s0)
+    [resp] = pending(stream, s0)
     assert names(resp) == ["e"]
 
 
@@ -104,7 +105,7 @@ def test_an_empty_cluster_gets_an_empty_assignment_at_once():
 def test_weight_change_sends_only_that_assignment():
     s0, s1 = snap(BASE), snap({**BASE, "b": [3, 40]})
     stream = connected(s0)
-    [resp] = stream.pending(s1)
+    [resp] = pending(stream, s1)
     assert resp.type_url == EDS and names(resp) == ["b"]
 
 
@@ -112,28 +113,28 @@ def test_cds_change_sends_that_cluster_and_its_assignment_without_a_request():
     """C01: in delta Envoy sends no EDS request after re-warming a changed cluster."""
     s0, s1 = snap(BASE), snap(BASE, {"b": 2500})
     stream = connected(s0)
-    cds, eds = stream.pending(s1)
+    cds, eds = pending(stream, s1)
     assert cds.type_url == CDS and names(cds) == ["b"]  # only the changed cluster, not the world
     assert eds.type_url == EDS and names(eds) == ["b"]
     ack(stream, cds)
     ack(stream, eds)
-    assert stream.pending(s1) == []
+    assert pending(stream, s1) == []
 
 
 def test_removed_cluster_is_in_removed_resources_and_comes_back_with_its_assignment():
     """C15: removed, Envoy unsubscribes its EDS; added back, Envoy subscribes and gets it."""
     with_b, without_b = snap(BASE), snap({"a": BASE["a"], "c": BASE["c"]})
     stream = connected(with_b)
-    [cds] = stream.pending(without_b)
+    [cds] = pending(stream, without_b)
     assert names(cds) == [] and list(cds.removed_resources) == ["b"]
     ack(stream, cds)
     assert stream.on_request(dreq(EDS, unsubscribe=["b"])) == "subscribe"
-    assert stream.pending(without_b) == []
-    [cds2] = stream.pending(with_b)
+    assert pending(stream, without_b) == []
+    [cds2] = pending(stream, with_b)
     assert names(cds2) == ["b"]
     ack(stream, cds2)
     stream.on_request(dreq(EDS, ["b"]))
-    [eds] = stream.pending(with_b)
+    [eds] = pending(stream, with_b)
     assert names(eds) == ["b"]
 
 
@@ -141,10 +142,10 @@ def test_resubscribing_a_known_name_sends_it_again():
     s0 = snap(BASE)
     stream = connected(s0)
     stream.on_request(dreq(EDS, ["a"]))  # already subscribed and known: no change
-    assert stream.pending(s0) == []
+    assert pending(stream, s0) == []
     stream.on_request(dreq(EDS, unsubscribe=["a"]))
     stream.on_request(dreq(EDS, ["a"]))
-    [resp] = stream.pending(s0)
+    [resp] = pending(stream, s0)
     assert names(resp) == ["a"]
 
 
@@ -155,8 +156,8 @@ def test_every_response_has_its_own_nonce_and_acks_name_them():
     s0, s1 = snap(BASE), snap({**BASE, "a": [7]})
     stream = DeltaStream()
     stream.on_request(dreq(EDS, ["a", "b"]))
-    [r0] = stream.pending(s0)
-    [r1] = stream.pending(s1)  # a second response before the first is ACKed
+    [r0] = pending(stream, s0)
+    [r1] = pending(stream, s1)  # a second response before the first is ACKed
     st = stream.types[EDS]
     assert r0.nonce != r1.nonce and st.pending_nonces() == [r0.nonce, r1.nonce]
     assert ack(stream, r0) == "ack" and st.acked == s0.versions[EDS]
@@ -170,7 +171,7 @@ def test_every_response_has_its_own_nonce_and_acks_name_them():
 def test_subscription_change_in_a_stale_request_still_applies():
     stream = DeltaStream()
     assert stream.on_request(dreq(EDS, ["c"], nonce="not-ours")) == "stale"
-    [resp] = stream.pending(snap(BASE))
+    [resp] = pending(stream, snap(BASE))
     assert names(resp) == ["c"]
 
 
@@ -178,13 +179,13 @@ def test_nacked_versions_are_not_resent_but_the_next_change_is():
     """C03."""
     s0, s1, s2 = snap(BASE), snap({**BASE, "b": [0, 4]}), snap({**BASE, "b": [2, 4]})
     stream = connected(s0)
-    [bad] = stream.pending(s1)
+    [bad] = pending(stream, s1)
     reason = "x" * 1000 + "LoadBalancingWeight: value must be greater than or equal to 1"
     assert stream.on_request(dreq(EDS, nonce=bad.nonce, error=reason)) == "nack"
     st = stream.types[EDS]
     assert st.nacks == 1 and st.nack.endswith("greater than or equal to 1") and st.acked == s0.versions[EDS]
-    assert stream.pending(s1) == []
-    [fixed] = stream.pending(s2)
+    assert pending(stream, s1) == []
+    [fixed] = pending(stream, s2)
     assert names(fixed) == ["b"]
 
 
@@ -198,14 +199,14 @@ def test_reconnect_with_the_same_versions_sends_nothing():
     stream = DeltaStream()
     stream.on_request(dreq(CDS, initial=cds_v))
     stream.on_request(dreq(EDS, ["a", "b", "c"], initial=eds_v))
-    assert stream.pending(s0) == []
+    assert pending(stream, s0) == []
 
 
 def test_reconnect_sends_what_changed_and_removes_what_is_gone():
     s0 = snap(BASE)
     stream = DeltaStream()
     stream.on_request(dreq(CDS, initial={"a": s0.of(CDS)["a"].version, "b": "old", "zombie": "1"}))
-    [resp] = stream.pending(s0)
+    [resp] = pending(stream, s0)
     assert names(resp) == ["b", "c"]
     assert list(resp.removed_resources) == ["zombie"]
 
@@ -216,12 +217,12 @@ def test_reconnect_rewarms_the_assignment_of_a_changed_cluster_even_if_eds_repor
     s0, s1 = snap(BASE), snap(BASE, {"b": 2500})
     stream = DeltaStream()
     stream.on_request(dreq(CDS, initial={n: r.version for n, r in s0.of(CDS).items()}))
-    [cds] = stream.pending(s1)
+    [cds] = pending(stream, s1)
     assert names(cds) == ["b"]
     stream.on_request(dreq(EDS, ["a", "b", "c"], initial={n: r.version for n, r in s0.of(EDS).items()}))
-    [eds] = stream.pending(s1)
+    [eds] = pending(stream, s1)
     assert names(eds) == ["b"]
-    assert stream.pending(s1) == []
+    assert pending(stream, s1) == []
 
 
 # --- make-before-break ----------------------------------------------------------------------------
@@ -231,9 +232,9 @@ def test_a_cluster_is_removed_only_after_the_routes_that_used_it_are_acked():
     s0 = snap(BASE, route_cluster="b")
     s1 = snap({"a": BASE["a"], "c": BASE["c"]}, route_cluster="a")
     stream = connected(s0, routing=True)
-    resps = stream.pending(s1)
+    resps = pending(stream, s1)
     assert [r.type_url for r in resps] == [RDS]  # the route moves off "b" first; "b" stays
-    assert stream.pending(s1) == []
+    assert pending(stream, s1) == []
     ack(stream, resps[0])
-    [cds] = stream.pending(s1)
+    [cds] = pending(stream, s1)
     assert cds.type_url == CDS and list(cds.removed_resources) == ["b"]

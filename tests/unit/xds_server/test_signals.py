@@ -99,7 +99,7 @@ def test_unknown_preset_names_the_known_ones():
 
 
 def test_presets_carry_the_engines_names():
-    """Names from shared/METRICS.md, with C09's rename as a fallback."""
+    """Names from docs/metrics-names.md, with C09's rename as a fallback."""
     q = presets.promql_queries(presets.preset("vllm", "dcgm"))
     assert "vllm:kv_cache_usage_perc" in q["kv_cache"][0] and "vllm:gpu_cache_usage_perc" in q["kv_cache"][0]
     assert q["kv_cache"][0].index("kv_cache_usage_perc") < q["kv_cache"][0].index("gpu_cache_usage_perc")
