@@ -1,4 +1,13 @@
-FROM python:3.11-slim
+# inferlb from its wheel, as a user's `pip install` gets it (the image serves `inferlb serve` and the
+# simulated backends of docker-compose.yml). The same commands run outside Docker in CI
+# (tests/integration/test_wheel.py): build the wheel, install it in a fresh venv, run it elsewhere.
+FROM python:3.11-slim AS wheel
 WORKDIR /src
 COPY . .
-RUN pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --no-deps -w /wheels .
+
+FROM python:3.11-slim
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir "$(ls /wheels/*.whl)" && rm -rf /wheels
+WORKDIR /var/lib/inferlb
+CMD ["inferlb", "--help"]

@@ -27,7 +27,7 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import Traffic, drive, make_sessions
-from inferlb.output import plot_history, weights_table
+from inferlb.output import plot_history, weights_rich_table, weights_table
 from xds_server.config import load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
@@ -109,21 +109,34 @@ def _xds_protocol(admin: str, node_id: str) -> str | None:
 
 
 async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
-    tty = sys.stdout.isatty()
-    while not stop.is_set():
-        try:
-            doc = await asyncio.to_thread(_get_json, f"{admin}/api/v1/weights")
-            table = weights_table(doc)
-        except OSError as err:
-            table = f"(admin API not answering: {err})"
-        n = len(traffic.results)
-        errors = sum(1 for r in traffic.results if not 200 <= r.status < 300)
-        head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  requests={n}  errors={errors}"
-        print(("\x1b[H\x1b[2J" if tty else "\n") + head + "\n" + table, flush=True)
-        try:
-            await asyncio.wait_for(stop.wait(), 2.0)
-        except TimeoutError:
-            pass
+    """The weights every 2 s: a table updated in place on a terminal (rich), plain lines otherwise."""
+    live = None
+    if sys.stdout.isatty():
+        from rich.live import Live
+
+        live = Live(auto_refresh=False)
+        live.start()
+    try:
+        while not stop.is_set():
+            n = len(traffic.results)
+            errors = sum(1 for r in traffic.results if not 200 <= r.status < 300)
+            head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  requests={n}  errors={errors}"
+            try:
+                doc = await asyncio.to_thread(_get_json, f"{admin}/api/v1/weights")
+            except OSError as err:
+                doc = None
+                head += f"  (admin API not answering: {err})"
+            if live is not None:
+                live.update(weights_rich_table(doc, head) if doc else head, refresh=True)
+            else:
+                print("\n" + head + ("\n" + weights_table(doc) if doc else ""), flush=True)
+            try:
+                await asyncio.wait_for(stop.wait(), 2.0)
+            except TimeoutError:
+                pass
+    finally:
+        if live is not None:
+            live.stop()
 
 
 async def _traffic(duration: float, concurrency: int, admin: str, live: bool) -> Traffic:

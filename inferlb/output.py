@@ -33,6 +33,33 @@ def weights_table(doc: dict) -> str:
     return "\n".join(rows)
 
 
+def weights_rich_table(doc: dict, title: str = ""):
+    """The same rows as :func:`weights_table` as a ``rich`` Table (for a live terminal view; needs
+    the ``demo`` extra)."""
+    from rich.table import Table
+
+    table = Table(title=title or None, title_justify="left", expand=False)
+    for name, justify in (("cluster", "left"), ("endpoint", "left"), ("weight", "right"), ("health", "left"),
+                          ("score", "right"), ("lat ms", "right"), ("p95 ms", "right"), ("run", "right"),
+                          ("gpu%", "right"), ("age s", "right"), ("reason", "left")):
+        table.add_column(name, justify=justify, no_wrap=name != "reason")
+    colour = {"HEALTHY": "green", "UNHEALTHY": "red", "DRAINING": "yellow"}
+    for c in doc.get("clusters", []):
+        for e in c["endpoints"]:
+            i = e.get("inputs", {})
+            gpu = None if i.get("gpu_util") is None else i["gpu_util"] * 100
+            health = e["health"]
+            table.add_row(c["name"], e["address"], str(e["weight"]),
+                          f"[{colour.get(health, 'white')}]{health}[/]", _fmt(e.get("score"), digits=2),
+                          _fmt(i.get("latency_mean_ms")), _fmt(i.get("latency_p95_ms")),
+                          _fmt(i.get("running"), digits=1), _fmt(gpu), _fmt(i.get("sample_age_s"), digits=1),
+                          (e.get("reasons") or [""])[0][:70])
+    src = doc.get("metrics_source") or {}
+    table.caption = (f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
+                     f"snapshot {doc.get('snapshot_version')}")
+    return table
+
+
 def history_table(doc: dict) -> str:
     """The ``/api/v1/history`` document as a fixed-width table, oldest first: time (UTC), cluster,
     endpoint, weight, health, score, kind and the first reason."""

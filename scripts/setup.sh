@@ -11,6 +11,6 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2
   # chromium: the admin page test; wrk: `inferlb bench picker`
   $SUDO apt-get install -y -qq prometheus chromium wrk >/dev/null
 fi
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+python3 -m pip install -q --disable-pip-version-check -e '.[test]'   # every extra: demo, bench, k8s, test (docs build too)
 # pyenv installs need a rehash before a new console script is on PATH.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi

@@ -1,0 +1,34 @@
+"""What every `inferlb demo` run must show in its JSON summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def check_demo_summary(s: dict, duration_s: float) -> None:
+    """The demo's summary contract (README): traffic, stickiness, versions, weights, plot, GPU classes."""
+
+    assert s["duration_s"] == duration_s
+    assert s["metrics_source"] == "prometheus"
+    assert s["envoy_version"].startswith("1.40")
+    req = s["requests"]
+    assert req["total"] > 100 and req["ok"] + req["errors"] == req["total"]
+    assert req["errors"] < 0.01 * req["total"]
+    assert s["sessions"]["total"] > 10 and s["sessions"]["sticky"] == s["sessions"]["total"]
+    assert set(s["versions"]) == {"v1", "v2"}
+    assert all(v["requests"] > 0 and v["correct"] == v["requests"] for v in s["versions"].values())
+    lat = s["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
+
+    for cluster, endpoints in s["weights"].items():
+        for address, w in endpoints.items():
+            assert w["control_plane"] == w["envoy"], (cluster, address, w)
+    assert Path(s["history_plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every A10-class backend ends below every A100-class one of its version.
+    for b in s["backends"]:
+        if b["gpu_class"] != "a10":
+            continue
+        cluster = s["weights"][f"chat-{b['version']}"]
+        a100 = [cluster[o["address"]]["control_plane"] for o in s["backends"]
+                if o["version"] == b["version"] and o["gpu_class"] == "a100"]
+        assert a100 and cluster[b["address"]]["control_plane"] < min(a100), cluster

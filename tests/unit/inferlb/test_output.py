@@ -1,0 +1,35 @@
+"""The weights as the demo's live terminal table (rich) and as plain lines: the same rows."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from inferlb.output import weights_rich_table, weights_table
+
+DOC = {
+    "snapshot_version": "abc123",
+    "metrics_source": {"name": "prometheus", "ok": True},
+    "clusters": [{"name": "chat-v1", "endpoints": [
+        {"address": "127.0.0.1:8001", "weight": 84, "health": "HEALTHY", "score": 0.71,
+         "inputs": {"latency_mean_ms": 120.0, "gpu_util": 0.5, "running": 2.0, "sample_age_s": 0.4},
+         "reasons": ["score 0.71"]},
+        {"address": "127.0.0.1:8002", "weight": 10, "health": "DRAINING", "score": None, "inputs": {},
+         "reasons": ["draining: no new requests"]},
+    ]}],
+}
+
+
+def _render(table) -> str:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(table)
+    return console.export_text()
+
+
+def test_rich_table_has_every_row_of_the_plain_one():
+    text = _render(weights_rich_table(DOC, "inferlb demo t=1.0s"))
+    plain = weights_table(DOC)
+    for needle in ("127.0.0.1:8001", "127.0.0.1:8002", "84", "DRAINING", "draining: no new requests",
+                   "snapshot abc123", "inferlb demo t=1.0s"):
+        assert needle in text
+        assert needle in plain or needle.startswith("inferlb demo")
+    assert "FAILING" in _render(weights_rich_table({**DOC, "metrics_source": {"name": "prometheus", "ok": False}}))
