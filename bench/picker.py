@@ -107,7 +107,8 @@ def control_plane_config(ports: dict[str, int], picker_port: int) -> dict:
         "listen": {"xds": f"127.0.0.1:{ports['xds']}", "ext_proc": "127.0.0.1:0",
                    "admin": f"127.0.0.1:{ports['admin']}"},
         "envoy": {"listener": f"127.0.0.1:{ports['upstream_with']}", "ext_proc_address": f"127.0.0.1:{picker_port}"},
-        "prometheus": {"url": f"http://127.0.0.1:{ports['dead']}", "interval_s": 5, "timeout_s": 0.2},
+        "loop": {"interval_s": 5, "timeout_s": 0.2},
+        "prometheus": {"url": f"http://127.0.0.1:{ports['dead']}"},
         "picker": {"admission": False},
         "services": [{"name": "bench", "versions": [
             {"name": "v1", "endpoints": [{"address": f"127.0.0.1:{ports['upstream']}"}]}]}],

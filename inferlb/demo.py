@@ -52,8 +52,8 @@ def demo_config(backends: list[tuple[str, str, int]], metrics_source: str = "pro
         "listen": {"xds": f"127.0.0.1:{XDS_PORT}", "ext_proc": f"127.0.0.1:{EXT_PROC_PORT}",
                    "admin": f"127.0.0.1:{ADMIN_PORT}"},
         "envoy": {"listener": f"127.0.0.1:{ENVOY_LISTENER}"},
-        "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10, "interval_s": 1,
-                       "timeout_s": 1},
+        "loop": {"interval_s": 1, "timeout_s": 1},
+        "prometheus": {"url": f"http://127.0.0.1:{PROMETHEUS_PORT}", "window_s": 10},
         "engine": {"stale_after_s": 15},
         "history": {"path": history_path},
         "metrics": ({"sources": ["prometheus"], "fallback": "scrape"} if metrics_source == "prometheus"

@@ -415,3 +415,16 @@ def test_load_config_errors_name_the_file(tmp_path):
         load_config(path)
     where = f"{path}:{line_of(text, 'host.example')}: services[0].versions[0].endpoints[0].address: "
     assert str(info.value).startswith(where)
+
+
+def test_loop_section_and_its_deprecated_prometheus_spelling(caplog):
+    new = parse_config("loop: {interval_s: 2, timeout_s: 0.5}\nservices: [{name: chat, versions: [{name: v1, "
+                       "endpoints: [{address: '127.0.0.1:8001'}]}]}]\n")
+    assert (new.loop.interval_s, new.loop.timeout_s, new.loop.first_round_wait_s) == (2, 0.5, 10.0)
+    with caplog.at_level("WARNING"):
+        old = parse_config("prometheus: {interval_s: 2, timeout_s: 0.5}\nservices: [{name: chat, versions: "
+                           "[{name: v1, endpoints: [{address: '127.0.0.1:8001'}]}]}]\n", "old.yaml")
+    assert old.loop == new.loop
+    assert "old.yaml: prometheus.interval_s is deprecated; use loop.interval_s" in caplog.text
+    with pytest.raises(ConfigError, match="prometheus.interval_s and loop.interval_s are both set"):
+        parse_config("loop: {interval_s: 1}\nprometheus: {interval_s: 2}\nservices: []\n")
