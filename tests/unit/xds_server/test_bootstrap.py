@@ -268,3 +268,17 @@ def test_a_config_that_validates_gives_routes_envoy_accepts(text, tmp_path):
         return
     result = envoy_validate(with_xds_resources_inline(cfg, render()), tmp_path)
     assert result.returncode == 0, result.stderr[-500:] + result.stdout[-500:]
+
+
+@pytest.mark.parametrize(("name", "delta"), [("bootstrap-sotw.yaml", False), ("bootstrap-delta.yaml", True)])
+def test_example_bootstraps_are_what_the_command_prints(name, delta):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from inferlb.cli import main
+
+    example = Path(__file__).resolve().parents[3] / "envoy" / name
+    run = CliRunner().invoke(main, ["bootstrap", "--node-id", "edge-1", *(["--delta"] if delta else [])])
+    assert run.exit_code == 0, run.output
+    assert run.output == example.read_text()
