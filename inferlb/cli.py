@@ -15,8 +15,6 @@ import urllib.request
 
 import click
 
-from xds_server.config import ConfigError, load_config
-
 DEFAULT_ADMIN = "http://127.0.0.1:18090"
 
 
@@ -35,6 +33,8 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def _load(path: str):
+    from xds_server.config import ConfigError, load_config
+
     try:
         return load_config(path)
     except ConfigError as err:
