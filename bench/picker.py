@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 import yaml
 
+from bench.progress import Progress
 from bench.sessions import bytes_per_session
 from inferlb.devstack import stack
 from xds_server.resources.bootstrap import render_bootstrap
@@ -202,32 +203,34 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
             run_wrk(f"http://127.0.0.1:{ports[with_]}/v1/chat/completions", 16, 1)
             run_wrk(f"http://127.0.0.1:{ports[without]}/v1/chat/completions", 16, 1)
         result: dict[str, Any] = {}
-        for kind, (with_, without) in kinds.items():
-            raw: dict[str, list[dict]] = {}
-            for conns in (16, 1):
-                for i in range(runs):
-                    base = run_wrk(f"http://127.0.0.1:{ports[without]}/v1/chat/completions", conns, duration_s)
-                    before = _cpu_s(picker_procs)
-                    picked = run_wrk(f"http://127.0.0.1:{ports[with_]}/v1/chat/completions", conns, duration_s)
-                    cpu = _cpu_s(picker_procs) - before
-                    picked["python_cpu_us_per_decision"] = cpu / max(1, picked["requests"]) * 1e6
-                    raw.setdefault(f"{conns}conn", []).append({"run": i + 1, "without": base, "with": picked})
-            sixteen, one = raw["16conn"], raw["1conn"]
-            result[kind] = {
-                "rps_with_picker": statistics.median(r["with"]["rps"] for r in sixteen),
-                "rps_without_picker": statistics.median(r["without"]["rps"] for r in sixteen),
-                "python_cpu_us_per_decision": statistics.median(r["with"]["python_cpu_us_per_decision"]
-                                                                for r in sixteen),
-                "python_cpu_us_per_decision_1conn": statistics.median(r["with"]["python_cpu_us_per_decision"]
-                                                                      for r in one),
-                "added_p50_ms": statistics.median(r["with"]["p50_ms"] - r["without"]["p50_ms"] for r in one),
-                "added_p99_ms": statistics.median(r["with"]["p99_ms"] - r["without"]["p99_ms"] for r in one),
-                "p50_ms_with_picker_1conn": statistics.median(r["with"]["p50_ms"] for r in one),
-                "p50_ms_without_picker_1conn": statistics.median(r["without"]["p50_ms"] for r in one),
-                "errors": sum(r[w]["non_2xx"] + r[w]["socket_errors"] for rs in raw.values() for r in rs
-                              for w in ("with", "without")),
-                "runs": raw,
-            }
+        with Progress(len(kinds) * 2 * runs, 2 * duration_s, "bench picker") as progress:
+            for kind, (with_, without) in kinds.items():
+                raw: dict[str, list[dict]] = {}
+                for conns in (16, 1):
+                    for i in range(runs):
+                        progress.step(f"{kind}, {conns} connection(s), run {i + 1}/{runs}")
+                        base = run_wrk(f"http://127.0.0.1:{ports[without]}/v1/chat/completions", conns, duration_s)
+                        before = _cpu_s(picker_procs)
+                        picked = run_wrk(f"http://127.0.0.1:{ports[with_]}/v1/chat/completions", conns, duration_s)
+                        cpu = _cpu_s(picker_procs) - before
+                        picked["python_cpu_us_per_decision"] = cpu / max(1, picked["requests"]) * 1e6
+                        raw.setdefault(f"{conns}conn", []).append({"run": i + 1, "without": base, "with": picked})
+                sixteen, one = raw["16conn"], raw["1conn"]
+                result[kind] = {
+                    "rps_with_picker": statistics.median(r["with"]["rps"] for r in sixteen),
+                    "rps_without_picker": statistics.median(r["without"]["rps"] for r in sixteen),
+                    "python_cpu_us_per_decision": statistics.median(r["with"]["python_cpu_us_per_decision"]
+                                                                    for r in sixteen),
+                    "python_cpu_us_per_decision_1conn": statistics.median(r["with"]["python_cpu_us_per_decision"]
+                                                                          for r in one),
+                    "added_p50_ms": statistics.median(r["with"]["p50_ms"] - r["without"]["p50_ms"] for r in one),
+                    "added_p99_ms": statistics.median(r["with"]["p99_ms"] - r["without"]["p99_ms"] for r in one),
+                    "p50_ms_with_picker_1conn": statistics.median(r["with"]["p50_ms"] for r in one),
+                    "p50_ms_without_picker_1conn": statistics.median(r["without"]["p50_ms"] for r in one),
+                    "errors": sum(r[w]["non_2xx"] + r[w]["socket_errors"] for rs in raw.values() for r in rs
+                                  for w in ("with", "without")),
+                    "runs": raw,
+                }
         stats = _envoy_stats(f"http://127.0.0.1:{ports['envoy_admin']}")
     finally:
         for p in reversed(procs):
