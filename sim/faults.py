@@ -6,6 +6,7 @@ Patch format (JSON object, every key optional, unknown keys rejected)::
     {"metrics": "ok"|"error"|"hang"}      # /metrics answers normally, 503, or never
     {"slow_factor": F}                    # F > 0 multiplies the latency of new requests
     {"push": "ok"|"stop"}                 # node-status pushes go on, or pause (stream stays open)
+    {"etcd": "ok"|"stop"}                 # etcd keep-alives and status writes go on, or pause (the lease expires)
     {"long_tail": P}                      # probability 0-1 of a 10x-latency request
     {"reset": true}                       # back to no faults (long_tail = the configured value)
 """
@@ -39,7 +40,7 @@ def parse_fault_patch(body: Any) -> dict[str, Any]:
     """Validate a fault patch; returns the normalised patch or raises :class:`FaultError`."""
     if not isinstance(body, dict):
         raise FaultError("body", "fault patch must be a JSON object")
-    known = {"hang", "metrics", "slow_factor", "long_tail", "push", "reset"}
+    known = {"hang", "metrics", "slow_factor", "long_tail", "push", "etcd", "reset"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise FaultError(unknown[0], f"unknown fault field '{unknown[0]}' (known: {sorted(known)})")
@@ -53,10 +54,11 @@ def parse_fault_patch(body: Any) -> dict[str, Any]:
         if body["metrics"] not in METRICS_MODES:
             raise FaultError("metrics", f"'metrics' must be one of {list(METRICS_MODES)}")
         patch["metrics"] = body["metrics"]
-    if "push" in body:
-        if body["push"] not in PUSH_MODES:
-            raise FaultError("push", f"'push' must be one of {list(PUSH_MODES)}")
-        patch["push"] = body["push"]
+    for key in ("push", "etcd"):
+        if key in body:
+            if body[key] not in PUSH_MODES:
+                raise FaultError(key, f"'{key}' must be one of {list(PUSH_MODES)}")
+            patch[key] = body[key]
     if "slow_factor" in body:
         patch["slow_factor"] = _number(body, "slow_factor")
         if patch["slow_factor"] <= 0:
@@ -76,6 +78,7 @@ class FaultState:
         self.hang = False
         self.metrics = "ok"
         self.push = "ok"
+        self.etcd = "ok"
         self.slow_factor = 1.0
         self.long_tail = long_tail
         self.closing = False
@@ -84,9 +87,9 @@ class FaultState:
     def apply(self, patch: dict[str, Any]) -> None:
         """Apply a patch from :func:`parse_fault_patch` (``reset`` first, then the other keys)."""
         if patch.get("reset"):
-            self.hang, self.metrics, self.push, self.slow_factor = False, "ok", "ok", 1.0
+            self.hang, self.metrics, self.push, self.etcd, self.slow_factor = False, "ok", "ok", "ok", 1.0
             self.long_tail = self.default_long_tail
-        for key in ("hang", "metrics", "push", "slow_factor", "long_tail"):
+        for key in ("hang", "metrics", "push", "etcd", "slow_factor", "long_tail"):
             if key in patch:
                 setattr(self, key, patch[key])
         self._wake()
@@ -106,11 +109,12 @@ class FaultState:
             await self._changed.wait()
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able view: hang, metrics, push, slow_factor, long_tail."""
+        """JSON-able view: hang, metrics, push, etcd, slow_factor, long_tail."""
         return {
             "hang": self.hang,
             "metrics": self.metrics,
             "push": self.push,
+            "etcd": self.etcd,
             "slow_factor": self.slow_factor,
             "long_tail": self.long_tail,
         }

@@ -8,6 +8,7 @@ Every response carries ``x-served-by: HOST:PORT`` and ``x-backend-version: VERSI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from sim.config import BackendConfig
+from sim.etcd import EtcdRegistration
 from sim.faults import FaultError, parse_fault_patch
 from sim.metrics import CONTENT_TYPE
 from sim.node import NodeClosing, OutOfMemory, SimNode
@@ -27,6 +29,7 @@ log = logging.getLogger("inferlb.sim")
 
 NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
 TASKS_KEY = web.AppKey("inferlb_sim_tasks", list)
+ETCD_KEY = web.AppKey("inferlb_sim_etcd", EtcdRegistration)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -180,7 +183,28 @@ async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) ->
     if cfg.push_status:
         app[TASKS_KEY].append(asyncio.create_task(
             push_status(node, cfg.push_status, cfg.push_interval_s, cfg.push_instance or node.served_by)))
+    if cfg.etcd:
+        reg = EtcdRegistration(node, cfg.etcd, prefix=cfg.etcd_prefix, ttl_s=cfg.etcd_ttl_s,
+                               service=cfg.etcd_service or cfg.model_name,
+                               address=cfg.etcd_address or node.served_by,
+                               status_interval_s=cfg.etcd_status_interval_s, drain_s=cfg.etcd_drain_s)
+        app[ETCD_KEY] = reg
+        reg.task = asyncio.create_task(reg.run())
+        app[TASKS_KEY].append(reg.task)
     return runner, port
+
+
+async def deregister(runner: web.AppRunner) -> None:
+    """Graceful leave of an etcd-registered backend (no-op without ``--etcd``): stop the keep-alives,
+    announce drain, keep serving ``etcd_drain_s`` s, revoke the lease. Call before ``runner.cleanup()``."""
+    reg = runner.app.get(ETCD_KEY)
+    if reg is None:
+        return
+    if reg.task is not None:
+        reg.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reg.task
+    await reg.deregister()
 
 
 async def _serve_forever(cfg: BackendConfig) -> None:
@@ -196,6 +220,7 @@ async def _serve_forever(cfg: BackendConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        await deregister(runner)
     finally:
         await runner.cleanup()
 

@@ -1,4 +1,4 @@
-"""Start the stack's processes as plain processes: Envoy, Prometheus, simulated backends, inferlb.
+"""Start the stack's processes as plain processes: Envoy, Prometheus, etcd, simulated backends, inferlb.
 
 Used by ``inferlb demo`` and by the integration tests, so both run the same way. Every process
 logs to a file in the work directory and is stopped (TERM, then KILL) by :meth:`Proc.stop`.
@@ -23,6 +23,11 @@ from pathlib import Path
 
 PROMETHEUS_INSTALL_HINT = (
     "no `prometheus` binary found. Install it with `apt-get install -y prometheus` "
+    "(Debian/Ubuntu) or put it on PATH."
+)
+
+ETCD_INSTALL_HINT = (
+    "no `etcd` binary found. Install it with `apt-get install -y etcd-server` "
     "(Debian/Ubuntu) or put it on PATH."
 )
 
@@ -177,6 +182,36 @@ def start_prometheus(targets: list[str], workdir: Path, port: int, scrape_interv
         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
     ], workdir)
     wait_http(f"http://127.0.0.1:{port}/-/ready", proc)
+    return proc
+
+
+def etcd_binary() -> str | None:
+    """Path of an ``etcd`` binary, or None."""
+    return shutil.which("etcd") or next(
+        (p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.path.exists(p)), None)
+
+
+def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str = "etcd") -> Proc:
+    """Run a one-member etcd with its data in ``workdir/NAME-data``, clients on 127.0.0.1:``port``.
+
+    Started again on the same ``workdir`` and ports it finds its keys, leases and revisions (an etcd
+    restart). Ready once ``/health`` answers ``{"health":"true"}`` (200).
+
+    Raises:
+        StackError: no binary (with the install hint), or not ready in 30 s.
+    """
+    binary = etcd_binary()
+    if binary is None:
+        raise StackError(ETCD_INSTALL_HINT)
+    peer = f"http://127.0.0.1:{peer_port or free_port()}"
+    client = f"http://127.0.0.1:{port}"
+    proc = spawn(name, [
+        binary, "--name", name, "--data-dir", str(workdir / f"{name}-data"),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"{name}={peer}", "--log-level", "warn",
+    ], workdir)
+    wait_http(f"{client}/health", proc)
     return proc
 
 

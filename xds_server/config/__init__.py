@@ -6,6 +6,9 @@ from xds_server.config.model import (
     EndpointConfig,
     EnvoySide,
     EnvoyTls,
+    EtcdDiscovery,
+    EtcdService,
+    EtcdTls,
     History,
     KubernetesDiscovery,
     KubernetesService,
@@ -19,8 +22,7 @@ from xds_server.config.model import (
 )
 
 __all__ = [
-    "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "History", "KubernetesDiscovery",
-    "KubernetesService", "Listen", "Loop", "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name",
-    "load_config",
-    "parse_config", "split_hostport",
+    "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "EtcdDiscovery", "EtcdService", "EtcdTls",
+    "History", "KubernetesDiscovery", "KubernetesService", "Listen", "Loop", "OutlierDetection", "ServiceConfig",
+    "TlsConfig", "cluster_name", "load_config", "parse_config", "split_hostport",
 ]

@@ -301,7 +301,8 @@ class PushSettings(_Strict):
 class MetricsSettings(_Strict):
     """Where the engine's inputs come from and which metric names they are read from.
 
-    ``sources``: any of ``prometheus``, ``scrape``, ``push``; per endpoint and input the freshest
+    ``sources``: any of ``prometheus``, ``scrape``, ``push``, ``status`` (the status snapshots nodes
+    write to etcd; needs ``discovery.etcd``); per endpoint and input the freshest
     answer wins (stale answers are dropped). ``fallback``: ``scrape`` = when a pull source fails, the
     scrape source answers in its place; ``none`` = the round fails and the last good weights stay (C05).
     ``preset`` / ``gpu``: metric-name presets (engine: vllm | sglang | triton | tgi; GPU: dcgm | triton | none).
@@ -311,7 +312,7 @@ class MetricsSettings(_Strict):
     window; values in engine units; one series per ``instance``, or per ``namespace``/``pod`` for GPU inputs).
     """
 
-    sources: tuple[Literal["prometheus", "scrape", "push"], ...] = Field(("prometheus",), min_length=1)
+    sources: tuple[Literal["prometheus", "scrape", "push", "status"], ...] = Field(("prometheus",), min_length=1)
     fallback: Literal["scrape", "none"] = "none"
     preset: Literal["vllm", "sglang", "triton", "tgi"] = "vllm"
     gpu: Literal["dcgm", "triton", "none"] = "dcgm"
@@ -544,10 +545,87 @@ class KubernetesDiscovery(_Strict):
     services: tuple[KubernetesService, ...] = Field(min_length=1)
 
 
+class EtcdService(_Strict):
+    """One inferlb service whose endpoints are the nodes registered in etcd under ``service``.
+
+    ``service``: the service name nodes register with (default: ``name``). The other fields mean
+    what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    service: str | None = Field(None, pattern=NAME_RE)
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+
+    @property
+    def registered_as(self) -> str:
+        """The service name in the nodes' registrations."""
+        return self.service or self.name
+
+
+class EtcdTls(_Strict):
+    """TLS to etcd's client port (PEM file paths on inferlb's host).
+
+    ``ca``: CA bundle that signed etcd's server certificate (default: the system's);
+    ``cert``/``key``: inferlb's client certificate (both or neither, for etcd's ``--client-cert-auth``).
+    """
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> EtcdTls:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (inferlb's client certificate)")
+        return self
+
+
+class EtcdDiscovery(_Strict):
+    """Discovery from nodes that register in etcd (v3 API, through etcd's JSON gRPC gateway).
+
+    ``endpoints``: etcd client URLs (``http(s)://HOST:PORT``), tried in turn; ``prefix``: the key
+    prefix nodes register under (``<prefix><HOST:PORT>``); ``services``: registered service ->
+    inferlb service; a registration without ``gpu_class`` gets ``default_gpu_class``, without
+    ``max_concurrency`` gets ``default_max_concurrency``. ``timeout_s``: per request (s);
+    ``watch_timeout_s``: a watch is re-opened from the last revision after this long (s), which also
+    bounds how long a silently dead connection goes unnoticed. ``tls``: see :class:`EtcdTls`
+    (``https://`` endpoints without it use the system's CAs).
+    """
+
+    endpoints: tuple[str, ...] = Field(("http://127.0.0.1:2379",), min_length=1)
+    prefix: str = Field("/inferlb/endpoints/", min_length=1)
+    default_gpu_class: str = "a100"
+    default_max_concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(5.0, gt=0)
+    watch_timeout_s: float = Field(300.0, gt=0)
+    tls: EtcdTls | None = None
+    services: tuple[EtcdService, ...] = Field(min_length=1)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for url in v:
+            if not re.match(r"^https?://[^/\s]+/?$", url):
+                raise ValueError(f"expected an etcd client URL http(s)://HOST:PORT, got {url!r}")
+        return tuple(u.rstrip("/") for u in v)
+
+    @field_validator("services")
+    @classmethod
+    def _unique(cls, v: tuple[EtcdService, ...]) -> tuple[EtcdService, ...]:
+        for attr in ("name", "registered_as"):
+            names = [getattr(s, attr) for s in v]
+            if len(set(names)) != len(names):
+                raise ValueError(f"a service is listed twice by {attr}: {names}")
+        return v
+
+
 class Discovery(_Strict):
     """Where endpoints come from besides ``services`` (static)."""
 
     kubernetes: KubernetesDiscovery | None = None
+    etcd: EtcdDiscovery | None = None
 
 
 class Config(_Strict):
@@ -579,8 +657,16 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _some_service(self) -> Config:
-        if not self.services and self.discovery.kubernetes is None:
-            raise FieldProblem(("services",), "at least one service is needed (or discovery.kubernetes.services)")
+        if not self.services and self.discovery.kubernetes is None and self.discovery.etcd is None:
+            raise FieldProblem(("services",), "at least one service is needed "
+                               "(or discovery.kubernetes.services, or discovery.etcd.services)")
+        return self
+
+    @model_validator(mode="after")
+    def _status_needs_etcd(self) -> Config:
+        if "status" in self.metrics.sources and self.discovery.etcd is None:
+            raise FieldProblem(("metrics", "sources"), "the status source reads the snapshots nodes write to "
+                               "etcd: it needs discovery.etcd")
         return self
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""Config -> the metrics sources (``metrics`` section): Prometheus, scrape, push, combined."""
+"""Config -> the metrics sources (``metrics`` section): Prometheus, scrape, push, status, combined."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from xds_server.metrics.sources.envoy import ClientView, EnvoyView
 from xds_server.metrics.sources.prometheus import PrometheusSource
 from xds_server.metrics.sources.push import PushSource
 from xds_server.metrics.sources.scrape import ScrapeSource
+from xds_server.metrics.sources.status import StatusSource
 
 
 @dataclass
 class Sources:
     """The built sources: ``combined`` is what the control plane fetches from; ``scrape`` (its loop must
-    run) and ``push`` (its gRPC server must be started) are set when configured."""
+    run), ``push`` (its gRPC server must be started) and ``status`` (the etcd watcher feeds it) are
+    set when configured."""
 
     combined: CombinedSource
     scrape: ScrapeSource | None
     push: PushSource | None
+    status: StatusSource | None = None
 
 
 def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources:
@@ -58,4 +61,6 @@ def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources
     push = PushSource([e.instance for e in endpoints]) if "push" in m.sources else None
     fallback = scrape if m.fallback == "scrape" and "scrape" not in m.sources else None
     envoy = EnvoyView(client_view, {e.address: e.instance for e in endpoints}) if client_view is not None else None
-    return Sources(CombinedSource(pulls, push=push, fallback=fallback, stale_after_s=stale, envoy=envoy), scrape, push)
+    status = StatusSource() if "status" in m.sources else None
+    return Sources(CombinedSource(pulls, push=push, fallback=fallback, stale_after_s=stale, envoy=envoy,
+                                  status=status), scrape, push, status)

@@ -32,7 +32,8 @@ FALLBACK = Gauge("inferlb_metrics_fallback_active", "1 while the fallback source
 
 
 class CombinedSource:
-    """``pulls`` (priority order), an optional ``push`` source and an optional ``fallback`` pull source;
+    """``pulls`` (priority order), optional held sources (``push``: pushed over gRPC; ``status``: the
+    snapshots in etcd registrations), which never fail, and an optional ``fallback`` pull source;
     ``envoy``: Envoy's view, which fills the ``client_*`` inputs after the merge (see :mod:`.envoy_view`).
 
     ``stale_after_s``: answers older than this are dropped when a fresher one exists (s).
@@ -40,15 +41,16 @@ class CombinedSource:
 
     def __init__(self, pulls: Sequence[PullSource], *, push: PullSource | None = None,
                  fallback: PullSource | None = None, stale_after_s: float = 15.0,
-                 envoy: EnvoyView | None = None) -> None:
-        if not pulls and push is None:
+                 envoy: EnvoyView | None = None, status: PullSource | None = None) -> None:
+        if not pulls and push is None and status is None:
             raise ValueError("at least one metrics source is needed")
         self.pulls = list(pulls)
         self.push = push
+        self.held = [s for s in (push, status) if s is not None]
         self.fallback = fallback if fallback is not None and fallback not in self.pulls else None
         self.stale_after_s = stale_after_s
         self.envoy = envoy
-        configured = [s.name for s in self.pulls] + ([push.name] if push else [])
+        configured = [s.name for s in self.pulls] + [s.name for s in self.held]
         self._name = "+".join(configured)
         self.configured = configured
         self.fallback_active = False
@@ -97,8 +99,8 @@ class CombinedSource:
         if use_fallback:
             assert self.fallback is not None
             answers[self.fallback.name] = self.fallback.fetch(instances)
-        if self.push is not None:
-            answers[self.push.name] = self.push.fetch(instances)
+        for src in self.held:
+            answers[src.name] = src.fetch(instances)
         merged, self.origin = merge(answers, instances, self.stale_after_s)
         used = {src for where in self.origin.values() for src in where.values()}
         self._name = "+".join(n for n in answers if n in used) or "+".join(answers)
@@ -107,7 +109,7 @@ class CombinedSource:
     def describe(self) -> dict:
         """For the admin API: configured sources, per-source failures and last error, fallback state."""
         sources = {}
-        for src in [*self.pulls, *([self.fallback] if self.fallback else []), *([self.push] if self.push else [])]:
+        for src in [*self.pulls, *([self.fallback] if self.fallback else []), *self.held]:
             d = {"failures": self.failures.get(src.name, 0), "last_error": self.errors.get(src.name)}
             extra = getattr(src, "describe", None)
             if callable(extra):

@@ -1,0 +1,436 @@
+"""Endpoints from nodes that register in etcd, over etcd's v3 JSON gRPC gateway (aiohttp, no etcd client library).
+
+Registration (what a node writes; the simulator's ``--etcd`` does it): one key per node,
+``<prefix><HOST:PORT>``, attached to a lease with a TTL the node keeps alive, whose value is a JSON
+object::
+
+    {"address": "10.0.0.5:8000", "service": "chat", "version": "v1", "gpu_class": "a100",
+     "max_concurrency": 8, "gpu_memory_mib": 81920, "draining": false,
+     "status": {"running": 2, "waiting": 0, "kv_cache_usage": 0.12, "gpu_memory_free_mib": 61000,
+                "gpu_utilization": 0.25, "at": 1764582000.1}}
+
+``address`` defaults to the key's suffix; ``gpu_class``, ``max_concurrency`` and ``gpu_memory_mib``
+are optional; ``status`` (refreshed every few seconds) feeds the ``status`` metrics source
+(:mod:`xds_server.metrics.sources.status`). A node that stops renewing its lease loses its key when
+the lease expires (etcd deletes it): the endpoint is removed. A node shutting down writes
+``draining: true`` first (the endpoint turns DRAINING), then revokes its lease (removed).
+
+Pure part: :func:`parse_registration`, :func:`endpoints_from` and :func:`compose_config` (the
+registrations as services of the config, validated like any config). I/O part:
+:class:`EtcdWatcher` lists the prefix (``/v3/kv/range``), then watches it (``/v3/watch``) from
+the revision after the list, resuming from the last revision it saw after a disconnect (an etcd
+restart loses nothing: its keys and revisions are on disk) and listing again when that revision
+was compacted. Paths and JSON shapes: etcd docs, "gRPC gateway" (``/v3/...`` since 3.4) and
+``etcdserverpb/rpc.proto``; keys and values are base64 in the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+import ssl
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
+
+from xds_server.config import Config, EndpointConfig, EtcdDiscovery, EtcdService
+from xds_server.config.model import NAME_RE, VERSION_RE
+from xds_server.discovery.kubernetes import Discovered
+from xds_server.metrics.sources.status import BadSnapshot, StatusSource, snapshot_stats
+from xds_server.metrics.stats import EndpointStats
+
+log = logging.getLogger(__name__)
+
+SKIPPED = Counter("inferlb_etcd_registrations_skipped_total", "etcd registrations left out, by reason", ["reason"])
+RELISTS = Counter("inferlb_etcd_relists_total", "Full lists of the etcd prefix (start and compaction)")
+WATCH_RESTARTS = Counter("inferlb_etcd_watch_restarts_total", "etcd watches re-opened, by reason", ["reason"])
+REGISTERED = Gauge("inferlb_etcd_registered_endpoints", "Endpoints registered in etcd (valid registrations)")
+
+
+class BadRegistration(ValueError):
+    """A registration that cannot be used; ``field`` names the offending key of its value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EtcdError(RuntimeError):
+    """etcd answered with an error (or something that is not its JSON)."""
+
+
+class Compacted(EtcdError):
+    """The watch's start revision was compacted away: list again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One node's registration. ``status``: its snapshot as EndpointStats (None: none, or refused,
+    then ``status_error`` says why)."""
+
+    key: str
+    address: str
+    service: str
+    version: str
+    gpu_class: str | None = None
+    max_concurrency: int | None = None
+    gpu_memory_mib: float | None = None
+    draining: bool = False
+    status: EndpointStats | None = None
+    status_error: str | None = None
+
+    def same_endpoint(self, other: Registration | None) -> bool:
+        """True when only the status differs (the config made of it is the same)."""
+        return other is not None and (self.address, self.service, self.version, self.gpu_class,
+                                      self.max_concurrency, self.gpu_memory_mib, self.draining) == (
+            other.address, other.service, other.version, other.gpu_class, other.max_concurrency,
+            other.gpu_memory_mib, other.draining)
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def prefix_end(prefix: str | bytes) -> bytes:
+    """The ``range_end`` that makes a range cover every key starting with ``prefix`` (etcd's rule,
+    as ``clientv3.GetPrefixRangeEnd``: the prefix with its last byte below 0xff incremented, the
+    rest dropped). Raises ValueError for an empty (or all-0xff) prefix."""
+    raw = bytearray(prefix.encode() if isinstance(prefix, str) else prefix)
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        raise ValueError("an etcd key prefix must not be empty")
+    raw[-1] += 1
+    return bytes(raw)
+
+
+def parse_registration(key: str, value: bytes, prefix: str) -> Registration:
+    """One key and value (bytes, JSON) -> a :class:`Registration`. Pure.
+
+    A bad ``status`` object does not refuse the registration: the node still takes traffic, its
+    ``status`` is None and ``status_error`` says why.
+
+    Raises:
+        BadRegistration: not JSON, not an object, or a field of the wrong type or form; its
+            ``field`` names the key.
+    """
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        raise BadRegistration("value", "the value is not JSON") from None
+    if not isinstance(doc, dict):
+        raise BadRegistration("value", f"the value must be a JSON object, got {type(doc).__name__}")
+    address = doc.get("address", key[len(prefix):] if key.startswith(prefix) else key)
+    for name, pattern in (("service", NAME_RE), ("version", VERSION_RE)):
+        v = doc.get(name)
+        if not isinstance(v, str) or not re.fullmatch(pattern, v):
+            raise BadRegistration(name, f"{name} must be a name matching {pattern}, got {v!r}")
+    draining = doc.get("draining", False)
+    if not isinstance(draining, bool):
+        raise BadRegistration("draining", f"draining must be true or false, got {draining!r}")
+    optional = {k: doc[k] for k in ("gpu_class", "max_concurrency", "gpu_memory_mib") if doc.get(k) is not None}
+    try:
+        ep = EndpointConfig(address=address, **optional)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "value"
+        raise BadRegistration(field, f"{field}: {first['msg']}") from None
+    status, status_error = None, None
+    if doc.get("status") is not None:
+        try:
+            status = snapshot_stats(doc["status"])
+        except BadSnapshot as err:
+            status_error = str(err)
+    return Registration(key, ep.address, doc["service"], doc["version"], optional.get("gpu_class"),
+                        ep.max_concurrency if "max_concurrency" in optional else None, ep.gpu_memory_mib,
+                        draining, status, status_error)
+
+
+def read_registration(key: str, value: bytes, prefix: str,
+                      status: StatusSource | None = None) -> Registration | None:
+    """:func:`parse_registration`, with problems logged and counted: None for a refused
+    registration; a refused status is counted on ``status`` and the registration kept."""
+    try:
+        reg = parse_registration(key, value, prefix)
+    except BadRegistration as err:
+        SKIPPED.labels(f"bad-{err.field}").inc()
+        log.warning("etcd registration %s refused: %s", key, err)
+        return None
+    if reg.status_error is not None:
+        if status is not None:
+            status.refuse()
+        log.warning("etcd registration %s: status refused: %s", key, reg.status_error)
+    return reg
+
+
+def endpoints_from(registrations: Iterable[Registration], spec: EtcdDiscovery,
+                   gpu_classes: Iterable[str]) -> Discovered:
+    """Registrations -> endpoints per configured service and version, in a stable (sorted) order.
+
+    Left out (counted in ``inferlb_etcd_registrations_skipped_total{reason}``): a service not in
+    ``spec.services`` (``unknown-service``), an unknown GPU class (``unknown-gpu-class``), an
+    address registered twice (``duplicate-address``; the first key in key order wins). Pure
+    apart from the counter.
+    """
+    by_registered = {s.registered_as: s for s in spec.services}
+    classes = set(gpu_classes)
+    out: Discovered = {s.name: {} for s in spec.services}
+    seen: set[str] = set()
+    for reg in sorted(registrations, key=lambda r: r.key):
+        svc = by_registered.get(reg.service)
+        if svc is None:
+            SKIPPED.labels("unknown-service").inc()
+            continue
+        gpu = reg.gpu_class or spec.default_gpu_class
+        if gpu not in classes:
+            SKIPPED.labels("unknown-gpu-class").inc()
+            continue
+        if reg.address in seen:
+            SKIPPED.labels("duplicate-address").inc()
+            continue
+        seen.add(reg.address)
+        ep: dict[str, Any] = {"address": reg.address, "gpu_class": gpu,
+                              "max_concurrency": reg.max_concurrency or spec.default_max_concurrency}
+        if reg.gpu_memory_mib is not None:
+            ep["gpu_memory_mib"] = reg.gpu_memory_mib
+        if reg.draining:
+            ep["drain"] = True
+        out[svc.name].setdefault(reg.version, []).append(ep)
+    return {name: {v: sorted(eps, key=lambda e: e["address"]) for v, eps in sorted(versions.items())}
+            for name, versions in out.items()}
+
+
+def _service(svc: EtcdService, versions: dict[str, list[dict]]) -> dict:
+    default = svc.default_version if svc.default_version in versions else None
+    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy,
+            **({"default_version": default} if default else {}),
+            "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
+
+
+def compose_config(base: Config, discovered: Discovered) -> Config:
+    """``base`` with one service per configured etcd service that has registered endpoints.
+
+    Raises:
+        pydantic.ValidationError: the result is not a valid config (an address also in the static
+            services, say).
+    """
+    spec = base.discovery.etcd
+    if spec is None:
+        return base
+    extra = [_service(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
+    data = base.model_dump(mode="json", exclude_none=True)
+    data["services"] = [*data["services"], *extra]
+    return Config.model_validate(data)
+
+
+def ssl_context(spec: EtcdDiscovery) -> ssl.SSLContext | None:
+    """The client TLS context for ``spec.tls`` (None without it: system CAs for https URLs).
+
+    Raises:
+        OSError, ssl.SSLError: a file cannot be read or is not PEM.
+    """
+    if spec.tls is None:
+        return None
+    ctx = ssl.create_default_context(cafile=spec.tls.ca)
+    if spec.tls.cert:
+        ctx.load_cert_chain(spec.tls.cert, spec.tls.key)
+    return ctx
+
+
+OnChange = Callable[[Discovered], Awaitable[None]]
+
+
+class EtcdWatcher:
+    """Lists then watches ``spec.prefix`` on the running event loop (:meth:`run`).
+
+    ``on_change(discovered)`` is awaited after the first list and after every change of an
+    endpoint (a status-only change goes to ``status`` only). ``revision``: the last revision seen
+    (None: list next). ``lists`` / ``watches``: how many of each were started (tests read them).
+    """
+
+    def __init__(self, spec: EtcdDiscovery, gpu_classes: Iterable[str], on_change: OnChange,
+                 status: StatusSource | None = None) -> None:
+        self.spec = spec
+        self.gpu_classes = tuple(gpu_classes)
+        self._on_change = on_change
+        self.status = status
+        self._key = _b64(spec.prefix)
+        self._end = _b64(prefix_end(spec.prefix))
+        self.registrations: dict[str, Registration] = {}
+        self.revision: int | None = None
+        self.lists = 0
+        self.watches = 0
+        self.connected = False
+        self.last_error: str | None = None
+        self._url_index = 0
+        self._ssl = ssl_context(spec)
+
+    @property
+    def url(self) -> str:
+        """The etcd endpoint in use."""
+        return self.spec.endpoints[self._url_index % len(self.spec.endpoints)]
+
+    async def run(self) -> None:
+        """List, watch, resume; forever (cancel the task to stop). Errors are logged and retried
+        with a capped back-off on the next endpoint; the last discovered set keeps serving."""
+        backoff = 0.2
+        connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl else None
+        async with aiohttp.ClientSession(connector=connector) as http:
+            while True:
+                try:
+                    if self.revision is None:
+                        await self._list(http)
+                    await self._watch(http)
+                    backoff = 0.2
+                except Compacted as err:
+                    log.info("etcd watch from revision %s: compacted (%s); listing again", self._next(), err)
+                    WATCH_RESTARTS.labels("compacted").inc()
+                    self.revision = None
+                except (TimeoutError, aiohttp.ClientError, EtcdError, ValueError) as err:
+                    WATCH_RESTARTS.labels("error").inc()
+                    if self.connected or self.last_error != str(err):
+                        log.warning("etcd %s: %s; retrying in %.1f s", self.url, err or type(err).__name__, backoff)
+                    self.connected = False
+                    self.last_error = str(err) or type(err).__name__
+                    self._url_index += 1
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+
+    def _next(self) -> int:
+        return (self.revision or 0) + 1
+
+    async def _post(self, http: aiohttp.ClientSession, path: str, body: dict) -> dict:
+        async with http.post(f"{self.url}{path}", json=body,
+                             timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s)) as r:
+            doc = await r.json(content_type=None)
+            if r.status != 200 or not isinstance(doc, dict) or "error" in doc:
+                raise EtcdError(f"{path}: HTTP {r.status}: {doc.get('message') if isinstance(doc, dict) else doc}")
+            return doc
+
+    async def _list(self, http: aiohttp.ClientSession) -> None:
+        """Read every key under the prefix at one revision (paged), replace the table, emit."""
+        self.lists += 1
+        RELISTS.inc()
+        found: dict[str, Registration] = {}
+        key, revision = self._key, None
+        while True:
+            body = {"key": key, "range_end": self._end, "limit": 1000, **({"revision": revision} if revision else {})}
+            doc = await self._post(http, "/v3/kv/range", body)
+            revision = revision or int(doc["header"]["revision"])
+            kvs = doc.get("kvs", [])
+            for kv in kvs:
+                name = _unb64(kv["key"]).decode(errors="replace")
+                reg = read_registration(name, _unb64(kv.get("value")), self.spec.prefix, self.status)
+                if reg is not None:
+                    found[name] = reg
+            if not doc.get("more") or not kvs:
+                break
+            key = _b64(_unb64(kvs[-1]["key"]).decode(errors="replace") + "\0")
+        self.revision = revision
+        self.connected, self.last_error = True, None
+        old = self.registrations
+        self.registrations = found
+        if self.status is not None:
+            self.status.retain(r.address for r in found.values())
+            for reg in found.values():
+                self._status(reg)
+        log.info("etcd %s: %d registrations under %s at revision %d", self.url, len(found), self.spec.prefix,
+                 revision)
+        if self.lists == 1 or set(old) != set(found) or any(not r.same_endpoint(old.get(k)) for k, r in found.items()):
+            await self._emit()
+        else:
+            REGISTERED.set(len(found))
+
+    async def _watch(self, http: aiohttp.ClientSession) -> None:
+        """One watch stream from the revision after the last one seen; returns after
+        ``spec.watch_timeout_s`` (the caller opens the next). Raises Compacted, EtcdError, aiohttp errors."""
+        self.watches += 1
+        body = {"create_request": {"key": self._key, "range_end": self._end, "start_revision": self._next(),
+                                   "prev_kv": True}}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.watch_timeout_s
+        async with http.post(f"{self.url}/v3/watch", json=body, timeout=timeout) as r:
+            if r.status != 200:
+                raise EtcdError(f"/v3/watch: HTTP {r.status}: {(await r.text())[:200]}")
+            self.connected, self.last_error = True, None
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    WATCH_RESTARTS.labels("timeout").inc()
+                    return
+                try:
+                    line = await asyncio.wait_for(r.content.readline(), remaining)
+                except TimeoutError:
+                    WATCH_RESTARTS.labels("timeout").inc()
+                    return
+                if not line:
+                    raise EtcdError("the watch stream ended")
+                if line.strip():
+                    await self._on_line(line)
+
+    async def _on_line(self, line: bytes) -> None:
+        msg = json.loads(line)
+        if "error" in msg:
+            err = msg["error"]
+            raise EtcdError(f"watch: {err.get('message') or err}")
+        result = msg.get("result", {})
+        if result.get("canceled"):
+            compact = int(result.get("compact_revision") or 0)
+            if compact:
+                raise Compacted(f"compacted up to revision {compact}")
+            raise EtcdError(f"watch canceled: {result.get('cancel_reason') or 'no reason given'}")
+        changed = False
+        for event in result.get("events", []):
+            kv = event.get("kv", {})
+            name = _unb64(kv.get("key")).decode(errors="replace")
+            self.revision = max(self.revision or 0, int(kv.get("mod_revision") or 0))
+            old = self.registrations.get(name)
+            if event.get("type") == "DELETE":
+                if old is not None:
+                    del self.registrations[name]
+                    if self.status is not None and not any(r.address == old.address
+                                                           for r in self.registrations.values()):
+                        self.status.discard(old.address)
+                    log.info("etcd: %s deregistered (%s)", old.address, name)
+                    changed = True
+                continue
+            reg = read_registration(name, _unb64(kv.get("value")), self.spec.prefix, self.status)
+            if reg is None:
+                if old is not None:
+                    del self.registrations[name]
+                    changed = True
+                continue
+            self.registrations[name] = reg
+            self._status(reg)
+            if not reg.same_endpoint(old):
+                log.info("etcd: %s %s (%s %s%s)", reg.address, "registered" if old is None else "updated",
+                         reg.service, reg.version, ", draining" if reg.draining else "")
+                changed = True
+        if changed:
+            await self._emit()
+
+    def _status(self, reg: Registration) -> None:
+        if self.status is not None and reg.status is not None:
+            self.status.set(reg.address, reg.status)
+
+    async def _emit(self) -> None:
+        discovered = endpoints_from(self.registrations.values(), self.spec, self.gpu_classes)
+        REGISTERED.set(sum(len(eps) for versions in discovered.values() for eps in versions.values()))
+        await self._on_change(discovered)
+
+    def describe(self) -> dict:
+        """For the admin API: endpoint in use, connected, revision, counts, last error."""
+        return {"url": self.url, "connected": self.connected, "revision": self.revision, "lists": self.lists,
+                "watches": self.watches, "registrations": len(self.registrations), "last_error": self.last_error}
