@@ -1,0 +1,267 @@
+"""etcd discovery against a real etcd (Debian's etcd-server, a plain process) and real simulated backends.
+
+Backends register themselves (``inferlb sim-backend --etcd URL``) on a lease; the watcher lists
+then watches the prefix through etcd's v3 JSON gateway. Covered: register, update, lease expiry
+(removed), graceful shutdown (DRAINING, then removed), an etcd restart (the watch resumes from its
+revision; changes made while it reconnects are not lost, no re-list), a compacted revision (list
+again), and traffic through a real Envoy following the registrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from inferlb.devstack import stack
+from inferlb.serve import InferLB
+from tests.integration.conftest import LoopThread, wait_until
+from xds_server.config import parse_config
+from xds_server.discovery.etcd import EtcdWatcher
+from xds_server.metrics.sources.status import StatusSource
+from xds_server.resources.bootstrap import render_bootstrap
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class Etcd:
+    """A one-member etcd on fixed ports in ``workdir`` (restartable on the same data)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.port, self.peer = workdir, stack.free_port(), stack.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = stack.start_etcd(workdir, self.port, self.peer)
+
+    def restart(self) -> None:
+        self.proc.stop()
+        self.proc = stack.start_etcd(self.workdir, self.port, self.peer)
+
+    def post(self, path: str, body: dict) -> dict:
+        r = requests.post(f"{self.url}{path}", json=body, timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def put(self, key: str, value: dict, ttl: int | None = None) -> int:
+        lease = self.post("/v3/lease/grant", {"TTL": ttl})["ID"] if ttl else None
+        doc = self.post("/v3/kv/put", {"key": b64(key), "value": b64(json.dumps(value)),
+                                       **({"lease": lease} if lease else {})})
+        return int(doc["header"]["revision"])
+
+    def delete(self, key: str) -> int:
+        return int(self.post("/v3/kv/deleterange", {"key": b64(key)})["header"]["revision"])
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd"))
+    yield e
+    e.proc.stop()
+
+
+def spec_for(etcd: Etcd, prefix: str, **extra):
+    doc = {"discovery": {"etcd": {"endpoints": [etcd.url], "prefix": prefix, "watch_timeout_s": 30,
+                                  "services": [{"name": "chat", "default_version": "v1"}], **extra}},
+           "services": [], "metrics": {"sources": ["status"]}}
+    return parse_config(yaml.safe_dump(doc))
+
+
+class Watching:
+    """An EtcdWatcher running on its own loop; ``seen`` is every discovered set it emitted."""
+
+    def __init__(self, etcd: Etcd, prefix: str) -> None:
+        cfg = spec_for(etcd, prefix)
+        self.status = StatusSource()
+        self.seen: list[dict] = []
+
+        async def on_change(d):
+            self.seen.append(d)
+
+        self.watcher = EtcdWatcher(cfg.discovery.etcd, cfg.gpu_classes, on_change, self.status)
+        self.loop = LoopThread()
+        self.task = None
+        self.start()
+
+    def start(self) -> None:
+        async def go():
+            self.task = asyncio.create_task(self.watcher.run())
+        self.loop.run(go())
+
+    def pause(self) -> None:
+        async def cancel():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.loop.run(cancel())
+
+    def endpoints(self) -> dict[str, dict]:
+        """``{address: endpoint}`` of the last emitted set (service chat)."""
+        last = self.seen[-1]["chat"] if self.seen else {}
+        return {e["address"]: {**e, "version": v} for v, eps in last.items() for e in eps}
+
+    def close(self) -> None:
+        self.pause()
+        self.loop.close()
+
+
+def sim(workdir: Path, etcd: Etcd, prefix: str, *, version: str = "v1", gpu: str = "a100", ttl: int = 2,
+        extra: list[str] | None = None) -> tuple[stack.Proc, str]:
+    port = stack.free_port()
+    proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version, extra=[
+        "--time-scale", "0.2", "--max-concurrency", "4", "--etcd", etcd.url, "--etcd-prefix", prefix,
+        "--etcd-ttl", str(ttl), "--etcd-service", "chat", "--etcd-status-interval-s", "0.5",
+        "--etcd-drain-s", "1", *(extra or [])])
+    return proc, f"127.0.0.1:{port}"
+
+
+def fault(address: str, **faults) -> None:
+    requests.post(f"http://{address}/sim/fault", json=faults, timeout=5).raise_for_status()
+
+
+def test_register_update_status_and_lease_expiry(etcd: Etcd, tmp_path):
+    prefix = "/t/expiry/"
+    w = Watching(etcd, prefix)
+    proc, addr = sim(tmp_path, etcd, prefix, gpu="a10", version="v2")
+    try:
+        wait_until(lambda: addr in w.endpoints(), 10, 0.05, "the registration")
+        assert w.endpoints()[addr] == {"address": addr, "gpu_class": "a10", "max_concurrency": 4,
+                                       "gpu_memory_mib": 24576.0, "version": "v2"}
+        # The status snapshot feeds the status source, fresh.
+        stats = wait_until(lambda: w.status.fetch([addr]).get(addr), 5, 0.05, "a status snapshot")
+        assert stats.running == 0 and stats.queue == 0 and stats.gpu_mem_free_mib > 0
+        assert stats.sample_age_s < 1.0
+        # Update: another key, written by hand, with a changed field.
+        etcd.put(prefix + "127.0.0.9:9000", {"service": "chat", "version": "v1", "max_concurrency": 2}, ttl=30)
+        wait_until(lambda: "127.0.0.9:9000" in w.endpoints(), 5, 0.05, "the second registration")
+        etcd.put(prefix + "127.0.0.9:9000", {"service": "chat", "version": "v1", "max_concurrency": 3}, ttl=30)
+        wait_until(lambda: w.endpoints().get("127.0.0.9:9000", {}).get("max_concurrency") == 3, 5, 0.05,
+                   "the update")
+        emitted = len(w.seen)
+        # Status-only changes (every 0.5 s) update the status, not the endpoint set.
+        before = w.status.fetch([addr])[addr].sample_age_s
+        wait_until(lambda: w.status.fetch([addr])[addr].sample_age_s < before or before < 0.2, 3, 0.05, "a refresh")
+        assert len(w.seen) == emitted
+        # Lease expiry: the node stops renewing (it still serves); its key goes after the TTL (2 s).
+        fault(addr, etcd="stop")
+        wait_until(lambda: addr not in w.endpoints(), 6, 0.05, "the lease to expire")
+        assert w.status.fetch([addr]) == {}
+        assert "127.0.0.9:9000" in w.endpoints()
+        assert w.watcher.lists == 1
+        # Back: a new lease, registered again.
+        fault(addr, etcd="ok")
+        wait_until(lambda: addr in w.endpoints(), 6, 0.05, "the registration again")
+    finally:
+        proc.stop()
+        w.close()
+
+
+def test_graceful_shutdown_drains_then_removes(etcd: Etcd, tmp_path):
+    prefix = "/t/drain/"
+    w = Watching(etcd, prefix)
+    proc, addr = sim(tmp_path, etcd, prefix, ttl=30)
+    try:
+        wait_until(lambda: addr in w.endpoints(), 10, 0.05, "the registration")
+        proc.popen.terminate()
+        wait_until(lambda: w.endpoints().get(addr, {}).get("drain"), 5, 0.05, "the drain announcement")
+        # Removed when the lease is revoked (after --etcd-drain-s 1), long before its 30 s TTL.
+        wait_until(lambda: addr not in w.endpoints(), 5, 0.05, "the removal")
+        assert proc.popen.wait(10) == 0
+        states = [s["chat"].get("v1", [{}])[0].get("drain", False) if s["chat"] else None for s in w.seen]
+        assert states[-3:] == [False, True, None]   # registered, draining, gone
+    finally:
+        proc.stop()
+        w.close()
+
+
+def test_etcd_restart_resumes_the_watch_and_loses_nothing(etcd: Etcd, tmp_path):
+    prefix = "/t/restart/"
+    etcd.put(prefix + "127.0.0.21:9000", {"service": "chat", "version": "v1"})
+    w = Watching(etcd, prefix)
+    proc, addr = sim(tmp_path, etcd, prefix, ttl=5)
+    try:
+        wait_until(lambda: {addr, "127.0.0.21:9000"} <= set(w.endpoints()), 10, 0.05, "both registrations")
+        watches = w.watcher.watches
+        etcd.restart()
+        # Changes right after the restart, while the watcher is still reconnecting: resumed, not lost.
+        etcd.delete(prefix + "127.0.0.21:9000")
+        etcd.put(prefix + "127.0.0.22:9000", {"service": "chat", "version": "v1"})
+        wait_until(lambda: "127.0.0.22:9000" in w.endpoints() and "127.0.0.21:9000" not in w.endpoints(), 10,
+                   0.05, "the changes made around the restart")
+        assert w.watcher.lists == 1 and w.watcher.watches > watches
+        # The backend's lease survived the restart: still registered, still refreshing its status.
+        assert addr in w.endpoints()
+        wait_until(lambda: w.status.fetch([addr])[addr].sample_age_s < 1.0, 5, 0.1, "fresh status after restart")
+    finally:
+        proc.stop()
+        w.close()
+
+
+def test_a_compacted_revision_lists_again(etcd: Etcd):
+    prefix = "/t/compact/"
+    etcd.put(prefix + "127.0.0.31:9000", {"service": "chat", "version": "v1"})
+    w = Watching(etcd, prefix)
+    try:
+        wait_until(lambda: "127.0.0.31:9000" in w.endpoints(), 5, 0.05, "the first list")
+        w.pause()   # the watcher is away while history moves on and is compacted
+        etcd.delete(prefix + "127.0.0.31:9000")
+        rev = etcd.put(prefix + "127.0.0.32:9000", {"service": "chat", "version": "v2"})
+        etcd.post("/v3/kv/compaction", {"revision": rev})
+        w.start()
+        wait_until(lambda: w.watcher.lists == 2, 5, 0.05, "a second list")
+        wait_until(lambda: set(w.endpoints()) == {"127.0.0.32:9000"}, 5, 0.05, "the listed state")
+        assert w.watcher.revision >= rev
+    finally:
+        w.close()
+
+
+def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
+    """A backend that registers gets traffic; one whose lease expires leaves Envoy's cluster and gets none."""
+    prefix = "/t/envoy/"
+    loop = LoopThread()
+    procs: list[stack.Proc] = []
+    try:
+        listener, envoy_admin_port = stack.free_port(), stack.free_port()
+        cfg = spec_for(etcd, prefix).model_dump(mode="json", exclude_none=True)
+        cfg.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                    "envoy": {"listener": f"127.0.0.1:{listener}"},
+                    "loop": {"interval_s": 0.5, "timeout_s": 0.5},
+                    "history": {"path": ":memory:"}})
+        app = InferLB(parse_config(yaml.safe_dump(cfg)))
+        loop.run(app.start())
+        a, addr_a = sim(tmp_path, etcd, prefix)
+        b, addr_b = sim(tmp_path, etcd, prefix)
+        procs += [a, b]
+        wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot")
+        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="etcd-envoy",
+                                                   admin_port=envoy_admin_port), tmp_path, envoy_admin_port)
+        procs.append(envoy)
+
+        def hosts() -> set[str]:
+            text = requests.get(f"http://127.0.0.1:{envoy_admin_port}/clusters", timeout=5).text
+            return {line.split("::")[1] for line in text.splitlines()
+                    if line.startswith("chat-v1::") and line.split("::")[2] == "cx_active"}
+
+        def served(n: int) -> set[str]:
+            return {requests.post(f"http://127.0.0.1:{listener}/v1/chat/completions",
+                                  json={"max_tokens": 4, "messages": []}, timeout=5,
+                                  headers={"x-session-id": f"s{i}"}).headers["x-served-by"] for i in range(n)}
+
+        wait_until(lambda: hosts() == {addr_a, addr_b}, 15, 0.1, "both registered backends in Envoy")
+        assert wait_until(lambda: served(16) == {addr_a, addr_b}, 10, 0.2, "traffic on both")
+        fault(addr_b, etcd="stop")   # b still serves, but its lease (2 s) expires
+        wait_until(lambda: hosts() == {addr_a}, 8, 0.1, "the expired backend to leave Envoy's cluster")
+        assert served(16) == {addr_a}
+        assert requests.get(f"http://{addr_b}/health", timeout=5).ok   # it was the lease, not the backend
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        try:
+            loop.run(app.stop(grace_s=0.2))
+        finally:
+            loop.close()
