@@ -36,3 +36,36 @@ def test_options_reach_the_config(monkeypatch):
     assert (cfg.port, cfg.gpu_class, cfg.version, cfg.max_concurrency) == (0, "a10", "v2", 4)
     assert (cfg.long_tail, cfg.legacy_metrics, cfg.seed, cfg.time_scale) == (0.1, True, 9, 0.5)
     assert cfg.model_name == "m" and cfg.gpu_memory_total_mib == 24576
+
+
+def test_etcd_options_reach_the_config_and_bad_ones_are_usage_errors(monkeypatch):
+    seen = []
+    monkeypatch.setattr("sim.server.run_backend", seen.append)
+    runner = CliRunner()
+    args = ["--etcd", "http://127.0.0.1:2379", "--etcd-prefix", "/p/", "--etcd-ttl", "5", "--etcd-service", "chat",
+            "--etcd-address", "10.0.0.5:8000", "--etcd-status-interval-s", "1", "--etcd-drain-s", "0"]
+    result = runner.invoke(sim_backend, args)
+    assert result.exit_code == 0, result.output
+    (cfg,) = seen
+    assert (cfg.etcd, cfg.etcd_prefix, cfg.etcd_ttl_s, cfg.etcd_service, cfg.etcd_address) == (
+        "http://127.0.0.1:2379", "/p/", 5, "chat", "10.0.0.5:8000")
+    assert (cfg.etcd_status_interval_s, cfg.etcd_drain_s) == (1.0, 0.0)
+    assert runner.invoke(sim_backend, ["--etcd", "127.0.0.1:2379"]).exit_code == 2   # not a URL
+    assert runner.invoke(sim_backend, ["--etcd-ttl", "0"]).exit_code == 2
+    assert runner.invoke(sim_backend, ["--etcd-prefix", ""]).exit_code == 2
+
+
+def test_the_registration_value_carries_identity_capacity_and_status():
+    from sim.config import BackendConfig
+    from sim.etcd import registration_value
+    from sim.node import SimNode
+
+    node = SimNode(BackendConfig(port=8001, gpu_class="a10", version="v2", max_concurrency=4))
+    value = registration_value(node, "127.0.0.1:8001", "chat", draining=True)
+    assert {k: value[k] for k in ("address", "service", "version", "gpu_class", "max_concurrency",
+                                  "gpu_memory_mib", "draining")} == {
+        "address": "127.0.0.1:8001", "service": "chat", "version": "v2", "gpu_class": "a10", "max_concurrency": 4,
+        "gpu_memory_mib": 24576.0, "draining": True}
+    status = value["status"]
+    assert (status["running"], status["waiting"], status["kv_cache_usage"], status["gpu_utilization"]) == (0, 0, 0, 0)
+    assert 0 < status["gpu_memory_free_mib"] < 24576

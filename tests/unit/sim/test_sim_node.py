@@ -134,7 +134,8 @@ async def test_fault_reset_restores_configured_long_tail():
     faults = FaultState(long_tail=0.1)
     faults.apply({"hang": True, "slow_factor": 4.0, "long_tail": 0.9, "metrics": "hang"})
     faults.apply({"reset": True})
-    assert faults.as_dict() == {"hang": False, "metrics": "ok", "push": "ok", "slow_factor": 1.0, "long_tail": 0.1}
+    assert faults.as_dict() == {"hang": False, "metrics": "ok", "push": "ok", "etcd": "ok", "slow_factor": 1.0,
+                                "long_tail": 0.1}
 
 
 def test_parse_request_fields_and_errors():

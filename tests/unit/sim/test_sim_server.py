@@ -261,7 +261,8 @@ async def test_metrics_fault_modes(backends, http):
 async def test_slow_factor_and_long_tail_faults(backends, http):
     base = await backends(time_scale=1.0)
     state = await _fault(http, base, slow_factor=4.0, long_tail=0.25)
-    assert state["faults"] == {"hang": False, "metrics": "ok", "push": "ok", "slow_factor": 4.0, "long_tail": 0.25}
+    assert state["faults"] == {"hang": False, "metrics": "ok", "push": "ok", "etcd": "ok", "slow_factor": 4.0,
+                               "long_tail": 0.25}
     await _fault(http, base, long_tail=0.0)
     started = time.monotonic()
     async with http.post(f"{base}/v1/completions", json={}, headers={"x-session-id": "s"}) as resp:
