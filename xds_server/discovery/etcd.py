@@ -221,13 +221,26 @@ def _service(svc: EtcdService, versions: dict[str, list[dict]]) -> dict:
 def compose_config(base: Config, discovered: Discovered) -> Config:
     """``base`` with one service per configured etcd service that has registered endpoints.
 
+    A registered address that ``base`` already has (a static or Kubernetes endpoint) is left out
+    and counted (``address-taken``), so one such node cannot block the others.
+
     Raises:
-        pydantic.ValidationError: the result is not a valid config (an address also in the static
-            services, say).
+        pydantic.ValidationError: the result is not a valid config (a service name that is also a
+            static service's, say).
     """
     spec = base.discovery.etcd
     if spec is None:
         return base
+    taken = {e.address for s in base.services for v in s.versions for e in v.endpoints}
+    kept: Discovered = {}
+    for name, versions in discovered.items():
+        kept[name] = {}
+        for version, eps in versions.items():
+            free = [e for e in eps if e["address"] not in taken]
+            SKIPPED.labels("address-taken").inc(len(eps) - len(free))
+            if free:
+                kept[name][version] = free
+    discovered = kept
     extra = [_service(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
     data = base.model_dump(mode="json", exclude_none=True)
     data["services"] = [*data["services"], *extra]

@@ -109,8 +109,14 @@ def test_compose_config_adds_the_registered_services():
     assert [s.name for s in out.services] == ["static", "chat"]   # a service with no endpoint has no cluster
     chat = out.services[1]
     assert chat.default == "v1" and chat.versions[0].endpoints[0].drain is True
-    with pytest.raises(ValidationError, match="listed twice"):
-        compose_config(base, {"chat": {"v1": [{"address": "10.1.0.1:8000"}]}})
+    # An address the static services have is left out; the others still join.
+    out = compose_config(base, {"chat": {"v1": [{"address": "10.1.0.1:8000"}, {"address": "10.0.0.2:8000"}],
+                                         "v2": [{"address": "10.1.0.1:8000"}]}})
+    assert [(v.name, [e.address for e in v.endpoints]) for v in out.services[1].versions] == [
+        ("v1", ["10.0.0.2:8000"])]
+    with pytest.raises(ValidationError, match="defined twice"):
+        compose_config(cfg(services=[{"name": "chat", "versions": [{"name": "v1", "endpoints": [
+            {"address": "10.1.0.1:8000"}]}]}]), discovered)
 
 
 def test_the_config_section_and_its_checks():
