@@ -191,11 +191,14 @@ def etcd_binary() -> str | None:
         (p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.path.exists(p)), None)
 
 
-def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str = "etcd") -> Proc:
+def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str = "etcd",
+               tls: tuple[str, str, str] | None = None, client_cert: tuple[str, str] | None = None) -> Proc:
     """Run a one-member etcd with its data in ``workdir/NAME-data``, clients on 127.0.0.1:``port``.
 
     Started again on the same ``workdir`` and ports it finds its keys, leases and revisions (an etcd
-    restart). Ready once ``/health`` answers ``{"health":"true"}`` (200).
+    restart). ``tls``: ``(cert, key, ca)`` PEM paths: clients speak https and must present a
+    certificate signed by ``ca`` (etcd's ``--client-cert-auth``); ``client_cert``: ``(cert, key)`` of
+    such a client, used to check readiness. Ready once ``/health`` answers 200.
 
     Raises:
         StackError: no binary (with the install hint), or not ready in 30 s.
@@ -204,15 +207,33 @@ def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str
     if binary is None:
         raise StackError(ETCD_INSTALL_HINT)
     peer = f"http://127.0.0.1:{peer_port or free_port()}"
-    client = f"http://127.0.0.1:{port}"
+    client = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    secure = ["--cert-file", tls[0], "--key-file", tls[1], "--trusted-ca-file", tls[2],
+              "--client-cert-auth"] if tls else []
     proc = spawn(name, [
         binary, "--name", name, "--data-dir", str(workdir / f"{name}-data"),
         "--listen-client-urls", client, "--advertise-client-urls", client,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"{name}={peer}", "--log-level", "warn",
+        "--initial-cluster", f"{name}={peer}", "--log-level", "warn", *secure,
     ], workdir)
-    wait_http(f"{client}/health", proc)
-    return proc
+    if tls is None:
+        wait_http(f"{client}/health", proc)
+        return proc
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=tls[2])
+    if client_cert:
+        ctx.load_cert_chain(*client_cert)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise StackError(f"{name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        with contextlib.suppress(OSError, ssl.SSLError):
+            with urllib.request.urlopen(f"{client}/health", timeout=2, context=ctx) as r:
+                if r.status == 200:
+                    return proc
+        time.sleep(0.1)
+    raise StackError(f"{client}/health not ready after 30 s:\n{proc.log_tail()}")
 
 
 def inferlb_argv(*args: str) -> list[str]:

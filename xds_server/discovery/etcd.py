@@ -369,8 +369,7 @@ class EtcdWatcher:
         """One watch stream from the revision after the last one seen; returns after
         ``spec.watch_timeout_s`` (the caller opens the next). Raises Compacted, EtcdError, aiohttp errors."""
         self.watches += 1
-        body = {"create_request": {"key": self._key, "range_end": self._end, "start_revision": self._next(),
-                                   "prev_kv": True}}
+        body = {"create_request": {"key": self._key, "range_end": self._end, "start_revision": self._next()}}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.watch_timeout_s
