@@ -191,7 +191,7 @@ class InferLB:
             self._refused("invalid-discovery", f"discovered endpoints ({source}) refused: {err}")
             return
         self.discovered, self.discovered_etcd = k8s, etcd
-        await self.apply_config(new)
+        await self.apply_config(new, f"discovered endpoints ({source})")
         self._discovered_once[source].set()
 
     async def reload(self) -> tuple[bool, str]:
@@ -212,8 +212,9 @@ class InferLB:
             self.base_cfg = base
         return applied, message
 
-    async def apply_config(self, new: Config) -> tuple[bool, str]:
-        """Apply a validated config: rebuild the control plane's inputs and push at once.
+    async def apply_config(self, new: Config, what: str | None = None) -> tuple[bool, str]:
+        """Apply a validated config: rebuild the control plane's inputs and push at once. ``what``:
+        where the change came from, for the log (default: the config file).
 
         Refused (``(False, why)``) when a :data:`RESTART_ONLY` section differs.
         """
@@ -233,7 +234,7 @@ class InferLB:
             RELOAD_OK.set(1)
             self.last_reload_error = None
             version = self.cache.snapshot.version if self.cache.snapshot else None
-            log.info("config reloaded from %s; snapshot %s", self.config_path, version)
+            log.info("%s applied; snapshot %s", what or f"config from {self.config_path}", version)
             return True, f"config reloaded; snapshot {version}"
 
     def _refused(self, outcome: str, message: str) -> tuple[bool, str]:
