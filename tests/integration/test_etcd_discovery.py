@@ -329,3 +329,24 @@ def test_tls_with_client_certificates_and_endpoint_failover(tmp_path):
         assert results["without"][0] == [] and results["without"][1]
     finally:
         proc.stop()
+
+
+def test_a_burst_of_registrations_in_one_big_watch_message(etcd: Etcd):
+    """600 registrations written while the watcher is away arrive as one watch message (measured:
+    261,735 bytes, 600 events, on one line): all of them are read."""
+    prefix = "/t/burst/"
+    w = Watching(etcd, prefix)
+    try:
+        wait_until(lambda: w.seen, 5, 0.05, "the first list")
+        w.pause()
+        pad = "x" * 200
+        for t in range(5):
+            etcd.post("/v3/kv/txn", {"success": [{"request_put": {
+                "key": b64(f"{prefix}10.2.{t}.{i}:8000"),
+                "value": b64(json.dumps({"service": "chat", "version": "v1", "model_name": pad}))}}
+                for i in range(120)]})
+        w.start()
+        wait_until(lambda: len(w.endpoints()) == 600, 10, 0.05, "600 endpoints")
+        assert w.watcher.lists == 1
+    finally:
+        w.close()

@@ -261,6 +261,25 @@ def ssl_context(spec: EtcdDiscovery) -> ssl.SSLContext | None:
     return ctx
 
 
+class LineSplitter:
+    """Splits a byte stream into its non-empty newline-terminated lines (the gateway writes one JSON
+    message per line; one with many events is long: 600 registrations written at once came as one
+    line of 261,735 bytes). ``max_bytes``: a longer unterminated line raises ValueError."""
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self.max_bytes = max_bytes
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The complete lines ``chunk`` finishes, in order."""
+        self._buf += chunk
+        *done, rest = self._buf.split(b"\n")
+        self._buf = bytearray(rest)
+        if len(self._buf) > self.max_bytes:
+            raise ValueError(f"a watch message longer than {self.max_bytes} bytes")
+        return [bytes(line) for line in done if line.strip()]
+
+
 OnChange = Callable[[Discovered], Awaitable[None]]
 
 
@@ -377,19 +396,20 @@ class EtcdWatcher:
             if r.status != 200:
                 raise EtcdError(f"/v3/watch: HTTP {r.status}: {(await r.text())[:200]}")
             self.connected, self.last_error = True, None
+            lines = LineSplitter()
             while True:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     WATCH_RESTARTS.labels("timeout").inc()
                     return
                 try:
-                    line = await asyncio.wait_for(r.content.readline(), remaining)
+                    chunk = await asyncio.wait_for(r.content.readany(), remaining)
                 except TimeoutError:
                     WATCH_RESTARTS.labels("timeout").inc()
                     return
-                if not line:
+                if not chunk:
                     raise EtcdError("the watch stream ended")
-                if line.strip():
+                for line in lines.feed(chunk):
                     await self._on_line(line)
 
     async def _on_line(self, line: bytes) -> None:

@@ -17,6 +17,7 @@ from xds_server.discovery.etcd import (
     Compacted,
     EtcdError,
     EtcdWatcher,
+    LineSplitter,
     compose_config,
     endpoints_from,
     parse_registration,
@@ -191,3 +192,12 @@ def test_watch_messages_update_the_table_and_the_revision():
     assert seen == [{"chat": {"v1": [{"address": "10.0.0.1:80", "gpu_class": "a100", "max_concurrency": 8}]},
                      "code": {}}, {"chat": {}, "code": {}}]
     assert w.revision == 13 and w.status.fetch(["10.0.0.1:80"]) == {}
+
+
+def test_the_line_splitter_joins_chunks_and_takes_long_lines():
+    split = LineSplitter(max_bytes=1 << 20)
+    assert split.feed(b'{"a"') == [] and split.feed(b':1}\n\n{"b":2}\n{"c"') == [b'{"a":1}', b'{"b":2}']
+    long = b"x" * 300_000
+    assert split.feed(b":3}\n" + long[:1000]) == [b'{"c":3}'] and split.feed(long[1000:] + b"\n") == [long]
+    with pytest.raises(ValueError):
+        split.feed(b"y" * (2 << 20))
