@@ -350,3 +350,12 @@ def test_a_burst_of_registrations_in_one_big_watch_message(etcd: Etcd):
         assert w.watcher.lists == 1
     finally:
         w.close()
+    # A list in pages of 7 keys (at one revision) finds the same 600.
+    paged = Watching(etcd, prefix)
+    try:
+        paged.pause()
+        paged.watcher.page_size, paged.watcher.revision = 7, None
+        paged.start()
+        wait_until(lambda: paged.watcher.lists == 2 and len(paged.endpoints()) == 600, 10, 0.05, "a paged list")
+    finally:
+        paged.close()

@@ -288,7 +288,8 @@ class EtcdWatcher:
 
     ``on_change(discovered)`` is awaited after the first list and after every change of an
     endpoint (a status-only change goes to ``status`` only). ``revision``: the last revision seen
-    (None: list next). ``lists`` / ``watches``: how many of each were started (tests read them).
+    (None: list next). ``lists`` / ``watches``: how many of each were started (tests read them);
+    ``page_size``: keys per list request.
     """
 
     def __init__(self, spec: EtcdDiscovery, gpu_classes: Iterable[str], on_change: OnChange,
@@ -303,6 +304,7 @@ class EtcdWatcher:
         self.revision: int | None = None
         self.lists = 0
         self.watches = 0
+        self.page_size = 1000   # keys per list request (the list pages at one revision)
         self.connected = False
         self.last_error: str | None = None
         self._url_index = 0
@@ -357,7 +359,8 @@ class EtcdWatcher:
         found: dict[str, Registration] = {}
         key, revision = self._key, None
         while True:
-            body = {"key": key, "range_end": self._end, "limit": 1000, **({"revision": revision} if revision else {})}
+            body = {"key": key, "range_end": self._end, "limit": self.page_size,
+                    **({"revision": revision} if revision else {})}
             doc = await self._post(http, "/v3/kv/range", body)
             revision = revision or int(doc["header"]["revision"])
             kvs = doc.get("kvs", [])
@@ -368,7 +371,7 @@ class EtcdWatcher:
                     found[name] = reg
             if not doc.get("more") or not kvs:
                 break
-            key = _b64(_unb64(kvs[-1]["key"]).decode(errors="replace") + "\0")
+            key = _b64(_unb64(kvs[-1]["key"]) + b"\0")   # the next key after the last one read
         self.revision = revision
         self.connected, self.last_error = True, None
         old = self.registrations
@@ -445,6 +448,8 @@ class EtcdWatcher:
                     changed = True
                 continue
             self.registrations[name] = reg
+            if old is not None and old.address != reg.address and self.status is not None:
+                self.status.discard(old.address)
             self._status(reg)
             if not reg.same_endpoint(old):
                 log.info("etcd: %s %s (%s %s%s)", reg.address, "registered" if old is None else "updated",
