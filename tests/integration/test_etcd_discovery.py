@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import requests
 import yaml
 
 from inferlb.devstack import stack
+from inferlb.devstack.loadgen import Session, Traffic, drive
 from inferlb.serve import InferLB
 from tests.integration.conftest import LoopThread, wait_until
 from xds_server.config import parse_config
@@ -221,7 +223,8 @@ def test_a_compacted_revision_lists_again(etcd: Etcd):
 
 
 def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
-    """A backend that registers gets traffic; one whose lease expires leaves Envoy's cluster and gets none."""
+    """A backend that registers gets traffic; one whose lease expires leaves Envoy's cluster and gets none;
+    one that leaves gracefully under traffic gets no new request while still draining, and no request fails."""
     prefix = "/t/envoy/"
     loop = LoopThread()
     procs: list[stack.Proc] = []
@@ -234,7 +237,7 @@ def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
                     "history": {"path": ":memory:"}})
         app = InferLB(parse_config(yaml.safe_dump(cfg)))
         loop.run(app.start())
-        a, addr_a = sim(tmp_path, etcd, prefix)
+        a, addr_a = sim(tmp_path, etcd, prefix, extra=["--etcd-drain-s", "3"])   # a leaves gracefully later
         b, addr_b = sim(tmp_path, etcd, prefix)
         procs += [a, b]
         wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot")
@@ -258,6 +261,29 @@ def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
         wait_until(lambda: hosts() == {addr_a}, 8, 0.1, "the expired backend to leave Envoy's cluster")
         assert served(16) == {addr_a}
         assert requests.get(f"http://{addr_b}/health", timeout=5).ok   # it was the lease, not the backend
+        # A graceful leave under traffic: drain announced, then the lease revoked; no request fails.
+        c, addr_c = sim(tmp_path, etcd, prefix)
+        procs.append(c)
+        wait_until(lambda: hosts() == {addr_a, addr_c}, 8, 0.1, "the third backend in Envoy")
+        traffic = Traffic()
+        sessions = [Session(f"d{i}", None) for i in range(20)]
+        driver = threading.Thread(target=lambda: asyncio.run(drive(
+            f"http://127.0.0.1:{listener}/v1/chat/completions", sessions, duration_s=3.5, concurrency=4,
+            max_tokens=4, traffic=traffic)))
+        driver.start()
+        time.sleep(0.5)
+        a.popen.terminate()
+        # Within its drain time (3 s), while its key is still there (draining), new requests go to c only.
+        wait_until(lambda: served(8) == {addr_c}, 2.0, 0.05, "traffic off the draining backend")
+        kvs = etcd.post("/v3/kv/range", {"key": b64(prefix + addr_a)}).get("kvs", [])
+        assert len(kvs) == 1 and json.loads(base64.b64decode(kvs[0]["value"]))["draining"] is True
+        driver.join(30)
+        assert a.popen.wait(10) == 0
+        wait_until(lambda: hosts() == {addr_c}, 5, 0.1, "the drained backend to leave Envoy's cluster")
+        statuses = [r.status for r in traffic.results]
+        late = [r.served_by for r in traffic.results[len(traffic.results) // 2:]]
+        assert len(statuses) > 50 and set(statuses) == {200}, sorted(set(statuses))
+        assert set(late) == {addr_c}   # the second half of the run: only the backend that stays
     finally:
         for p in reversed(procs):
             p.stop()
