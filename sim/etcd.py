@@ -9,7 +9,8 @@ clock, s). The lease is kept alive every ``ttl_s / 3`` s and the value rewritten
 lease is gone (expired while etcd was away), it takes a new one and registers again.
 
 :meth:`EtcdRegistration.deregister` (graceful shutdown) writes ``draining: true``, waits
-``drain_s`` seconds while still serving, then revokes the lease (etcd deletes the key at once).
+``drain_s`` seconds while still serving (rewriting its status every 0.5 s, so the control plane
+sees its requests finish), then revokes the lease (etcd deletes the key at once).
 The ``etcd`` fault (``stop``) pauses keep-alives and status writes, so the lease expires while the
 node still answers: the test of a lease expiring.
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from sim.node import SimNode
 
 log = logging.getLogger("inferlb.sim.etcd")
+
+#: While draining, the status is rewritten this often (s), so the control plane sees requests finish.
+DRAIN_STATUS_S = 0.5
 
 
 class EtcdUnavailable(RuntimeError):
@@ -152,7 +156,8 @@ class EtcdRegistration:
             self._http = None
 
     async def deregister(self) -> None:
-        """Graceful shutdown: ``draining: true``, ``drain_s`` s of serving, then revoke the lease.
+        """Graceful shutdown: ``draining: true``, ``drain_s`` s of serving (status rewritten every
+        :data:`DRAIN_STATUS_S`), then revoke the lease.
         Best effort: an unreachable etcd is logged (the lease then expires on its own)."""
         if self.lease is None:
             return
@@ -160,7 +165,11 @@ class EtcdRegistration:
         try:
             await self._put(draining=True)
             log.info("etcd: %s draining; revoking the lease in %.1f s", self.key, self.drain_s)
-            await asyncio.sleep(self.drain_s)
+            end = time.monotonic() + self.drain_s
+            while (left := end - time.monotonic()) > 0:   # the status keeps showing requests finish
+                await asyncio.sleep(min(left, DRAIN_STATUS_S))
+                if time.monotonic() < end:
+                    await self._put(draining=True)
             await self._post("/v3/lease/revoke", {"ID": self.lease})
             log.info("etcd: %s deregistered", self.key)
         except EtcdUnavailable as err:
