@@ -82,7 +82,8 @@ from sim.model import GPU_CLASSES
 )
 @click.option("--push-instance", default=None, help="Instance name pushed  [default: the bound HOST:PORT]")
 @click.option("--etcd", metavar="URL", default=None,
-              help="Register in etcd at URL (http://HOST:PORT) with a status snapshot, for inferlb's etcd discovery.")
+              help="Register in etcd at URL (http://HOST:PORT; several: comma-separated) with a status snapshot, "
+                   "for inferlb's etcd discovery.")
 @click.option("--etcd-prefix", default="/inferlb/endpoints/", show_default=True,
               help="Key prefix; the key is PREFIX + HOST:PORT.")
 @click.option("--etcd-ttl", "etcd_ttl_s", type=click.IntRange(1, 3600), default=10, show_default=True,

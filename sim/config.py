@@ -16,7 +16,7 @@ class BackendConfig:
     port (the bound port is reported by :func:`sim.server.start_backend`).
     ``gpu_memory_mib=None`` means "the GPU class default". ``push_status``: ``HOST:PORT`` of an
     inferlb ``NodeStatusService`` to stream this node's status to every ``push_interval_s`` (s), as
-    ``push_instance`` (default: the bound ``HOST:PORT``). ``etcd``: an etcd client URL to register
+    ``push_instance`` (default: the bound ``HOST:PORT``). ``etcd``: etcd client URLs (comma-separated) to register
     in (:mod:`sim.etcd`): key ``etcd_prefix + address`` (``etcd_address``, default the bound
     ``HOST:PORT``) on a lease of ``etcd_ttl_s`` s, as service ``etcd_service`` (default: the model
     name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown.
@@ -75,8 +75,9 @@ class BackendConfig:
             raise ValueError("session_cache_size must be >= 1")
         if not 0.01 <= self.push_interval_s <= 60:
             raise ValueError("push_interval_s must be 0.01-60 s")
-        if self.etcd is not None and not self.etcd.startswith(("http://", "https://")):
-            raise ValueError(f"etcd must be an http(s):// URL, got {self.etcd!r}")
+        if self.etcd is not None and not all(u.strip().startswith(("http://", "https://"))
+                                             for u in self.etcd.split(",")):
+            raise ValueError(f"etcd must be http(s):// URLs, comma-separated, got {self.etcd!r}")
         if not self.etcd_prefix:
             raise ValueError("etcd_prefix must not be empty")
         if not 1 <= self.etcd_ttl_s <= 3600:

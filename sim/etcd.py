@@ -65,12 +65,14 @@ def registration_value(node: SimNode, address: str, service: str, draining: bool
 
 
 class EtcdRegistration:
-    """Keeps ``node`` registered under ``prefix + address`` at ``url`` (``http://HOST:PORT``) until cancelled."""
+    """Keeps ``node`` registered under ``prefix + address`` in etcd until cancelled. ``url``: etcd client
+    URLs (``http://HOST:PORT``), comma-separated; after a failure the next one is used."""
 
     def __init__(self, node: SimNode, url: str, *, prefix: str, ttl_s: int, service: str, address: str,
                  status_interval_s: float = 5.0, drain_s: float = 2.0, timeout_s: float = 3.0) -> None:
         self.node = node
-        self.url = url.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        self._url_index = 0
         self.key = prefix + address
         self.ttl_s = ttl_s
         self.service = service
@@ -82,6 +84,11 @@ class EtcdRegistration:
         self.registered = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None   # the run() task, set by whoever starts it
+
+    @property
+    def url(self) -> str:
+        """The etcd endpoint in use."""
+        return self.urls[self._url_index % len(self.urls)]
 
     async def _post(self, path: str, body: dict) -> dict:
         assert self._http is not None
@@ -149,6 +156,7 @@ class EtcdRegistration:
                     self.lease = None
                 except EtcdUnavailable as err:
                     log.warning("etcd %s: %s; retrying in %.1f s", self.url, err, backoff)
+                    self._url_index += 1
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
         finally:

@@ -114,10 +114,10 @@ class Watching:
 
 
 def sim(workdir: Path, etcd: Etcd, prefix: str, *, version: str = "v1", gpu: str = "a100", ttl: int = 2,
-        extra: list[str] | None = None) -> tuple[stack.Proc, str]:
+        extra: list[str] | None = None, urls: str | None = None) -> tuple[stack.Proc, str]:
     port = stack.free_port()
     proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version, extra=[
-        "--time-scale", "0.2", "--max-concurrency", "4", "--etcd", etcd.url, "--etcd-prefix", prefix,
+        "--time-scale", "0.2", "--max-concurrency", "4", "--etcd", urls or etcd.url, "--etcd-prefix", prefix,
         "--etcd-ttl", str(ttl), "--etcd-service", "chat", "--etcd-status-interval-s", "0.5",
         "--etcd-drain-s", "1", *(extra or [])])
     return proc, f"127.0.0.1:{port}"
@@ -166,7 +166,8 @@ def test_register_update_status_and_lease_expiry(etcd: Etcd, tmp_path):
 def test_graceful_shutdown_drains_then_removes(etcd: Etcd, tmp_path):
     prefix = "/t/drain/"
     w = Watching(etcd, prefix)
-    proc, addr = sim(tmp_path, etcd, prefix, ttl=30)
+    dead = f"http://127.0.0.1:{stack.free_port()}"
+    proc, addr = sim(tmp_path, etcd, prefix, ttl=30, urls=f"{dead},{etcd.url}")   # the first one is down
     try:
         wait_until(lambda: addr in w.endpoints(), 10, 0.05, "the registration")
         proc.popen.terminate()
