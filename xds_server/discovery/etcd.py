@@ -52,6 +52,8 @@ SKIPPED = Counter("inferlb_etcd_registrations_skipped_total", "etcd registration
 RELISTS = Counter("inferlb_etcd_relists_total", "Full lists of the etcd prefix (start and compaction)")
 WATCH_RESTARTS = Counter("inferlb_etcd_watch_restarts_total", "etcd watches re-opened, by reason", ["reason"])
 REGISTERED = Gauge("inferlb_etcd_registered_endpoints", "Endpoints registered in etcd (valid registrations)")
+UP = Gauge("inferlb_etcd_up", "1 while the etcd list or watch is connected, 0 while it retries")
+REVISION = Gauge("inferlb_etcd_revision", "The last etcd revision the watcher has seen")
 
 
 class BadRegistration(ValueError):
@@ -336,6 +338,7 @@ class EtcdWatcher:
                     if self.connected or self.last_error != str(err):
                         log.warning("etcd %s: %s; retrying in %.1f s", self.url, err or type(err).__name__, backoff)
                     self.connected = False
+                    UP.set(0)
                     self.last_error = str(err) or type(err).__name__
                     self._url_index += 1
                     await asyncio.sleep(backoff)
@@ -374,6 +377,8 @@ class EtcdWatcher:
             key = _b64(_unb64(kvs[-1]["key"]) + b"\0")   # the next key after the last one read
         self.revision = revision
         self.connected, self.last_error = True, None
+        UP.set(1)
+        REVISION.set(revision)
         old = self.registrations
         self.registrations = found
         if self.status is not None:
@@ -391,7 +396,8 @@ class EtcdWatcher:
         """One watch stream from the revision after the last one seen; returns after
         ``spec.watch_timeout_s`` (the caller opens the next). Raises Compacted, EtcdError, aiohttp errors."""
         self.watches += 1
-        body = {"create_request": {"key": self._key, "range_end": self._end, "start_revision": self._next()}}
+        body = {"create_request": {"key": self._key, "range_end": self._end, "start_revision": self._next(),
+                                   "progress_notify": True}}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.watch_timeout_s
@@ -399,6 +405,7 @@ class EtcdWatcher:
             if r.status != 200:
                 raise EtcdError(f"/v3/watch: HTTP {r.status}: {(await r.text())[:200]}")
             self.connected, self.last_error = True, None
+            UP.set(1)
             lines = LineSplitter()
             while True:
                 remaining = deadline - loop.time()
@@ -426,8 +433,16 @@ class EtcdWatcher:
             if compact:
                 raise Compacted(f"compacted up to revision {compact}")
             raise EtcdError(f"watch canceled: {result.get('cancel_reason') or 'no reason given'}")
+        events = result.get("events", [])
+        if not events and not result.get("created"):
+            # A progress notification: every event up to its header revision has been sent, so
+            # the watch can resume from there (fewer re-lists after a compaction). etcd's rule.
+            rev = int(result.get("header", {}).get("revision") or 0)
+            self.revision = max(self.revision or 0, rev)
+            REVISION.set(self.revision)
+            return
         changed = False
-        for event in result.get("events", []):
+        for event in events:
             kv = event.get("kv", {})
             name = _unb64(kv.get("key")).decode(errors="replace")
             self.revision = max(self.revision or 0, int(kv.get("mod_revision") or 0))
@@ -455,6 +470,7 @@ class EtcdWatcher:
                 log.info("etcd: %s %s (%s %s%s)", reg.address, "registered" if old is None else "updated",
                          reg.service, reg.version, ", draining" if reg.draining else "")
                 changed = True
+        REVISION.set(self.revision or 0)
         if changed:
             await self._emit()
 

@@ -181,6 +181,9 @@ def test_watch_messages_update_the_table_and_the_revision():
         await w._on_line(_line({"events": [{"kv": _kv(PREFIX + "10.0.0.1:80", {**ep, "status": {"running": 2}},
                                                       12)}]}))
         await w._on_line(_line({"events": [{"type": "DELETE", "kv": _kv(PREFIX + "10.0.0.1:80", None, 13)}]}))
+        await w._on_line(_line({"header": {"revision": "40"}, "created": True}))   # not a progress mark
+        assert w.revision == 13
+        await w._on_line(_line({"header": {"revision": "20"}}))   # progress: all events up to 20 sent
         for bad, error in ((_line({"canceled": True, "compact_revision": "12"}), Compacted),
                            (_line({"canceled": True}), EtcdError),
                            (json.dumps({"error": {"message": "transport is closing"}}).encode(), EtcdError)):
@@ -191,7 +194,7 @@ def test_watch_messages_update_the_table_and_the_revision():
     # Registered, then removed: the status-only update emitted nothing.
     assert seen == [{"chat": {"v1": [{"address": "10.0.0.1:80", "gpu_class": "a100", "max_concurrency": 8}]},
                      "code": {}}, {"chat": {}, "code": {}}]
-    assert w.revision == 13 and w.status.fetch(["10.0.0.1:80"]) == {}
+    assert w.revision == 20 and w.status.fetch(["10.0.0.1:80"]) == {}
 
 
 def test_the_line_splitter_joins_chunks_and_takes_long_lines():
