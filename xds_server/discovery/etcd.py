@@ -343,6 +343,13 @@ class EtcdWatcher:
                     self._url_index += 1
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
+                except Exception:   # an answer of an unexpected shape: never stop watching; list again
+                    log.exception("etcd %s: unexpected failure; listing again in %.1f s", self.url, backoff)
+                    WATCH_RESTARTS.labels("error").inc()
+                    self.connected, self.revision = False, None
+                    UP.set(0)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
 
     def _next(self) -> int:
         return (self.revision or 0) + 1
@@ -389,8 +396,6 @@ class EtcdWatcher:
                  revision)
         if self.lists == 1 or set(old) != set(found) or any(not r.same_endpoint(old.get(k)) for k, r in found.items()):
             await self._emit()
-        else:
-            REGISTERED.set(len(found))
 
     async def _watch(self, http: aiohttp.ClientSession) -> None:
         """One watch stream from the revision after the last one seen; returns after
@@ -481,7 +486,10 @@ class EtcdWatcher:
     async def _emit(self) -> None:
         discovered = endpoints_from(self.registrations.values(), self.spec, self.gpu_classes)
         REGISTERED.set(sum(len(eps) for versions in discovered.values() for eps in versions.values()))
-        await self._on_change(discovered)
+        try:
+            await self._on_change(discovered)
+        except Exception:   # the consumer's failure must not stop the watch
+            log.exception("etcd: applying the discovered endpoints failed")
 
     def describe(self) -> dict:
         """For the admin API: endpoint in use, connected, revision, counts, last error."""
