@@ -73,7 +73,9 @@ def validate(config_path: str) -> None:
     """Check a config file; print each problem with its field and line."""
     cfg = _load(config_path)
     n = sum(len(v.endpoints) for s in cfg.services for v in s.versions)
-    click.echo(f"{config_path}: OK ({len(cfg.services)} services, {n} endpoints)")
+    found = [name for name in ("kubernetes", "etcd") if getattr(cfg.discovery, name) is not None]
+    more = f", plus discovery from {' and '.join(found)}" if found else ""
+    click.echo(f"{config_path}: OK ({len(cfg.services)} services, {n} endpoints{more})")
 
 
 @main.command()

@@ -66,3 +66,15 @@ def test_every_command_group_lists_its_commands():
     top = CliRunner().invoke(main, ["--help"]).output
     for name in ("serve", "demo", "validate", "bootstrap", "weights", "history", "ext-proc", "sim-backend", "bench"):
         assert name in top
+
+
+def test_validate_names_the_discovery_sources(tmp_path):
+    from click.testing import CliRunner
+
+    from inferlb.cli import main
+
+    path = tmp_path / "etcd.yaml"
+    path.write_text("discovery:\n  etcd:\n    services: [{name: chat}]\nservices: []\n")
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "OK (0 services, 0 endpoints, plus discovery from etcd)" in result.output
