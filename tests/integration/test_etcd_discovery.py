@@ -257,6 +257,17 @@ def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
                                   headers={"x-session-id": f"s{i}"}).headers["x-served-by"] for i in range(n)}
 
         wait_until(lambda: hosts() == {addr_a, addr_b}, 15, 0.1, "both registered backends in Envoy")
+
+        def engine_view() -> dict[str, dict]:
+            doc = requests.get(f"http://127.0.0.1:{app.admin_port}/api/v1/weights", timeout=5).json()
+            return {e["address"]: e for c in doc["clusters"] for e in c["endpoints"]}
+
+        # The engine's inputs come from the status snapshots in the registrations.
+        view = wait_until(lambda: (v := engine_view()) and all(v.get(x, {}).get("sources") for x in (addr_a, addr_b))
+                          and v, 5, 0.1, "inputs from the status source")
+        for x in (addr_a, addr_b):
+            assert view[x]["sources"]["gpu_mem_free_mib"] == "status" and view[x]["health"] == "HEALTHY"
+            assert view[x]["inputs"]["gpu_mem_free_mib"] > 0 and view[x]["inputs"]["sample_age_s"] < 2
         assert wait_until(lambda: served(16) == {addr_a, addr_b}, 10, 0.2, "traffic on both")
         fault(addr_b, etcd="stop")   # b still serves, but its lease (2 s) expires
         wait_until(lambda: hosts() == {addr_a}, 8, 0.1, "the expired backend to leave Envoy's cluster")
