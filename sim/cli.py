@@ -94,6 +94,8 @@ from sim.model import GPU_CLASSES
               help="Seconds between status snapshots written to the registration.")
 @click.option("--etcd-drain-s", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="At shutdown: seconds of serving after announcing drain, before the lease is revoked.")
+@click.option("--etcd-user", default=None, envvar="INFERLB_SIM_ETCD_USER", metavar="NAME:PASSWORD",
+              help="etcd user authentication (or the INFERLB_SIM_ETCD_USER environment variable).")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -119,6 +121,7 @@ def sim_backend(
     etcd_address: str | None,
     etcd_status_interval_s: float,
     etcd_drain_s: float,
+    etcd_user: str | None,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
@@ -146,6 +149,7 @@ def sim_backend(
             etcd_address=etcd_address,
             etcd_status_interval_s=etcd_status_interval_s,
             etcd_drain_s=etcd_drain_s,
+            etcd_user=etcd_user,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -19,7 +19,8 @@ class BackendConfig:
     ``push_instance`` (default: the bound ``HOST:PORT``). ``etcd``: etcd client URLs (comma-separated) to register
     in (:mod:`sim.etcd`): key ``etcd_prefix + address`` (``etcd_address``, default the bound
     ``HOST:PORT``) on a lease of ``etcd_ttl_s`` s, as service ``etcd_service`` (default: the model
-    name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown.
+    name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown,
+    as etcd user ``etcd_user`` (``NAME:PASSWORD``; default: no authentication).
     """
 
     host: str = "127.0.0.1"
@@ -47,6 +48,7 @@ class BackendConfig:
     etcd_address: str | None = None
     etcd_status_interval_s: float = 5.0
     etcd_drain_s: float = 2.0
+    etcd_user: str | None = field(default=None, repr=False)
     hostname: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:
@@ -86,6 +88,8 @@ class BackendConfig:
             raise ValueError("etcd_status_interval_s must be 0.1-3600 s")
         if self.etcd_drain_s < 0:
             raise ValueError("etcd_drain_s must be >= 0")
+        if self.etcd_user is not None and not self.etcd_user.partition(":")[0]:
+            raise ValueError("etcd_user must be NAME:PASSWORD")
 
     @property
     def gpu_memory_total_mib(self) -> float:

@@ -69,7 +69,8 @@ class EtcdRegistration:
     URLs (``http://HOST:PORT``), comma-separated; after a failure the next one is used."""
 
     def __init__(self, node: SimNode, url: str, *, prefix: str, ttl_s: int, service: str, address: str,
-                 status_interval_s: float = 5.0, drain_s: float = 2.0, timeout_s: float = 3.0) -> None:
+                 status_interval_s: float = 5.0, drain_s: float = 2.0, timeout_s: float = 3.0,
+                 user: str | None = None) -> None:
         self.node = node
         self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
         self._url_index = 0
@@ -84,16 +85,29 @@ class EtcdRegistration:
         self.registered = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None   # the run() task, set by whoever starts it
+        self.user = user   # "NAME:PASSWORD" for etcd's user authentication, as etcdctl --user
+        self._token: str | None = None
 
     @property
     def url(self) -> str:
         """The etcd endpoint in use."""
         return self.urls[self._url_index % len(self.urls)]
 
-    async def _post(self, path: str, body: dict) -> dict:
+    async def _headers(self) -> dict[str, str]:
+        """``Authorization: <token>`` with a user (authenticating first when needed), else none."""
+        if self.user is None:
+            return {}
+        if self._token is None:
+            name, _, password = self.user.partition(":")
+            self._token = (await self._post("/v3/auth/authenticate", {"name": name, "password": password},
+                                            auth=False)).get("token")
+        return {"Authorization": self._token} if self._token else {}
+
+    async def _post(self, path: str, body: dict, auth: bool = True) -> dict:
         assert self._http is not None
+        headers = await self._headers() if auth else {}
         try:
-            async with self._http.post(f"{self.url}{path}", json=body, timeout=self.timeout) as r:
+            async with self._http.post(f"{self.url}{path}", json=body, headers=headers, timeout=self.timeout) as r:
                 doc = await r.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError) as err:
             raise EtcdUnavailable(f"{path}: {err or type(err).__name__}") from None
@@ -101,6 +115,8 @@ class EtcdRegistration:
             message = doc.get("message") if isinstance(doc, dict) else doc
             if isinstance(doc, dict) and "lease not found" in str(message):
                 raise LeaseGone(str(message))
+            if "auth" in str(message):
+                self._token = None   # expired or refused: authenticate again next time
             raise EtcdUnavailable(f"{path}: HTTP {r.status}: {message}")
         return doc
 
@@ -120,7 +136,7 @@ class EtcdRegistration:
         assert self._http is not None
         try:
             async with self._http.post(f"{self.url}/v3/lease/keepalive", json={"ID": self.lease},
-                                       timeout=self.timeout) as r:
+                                       headers=await self._headers(), timeout=self.timeout) as r:
                 line = await r.content.readline()
         except (TimeoutError, aiohttp.ClientError) as err:
             raise EtcdUnavailable(f"keepalive: {err or type(err).__name__}") from None

@@ -187,7 +187,8 @@ async def start_backend(cfg: BackendConfig, *, shutdown_timeout: float = 2.0) ->
         reg = EtcdRegistration(node, cfg.etcd, prefix=cfg.etcd_prefix, ttl_s=cfg.etcd_ttl_s,
                                service=cfg.etcd_service or cfg.model_name,
                                address=cfg.etcd_address or node.served_by,
-                               status_interval_s=cfg.etcd_status_interval_s, drain_s=cfg.etcd_drain_s)
+                               status_interval_s=cfg.etcd_status_interval_s, drain_s=cfg.etcd_drain_s,
+                               user=cfg.etcd_user)
         app[ETCD_KEY] = reg
         reg.task = asyncio.create_task(reg.run())
         app[TASKS_KEY].append(reg.task)

@@ -192,13 +192,14 @@ def etcd_binary() -> str | None:
 
 
 def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str = "etcd",
-               tls: tuple[str, str, str] | None = None, client_cert: tuple[str, str] | None = None) -> Proc:
+               tls: tuple[str, str, str] | None = None, client_cert: tuple[str, str] | None = None,
+               extra: list[str] | None = None) -> Proc:
     """Run a one-member etcd with its data in ``workdir/NAME-data``, clients on 127.0.0.1:``port``.
 
     Started again on the same ``workdir`` and ports it finds its keys, leases and revisions (an etcd
     restart). ``tls``: ``(cert, key, ca)`` PEM paths: clients speak https and must present a
     certificate signed by ``ca`` (etcd's ``--client-cert-auth``); ``client_cert``: ``(cert, key)`` of
-    such a client, used to check readiness. Ready once ``/health`` answers 200.
+    such a client, used to check readiness. ``extra``: more etcd flags. Ready once ``/health`` answers 200.
 
     Raises:
         StackError: no binary (with the install hint), or not ready in 30 s.
@@ -214,7 +215,7 @@ def start_etcd(workdir: Path, port: int, peer_port: int | None = None, name: str
         binary, "--name", name, "--data-dir", str(workdir / f"{name}-data"),
         "--listen-client-urls", client, "--advertise-client-urls", client,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"{name}={peer}", "--log-level", "warn", *secure,
+        "--initial-cluster", f"{name}={peer}", "--log-level", "warn", *secure, *(extra or []),
     ], workdir)
     if tls is None:
         wait_http(f"{client}/health", proc)

@@ -397,3 +397,56 @@ def test_a_burst_of_registrations_in_one_big_watch_message(etcd: Etcd):
         wait_until(lambda: paged.watcher.lists == 2 and len(paged.endpoints()) == 600, 10, 0.05, "a paged list")
     finally:
         paged.close()
+
+
+def test_user_authentication_survives_an_etcd_restart(tmp_path, monkeypatch):
+    """etcd with users and roles (etcd docs, "Role-based access control"): a node registers as a user
+    who may write the prefix, inferlb watches as one who may read it (password from
+    INFERLB_ETCD_PASSWORD). An etcd restart forgets every token: both authenticate again. A wrong
+    password gets nothing."""
+    from xds_server.discovery.etcd import PASSWORD_ENV, prefix_end
+
+    prefix = "/t/auth/"
+    e = Etcd(tmp_path)
+    try:
+        def admin(path: str, body: dict, token: str | None = None) -> dict:
+            r = requests.post(f"{e.url}{path}", json=body, headers={"Authorization": token} if token else {}, timeout=5)
+            assert r.ok, r.text
+            return r.json()
+
+        span = {"key": b64(prefix), "range_end": base64.b64encode(prefix_end(prefix)).decode()}
+        for user, password, role, perm in (("root", "rootpw", "root", None), ("node", "nodepw", "nodes", "READWRITE"),
+                                           ("inferlb", "inferlbpw", "readers", "READ")):
+            admin("/v3/auth/role/add", {"name": role})
+            if perm:
+                admin("/v3/auth/role/grant", {"name": role, "perm": {"permType": perm, **span}})
+            admin("/v3/auth/user/add", {"name": user, "password": password})
+            admin("/v3/auth/user/grant", {"user": user, "role": role})
+        admin("/v3/auth/enable", {})
+        assert requests.post(f"{e.url}/v3/kv/range", json=span, timeout=5).status_code != 200   # no token: refused
+
+        monkeypatch.setenv(PASSWORD_ENV, "inferlbpw")
+        cfg = spec_for(e, prefix, username="inferlb")
+        w = Watching(None, "", cfg)
+        proc, addr = sim(tmp_path, e, prefix, ttl=5, extra=["--etcd-user", "node:nodepw"])
+        try:
+            wait_until(lambda: addr in w.endpoints(), 10, 0.05, "the registration with users")
+            e.restart()
+            root = admin("/v3/auth/authenticate", {"name": "root", "password": "rootpw"})["token"]
+            admin("/v3/kv/put", {"key": b64(prefix + "127.0.0.51:9000"),
+                                 "value": b64(json.dumps({"service": "chat", "version": "v1"}))}, token=root)
+            wait_until(lambda: "127.0.0.51:9000" in w.endpoints(), 10, 0.05, "a change after the restart")
+            assert w.watcher.lists == 1
+            wait_until(lambda: w.status.fetch([addr])[addr].sample_age_s < 1.0, 6, 0.1,
+                       "the node writing its status again")
+        finally:
+            proc.stop()
+            w.close()
+        bad = Watching(None, "", spec_for(e, prefix, username="inferlb", password="wrong"))
+        try:
+            wait_until(lambda: bad.watcher.last_error, 5, 0.05, "the refusal")
+            assert "authentication failed" in bad.watcher.last_error and not bad.seen
+        finally:
+            bad.close()
+    finally:
+        e.proc.stop()

@@ -591,7 +591,9 @@ class EtcdDiscovery(_Strict):
     ``max_concurrency`` gets ``default_max_concurrency``. ``timeout_s``: per request (s);
     ``watch_timeout_s``: a watch is re-opened from the last revision after this long (s), which also
     bounds how long a silently dead connection goes unnoticed. ``tls``: see :class:`EtcdTls`
-    (``https://`` endpoints without it use the system's CAs).
+    (``https://`` endpoints without it use the system's CAs). ``username`` / ``password``: etcd's
+    user authentication (``/v3/auth/authenticate``; the user needs read permission on the prefix);
+    the password defaults to the environment variable ``INFERLB_ETCD_PASSWORD``.
     """
 
     endpoints: tuple[str, ...] = Field(("http://127.0.0.1:2379",), min_length=1)
@@ -601,7 +603,15 @@ class EtcdDiscovery(_Strict):
     timeout_s: float = Field(5.0, gt=0)
     watch_timeout_s: float = Field(300.0, gt=0)
     tls: EtcdTls | None = None
+    username: str | None = Field(None, min_length=1)
+    password: str | None = Field(None, repr=False)
     services: tuple[EtcdService, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _user(self) -> EtcdDiscovery:
+        if self.password is not None and self.username is None:
+            raise ValueError("password is set but username is not")
+        return self
 
     @field_validator("endpoints")
     @classmethod

@@ -30,6 +30,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import re
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
@@ -53,6 +54,8 @@ RELISTS = Counter("inferlb_etcd_relists_total", "Full lists of the etcd prefix (
 WATCH_RESTARTS = Counter("inferlb_etcd_watch_restarts_total", "etcd watches re-opened, by reason", ["reason"])
 REGISTERED = Gauge("inferlb_etcd_registered_endpoints", "Endpoints registered in etcd (valid registrations)")
 UP = Gauge("inferlb_etcd_up", "1 while the etcd list or watch is connected, 0 while it retries")
+#: The etcd password when ``discovery.etcd.password`` is not set.
+PASSWORD_ENV = "INFERLB_ETCD_PASSWORD"
 REVISION = Gauge("inferlb_etcd_revision", "The last etcd revision the watcher has seen")
 
 
@@ -311,6 +314,7 @@ class EtcdWatcher:
         self.last_error: str | None = None
         self._url_index = 0
         self._ssl = ssl_context(spec)
+        self._token: str | None = None
 
     @property
     def url(self) -> str:
@@ -337,7 +341,7 @@ class EtcdWatcher:
                     WATCH_RESTARTS.labels("error").inc()
                     if self.connected or self.last_error != str(err):
                         log.warning("etcd %s: %s; retrying in %.1f s", self.url, err or type(err).__name__, backoff)
-                    self.connected = False
+                    self.connected, self._token = False, None   # authenticate again (the token may have expired)
                     UP.set(0)
                     self.last_error = str(err) or type(err).__name__
                     self._url_index += 1
@@ -354,8 +358,23 @@ class EtcdWatcher:
     def _next(self) -> int:
         return (self.revision or 0) + 1
 
-    async def _post(self, http: aiohttp.ClientSession, path: str, body: dict) -> dict:
-        async with http.post(f"{self.url}{path}", json=body,
+    async def _headers(self, http: aiohttp.ClientSession) -> dict[str, str]:
+        """``Authorization: <token>`` with ``spec.username`` (authenticating first when there is no
+        token yet, or the last request failed), else none."""
+        if self.spec.username is None:
+            return {}
+        if self._token is None:
+            password = self.spec.password if self.spec.password is not None else os.environ.get(PASSWORD_ENV, "")
+            doc = await self._post(http, "/v3/auth/authenticate", {"name": self.spec.username, "password": password},
+                                   auth=False)
+            self._token = doc.get("token")
+            if not self._token:
+                raise EtcdError("/v3/auth/authenticate: no token in the answer (is auth enabled?)")
+        return {"Authorization": self._token}
+
+    async def _post(self, http: aiohttp.ClientSession, path: str, body: dict, auth: bool = True) -> dict:
+        headers = await self._headers(http) if auth else {}
+        async with http.post(f"{self.url}{path}", json=body, headers=headers,
                              timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s)) as r:
             doc = await r.json(content_type=None)
             if r.status != 200 or not isinstance(doc, dict) or "error" in doc:
@@ -406,7 +425,8 @@ class EtcdWatcher:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.spec.timeout_s, sock_read=None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.watch_timeout_s
-        async with http.post(f"{self.url}/v3/watch", json=body, timeout=timeout) as r:
+        async with http.post(f"{self.url}/v3/watch", json=body, headers=await self._headers(http),
+                             timeout=timeout) as r:
             if r.status != 200:
                 raise EtcdError(f"/v3/watch: HTTP {r.status}: {(await r.text())[:200]}")
             self.connected, self.last_error = True, None

@@ -53,6 +53,7 @@ def test_etcd_options_reach_the_config_and_bad_ones_are_usage_errors(monkeypatch
     assert runner.invoke(sim_backend, ["--etcd", "127.0.0.1:2379"]).exit_code == 2   # not a URL
     assert runner.invoke(sim_backend, ["--etcd", "http://a:2379,b:2379"]).exit_code == 2
     assert runner.invoke(sim_backend, ["--etcd-ttl", "0"]).exit_code == 2
+    assert runner.invoke(sim_backend, ["--etcd-user", ":pw"]).exit_code == 2
     assert runner.invoke(sim_backend, ["--etcd-prefix", ""]).exit_code == 2
 
 

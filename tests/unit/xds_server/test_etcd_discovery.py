@@ -134,6 +134,10 @@ def test_the_config_section_and_its_checks():
     with pytest.raises(ConfigError, match="cert and key"):
         parse_config(yaml.safe_dump({**BASE, "discovery": {"etcd": {"tls": {"cert": "/c.pem"},
                                                                     "services": [{"name": "a"}]}}}))
+    with pytest.raises(ConfigError, match="password is set but username is not"):
+        parse_config(yaml.safe_dump({**BASE, "discovery": {"etcd": {"password": "x", "services": [{"name": "a"}]}}}))
+    assert "secret" not in repr(parse_config(yaml.safe_dump({**BASE, "discovery": {"etcd": {
+        "username": "u", "password": "secret", "services": [{"name": "a"}]}}})).discovery.etcd)
     with pytest.raises(ConfigError, match="needs discovery.etcd"):
         parse_config(yaml.safe_dump({"metrics": {"sources": ["status"]}, "services": [
             {"name": "s", "versions": [{"name": "v1", "endpoints": [{"address": "10.0.0.1:1"}]}]}]}))
