@@ -208,3 +208,15 @@ def test_the_line_splitter_joins_chunks_and_takes_long_lines():
     assert split.feed(b":3}\n" + long[:1000]) == [b'{"c":3}'] and split.feed(long[1000:] + b"\n") == [long]
     with pytest.raises(ValueError):
         split.feed(b"y" * (2 << 20))
+
+
+def test_kubernetes_and_etcd_discovery_compose_together():
+    from xds_server.discovery import kubernetes
+
+    base = cfg(discovery={"etcd": {"services": [{"name": "chat", "hosts": ["chat.example"]}]},
+                          "kubernetes": {"services": [{"name": "k8s", "service": "vllm"}]}})
+    k8s = {"k8s": {"v1": [{"address": "10.3.0.1:8000", "gpu_class": "a100", "max_concurrency": 8}]}}
+    etcd = {"chat": {"v1": [{"address": "10.3.0.1:8000"}, {"address": "10.3.0.2:8000"}]}}
+    out = compose_config(kubernetes.compose_config(base, k8s), etcd)   # as inferlb serve does
+    assert {s.name: [e.address for v in s.versions for e in v.endpoints] for s in out.services} == {
+        "k8s": ["10.3.0.1:8000"], "chat": ["10.3.0.2:8000"]}   # the address Kubernetes has stays its own
