@@ -7,8 +7,8 @@ import pytest
 from sim.config import BackendConfig
 from sim.faults import FaultError, FaultState, parse_fault_patch
 from sim.gate import ConcurrencyGate
-from sim.node import OutOfMemory, SimNode
 from sim.model import REF_OUTPUT_TOKENS, REF_PROMPT_TOKENS, decode_step_ms, prefill_ms
+from sim.node import OutOfMemory, SimNode
 from sim.protocol import InferenceRequest, RequestError, parse_request, resolve_session_key
 
 

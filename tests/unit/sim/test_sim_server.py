@@ -117,7 +117,8 @@ async def test_oom_returns_500_at_once_and_is_counted(backends, http):
         http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-sim-memory-mib": "8192"})
     )
     await _poll_state(http, base, lambda s: s["running"] == 1)
-    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-sim-memory-mib": "8192"}) as resp:
+    big_headers = {"x-sim-memory-mib": "8192"}
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=big_headers) as resp:
         assert resp.status == 500
         err = (await resp.json())["error"]
     assert not big.done()  # refused at once, while the first one still holds the memory
@@ -196,7 +197,8 @@ async def test_gauges_follow_load(backends, http):
     base = await backends(max_concurrency=2, time_scale=2.0)
     headers = {"x-sim-memory-mib": "6758.4"}  # 10 % of the KV memory each
     tasks = [
-        asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers)) for _ in range(3)
+        asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers))
+        for _ in range(3)
     ]
     await _poll_state(http, base, lambda s: s["running"] == 2 and s["waiting"] == 1)
     text = await _scrape(http, base)
