@@ -76,15 +76,16 @@ def tokenize(text: str) -> list[int]:
 
     Deterministic and prefix-preserving: a text that starts with another has the other's tokens
     first (except the other's last, partial token), so a resent conversation hits the prefix cache.
-    The empty text has no tokens.
+    The empty text has no tokens. Lone surrogates (a JSON ``"\\ud800"``, a header that is not
+    UTF-8) are encoded as they are (``surrogatepass``), never an error.
     """
-    raw = text.encode("utf-8")
+    raw = text.encode("utf-8", "surrogatepass")  # JSON and headers may carry lone surrogates
     return [zlib.crc32(raw[i:i + BYTES_PER_TOKEN]) % VOCAB_SIZE for i in range(0, len(raw), BYTES_PER_TOKEN)]
 
 
 def estimate_tokens(text: str) -> int:
     """Token count of ``text`` under :func:`tokenize` (at least 1)."""
-    return max(1, (len(text.encode("utf-8")) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN)
+    return max(1, (len(text.encode("utf-8", "surrogatepass")) + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN)
 
 
 def session_tokens(key: str, n: int) -> list[int]:
@@ -94,7 +95,7 @@ def session_tokens(key: str, n: int) -> list[int]:
     if n <= 0:
         return []
     ids: list[int] = []
-    seed = zlib.crc32(key.encode("utf-8"))
+    seed = zlib.crc32(key.encode("utf-8", "surrogatepass"))
     while len(ids) < n:
         seed = zlib.crc32(seed.to_bytes(4, "little"), len(ids))
         ids.append(seed % VOCAB_SIZE)

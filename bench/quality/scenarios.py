@@ -32,8 +32,8 @@ CONTROL: Mapping[str, float] = MappingProxyType({
 
 #: GPU memory (MiB) of a node with 24 GB free for requests next to the sim's 14 GB of model weights.
 GPU_24GB_FREE_MIB = 14336.0 + 24576.0
-#: GPU memory (MiB) of a node with 12 GiB of KV cache (24 576 tokens of a 7B model: a dozen 2k-token prompts).
-GPU_12GB_KV_MIB = 14336.0 + 12288.0
+#: GPU memory (MiB) of a node with 10 GiB of KV cache (20 480 tokens of a 7B model: ten 2k-token prompts).
+GPU_10GB_KV_MIB = 14336.0 + 10240.0
 
 #: Options every simulated backend of the benchmark runs with: sessions carry their real history in
 #: the prompt (no virtual session history).
@@ -210,7 +210,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
              "header; the four nodes' KV caches together hold every prefix but one node holds about a third "
              "of them: a router blind to the prompt misses the cache two times out of three and pays the "
              "whole prefill (100 ms here) each time",
-        nodes=tuple(Node("a100", gpu_memory_mib=GPU_12GB_KV_MIB) for _ in range(4)),
+        nodes=tuple(Node("a100", gpu_memory_mib=GPU_10GB_KV_MIB) for _ in range(4)),
         traffic=Traffic(rps=40.0, anon_share=1.0, system_tokens=2000, tenants=30, user_tokens=50, resend=False,
                         session_header=False),
     ),

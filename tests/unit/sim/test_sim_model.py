@@ -99,6 +99,11 @@ def test_block_keys_chain_every_token_up_to_the_block():
     assert block_hashes(a) == ka
 
 
+def test_text_that_is_not_valid_unicode_still_tokenizes():
+    assert len(tokenize("a\ud800b")) == 2 and estimate_tokens("\udcff" * 4) == 3
+    assert session_tokens("\udcff\udcfesession", 16) != session_tokens("session", 16)
+
+
 def test_session_tokens_are_deterministic_per_key():
     assert session_tokens("alice", 400) == session_tokens("alice", 400)
     assert len(session_tokens("alice", 400)) == 400 and session_tokens("x", 0) == []

@@ -383,3 +383,10 @@ async def test_new_vllm_metrics_are_exposed_with_their_labels(backends, http):
     assert value("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 16
     assert value("vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_count") == 2
     assert value("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 14
+
+
+async def test_lone_surrogates_in_the_prompt_are_tokens_not_errors(backends, http):
+    base = await backends()
+    raw = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
+    async with http.post(f"{base}/v1/chat/completions", data=raw, headers={"content-type": "application/json"}) as r:
+        assert r.status == 200, await r.text()
