@@ -221,16 +221,21 @@ class PrefixCache:
                 self._free.pop(k, None)
             self._refs[k] = count + 1
 
-    def release(self, keys: Sequence[int]) -> None:
-        """Drop one reference of each of ``keys``; a block left unused stays cached, most recently used."""
+    def release(self, keys: Sequence[int], keep: bool = True) -> None:
+        """Drop one reference of each of ``keys``; a block left unused stays cached, most recently
+        used (``keep=False``: it is dropped, e.g. a block whose prefill never finished)."""
         for k in keys:
             count = self._refs.get(k)
             if count is None:
                 continue
             if count <= 1:
-                self._refs[k] = 0
-                self._free[k] = None
-                self._free.move_to_end(k)
+                if keep:
+                    self._refs[k] = 0
+                    self._free[k] = None
+                    self._free.move_to_end(k)
+                else:
+                    del self._refs[k]
+                    self._free.pop(k, None)
             else:
                 self._refs[k] = count - 1
 

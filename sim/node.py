@@ -85,6 +85,8 @@ class Job:
     cached_tokens: int = 0
     reserved_mib: float = 0.0
     held_keys: list[int] = field(default_factory=list)
+    held_hits: int = 0
+    computed: bool = False
     held_tokens: int = 0
     preempted: bool = False
     preemptions: int = 0
@@ -259,6 +261,8 @@ class SimNode:
             await self._freed.wait()  # preempt mode: wait like vLLM's waiting queue
         mem.cache.acquire(keys[hit:])
         mem.held_tokens += loose
+        job.computed = False
+        job.held_hits = hit
         job.held_keys = list(keys)
         job.held_tokens = loose
         self._running.append(job)
@@ -268,7 +272,10 @@ class SimNode:
         if job in self._running:
             self._running.remove(job)
         if job.held_keys:
-            self.memory.cache.release(job.held_keys)
+            # Blocks whose prefill did not finish were never computed: they leave the cache.
+            hits, new = job.held_keys[:job.held_hits], job.held_keys[job.held_hits:]
+            self.memory.cache.release(hits)
+            self.memory.cache.release(new, keep=job.computed)
             job.held_keys = []
         self.memory.held_tokens -= job.held_tokens
         job.held_tokens = 0
@@ -346,6 +353,7 @@ class SimNode:
                         await self._requeue(job)
                         continue
                     job.prefill_s += p
+                    job.computed = True
                     if job.produced == 0:
                         job.produced = 1
                         job.first_token_s = loop.time() - job.arrived

@@ -240,3 +240,16 @@ def test_session_key_precedence():
     assert resolve_session_key({"x-user-id": "u"}, "b") == "u"
     assert resolve_session_key({}, "b") == "b"
     assert resolve_session_key({}, None) is None
+
+
+async def test_a_request_cancelled_during_prefill_leaves_no_uncomputed_blocks():
+    node = SimNode(BackendConfig(time_scale=1.0, session_history_tokens=0))
+    prompt = _prompt(9, 2000)
+    task = asyncio.create_task(node.serve(_req(tokens=prompt, max_tokens=2)))
+    await _wait_until(lambda: node.gate.running == 1)
+    await asyncio.sleep(0.02)  # inside its 200 ms prefill
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(node.memory.cache) == 0 and node.memory.held_mib == 0
+    done = await node.serve(_req(tokens=prompt, max_tokens=2))
+    assert done.cached_tokens == 0 and len(node.memory.cache) == 125
