@@ -170,6 +170,12 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     except stack.StackError as err:
         print(f"inferlb demo: {err}", file=sys.stderr)
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("openai") is None:
+        print("inferlb demo: the demo's traffic speaks through the openai client, which is not installed: "
+              "pip install 'inferlb[demo]'", file=sys.stderr)
+        return 2
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     procs: list[stack.Proc] = []
