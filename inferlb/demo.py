@@ -2,7 +2,8 @@
 
 Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus scraping every
 second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
-traffic with session and version headers, shows the live weights, writes a summary, and ends by
+traffic with session and version headers through the ``openai`` client (80 % streamed, a shared
+system prompt), shows the live weights, writes a summary, and ends by
 plotting the weight history to ``<workdir>/weight-history.png``.
 
 Metrics source (``--metrics-source``): ``prometheus`` (with the scrape source as fallback),
@@ -26,7 +27,7 @@ import yaml
 
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
-from inferlb.devstack.loadgen import Traffic, drive, make_sessions
+from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, Traffic, drive, make_sessions
 from inferlb.output import plot_history, weights_rich_table, weights_table
 from xds_server.config import load_config
 from xds_server.resources.bootstrap import render_bootstrap
@@ -147,7 +148,8 @@ async def _traffic(duration: float, concurrency: int, admin: str, live: bool) ->
     shower = asyncio.create_task(_live(admin, stop, traffic, started)) if live else None
     try:
         await drive(f"http://127.0.0.1:{ENVOY_LISTENER}/v1/chat/completions", sessions,
-                    duration_s=duration, concurrency=concurrency, traffic=traffic)
+                    duration_s=duration, concurrency=concurrency, traffic=traffic, stream_share=0.8,
+                    system_prompt=DEMO_SYSTEM_PROMPT)
     finally:
         stop.set()
         if shower:
@@ -180,6 +182,12 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         source = choose_metrics_source(metrics_source, stack.prometheus_binary() is not None)
     except stack.StackError as err:
         print(f"inferlb demo: {err}", file=sys.stderr)
+        return 2
+    import importlib.util
+
+    if importlib.util.find_spec("openai") is None:
+        print("inferlb demo: the demo's traffic speaks through the openai client, which is not installed: "
+              "pip install 'inferlb[demo]'", file=sys.stderr)
         return 2
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -230,7 +238,8 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "workdir": str(work),
         }
         print(weights_table(_get_json(f"{admin}/api/v1/weights")))
-        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms")}, indent=1))
+        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms", "ttft_ms")},
+                         indent=1))
         plot_path = work / "weight-history.png"
         history = _get_json(f"{admin}/api/v1/history?since={int(time.time() - demo_started) + 5}s")
         plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")

@@ -48,6 +48,33 @@ from sim.model import GPU_CLASSES
     help="Requests run at once; further ones wait in a FIFO queue.",
 )
 @click.option(
+    "--kv-mib-per-token",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="KV-cache memory of one token (prompt or generated), MiB (0.5 = a 7B model in fp16).",
+)
+@click.option(
+    "--oom-mode",
+    type=click.Choice(["error", "preempt"]),
+    default="error",
+    show_default=True,
+    help="When KV memory runs out: HTTP 500 'CUDA out of memory', or preempt the newest request (vLLM).",
+)
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="vLLM-style automatic prefix caching (16-token blocks, LRU eviction).",
+)
+@click.option(
+    "--session-history-tokens",
+    type=click.IntRange(min=0),
+    default=400,
+    show_default=True,
+    help="Tokens of history a session key stands for (cached like a prompt prefix; 0 = none).",
+)
+@click.option(
     "--long-tail",
     type=click.FloatRange(0.0, 1.0),
     default=0.0,
@@ -107,6 +134,10 @@ def sim_backend(
     model_name: str,
     gpu_memory_mib: float | None,
     max_concurrency: int,
+    kv_mib_per_token: float,
+    oom_mode: str,
+    prefix_caching: bool,
+    session_history_tokens: int,
     long_tail: float,
     legacy_metrics: bool,
     seed: int | None,
@@ -135,6 +166,10 @@ def sim_backend(
             model_name=model_name,
             gpu_memory_mib=gpu_memory_mib,
             max_concurrency=max_concurrency,
+            kv_mib_per_token=kv_mib_per_token,
+            oom_mode=oom_mode,
+            prefix_caching=prefix_caching,
+            session_history_tokens=session_history_tokens,
             long_tail=long_tail,
             legacy_metrics=legacy_metrics,
             seed=seed,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from sim.model import DEFAULT_WEIGHTS_MIB, GPU_CLASSES
+from sim.model import DEFAULT_KV_MIB_PER_TOKEN, DEFAULT_WEIGHTS_MIB, GPU_CLASSES
+
+OOM_MODES = ("error", "preempt")
 
 
 @dataclass
@@ -21,6 +23,15 @@ class BackendConfig:
     ``HOST:PORT``) on a lease of ``etcd_ttl_s`` s, as service ``etcd_service`` (default: the model
     name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown,
     as etcd user ``etcd_user`` (``NAME:PASSWORD``; default: no authentication).
+
+    KV cache: ``kv_mib_per_token`` MiB per token (prompt + generated) of a running request;
+    ``oom_mode`` what happens when the KV memory runs out: ``error`` (HTTP 500 "CUDA out of
+    memory", the request's whole output reserved when it starts) or ``preempt`` (vLLM's recompute
+    preemption: the newest running request gives its memory back and starts again later).
+    ``prefix_caching``: vLLM-style automatic prefix caching on (blocks of ``block_size`` tokens).
+    ``session_history_tokens``: tokens of conversation history a session key stands for (the
+    session-keyed cache as a special case of the prefix cache; 0 = none).
+    ``default_max_tokens``: a request without ``max_tokens`` generates a seeded 1..this many tokens.
     """
 
     host: str = "127.0.0.1"
@@ -30,14 +41,17 @@ class BackendConfig:
     model_name: str = "sim-7b"
     gpu_memory_mib: float | None = None
     weights_mib: float = DEFAULT_WEIGHTS_MIB
-    kv_mib_per_token: float = 0.5
+    kv_mib_per_token: float = DEFAULT_KV_MIB_PER_TOKEN
+    oom_mode: str = "error"
+    prefix_caching: bool = True
+    block_size: int = 16
+    session_history_tokens: int = 400
+    default_max_tokens: int = 128
     max_concurrency: int = 8
     long_tail: float = 0.0
     legacy_metrics: bool = False
     seed: int | None = None
     time_scale: float = 1.0
-    prefill_penalty_ms: float = 40.0
-    session_cache_size: int = 10_000
     push_status: str | None = None
     push_interval_s: float = 0.5
     push_instance: str | None = None
@@ -71,10 +85,14 @@ class BackendConfig:
             raise ValueError("long_tail must be a probability in 0-1")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
-        if self.prefill_penalty_ms < 0:
-            raise ValueError("prefill_penalty_ms must be >= 0")
-        if self.session_cache_size < 1:
-            raise ValueError("session_cache_size must be >= 1")
+        if self.oom_mode not in OOM_MODES:
+            raise ValueError(f"oom_mode must be one of {list(OOM_MODES)}, got {self.oom_mode!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError("block_size must be 1-1024 tokens")
+        if self.session_history_tokens < 0:
+            raise ValueError("session_history_tokens must be >= 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
         if not 0.01 <= self.push_interval_s <= 60:
             raise ValueError("push_interval_s must be 0.01-60 s")
         if self.etcd is not None and not all(u.strip().startswith(("http://", "https://"))

@@ -25,13 +25,17 @@ class ConcurrencyGate:
         """Requests queued for a slot."""
         return len(self._waiters)
 
-    async def acquire(self) -> None:
-        """Wait (FIFO) for a slot. If cancelled, leaves the queue or returns a granted slot."""
+    async def acquire(self, front: bool = False) -> None:
+        """Wait (FIFO) for a slot; ``front``: queue at the head (a preempted request going back).
+        If cancelled, leaves the queue or returns a granted slot."""
         if self.running < self.limit and not self._waiters:
             self.running += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if front:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
         try:
             await fut
         except asyncio.CancelledError:

@@ -1,7 +1,9 @@
 """Prometheus exposition of one simulated backend, on its own ``CollectorRegistry``.
 
-Names follow real vLLM (labels ``model_name``, ``engine``) and the NVIDIA DCGM exporter
-(labels ``gpu``, ``UUID``, ``modelName``, ``Hostname``), plus a few ``inferlb_sim_*`` counters.
+Names follow real vLLM (labels ``model_name``, ``engine``), as the V1 engine of vLLM v0.10.2
+exposes them (``vllm/v1/metrics/loggers.py`` of that release), and the NVIDIA DCGM exporter (labels
+``gpu``, ``UUID``, ``modelName``, ``Hostname``), plus a few ``inferlb_sim_*`` counters.
+prometheus_client adds ``_total`` to counter names, as vLLM's exposition has them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
     0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+)
+#: Token-count histogram buckets (vLLM's 1-2-5 series up to the model length).
+TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+#: Per-token latency buckets in seconds (vLLM's, from 10 ms, plus finer ones for a time-compressed sim).
+TOKEN_LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5,
 )
 # fmt: on
 
@@ -94,6 +103,44 @@ class SimMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens_total", "Generation tokens produced.", vl, registry=reg
         )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token after the first, per request, s.",
+            vl,
+            buckets=TOKEN_LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two output tokens, s.",
+            vl,
+            buckets=TOKEN_LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time spent in prefill, per request, s.",
+            vl,
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", vl, buckets=TOKEN_BUCKETS, registry=reg
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", vl, buckets=TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens queried.", vl, registry=reg
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens found cached.", vl, registry=reg
+        )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Requests preempted (KV memory given back, recomputed later).", vl,
+            registry=reg,
+        )
         self.gpu_util = Gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilisation, percent.", dl, registry=reg)
         self.fb_used = Gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used, MiB.", dl, registry=reg)
         self.fb_free = Gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free, MiB.", dl, registry=reg)
@@ -119,6 +166,14 @@ class SimMetrics:
             self.queue_time,
             self.prompt_tokens,
             self.generation_tokens,
+            self.tpot,
+            self.itl,
+            self.prefill_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
         ):
             family.labels(**self._vllm)
         for handler in ("/v1/chat/completions", "/v1/completions"):
@@ -145,14 +200,37 @@ class SimMetrics:
         prompt_tokens: int,
         generation_tokens: int,
         finished_reason: str = "length",
+        tpot_s: float | None = None,
+        prefill_s: float | None = None,
     ) -> None:
-        """Record one successful request (times in seconds)."""
+        """Record one successful request (times in seconds; ``tpot_s`` None for a one-token answer)."""
         self.e2e.labels(**self._vllm).observe(e2e_s)
         self.ttft.labels(**self._vllm).observe(ttft_s)
         self.queue_time.labels(**self._vllm).observe(queue_s)
         self.success.labels(**self._vllm, finished_reason=finished_reason).inc()
         self.prompt_tokens.labels(**self._vllm).inc(prompt_tokens)
         self.generation_tokens.labels(**self._vllm).inc(generation_tokens)
+        self.request_prompt_tokens.labels(**self._vllm).observe(prompt_tokens)
+        self.request_generation_tokens.labels(**self._vllm).observe(generation_tokens)
+        if tpot_s is not None:
+            self.tpot.labels(**self._vllm).observe(tpot_s)
+        if prefill_s is not None:
+            self.prefill_time.labels(**self._vllm).observe(prefill_s)
+
+    def observe_prefix(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one prefix-cache lookup: prompt tokens queried and found cached."""
+        self.prefix_queries.labels(**self._vllm).inc(queried_tokens)
+        self.prefix_hits.labels(**self._vllm).inc(hit_tokens)
+
+    def observe_preemption(self) -> None:
+        """Count one preempted request."""
+        self.preemptions.labels(**self._vllm).inc()
+
+    def observe_inter_token(self, gap_s: float, tokens: int = 1) -> None:
+        """Record ``tokens`` inter-token gaps of ``gap_s`` seconds each."""
+        child = self.itl.labels(**self._vllm)
+        for _ in range(tokens):
+            child.observe(gap_s)
 
     def observe_session(self, hit: bool) -> None:
         """Count a session-cache hit or miss."""

@@ -1,14 +1,24 @@
-"""One simulated inference node: admission, FIFO queue, latency, sessions, faults, metrics.
+"""One simulated inference node: admission, FIFO queue, prefill and decode, KV memory, the prefix
+cache, preemption, faults, metrics.
 
 Glues the pure :mod:`sim.model` to asyncio time. HTTP lives in :mod:`sim.server`.
+
+A request's life: (explicit ``x-sim-memory-mib`` reservation, refused at once if it does not fit)
+-> FIFO queue for a running slot -> KV admission (prefix-cache lookup; memory for the uncached
+prompt blocks, plus the whole output in ``oom_mode: error``) -> prefill of the uncached tokens
+(the first token comes out at its end) -> decode, one step per token at the speed of the running
+batch. Tokens come out in ticks of at least :data:`TICK_S` of wall time (several tokens per tick
+when steps are shorter), so a time-compressed node does not wake up for every token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from sim.config import BackendConfig
@@ -17,15 +27,23 @@ from sim.gate import ConcurrencyGate
 from sim.metrics import GaugeSnapshot, SimMetrics
 from sim.model import (
     GPU_CLASSES,
-    LatencyPlan,
-    MemoryPool,
-    SessionCache,
+    KvMemory,
+    block_hashes,
+    decode_step_ms,
     draw_long_tail,
     gpu_util_percent,
-    plan_latency,
-    request_memory_mib,
+    output_length,
+    prefill_ms,
+    session_tokens,
+    time_factor,
 )
 from sim.protocol import InferenceRequest
+
+#: Shortest wall-clock time between two wake-ups of one request's decode loop, s.
+TICK_S = 0.004
+
+#: Words the simulated replies are made of (one token each).
+_WORDS = ("Simulated", "reply", "from")
 
 
 class OutOfMemory(Exception):
@@ -45,16 +63,66 @@ class NodeClosing(Exception):
     """The node is shutting down; the request was not served."""
 
 
+@dataclass
+class Job:
+    """One request inside the node (mutable state of its run).
+
+    ``tokens``: every prompt token the KV cache sees (session history first, if any); ``keys``:
+    their full blocks' keys. ``output_tokens``: tokens it will generate. ``factor``: multiplier of
+    all its times. Times in seconds (loop clock), memory in MiB / tokens.
+    """
+
+    req: InferenceRequest
+    request_id: str
+    tokens: tuple[int, ...]
+    keys: list[int]
+    output_tokens: int
+    factor: float
+    long_tail: bool
+    session_hit: bool | None = None
+    history_tokens: int = 0
+    produced: int = 0
+    cached_tokens: int = 0
+    reserved_mib: float = 0.0
+    held_keys: list[int] = field(default_factory=list)
+    held_hits: int = 0
+    computed: bool = False
+    held_tokens: int = 0
+    preempted: bool = False
+    preemptions: int = 0
+    arrived: float = 0.0
+    queue_s: float = 0.0
+    first_token_s: float | None = None
+    prefill_s: float = 0.0
+    finished_s: float = 0.0
+
+    @property
+    def finish_reason(self) -> str:
+        """``length`` when ``max_tokens`` ended the output, else ``stop``."""
+        return "length" if self.req.max_tokens_given else "stop"
+
+    def token_text(self, i: int) -> str:
+        """Text of output token ``i`` (0-based)."""
+        return _WORDS[i % len(_WORDS)] + " "
+
+
 @dataclass(frozen=True)
 class Completion:
-    """Outcome of a served request; times in seconds, memory in MiB."""
+    """Outcome of a served request; times in seconds, memory in MiB, tokens."""
 
     request_id: str
     text: str
-    plan: LatencyPlan
     queue_s: float
+    ttft_s: float
     e2e_s: float
     memory_mib: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    session_hit: bool | None
+    long_tail: bool
+    preemptions: int
 
 
 def gpu_uuid_for(hostname: str, served_by: str, seed: int | None) -> str:
@@ -68,8 +136,7 @@ class SimNode:
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
         self.gpu = GPU_CLASSES[cfg.gpu_class]
-        self.memory = MemoryPool(cfg.gpu_memory_total_mib, cfg.weights_mib)
-        self.sessions = SessionCache(cfg.session_cache_size)
+        self.memory = KvMemory(cfg.gpu_memory_total_mib, cfg.weights_mib, cfg.kv_mib_per_token, cfg.block_size)
         self.gate = ConcurrencyGate(cfg.max_concurrency)
         self.faults = FaultState(cfg.long_tail)
         self.rng = random.Random(cfg.seed)
@@ -90,22 +157,166 @@ class SimNode:
             "session_hits": 0,
             "session_misses": 0,
             "long_tail": 0,
+            "preemptions": 0,
+            "prefix_queried_tokens": 0,
+            "prefix_hit_tokens": 0,
         }
         self.hung = 0  # requests currently held by the hang fault
         self._seq = 0
+        self._running: list[Job] = []  # jobs holding KV, oldest start first
+        self._freed = asyncio.Event()
 
     def bind(self, served_by: str) -> None:
         """Record the address actually listened on (``HOST:PORT``), e.g. after binding port 0."""
         self.served_by = served_by
         self.metrics.set_gpu_uuid(gpu_uuid_for(self.cfg.hostname, served_by, self.cfg.seed))
 
-    async def serve(self, req: InferenceRequest) -> Completion:
-        """Serve one request: hang fault, memory admission, FIFO slot, simulated latency.
+    # --- the request's life ----------------------------------------------------------------------
 
-        Raises :class:`OutOfMemory` at once if the memory does not fit, :class:`NodeClosing` on
-        shutdown. Memory and the running slot are released however the request ends.
-        """
+    def new_job(self, req: InferenceRequest) -> Job:
+        """Make the job of ``req``: its id, prompt tokens and block keys, output length, long-tail draw."""
+        self._seq += 1
         self.counters["requests"] += 1
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        history: list[int] = []
+        if req.session_key is not None and self.cfg.session_history_tokens:
+            history = session_tokens(req.session_key, self.cfg.session_history_tokens)
+        tokens = (*history, *req.tokens) if history else (req.tokens or (0,) * max(1, req.prompt_tokens))
+        keys = block_hashes(tokens, self.cfg.block_size) if self.cfg.prefix_caching else []
+        out = output_length(self.rng, req.max_tokens if req.max_tokens_given else None, self.cfg.default_max_tokens)
+        long_tail = draw_long_tail(self.rng, self.faults.long_tail)
+        if long_tail:
+            self.counters["long_tail"] += 1
+        return Job(req=req, request_id=f"{prefix}-{self.metrics.gpu_uuid[4:12]}-{self._seq}", tokens=tokens,
+                   keys=keys, output_tokens=out, factor=1.0, long_tail=long_tail,
+                   session_hit=None if not history else False, history_tokens=len(history))
+
+    async def serve(self, req: InferenceRequest) -> Completion:
+        """Serve ``req`` whole (non-streaming): see :meth:`generate`."""
+        job = self.new_job(req)
+        async for _ in self.generate(job):
+            pass
+        return self.completion(job)
+
+    def completion(self, job: Job) -> Completion:
+        """The outcome of a finished ``job``."""
+        text = "".join(job.token_text(i) for i in range(job.output_tokens)).rstrip()
+        return Completion(
+            request_id=job.request_id, text=text, queue_s=job.queue_s, ttft_s=job.first_token_s or 0.0,
+            e2e_s=job.finished_s, memory_mib=job.reserved_mib, prompt_tokens=job.req.prompt_tokens,
+            completion_tokens=job.output_tokens, cached_tokens=max(0, job.cached_tokens - job.history_tokens),
+            finish_reason=job.finish_reason, session_hit=job.session_hit, long_tail=job.long_tail,
+            preemptions=job.preemptions)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _oom(self) -> None:
+        self.counters["oom"] += 1
+        self.metrics.observe_oom()
+
+    def _wake(self) -> None:
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    def _recompute_tokens(self, job: Job) -> int:
+        """Tokens to prefill again after a preemption: the uncached prompt plus what was generated."""
+        return len(job.tokens) - job.cached_tokens + job.produced
+
+    async def _admit(self, job: Job, first_run: bool) -> None:
+        """Give ``job`` its KV memory: the cached leading blocks are shared, the rest allocated
+        (unused cached blocks evicted LRU first). ``oom_mode: error`` also reserves the whole
+        output; ``preempt`` waits for memory while other requests run. Raises OutOfMemory."""
+        mem = self.memory
+        keys = job.keys
+        hit = mem.cache.match(keys)
+        # At least one prompt token is always computed (vLLM recomputes the last one).
+        while hit and hit * self.cfg.block_size >= len(job.tokens):
+            hit -= 1
+        if first_run:
+            job.cached_tokens = hit * self.cfg.block_size
+            if job.session_hit is not None:
+                job.session_hit = hit > 0
+                self.counters["session_hits" if job.session_hit else "session_misses"] += 1
+                self.metrics.observe_session(job.session_hit)
+            queried = len(job.tokens)
+            self.counters["prefix_queried_tokens"] += queried
+            self.counters["prefix_hit_tokens"] += job.cached_tokens
+            self.metrics.observe_prefix(queried, job.cached_tokens)
+        if job.reserved_mib:  # an explicit size covers the request's whole KV: read the cache only
+            self._running.append(job)
+            return
+        loose = len(job.tokens) - len(keys) * self.cfg.block_size + job.produced
+        if self.cfg.oom_mode == "error":
+            loose += job.output_tokens - job.produced
+        new = len(keys) - hit
+        mem.cache.acquire(keys[:hit])  # pin the hits before making room
+        while True:
+            need = mem.blocks_mib(new, loose)
+            if mem.make_room(need):
+                break
+            if self.cfg.oom_mode == "error" or not self._running:
+                mem.cache.release(keys[:hit])
+                self._oom()
+                raise OutOfMemory(need, mem.free_mib, mem.total_mib)
+            await self._freed.wait()  # preempt mode: wait like vLLM's waiting queue
+        mem.cache.acquire(keys[hit:])
+        mem.held_tokens += loose
+        job.computed = False
+        job.held_hits = hit
+        job.held_keys = list(keys)
+        job.held_tokens = loose
+        self._running.append(job)
+
+    def _free(self, job: Job) -> None:
+        """Give back ``job``'s blocks (they stay cached, unused) and loose tokens."""
+        if job in self._running:
+            self._running.remove(job)
+        if job.held_keys:
+            # Blocks whose prefill did not finish were never computed: they leave the cache.
+            hits, new = job.held_keys[:job.held_hits], job.held_keys[job.held_hits:]
+            self.memory.cache.release(hits)
+            self.memory.cache.release(new, keep=job.computed)
+            job.held_keys = []
+        self.memory.held_tokens -= job.held_tokens
+        job.held_tokens = 0
+        self._wake()
+
+    def _preempt(self, victim: Job) -> None:
+        """vLLM's recompute preemption: the victim's KV goes back now; it runs again later."""
+        self._free(victim)
+        victim.preempted = True
+        victim.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.metrics.observe_preemption()
+
+    async def _requeue(self, job: Job) -> None:
+        """A preempted job gives up its slot and waits at the head of the queue for another."""
+        job.preempted = False
+        self.gate.release()
+        await self.gate.acquire(front=True)
+
+    async def _grow(self, job: Job, k: int) -> bool:
+        """Room for ``k`` more generated tokens (preempt mode); preempts the newest running requests
+        if needed. False when ``job`` itself was preempted. Raises OutOfMemory when ``job`` runs
+        alone and still cannot grow."""
+        mem = self.memory
+        while not mem.make_room(k * mem.kv_mib_per_token):
+            victim = self._running[-1] if self._running else job
+            if victim is job and len(self._running) <= 1:
+                self._oom()
+                raise OutOfMemory(k * mem.kv_mib_per_token, mem.free_mib, mem.total_mib)
+            self._preempt(victim)
+            if victim is job:
+                return False
+        mem.held_tokens += k
+        job.held_tokens += k
+        return True
+
+    async def generate(self, job: Job) -> AsyncIterator[int]:
+        """Run ``job``; yields the number of new output tokens each time some come out (the first
+        yield is the first token, at TTFT). Raises :class:`OutOfMemory` (before any token) when its
+        memory cannot fit, :class:`NodeClosing` on shutdown. Memory and the running slot are
+        released however it ends (also when the consumer stops early)."""
         self.hung += 1
         try:
             await self.faults.wait_while(lambda: self.faults.hang)
@@ -113,68 +324,86 @@ class SimNode:
             self.hung -= 1
         if self.faults.closing:
             raise NodeClosing("backend is shutting down")
-        mib = request_memory_mib(req.max_tokens, self.cfg.kv_mib_per_token, req.memory_mib)
-        if not self.memory.try_reserve(mib):
-            self.counters["oom"] += 1
-            self.metrics.observe_oom()
-            raise OutOfMemory(mib, self.memory.free_mib, self.memory.total_mib)
+        job.factor = time_factor(self.gpu, time_scale=self.cfg.time_scale, slow_factor=self.faults.slow_factor,
+                                 long_tail=job.long_tail)
+        if job.req.memory_mib is not None:
+            if not self.memory.try_reserve(job.req.memory_mib):
+                self._oom()
+                raise OutOfMemory(job.req.memory_mib, self.memory.free_mib, self.memory.total_mib)
+            job.reserved_mib = job.req.memory_mib
         loop = asyncio.get_running_loop()
-        arrived = loop.time()
+        job.arrived = loop.time()
+        first_run = True
+        finished = False
         try:
             await self.gate.acquire()
             try:
-                queue_s = loop.time() - arrived
-                plan = self._plan(req)
-                await asyncio.sleep(plan.service_ms / 1000.0)
+                while not finished:
+                    await self._admit(job, first_run)
+                    if first_run:
+                        job.queue_s = loop.time() - job.arrived
+                        uncached = len(job.tokens) - job.cached_tokens
+                    else:
+                        uncached = self._recompute_tokens(job)
+                    first_run = False
+                    p = prefill_ms(uncached, job.factor) / 1000.0
+                    if p > 0:
+                        await asyncio.sleep(p)
+                    if job.preempted:
+                        await self._requeue(job)
+                        continue
+                    job.prefill_s += p
+                    job.computed = True
+                    if job.produced == 0:
+                        job.produced = 1
+                        job.first_token_s = loop.time() - job.arrived
+                        yield 1
+                    while job.produced < job.output_tokens:
+                        step = decode_step_ms(self.gate.running, job.factor) / 1000.0
+                        k = min(job.output_tokens - job.produced, max(1, math.ceil(TICK_S / step)) if step > 0
+                                else job.output_tokens)
+                        if self.cfg.oom_mode == "preempt" and not job.reserved_mib and not await self._grow(job, k):
+                            break
+                        tick = loop.time()
+                        await asyncio.sleep(k * step)
+                        if job.preempted:
+                            break
+                        job.produced += k
+                        self.metrics.observe_inter_token((loop.time() - tick) / k, k)
+                        yield k
+                    if job.preempted:
+                        await self._requeue(job)
+                        continue
+                    finished = True
             finally:
+                self._free(job)
                 self.gate.release()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             self.counters["cancelled"] += 1
             raise
         finally:
-            self.memory.release(mib)
-        return self._finish(req, plan, queue_s, mib)
+            if job.reserved_mib:
+                self.memory.release(job.reserved_mib)
+                self._wake()
+        job.finished_s = loop.time() - job.arrived
+        self._finish(job)
 
-    def _plan(self, req: InferenceRequest) -> LatencyPlan:
-        """Decide latency at start of running (session lookup, long-tail draw)."""
-        hit = False
-        if req.session_key is not None:
-            hit = self.sessions.touch(req.session_key)
-            self.counters["session_hits" if hit else "session_misses"] += 1
-            self.metrics.observe_session(hit)
-        long_tail = draw_long_tail(self.rng, self.faults.long_tail)
-        if long_tail:
-            self.counters["long_tail"] += 1
-        return plan_latency(
-            self.gate.running,
-            self.gpu,
-            session_hit=hit,
-            long_tail=long_tail,
-            time_scale=self.cfg.time_scale,
-            slow_factor=self.faults.slow_factor,
-            prefill_penalty_ms=self.cfg.prefill_penalty_ms,
-        )
-
-    def _finish(self, req: InferenceRequest, plan: LatencyPlan, queue_s: float, mib: float) -> Completion:
-        self._seq += 1
+    def _finish(self, job: Job) -> None:
         self.counters["success"] += 1
-        e2e_s = queue_s + plan.service_ms / 1000.0
+        ttft = job.first_token_s or 0.0
+        tpot = (job.finished_s - ttft) / (job.output_tokens - 1) if job.output_tokens > 1 else None
         self.metrics.observe_finished(
-            e2e_s=e2e_s,
-            ttft_s=queue_s + plan.prefill_ms / 1000.0,
-            queue_s=queue_s,
-            prompt_tokens=req.prompt_tokens,
-            generation_tokens=req.max_tokens,
+            e2e_s=job.finished_s,
+            ttft_s=ttft,
+            queue_s=job.queue_s,
+            prompt_tokens=job.req.prompt_tokens,
+            generation_tokens=job.output_tokens,
+            finished_reason=job.finish_reason,
+            tpot_s=tpot,
+            prefill_s=job.prefill_s,
         )
-        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
-        return Completion(
-            request_id=f"{prefix}-{self.metrics.gpu_uuid[4:12]}-{self._seq}",
-            text=f"Simulated reply from {self.cfg.model_name} {self.cfg.version} on {self.served_by}.",
-            plan=plan,
-            queue_s=queue_s,
-            e2e_s=e2e_s,
-            memory_mib=mib,
-        )
+
+    # --- views -----------------------------------------------------------------------------------
 
     def gauges(self) -> GaugeSnapshot:
         """Current gauge values for the exposition."""
@@ -189,6 +418,7 @@ class SimNode:
 
     def state(self) -> dict[str, Any]:
         """JSON-able view of the node for ``GET /sim/state`` (memory in MiB, kv_usage 0-1)."""
+        mem = self.memory
         return {
             "served_by": self.served_by,
             "version": self.cfg.version,
@@ -197,19 +427,26 @@ class SimNode:
             "gpu_model_name": self.gpu.dcgm_model_name,
             "time_scale": self.cfg.time_scale,
             "max_concurrency": self.cfg.max_concurrency,
+            "oom_mode": self.cfg.oom_mode,
             "running": self.gate.running,
             "waiting": self.gate.waiting,
             "hung": self.hung,
             "gpu_util_percent": gpu_util_percent(self.gate.running, self.cfg.max_concurrency),
             "memory": {
-                "total_mib": self.memory.total_mib,
-                "weights_mib": self.memory.weights_mib,
-                "held_mib": self.memory.held_mib,
-                "used_mib": self.memory.used_mib,
-                "free_mib": self.memory.free_mib,
-                "kv_usage": self.memory.kv_usage,
+                "total_mib": mem.total_mib,
+                "weights_mib": mem.weights_mib,
+                "held_mib": mem.held_mib,
+                "used_mib": mem.used_mib,
+                "free_mib": mem.free_mib,
+                "kv_usage": mem.kv_usage,
+                "cached_free_mib": mem.cached_free_mib,
             },
-            "sessions_cached": len(self.sessions),
+            "prefix_cache": {
+                "block_size": self.cfg.block_size,
+                "blocks": len(mem.cache),
+                "unused_blocks": mem.cache.free_blocks,
+                "evicted_blocks": mem.evicted_blocks,
+            },
             "faults": self.faults.as_dict(),
             "counters": dict(self.counters),
         }

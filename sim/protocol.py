@@ -1,7 +1,10 @@
 """OpenAI-style request parsing and response bodies (pure: no I/O).
 
-Only the fields the simulator uses are read: ``max_tokens`` (default 128), ``user``, ``model``,
-and ``messages`` (chat) / ``prompt`` (completions) to estimate prompt tokens.
+Only the fields the simulator uses are read: ``max_tokens`` (or ``max_completion_tokens``; absent =
+a seeded length), ``user``, ``model``, ``stream``, ``stream_options.include_usage``, and
+``messages`` (chat) / ``prompt`` (completions), which :func:`render_prompt` turns into the text the
+tokenizer (:func:`sim.model.tokenize`) reads. Streaming answers are Server-Sent Events as the
+OpenAI API sends them: ``data: {chunk}`` lines, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sim.model import estimate_tokens
+from sim.model import tokenize
 
 DEFAULT_MAX_TOKENS = 128
 MAX_MAX_TOKENS = 1_000_000
@@ -33,7 +36,12 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class InferenceRequest:
-    """A validated inference request. ``memory_mib`` is the explicit header value or None."""
+    """A validated inference request. ``memory_mib`` is the explicit header value or None.
+
+    ``max_tokens``: the body's (or :data:`DEFAULT_MAX_TOKENS` when ``max_tokens_given`` is False:
+    then the node draws the output length). ``tokens``: the prompt's token ids (``prompt_tokens``
+    of them). ``stream`` / ``include_usage``: SSE answer, with a final usage chunk.
+    """
 
     kind: Kind
     max_tokens: int
@@ -42,10 +50,20 @@ class InferenceRequest:
     user: str | None
     session_key: str | None
     memory_mib: float | None
+    tokens: tuple[int, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens_given: bool = True
 
 
-def _prompt_text(kind: Kind, body: Mapping[str, Any]) -> str:
-    """Text whose length estimates the prompt size; raises RequestError on a malformed field."""
+def render_prompt(kind: Kind, body: Mapping[str, Any]) -> str:
+    """The prompt text the tokenizer reads; raises RequestError on a malformed field.
+
+    Chat: every message as ``<|ROLE|>\\nCONTENT\\n`` (content that is not a string as JSON), then
+    ``<|assistant|>\\n`` (the generation prompt of a chat template), so a client that resends
+    the whole conversation sends a longer text that starts with the previous one.
+    Completions: the ``prompt`` string (a list as JSON).
+    """
     if kind == "chat":
         messages = body.get("messages", [])
         if not isinstance(messages, list):
@@ -55,8 +73,10 @@ def _prompt_text(kind: Kind, body: Mapping[str, Any]) -> str:
             if not isinstance(msg, dict):
                 raise RequestError("messages", "each entry of 'messages' must be an object")
             content = msg.get("content", "")
-            parts.append(content if isinstance(content, str) else json.dumps(content))
-        return "\n".join(parts)
+            role = msg.get("role", "user")
+            parts.append(f"<|{role if isinstance(role, str) else 'user'}|>\n"
+                         f"{content if isinstance(content, str) else json.dumps(content)}\n")
+        return "".join(parts) + "<|assistant|>\n"
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
         return prompt
@@ -104,26 +124,45 @@ def parse_request(kind: Kind, raw: bytes, headers: Mapping[str, str]) -> Inferen
         raise RequestError("body", "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise RequestError("body", "request body must be a JSON object")
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens is None:
+    key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = body.get(key)
+    given = max_tokens is not None
+    if not given:
         max_tokens = DEFAULT_MAX_TOKENS
     if (
         isinstance(max_tokens, bool)
         or not isinstance(max_tokens, int)
         or not 1 <= max_tokens <= MAX_MAX_TOKENS
     ):
-        raise RequestError("max_tokens", f"'max_tokens' must be an integer in 1-{MAX_MAX_TOKENS}")
+        raise RequestError(key, f"'{key}' must be an integer in 1-{MAX_MAX_TOKENS}")
     model = _optional_str(body, "model")
     user = _optional_str(body, "user")
-    prompt_tokens = estimate_tokens(_prompt_text(kind, body))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("stream", "'stream' must be true or false")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError("stream_options", "'stream_options' must be an object")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise RequestError("stream_options", "'stream_options.include_usage' must be true or false")
+    tokens = tuple(tokenize(render_prompt(kind, body))) or (0,)
     return InferenceRequest(
         kind=kind,
         max_tokens=max_tokens,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=len(tokens),
         model=model,
         user=user,
         session_key=resolve_session_key(headers, user),
         memory_mib=parse_memory_header(headers.get(MEMORY_HEADER)),
+        tokens=tokens,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens_given=given,
     )
 
 
@@ -140,13 +179,13 @@ def completion_body(
     text: str,
     created: int,
     finish_reason: str = "length",
+    completion_tokens: int | None = None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    """OpenAI-style success body for ``req`` (chat.completion or text_completion)."""
-    usage = {
-        "prompt_tokens": req.prompt_tokens,
-        "completion_tokens": req.max_tokens,
-        "total_tokens": req.prompt_tokens + req.max_tokens,
-    }
+    """OpenAI-style success body for ``req`` (chat.completion or text_completion), with ``usage``
+    (``completion_tokens`` default: ``req.max_tokens``)."""
+    usage = usage_body(req.prompt_tokens, req.max_tokens if completion_tokens is None else completion_tokens,
+                       cached_tokens)
     if req.kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
@@ -165,3 +204,51 @@ def completion_body(
         "choices": [choice],
         "usage": usage,
     }
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI ``usage``: prompt, completion and total tokens, and the prompt tokens served from the
+    prefix cache (``prompt_tokens_details.cached_tokens``, as vLLM reports it)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chunk_body(req: InferenceRequest, *, request_id: str, model_name: str, created: int, text: str | None = None,
+               role: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
+    """One streamed chunk: ``chat.completion.chunk`` (``delta`` with the role first, then content) or
+    ``text_completion`` (``text``); ``finish_reason`` on the last one. ``usage`` is null on these, as
+    the OpenAI API sends it when ``include_usage`` is asked for."""
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model_name,
+                           "choices": [choice]}
+    if req.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(req: InferenceRequest, *, request_id: str, model_name: str, created: int,
+                usage: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model_name, "choices": [],
+            "usage": usage}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Event: ``data: JSON`` (or the literal string) and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

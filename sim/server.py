@@ -3,6 +3,10 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health``,
 ``GET /metrics``, ``POST /sim/fault`` (see :mod:`sim.faults`), ``GET /sim/state``.
 Every response carries ``x-served-by: HOST:PORT`` and ``x-backend-version: VERSION``.
+``"stream": true`` answers Server-Sent Events (``text/event-stream``): the response starts with the
+first token (so a request refused for memory still gets its HTTP 500), then one chunk per token as
+the node produces them, a last chunk with the finish reason, the usage chunk when
+``stream_options.include_usage`` is set, and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 
 from aiohttp import web
 
@@ -22,7 +27,17 @@ from sim.etcd import EtcdRegistration
 from sim.faults import FaultError, parse_fault_patch
 from sim.metrics import CONTENT_TYPE
 from sim.node import NodeClosing, OutOfMemory, SimNode
-from sim.protocol import Kind, RequestError, completion_body, error_body, parse_request
+from sim.protocol import (
+    Kind,
+    RequestError,
+    chunk_body,
+    completion_body,
+    error_body,
+    parse_request,
+    sse,
+    usage_body,
+    usage_chunk,
+)
 from sim.push import push_status
 
 log = logging.getLogger("inferlb.sim")
@@ -64,40 +79,71 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
         return _json_error(500, "internal simulator error", "internal_error")
 
 
-async def _inference(request: web.Request, kind: Kind) -> web.Response:
+async def _inference(request: web.Request, kind: Kind) -> web.StreamResponse:
     response = await _answer(request, kind)
     get_node(request.app).metrics.observe_http(request.path, response.status)
     return response
 
 
-async def _answer(request: web.Request, kind: Kind) -> web.Response:
+async def _answer(request: web.Request, kind: Kind) -> web.StreamResponse:
     node = get_node(request.app)
     try:
         req = parse_request(kind, await request.read(), request.headers)
     except RequestError as exc:
         node.counters["bad_requests"] += 1
         return _json_error(400, str(exc), "invalid_request_error", exc.field)
-    try:
-        done = await node.serve(req)
-    except OutOfMemory as exc:
-        return _json_error(500, str(exc), "oom")
-    except NodeClosing as exc:
-        return _json_error(503, str(exc), "unavailable")
-    body = completion_body(
-        req,
-        request_id=done.request_id,
-        model_name=node.cfg.model_name,
-        text=done.text,
-        created=int(time.time()),
-    )
-    return web.json_response(body)
+    job = node.new_job(req)
+    created = int(time.time())
+    name = node.cfg.model_name
+    async with aclosing(node.generate(job)) as tokens:
+        try:
+            first = await anext(tokens)
+        except OutOfMemory as exc:
+            return _json_error(500, str(exc), "oom")
+        except NodeClosing as exc:
+            return _json_error(503, str(exc), "unavailable")
+        if not req.stream:
+            async for _ in tokens:
+                pass
+            done = node.completion(job)
+            return web.json_response(completion_body(
+                req, request_id=done.request_id, model_name=name, text=done.text, created=created,
+                finish_reason=done.finish_reason, completion_tokens=done.completion_tokens,
+                cached_tokens=done.cached_tokens))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = 0
+
+        def chunks(n: int) -> bytes:
+            nonlocal sent
+            out = []
+            for i in range(sent, sent + n):
+                out.append(sse(chunk_body(req, request_id=job.request_id, model_name=name, created=created,
+                                          text=job.token_text(i), role=i == 0)))
+            sent += n
+            return b"".join(out)
+
+        await response.write(chunks(first))
+        async for n in tokens:
+            await response.write(chunks(n))
+    tail = [sse(chunk_body(req, request_id=job.request_id, model_name=name, created=created, text="",
+                           finish_reason=job.finish_reason))]
+    if req.include_usage:
+        done = node.completion(job)
+        tail.append(sse(usage_chunk(req, request_id=job.request_id, model_name=name, created=created,
+                                    usage=usage_body(done.prompt_tokens, done.completion_tokens,
+                                                     done.cached_tokens))))
+    tail.append(sse("[DONE]"))
+    await response.write(b"".join(tail))
+    await response.write_eof()
+    return response
 
 
-async def _chat(request: web.Request) -> web.Response:
+async def _chat(request: web.Request) -> web.StreamResponse:
     return await _inference(request, "chat")
 
 
-async def _completions(request: web.Request) -> web.Response:
+async def _completions(request: web.Request) -> web.StreamResponse:
     return await _inference(request, "completion")
 
 

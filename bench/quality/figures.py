@@ -1,7 +1,14 @@
 """Results of one policy run -> the benchmark's figures (pure).
 
 Definitions (all over the *measured* requests: those planned at or after the end of warm-up):
-- latency percentiles and mean: client-side, over successful (2xx) requests, ms (nearest rank);
+- ``ttft_p*_ms``: time to first token, client-side, over successful *streamed* requests (the time
+  to the first content chunk), ms; ``tpot_p*_ms``: time per output token after the first, over
+  successful streamed requests with at least two content chunks, ms;
+- latency percentiles (``p50_ms`` ...) and mean: end to end, client-side, over successful (2xx)
+  requests, ms (nearest rank);
+- ``prefix_hit_rate``: prompt tokens the backends found in their prefix caches / prompt tokens they
+  looked up, from the backends' own counters (``vllm:prefix_cache_hits`` / ``..._queries``) over the
+  measured window; ``preemptions``: requests the backends preempted in it (``vllm:num_preemptions``);
 - ``error_rate``: share of requests without a 2xx answer (OOMs, timeouts, 5xx, connection errors);
   ``oom_rate`` and ``timeout_rate``: the OOM (sim's 500 ``oom``) and client-timeout parts of it;
 - ``wrong_version``: share of 2xx answers whose ``x-backend-version`` differs from the version asked
@@ -12,7 +19,8 @@ Definitions (all over the *measured* requests: those planned at or after the end
 - ``sessions_moved``: among sessions answered both before a scale-up (``add`` event) and between
   it and the next event, the share whose last node before differs from their last node after;
   null without an ``add`` event;
-- ``throughput_rps``: successful requests per second from the first measured send to the last answer.
+- ``throughput_rps``: successful requests per second from the first measured send to the last answer;
+  ``output_tokens_per_s``: their output tokens (``usage.completion_tokens``) per second, same span.
 """
 
 from __future__ import annotations
@@ -23,9 +31,21 @@ from dataclasses import dataclass
 from bench.quality.trace import TraceRequest
 from inferlb.devstack.loadgen import Result, percentile
 
-FIGURES: tuple[str, ...] = ("p50_ms", "p95_ms", "p99_ms", "error_rate", "oom_rate", "wrong_version",
-                            "session_hit_rate", "sessions_moved", "throughput_rps")
-EXTRA: tuple[str, ...] = ("mean_ms", "timeout_rate", "requests")
+FIGURES: tuple[str, ...] = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+                            "p50_ms", "p95_ms", "p99_ms", "prefix_hit_rate", "error_rate", "oom_rate",
+                            "preemptions", "wrong_version", "session_hit_rate", "sessions_moved",
+                            "throughput_rps", "output_tokens_per_s")
+EXTRA: tuple[str, ...] = ("mean_ms", "timeout_rate", "requests", "streamed")
+
+
+@dataclass(frozen=True)
+class BackendCounters:
+    """The backends' counters summed over the nodes, as deltas over the measured window: prompt
+    tokens looked up in and found in the prefix caches, preempted requests."""
+
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,18 +70,32 @@ def _rate(n: int, d: int) -> float | None:
     return None if d == 0 else n / d
 
 
-def compute(trace: Sequence[TraceRequest], results: Sequence[Result], w: RunWindow) -> dict[str, float | None]:
+def compute(trace: Sequence[TraceRequest], results: Sequence[Result], w: RunWindow,
+            backends: BackendCounters | None = None) -> dict[str, float | None]:
     """The figures of one run (keys :data:`FIGURES` + :data:`EXTRA`; rates 0-1, latencies ms).
 
-    ``results[i].index`` points into ``trace``. Raises ``ValueError`` if a result has no index.
+    ``results[i].index`` points into ``trace``; ``backends``: the nodes' counters over the measured
+    window (None: ``prefix_hit_rate`` and ``preemptions`` are None). Raises ``ValueError`` if a
+    result has no index.
     """
     if any(r.index is None for r in results):
         raise ValueError("every result needs its trace index (use loadgen.replay)")
     measured = [r for r in results if trace[r.index].at_s >= w.warmup_s]  # type: ignore[index]
     ok = [r for r in measured if _ok(r)]
     lat = sorted(r.latency_ms for r in ok)
+    ttft = sorted(r.ttft_ms for r in ok if r.stream and r.ttft_ms is not None)
+    tpot = sorted(r.tpot_ms for r in ok if r.stream and r.tpot_ms is not None)
     n = len(measured)
+
+    def pct(values: list[float], p: float) -> float | None:
+        return percentile(values, p) if values else None
+
     out: dict[str, float | None] = {
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p90_ms": pct(ttft, 90),
+        "ttft_p99_ms": pct(ttft, 99),
+        "tpot_p50_ms": pct(tpot, 50),
+        "tpot_p90_ms": pct(tpot, 90),
         "p50_ms": percentile(lat, 50) if lat else None,
         "p95_ms": percentile(lat, 95) if lat else None,
         "p99_ms": percentile(lat, 99) if lat else None,
@@ -72,8 +106,13 @@ def compute(trace: Sequence[TraceRequest], results: Sequence[Result], w: RunWind
         "wrong_version": None,
         "session_hit_rate": session_hit_rate(trace, results, w.warmup_s),
         "sessions_moved": None,
+        "prefix_hit_rate": None if backends is None else _rate(backends.prefix_hit_tokens,
+                                                                backends.prefix_queried_tokens),
+        "preemptions": None if backends is None else backends.preemptions,
         "throughput_rps": None,
+        "output_tokens_per_s": None,
         "requests": n,
+        "streamed": sum(1 for r in measured if r.stream),
     }
     if w.multi_version:
         wrong = sum(1 for r in ok if r.backend_version != (r.session.version or w.default_version))
@@ -84,6 +123,8 @@ def compute(trace: Sequence[TraceRequest], results: Sequence[Result], w: RunWind
         first_send = w.started + w.warmup_s
         span = max(r.at for r in ok) - first_send
         out["throughput_rps"] = len(ok) / span if span > 0 else None
+        tokens = sum(r.completion_tokens or 0 for r in ok)
+        out["output_tokens_per_s"] = tokens / span if span > 0 else None
     return out
 
 

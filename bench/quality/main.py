@@ -20,9 +20,11 @@ log = logging.getLogger(__name__)
 
 
 def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, markdown_path: str, plots_dir: str,
-                seed: int, workdir: str | None) -> int:
-    """Run ``scenarios`` (all policies each) and write the outputs; returns the exit code (0 = done,
-    1 = a process of the stack failed, 2 = Prometheus is not installed)."""
+                seed: int, workdir: str | None, rounds: int | None = None) -> int:
+    """Run ``scenarios`` (all policies each, interleaved in ``rounds`` rounds: default 1 quick, 2 full)
+    and write the outputs; returns the exit code (0 = done, 1 = a process of the stack failed,
+    2 = Prometheus is not installed)."""
+    rounds = rounds or (1 if quick else 2)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
     if stack.prometheus_binary() is None:
         print(f"inferlb bench quality: {stack.PROMETHEUS_INSTALL_HINT}", file=sys.stderr)
@@ -34,14 +36,15 @@ def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, mar
     store_path = plots_path / "results.json"
     store = report.load_store(store_path)
     command = "inferlb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        "inferlb bench quality" + "".join(f" --scenario {s}" for s in scenarios) + (" --quick" if quick else "")
+        "inferlb bench quality" + "".join(f" --scenario {s}" for s in scenarios) + (" --quick" if quick else "") \
+        + f" --rounds {rounds}"
     host, envoy = report.machine(), stack.envoy_version()
     commit = report.git_commit(Path.cwd())
-    print(f"inferlb bench quality: {len(scenarios)} scenario(s) x {len(POLICIES)} policies"
+    print(f"inferlb bench quality: {len(scenarios)} scenario(s) x {len(POLICIES)} policies x {rounds} round(s)"
           f"{' (quick)' if quick else ''}; work dir {work}", file=sys.stderr, flush=True)
     for name in scenarios:
         try:
-            run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(list(POLICIES))
+            run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(list(POLICIES), rounds)
         except stack.StackError as err:
             print(f"inferlb bench quality: {name}: {err}", file=sys.stderr)
             return 1
@@ -49,6 +52,7 @@ def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, mar
                                       envoy=envoy)
         store = report.merge(store, name, figures, meta)
         plots.latency_cdf(run, plots_path / f"{name}-latency.png")
+        plots.ttft_cdf(run, plots_path / f"{name}-ttft.png")
         plots.weights_over_time(run, plots_path / f"{name}-weights.png")
         store_path.write_text(json.dumps(store, indent=1) + "\n")
         report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))

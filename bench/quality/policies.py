@@ -7,7 +7,14 @@ scaling events reach it the way a discovery system would), equal weights, no ver
 
 - ``round_robin``: ``lb_policy: ROUND_ROBIN``;
 - ``least_request``: ``LEAST_REQUEST`` (power of two choices on active requests);
-- ``ring_hash``: ``RING_HASH`` with the route hashing the session header (consistent hashing).
+- ``ring_hash``: ``RING_HASH`` with the route hashing the session header (consistent hashing);
+- ``ring_hash_bounded``: the same with Envoy's bounded loads (``hash_balance_factor``
+  :data:`HASH_BALANCE_FACTOR`: no host takes more than 1.5x the average of outstanding requests;
+  the hash moves on to the next host on the ring; Envoy docs, ``ConsistentHashingLbConfig``,
+  after Mirrokni et al., "Consistent Hashing with Bounded Loads").
+
+A request without the session header hashes to nothing, and Envoy's ring hash then picks a host at
+random (Envoy docs, "Ring hash": "If no hash policy... or the hash policy yields no hash").
 
 inferlb runs as ``inferlb serve`` (its own process) and configures its Envoy over ADS:
 
@@ -23,7 +30,7 @@ from typing import Any
 
 from bench.quality.scenarios import CONTROL, Node, Scenario
 
-BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash")
+BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash", "ring_hash_bounded")
 INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")
 POLICIES: tuple[str, ...] = (*BASELINES, *INFERLB)
 
@@ -31,7 +38,10 @@ BASELINE_CLUSTER = "chat"
 SERVICE = "chat"
 SESSION_HEADER = "x-session-id"
 VERSION_HEADER = "model-version"
-_LB_POLICY = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH"}
+_LB_POLICY = {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST", "ring_hash": "RING_HASH",
+              "ring_hash_bounded": "RING_HASH"}
+#: Envoy's ``hash_balance_factor`` of ``ring_hash_bounded`` (percent of the average load, >= 100).
+HASH_BALANCE_FACTOR = 150
 _T = "type.googleapis.com/"
 
 
@@ -70,9 +80,11 @@ def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_
             "resource_api_version": "V3",
         }},
     }
-    if policy == "ring_hash":
+    if policy in ("ring_hash", "ring_hash_bounded"):
         route["hash_policy"] = [{"header": {"header_name": SESSION_HEADER}}]
         cluster["ring_hash_lb_config"] = {"minimum_ring_size": 1024}
+    if policy == "ring_hash_bounded":
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": HASH_BALANCE_FACTOR}}
     hcm = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "bench",

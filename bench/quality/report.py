@@ -1,7 +1,9 @@
 """Results store, ``--json`` document and the BENCHMARKS.md section (pure, except the file helpers).
 
 The store (``results.json`` next to the plots) has the ``--json`` shape,
-``{"scenarios": {SCENARIO: {POLICY: {figure: value}}}, "runs": {SCENARIO: {command, date, machine, ...}}}``;
+``{"scenarios": {SCENARIO: {POLICY: {figure: median, ..., "rounds": N, "by_round": {figure: [value per
+round]}}}}, "runs": {SCENARIO: {command, date, machine, ...}}}`` (a figure's value is the median over
+the rounds; ``by_round`` keeps every round's value, so the spread is their min and max);
 a run replaces the scenarios it ran and keeps the others, and the BENCHMARKS.md section is
 rendered from the whole store, between two marker lines (text outside them is left alone).
 """
@@ -56,11 +58,38 @@ def _round(v: float | int | None) -> float | int | None:
     return round(v, 4) if isinstance(v, float) else v
 
 
+def median(values: list[float | int | None]) -> float | int | None:
+    """Median of the non-None ``values`` (the mean of the middle two for an even count); None if none."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def spread(f: Mapping[str, Any], key: str) -> tuple[float, float] | None:
+    """``(min, max)`` of figure ``key`` over the rounds of one policy's figures (None if never measured)."""
+    xs = [v for v in (f.get("by_round") or {}).get(key, []) if v is not None]
+    if not xs:
+        v = f.get(key)
+        return None if v is None else (v, v)
+    return min(xs), max(xs)
+
+
+def aggregate(per_round: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's figures over its rounds: the median of each, ``rounds`` and ``by_round``."""
+    keys = (*FIGURES, *EXTRA)
+    out: dict[str, Any] = {k: _round(median([f.get(k) for f in per_round])) for k in keys}
+    out["rounds"] = len(per_round)
+    out["by_round"] = {k: [_round(f.get(k)) for f in per_round] for k in keys}
+    return out
+
+
 def record(run: ScenarioRun, *, command: str, host: Mapping[str, Any], date: str, commit: str | None,
            envoy: str) -> tuple[dict[str, dict], dict[str, Any]]:
     """``(figures by policy, run metadata)`` of one scenario run, JSON-ready."""
     sc = run.scenario
-    figures = {p: {k: _round(pr.figures[k]) for k in (*FIGURES, *EXTRA)} for p, pr in run.runs.items()}
+    figures = {p: aggregate([pr.figures for pr in prs]) for p, prs in run.runs.items()}
     meta = {
         "command": command, "date": date, "machine": dict(host), "commit": commit, "envoy": envoy,
         "mode": "quick" if run.quick else "full", "seed": run.seed, "warmup_s": run.warmup_s,
@@ -69,12 +98,21 @@ def record(run: ScenarioRun, *, command: str, host: Mapping[str, Any], date: str
         "load_average": {"before": [round(x, 2) for x in run.load_before],
                          "after": [round(x, 2) for x in run.load_after]},
         "nodes": [run.node_label(a) for a in run.addresses],
-        "max_send_lag_ms": {p: round(pr.max_lag_ms, 1) for p, pr in run.runs.items()},
-        "served_share": {p: {run.node_label(a): round(n / max(1, sum(pr.served.values())), 3)
-                             for a, n in sorted(pr.served.items(), key=lambda kv: run.node_label(kv[0]))}
-                         for p, pr in run.runs.items()},
+        "rounds": len(run.orders), "round_orders": run.orders,
+        "max_send_lag_ms": {p: round(max(pr.max_lag_ms for pr in prs), 1) for p, prs in run.runs.items()},
+        "served_share": {p: _shares(prs, run) for p, prs in run.runs.items()},
     }
     return figures, meta
+
+
+def _shares(prs, run: ScenarioRun) -> dict[str, float]:
+    served: dict[str, int] = {}
+    for pr in prs:
+        for a, n in pr.served.items():
+            served[a] = served.get(a, 0) + n
+    total = max(1, sum(served.values()))
+    ordered = sorted(served.items(), key=lambda kv: run.node_label(kv[0]))
+    return {run.node_label(a): round(n / total, 3) for a, n in ordered}
 
 
 def merge(store: Mapping[str, Any] | None, name: str, figures: dict, meta: dict) -> dict[str, Any]:
@@ -113,20 +151,36 @@ def _int(v: int | None) -> str:
     return "–" if v is None else str(v)
 
 
-_COLUMNS = (("p50 ms", "p50_ms", _ms), ("p95 ms", "p95_ms", _ms), ("p99 ms", "p99_ms", _ms),
-            ("mean ms", "mean_ms", _ms), ("errors", "error_rate", _pct), ("OOM", "oom_rate", _pct),
-            ("timeouts", "timeout_rate", _pct), ("wrong version", "wrong_version", _pct),
-            ("session hits", "session_hit_rate", _pct), ("sessions moved", "sessions_moved", _pct),
-            ("throughput req/s", "throughput_rps", _num), ("requests", "requests", _int))
+def _tok(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f}"
+
+
+_COLUMNS = (("TTFT p50 ms", "ttft_p50_ms", _ms), ("TTFT p90 ms", "ttft_p90_ms", _ms),
+            ("TTFT p99 ms", "ttft_p99_ms", _ms), ("TPOT p50 ms", "tpot_p50_ms", _ms),
+            ("TPOT p90 ms", "tpot_p90_ms", _ms), ("e2e p50 ms", "p50_ms", _ms), ("e2e p95 ms", "p95_ms", _ms),
+            ("e2e p99 ms", "p99_ms", _ms), ("prefix hits", "prefix_hit_rate", _pct), ("errors", "error_rate", _pct),
+            ("OOM", "oom_rate", _pct), ("preemptions", "preemptions", _tok),
+            ("wrong version", "wrong_version", _pct), ("session hits", "session_hit_rate", _pct),
+            ("sessions moved", "sessions_moved", _pct), ("req/s", "throughput_rps", _num),
+            ("output tok/s", "output_tokens_per_s", _tok), ("requests", "requests", _int))
+
+
+def _cell(f: Mapping[str, Any], key: str, fmt) -> str:
+    """The median, with the spread over rounds below it when there were several and they differ."""
+    value = fmt(f.get(key))
+    sp = spread(f, key) if f.get("rounds", 1) > 1 else None
+    if sp is None or fmt(sp[0]) == fmt(sp[1]):
+        return value
+    return f"{value}<br><small>{fmt(sp[0])}–{fmt(sp[1])}</small>"
 
 
 def scenario_table(figures: Mapping[str, Mapping[str, Any]]) -> str:
-    """One markdown table: a row per policy, a column per figure."""
+    """One markdown table: a row per policy, a column per figure (median over rounds, spread below)."""
     lines = ["| policy | " + " | ".join(c for c, _, _ in _COLUMNS) + " |",
              "| --- |" + " ---: |" * len(_COLUMNS)]
     for p in POLICIES:
         if p in figures:
-            lines.append(f"| {p} | " + " | ".join(fmt(figures[p].get(k)) for _, k, fmt in _COLUMNS) + " |")
+            lines.append(f"| {p} | " + " | ".join(_cell(figures[p], k, fmt) for _, k, fmt in _COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -136,6 +190,11 @@ def _setup(sc: Scenario, meta: Mapping[str, Any]) -> str:
              f"{meta['trace_requests']} requests in {meta['warmup_s']:g} s warm-up + {meta['measure_s']:g} s "
              f"measured (about {t.rps:g} req/s, {100 * t.anon_share:.0f} % without a session; sessions of "
              f"{t.turns[0]}-{t.turns[1]} turns, {t.think_s:g} s think time)",
+             f"{100 * t.stream_share:.0f} % streamed, {t.max_tokens} output tokens each",
+             (f"{t.tenants} tenants with a {t.system_tokens}-token system prompt each" if t.tenants else
+              f"a {t.system_tokens}-token system prompt" if t.system_tokens else "no system prompt")
+             + f", {t.user_tokens}-token user turns" + (", the conversation resent every turn" if t.resend else "")
+             + ("" if t.session_header else ", no session header"),
              f"client timeout {sc.timeout_s:g} s"]
     if t.burst:
         parts.append(f"bursts: {t.burst[2]:g}x the rate for {t.burst[1]:g} s every {t.burst[0]:g} s")
@@ -158,7 +217,9 @@ def _run_line(meta: Mapping[str, Any]) -> str:
     m = meta["machine"]
     lag = max(meta["max_send_lag_ms"].values(), default=0.0)
     load = meta["load_average"]
-    return (f"`{meta['command']}` · {meta['mode']} mode · {meta['date']} · {m['nproc']} × {m['cpu']}, "
+    rounds = meta.get("rounds", 1)
+    return (f"`{meta['command']}` · {meta['mode']} mode, {rounds} round{'s' if rounds != 1 else ''} "
+            f"(policy order rotated each round) · {meta['date']} · {m['nproc']} × {m['cpu']}, "
             f"Python {m['python']}, Envoy {meta['envoy']} · commit {meta['commit'] or 'unknown'} · seed "
             f"{meta['seed']} · took {meta['wall_s']:g} s · load average (1 min) {load['before'][0]:g} before, "
             f"{load['after'][0]:g} after · worst send lag of the open-loop client {lag:g} ms")
@@ -166,6 +227,16 @@ def _run_line(meta: Mapping[str, Any]) -> str:
 
 def _get(store: Mapping[str, Any], scenario: str, policy: str, key: str) -> float | None:
     return store.get("scenarios", {}).get(scenario, {}).get(policy, {}).get(key)
+
+
+def _spread(store: Mapping[str, Any], scenario: str, policy: str, key: str) -> tuple[float, float] | None:
+    f = store.get("scenarios", {}).get(scenario, {}).get(policy)
+    return None if f is None else spread(f, key)
+
+
+def overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    """Whether two spreads ``(min, max)`` overlap (then no ratio between them is claimed)."""
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
 
 
 def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
@@ -187,10 +258,13 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     for s in ("long_tail", "heterogeneous"):
         full, lr = _get(store, s, "inferlb_full", "p95_ms"), _get(store, s, "least_request", "p95_ms")
         ratio = None if full is None or not lr else full / lr
+        both = overlap(_spread(store, s, "inferlb_full", "p95_ms"), _spread(store, s, "least_request", "p95_ms"))
+        several = (_get(store, s, "inferlb_full", "rounds") or 1) > 1
         rows.append((f"p95 ≤ 0.6 × least_request ({s})",
                      "–" if ratio is None else f"{_ms(full)} ms vs {_ms(lr)} ms = {ratio:.2f} ×",
-                     verdict(None if ratio is None else ratio <= 0.6,
-                             "" if ratio is None or ratio <= 0.6 else f"by {ratio - 0.6:.2f} ×")))
+                     "not claimed (the spreads over rounds overlap)" if ratio is not None and several and both
+                     else verdict(None if ratio is None else ratio <= 0.6,
+                                  "" if ratio is None or ratio <= 0.6 else f"by {ratio - 0.6:.2f} ×")))
     hits = _get(store, "sessions", "inferlb_full", "session_hit_rate")
     rows.append(("session hit rate ≥ 99 % (sessions)", _pct(hits),
                  verdict(None if hits is None else hits >= 0.99,
@@ -219,20 +293,29 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
 INTRO = f"""\
 ## Decision quality: `inferlb bench quality`
 
-What each policy's decisions do to latency, errors, OOMs, sessions and versions, on the same
-traffic. Per scenario, simulated GPU backends (`sim/`, time-compressed), a real Prometheus and a
-real Envoy 1.40 run as plain processes; the same seeded, open-loop request trace (arrival times
-fixed in advance, so a slow policy cannot slow its own load down) is replayed against each policy
-in turn, each with a fresh Envoy (and a fresh `inferlb serve`). Session keys differ per policy, so
-no policy finds KV caches that another one warmed. Requests sent during the warm-up are not counted.
+What each policy's decisions do to time to first token (TTFT), latency, prefix-cache hits, errors,
+OOMs, sessions and versions, on the same traffic. Per scenario, simulated GPU backends (`sim/`,
+time-compressed, with token-level prefill and decode and a vLLM-style prefix cache), a real
+Prometheus and a real Envoy 1.40 run as plain processes; the same seeded, open-loop trace of
+OpenAI chat requests (arrival times fixed in advance, so a slow policy cannot slow its own load
+down; most requests streamed, prompts resent whole every turn as chat apps do) is replayed against
+every policy. **The policies run interleaved in rounds:** every policy once per round, the order
+rotated by one each round, each run with a fresh Envoy (and a fresh `inferlb serve`), so a busy
+stretch of the shared machine does not land on one policy only; a figure is the median over the
+rounds, with the spread (min–max) below it when it differs. A ratio between two policies is only
+claimed when their spreads do not overlap. Session keys and prompt texts differ per run, so no run
+finds KV caches that another one warmed. Requests sent during the warm-up are not counted.
 
 Policies:
-- `round_robin`, `least_request`, `ring_hash`: what users would otherwise run — one Envoy cluster
-  over every node of the service with that `lb_policy` (`ring_hash` hashes the `x-session-id`
-  header), endpoints from a file (Envoy's filesystem EDS, rewritten on scaling events), equal
-  weights, no retries. **No version awareness:** v1 and v2 nodes sit in one pool, as under one
-  Kubernetes Service during a rolling upgrade, so their wrong-version rate is what that costs (a
-  hand-written route per version header would bring it to 0, and nothing else changes).
+- `round_robin`, `least_request`, `ring_hash`, `ring_hash_bounded`: what users would otherwise run —
+  one Envoy cluster over every node of the service with that `lb_policy` (`ring_hash` hashes the
+  `x-session-id` header; `ring_hash_bounded` adds Envoy's bounded loads, `hash_balance_factor`
+  150: a host above 1.5x the average load passes the request on along the ring; a request without
+  the header hashes to a random host), endpoints from a file (Envoy's filesystem EDS, rewritten on
+  scaling events), equal weights, no retries. **No version awareness:** v1 and v2 nodes sit in one
+  pool, as under one Kubernetes Service during a rolling upgrade, so their wrong-version rate is
+  what that costs (a hand-written route per version header would bring it to 0, and nothing else
+  changes).
 - `inferlb_eds`: inferlb's EDS weights and health from Prometheus, a route per `model-version`
   value, no ext_proc picker (`envoy.picker: false`); Envoy's `least_request` fallback uses the weights.
 - `inferlb_full`: the same plus the ext_proc picker (version routing and session pinning by
@@ -245,14 +328,19 @@ discovery source yet: a node that joins is listed in its config from the start a
 `/metrics` answers (a node yet to join answers 503 there); a node that leaves is stopped, and inferlb
 notices it by its stale metrics.
 
-Figures (over the measured requests): latency percentiles and mean over successful requests
-(client-side, ms); errors = requests without a 2xx (OOM = the sim's HTTP 500 "CUDA out of memory",
-timeouts = the client gave up, both included in errors); wrong version = 2xx answers from a node
-of another version than asked for (no header = the default, v1; – when all nodes serve one
-version); session hits = turns after a session's first answer served by a node that had served
-that session before (where its KV cache is warm); sessions moved = sessions answered both before
-and after the scale-up whose node changed (scaling only); throughput = successful requests per
-second of the measured window. – = does not apply.
+Figures (over the measured requests): TTFT = time to the first content chunk of successful
+streamed requests, TPOT = time per output token after it (client-side, ms); e2e = end-to-end
+latency of successful requests (ms); prefix hits = prompt tokens the backends found in their prefix
+caches / prompt tokens looked up (the backends' `vllm:prefix_cache_hits` and `..._queries`
+counters over the measured window); errors = requests without a 2xx (OOM = the sim's HTTP 500
+"CUDA out of memory", timeouts = the client gave up, both included in errors); preemptions = the
+backends' `vllm:num_preemptions` (0 unless a node runs `--oom-mode preempt`); wrong version = 2xx
+answers from a node of another version than asked for (no header = the default, v1; – when all
+nodes serve one version); session hits = turns after a conversation's first answer served by a node
+that had served it before (where its KV cache is warm), with or without a session header;
+sessions moved = sessions answered both before and after the scale-up whose node changed
+(scaling only); req/s and output tok/s = successful requests and their output tokens per second
+of the measured window. – = does not apply.
 """
 
 
@@ -269,6 +357,7 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
             continue
         out += ["", f"### {name}: {sc.title}", "", f"Trap: {sc.trap}.", "", f"Setup: {_setup(sc, meta)}", "",
                 f"Run: {_run_line(meta)}", "", scenario_table(figures), "",
+                f"![{name} TTFT CDF]({plots_dir}/{name}-ttft.png) "
                 f"![{name} latency CDF]({plots_dir}/{name}-latency.png)"]
         if any(p in figures for p in ("inferlb_eds", "inferlb_full")):
             out.append(f"![{name} weights over time]({plots_dir}/{name}-weights.png)")

@@ -1,11 +1,15 @@
 """Run one scenario against every policy: the processes, the replay, the events, Envoy's weights.
 
 The I/O shell around the pure parts. Per scenario: the simulated backends and Prometheus start
-once; then, per policy, a fresh Envoy (and, for inferlb policies, a fresh ``inferlb serve``)
-starts, the whole trace is replayed open-loop while the scenario's events fire at their times and
-Envoy's per-host weights are polled, and everything but the backends and Prometheus stops again.
-Between policies each backend's faults are reset and a stopped backend is restarted; session keys
-differ per policy (see :func:`bench.quality.trace.to_planned`), so no policy inherits warm caches.
+once; then the policies run in *rounds*, every policy once per round, the order rotated by one
+each round (so a busy stretch of the shared machine does not land on one policy only). Per run, a
+fresh Envoy (and, for inferlb policies, a fresh ``inferlb serve``) starts, the whole trace is
+replayed open-loop while the scenario's events fire at their times and Envoy's per-host weights
+are polled, and everything but the backends and Prometheus stops again. Between runs each
+backend's faults are reset and a stopped backend is restarted; session keys and prompt texts
+differ per run (see :func:`bench.quality.trace.to_planned`), so no run inherits warm KV caches.
+The backends' prefix-cache and preemption counters are read at the end of the warm-up and at the
+end of the run.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from bench.quality.policies import (
     eds_document,
     inferlb_config,
 )
-from bench.quality.scenarios import CONTROL, Event, Scenario
+from bench.quality.scenarios import CONTROL, SIM_ARGS, Event, Scenario
 from bench.quality.trace import TraceRequest, build_trace, to_planned
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
@@ -49,10 +53,10 @@ ROUTE_TIMEOUT_SLACK_S = 1.0
 
 @dataclass
 class PolicyRun:
-    """One policy's run: its figures, the measured successful latencies (ms, for the CDF), Envoy's
-    weights over time as ``(t_s, cluster, address, weight, health)`` (t from the replay start),
-    the events as ``(t_s, label)`` when they were applied, the replay's worst send lag (ms) and the
-    measured requests each node answered."""
+    """One policy's run in one round: its figures, the measured successful end-to-end latencies
+    and TTFTs (ms, for the CDFs), Envoy's weights over time as ``(t_s, cluster, address, weight,
+    health)`` (t from the replay start), the events as ``(t_s, label)`` when they were applied, the
+    replay's worst send lag (ms) and the measured requests each node answered."""
 
     policy: str
     figures: dict[str, float | None]
@@ -61,11 +65,14 @@ class PolicyRun:
     events: list[tuple[float, str]]
     max_lag_ms: float
     served: dict[str, int]
+    round: int = 0
+    ttfts_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
 class ScenarioRun:
-    """Every policy's run of one scenario, with the node addresses and the trace's shape."""
+    """Every policy's runs of one scenario (``runs[policy]``: one per round, in round order), with
+    the node addresses, the trace's shape and each round's policy order."""
 
     scenario: Scenario
     quick: bool
@@ -74,7 +81,8 @@ class ScenarioRun:
     measure_s: float
     requests: int
     addresses: list[str]
-    runs: dict[str, PolicyRun] = field(default_factory=dict)
+    runs: dict[str, list[PolicyRun]] = field(default_factory=dict)
+    orders: list[list[str]] = field(default_factory=list)
     wall_s: float = 0.0
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -93,6 +101,20 @@ def _post_json(url: str, body: dict, timeout: float = 5.0) -> None:
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         r.read()
+
+
+def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+    """Each round's policy order: every policy once, the list rotated by one more each round."""
+    n = len(policies)
+    return [policies[r % n:] + policies[:r % n] for r in range(rounds)] if n else []
+
+
+def _get_json(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+_COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "preemptions")
 
 
 def _event_label(e: Event) -> str:
@@ -121,7 +143,8 @@ class ScenarioRunner:
 
     def _start_sim(self, i: int) -> stack.Proc:
         node = self.sc.nodes[i]
-        extra = ["--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i), "--log-level", "warning"]
+        extra = ["--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i), "--log-level", "warning",
+                 *SIM_ARGS]
         if node.gpu_memory_mib is not None:
             extra += ["--gpu-memory-mib", str(node.gpu_memory_mib)]
         return stack.start_sim(self.ports[i], self.work, gpu_class=node.gpu_class, version=node.version,
@@ -147,6 +170,14 @@ class ScenarioRunner:
     def _fault(self, i: int, patch: dict) -> None:
         _post_json(f"http://{self.addresses[i]}/sim/fault", patch)
 
+    def _counters(self, i: int) -> dict[str, int] | None:
+        """Node ``i``'s prefix-cache and preemption counters, or None when it does not answer."""
+        try:
+            c = _get_json(f"http://{self.addresses[i]}/sim/state", 2.0)["counters"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return {k: int(c.get(k, 0)) for k in _COUNTERS}
+
     def _stop_all(self) -> None:
         for p in [*self.sims, self.prometheus]:
             if p is not None:
@@ -154,31 +185,35 @@ class ScenarioRunner:
 
     # --- one policy --------------------------------------------------------------------------------
 
-    def run(self, policies: list[str]) -> ScenarioRun:
-        """Every policy in ``policies``, in order, on the same trace. Raises ``StackError`` when a
-        process does not start. The machine's load averages before and after are recorded (other
-        work on the machine shares its cores with the benchmark)."""
+    def run(self, policies: list[str], rounds: int = 1) -> ScenarioRun:
+        """Every policy in ``policies``, ``rounds`` times, interleaved (see :func:`round_orders`), on
+        the same trace. Raises ``StackError`` when a process does not start. The machine's load
+        averages before and after are recorded (other work on the machine shares its cores)."""
         began = time.monotonic()
         out = ScenarioRun(self.sc, self.quick, self.seed, self.warmup_s, self.measure_s, len(self.trace),
                           list(self.addresses), load_before=os.getloadavg())
+        out.orders = round_orders(policies, rounds)
         self.work.mkdir(parents=True, exist_ok=True)
         try:
             self._start_backends()
-            for policy in policies:
-                out.runs[policy] = self._run_policy(policy)
-                f = out.runs[policy].figures
-                log.warning("%s / %s: %d requests, p95 %s ms, errors %.3f, OOM %.3f", self.sc.name, policy,
-                            f["requests"], None if f["p95_ms"] is None else round(f["p95_ms"], 1),
-                            f["error_rate"] or 0.0, f["oom_rate"] or 0.0)
+            for r, order in enumerate(out.orders):
+                for policy in order:
+                    pr = self._run_policy(policy, r)
+                    out.runs.setdefault(policy, []).append(pr)
+                    f = pr.figures
+                    log.warning("%s / %s (round %d): %d requests, TTFT p90 %s ms, p95 %s ms, prefix hits %s, "
+                                "errors %.3f, OOM %.3f", self.sc.name, policy, r + 1, f["requests"],
+                                _r(f["ttft_p90_ms"]), _r(f["p95_ms"]), _r(f["prefix_hit_rate"], 3),
+                                f["error_rate"] or 0.0, f["oom_rate"] or 0.0)
         finally:
             self._stop_all()
         out.wall_s = time.monotonic() - began
         out.load_after = os.getloadavg()
         return out
 
-    def _run_policy(self, policy: str) -> PolicyRun:
+    def _run_policy(self, policy: str, round_: int = 0) -> PolicyRun:
         self._reset_backends()
-        work = self.work / policy
+        work = self.work / f"{policy}-r{round_}"
         work.mkdir(parents=True, exist_ok=True)
         listener, envoy_admin_port = stack.free_port(), stack.free_port()
         route_timeout = self.sc.timeout_s + ROUTE_TIMEOUT_SLACK_S
@@ -208,14 +243,20 @@ class ScenarioRunner:
             procs.append(envoy)
             envoy_admin = f"http://127.0.0.1:{envoy_admin_port}"
             stack.wait_http(f"{envoy_admin}/ready", envoy, timeout=20)
-            traffic, weights, events, started = asyncio.run(self._drive(policy, listener, envoy_admin, eds, present))
+            self._last: dict[int, dict[str, int]] = {}
+            traffic, weights, events, started, before = asyncio.run(
+                self._drive(f"{policy}-r{round_}", listener, envoy_admin, eds, present))
         finally:
             for p in reversed(procs):
                 p.stop()
-        return self._summarise(policy, traffic, weights, events, started)
+        after = {i: c for i in range(len(self.addresses)) if (c := self._counters(i) or self._last.get(i))}
+        backends = figures.BackendCounters(**{k: sum(after[i][k] - before.get(i, {}).get(k, 0) for i in after)
+                                              for k in _COUNTERS})
+        return self._summarise(policy, round_, traffic, weights, events, started, backends)
 
-    async def _drive(self, policy: str, listener: int, envoy_admin: str, eds: _EdsFile | None, present: set[int]):
-        planned = to_planned(self.trace, f"{policy}-{self.seed}", self.sc.traffic.max_tokens)
+    async def _drive(self, run_key: str, listener: int, envoy_admin: str, eds: _EdsFile | None, present: set[int]):
+        planned = to_planned(self.trace, f"{run_key}-{self.seed}", self.sc.traffic)
+        before: dict[int, dict[str, int]] = {}
         weights: list[tuple[float, str, str, int, str]] = []
         events: list[tuple[float, str]] = []
         loop = asyncio.get_running_loop()
@@ -243,7 +284,14 @@ class ScenarioRunner:
                 await asyncio.to_thread(self._apply, e, eds, present)
                 events.append((loop.time() - t0, _event_label(e)))
 
-        tasks = [asyncio.create_task(poll()), asyncio.create_task(fire())]
+        async def mark_warmup_end() -> None:
+            await asyncio.sleep(max(0.0, t0 + self.warmup_s - loop.time()))
+            for i in range(len(self.addresses)):
+                c = await asyncio.to_thread(self._counters, i)
+                if c is not None:
+                    before[i] = c
+
+        tasks = [asyncio.create_task(poll()), asyncio.create_task(fire()), asyncio.create_task(mark_warmup_end())]
         try:
             traffic = await replay(f"http://127.0.0.1:{listener}/v1/chat/completions", planned,
                                    timeout_s=self.sc.timeout_s, session_header=SESSION_HEADER,
@@ -252,7 +300,7 @@ class ScenarioRunner:
             done.set()
             tasks[1].cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return traffic, weights, events, started
+        return traffic, weights, events, started, before
 
     def _apply(self, e: Event, eds: _EdsFile | None, present: set[int]) -> None:
         """Apply one event (blocking): a fault, a node joining, or a node leaving."""
@@ -269,9 +317,13 @@ class ScenarioRunner:
         if e.kind == "remove":
             proc = self.sims[e.node]
             if proc is not None:
+                last = self._counters(e.node)
+                if last is not None:
+                    self._last[e.node] = last
                 proc.stop()
 
-    def _summarise(self, policy: str, traffic: Traffic, weights, events, started: float) -> PolicyRun:
+    def _summarise(self, policy: str, round_: int, traffic: Traffic, weights, events, started: float,
+                   backends: figures.BackendCounters) -> PolicyRun:
         results: list[Result] = traffic.results
         adds = sorted(e.at for e in self.sc.events if e.kind == "add")
         later = sorted(e.at for e in self.sc.events if adds and e.at > adds[0])
@@ -281,14 +333,19 @@ class ScenarioRunner:
             scale_up_s=self.warmup_s + adds[0] * self.measure_s if adds else None,
             next_event_s=self.warmup_s + later[0] * self.measure_s if later else None,
         )
-        figs = figures.compute(self.trace, results, window)
+        figs = figures.compute(self.trace, results, window, backends)
         measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
         served: dict[str, int] = {}
         for r in measured_ok:
             if r.served_by:
                 served[r.served_by] = served.get(r.served_by, 0) + 1
         return PolicyRun(policy, figs, sorted(r.latency_ms for r in measured_ok), weights, events,
-                         traffic.max_lag_ms, served)
+                         traffic.max_lag_ms, served, round_,
+                         sorted(r.ttft_ms for r in measured_ok if r.stream and r.ttft_ms is not None))
+
+
+def _r(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(v, digits)
 
 
 class _EdsFile:

@@ -1,9 +1,14 @@
 """The scenarios: one classic load-balancing trap each (nodes, traffic, events). Pure data.
 
 All times are wall-clock seconds on the benchmark machine. The simulated backends run
-time-compressed (``time_scale``: an A100-class request that takes 50 ms at scale 1 takes
-``50 x time_scale`` ms), and inferlb's control loop is compressed the same way (see
-:data:`CONTROL`), so a scenario of tens of seconds plays what would be minutes in the field.
+time-compressed (``time_scale``: an A100-class short request that takes 50 ms at scale 1 takes
+``50 x time_scale`` ms; a prefill of 2 000 uncached prompt tokens 200 ms x ``time_scale``), and
+inferlb's control loop is compressed the same way (see :data:`CONTROL`), so a scenario of tens of
+seconds plays what would be minutes in the field.
+
+The workload is OpenAI chat traffic: most requests streamed, prompts made of a system prompt
+(shared by a tenant's requests, or by the whole app) and the conversation so far, which the client
+resends every turn as chat apps do, so the backends' prefix caches see real shared prefixes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ CONTROL: Mapping[str, float] = MappingProxyType({
 
 #: GPU memory (MiB) of a node with 24 GB free for requests next to the sim's 14 GB of model weights.
 GPU_24GB_FREE_MIB = 14336.0 + 24576.0
+#: GPU memory (MiB) of a node with 10 GiB of KV cache (20 480 tokens of a 7B model: ten 2k-token prompts).
+GPU_10GB_KV_MIB = 14336.0 + 10240.0
+
+#: Options every simulated backend of the benchmark runs with: sessions carry their real history in
+#: the prompt (no virtual session history).
+SIM_ARGS: tuple[str, ...] = ("--session-history-tokens", "0")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,13 @@ class Traffic:
     ``versions``: (version or None = no header, share) per session. ``memory_mib``: (MiB or None =
     no ``x-sim-memory-mib`` header, share) per request. ``burst``: (period s, burst s, rate factor):
     arrivals run ``factor`` times faster for ``burst s`` of every ``period s`` (mean rate kept).
+
+    Prompts: ``system_tokens`` of system prompt, one per tenant when ``tenants`` > 0 (each session
+    or single request belongs to a tenant drawn uniformly), else one for the whole app (0 = none);
+    each turn adds a user message of ``user_tokens`` and, when ``resend``, the prompt carries every
+    earlier turn of the session (its user messages and ``max_tokens``-token replies).
+    ``session_header``: sessions send ``x-session-id`` (False: only the prompt tells them apart).
+    ``stream_share``: requests streamed (SSE, with the usage chunk). ``max_tokens``: output tokens.
     """
 
     rps: float
@@ -76,7 +94,13 @@ class Traffic:
     versions: tuple[tuple[str | None, float], ...] = (("v1", 1.0),)
     memory_mib: tuple[tuple[float | None, float], ...] = ((None, 1.0),)
     burst: tuple[float, float, float] | None = None
-    max_tokens: int = 64
+    max_tokens: int = 16
+    stream_share: float = 0.9
+    system_tokens: int = 300
+    tenants: int = 0
+    user_tokens: int = 40
+    resend: bool = True
+    session_header: bool = True
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,27 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
              "overload the A10s and the bursts queue behind them",
         nodes=(Node("a100"), Node("a100"), Node("a10"), Node("a10"), Node("a10")),
         traffic=Traffic(rps=60.0, anon_share=0.2, burst=(4.0, 1.0, 2.5)),
+    ),
+    Scenario(
+        name="shared_prefix",
+        title="Shared prefixes",
+        trap="30 tenants, each with its own 2 000-token system prompt shared by all its requests, no session "
+             "header; the four nodes' KV caches together hold every prefix but one node holds about a third "
+             "of them: a router blind to the prompt misses the cache two times out of three and pays the "
+             "whole prefill (100 ms here) each time",
+        nodes=tuple(Node("a100", gpu_memory_mib=GPU_10GB_KV_MIB) for _ in range(4)),
+        traffic=Traffic(rps=40.0, anon_share=1.0, system_tokens=2000, tenants=30, user_tokens=50, resend=False,
+                        session_header=False),
+    ),
+    Scenario(
+        name="chat_resend",
+        title="Chat clients that resend the conversation",
+        trap="OpenAI-style clients resend the whole conversation every turn and send no session header (most "
+             "real apps): only the prompt tells where its KV cache is, and a turn sent elsewhere prefills "
+             "the whole conversation again",
+        nodes=tuple(Node("a100") for _ in range(4)),
+        traffic=Traffic(rps=60.0, turns=(6, 16), think_s=0.5, system_tokens=500, user_tokens=60,
+                        session_header=False),
     ),
 )})
 

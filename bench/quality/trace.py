@@ -3,8 +3,11 @@
 Sessions arrive as a Poisson process (thinned to follow bursts); each has a number of turns drawn
 from the scenario's range, separated by exponential think times. Sessions also start before 0,
 so the trace is in steady state from its first second (turns before 0 are dropped). Requests
-without a session arrive as their own Poisson process. A session keeps its version for all turns;
-each request draws its memory class.
+without a session arrive as their own Poisson process. A session keeps its version and its tenant
+for all turns; each request draws its memory class and whether it is streamed.
+
+:func:`to_planned` turns the trace into OpenAI chat requests: the prompt text starts with the run's
+key (one per policy and round), so no run finds prefixes that another one left in the KV caches.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class TraceRequest:
 
     ``session``: index of its session (None = no session header); ``turn``: 0-based turn number in
     its session (0 for single requests). ``version``: the version header (None = none).
-    ``memory_mib``: the ``x-sim-memory-mib`` header (None = none).
+    ``memory_mib``: the ``x-sim-memory-mib`` header (None = none). ``tenant``: whose system prompt
+    it carries (None = the app's, if any); ``stream``: sent streamed.
     """
 
     at_s: float
@@ -33,6 +37,8 @@ class TraceRequest:
     turn: int
     version: str | None
     memory_mib: float | None
+    tenant: int | None = None
+    stream: bool = False
 
 
 def _pick(rng: random.Random, choices: Sequence[tuple[object, float]]):
@@ -79,8 +85,15 @@ def build_trace(traffic: Traffic, duration_s: float, seed: int) -> list[TraceReq
     session_rps = traffic.rps * (1.0 - traffic.anon_share) / mean_turns
     lead = hi * traffic.think_s * 2  # sessions started this long before 0 still have turns after 0
     out: list[TraceRequest] = []
+    def tenant() -> int | None:
+        return rng.randrange(traffic.tenants) if traffic.tenants else None
+
+    def stream() -> bool:
+        return rng.random() < traffic.stream_share
+
     for idx, start in enumerate(_arrivals(rng, session_rps, -lead, duration_s, traffic)):
         version = _pick(rng, traffic.versions)
+        owner = tenant()
         t = start
         for turn in range(rng.randint(lo, hi)):
             if turn:
@@ -88,11 +101,13 @@ def build_trace(traffic: Traffic, duration_s: float, seed: int) -> list[TraceReq
             if t >= duration_s:
                 break
             memory = _pick(rng, traffic.memory_mib)
+            streamed = stream()
             if t >= 0:
-                out.append(TraceRequest(t, idx, turn, version, memory))
+                out.append(TraceRequest(t, idx, turn, version, memory, owner, streamed))
     anon_rps = traffic.rps * traffic.anon_share
     for t in _arrivals(rng, anon_rps, 0.0, duration_s, traffic):
-        out.append(TraceRequest(t, None, 0, _pick(rng, traffic.versions), _pick(rng, traffic.memory_mib)))
+        out.append(TraceRequest(t, None, 0, _pick(rng, traffic.versions), _pick(rng, traffic.memory_mib), tenant(),
+                                stream()))
     out.sort(key=lambda r: r.at_s)
     return out
 
@@ -102,12 +117,41 @@ def session_key(prefix: str, session: int) -> str:
     return f"{prefix}-s{session:05d}"
 
 
-def to_planned(trace: Sequence[TraceRequest], key_prefix: str, max_tokens: int) -> list[Planned]:
-    """The trace as load-generator requests; session keys get ``key_prefix`` (one per policy, so no
-    policy finds KV caches another policy warmed)."""
+_FILLER = ("the quick brown fox jumps over the lazy dog while the model server keeps its cache warm and "
+           "answers every question with care ")
+
+
+def text_of(head: str, tokens: int) -> str:
+    """``head`` then filler, cut to ``tokens`` tokens of the sim's tokenizer (4 bytes each), ASCII."""
+    size = max(len(head), 4 * tokens)
+    body = head + _FILLER * (size // len(_FILLER) + 1)
+    return body[:size]
+
+
+def messages_of(r: TraceRequest, key_prefix: str, traffic: Traffic) -> list[dict[str, str]]:
+    """The chat messages of trace request ``r`` in the run ``key_prefix`` (see :class:`Traffic`)."""
+    out: list[dict[str, str]] = []
+    if traffic.system_tokens:
+        owner = "app" if r.tenant is None else f"tenant {r.tenant:03d}"
+        out.append({"role": "system", "content": text_of(f"[{key_prefix}] system prompt of {owner}: ",
+                                                         traffic.system_tokens)})
+    who = f"s{r.session:05d}" if r.session is not None else f"single@{r.at_s:.6f}"
+    first = r.turn if not traffic.resend or r.session is None else 0
+    for turn in range(first, r.turn + 1):
+        out.append({"role": "user", "content": text_of(f"[{key_prefix}] {who} turn {turn}: ", traffic.user_tokens)})
+        if turn < r.turn:
+            out.append({"role": "assistant", "content": " ".join(["Simulated", "reply", "from"] * traffic.max_tokens)
+                        [: 4 * traffic.max_tokens]})
+    return out
+
+
+def to_planned(trace: Sequence[TraceRequest], key_prefix: str, traffic: Traffic) -> list[Planned]:
+    """The trace as load-generator requests of the run ``key_prefix`` (one per policy and round, so no
+    run finds sessions or KV caches another run warmed): session keys and prompts start with it."""
     out = []
     for r in trace:
-        key = None if r.session is None else session_key(key_prefix, r.session)
+        key = None if r.session is None or not traffic.session_header else session_key(key_prefix, r.session)
         headers = {} if r.memory_mib is None else {MEMORY_HEADER: f"{r.memory_mib:.0f}"}
-        out.append(Planned(r.at_s, Session(key, r.version), headers, max_tokens))
+        out.append(Planned(r.at_s, Session(key, r.version), headers, traffic.max_tokens,
+                           messages_of(r, key_prefix, traffic), r.stream))
     return out

@@ -19,6 +19,10 @@ def check_demo_summary(s: dict, duration_s: float) -> None:
     assert all(v["requests"] > 0 and v["correct"] == v["requests"] for v in s["versions"].values())
     lat = s["latency_ms"]
     assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"]
+    # The openai client streams most requests; their first token comes before their end.
+    assert 0.6 * req["ok"] <= req["streamed"] < req["ok"]
+    ttft = s["ttft_ms"]
+    assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and ttft["p50"] < lat["p50"]
 
     for cluster, endpoints in s["weights"].items():
         for address, w in endpoints.items():

@@ -76,10 +76,40 @@ def test_bad_traffic_is_refused(bad):
 
 def test_planned_requests_carry_prefixed_session_keys_and_the_memory_header():
     tr = [TraceRequest(0.5, 3, 0, "v2", 8192.0), TraceRequest(0.7, None, 0, None, None)]
-    p = to_planned(tr, "ring_hash-9", 32)
+    p = to_planned(tr, "ring_hash-9", Traffic(rps=1, max_tokens=32))
     assert p[0].session == Session(session_key("ring_hash-9", 3), "v2") and p[0].session.key == "ring_hash-9-s00003"
     assert p[0].headers == {MEMORY_HEADER: "8192"} and p[0].max_tokens == 32 and p[0].at_s == 0.5
     assert p[1].session == Session(None, None) and p[1].headers == {}
+    assert p[0].messages[0]["role"] == "system" and p[0].messages[0]["content"].startswith("[ring_hash-9] system")
+    assert not to_planned(tr, "x", Traffic(rps=1, session_header=False))[0].session.key
+
+
+def test_resent_conversations_grow_by_whole_turns_and_share_their_prefix_text():
+    from sim.model import tokenize
+    from sim.protocol import render_prompt
+
+    t = Traffic(rps=1, system_tokens=100, user_tokens=20, max_tokens=8)
+    turns = [TraceRequest(float(k), 4, k, None, None, stream=True) for k in range(3)]
+    planned = to_planned(turns, "run-a", t)
+    assert [len(p.messages) for p in planned] == [2, 4, 6] and all(p.stream for p in planned)
+    texts = [render_prompt("chat", {"messages": p.messages}) for p in planned]
+    for a, b in zip(texts, texts[1:], strict=False):
+        assert b.startswith(a[: -len("<|assistant|>\n")])
+    assert len(tokenize(texts[0])) == pytest.approx(100 + 20 + 8, abs=4)
+    other = render_prompt("chat", {"messages": to_planned(turns[:1], "run-b", t)[0].messages})
+    assert tokenize(other)[:16] != tokenize(texts[0])[:16]  # another run: another first block
+
+
+def test_tenants_share_one_system_prompt_and_streams_follow_the_share():
+    t = Traffic(rps=40, anon_share=1.0, tenants=5, system_tokens=50, resend=False, stream_share=0.8)
+    tr = build_trace(t, 50, 3)
+    assert {r.tenant for r in tr} == set(range(5))
+    assert 0.75 < sum(r.stream for r in tr) / len(tr) < 0.85
+    planned = to_planned(tr, "k", t)
+    by_tenant = {}
+    for r, p in zip(tr, planned, strict=True):
+        by_tenant.setdefault(r.tenant, set()).add(p.messages[0]["content"])
+    assert all(len(v) == 1 for v in by_tenant.values()) and len({next(iter(v)) for v in by_tenant.values()}) == 5
 
 
 # --- figures --------------------------------------------------------------------------------------
@@ -174,7 +204,7 @@ def boot(policy: str, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize(("policy", "lb"), [("round_robin", "ROUND_ROBIN"), ("least_request", "LEAST_REQUEST"),
-                                            ("ring_hash", "RING_HASH")])
+                                            ("ring_hash", "RING_HASH"), ("ring_hash_bounded", "RING_HASH")])
 def test_baselines_are_one_file_eds_cluster_with_their_lb_policy(policy, lb, tmp_path):
     b = boot(policy, tmp_path)
     [cluster] = b["static_resources"]["clusters"]
@@ -183,9 +213,11 @@ def test_baselines_are_one_file_eds_cluster_with_their_lb_policy(policy, lb, tmp
     [listener] = b["static_resources"]["listeners"]
     [route] = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     assert route["route"]["cluster"] == cluster["name"] and route["route"]["timeout"] == "3.000s"
-    assert ("hash_policy" in route["route"]) == (policy == "ring_hash")
-    if policy == "ring_hash":
+    assert ("hash_policy" in route["route"]) == policy.startswith("ring_hash")
+    if policy.startswith("ring_hash"):
         assert route["route"]["hash_policy"] == [{"header": {"header_name": "x-session-id"}}]
+    bounded = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config", {})
+    assert bounded.get("hash_balance_factor") == (150 if policy == "ring_hash_bounded" else None)
 
 
 def test_eds_document_lists_the_endpoints():
@@ -281,3 +313,46 @@ def test_scenario_table_has_a_row_per_policy_in_order_and_dashes_for_null():
     rows = table.splitlines()[2:]
     assert [r.split(" | ")[0].strip("| ") for r in rows] == list(POLICIES)
     assert "| – |" in rows[0]  # wrong_version null
+
+
+# --- rounds, spreads, streamed figures ------------------------------------------------------------
+
+
+def test_rounds_run_every_policy_once_with_the_order_rotated():
+    from bench.quality.runner import round_orders
+
+    orders = round_orders(["a", "b", "c"], 4)
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert all(sorted(o) == ["a", "b", "c"] for o in orders) and round_orders([], 2) == []
+
+
+def test_figures_are_medians_over_rounds_with_their_spread():
+    assert report.median([3.0, None, 1.0, 2.0]) == 2.0 and report.median([1.0, 4.0]) == 2.5
+    assert report.median([None]) is None
+    agg = report.aggregate([_figs(p95_ms=100.0), _figs(p95_ms=140.0), _figs(p95_ms=90.0)])
+    assert agg["p95_ms"] == 100.0 and agg["rounds"] == 3 and agg["by_round"]["p95_ms"] == [100.0, 140.0, 90.0]
+    assert report.spread(agg, "p95_ms") == (90.0, 140.0)
+    assert report.overlap((90.0, 140.0), (130.0, 200.0)) and not report.overlap((90.0, 120.0), (130.0, 200.0))
+    table = report.scenario_table({"round_robin": agg})
+    assert "| round_robin |" in table and "100<br><small>90.0–140</small>" in table
+
+
+def test_a_ratio_is_not_claimed_when_the_spreads_overlap():
+    full = report.aggregate([_figs(p95_ms=50.0), _figs(p95_ms=120.0)])
+    lr = report.aggregate([_figs(p95_ms=100.0), _figs(p95_ms=110.0)])
+    rows = {t: (m, v) for t, m, v in report.targets({"scenarios": {"long_tail": {"inferlb_full": full,
+                                                                                 "least_request": lr}}})}
+    assert rows["p95 ≤ 0.6 × least_request (long_tail)"][1] == "not claimed (the spreads over rounds overlap)"
+
+
+def test_streamed_figures_ttft_tpot_tokens_and_backend_counters():
+    trace = [TraceRequest(1.0 + i, None, 0, None, None, stream=i < 4) for i in range(6)]
+    results = [Result(Session(None, None), 200, 100.0 + i, "a", "v1", 95.0 + i, None, i, stream=i < 4,
+                      ttft_ms=10.0 * (i + 1) if i < 4 else None, tpot_ms=2.0 if i < 4 else None,
+                      completion_tokens=16) for i in range(6)]
+    f = figures.compute(trace, results, W, figures.BackendCounters(1000, 250, 3))
+    assert (f["ttft_p50_ms"], f["ttft_p90_ms"], f["ttft_p99_ms"]) == (20.0, 40.0, 40.0)
+    assert f["tpot_p50_ms"] == 2.0 and f["streamed"] == 4
+    assert f["prefix_hit_rate"] == 0.25 and f["preemptions"] == 3
+    assert f["output_tokens_per_s"] == pytest.approx(16 * f["throughput_rps"])
+    assert figures.compute(trace, results, W)["prefix_hit_rate"] is None

@@ -68,3 +68,25 @@ async def test_headers_errors_and_timeouts_are_recorded():
     assert (by_index[2].status, by_index[2].error) == (0, "timeout")
     sent = sorted((h.get("x-session-id", ""), h.get("model-version", ""), h.get("x-sim-memory-mib", "")) for h in seen)
     assert sent == [("", "", ""), ("a", "v2", "18432"), ("hang", "", "")]
+
+
+async def test_streamed_requests_record_ttft_tpot_and_usage_from_a_real_sim():
+    from sim.config import BackendConfig
+    from sim.server import start_backend
+
+    runner, port = await start_backend(BackendConfig(port=0, time_scale=1.0, session_history_tokens=0))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    system = [{"role": "system", "content": "x" * 4000}]  # 1 000 tokens: 100 ms of prefill when not cached
+    try:
+        trace = [Planned(0.0, Session(None, None), {}, 20, system, True),
+                 Planned(0.3, Session(None, None), {}, 20, system, True),
+                 Planned(0.6, Session(None, None), {}, 20, system, False)]
+        traffic = await replay(url, trace, timeout_s=5)
+    finally:
+        await runner.cleanup()
+    r = {x.index: x for x in traffic.results}
+    assert all(x.status == 200 and x.completion_tokens == 20 for x in r.values())
+    assert r[0].stream and r[0].ttft_ms >= 100 and r[0].tpot_ms > 1.0 and r[0].cached_tokens == 0
+    assert r[1].ttft_ms < r[0].ttft_ms - 80 and r[1].cached_tokens >= 992  # the shared prefix was cached
+    assert not r[2].stream and r[2].ttft_ms is None and r[2].cached_tokens >= 992
+    assert r[0].latency_ms > r[0].ttft_ms + 19 * 1.0

@@ -1,6 +1,7 @@
 """The HTTP backend over real sockets: endpoints, headers, metrics, faults, disconnects."""
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -70,7 +71,8 @@ async def test_chat_and_completion_responses_are_openai_shaped(backends, http):
     async with http.post(f"{base}/v1/completions", json={"prompt": "abc"}) as resp:
         body = await resp.json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"]
-    assert body["usage"]["completion_tokens"] == 128
+    assert 1 <= body["usage"]["completion_tokens"] <= 128  # no max_tokens: a seeded length
+    assert body["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_every_response_carries_identity_headers(backends, http):
@@ -104,7 +106,7 @@ async def test_bad_requests_get_400_naming_the_field(backends, http):
             err = (await resp.json())["error"]
             assert err["param"] == field and field in err["message"]
     headers = {"x-sim-memory-mib": "huge"}
-    async with http.post(f"{base}/v1/completions", json={}, headers=headers) as resp:
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "x-sim-memory-mib"
     assert (await _state(http, base))["counters"]["bad_requests"] == 4
 
@@ -112,10 +114,11 @@ async def test_bad_requests_get_400_naming_the_field(backends, http):
 async def test_oom_returns_500_at_once_and_is_counted(backends, http):
     base = await backends(gpu_class="a10", time_scale=2.0)  # the first request runs 450 ms
     big = asyncio.create_task(
-        http.post(f"{base}/v1/completions", json={}, headers={"x-sim-memory-mib": "8192"})
+        http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-sim-memory-mib": "8192"})
     )
     await _poll_state(http, base, lambda s: s["running"] == 1)
-    async with http.post(f"{base}/v1/completions", json={}, headers={"x-sim-memory-mib": "8192"}) as resp:
+    big_headers = {"x-sim-memory-mib": "8192"}
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=big_headers) as resp:
         assert resp.status == 500
         err = (await resp.json())["error"]
     assert not big.done()  # refused at once, while the first one still holds the memory
@@ -194,7 +197,8 @@ async def test_gauges_follow_load(backends, http):
     base = await backends(max_concurrency=2, time_scale=2.0)
     headers = {"x-sim-memory-mib": "6758.4"}  # 10 % of the KV memory each
     tasks = [
-        asyncio.create_task(http.post(f"{base}/v1/completions", json={}, headers=headers)) for _ in range(3)
+        asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers))
+        for _ in range(3)
     ]
     await _poll_state(http, base, lambda s: s["running"] == 2 and s["waiting"] == 1)
     text = await _scrape(http, base)
@@ -218,7 +222,7 @@ async def test_legacy_flag_switches_kv_metric_name(backends, http):
 
 async def test_several_backends_in_one_process_have_separate_metrics(backends, http):
     a, b = await backends(), await backends(gpu_class="a10")
-    async with http.post(f"{a}/v1/completions", json={}) as resp:
+    async with http.post(f"{a}/v1/completions", json={"max_tokens": 4}) as resp:
         assert resp.status == 200
     assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="sim-7b"} 1.0' in (
         await _scrape(http, a)
@@ -250,7 +254,7 @@ async def test_metrics_fault_modes(backends, http):
     scrape = asyncio.create_task(http.get(f"{base}/metrics"))
     await asyncio.sleep(0.15)
     assert not scrape.done()
-    async with http.post(f"{base}/v1/completions", json={}) as resp:
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}) as resp:
         assert resp.status == 200  # inference is unaffected
     await _fault(http, base, metrics="ok")
     resp = await asyncio.wait_for(scrape, 1.0)
@@ -265,7 +269,7 @@ async def test_slow_factor_and_long_tail_faults(backends, http):
                                "long_tail": 0.25}
     await _fault(http, base, long_tail=0.0)
     started = time.monotonic()
-    async with http.post(f"{base}/v1/completions", json={}, headers={"x-session-id": "s"}) as resp:
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-session-id": "s"}) as resp:
         assert resp.status == 200
     assert time.monotonic() - started >= 4.0 * 0.09  # (50 + 40) ms x 4
     await _fault(http, base, reset=True)
@@ -276,7 +280,7 @@ async def test_client_disconnect_releases_memory_and_slot(backends, http):
     base = await backends()
     await _fault(http, base, slow_factor=400.0)  # 3.6 s: far longer than the test waits
     headers = {"x-sim-memory-mib": "18432"}
-    request = asyncio.create_task(http.post(f"{base}/v1/completions", json={}, headers=headers))
+    request = asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers))
     state = await _poll_state(http, base, lambda s: s["running"] == 1)
     assert state["memory"]["held_mib"] == 18432
     request.cancel()  # closes the client connection mid-request
@@ -284,7 +288,7 @@ async def test_client_disconnect_releases_memory_and_slot(backends, http):
     state = await _poll_state(http, base, lambda s: s["running"] == 0)
     assert state["memory"]["held_mib"] == 0 and state["counters"]["cancelled"] == 1
     await _fault(http, base, reset=True)
-    async with http.post(f"{base}/v1/completions", json={}, headers=headers) as resp:
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers) as resp:
         assert resp.status == 200  # the backend still serves, with the memory free again
 
 
@@ -293,7 +297,7 @@ async def test_shutdown_does_not_wait_for_hung_requests(http):
     base = f"http://127.0.0.1:{port}"
     await _fault(http, base, hang=True, metrics="hang")
     pending = [
-        asyncio.create_task(http.post(f"{base}/v1/completions", json={})),
+        asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16})),
         asyncio.create_task(http.get(f"{base}/metrics")),
     ]
     await asyncio.sleep(0.05)
@@ -301,3 +305,89 @@ async def test_shutdown_does_not_wait_for_hung_requests(http):
     await runner.cleanup()
     assert time.monotonic() - started < 1.0
     await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _sse(resp):
+    """(arrival time s, parsed data) of every SSE event of a streamed response."""
+    events, buf = [], b""
+    async for raw in resp.content:
+        buf += raw
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            assert event.startswith(b"data: "), event
+            data = event[6:].decode()
+            events.append((time.monotonic(), data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+async def test_streaming_chat_sends_chunks_as_produced_then_usage_and_done(backends, http):
+    base = await backends(time_scale=1.0)
+    body = {**CHAT, "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.monotonic()
+    async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["x-backend-version"] == "v1" and resp.headers["x-served-by"]
+        events = await _sse(resp)
+    assert events[-1][1] == "[DONE]"
+    usage = events[-2][1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24
+    assert usage["usage"]["prompt_tokens"] == usage["usage"]["total_tokens"] - 24
+    chunks = [e for _, e in events[:-2]]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = [c for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert len(content) == 24 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # tokens arrive over the decode time (23 steps of ~3 ms), not all at the end
+    first, last = events[0][0] - started, events[-3][0] - started
+    assert last - first > 0.04
+
+
+async def test_streaming_completion_without_usage_and_non_streaming_usage(backends, http):
+    base = await backends()
+    async with http.post(f"{base}/v1/completions", json={"prompt": "x" * 64, "max_tokens": 5, "stream": True}) as r:
+        events = await _sse(r)
+    assert events[-1][1] == "[DONE]" and all("usage" not in e for _, e in events[:-1])
+    assert [e["object"] for _, e in events[:-1]] == ["text_completion"] * 6
+    assert "".join(e["choices"][0]["text"] for _, e in events[:-1]).split() == \
+        ["Simulated", "reply", "from", "Simulated", "reply"]
+    async with http.post(f"{base}/v1/completions", json={"prompt": "x" * 64, "max_tokens": 5}) as r:
+        usage = (await r.json())["usage"]
+    assert usage == {"prompt_tokens": 16, "completion_tokens": 5, "total_tokens": 21,
+                     "prompt_tokens_details": {"cached_tokens": 0}}  # 16 tokens: the last one is recomputed
+
+
+async def test_streaming_oom_is_still_an_http_500(backends, http):
+    base = await backends(gpu_class="a10")
+    headers = {"x-sim-memory-mib": "20000"}
+    async with http.post(f"{base}/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers) as r:
+        assert r.status == 500 and (await r.json())["error"]["type"] == "oom"
+
+
+async def test_new_vllm_metrics_are_exposed_with_their_labels(backends, http):
+    base = await backends()
+    prompt = {"prompt": "shared system prompt " * 20, "max_tokens": 8}
+    for _ in range(2):
+        async with http.post(f"{base}/v1/completions", json=prompt) as resp:
+            assert resp.status == 200
+    families = {f.name: f for f in text_string_to_metric_families(await _scrape(http, base))}
+    labels = {"model_name": "sim-7b", "engine": "0"}
+
+    def value(family, sample):
+        return next(s.value for s in families[family].samples if s.name == sample and s.labels == labels)
+
+    queried, hit = value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total"), \
+        value("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+    assert queried == 2 * 105 and hit == 96  # 105 tokens: 6 full blocks cached, the second time
+    assert value("vllm:num_preemptions", "vllm:num_preemptions_total") == 0
+    assert value("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_count") == 2
+    assert value("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == 210
+    assert value("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 16
+    assert value("vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_count") == 2
+    assert value("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 14
+
+
+async def test_lone_surrogates_in_the_prompt_are_tokens_not_errors(backends, http):
+    base = await backends()
+    raw = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
+    async with http.post(f"{base}/v1/chat/completions", data=raw, headers={"content-type": "application/json"}) as r:
+        assert r.status == 200, await r.text()
