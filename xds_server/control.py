@@ -59,6 +59,7 @@ def engine_params(cfg: Config) -> EngineParams:
         stale_after_s=e.stale_after_s, request_memory_mib=e.request_memory_mib, memory_margin=e.memory_margin,
         max_weight=e.max_weight, hysteresis=e.hysteresis, quantum=e.quantum, max_change=e.max_change,
         drain_timeout_s=e.drain_timeout_s, filters=e.filters, scorers=e.scorers, factors=e.factors,
+        health_rounds=e.health_rounds,
     )
 
 

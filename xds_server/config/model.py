@@ -250,6 +250,7 @@ class Engine(_Strict):
     null = unbounded. ``drain_timeout_s``: a draining endpoint is removed at the latest after this long.
     ``filters`` / ``factors``: ``{plugin: {params}}``, ``{plugin: false}`` turns one off.
     ``scorers``: ``{plugin: weight}`` or ``{plugin: {weight: W, <params>}}``; weight 0 turns one off.
+    ``health_rounds``: a filter's exclusion needs this many flagged rounds in a row, a return as many passed.
     """
 
     stale_after_s: float = Field(15.0, gt=0)
@@ -260,6 +261,7 @@ class Engine(_Strict):
     quantum: float = Field(0.01, ge=0, le=1)
     max_change: float | None = Field(1.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
+    health_rounds: int = Field(2, ge=1, le=100)
     filters: dict[str, Any] = Field(default_factory=dict)
     scorers: dict[str, Any] = Field(default_factory=dict)
     factors: dict[str, Any] = Field(default_factory=dict)

@@ -26,7 +26,16 @@ def _params(kind: str, name: str, cls: type, raw: Mapping[str, Any]) -> Any:
         raise ValueError(f"{kind}.{name}: {problems}") from None
 
 
+#: Plugins that changed kind: a clear error instead of "unknown" (saturation is not health, issue 13).
+MOVED = {("filters", "gpu_memory"): "factors", ("filters", "max_concurrency"): "factors"}
+
+
 def _known(kind: str, name: object, table: Mapping[str, Any]) -> str:
+    moved = MOVED.get((kind, name)) if isinstance(name, str) else None
+    if moved is not None:
+        raise ValueError(f"{kind}.{name} is now engine.{moved}.{name}: momentary saturation no longer excludes an "
+                         f"endpoint (the picker admits each request); the slow loop only lowers the weight of an "
+                         f"endpoint persistently short")
     if not isinstance(name, str) or name not in table:
         raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {sorted(table)}")
     return name
@@ -75,7 +84,7 @@ def parse_scorers(raw: Mapping[str, Any] | None) -> dict[str, tuple[float, Any]]
 def engine_params(
     *, stale_after_s: float, request_memory_mib: float, memory_margin: float, max_weight: int, hysteresis: float,
     quantum: float, max_change: float | None, drain_timeout_s: float, filters: Mapping[str, Any],
-    scorers: Mapping[str, tuple[float, Any]], factors: Mapping[str, Any],
+    scorers: Mapping[str, tuple[float, Any]], factors: Mapping[str, Any], health_rounds: int = 2,
 ) -> EngineParams:
     """:class:`EngineParams` from validated config values (``filters``/``factors`` from
     :func:`parse_switchable`, ``scorers`` from :func:`parse_scorers`)."""
@@ -92,5 +101,5 @@ def engine_params(
         stale_after_s=stale_after_s, request_memory_mib=request_memory_mib, memory_margin=memory_margin,
         max_weight=max_weight, hysteresis=hysteresis, scorer_weights=MappingProxyType(weights), quantum=quantum,
         max_change=max_change, drain_timeout_s=drain_timeout_s, plugin_params=MappingProxyType(plugin_params),
-        disabled=frozenset(disabled),
+        disabled=frozenset(disabled), health_rounds=health_rounds,
     )
