@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from tests.support.factories import config, filter_reason, same_stats, score, service, spec, specs, stats, version
+from tests.support.factories import config, same_stats, score, service, spec, specs, stats, version
 from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine import stability
 from xds_server.engine.builtin import BUILTIN
-from xds_server.engine.plugin import NoParams, PluginSet, per_endpoint_filter
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, NEUTRAL_SCORE, combine, compute_weights
+from xds_server.engine.plugin import NoParams, PluginSet, per_endpoint_filter
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.stats import EndpointStats
 
