@@ -118,12 +118,17 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
 
 
 @pytest.mark.parametrize("headers", [
-    {"model_version": "v1", "x_session_id": "a"},  # the headers say it all
+    {"model_version": "v1", "x_session_id": "a", "x_inferlb_request_class": "small"},  # the headers say it all
     {"content_type": "text/plain"},  # not JSON
 ])
 def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
     answer, end = handler().process(StreamState(), headers_msg(False, **headers))
     assert end and pb.ProcessingResponse.FromString(answer).WhichOneof("response") == "request_headers"
+
+
+def test_a_json_body_is_read_for_the_request_size_when_no_class_header_gives_it():
+    answer, end = handler().process(StreamState(), headers_msg(False, model_version="v1", x_session_id="a"))
+    assert not end and pb.ProcessingResponse.FromString(answer).HasField("mode_override")
 
 
 def test_handler_decides_at_headers_without_a_body():

@@ -1,0 +1,204 @@
+"""The per-request endpoint choice: soft affinity, weighted bounded loads, memory admission (pure).
+
+For one request of one cluster (its pinnable endpoints and ring precomputed per view) and the live
+load the picker keeps (:class:`ext_proc.inflight.InFlight`), :func:`choose` returns the endpoint
+and why. The rules, each with its source:
+
+- **Weighted bounded loads.** An endpoint is *under its bound* when its load is below
+  ``c x (total + work) x w_i / sum(w)``: ``total`` is the cluster's load in flight, ``work`` this
+  request's, ``w_i`` its EDS weight (capacity carries into pinned traffic). With equal weights and
+  unit work this is the bound of Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
+  Bounded Loads" (SODA 2018): ``load < c x (total + 1) / n``. The bounds sum to
+  ``c x (total + work) > total``, so some endpoint is always under its bound.
+- **Memory admission** (the seed rule): an endpoint is a candidate only if its estimated free GPU
+  memory (reported free minus the memory of requests sent since that sample) is at least the
+  request's need x (1 + margin). Unknown free memory admits.
+- **Soft affinity.** A request with a key (a session, or a prefix of its prompt) prefers its
+  pinned endpoint (sessions), else the owner of the key's ring position; the preferred endpoint
+  is kept while under its bound and admitted for memory, otherwise the request spills to the next
+  candidate clockwise on the ring. Without a key, the least loaded (relative to its share)
+  admitted endpoint wins.
+- Endpoints whose connections just failed (Envoy's access log: connect failure or reset, issue
+  15 item 13) are skipped.
+
+Reasons (a stable label, counted and sampled): ``affinity`` (the preferred endpoint took it),
+``spilled`` (it was over its bound: next clockwise), ``memory`` (it lacked memory, or every endpoint
+under its bound did: the admitted endpoint with the lowest relative load), ``repinned`` (the pinned
+endpoint is gone, unhealthy or failing), ``least-loaded`` (no key), ``no-memory`` (no endpoint can
+hold the request: queue or 429).
+
+Deterministic: the same view, loads and request give the same answer in every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from typing import Any
+
+from ext_proc.view import ClusterEndpoints
+
+__all__ = ["LEAST_LOADED_MAX", "choose", "pin_after", "under_bound"]
+
+#: Without a key, pools up to this size are scanned for the least loaded endpoint (O(n)); larger
+#: ones walk the ring from the request id's position with bounded loads (O(1) expected).
+LEAST_LOADED_MAX = 64
+
+_INF = float("inf")
+_EMPTY: frozenset[str] = frozenset()
+
+
+def under_bound(load: float, total: float, work: float, share: float, load_factor: float) -> bool:
+    """The weighted bounded-load rule: ``load < c x (total + work) x share``.
+
+    >>> under_bound(0, 0, 1, 0.25, 1.25), under_bound(2, 3, 1, 0.25, 1.25), under_bound(1, 3, 1, 0.25, 1.25)
+    (True, False, True)
+    """
+    return load < load_factor * (total + work) * share
+
+
+def choose(
+    pool: ClusterEndpoints,
+    position: int | None,
+    pinned: str | None,
+    loads: Mapping[str, float],
+    total: float,
+    work: float = 1.0,
+    need_mib: float = 0.0,
+    free_mib: Mapping[str, float] | None = None,
+    failed: Container[str] = _EMPTY,
+    load_factor: float = 1.25,
+    margin: float = 0.2,
+) -> tuple[str | None, str]:
+    """Choose the endpoint of one request of ``pool`` (non-empty).
+
+    Args:
+        pool: the cluster's pinnable endpoints, ring and shares (from the view).
+        position: the request key's ring position (64-bit hash), None without a key.
+        pinned: the session's pinned endpoint (None: no session or no pin yet).
+        loads: ``{endpoint: work in flight}`` (missing = 0); units of a typical request.
+        total: the cluster's work in flight.
+        work: this request's predicted work (> 0; 1 = a typical request).
+        need_mib: this request's GPU memory need (MiB, before the margin); 0 = always admitted.
+        free_mib: ``{endpoint: estimated free GPU memory}`` (MiB); missing = unknown = admitted.
+        failed: endpoints to skip (recent connect failures or resets).
+        load_factor: ``c`` (>= 1).
+        margin: the memory margin (0-1 share on top of the need).
+
+    Returns:
+        ``(endpoint or None, reason)``; None only with reason ``no-memory``.
+    """
+    shares = pool.shares
+    need = need_mib * (1.0 + margin)
+    free = free_mib if (free_mib and need > 0) else None
+    scale = load_factor * (total + work)
+
+    if pinned is not None:
+        if pinned in pool.members and pinned not in failed:
+            if loads.get(pinned, 0.0) < scale * shares[pinned] and (free is None or free.get(pinned, _INF) >= need):
+                return pinned, "affinity"
+            endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned)
+            if endpoint is not None and free is not None and free.get(pinned, _INF) < need:
+                reason = "memory"
+            return endpoint, reason
+        walked = _walk(pool, position, loads, scale, need, free, failed, None)
+        return walked[0], ("repinned" if walked[0] is not None and walked[1] in ("affinity", "spilled")
+                           else walked[1])
+    if position is not None:
+        return _walk(pool, position, loads, scale, need, free, failed, None)
+    if len(pool.endpoints) > LEAST_LOADED_MAX:
+        endpoint, reason = _walk(pool, None, loads, scale, need, free, failed, None)
+        return endpoint, ("least-loaded" if reason in ("affinity", "spilled") else reason)
+    best, best_load = None, _INF
+    for e in pool.endpoints:
+        if e in failed or (free is not None and free.get(e, _INF) < need):
+            continue
+        rel = loads.get(e, 0.0) / shares[e]
+        if rel < best_load:
+            best, best_load = e, rel
+    if best is None:
+        return _least_relative(pool, loads, free, need, failed, None, memory_only=True), "no-memory"
+    return best, "least-loaded"
+
+
+def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, float], scale: float, need: float,
+          free: Mapping[str, float] | None, failed: Container[str], skip: str | None) -> tuple[str | None, str]:
+    """Clockwise from ``position`` (or the ring's start): the first endpoint under its bound and admitted."""
+    ring = pool.ring
+    owners = ring.owners
+    size = len(owners)
+    n = len(pool.endpoints)
+    i = ring.start_index(position) if position is not None else 0
+    shares = pool.shares
+    seen: set[str] | None = None
+    memory_skipped = False
+    first = True
+    for _ in range(size):
+        e = owners[i]
+        if seen is None or e not in seen:
+            if e != skip and e not in failed:
+                if free is not None and free.get(e, _INF) < need:
+                    memory_skipped = True
+                elif loads.get(e, 0.0) < scale * shares[e]:
+                    if first and skip is None:
+                        return e, "affinity"
+                    return e, "memory" if memory_skipped else "spilled"
+            first = False
+            if seen is None:
+                seen = {e}
+            else:
+                seen.add(e)
+            if len(seen) == n:
+                break
+        i += 1
+        if i == size:
+            i = 0
+    # Nobody is both under its bound and admitted: the admitted endpoint with the lowest relative load.
+    best = _least_relative(pool, loads, free, need, failed, skip, memory_only=False)
+    if best is None:
+        return None, "no-memory"
+    return best, "memory"
+
+
+def _least_relative(pool: ClusterEndpoints, loads: Mapping[str, float], free: Mapping[str, float] | None,
+                    need: float, failed: Container[str], skip: str | None, memory_only: bool) -> Any:
+    best, best_load = None, _INF
+    for e in pool.endpoints:
+        if e in failed or e == skip and not memory_only:
+            continue
+        if free is not None and free.get(e, _INF) < need:
+            continue
+        rel = loads.get(e, 0.0) / pool.shares[e]
+        if rel < best_load:
+            best, best_load = e, rel
+    return best
+
+
+def pin_after(pinned: str | None, chosen: str, reason: str, spills: int, move_after: int
+              ) -> tuple[str, int, bool]:
+    """How a session's pin changes after one decision (pure).
+
+    Args:
+        pinned: the pin before (None: a new session).
+        chosen: the endpoint the request went to.
+        reason: the decision's reason.
+        spills: the session's spills in a row before this request.
+        move_after: spills in a row that move the pin (>= 1; 1 = move at the first spill).
+
+    Returns:
+        ``(pin, spills in a row, moved)``: a new session, or one whose pinned endpoint is gone
+        (``repinned``), is pinned to ``chosen``; a spill keeps the old pin until ``move_after``
+        spills in a row (a burst does not scatter a conversation), then the pin moves there.
+
+    >>> pin_after("a", "b", "spilled", 0, 3), pin_after("a", "b", "spilled", 2, 3)
+    (('a', 1, False), ('b', 0, True))
+    >>> pin_after("a", "a", "affinity", 2, 3)
+    ('a', 0, False)
+    """
+    if pinned is None or pinned == chosen:
+        return chosen, 0, False
+    if reason in ("spilled", "memory"):
+        spills += 1
+        if spills >= move_after:
+            return chosen, 0, True
+        return pinned, spills, False
+    return chosen, 0, True
