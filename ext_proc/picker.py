@@ -320,7 +320,11 @@ def pick(
     elif body.prefix is not None:
         kind = "prefix"
         position = body.prefix
+    spin = 0
+    if position is None:
+        rid = headers.get("x-request-id")
+        spin = key_hash(rid) if rid else 0
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                              routing.load_factor, routing.memory_margin)
+                              routing.load_factor, routing.memory_margin, spin)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

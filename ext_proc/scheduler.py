@@ -68,6 +68,7 @@ def choose(
     failed: Container[str] = _EMPTY,
     load_factor: float = 1.25,
     margin: float = 0.2,
+    spin: int = 0,
 ) -> tuple[str | None, str]:
     """Choose the endpoint of one request of ``pool`` (non-empty).
 
@@ -83,6 +84,8 @@ def choose(
         failed: endpoints to skip (recent connect failures or resets).
         load_factor: ``c`` (>= 1).
         margin: the memory margin (0-1 share on top of the need).
+        spin: without a key, where the least-loaded scan starts (a hash of the request id): ties
+            go to the first endpoint from there, so idle endpoints of equal share take turns.
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -109,10 +112,14 @@ def choose(
         endpoint, reason = _walk(pool, None, loads, scale, need, free, failed, None)
         return endpoint, ("least-loaded" if reason in ("affinity", "spilled") else reason)
     best, best_load = None, _INF
-    for e in pool.endpoints:
+    endpoints = pool.endpoints
+    n = len(endpoints)
+    start = spin % n
+    for k in range(n):
+        e = endpoints[(start + k) % n]
         if e in failed or (free is not None and free.get(e, _INF) < need):
             continue
-        rel = loads.get(e, 0.0) / shares[e]
+        rel = (loads.get(e, 0.0) + work) / shares[e]
         if rel < best_load:
             best, best_load = e, rel
     if best is None:

@@ -11,13 +11,18 @@ import contextlib
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import requests
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
+from ext_proc.handler import PickerHandler
+from ext_proc.transport.base import GRPC_INTERNAL, StreamError, StreamState
+from ext_proc.view import ViewHolder
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_headers
@@ -180,8 +185,14 @@ def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: St
         assert pins[0] == pins[1]
         v1 = sorted(b.address for b in s.backends if b.version == "v1")
         assert set(pins[0].values()) == set(v1)
-        ring = s.app.view.current.clusters["chat-v1"].ring
-        assert all(pins[0][i] == ring.lookup(f"ads-{i}".encode()) for i in range(30))
+        # ... and with a fresh picker over the control plane's own view fed the same requests (the
+        # picks count as load: no completion comes back on these direct calls).
+        reference = PickerHandler(ViewHolder(s.app.view.current))
+        for i in range(30):
+            answer, _ = reference.process(StreamState(), headers_request(model_version="v1", x_session_id=f"ads-{i}")
+                                          .SerializeToString())
+            got = set_headers(ProcessingResponse.FromString(answer))["x-gateway-destination-endpoint"].decode()
+            assert got == pins[0][i], i
         nodes = requests.get(f"{s.admin}/api/v1/nodes", timeout=5).json()["nodes"]
         assert sum(n["node_id"].startswith("inferlb-picker-") for n in nodes) == 2
     finally:
@@ -216,6 +227,51 @@ def _set_failure_mode(s: Stack, allow: bool) -> None:
         return (f'"failure_mode_allow": {want}' in dump) or (not allow and '"failure_mode_allow"' not in dump)
 
     wait_until(applied, 10, 0.1, f"Envoy's ext_proc filter with failure_mode_allow={allow}")
+
+
+def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_falls_back_to_the_weights(
+        picker_stack: Stack):
+    """Issue 13: the picker decides every request. With one v1 endpoint loaded (in the picker's own
+    count), every request without a session goes to the other one; Envoy's weighted fallback would
+    split them. When the picker fails (every stream ends INTERNAL, fail-open), Envoy's fallback with
+    the EDS weights serves them: both endpoints get traffic, all 200."""
+    s = picker_stack
+    a, b = sorted(x.address for x in s.backends if x.version == "v1")
+    weights = {e["address"]: e["weight"] for c in requests.get(f"{s.admin}/api/v1/weights", timeout=5).json()
+               ["clusters"] if c["name"] == "chat-v1" for e in c["endpoints"]}
+    inflight = s.app.picker.inflight
+    before = _decisions(s, "least-loaded")
+    inflight.picked("chat-v1", a, 50.0)  # as if 50 typical requests were running there
+    try:
+        served = Counter(s.send({}).headers["x-served-by"] for _ in range(12))
+    finally:
+        inflight.completed("chat-v1", a)
+    assert served == Counter({b: 12}), served
+    assert _decisions(s, "least-loaded") >= before + 12
+    handler = s.app.picker
+
+    def failing(stream, data):
+        raise StreamError(GRPC_INTERNAL, "picker broken (test)")
+
+    handler.process = failing
+    try:
+        results = [s.send({}) for _ in range(40)]
+    finally:
+        vars(handler).pop("process", None)
+    assert all(r.status_code == 200 for r in results)
+    fallback = Counter(r.headers["x-served-by"] for r in results)
+    assert set(fallback) == {a, b}, fallback  # Envoy's weighted fallback, not the picker's choice
+    share = fallback[a] / 40
+    expected = weights[a] / (weights[a] + weights[b])
+    assert abs(share - expected) <= 0.3, (fallback, weights)
+
+
+def _decisions(s: Stack, outcome: str) -> float:
+    text = requests.get(f"{s.admin}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(f'inferlb_ext_proc_decisions_total{{outcome="{outcome}"}}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):
