@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from dataclasses import replace
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
@@ -35,10 +37,17 @@ __all__ = ["PickerHandler", "prefix_hash"]
 
 log = logging.getLogger(__name__)
 
-_HOLD_FOR_BODY = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override={"request_body_mode": "BUFFERED"},
-).SerializeToString()
+_HOLD_FOR_BODY = {
+    mode: pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                mode_override={"request_body_mode": mode.upper()}).SerializeToString()
+    for mode in ("buffered", "streamed")
+}
+_BODY_OK = EMPTY_ANSWERS["request_body"]
+_FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_tokens)"\s*:\s*'
+                    rb'("(?:[^"\\]|\\.){0,1024}"|[0-9]{1,9})')
+_MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
+_PROMPT = re.compile(rb'"prompt"\s*:\s*"')
+_DECODER = json.JSONDecoder()
 
 
 def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
@@ -124,6 +133,57 @@ def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
     )
 
 
+def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTable) -> BodyFields:
+    """What the first bytes of a longer JSON body tell (streamed body mode), never raising.
+
+    ``model``, ``user``, ``prompt_cache_key`` and ``max_tokens``: the first occurrence of each key
+    with a string (number) value in the chunk. The prefix key: the first ``prefix_messages`` chat
+    messages that are complete in the chunk, hashed exactly as :func:`prefix_hash` hashes them in a
+    whole body (so a request gets the same key whether its body came in one chunk or several);
+    a completion's ``prompt``: its first bytes. The prompt's tokens: the body's ``content-length``
+    (bytes) / ``chars_per_token``.
+    """
+    found: dict[bytes, bytes] = {}
+    for m in _FIELD.finditer(chunk):
+        found.setdefault(m.group(1), m.group(2))
+
+    def text(key: bytes) -> bytes | None:
+        raw = found.get(key)
+        if raw is None or not raw.startswith(b'"'):
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        return value.encode() if isinstance(value, str) and value else None
+
+    number = found.get(b"max_tokens") or found.get(b"max_completion_tokens")
+    max_tokens = int(number) if number is not None and number.isdigit() and int(number) > 0 else None
+    prefix = None
+    if routing.prefix_messages > 0:
+        m = _MESSAGES.search(chunk)
+        if m is not None:
+            text_ = chunk.decode("utf-8", "ignore")
+            pos = len(chunk[:m.end()].decode("utf-8", "ignore"))
+            messages: list = []
+            while len(messages) < routing.prefix_messages:
+                while pos < len(text_) and text_[pos] in " \t\r\n,":
+                    pos += 1
+                try:
+                    message, pos = _DECODER.raw_decode(text_, pos)
+                except ValueError:
+                    break
+                messages.append(message)
+            if messages:
+                prefix = prefix_hash({"messages": messages}, routing.prefix_messages, routing.prefix_max_bytes)
+        else:
+            m = _PROMPT.search(chunk)
+            if m is not None:
+                prefix = key_hash(chunk[m.end(): m.end() + routing.prefix_max_bytes])
+    tokens = content_length / routing.chars_per_token if content_length else None
+    return BodyFields(text(b"model"), text(b"user"), text(b"prompt_cache_key"), prefix, tokens, max_tokens)
+
+
 class PickerHandler:
     """Answers ext_proc messages with picks and counts access-log completions.
 
@@ -144,13 +204,16 @@ class PickerHandler:
         pin_move_after: spills in a row that move a session's pin (>= 1).
         limit_concurrency: with ``admission``, also hold requests for a cluster at its max
             concurrency (False: the queue only holds requests no endpoint has memory for).
+        memory_queue: with ``admission``, a request no endpoint has memory for waits in the queue
+            (then 429); False, or without ``admission``: it is pinned to the endpoint with the most
+            estimated free memory.
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
                  errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
                  completions: CompletionSink | None = None, costs: CostModel | None = None,
-                 pin_move_after: int = 3, limit_concurrency: bool = True) -> None:
+                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True) -> None:
         if pin_move_after < 1:
             raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
@@ -164,6 +227,7 @@ class PickerHandler:
         self.costs = costs if costs is not None else CostModel()
         self.pin_move_after = pin_move_after
         self.limit_concurrency = limit_concurrency
+        self.memory_queue = memory_queue
         self.spills: dict[int, int] = {}
         """Session slot -> spills in a row (only sessions spilling now)."""
         self._timed = 0
@@ -180,7 +244,7 @@ class PickerHandler:
         return cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
                    SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
                    completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
-                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission)
+                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue)
 
     @staticmethod
     def _count(reason: str) -> None:
@@ -212,13 +276,24 @@ class PickerHandler:
         try:
             if phase == "request_headers":
                 return self._headers(stream, request.request_headers)
-            if phase == "request_body" and stream.held is not None:
-                headers, stream.held = stream.held, None
-                view = self.holder.current
-                fields = _body_fields(request.request_body.body, view.routing)
-                if fields is None:
-                    self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                return self._route(headers, view, fields or NO_BODY, "request_body"), True
+            if phase == "request_body":
+                chunk = request.request_body
+                if stream.held is not None:
+                    headers, stream.held = stream.held, None
+                    view = self.holder.current
+                    if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
+                        fields = _body_fields(chunk.body, view.routing)
+                        if fields is None:
+                            self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                        return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                    # Streamed: decide on the first bytes; the later chunks pass unchanged.
+                    stream.decided = True
+                    length = headers.get("content-length", b"")
+                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
+                                             int(length) if length.isdigit() else None, view.routing)
+                    return self._route(headers, view, fields, "request_body"), False
+                if stream.decided:
+                    return _BODY_OK, chunk.end_of_stream
         except Exception:
             self.errors.report("pick-failed", "the picker raised", exc_info=True)
             raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
@@ -236,7 +311,7 @@ class PickerHandler:
         view = self.holder.current
         if view.routing.body_max_bytes and not http_headers.end_of_stream and self._wants_body(headers, view):
             stream.held = headers
-            return _HOLD_FOR_BODY, False
+            return _HOLD_FOR_BODY[view.routing.body_mode], False
         return self._route(headers, view, NO_BODY, "request_headers"), True
 
     @staticmethod
@@ -327,14 +402,20 @@ class PickerHandler:
                    phase: str) -> bytes | asyncio.Future[bytes]:
         """No endpoint can hold the request: queue it (with admission on) until one can, then 429.
 
-        Without admission control the request goes to Envoy's weighted fallback (not pinned).
+        Without the queue (``memory_queue`` off) the request is pinned to the endpoint with the
+        most estimated free memory (best effort: the estimate may be stale; Envoy's fallback would
+        choose blind).
         """
         cluster = decision.cluster
         assert cluster is not None
         admission = self.admission
-        if admission is None:
-            return self._commit(Decision(cluster, None, None, b"", "no-memory", work=decision.work), view, headers,
-                                phase)
+        if admission is None or not self.memory_queue:
+            loads = self.inflight
+            pool = view.clusters[cluster]
+            candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
+            best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
+            return self._commit(replace(decision, endpoint=best, gpu_class=pool.classes.get(best, "")), view,
+                                headers, phase)
 
         def refuse() -> bytes:
             why = f"has no endpoint with {decision.mib:.0f} MiB of GPU memory free for this request"

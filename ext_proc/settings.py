@@ -27,7 +27,7 @@ class PickerSettings:
         admission: admission control on or off; ``max_queue``, ``queue_timeout_s`` and
             ``retry_after_s`` as in :class:`ext_proc.admission.Admission`.
         memory_queue: a request no endpoint has GPU memory for waits in the queue, then gets a
-            429 (False: it goes unpinned to Envoy's weighted fallback).
+            429 (False: it is pinned to the endpoint with the most estimated free memory).
         pin_move_after: spills in a row that move a session's pin.
         failure_hold_s: an endpoint whose connections fail is not picked for this long (s).
         cost_forget, cost_min_samples: the cost model's forgetting factor and samples per class
@@ -41,7 +41,7 @@ class PickerSettings:
     max_queue: int = 256
     queue_timeout_s: float = 0.1
     retry_after_s: int = 1
-    memory_queue: bool = True
+    memory_queue: bool = False
     pin_move_after: int = 3
     failure_hold_s: float = 5.0
     cost_forget: float = 0.999
@@ -83,6 +83,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
                                 for k, c in routing.request_classes.items()},
             "prefix_messages": routing.prefix_messages,
             "prefix_max_bytes": routing.prefix_max_bytes,
+            "body_mode": routing.body_mode,
         },
         "settings": asdict(settings),
     }
@@ -131,6 +132,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
                          for k, c in r.get("request_classes", {}).items()},
         prefix_messages=int(r.get("prefix_messages", 2)),
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
+        body_mode=r.get("body_mode", "streamed"),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

@@ -147,6 +147,9 @@ class RoutingTable:
         prefix_messages: the prefix key hashes the first this many chat messages (system prompt
             and first turns; 0 = no prefix keys).
         prefix_max_bytes: ... and at most this many bytes of them (or of a completion's prompt).
+        body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
+            picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
+            up to Envoy's buffer limit, then the decision).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
@@ -172,6 +175,7 @@ class RoutingTable:
     request_classes: Mapping[str, RequestClass] = field(default_factory=dict, hash=False)
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
+    body_mode: str = "streamed"
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -191,6 +195,8 @@ class RoutingTable:
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")
+        if self.body_mode not in ("streamed", "buffered"):
+            raise ValueError(f"routing: body_mode must be streamed or buffered, got {self.body_mode!r}")
         if not self.chars_per_token > 0:
             raise ValueError(f"routing: chars_per_token must be > 0, got {self.chars_per_token}")
         if self.request_memory_header is not None:

@@ -37,6 +37,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                          for name, c in cfg.picker.request_classes.items()},
         prefix_messages=cfg.picker.prefix_messages,
         prefix_max_bytes=cfg.picker.prefix_max_bytes,
+        body_mode=cfg.picker.body_mode,
         services=tuple(
             ServiceRoute(
                 name=s.name,

@@ -204,7 +204,9 @@ def test_a_long_tail_node_is_ejected_and_comes_back_after_it_recovers(eng: Stack
         b1.fault(long_tail=0.5)
         doc = wait_until(lambda: (d := cluster(eng, "v1")[b1.address])["health"] == "UNHEALTHY" and d, 15, 0.2,
                          "the long-tail node to be ejected")
-        assert doc["reasons"][0].startswith("latency_outlier: latency outlier: p95 latency"), doc["reasons"]
+        # Health hysteresis: flagged on one round (not excluded yet), out from the next (its ejection
+        # started when first flagged), so the reason is either the verdict or the running ejection.
+        assert doc["reasons"][0].startswith("latency_outlier: latency outlier: "), doc["reasons"]
         assert "ejected for" in doc["reasons"][0]
         assert cluster(eng, "v1")[b0.address]["health"] == "HEALTHY"  # never more than the share allows
         wait_until(lambda: envoy_hosts(eng.envoy_admin)["chat-v1"][b1.address]["health"] == "UNHEALTHY", 3, 0.1,

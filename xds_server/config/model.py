@@ -511,9 +511,11 @@ class Picker(_Strict):
     ``chars_per_token``, + ``max_tokens`` or ``default_max_tokens``)), ``request_class_header`` +
     ``request_classes``, else ``engine.request_memory_mib``. ``prefix_messages`` /
     ``prefix_max_bytes``: what the prefix key hashes. ``memory_queue``: a request no endpoint has
-    memory for waits in the queue then gets 429 (false: Envoy's fallback). ``pin_move_after``:
+    memory for waits in the queue then gets 429 (false, the default: it is pinned to the endpoint
+    with the most estimated free memory). ``pin_move_after``:
     spills in a row that move a session. ``failure_hold_s``: an endpoint whose connections fail is
     not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
+    ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
@@ -538,7 +540,8 @@ class Picker(_Strict):
     request_classes: dict[str, RequestClassConfig] = Field(default_factory=dict)
     prefix_messages: int = Field(2, ge=0, le=1000)
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
-    memory_queue: bool = True
+    body_mode: Literal["streamed", "buffered"] = "streamed"
+    memory_queue: bool = False
     pin_move_after: int = Field(3, ge=1, le=1000)
     failure_hold_s: float = Field(5.0, gt=0, le=3600)
     cost_forget: float = Field(0.999, gt=0, le=1)

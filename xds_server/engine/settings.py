@@ -81,6 +81,12 @@ def parse_scorers(raw: Mapping[str, Any] | None) -> dict[str, tuple[float, Any]]
     return out
 
 
+#: Plugins off unless the config names them: ``balance`` nudges request-rate shares toward the weight
+#: shares, which fights the picker now that it decides every request from its live in-flight load
+#: (a slower GPU rightly gets fewer requests per unit of weight; balance would inflate its weight).
+DEFAULT_OFF = frozenset({"balance"})
+
+
 def engine_params(
     *, stale_after_s: float, request_memory_mib: float, memory_margin: float, max_weight: int, hysteresis: float,
     quantum: float, max_change: float | None, drain_timeout_s: float, filters: Mapping[str, Any],
@@ -90,7 +96,7 @@ def engine_params(
     :func:`parse_switchable`, ``scorers`` from :func:`parse_scorers`)."""
     weights = {name: w for name, (w, _) in scorers.items()}
     plugin_params: dict[str, Any] = {name: p for name, (_, p) in scorers.items()}
-    disabled = set()
+    disabled = set(DEFAULT_OFF - set(factors))
     for table in (filters, factors):
         for name, value in table.items():
             if value is False:

@@ -434,3 +434,9 @@ def _log(pin: str, served_by: str | None = None, attempts: int = 1, flag: str | 
         setattr(props.response_flags, flag, True)
     entry.response.response_code.value = status
     return msg.SerializeToString()
+
+
+def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_free_endpoint():
+    handler = PickerHandler(ViewHolder(view()))
+    handler.set_samples({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0), FOUR[3]: (10.0, 0.0)})
+    assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]

@@ -105,7 +105,7 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
     h, stream = handler(), StreamState()
     answer, end = h.process(stream, headers_msg(False))
     first = pb.ProcessingResponse.FromString(answer)
-    assert not end and first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    assert not end and first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.STREAMED
     assert not first.request_headers.response.header_mutation.set_headers
     body = json.dumps({"model": "v2", "user": "bob", "messages": []}).encode()
     answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
@@ -143,3 +143,43 @@ def test_unreadable_or_oversized_bodies_fall_back_to_the_headers(body):
     answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
     response = pb.ProcessingResponse.FromString(answer)
     assert end and set_headers(response.request_body.response)["x-inferlb-cluster"] == b"llm-v1"
+
+
+def test_buffered_body_mode_asks_envoy_for_the_whole_body():
+    from dataclasses import replace as _replace
+    view = EndpointView.build(ASSIGN, _replace(VIEW.routing, body_mode="buffered"))
+    answer, _ = PickerHandler(ViewHolder(view)).process(StreamState(), headers_msg(False))
+    mode = pb.ProcessingResponse.FromString(answer).mode_override.request_body_mode
+    assert mode == processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+def test_streamed_body_is_decided_on_its_first_chunk_and_later_chunks_pass_unchanged():
+    h, stream = handler(), StreamState()
+    h.process(stream, headers_msg(False, content_length="200000"))
+    head = json.dumps({"model": "v2", "user": "carol", "max_tokens": 64,
+                       "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                    {"role": "user", "content": "x" * 100}]}).encode()[:-40]  # cut mid-message
+    answer, end = h.process(stream, message("request_body", body=head, end_of_stream=False))
+    first = pb.ProcessingResponse.FromString(answer)
+    assert not end and first.WhichOneof("response") == "request_body"
+    common = first.request_body.response
+    assert common.clear_route_cache and set_headers(common)["x-inferlb-cluster"] == b"llm-v2"
+    pinned = set_headers(common)["x-gateway-destination-endpoint"]
+    for last in (False, True):
+        answer, end = h.process(stream, message("request_body", body=b"y" * 1000, end_of_stream=last))
+        assert end == last and pb.ProcessingResponse.FromString(answer) == pb.ProcessingResponse(
+            request_body=pb.BodyResponse())
+    # The session came from the first bytes ("user"): the same pin as by header.
+    assert h.sessions.get(next(iter(h.sessions._entries))) == pinned.decode()
+
+
+def test_partial_and_whole_bodies_give_the_same_prefix_key():
+    from ext_proc.handler import _body_fields, _partial_fields
+    doc = {"model": "v1", "messages": [{"role": "system", "content": "sys " * 50}, {"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "a " * 500}]}
+    raw = json.dumps(doc).encode()
+    routing = VIEW.routing
+    whole = _body_fields(raw, RoutingTable(body_max_bytes=1 << 20))
+    partial = _partial_fields(raw[:400], len(raw), routing)
+    assert partial.prefix == whole.prefix is not None and partial.model == b"v1"
+    assert partial.prompt_tokens == len(raw) / routing.chars_per_token

@@ -438,3 +438,9 @@ def test_the_saturation_filters_moved_to_factors_with_a_message(name):
         config(engine={"filters": {name: False}})
     p = engine_params(config(engine={"factors": {name: {"rounds": 5, "penalty": 0.25}}, "health_rounds": 3}))
     assert p.plugin_params[name].rounds == 5 and p.plugin_params[name].penalty == 0.25 and p.health_rounds == 3
+
+
+def test_balance_is_off_unless_the_config_names_it():
+    assert "balance" in engine_params(config()).disabled
+    assert "balance" not in engine_params(config(engine={"factors": {"balance": True}})).disabled
+    assert "balance" not in engine_params(config(engine={"factors": {"balance": {"step": 0.05}}})).disabled
