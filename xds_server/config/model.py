@@ -540,7 +540,7 @@ class Picker(_Strict):
     request_classes: dict[str, RequestClassConfig] = Field(default_factory=dict)
     prefix_messages: int = Field(2, ge=0, le=1000)
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
-    body_mode: Literal["streamed", "buffered"] = "streamed"
+    body_mode: Literal["streamed", "buffered"] = "buffered"
     memory_queue: bool = False
     pin_move_after: int = Field(3, ge=1, le=1000)
     failure_hold_s: float = Field(5.0, gt=0, le=3600)

@@ -105,7 +105,7 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
     h, stream = handler(), StreamState()
     answer, end = h.process(stream, headers_msg(False))
     first = pb.ProcessingResponse.FromString(answer)
-    assert not end and first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.STREAMED
+    assert not end and first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
     assert not first.request_headers.response.header_mutation.set_headers
     body = json.dumps({"model": "v2", "user": "bob", "messages": []}).encode()
     answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
@@ -145,16 +145,17 @@ def test_unreadable_or_oversized_bodies_fall_back_to_the_headers(body):
     assert end and set_headers(response.request_body.response)["x-inferlb-cluster"] == b"llm-v1"
 
 
-def test_buffered_body_mode_asks_envoy_for_the_whole_body():
-    from dataclasses import replace as _replace
-    view = EndpointView.build(ASSIGN, _replace(VIEW.routing, body_mode="buffered"))
-    answer, _ = PickerHandler(ViewHolder(view)).process(StreamState(), headers_msg(False))
+STREAMED_VIEW = EndpointView.build(ASSIGN, RoutingTable(services=(MIXED,), body_max_bytes=4096, body_mode="streamed"))
+
+
+def test_streamed_body_mode_asks_envoy_for_chunks():
+    answer, _ = PickerHandler(ViewHolder(STREAMED_VIEW)).process(StreamState(), headers_msg(False))
     mode = pb.ProcessingResponse.FromString(answer).mode_override.request_body_mode
-    assert mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    assert mode == processing_mode_pb2.ProcessingMode.STREAMED
 
 
 def test_streamed_body_is_decided_on_its_first_chunk_and_later_chunks_pass_unchanged():
-    h, stream = handler(), StreamState()
+    h, stream = PickerHandler(ViewHolder(STREAMED_VIEW)), StreamState()
     h.process(stream, headers_msg(False, content_length="200000"))
     head = json.dumps({"model": "v2", "user": "carol", "max_tokens": 64,
                        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
