@@ -32,16 +32,17 @@ Deterministic: the same view, loads and request give the same answer in every pr
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Container, Mapping
 from typing import Any
 
 from ext_proc.view import ClusterEndpoints
 
-__all__ = ["LEAST_LOADED_MAX", "choose", "pin_after", "under_bound"]
+__all__ = ["SCAN_MAX", "choose", "pin_after", "under_bound"]
 
-#: Without a key, pools up to this size are scanned for the least loaded endpoint (O(n)); larger
-#: ones walk the ring from the request id's position with bounded loads (O(1) expected).
-LEAST_LOADED_MAX = 64
+#: Without a key, pools up to this size are scanned for the lowest load per share (O(n)); larger
+#: ones use the power of two choices (O(log n)).
+SCAN_MAX = 64
 
 _INF = float("inf")
 _EMPTY: frozenset[str] = frozenset()
@@ -84,8 +85,8 @@ def choose(
         failed: endpoints to skip (recent connect failures or resets).
         load_factor: ``c`` (>= 1).
         margin: the memory margin (0-1 share on top of the need).
-        spin: without a key, where the least-loaded scan starts (a hash of the request id): ties
-            go to the first endpoint from there, so idle endpoints of equal share take turns.
+        spin: without a key, a 64-bit hash of the request id: its two 32-bit halves draw the two
+            choices.
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -108,23 +109,45 @@ def choose(
                            else walked[1])
     if position is not None:
         return _walk(pool, position, loads, scale, need, free, failed, None)
-    if len(pool.endpoints) > LEAST_LOADED_MAX:
-        endpoint, reason = _walk(pool, None, loads, scale, need, free, failed, None)
-        return endpoint, ("least-loaded" if reason in ("affinity", "spilled") else reason)
-    best, best_load = None, _INF
     endpoints = pool.endpoints
-    n = len(endpoints)
-    start = spin % n
-    for k in range(n):
-        e = endpoints[(start + k) % n]
+    if len(endpoints) <= SCAN_MAX:
+        # Small pool: the lowest load per share; ties (an idle pool) drawn by weight from the request id.
+        low, tied, tied_share = _INF, [], 0.0
+        for e in endpoints:
+            if e in failed or (free is not None and free.get(e, _INF) < need):
+                continue
+            rel = loads.get(e, 0.0) / shares[e]
+            if rel < low - 1e-12:
+                low, tied, tied_share = rel, [e], shares[e]
+            elif rel <= low + 1e-12:
+                tied.append(e)
+                tied_share += shares[e]
+        if not tied:
+            return None, "no-memory"
+        if len(tied) == 1:
+            return tied[0], "least-loaded"
+        u = (spin & 0xFFFFFFFF) / 4294967296.0 * tied_share
+        for e in tied:
+            u -= shares[e]
+            if u < 0:
+                return e, "least-loaded"
+        return tied[-1], "least-loaded"
+    # Large pool: the power of two choices (Mitzenmacher 2001), both drawn by weight from the request
+    # id's hash; the one with the lower load per share wins (ties: the first draw). O(log n).
+    cumulative = pool.cumulative
+    last = len(endpoints) - 1
+    best, best_load = None, _INF
+    for u in ((spin & 0xFFFFFFFF) / 4294967296.0, (spin >> 32 & 0xFFFFFFFF) / 4294967296.0):
+        e = endpoints[min(last, bisect_right(cumulative, u))]
         if e in failed or (free is not None and free.get(e, _INF) < need):
             continue
-        rel = (loads.get(e, 0.0) + work) / shares[e]
+        rel = loads.get(e, 0.0) / shares[e]
         if rel < best_load:
             best, best_load = e, rel
-    if best is None:
-        return _least_relative(pool, loads, free, need, failed, None, memory_only=True), "no-memory"
-    return best, "least-loaded"
+    if best is not None:
+        return best, "least-loaded"
+    best = _least_relative(pool, loads, free, need, failed, None, memory_only=True)
+    return best, ("least-loaded" if best is not None else "no-memory")
 
 
 def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, float], scale: float, need: float,

@@ -226,6 +226,7 @@ class ClusterEndpoints:
             cluster's load in the weighted bounded-load rule, precomputed once per view.
         classes: ``{endpoint: GPU class}`` from EDS metadata ``inferlb.gpu_class`` ("" unknown).
         main_class: the most common class (its cost-model fit predicts a request's work).
+        cumulative: the running sum of ``shares`` in ``endpoints`` order (weighted sampling).
     """
 
     name: str
@@ -238,6 +239,7 @@ class ClusterEndpoints:
     salt: int = field(init=False, compare=False)
     shares: Mapping[str, float] = field(init=False, compare=False)
     main_class: str = field(init=False, compare=False)
+    cumulative: tuple[float, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", frozenset(self.endpoints))
@@ -250,6 +252,11 @@ class ClusterEndpoints:
         w = {e: max(1, int(self.weights.get(e, 1))) for e in self.endpoints}
         total = sum(w.values())
         object.__setattr__(self, "shares", MappingProxyType({e: v / total for e, v in w.items()}))
+        cumulative, upto = [], 0
+        for e in self.endpoints:
+            upto += w[e]
+            cumulative.append(upto / total)
+        object.__setattr__(self, "cumulative", tuple(cumulative))
 
 
 def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable
 
 import pytest
@@ -126,8 +127,30 @@ def test_session_headers_in_order_first_non_empty_wins():
 def test_a_request_without_session_goes_to_the_least_loaded_endpoint():
     loads = {f"{ip}:8000": 3.0 for ip, _ in V2}
     loads["10.0.2.2:8000"] = 1.0
-    d = pick(req(model_version=b"v2"), VIEW, loads=loads)
-    assert (d.cluster, d.endpoint, d.reason, d.session) == ("llm-v2", "10.0.2.2:8000", "least-loaded", None)
+    for i in range(50):
+        d = pick(req(model_version=b"v2", x_request_id=b"req-%d" % i), VIEW, loads=loads)
+        assert (d.cluster, d.endpoint, d.reason, d.session) == ("llm-v2", "10.0.2.2:8000", "least-loaded", None)
+
+
+def test_large_pools_use_two_weighted_choices():
+    from ext_proc.scheduler import SCAN_MAX
+    hosts = [(f"10.1.{i // 250}.{i % 250}", HEALTHY) for i in range(SCAN_MAX + 36)]
+    view = make_view({"llm-v1": cla("llm-v1", hosts)})
+    loads = {f"{ip}:8000": 5.0 for ip, _ in hosts}
+    idle = {f"{ip}:8000" for ip, _ in hosts[:50]}
+    loads.update({e: 0.0 for e in idle})
+    picks = Counter(pick(req(x_request_id=b"r-%d" % i), view, loads=loads).endpoint for i in range(1000))
+    # One of two draws idle: 1 - (50/100)^2 = 75 % of the picks go to the idle half.
+    assert 0.68 <= sum(n for e, n in picks.items() if e in idle) / 1000 <= 0.82, picks
+
+
+def test_idle_requests_without_session_follow_the_weights():
+    assignment = cla("llm-v1", V1)
+    for lb, w in zip(assignment.endpoints[0].lb_endpoints, (10, 30, 30, 30), strict=True):
+        lb.load_balancing_weight.value = w
+    view = make_view({"llm-v1": assignment})
+    picks = Counter(pick(req(x_request_id=b"r-%d" % i), view).endpoint for i in range(2000))
+    assert 0.06 <= picks["10.0.1.0:8000"] / 2000 <= 0.14, picks  # a slow-starting endpoint still gets its share
 
 
 def test_session_on_each_version_uses_that_clusters_endpoints():
