@@ -173,6 +173,7 @@ def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: St
     """`inferlb ext-proc --xds`: two picker processes subscribe to the control plane and agree,
     with each other and with the ring over the control plane's healthy endpoints."""
     s = picker_stack
+    _v1_healthy(s)
     ports = [free_port(), free_port()]
     procs = [spawn(f"picker-{i}", inferlb_argv("ext-proc", "--xds", f"127.0.0.1:{s.app.xds_port}",
                                                "--listen", f"127.0.0.1:{port}"), s.workdir)
@@ -245,9 +246,7 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
     the EDS weights serves them: both endpoints get traffic, all 200."""
     s = picker_stack
     a, b = sorted(x.address for x in s.backends if x.version == "v1")
-    doc = requests.get(f"{s.admin}/api/v1/weights", timeout=5).json()
-    endpoints = {e["address"]: e for c in doc["clusters"] if c["name"] == "chat-v1" for e in c["endpoints"]}
-    assert all(e["health"] == "HEALTHY" for e in endpoints.values()), {a: e["reasons"] for a, e in endpoints.items()}
+    endpoints = _v1_healthy(s)
     weights = {a: e["weight"] for a, e in endpoints.items()}
     inflight = s.app.picker.inflight
     before = _decisions(s, "least-loaded")
@@ -273,6 +272,20 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
     # Envoy's weighted fallback (least request over the EDS weights), not the picker's choice: the
     # endpoint the picker avoided gets traffic again.
     assert set(fallback) == {a, b} and fallback[a] >= 2, (fallback, weights)
+
+
+def _v1_healthy(s: Stack) -> dict[str, dict]:
+    """Wait until every v1 endpoint is HEALTHY (an earlier test's slow requests may have made one a
+    latency outlier for a few seconds); returns them by address."""
+    def healthy():
+        doc = requests.get(f"{s.admin}/api/v1/weights", timeout=5).json()
+        eps = {e["address"]: e for c in doc["clusters"] if c["name"] == "chat-v1" for e in c["endpoints"]}
+        return eps if all(e["health"] == "HEALTHY" for e in eps.values()) else None
+
+    endpoints = wait_until(healthy, 20, 0.2, "every v1 endpoint HEALTHY")
+    wait_until(lambda: len(s.app.view.current.clusters["chat-v1"].endpoints) == len(endpoints), 5, 0.05,
+               "the picker's view")
+    return endpoints
 
 
 def _decisions(s: Stack, outcome: str) -> float:
