@@ -70,6 +70,7 @@ def choose(
     load_factor: float = 1.25,
     margin: float = 0.2,
     spin: int = 0,
+    min_bound: float = 0.0,
 ) -> tuple[str | None, str]:
     """Choose the endpoint of one request of ``pool`` (non-empty).
 
@@ -87,6 +88,9 @@ def choose(
         margin: the memory margin (0-1 share on top of the need).
         spin: without a key, a 64-bit hash of the request id: its two 32-bit halves draw the two
             choices.
+        min_bound: every endpoint's bound is at least this much work (at low load the weighted
+            bound is below one request: a conversation's next turn, sent while the completion of
+            its previous one is still on its way, would spill).
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -98,17 +102,18 @@ def choose(
 
     if pinned is not None:
         if pinned in pool.members and pinned not in failed:
-            if loads.get(pinned, 0.0) < scale * shares[pinned] and (free is None or free.get(pinned, _INF) >= need):
+            if loads.get(pinned, 0.0) < max(scale * shares[pinned], min_bound) and (
+                    free is None or free.get(pinned, _INF) >= need):
                 return pinned, "affinity"
-            endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned)
+            endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned, min_bound)
             if endpoint is not None and free is not None and free.get(pinned, _INF) < need:
                 reason = "memory"
             return endpoint, reason
-        walked = _walk(pool, position, loads, scale, need, free, failed, None)
+        walked = _walk(pool, position, loads, scale, need, free, failed, None, min_bound)
         return walked[0], ("repinned" if walked[0] is not None and walked[1] in ("affinity", "spilled")
                            else walked[1])
     if position is not None:
-        return _walk(pool, position, loads, scale, need, free, failed, None)
+        return _walk(pool, position, loads, scale, need, free, failed, None, min_bound)
     endpoints = pool.endpoints
     if len(endpoints) <= SCAN_MAX:
         # Small pool: the lowest load per share; ties (an idle pool) drawn by weight from the request id.
@@ -151,7 +156,8 @@ def choose(
 
 
 def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, float], scale: float, need: float,
-          free: Mapping[str, float] | None, failed: Container[str], skip: str | None) -> tuple[str | None, str]:
+          free: Mapping[str, float] | None, failed: Container[str], skip: str | None, min_bound: float = 0.0
+          ) -> tuple[str | None, str]:
     """Clockwise from ``position`` (or the ring's start): the first endpoint under its bound and admitted."""
     ring = pool.ring
     owners = ring.owners
@@ -168,7 +174,7 @@ def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, floa
             if e != skip and e not in failed:
                 if free is not None and free.get(e, _INF) < need:
                     memory_skipped = True
-                elif loads.get(e, 0.0) < scale * shares[e]:
+                elif loads.get(e, 0.0) < max(scale * shares[e], min_bound):
                     if first and skip is None:
                         return e, "affinity"
                     return e, "memory" if memory_skipped else "spilled"

@@ -84,6 +84,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "prefix_messages": routing.prefix_messages,
             "prefix_max_bytes": routing.prefix_max_bytes,
             "body_mode": routing.body_mode,
+            "min_bound": routing.min_bound,
         },
         "settings": asdict(settings),
     }
@@ -133,6 +134,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         prefix_messages=int(r.get("prefix_messages", 2)),
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
         body_mode=r.get("body_mode", "buffered"),
+        min_bound=float(r.get("min_bound", 2.0)),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

@@ -150,6 +150,7 @@ class RoutingTable:
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
+        min_bound: every endpoint's load bound is at least this much work (typical requests).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
@@ -176,6 +177,7 @@ class RoutingTable:
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
     body_mode: str = "buffered"
+    min_bound: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -191,7 +193,7 @@ class RoutingTable:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
         if self.load_factor < 1.0:
             raise ValueError(f"routing: load_factor must be >= 1.0, got {self.load_factor}")
-        for name in ("memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
+        for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")

@@ -25,6 +25,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
         load_factor=cfg.picker.load_factor,
+        min_bound=cfg.picker.min_bound,
         memory_margin=(cfg.picker.memory_margin if cfg.picker.memory_margin is not None
                        else cfg.engine.memory_margin),
         default_request_mib=cfg.engine.request_memory_mib,

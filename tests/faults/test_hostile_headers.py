@@ -45,13 +45,14 @@ CASES = {
     "long-version": ([("model-version", b"v" * 40_000)], 400, "invalid-version"),
     "non-utf8-version": ([("model-version", b"v1\xff\xfe\xc3")], 400, "invalid-version"),
     # (the simulated backend, aiohttp, refuses header lines over 8190 bytes: stay under that when it must answer)
-    "long-session": ([("x-session-id", b"s" * 8_000), ("model-version", b"v1")], 200, "session"),
-    "non-utf8-session": ([("x-session-id", b"\xff\xfe\x80session"), ("model-version", b"v2")], 200, "session"),
-    "repeated-version": ([("model-version", b"v2"), ("model-version", b"v1")], 200, "no-session"),
-    "repeated-session": ([("x-session-id", b"a"), ("x-session-id", b"b"), ("model-version", b"v1")], 200, "session"),
-    "huge-authority": ([("host", b"h" * 8_000)], 200, "no-session"),
+    "long-session": ([("x-session-id", b"s" * 8_000), ("model-version", b"v1")], 200, "affinity"),
+    "non-utf8-session": ([("x-session-id", b"\xff\xfe\x80session"), ("model-version", b"v2")], 200, "affinity"),
+    "repeated-version": ([("model-version", b"v2"), ("model-version", b"v1")], 200, "least-loaded"),
+    "repeated-session": ([("x-session-id", b"a"), ("x-session-id", b"b"), ("model-version", b"v1")], 200,
+                         "affinity"),
+    "huge-authority": ([("host", b"h" * 8_000)], 200, "least-loaded"),
     # the picker pins a 40 KB session key; then the backend refuses the header line (its 400, not ours)
-    "long-session-to-the-picker": ([("x-session-id", b"s" * 40_000), ("model-version", b"v1")], 400, "session"),
+    "long-session-to-the-picker": ([("x-session-id", b"s" * 40_000), ("model-version", b"v1")], 400, "affinity"),
 }
 
 
@@ -72,7 +73,7 @@ def test_hostile_header_is_answered_counted_and_logged_at_most_once(fault_stack:
              or (r.name.startswith("xds_server") and r.levelno >= logging.WARNING)]
     assert len(noisy) <= 1, [r.getMessage()[:200] for r in noisy]
     assert sum(len(r.getMessage()) for r in noisy) < 4096
-    if outcome == "session" and want_status == 200:   # pinned: one backend for the one session key
+    if outcome == "affinity" and want_status == 200:   # pinned: one backend for the one session key
         assert len({h["x-served-by"] for _, _, h in answers}) == 1
     if want_status == 200:
         version = next(v for n, v in headers if n == "model-version") if any(

@@ -440,3 +440,12 @@ def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_fr
     handler = PickerHandler(ViewHolder(view()))
     handler.set_samples({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0), FOUR[3]: (10.0, 0.0)})
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]
+
+
+def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spill():
+    p = pool(FOUR[:3])
+    home, _ = choose(p, 99, None, {}, 0.0)
+    # The previous turn's completion has not arrived yet: its endpoint holds 1 of 1 in flight.
+    assert choose(p, 99, home, {home: 1.0}, 1.0)[1] == "spilled"  # 1 >= 1.25 x 2 / 3
+    assert choose(p, 99, home, {home: 1.0}, 1.0, min_bound=2.0) == (home, "affinity")
+    assert choose(p, 99, home, {home: 2.0}, 2.0, min_bound=2.0)[1] == "spilled"
