@@ -13,7 +13,6 @@ import json
 import logging
 import re
 import time
-from dataclasses import replace
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
@@ -414,7 +413,7 @@ class PickerHandler:
             pool = view.clusters[cluster]
             candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
             best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
-            return self._commit(replace(decision, endpoint=best, gpu_class=pool.classes.get(best, "")), view,
+            return self._commit(decision._replace(endpoint=best, gpu_class=pool.classes.get(best, "")), view,
                                 headers, phase)
 
         def refuse() -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ext_proc.ring import key_hash
 from ext_proc.scheduler import choose
@@ -32,9 +32,9 @@ MAX_VERSION_BYTES = 256
 _MAX_QUOTED = 128
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What to do with one request.
+class Decision(NamedTuple):
+    """What to do with one request (a named tuple: built on every request, ~0.2 µs, where a frozen
+    dataclass costs a ``object.__setattr__`` per field).
 
     Attributes:
         cluster: the cluster to route to (the picker sets the cluster header to it); None when
@@ -302,14 +302,15 @@ def pick(
         return Decision(cluster, None, None, b"", "no-healthy-endpoint")
     mib, prompt, output = request_need(headers, routing, body)
     work = costs.relative_work(pool.main_class, prompt, output) if costs is not None else 1.0
-    if loads is None:
+    live = getattr(loads, "cluster_work", None)
+    if live is not None:
+        work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
+        total = live.get(cluster, 0.0)
+    elif loads is None:
         work_of, total, free, failed = _NO_LOADS, 0.0, None, _NO_LOADS
-    elif isinstance(loads, Mapping):
-        work_of, free, failed = loads, None, _NO_LOADS
-        total = float(sum(loads.get(e, 0) for e in pool.endpoints))
-    else:
-        work_of, free, failed = loads.work, loads.free, loads.failed
-        total = loads.cluster_work.get(cluster, 0.0)
+    else:  # a plain {endpoint: load} mapping
+        work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
+        total = float(sum(loads.get(e, 0) for e in pool.endpoints))  # type: ignore[union-attr]
     slot = pinned = None
     kind = "none"
     if position is not None:
@@ -323,7 +324,7 @@ def pick(
     spin = 0
     if position is None:
         rid = headers.get("x-request-id")
-        spin = key_hash(rid) if rid else 0
+        spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, routing.memory_margin, spin, routing.min_bound)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
