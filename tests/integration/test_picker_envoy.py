@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from ext_proc.handler import PickerHandler
 from ext_proc.transport.base import GRPC_INTERNAL, StreamError, StreamState
 from ext_proc.view import ViewHolder
+from inferlb.devstack.envoy_admin import envoy_stat
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_headers
@@ -272,6 +273,37 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
     # Envoy's weighted fallback (least request over the EDS weights), not the picker's choice: the
     # endpoint the picker avoided gets traffic again.
     assert set(fallback) == {a, b} and fallback[a] >= 2, (fallback, weights)
+
+
+def test_a_dead_pinned_endpoint_costs_one_connect_failure_then_its_session_re_pins_once(picker_stack: Stack):
+    """Issue 15 item 13 on real Envoy: a session pinned to a killed backend (EDS not updated yet) pays
+    a connect failure and Envoy's retry once or twice; the access log tells the picker, which stops
+    pinning there and re-pins the session on one survivor, for good."""
+    s = picker_stack
+    _v1_healthy(s)
+    v1 = [b for b in s.backends if b.version == "v1"]
+    victim = v1[0]
+    inflight = s.app.picker.inflight
+    key = next(k for k in (f"dead-{i}" for i in range(200))
+               if s.send({"model-version": "v1", "x-session-id": k}).headers["x-served-by"] == victim.address)
+    wait_until(lambda: not inflight.clusters.get("chat-v1"), 5, 0.01, "the completions")
+    victim.proc.stop()
+    try:
+        before = envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_cx_connect_fail") or 0
+        start = time.monotonic()
+        served = []
+        for _ in range(12):
+            r = s.send({"model-version": "v1", "x-session-id": key})
+            assert r.status_code == 200
+            served.append(r.headers["x-served-by"])
+            wait_until(lambda: not inflight.clusters.get("chat-v1"), 5, 0.005, "the completion")
+        fails = (envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_cx_connect_fail") or 0) - before
+        assert victim.address in inflight.failed and time.monotonic() - start < 5
+        assert 1 <= fails <= 2, fails  # not one per request (193 of 193 before)
+        assert victim.address not in served and len(set(served)) == 1, served  # re-pinned once
+    finally:
+        s.start_backend(victim)
+        wait_until(lambda: _accepts(victim.port), 15, 0.1, "the backend back")
 
 
 def _v1_healthy(s: Stack) -> dict[str, dict]:
