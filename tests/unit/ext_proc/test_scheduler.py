@@ -449,3 +449,25 @@ def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spi
     assert choose(p, 99, home, {home: 1.0}, 1.0)[1] == "spilled"  # 1 >= 1.25 x 2 / 3
     assert choose(p, 99, home, {home: 1.0}, 1.0, min_bound=2.0) == (home, "affinity")
     assert choose(p, 99, home, {home: 2.0}, 2.0, min_bound=2.0)[1] == "spilled"
+
+
+def test_scheduler_settings_travel_over_xds_unchanged():
+    """A standalone picker (``inferlb ext-proc --xds``) reads the same routing table and settings."""
+    from google.protobuf import json_format, struct_pb2
+
+    from ext_proc.settings import PickerSettings, from_wire, to_wire
+    routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
+                           default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
+                           chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
+                           request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
+                           prefix_max_bytes=1000, body_mode="streamed")
+    settings_ = PickerSettings(memory_queue=True, pin_move_after=5, failure_hold_s=2.0, cost_forget=0.99,
+                               cost_min_samples=7)
+    struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
+    back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
+    assert back_settings == settings_
+    for name in ("load_factor", "min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token",
+                 "default_max_tokens", "chars_per_token", "request_memory_header", "prefix_messages",
+                 "prefix_max_bytes", "body_mode", "request_class_header"):
+        assert getattr(back_routing, name) == getattr(routing, name), name
+    assert dict(back_routing.request_classes) == dict(routing.request_classes)
