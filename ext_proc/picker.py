@@ -326,6 +326,7 @@ def pick(
         rid = headers.get("x-request-id")
         spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                              routing.load_factor, routing.memory_margin, spin, routing.min_bound)
+                              routing.load_factor, routing.memory_margin, spin, routing.min_bound,
+                              routing.pinned_load_factor)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

@@ -5,7 +5,8 @@ load the picker keeps (:class:`ext_proc.inflight.InFlight`), :func:`choose` retu
 and why. The rules, each with its source:
 
 - **Weighted bounded loads.** An endpoint is *under its bound* when its load is below
-  ``c x (total + work) x w_i / sum(w)``: ``total`` is the cluster's load in flight, ``work`` this
+  ``max(c x (total + work) x w_i / sum(w), min_bound)`` (a session's existing pin uses
+  ``pinned_load_factor`` as ``c``): ``total`` is the cluster's load in flight, ``work`` this
   request's, ``w_i`` its EDS weight (capacity carries into pinned traffic). With equal weights and
   unit work this is the bound of Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
   Bounded Loads" (SODA 2018): ``load < c x (total + 1) / n``. The bounds sum to
@@ -71,6 +72,7 @@ def choose(
     margin: float = 0.2,
     spin: int = 0,
     min_bound: float = 0.0,
+    pinned_load_factor: float | None = None,
 ) -> tuple[str | None, str]:
     """Choose the endpoint of one request of ``pool`` (non-empty).
 
@@ -91,6 +93,9 @@ def choose(
         min_bound: every endpoint's bound is at least this much work (at low load the weighted
             bound is below one request: a conversation's next turn, sent while the completion of
             its previous one is still on its way, would spill).
+        pinned_load_factor: ``c`` for a session's existing pin (None: ``load_factor``). Moving an
+            established conversation costs its KV cache (its whole history prefilled again),
+            placing a new one costs nothing, so the pin gets the looser bound.
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -102,7 +107,8 @@ def choose(
 
     if pinned is not None:
         if pinned in pool.members and pinned not in failed:
-            if loads.get(pinned, 0.0) < max(scale * shares[pinned], min_bound) and (
+            pinned_scale = (pinned_load_factor or load_factor) * (total + work)
+            if loads.get(pinned, 0.0) < max(pinned_scale * shares[pinned], min_bound) and (
                     free is None or free.get(pinned, _INF) >= need):
                 return pinned, "affinity"
             endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned, min_bound)

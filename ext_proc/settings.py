@@ -85,6 +85,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "prefix_max_bytes": routing.prefix_max_bytes,
             "body_mode": routing.body_mode,
             "min_bound": routing.min_bound,
+            "pinned_load_factor": routing.pinned_load_factor,
         },
         "settings": asdict(settings),
     }
@@ -135,6 +136,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
         body_mode=r.get("body_mode", "buffered"),
         min_bound=float(r.get("min_bound", 2.0)),
+        pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

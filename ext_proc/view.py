@@ -151,6 +151,7 @@ class RoutingTable:
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
         min_bound: every endpoint's load bound is at least this much work (typical requests).
+        pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
@@ -178,6 +179,7 @@ class RoutingTable:
     prefix_max_bytes: int = 4096
     body_mode: str = "buffered"
     min_bound: float = 2.0
+    pinned_load_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -191,8 +193,9 @@ class RoutingTable:
         object.__setattr__(self, "services", tuple(self.services))
         if self.vnodes < 1:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
-        if self.load_factor < 1.0:
-            raise ValueError(f"routing: load_factor must be >= 1.0, got {self.load_factor}")
+        if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:
+            raise ValueError(f"routing: load_factor and pinned_load_factor must be >= 1.0, got "
+                             f"{self.load_factor}, {self.pinned_load_factor}")
         for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:

@@ -506,7 +506,8 @@ class Picker(_Strict):
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
     The scheduler (every request): ``load_factor`` is the bounded-loads ``c``; ``min_bound`` the
-    least load bound of any endpoint (work, typical requests); ``memory_margin``
+    least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
+    session's existing pin (its KV cache is there); ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
     ``request_memory_header`` (MiB), the body (``kv_mib_per_token`` x (prompt tokens, estimated at
     ``chars_per_token``, + ``max_tokens`` or ``default_max_tokens``)), ``request_class_header`` +
@@ -533,6 +534,7 @@ class Picker(_Strict):
     session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
     load_factor: float = Field(1.25, ge=1.0, le=100)
     min_bound: float = Field(2.0, ge=0, le=1_000_000)
+    pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
     memory_margin: float | None = Field(None, ge=0, le=10)
     kv_mib_per_token: float = Field(0.5, ge=0)
     default_max_tokens: int = Field(128, ge=0)

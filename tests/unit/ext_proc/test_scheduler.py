@@ -457,6 +457,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
 
     from ext_proc.settings import PickerSettings, from_wire, to_wire
     routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
+                           pinned_load_factor=3.0,
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
                            chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
                            request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
@@ -466,8 +467,18 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_
-    for name in ("load_factor", "min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token",
-                 "default_max_tokens", "chars_per_token", "request_memory_header", "prefix_messages",
-                 "prefix_max_bytes", "body_mode", "request_class_header"):
+    for name in ("load_factor", "pinned_load_factor", "min_bound", "memory_margin", "default_request_mib",
+                 "kv_mib_per_token", "default_max_tokens", "chars_per_token", "request_memory_header",
+                 "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):
         assert getattr(back_routing, name) == getattr(routing, name), name
     assert dict(back_routing.request_classes) == dict(routing.request_classes)
+
+
+def test_an_established_session_keeps_its_pin_up_to_the_looser_pinned_bound():
+    p = pool()
+    home, _ = choose(p, 5, None, {}, 0.0)
+    loads = {home: 4.0}  # 4 of 8 in flight: over 1.25 x 9 / 4 = 2.8, under 2 x 9 / 4 = 4.5
+    total = 8.0
+    assert choose(p, 5, home, loads, total)[1] == "spilled"
+    assert choose(p, 5, home, loads, total, pinned_load_factor=2.0) == (home, "affinity")
+    assert choose(p, 5, None, loads, total, pinned_load_factor=2.0)[1] == "spilled"  # a new session is placed
