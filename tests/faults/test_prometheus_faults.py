@@ -64,7 +64,7 @@ def test_prometheus_fault_keeps_the_last_good_weights(fault_stack: Stack, front:
 
     s = fault_stack
     control = s.app.control
-    cfg = s.cfg.prometheus
+    cfg = s.cfg.loop  # interval_s and timeout_s moved from prometheus to loop
     wait_until(lambda: control.metrics_ok and all_healthy(s), 20, 0.2, "a healthy, fresh baseline")
     sampler = Sampler(s)
     bg = Background(s.listener, sessions(), duration_s=OUTAGE_S[fault] + 9)
