@@ -9,13 +9,14 @@ header and adds the cluster and override-host headers to each entry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from envoy.service.accesslog.v3 import als_pb2
 
 from ext_proc.inflight import InFlight
 
-__all__ = ["CompletionSink", "record_completions"]
+__all__ = ["CompletionSink", "CostSink", "record_completions"]
 
 
 class CompletionSink(Protocol):
@@ -27,8 +28,16 @@ class CompletionSink(Protocol):
         ...
 
 
+class CostSink(Protocol):
+    """Where finished requests with known tokens go (the request cost model)."""
+
+    def observe(self, gpu_class: str, prompt_tokens: float, output_tokens: float, duration_ms: float,
+                ttft_ms: float | None = None, /) -> None: ...
+
+
 def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str,
-                       view: CompletionSink | None = None) -> int:
+                       view: CompletionSink | None = None, costs: CostSink | None = None,
+                       failed: Callable[[str], None] | None = None) -> int:
     """Count the completions in one serialized ``StreamAccessLogsMessage``.
 
     Args:
@@ -36,6 +45,11 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         inflight: where completions are counted.
         cluster_header, override_host_header: lower-case header names the entries were logged with.
         view: also record each entry's upstream host, status and total time there (Envoy's view).
+        costs: each completion of a pick whose tokens were known, with its duration
+            (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms.
+        failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed: Envoy
+            flagged an upstream connection failure, reset or termination, or served it from
+            another host after a retry (issue 15 item 13).
 
     Returns:
         The number of HTTP entries that named a cluster (entries without the cluster header are
@@ -51,14 +65,28 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         cluster = logged.get(cluster_header) or entry.common_properties.upstream_cluster
         if not cluster:
             continue
-        inflight.completed(cluster, logged.get(override_host_header) or None)
+        pin = logged.get(override_host_header) or None
+        pick = inflight.pop(cluster, pin)
         counted += 1
+        props = entry.common_properties
+        if pin is not None and failed is not None:
+            flags = props.response_flags
+            upstream = props.upstream_remote_address.socket_address
+            served_by = f"{upstream.address}:{upstream.port_value}" if upstream.address else None
+            if (flags.upstream_connection_failure or flags.upstream_remote_reset
+                    or flags.upstream_connection_termination
+                    or (served_by is not None and served_by != pin and props.upstream_request_attempt_count > 1)):
+                failed(pin)
+        if pick is not None and costs is not None and pick[3] is not None and pick[4] is not None \
+                and props.HasField("time_to_last_downstream_tx_byte") and entry.response.response_code.value == 200:
+            ttft = (props.time_to_first_upstream_rx_byte.ToNanoseconds() / 1e6
+                    if props.HasField("time_to_first_upstream_rx_byte") else None)
+            costs.observe(pick[5], pick[3], pick[4], props.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e6,
+                          ttft)
         if view is not None:
-            props = entry.common_properties
             upstream = props.upstream_remote_address.socket_address
             if upstream.address and props.HasField("time_to_last_downstream_tx_byte"):
                 view.record(f"{upstream.address}:{upstream.port_value}",
                             props.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e6,
                             entry.response.response_code.value)
     return counted
-

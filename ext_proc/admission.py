@@ -50,11 +50,13 @@ def admit(in_flight: int, capacity: int, queued: int, max_queue: int) -> Literal
 
 
 class _Waiter:
-    __slots__ = ("future", "resume", "timer")
+    __slots__ = ("future", "resume", "timer", "ready")
 
-    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes]) -> None:
+    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes],
+                 ready: Callable[[], bool] | None = None) -> None:
         self.future = future
         self.resume = resume
+        self.ready = ready
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -84,19 +86,22 @@ class Admission:
         queue = self._queues.get(cluster)
         return len(queue) if queue else 0
 
-    def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes]) -> asyncio.Future:
-        """Queue a request (the caller checked :func:`admit` said "queue").
+    def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes],
+                ready: Callable[[], bool] | None = None) -> asyncio.Future:
+        """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).
 
         Args:
             cluster: the full cluster.
             resume: called when a slot frees; decides the request and returns the answer bytes.
             reject: called on timeout; returns the 429 answer bytes.
+            ready: when given, the request may go once this returns True (e.g. an endpoint has
+                memory for it now) instead of when the cluster has a free slot.
 
         Returns:
             A future resolved with the answer bytes. Cancel it when the stream ends first.
         """
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), resume)
+        waiter = _Waiter(loop.create_future(), resume, ready)
         queue = self._queues.setdefault(cluster, deque())
         queue.append(waiter)
         QUEUED.labels(cluster).set(len(queue))
@@ -128,7 +133,10 @@ class Admission:
         """
         admitted = 0
         for cluster, queue in self._queues.items():
-            while queue and room(cluster):
+            while queue:
+                head = queue[0]
+                if not head.future.done() and not (head.ready() if head.ready is not None else room(cluster)):
+                    break
                 waiter = queue.popleft()
                 if waiter.timer is not None:
                     waiter.timer.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -18,29 +19,97 @@ from google.protobuf.message import DecodeError
 
 from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
+from ext_proc.costmodel import CostModel
 from ext_proc.inflight import InFlight
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
+from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
+from ext_proc.scheduler import pin_after
 from ext_proc.sessions import SessionTable
 from ext_proc.settings import PickerSettings
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
-from ext_proc.view import EndpointView, ViewHolder
+from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 
-__all__ = ["PickerHandler"]
+__all__ = ["PickerHandler", "prefix_hash"]
 
 log = logging.getLogger(__name__)
 
-_HOLD_FOR_BODY = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override={"request_body_mode": "BUFFERED"},
-).SerializeToString()
+_HOLD_FOR_BODY = {
+    mode: pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                mode_override={"request_body_mode": mode.upper()}).SerializeToString()
+    for mode in ("buffered", "streamed")
+}
+_BODY_OK = EMPTY_ANSWERS["request_body"]
+_FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_tokens)"\s*:\s*'
+                    rb'("(?:[^"\\]|\\.){0,1024}"|[0-9]{1,9})')
+_MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
+_PROMPT = re.compile(rb'"prompt"\s*:\s*"')
+_DECODER = json.JSONDecoder()
 
 
-def _body_fields(data: bytes, limit: int) -> BodyFields | None:
-    """``model`` and ``user`` of a JSON object body up to ``limit`` bytes; None when unreadable."""
-    if len(data) > limit:
+def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
+    """The prefix key of an OpenAI body: a 64-bit hash of its leading prompt blocks, or None.
+
+    Chat: the role and text of the first ``messages`` messages (the system prompt and first turns),
+    at most ``max_bytes`` bytes of them; completions: the first ``max_bytes`` bytes of ``prompt``.
+    Requests that share that prefix (the same system prompt and opening) get the same key, hence
+    the same preferred endpoint, whose prefix cache then holds it. BLAKE2b over canonical bytes:
+    the same key in every picker process and replica. None when there is no prompt or
+    ``messages`` is 0.
+    """
+    if messages <= 0:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    chat = doc.get("messages")
+    if isinstance(chat, list):
+        for message in chat[:messages]:
+            if not isinstance(message, dict):
+                continue
+            text = _text(message.get("content"))
+            role = message.get("role")
+            part = f"{role if isinstance(role, str) else ''}\x1f{text}\x1e".encode("utf-8", "surrogatepass")
+            parts.append(part)
+            size += len(part)
+            if size >= max_bytes:
+                break
+    else:
+        prompt = doc.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            parts.append(prompt.encode("utf-8", "surrogatepass")[:max_bytes])
+    if not parts:
+        return None
+    return key_hash(b"".join(parts)[:max_bytes])
+
+
+def _text(content: object) -> str:
+    """The text of a chat message's ``content`` (a string, or a list of ``{"type": "text", "text"}`` parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _prompt_chars(doc: dict) -> int | None:
+    chat = doc.get("messages")
+    if isinstance(chat, list):
+        return sum(len(_text(m.get("content"))) for m in chat if isinstance(m, dict))
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return None
+
+
+def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
+    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable."""
+    if len(data) > routing.body_max_bytes:
         return None
     try:
         doc = json.loads(data)
@@ -48,11 +117,70 @@ def _body_fields(data: bytes, limit: int) -> BodyFields | None:
         return None
     if not isinstance(doc, dict):
         return None
-    model, user = doc.get("model"), doc.get("user")
+    model, user, cache_key = doc.get("model"), doc.get("user"), doc.get("prompt_cache_key")
+    max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens"))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens < 10_000_000:
+        max_tokens = None
+    chars = _prompt_chars(doc)
     return BodyFields(
         model.encode() if isinstance(model, str) else None,
         user.encode() if isinstance(user, str) else None,
+        cache_key.encode() if isinstance(cache_key, str) and cache_key else None,
+        prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes),
+        chars / routing.chars_per_token if chars is not None else None,
+        max_tokens,
     )
+
+
+def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTable) -> BodyFields:
+    """What the first bytes of a longer JSON body tell (streamed body mode), never raising.
+
+    ``model``, ``user``, ``prompt_cache_key`` and ``max_tokens``: the first occurrence of each key
+    with a string (number) value in the chunk. The prefix key: the first ``prefix_messages`` chat
+    messages that are complete in the chunk, hashed exactly as :func:`prefix_hash` hashes them in a
+    whole body (so a request gets the same key whether its body came in one chunk or several);
+    a completion's ``prompt``: its first bytes. The prompt's tokens: the body's ``content-length``
+    (bytes) / ``chars_per_token``.
+    """
+    found: dict[bytes, bytes] = {}
+    for m in _FIELD.finditer(chunk):
+        found.setdefault(m.group(1), m.group(2))
+
+    def text(key: bytes) -> bytes | None:
+        raw = found.get(key)
+        if raw is None or not raw.startswith(b'"'):
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        return value.encode() if isinstance(value, str) and value else None
+
+    number = found.get(b"max_tokens") or found.get(b"max_completion_tokens")
+    max_tokens = int(number) if number is not None and number.isdigit() and int(number) > 0 else None
+    prefix = None
+    if routing.prefix_messages > 0:
+        m = _MESSAGES.search(chunk)
+        if m is not None:
+            text_ = chunk.decode("utf-8", "ignore")
+            pos = len(chunk[:m.end()].decode("utf-8", "ignore"))
+            messages: list = []
+            while len(messages) < routing.prefix_messages:
+                while pos < len(text_) and text_[pos] in " \t\r\n,":
+                    pos += 1
+                try:
+                    message, pos = _DECODER.raw_decode(text_, pos)
+                except ValueError:
+                    break
+                messages.append(message)
+            if messages:
+                prefix = prefix_hash({"messages": messages}, routing.prefix_messages, routing.prefix_max_bytes)
+        else:
+            m = _PROMPT.search(chunk)
+            if m is not None:
+                prefix = key_hash(chunk[m.end(): m.end() + routing.prefix_max_bytes])
+    tokens = content_length / routing.chars_per_token if content_length else None
+    return BodyFields(text(b"model"), text(b"user"), text(b"prompt_cache_key"), prefix, tokens, max_tokens)
 
 
 class PickerHandler:
@@ -60,21 +188,33 @@ class PickerHandler:
 
     Args:
         holder: where the current view is read, once per request.
-        inflight: requests in flight, fed by picks and completions (default: a fresh one).
+        inflight: the live load, fed by picks and completions (default: a fresh one). It counts
+            from the very first pick, before any access-log stream is open.
         sessions: the session table (default: 30 min idle TTL, 1 000 000 sessions).
-        admission: admission control (None: requests are never held or refused for load).
-            It acts only while an access-log stream is open (completions can arrive) and on
-            clusters whose endpoints carry a max concurrency.
+        admission: admission control (None: requests are never held or refused for load or
+            memory). Its max-concurrency rule acts only while an access-log stream is open
+            (completions can arrive) and on clusters whose endpoints carry a max concurrency; a
+            request no endpoint has memory for waits in the queue (then 429) whenever it is on.
         errors: the error reporter (default: one logging to this module's logger).
         sampler: where a sample of decisions is kept for operators (None: no sampling).
         completions: where each completion's upstream host, latency and status go (the app keeps
             them as Envoy's view of the endpoints, an engine input; None: not kept).
+        costs: the request cost model, learned from the completions (default: a fresh one).
+        pin_move_after: spills in a row that move a session's pin (>= 1).
+        limit_concurrency: with ``admission``, also hold requests for a cluster at its max
+            concurrency (False: the queue only holds requests no endpoint has memory for).
+        memory_queue: with ``admission``, a request no endpoint has memory for waits in the queue
+            (then 429); False, or without ``admission``: it is pinned to the endpoint with the most
+            estimated free memory.
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
                  errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
-                 completions: CompletionSink | None = None) -> None:
+                 completions: CompletionSink | None = None, costs: CostModel | None = None,
+                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True) -> None:
+        if pin_move_after < 1:
+            raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
         self.sessions = sessions if sessions is not None else SessionTable()
@@ -83,17 +223,27 @@ class PickerHandler:
         self._encoder = ResponseEncoder()
         self._sample = sampler.offer if sampler is not None else None
         self.completions = completions
+        self.costs = costs if costs is not None else CostModel()
+        self.pin_move_after = pin_move_after
+        self.limit_concurrency = limit_concurrency
+        self.memory_queue = memory_queue
+        self.spills: dict[int, int] = {}
+        """Session slot -> spills in a row (only sessions spilling now)."""
         self._timed = 0
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
                       sampler: DecisionSampler | None = None, completions: CompletionSink | None = None
                       ) -> PickerHandler:
-        """A handler with the in-flight expiry, session table and admission control of ``settings``."""
+        """A handler with the in-flight expiry, session table, admission control, cost model and pin
+        rules of ``settings``."""
         s = settings
-        admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if s.admission else None
-        return cls(holder, InFlight(s.inflight_expiry_s), SessionTable(s.session_ttl_s, s.max_sessions), admission,
-                   sampler=sampler, completions=completions)
+        queues = s.admission or s.memory_queue
+        admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if queues else None
+        return cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
+                   SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
+                   completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
+                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue)
 
     @staticmethod
     def _count(reason: str) -> None:
@@ -125,13 +275,24 @@ class PickerHandler:
         try:
             if phase == "request_headers":
                 return self._headers(stream, request.request_headers)
-            if phase == "request_body" and stream.held is not None:
-                headers, stream.held = stream.held, None
-                view = self.holder.current
-                fields = _body_fields(request.request_body.body, view.routing.body_max_bytes)
-                if fields is None:
-                    self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                return self._route(headers, view, fields or NO_BODY, "request_body"), True
+            if phase == "request_body":
+                chunk = request.request_body
+                if stream.held is not None:
+                    headers, stream.held = stream.held, None
+                    view = self.holder.current
+                    if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
+                        fields = _body_fields(chunk.body, view.routing)
+                        if fields is None:
+                            self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                        return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                    # Streamed: decide on the first bytes; the later chunks pass unchanged.
+                    stream.decided = True
+                    length = headers.get("content-length", b"")
+                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
+                                             int(length) if length.isdigit() else None, view.routing)
+                    return self._route(headers, view, fields, "request_body"), False
+                if stream.decided:
+                    return _BODY_OK, chunk.end_of_stream
         except Exception:
             self.errors.report("pick-failed", "the picker raised", exc_info=True)
             raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
@@ -149,37 +310,50 @@ class PickerHandler:
         view = self.holder.current
         if view.routing.body_max_bytes and not http_headers.end_of_stream and self._wants_body(headers, view):
             stream.held = headers
-            return _HOLD_FOR_BODY, False
+            return _HOLD_FOR_BODY[view.routing.body_mode], False
         return self._route(headers, view, NO_BODY, "request_headers"), True
 
     @staticmethod
     def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
-        """A JSON body may name what the headers do not: the version or the session."""
+        """A JSON body may tell what the headers do not: the version, the session, or the request's
+        size (prompt and ``max_tokens``: its memory, its work and its prefix key)."""
         if b"json" not in headers.get("content-type", b""):
             return False
         routing = view.routing
         if not headers.get(routing.version_header):
             return True
-        return not any(headers.get(name) for name in routing.session_headers)
+        if not any(headers.get(name) for name in routing.session_headers):
+            return True
+        sized = headers.get(routing.request_class_header) or (
+            routing.request_memory_header is not None and headers.get(routing.request_memory_header))
+        return not sized
 
     def _pick(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
-        inflight = self.inflight
-        loads = inflight.endpoints if inflight.streams else None
         self._timed += 1
         if self._timed < SAMPLE_EVERY:
-            return pick(headers, view, loads, self.sessions, body)
+            return pick(headers, view, self.inflight, self.sessions, body, self.costs)
         self._timed = 0
         start = time.perf_counter()
-        decision = pick(headers, view, loads, self.sessions, body)
+        decision = pick(headers, view, self.inflight, self.sessions, body, self.costs)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         return decision
 
     def _commit(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
-        """Count the pick in flight, refresh the session's pin, and encode the answer."""
+        """Count the pick in flight, move or refresh the session's pin, and encode the answer."""
+        endpoint = decision.endpoint
         if decision.cluster is not None:
-            self.inflight.picked(decision.cluster, decision.endpoint)
-            if decision.session is not None and decision.endpoint is not None:
-                self.sessions.touch(decision.session, decision.endpoint)
+            self.inflight.picked(decision.cluster, endpoint, decision.work, decision.mib, decision.prompt_tokens,
+                                 decision.output_tokens, decision.gpu_class)
+            slot = decision.session
+            if slot is not None and endpoint is not None:
+                spills = self.spills.pop(slot, 0) if self.spills else 0
+                pin, spills, moved = pin_after(decision.pinned, endpoint, decision.reason, spills,
+                                               self.pin_move_after)
+                if spills:
+                    self.spills[slot] = spills
+                if moved and decision.reason != "repinned":
+                    self._count("pin-moved")
+                self.sessions.touch(slot, pin)
         self._count(decision.reason)
         if self._sample is not None:
             self._sample(headers, view.routing, decision)
@@ -197,7 +371,11 @@ class PickerHandler:
         decision = self._pick(headers, view, body)
         cluster = decision.cluster
         admission = self.admission
-        if cluster is None or admission is None or not self.inflight.streams:
+        if cluster is None:
+            return self._commit(decision, view, headers, phase)
+        if decision.reason == "no-memory":
+            return self._no_memory(decision, headers, view, body, phase)
+        if admission is None or not self.limit_concurrency or not self.inflight.streams:
             return self._commit(decision, view, headers, phase)
         verdict = admit(self.inflight.clusters.get(cluster, 0), self._capacity(view, cluster),
                         admission.queued(cluster), admission.max_queue)
@@ -219,17 +397,68 @@ class PickerHandler:
 
         return admission.enqueue(cluster, resume, refuse)
 
+    def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
+                   phase: str) -> bytes | asyncio.Future[bytes]:
+        """No endpoint can hold the request: queue it (with admission on) until one can, then 429.
+
+        Without the queue (``memory_queue`` off) the request is pinned to the endpoint with the
+        most estimated free memory (best effort: the estimate may be stale; Envoy's fallback would
+        choose blind).
+        """
+        cluster = decision.cluster
+        assert cluster is not None
+        admission = self.admission
+        if admission is None or not self.memory_queue:
+            loads = self.inflight
+            pool = view.clusters[cluster]
+            candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
+            best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
+            return self._commit(decision._replace(endpoint=best, gpu_class=pool.classes.get(best, "")), view,
+                                headers, phase)
+
+        def refuse() -> bytes:
+            why = f"has no endpoint with {decision.mib:.0f} MiB of GPU memory free for this request"
+            rejection = overloaded(cluster, admission.retry_after_s, why)
+            self._count("no-memory")
+            return self._encoder.encode(rejection, view, headers, phase)
+
+        if admission.queued(cluster) >= admission.max_queue:
+            ADMISSION.labels(cluster, "rejected_full").inc()
+            return refuse()
+
+        def fits() -> bool:
+            return self._pick(headers, self.holder.current, body).reason != "no-memory"
+
+        def resume() -> bytes:
+            now = self.holder.current
+            return self._commit(self._pick(headers, now, body), now, headers, phase)
+
+        return admission.enqueue(cluster, resume, refuse, ready=fits)
+
+    def set_samples(self, samples: dict[str, tuple[float, float]]) -> None:
+        """Fresh GPU memory samples from the slow loop: ``{"HOST:PORT": (free MiB, taken at, monotonic s)}``
+        (see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted."""
+        self.inflight.set_samples(samples)
+        if self.admission is not None:
+            self.admission.release(self._room)
+
     def access_log(self, data: bytes) -> None:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""
         routing = self.holder.current.routing
         try:
             record_completions(data, self.inflight, routing.cluster_header, routing.override_host_header,
-                               self.completions)
+                               self.completions, self.costs, self._failed)
         except DecodeError:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
             return
         if self.admission is not None:
             self.admission.release(self._room)
+
+    def _failed(self, endpoint: str) -> None:
+        if self.inflight.failed_now(endpoint):
+            self._count("endpoint-failed")
+            log.warning("picker: connections to %s fail; not pinning to it for %g s", endpoint,
+                        self.inflight._hold)
 
     def access_log_opened(self) -> None:
         """An access-log stream opened: completions can arrive from now on."""
@@ -240,9 +469,13 @@ class PickerHandler:
         self.inflight.streams -= 1
 
     def tick(self) -> None:
-        """Housekeeping, about once a second: expire lost picks, forget idle sessions."""
+        """Housekeeping, about once a second: expire lost picks and failure holds, forget idle
+        sessions, refit the cost model."""
         self.inflight.expire()
         self.sessions.sweep()
+        self.costs.refit()
+        if self.spills and len(self.spills) > 100_000:
+            self.spills.clear()
         if self.admission is not None:
             self.admission.release(self._room)
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "Pick"]
 
 COMPLETIONS = Counter(
     "inferlb_ext_proc_completions_total",
@@ -36,50 +36,87 @@ IN_FLIGHT = Gauge("inferlb_ext_proc_in_flight", "Requests in flight (picks - com
 
 
 class InFlight:
-    """Counts requests in flight from picks and access-log completions.
+    """Counts requests in flight from picks and access-log completions, with their work and memory.
 
     Args:
         expiry_s: a pick with no completion after this many seconds counts as finished (s, > 0).
             Choose it above Envoy's route timeout plus the access-log flush interval.
         clock: monotonic seconds (tests pass a fake one).
+        failure_hold_s: an endpoint whose connection failed (:meth:`failed_now`) is not picked for
+            this long (s, > 0).
 
     Attributes:
         endpoints: ``{"HOST:PORT": requests in flight}`` for pinned requests (zero entries removed).
         clusters: ``{cluster: requests in flight}`` for every routed request, pinned or not.
+        work: ``{"HOST:PORT": predicted work in flight}`` (units of a typical request; the load
+            of the bounded-load rule), counted from the picker's own picks from the first request.
+        cluster_work: ``{cluster: work in flight}`` of the cluster's pinned requests.
+        free: ``{"HOST:PORT": estimated free GPU memory, MiB}``: the last reported free memory
+            minus the memory of requests picked since that sample and still in flight, plus the
+            memory of requests that finished since (only endpoints with a sample; see
+            :meth:`set_samples`).
+        failed: ``{"HOST:PORT": until (monotonic s)}``: endpoints not to pick (connect failures,
+            resets), cleared by :meth:`expire` once the hold is over.
         streams: access-log streams open now; while none is open, completions cannot arrive,
             so admission control ignores these counts (see :attr:`live`).
 
     Raises:
-        ValueError: ``expiry_s`` is not positive.
+        ValueError: ``expiry_s`` or ``failure_hold_s`` is not positive.
     """
 
-    __slots__ = ("endpoints", "clusters", "streams", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen",
-                 "_completions")
+    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "_pending_ep",
+                 "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled")
 
-    def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
+                 failure_hold_s: float = 5.0) -> None:
         if expiry_s <= 0:
             raise ValueError(f"in-flight expiry_s must be > 0, got {expiry_s}")
+        if failure_hold_s <= 0:
+            raise ValueError(f"in-flight failure_hold_s must be > 0, got {failure_hold_s}")
         self.endpoints: dict[str, int] = {}
         self.clusters: dict[str, int] = {}
+        self.work: dict[str, float] = {}
+        self.cluster_work: dict[str, float] = {}
+        self.free: dict[str, float] = {}
+        self.failed: dict[str, float] = {}
         self.streams = 0
-        self._pending_ep: dict[str, deque[float]] = {}
+        self._pending_ep: dict[str, deque[Pick]] = {}
         self._pending_cl: dict[str, deque[float]] = {}
         self._expiry = expiry_s
+        self._hold = failure_hold_s
         self._clock = clock
         self._seen: set[str] = set()
         self._completions = [0, 0]  # unmatched, matched: flushed to the counter by expire()
+        self._sampled: dict[str, float] = {}  # endpoint -> time of its memory sample (monotonic s)
 
     @property
     def live(self) -> bool:
         """True while at least one access-log stream is open (completions can arrive)."""
         return self.streams > 0
 
-    def picked(self, cluster: str, endpoint: str | None) -> None:
-        """Count one routed request: to ``cluster``, pinned to ``endpoint`` (None = Envoy chooses)."""
+    def picked(self, cluster: str, endpoint: str | None, work: float = 1.0, mib: float = 0.0,
+               prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "") -> None:
+        """Count one routed request: to ``cluster``, pinned to ``endpoint`` (None = Envoy chooses),
+        with its predicted ``work``, GPU memory need (MiB) and, when known, its tokens (for the
+        cost model) and the endpoint's GPU class."""
         now = self._clock()
-        _add(self.clusters, self._pending_cl, cluster, now)
-        if endpoint is not None:
-            _add(self.endpoints, self._pending_ep, endpoint, now)
+        counts = self.clusters
+        counts[cluster] = counts.get(cluster, 0) + 1
+        queue = self._pending_cl.get(cluster)
+        if queue is None:
+            queue = self._pending_cl[cluster] = deque()
+        queue.append(now)
+        if endpoint is None:
+            return
+        self.endpoints[endpoint] = self.endpoints.get(endpoint, 0) + 1
+        self.work[endpoint] = self.work.get(endpoint, 0.0) + work
+        self.cluster_work[cluster] = self.cluster_work.get(cluster, 0.0) + work
+        if mib and endpoint in self.free:
+            self.free[endpoint] -= mib
+        picks = self._pending_ep.get(endpoint)
+        if picks is None:
+            picks = self._pending_ep[endpoint] = deque()
+        picks.append((now, work, mib, prompt_tokens, output_tokens, gpu_class, cluster))
 
     def completed(self, cluster: str, endpoint: str | None) -> bool:
         """Count one finished request; returns False when no pick was waiting for it (ignored).
@@ -88,19 +125,87 @@ class InFlight:
         """
         matched = _remove(self.clusters, self._pending_cl, cluster)
         if endpoint is not None:
-            _remove(self.endpoints, self._pending_ep, endpoint)
+            self.finish(endpoint)
         self._completions[matched] += 1
         return matched
 
+    def finish(self, endpoint: str) -> Pick | None:
+        """Take the oldest pick of ``endpoint`` off its load and return it (None: none waiting)."""
+        picks = self._pending_ep.get(endpoint)
+        if not picks:
+            return None
+        pick = picks.popleft()
+        self._release(endpoint, pick, len(picks))
+        if not picks:
+            del self._pending_ep[endpoint]
+        return pick
+
+    def pop(self, cluster: str, endpoint: str | None) -> Pick | None:
+        """As :meth:`completed`, returning the pick the completion matched (None: unpinned or unmatched)."""
+        matched = _remove(self.clusters, self._pending_cl, cluster)
+        self._completions[matched] += 1
+        return self.finish(endpoint) if endpoint is not None else None
+
+    def _release(self, endpoint: str, pick: Pick, left: int) -> None:
+        _, work, mib, _, _, _, cluster = pick
+        if left:
+            self.endpoints[endpoint] = left
+            self.work[endpoint] -= work
+        else:
+            self.endpoints.pop(endpoint, None)
+            self.work.pop(endpoint, None)
+        cw = self.cluster_work.get(cluster, 0.0) - work
+        if cw > 1e-9:
+            self.cluster_work[cluster] = cw
+        else:
+            self.cluster_work.pop(cluster, None)
+        if mib and endpoint in self.free:
+            self.free[endpoint] += mib
+
+    def set_samples(self, samples: Mapping[str, tuple[float, float]]) -> None:
+        """Take fresh memory samples: ``{endpoint: (free GPU memory MiB, taken at, monotonic s)}``.
+
+        Each endpoint's estimate restarts from its sample minus the memory of its picks made after
+        the sample was taken and still in flight. Endpoints absent from ``samples`` lose their
+        estimate (unknown: admitted). O(requests in flight); call once per metrics round.
+        """
+        free: dict[str, float] = {}
+        for endpoint, (mib, taken_at) in samples.items():
+            since = 0.0
+            for pick in self._pending_ep.get(endpoint, ()):
+                if pick[0] > taken_at:
+                    since += pick[2]
+            free[endpoint] = mib - since
+        self.free = free
+        self._sampled = {e: t for e, (_, t) in samples.items()}
+
+    def failed_now(self, endpoint: str) -> bool:
+        """Mark ``endpoint`` as failing (a connect failure or reset); returns True when it was not
+        marked already. It is skipped for ``failure_hold_s``."""
+        fresh = endpoint not in self.failed
+        self.failed[endpoint] = self._clock() + self._hold
+        return fresh
+
     def expire(self) -> int:
-        """Drop picks older than the expiry and publish the counters (call every second or so).
+        """Drop picks older than the expiry, end failure holds, and publish the counters (call every
+        second or so).
 
         Returns how many picks expired. (Completions are counted in plain ints on the request
         path and added to ``inferlb_ext_proc_completions_total`` here: no lock per request.)
         """
-        limit = self._clock() - self._expiry
+        now = self._clock()
+        limit = now - self._expiry
         expired = _expire(self.clusters, self._pending_cl, limit)
-        _expire(self.endpoints, self._pending_ep, limit)
+        for endpoint in list(self._pending_ep):
+            picks = self._pending_ep[endpoint]
+            while picks and picks[0][0] < limit:
+                pick = picks.popleft()
+                self._release(endpoint, pick, len(picks))
+            if not picks:
+                del self._pending_ep[endpoint]
+        if self.failed:
+            for endpoint in [e for e, until in self.failed.items() if until <= now]:
+                del self.failed[endpoint]
         if expired:
             EXPIRED.inc(expired)
         unmatched, matched = self._completions
@@ -113,12 +218,8 @@ class InFlight:
         return expired
 
 
-def _add(counts: dict[str, int], pending: dict[str, deque[float]], key: str, now: float) -> None:
-    counts[key] = counts.get(key, 0) + 1
-    queue = pending.get(key)
-    if queue is None:
-        queue = pending[key] = deque()
-    queue.append(now)
+#: One pick in flight: ``(time, work, mib, prompt_tokens, output_tokens, gpu_class, cluster)``.
+Pick = tuple[float, float, float, "float | None", "float | None", str, str]
 
 
 def _remove(counts: dict[str, int], pending: dict[str, deque[float]], key: str) -> bool:

@@ -67,6 +67,16 @@ class HashRing:
         """Points per endpoint."""
         return self._vnodes
 
+    @property
+    def owners(self) -> list[str]:
+        """The owner of each point, in ring order (read only: shared by every lookup)."""
+        return self._owners
+
+    def start_index(self, position: int) -> int:
+        """Index in :attr:`owners` of the first point clockwise from ``position`` (0 on an empty ring)."""
+        start = bisect_right(self._points, position)
+        return 0 if start == len(self._owners) else start
+
     def __len__(self) -> int:
         """Number of distinct endpoints."""
         return len(self._endpoints)

@@ -37,6 +37,9 @@ class SampledDecision:
         endpoint: the pinned ``HOST:PORT`` (None: Envoy's weighted fallback chooses).
         reason: the decision's reason label (see :class:`ext_proc.picker.Decision`).
         status: HTTP status of a rejection, None when routed.
+        key: the affinity key the request had: "session", "prefix" or "none".
+        work: its predicted work (1 = a typical request).
+        memory_mib: its GPU memory need (MiB, before the margin).
     """
 
     at: float
@@ -46,11 +49,15 @@ class SampledDecision:
     endpoint: str | None
     reason: str
     status: int | None
+    key: str = "none"
+    work: float = 1.0
+    memory_mib: float = 0.0
 
     def as_dict(self) -> dict:
         """JSON-ready form (keys as the attributes)."""
         return {"at": self.at, "session": self.session, "version": self.version, "cluster": self.cluster,
-                "endpoint": self.endpoint, "reason": self.reason, "status": self.status}
+                "endpoint": self.endpoint, "reason": self.reason, "status": self.status, "key": self.key,
+                "work": self.work, "memory_mib": self.memory_mib}
 
 
 class DecisionSampler:
@@ -93,7 +100,7 @@ class DecisionSampler:
         session = hashlib.blake2b(key, digest_size=8, key=self._key).hexdigest() if key else None
         shown = version[:256].decode("utf-8", errors="backslashreplace") if version else None
         return SampledDecision(at, session, shown, decision.cluster, decision.endpoint, decision.reason,
-                               decision.status)
+                               decision.status, decision.key, decision.work, decision.mib)
 
     def recent(self, limit: int | None = None) -> list[SampledDecision]:
         """The kept samples, newest first (at most ``limit``)."""

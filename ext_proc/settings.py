@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ext_proc.view import RoutingTable, ServiceRoute
+from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
 
 __all__ = ["METADATA_KEY", "PickerSettings", "from_wire", "to_wire"]
 
@@ -27,6 +27,12 @@ class PickerSettings:
         session_ttl_s, max_sessions: the session table's idle TTL and size bound.
         admission: admission control on or off; ``max_queue``, ``queue_timeout_s`` and
             ``retry_after_s`` as in :class:`ext_proc.admission.Admission`.
+        memory_queue: a request no endpoint has GPU memory for waits in the queue, then gets a
+            429 (False: it is pinned to the endpoint with the most estimated free memory).
+        pin_move_after: spills in a row that move a session's pin.
+        failure_hold_s: an endpoint whose connections fail is not picked for this long (s).
+        cost_forget, cost_min_samples: the cost model's forgetting factor and samples per class
+            before its fit is used (:class:`ext_proc.costmodel.CostModel`).
     """
 
     inflight_expiry_s: float
@@ -36,6 +42,11 @@ class PickerSettings:
     max_queue: int
     queue_timeout_s: float
     retry_after_s: int
+    memory_queue: bool
+    pin_move_after: int
+    failure_hold_s: float
+    cost_forget: float
+    cost_min_samples: int
 
 
 def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
@@ -61,9 +72,28 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "vnodes": routing.vnodes,
             "load_factor": routing.load_factor,
             "services": services,
+            "memory_margin": routing.memory_margin,
+            "default_request_mib": routing.default_request_mib,
+            "kv_mib_per_token": routing.kv_mib_per_token,
+            "default_max_tokens": routing.default_max_tokens,
+            "chars_per_token": routing.chars_per_token,
+            "request_memory_header": routing.request_memory_header or "",
+            "request_class_header": routing.request_class_header,
+            "request_classes": {k.decode(): {"memory_mib": c.memory_mib, "prompt_tokens": c.prompt_tokens,
+                                             "output_tokens": c.output_tokens}
+                                for k, c in routing.request_classes.items()},
+            "prefix_messages": routing.prefix_messages,
+            "prefix_max_bytes": routing.prefix_max_bytes,
+            "body_mode": routing.body_mode,
+            "min_bound": routing.min_bound,
+            "pinned_load_factor": routing.pinned_load_factor,
         },
         "settings": asdict(settings),
     }
+
+
+def _opt(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
@@ -93,6 +123,21 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         vnodes=int(r["vnodes"]),
         load_factor=float(r["load_factor"]),
         services=services,
+        memory_margin=float(r.get("memory_margin", 0.2)),
+        default_request_mib=float(r.get("default_request_mib", 2048.0)),
+        kv_mib_per_token=float(r.get("kv_mib_per_token", 0.5)),
+        default_max_tokens=int(r.get("default_max_tokens", 128)),
+        chars_per_token=float(r.get("chars_per_token", 4.0)),
+        request_memory_header=r.get("request_memory_header") or None,
+        request_class_header=r.get("request_class_header", "x-inferlb-request-class"),
+        request_classes={k: RequestClass(float(c["memory_mib"]), _opt(c.get("prompt_tokens")),
+                                         _opt(c.get("output_tokens")))
+                         for k, c in r.get("request_classes", {}).items()},
+        prefix_messages=int(r.get("prefix_messages", 2)),
+        prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
+        body_mode=r.get("body_mode", "buffered"),
+        min_bound=float(r.get("min_bound", 2.0)),
+        pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

@@ -22,10 +22,12 @@ __all__ = [
     "MIX_BUCKETS",
     "ClusterEndpoints",
     "EndpointView",
+    "RequestClass",
     "RoutingTable",
     "ServiceRoute",
     "ViewHolder",
     "cluster_capacity",
+    "endpoint_details",
     "pinnable_endpoints",
 ]
 
@@ -98,6 +100,20 @@ class ServiceRoute:
 
 
 @dataclass(frozen=True)
+class RequestClass:
+    """A configured request class (named by the request-class header).
+
+    Attributes:
+        memory_mib: GPU memory one request of the class needs (MiB, >= 0).
+        prompt_tokens, output_tokens: its typical tokens, for the cost model (None: unknown).
+    """
+
+    memory_mib: float
+    prompt_tokens: float | None = None
+    output_tokens: float | None = None
+
+
+@dataclass(frozen=True)
 class RoutingTable:
     """Header names, ring parameters and services: everything the picker needs besides endpoints.
 
@@ -117,9 +133,29 @@ class RoutingTable:
         vnodes: virtual nodes per endpoint on each cluster's ring.
         load_factor: bounded-loads factor ``c`` (>= 1.0).
         services: matched in order against the request's authority.
+        memory_margin: memory admission: an endpoint takes a request only if its estimated free
+            GPU memory >= need x (1 + margin) (0-10; the seed rule's 20 %).
+        default_request_mib: the need of a request whose class is unknown (MiB; the engine's
+            ``request_memory_mib``).
+        kv_mib_per_token: KV-cache memory per token (MiB): a request read from its body needs
+            (prompt tokens + ``max_tokens``) x this.
+        default_max_tokens: ``max_tokens`` of a body that names none.
+        chars_per_token: prompt characters per token (the prompt-length estimate, > 0).
+        request_memory_header: a header giving a request's need in MiB directly (None: not read).
+        request_class_header: a header naming one of ``request_classes``.
+        request_classes: class name -> :class:`RequestClass`.
+        prefix_messages: the prefix key hashes the first this many chat messages (system prompt
+            and first turns; 0 = no prefix keys).
+        prefix_max_bytes: ... and at most this many bytes of them (or of a completion's prompt).
+        body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
+            picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
+            up to Envoy's buffer limit, then the decision).
+        min_bound: every endpoint's load bound is at least this much work (typical requests).
+        pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
 
     Raises:
-        ValueError: an empty header name, ``vnodes`` < 1 or ``load_factor`` < 1.0.
+        ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
+            memory setting.
     """
 
     version_header: str = "model-version"
@@ -131,6 +167,19 @@ class RoutingTable:
     vnodes: int = 160
     load_factor: float = 1.25
     services: tuple[ServiceRoute, ...] = ()
+    memory_margin: float = 0.2
+    default_request_mib: float = 2048.0
+    kv_mib_per_token: float = 0.5
+    default_max_tokens: int = 128
+    chars_per_token: float = 4.0
+    request_memory_header: str | None = None
+    request_class_header: str = "x-inferlb-request-class"
+    request_classes: Mapping[str, RequestClass] = field(default_factory=dict, hash=False)
+    prefix_messages: int = 2
+    prefix_max_bytes: int = 4096
+    body_mode: str = "buffered"
+    min_bound: float = 2.0
+    pinned_load_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -144,8 +193,22 @@ class RoutingTable:
         object.__setattr__(self, "services", tuple(self.services))
         if self.vnodes < 1:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
-        if self.load_factor < 1.0:
-            raise ValueError(f"routing: load_factor must be >= 1.0, got {self.load_factor}")
+        if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:
+            raise ValueError(f"routing: load_factor and pinned_load_factor must be >= 1.0, got "
+                             f"{self.load_factor}, {self.pinned_load_factor}")
+        for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
+                     "prefix_max_bytes", "default_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")
+        if self.body_mode not in ("streamed", "buffered"):
+            raise ValueError(f"routing: body_mode must be streamed or buffered, got {self.body_mode!r}")
+        if not self.chars_per_token > 0:
+            raise ValueError(f"routing: chars_per_token must be > 0, got {self.chars_per_token}")
+        if self.request_memory_header is not None:
+            object.__setattr__(self, "request_memory_header", self.request_memory_header.lower())
+        object.__setattr__(self, "request_class_header", self.request_class_header.lower())
+        classes = {k.encode() if isinstance(k, str) else k: v for k, v in self.request_classes.items()}
+        object.__setattr__(self, "request_classes", MappingProxyType(classes))
 
 
 @dataclass(frozen=True)
@@ -162,18 +225,43 @@ class ClusterEndpoints:
             (admission control then leaves the cluster alone).
         salt: 64-bit hash of ``name``, mixed into session-table keys so one session key has a
             separate pin in each cluster.
+        weights: ``{endpoint: EDS load_balancing_weight}`` of the pinnable endpoints (1 when unset);
+            empty: every endpoint weighs 1.
+        shares: ``{endpoint: w_i / sum(w)}`` (0-1, summing to 1): each endpoint's share of the
+            cluster's load in the weighted bounded-load rule, precomputed once per view.
+        classes: ``{endpoint: GPU class}`` from EDS metadata ``inferlb.gpu_class`` ("" unknown).
+        main_class: the most common class (its cost-model fit predicts a request's work).
+        cumulative: the running sum of ``shares`` in ``endpoints`` order (weighted sampling).
     """
 
     name: str
     endpoints: tuple[str, ...]
     ring: HashRing = field(compare=False)
     capacity: int = 0
+    weights: Mapping[str, int] = field(default_factory=dict, compare=False)
+    classes: Mapping[str, str] = field(default_factory=dict, compare=False)
     members: frozenset[str] = field(init=False, compare=False)
     salt: int = field(init=False, compare=False)
+    shares: Mapping[str, float] = field(init=False, compare=False)
+    main_class: str = field(init=False, compare=False)
+    cumulative: tuple[float, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", frozenset(self.endpoints))
         object.__setattr__(self, "salt", key_hash(self.name.encode()))
+        counts: dict[str, int] = {}
+        for e in self.endpoints:
+            c = self.classes.get(e, "")
+            counts[c] = counts.get(c, 0) + 1
+        object.__setattr__(self, "main_class", min(counts, key=lambda c: (-counts[c], c)) if counts else "")
+        w = {e: max(1, int(self.weights.get(e, 1))) for e in self.endpoints}
+        total = sum(w.values())
+        object.__setattr__(self, "shares", MappingProxyType({e: v / total for e, v in w.items()}))
+        cumulative, upto = [], 0
+        for e in self.endpoints:
+            upto += w[e]
+            cumulative.append(upto / total)
+        object.__setattr__(self, "cumulative", tuple(cumulative))
 
 
 def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:
@@ -193,8 +281,9 @@ def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[
     An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
     address with a numeric port. Only the lowest priority level that has a pinnable endpoint
     counts: higher priorities are failover, and a session should not be pinned to them while
-    the primary level has capacity. Load-balancing weights are not used here: they steer
-    Envoy's fallback policy, not the session ring.
+    the primary level has capacity. Load-balancing weights do not change the ring (so adding
+    weight moves no key); they set each endpoint's share in the weighted load bound
+    (:attr:`ClusterEndpoints.shares`).
     """
     by_priority: dict[int, set[str]] = {}
     for locality in assignment.endpoints:
@@ -229,6 +318,27 @@ def cluster_capacity(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: 
                 return 0
             total += value
     return total
+
+
+def endpoint_details(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]
+                     ) -> tuple[dict[str, int], dict[str, str]]:
+    """``({endpoint: load_balancing_weight}, {endpoint: gpu_class})`` of ``endpoints`` in ``assignment``.
+
+    A missing weight counts as 1 (Envoy's default); a missing ``inferlb.gpu_class`` as "".
+    """
+    wanted = set(endpoints)
+    weights: dict[str, int] = {}
+    classes: dict[str, str] = {}
+    for locality in assignment.endpoints:
+        for lb_endpoint in locality.lb_endpoints:
+            address = _address(lb_endpoint)
+            if address not in wanted or address in weights:
+                continue
+            weights[address] = lb_endpoint.load_balancing_weight.value or 1
+            meta = lb_endpoint.metadata.filter_metadata
+            field_ = meta["inferlb"].fields.get("gpu_class") if "inferlb" in meta else None
+            classes[address] = field_.string_value if field_ is not None else ""
+    return weights, classes
 
 
 class EndpointView:
@@ -299,12 +409,13 @@ class EndpointView:
         for name, assignment in assignments.items():
             endpoints = pinnable_endpoints(assignment)
             capacity = cluster_capacity(assignment, endpoints)
+            weights, classes = endpoint_details(assignment, endpoints)
             kept = old.get(name)
             if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
                 ring = kept.ring
             else:
                 ring = HashRing(endpoints, routing.vnodes)
-            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity)
+            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity, weights, classes)
         return cls(routing, clusters)
 
     def service_for_host(self, host: str) -> ServiceRoute | None:

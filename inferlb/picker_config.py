@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from ext_proc.settings import METADATA_KEY, PickerSettings, to_wire
-from ext_proc.view import RoutingTable, ServiceRoute
+from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
 from xds_server.config import Config, cluster_name
 
 
@@ -24,6 +24,22 @@ def routing_table(cfg: Config) -> RoutingTable:
         body_max_bytes=cfg.picker.body_max_bytes,
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
+        load_factor=cfg.picker.load_factor,
+        min_bound=cfg.picker.min_bound,
+        pinned_load_factor=cfg.picker.pinned_load_factor,
+        memory_margin=(cfg.picker.memory_margin if cfg.picker.memory_margin is not None
+                       else cfg.engine.memory_margin),
+        default_request_mib=cfg.engine.request_memory_mib,
+        kv_mib_per_token=cfg.picker.kv_mib_per_token,
+        default_max_tokens=cfg.picker.default_max_tokens,
+        chars_per_token=cfg.picker.chars_per_token,
+        request_memory_header=cfg.picker.request_memory_header,
+        request_class_header=cfg.picker.request_class_header,
+        request_classes={name: RequestClass(c.memory_mib, c.prompt_tokens, c.output_tokens)
+                         for name, c in cfg.picker.request_classes.items()},
+        prefix_messages=cfg.picker.prefix_messages,
+        prefix_max_bytes=cfg.picker.prefix_max_bytes,
+        body_mode=cfg.picker.body_mode,
         services=tuple(
             ServiceRoute(
                 name=s.name,
@@ -48,6 +64,11 @@ def picker_settings(cfg: Config) -> PickerSettings:
         max_queue=p.max_queue,
         queue_timeout_s=p.queue_timeout_s,
         retry_after_s=p.retry_after_s,
+        memory_queue=p.memory_queue,
+        pin_move_after=p.pin_move_after,
+        failure_hold_s=p.failure_hold_s,
+        cost_forget=p.cost_forget,
+        cost_min_samples=p.cost_min_samples,
     )
 
 

@@ -20,6 +20,8 @@ import logging
 import os
 import signal
 import ssl
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -41,6 +43,7 @@ from xds_server.control import ControlPlane
 from xds_server.discovery import etcd as etcd_discovery
 from xds_server.discovery.etcd import EtcdWatcher
 from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
+from xds_server.engine.types import EndpointSpec, EndpointWeight
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
 from xds_server.metrics.build import build_sources
@@ -69,6 +72,28 @@ def picker_tls(tls: TlsConfig) -> TlsFiles:
     except (OSError, ssl.SSLError, ValueError) as err:
         raise ConfigError(f"tls: cannot load {tls.cert}, {tls.key} or {tls.ca}: {err}") from None
     return files
+
+
+def memory_samples(weights: list[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None], now: float
+                   ) -> dict[str, tuple[float, float]]:
+    """``{"HOST:PORT": (free GPU memory MiB, sampled at)}`` from one round's weights (pure).
+
+    Free memory is ``gpu_mem_free_mib``, else the endpoint's GPU memory minus ``gpu_mem_used_mib``;
+    an endpoint with neither, or with no sample age, is left out (unknown: the picker admits).
+    ``sampled at`` = ``now`` - the sample's age (monotonic s).
+    """
+    out: dict[str, tuple[float, float]] = {}
+    for w in weights:
+        st = w.inputs
+        if st.sample_age_s is None:
+            continue
+        free = st.gpu_mem_free_mib
+        if free is None and st.gpu_mem_used_mib is not None:
+            s = spec(w.cluster, w.address)
+            free = None if s is None else max(0.0, s.memory_mib - st.gpu_mem_used_mib)
+        if free is not None:
+            out[w.address] = (free, now - st.sample_age_s)
+    return out
 
 
 class InferLB:
@@ -106,7 +131,7 @@ class InferLB:
                                      self.recorder.record],
                                     lambda: self.cfg.envoy.ext_proc_address or
                                     f"{split_hostport(self.cfg.listen.ext_proc)[0]}:{self.ext_proc_port}",
-                                    picker_metadata=picker_metadata)
+                                    picker_metadata=picker_metadata, on_round=[self._feed_picker])
         self.ads: AdsServicer | None = None
         self.ads_server: grpc.aio.Server | None = None
         self.ext_server: Server | None = None
@@ -119,6 +144,11 @@ class InferLB:
         self.stopping = False
         self.last_reload_error: str | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
+
+    def _feed_picker(self, weights: list[EndpointWeight]) -> None:
+        """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
+        (its memory admission subtracts what it sent since)."""
+        self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic()))
 
     def _current_weights(self):
         snap = self.cache.snapshot
@@ -139,7 +169,8 @@ class InferLB:
         host, port = split_hostport(self.cfg.listen.admin)
         auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
-                             reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping)
+                             reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
+                             cost_model=self.picker.costs)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

@@ -59,6 +59,7 @@ def engine_params(cfg: Config) -> EngineParams:
         stale_after_s=e.stale_after_s, request_memory_mib=e.request_memory_mib, memory_margin=e.memory_margin,
         max_weight=e.max_weight, hysteresis=e.hysteresis, quantum=e.quantum, max_change=e.max_change,
         drain_timeout_s=e.drain_timeout_s, filters=e.filters, scorers=e.scorers, factors=e.factors,
+        health_rounds=e.health_rounds,
     )
 
 
@@ -71,7 +72,9 @@ class ControlPlane:
     ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started);
     ``picker_metadata(cfg)``: the picker cluster's ``filter_metadata`` (see
-    :class:`~xds_server.resources.build.BuildMemo`).
+    :class:`~xds_server.resources.build.BuildMemo`). ``on_round``: hooks called with every round's
+    weights (their ``inputs`` are that round's stats), snapshot or not, on the event loop; they must
+    not block.
 
     Hooks see only what the cache accepted: the snapshot it validated (rejected resources replaced by
     their last good versions), after it was set, so history never records a version Envoy never got.
@@ -84,8 +87,10 @@ class ControlPlane:
     def __init__(self, cfg: Config, source: MetricsSource, cache: SnapshotCache,
                  on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
                  ext_proc_address: Callable[[], str],
-                 picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
+                 picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None,
+                 on_round: list[Callable[[list[EndpointWeight]], None]] | None = None) -> None:
         self.cfg = cfg
+        self._round_hooks = on_round or []
         self._ext_proc_address = ext_proc_address
         self.source = source
         self.cache = cache
@@ -170,6 +175,8 @@ class ControlPlane:
                                                    now=time.monotonic(), plugins=BUILTIN)
             self._log_changes(weights)
             self.weights = weights
+            for hook in self._round_hooks:
+                hook(weights)
             ext_proc = self._ext_proc_address()
             served = [w for w in weights if not w.removed]
             await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)

@@ -41,12 +41,15 @@ class StreamError(Exception):
 
 
 class StreamState:
-    """What one ext_proc stream remembers between messages: request headers held for the body."""
+    """What one ext_proc stream remembers between messages: request headers held for the body, and
+    whether the request was decided on its first body chunk (streamed body mode: the later chunks
+    only need a no-change answer)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "decided")
 
     def __init__(self) -> None:
         self.held: dict[str, bytes] | None = None
+        self.decided = False
 
 
 class Service(Protocol):

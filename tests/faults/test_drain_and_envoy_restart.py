@@ -32,11 +32,14 @@ def test_drain_stops_new_requests_at_once_and_lets_in_flight_ones_finish(fault_s
         r = s.send({"x-session-id": key, "model-version": "v1"})
         in_flight.append((r, time.time()))
 
-    threads = [threading.Thread(target=slow_one) for _ in range(3)]
-    bg = Background(s.listener, sessions(11), duration_s=4, concurrency=4)
+    # Two at once: a session keeps its endpoint while under its load bound (at least 2 requests);
+    # a third concurrent one would spill to another endpoint (issue 13: a pin is soft).
+    threads = [threading.Thread(target=slow_one) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.1)
+    time.sleep(0.05)
+    bg = Background(s.listener, sessions(11), duration_s=4, concurrency=4)
+    time.sleep(0.05)
     r = requests.post(f"{s.admin}/api/v1/endpoints/{target.address}/drain", timeout=5)
     drained_at = time.time()
     assert r.status_code == 200 and r.json()["draining"] is True
@@ -49,7 +52,7 @@ def test_drain_stops_new_requests_at_once_and_lets_in_flight_ones_finish(fault_s
     # DRAINING in Envoy, or already removed from the assignment once nothing was in flight (C11).
     assert envoy_hosts(s.envoy_admin)["chat-v1"].get(target.address, {"health": "DRAINING"})["health"] == "DRAINING"
     # In-flight requests finished normally on the draining backend.
-    assert [x.status_code for x, _ in in_flight] == [200, 200, 200]
+    assert [x.status_code for x, _ in in_flight] == [200, 200]
     assert {x.headers["x-served-by"] for x, _ in in_flight} == {target.address}
     assert any(done > drained_at for _, done in in_flight), "no request was in flight at the drain"
     # Nothing new from the moment of the drain (Envoy applies the push within milliseconds).

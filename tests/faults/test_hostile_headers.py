@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+from collections import Counter
 
 import pytest
 from prometheus_client import REGISTRY
@@ -45,13 +46,14 @@ CASES = {
     "long-version": ([("model-version", b"v" * 40_000)], 400, "invalid-version"),
     "non-utf8-version": ([("model-version", b"v1\xff\xfe\xc3")], 400, "invalid-version"),
     # (the simulated backend, aiohttp, refuses header lines over 8190 bytes: stay under that when it must answer)
-    "long-session": ([("x-session-id", b"s" * 8_000), ("model-version", b"v1")], 200, "session"),
-    "non-utf8-session": ([("x-session-id", b"\xff\xfe\x80session"), ("model-version", b"v2")], 200, "session"),
-    "repeated-version": ([("model-version", b"v2"), ("model-version", b"v1")], 200, "no-session"),
-    "repeated-session": ([("x-session-id", b"a"), ("x-session-id", b"b"), ("model-version", b"v1")], 200, "session"),
-    "huge-authority": ([("host", b"h" * 8_000)], 200, "no-session"),
+    "long-session": ([("x-session-id", b"s" * 8_000), ("model-version", b"v1")], 200, "affinity"),
+    "non-utf8-session": ([("x-session-id", b"\xff\xfe\x80session"), ("model-version", b"v2")], 200, "affinity"),
+    "repeated-version": ([("model-version", b"v2"), ("model-version", b"v1")], 200, "least-loaded"),
+    "repeated-session": ([("x-session-id", b"a"), ("x-session-id", b"b"), ("model-version", b"v1")], 200,
+                         "affinity"),
+    "huge-authority": ([("host", b"h" * 8_000)], 200, "least-loaded"),
     # the picker pins a 40 KB session key; then the backend refuses the header line (its 400, not ours)
-    "long-session-to-the-picker": ([("x-session-id", b"s" * 40_000), ("model-version", b"v1")], 400, "session"),
+    "long-session-to-the-picker": ([("x-session-id", b"s" * 40_000), ("model-version", b"v1")], 400, "affinity"),
 }
 
 
@@ -60,20 +62,23 @@ def test_hostile_header_is_answered_counted_and_logged_at_most_once(fault_stack:
     s = fault_stack
     wait_until(lambda: all_healthy(s), 20, 0.2, "every endpoint HEALTHY")
     headers, want_status, outcome = CASES[case]
-    before, errors_before = decisions(outcome), errors_total()
+    # A keyed request is kept on its endpoint ("affinity") or, while its completions are still on
+    # their way, spills ("spilled"): both are the session's decisions.
+    outcomes = ("affinity", "spilled") if outcome == "affinity" else (outcome,)
+    before, errors_before = sum(decisions(o) for o in outcomes), errors_total()
     with caplog.at_level(logging.INFO):
         answers = [raw_request(s, headers) for _ in range(30)]
     assert {status for status, _, _ in answers} == {want_status}, {a[0]: a[1][:200] for a in answers}
     assert all(len(body) < 2048 for _, body, _ in answers), "an error body must not echo the whole value"
-    assert decisions(outcome) - before == 30
+    assert sum(decisions(o) for o in outcomes) - before == 30
     assert errors_total() == errors_before, "no internal error in the picker"
     # The picker's lines, and any warning from inferlb (the slow loop's weight changes are not about this).
     noisy = [r for r in caplog.records if r.name.startswith("ext_proc")
              or (r.name.startswith("xds_server") and r.levelno >= logging.WARNING)]
     assert len(noisy) <= 1, [r.getMessage()[:200] for r in noisy]
     assert sum(len(r.getMessage()) for r in noisy) < 4096
-    if outcome == "session" and want_status == 200:   # pinned: one backend for the one session key
-        assert len({h["x-served-by"] for _, _, h in answers}) == 1
+    if outcome == "affinity" and want_status == 200:   # pinned: the session's endpoint serves (nearly) all
+        assert Counter(h["x-served-by"] for _, _, h in answers).most_common(1)[0][1] >= 24
     if want_status == 200:
         version = next(v for n, v in headers if n == "model-version") if any(
             n == "model-version" for n, _ in headers) else b"v1"

@@ -52,7 +52,8 @@ def eng(tmp_path_factory):
         backend_args={SMALL_GPU: ["--gpu-memory-mib", "20000"], LEGACY: ["--legacy-metrics"],
                       PUSHER: ["--push-status", f"127.0.0.1:{push_port}", "--push-interval-s", "0.2"]},
         deferred={NEW_NODE},
-        config={"engine": {"request_memory_mib": LARGE_MIB,
+        config={"picker": {"request_memory_header": "x-sim-memory-mib"},
+                "engine": {"request_memory_mib": LARGE_MIB,
                            "factors": {"slow_start": {"window_s": 8}},
                            "filters": {"latency_outlier": {"base_ejection_s": 2, "max_ejection_s": 4}}},
                 "metrics": {"sources": ["prometheus", "push"], "push": {"listen": f"127.0.0.1:{push_port}"}}})
@@ -133,14 +134,18 @@ def test_pushed_status_is_the_freshest_source_and_goes_stale_when_it_stops(eng: 
 
 
 def test_large_requests_never_reach_a_node_without_memory_for_them(eng: Stack):
-    """No OOM through inferlb, where round robin over the same backends OOMs on every third request."""
+    """No OOM through inferlb, where round robin over the same backends OOMs on every third request.
+
+    Saturation is not health (issue 13): the small node stays HEALTHY in Envoy (its weight is only
+    lowered, persistently short of memory); the picker's per-request memory admission keeps every
+    large request away from it, with a session or without one (a non-session request is pinned by
+    the picker too: Envoy's weighted fallback would send a third of them there)."""
     nodes = v(eng, "v2")
     small = eng.backends[SMALL_GPU]
-    doc = wait_until(lambda: (d := cluster(eng, "v2"))[small.address]["health"] == "UNHEALTHY" and d, 15, 0.2,
-                     "the small-memory node to be kept out")
-    assert doc[small.address]["reasons"][0].startswith("gpu_memory: gpu memory free 5664 MiB < 7200 MiB needed")
-    wait_until(lambda: envoy_hosts(eng.envoy_admin)["chat-v2"][small.address]["health"] == "UNHEALTHY", 5, 0.1,
-               "Envoy to see it")
+    doc = wait_until(lambda: (d := cluster(eng, "v2"))[small.address]["factors"].get("gpu_memory", 1.0) < 1.0
+                     and d, 15, 0.2, "the small-memory node's weight to be lowered")
+    assert doc[small.address]["health"] == "HEALTHY"
+    assert envoy_hosts(eng.envoy_admin)["chat-v2"][small.address]["health"] == "HEALTHY"
     headers = {"model-version": "v2", "x-sim-memory-mib": str(LARGE_MIB)}
     served = Counter()
     for i in range(30):
@@ -199,7 +204,9 @@ def test_a_long_tail_node_is_ejected_and_comes_back_after_it_recovers(eng: Stack
         b1.fault(long_tail=0.5)
         doc = wait_until(lambda: (d := cluster(eng, "v1")[b1.address])["health"] == "UNHEALTHY" and d, 15, 0.2,
                          "the long-tail node to be ejected")
-        assert doc["reasons"][0].startswith("latency_outlier: latency outlier: p95 latency"), doc["reasons"]
+        # Health hysteresis: flagged on one round (not excluded yet), out from the next (its ejection
+        # started when first flagged), so the reason is either the verdict or the running ejection.
+        assert doc["reasons"][0].startswith("latency_outlier: latency outlier: "), doc["reasons"]
         assert "ejected for" in doc["reasons"][0]
         assert cluster(eng, "v1")[b0.address]["health"] == "HEALTHY"  # never more than the share allows
         wait_until(lambda: envoy_hosts(eng.envoy_admin)["chat-v1"][b1.address]["health"] == "UNHEALTHY", 3, 0.1,

@@ -75,7 +75,7 @@ def test_metrics_and_decisions_after_traffic(stack: Stack):
         assert r.status_code == 200
         served[i] = r.headers["x-served-by"]
     decisions = requests.get(f"{s.admin}/api/v1/decisions", timeout=5).json()["decisions"]
-    pinned = [d for d in decisions if d["reason"] == "session"]
+    pinned = [d for d in decisions if d["key"] == "session" and d["endpoint"]]
     assert len(pinned) >= 6 and {d["endpoint"] for d in pinned[:6]} == set(served.values())
     assert all(d["version"] == "v1" and d["cluster"] == "chat-v1" and len(d["session"]) == 16 for d in pinned[:6])
 
@@ -87,7 +87,7 @@ def test_metrics_and_decisions_after_traffic(stack: Stack):
     assert health == {"HEALTHY"}
     assert any(x.value > 0 for x in fams["inferlb_endpoint_gpu_memory_free_bytes"].samples)
     outcomes = {x.labels["outcome"] for x in fams["inferlb_ext_proc_decisions"].samples if x.value > 0}
-    assert "session" in outcomes
+    assert "affinity" in outcomes
 
     def in_sync() -> dict[str, float] | None:
         text = requests.get(f"{s.admin}/metrics", timeout=5).text

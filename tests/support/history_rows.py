@@ -23,7 +23,7 @@ def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "c
                           {"latency": 0.5, "concurrency": None}, (f"score 0.50 -> weight {weight}",))
 
 
-def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None):
+def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None, cost_model=None):
     """A real admin application over an in-memory store holding ``rows`` and a control plane whose last
     round gave ``weights`` (its metrics source is never called). Returns ``(app, store)``."""
 
@@ -38,7 +38,7 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     cp.weights = list(weights)
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
     store.append(sorted(rows, key=lambda r: r.t))
-    return make_admin_app(cp, AdsServicer(cache), store, sampler), store
+    return make_admin_app(cp, AdsServicer(cache), store, sampler, cost_model=cost_model), store
 
 
 def pin_history_clock(monkeypatch, now: float) -> None:

@@ -16,6 +16,8 @@
 - ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
 - ``GET /api/v1/decisions`` a sample of recent picker decisions (any :class:`DecisionLog`; the app
   passes the picker's sampler).
+- ``GET /api/v1/cost-model`` the picker's request cost model per GPU class (any :class:`CostModelView`;
+  the app passes the in-process picker's).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
 
@@ -114,6 +116,14 @@ class DecisionLog(Protocol):
         ...
 
 
+class CostModelView(Protocol):
+    """The picker's request cost model as the admin API shows it."""
+
+    def describe(self) -> dict:
+        """JSON-ready: ``{"forget", "min_samples", "classes": {gpu_class: {...}}}``."""
+        ...
+
+
 class WriteAuth:
     """Who may call write operations.
 
@@ -149,13 +159,15 @@ class WriteAuth:
 def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | None = None,
                    sampler: DecisionLog | None = None, *, auth: WriteAuth | None = None,
                    reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
-                   is_ready: Callable[[], bool] | None = None) -> web.Application:
+                   is_ready: Callable[[], bool] | None = None,
+                   cost_model: CostModelView | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.
 
     Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
     ``auth``: who may write (default: loopback only, no token); ``reload``: the config reload
     (``() -> (applied, message)``; None = no reload endpoint); ``is_ready``: readiness (default:
-    the first snapshot is published).
+    the first snapshot is published); ``cost_model``: the picker's request cost model (the app
+    passes the in-process picker's; None: an empty model is shown).
     """
     auth = auth or WriteAuth(None, "127.0.0.1")
     ready_now = is_ready or cp.ready.is_set
@@ -228,6 +240,11 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         return web.json_response({"every": sampler.every, "size": sampler.size,
                                   "decisions": [d.as_dict() for d in sampler.recent(limit)]})
 
+    async def costs(_: web.Request) -> web.Response:
+        if cost_model is None:
+            return web.json_response({"forget": 1.0, "min_samples": 0, "classes": {}})
+        return web.json_response(cost_model.describe())
+
     async def openapi(_: web.Request) -> web.Response:
         return web.Response(text=spec, content_type="application/json")
 
@@ -242,6 +259,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     app.router.add_get("/api/v1/nodes", nodes)
     app.router.add_get("/api/v1/history", history_series)
     app.router.add_get("/api/v1/decisions", decisions)
+    app.router.add_get("/api/v1/cost-model", costs)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", page)
     app.router.add_static("/static/", STATIC)

@@ -250,6 +250,7 @@ class Engine(_Strict):
     null = unbounded. ``drain_timeout_s``: a draining endpoint is removed at the latest after this long.
     ``filters`` / ``factors``: ``{plugin: {params}}``, ``{plugin: false}`` turns one off.
     ``scorers``: ``{plugin: weight}`` or ``{plugin: {weight: W, <params>}}``; weight 0 turns one off.
+    ``health_rounds``: a filter's exclusion needs this many flagged rounds in a row, a return as many passed.
     """
 
     stale_after_s: float = Field(15.0, gt=0)
@@ -260,6 +261,7 @@ class Engine(_Strict):
     quantum: float = Field(0.01, ge=0, le=1)
     max_change: float | None = Field(1.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
+    health_rounds: int = Field(2, ge=1, le=100)
     filters: dict[str, Any] = Field(default_factory=dict)
     scorers: dict[str, Any] = Field(default_factory=dict)
     factors: dict[str, Any] = Field(default_factory=dict)
@@ -474,6 +476,15 @@ class NodeGroup(_Strict):
         return None if v is None else _check_hostport(v)
 
 
+class RequestClassConfig(_Strict):
+    """A request class named by the picker's ``request_class_header``: its GPU memory need (MiB) and,
+    optionally, its typical prompt and output tokens (for the cost model)."""
+
+    memory_mib: float = Field(ge=0)
+    prompt_tokens: float | None = Field(None, ge=0)
+    output_tokens: float | None = Field(None, ge=0)
+
+
 class Picker(_Strict):
     """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
 
@@ -495,6 +506,19 @@ class Picker(_Strict):
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
+    The scheduler (every request): ``load_factor`` is the bounded-loads ``c``; ``min_bound`` the
+    least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
+    session's existing pin (its KV cache is there); ``memory_margin``
+    (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
+    ``request_memory_header`` (MiB), the body (``kv_mib_per_token`` x (prompt tokens, estimated at
+    ``chars_per_token``, + ``max_tokens`` or ``default_max_tokens``)), ``request_class_header`` +
+    ``request_classes``, else ``engine.request_memory_mib``. ``prefix_messages`` /
+    ``prefix_max_bytes``: what the prefix key hashes. ``memory_queue``: a request no endpoint has
+    memory for waits in the queue then gets 429 (false, the default: it is pinned to the endpoint
+    with the most estimated free memory). ``pin_move_after``:
+    spills in a row that move a session. ``failure_hold_s``: an endpoint whose connections fail is
+    not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
+    ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
@@ -509,6 +533,24 @@ class Picker(_Strict):
     session_ttl_s: float = Field(1800.0, gt=0)
     max_sessions: int = Field(1_000_000, ge=1)
     session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    load_factor: float = Field(1.25, ge=1.0, le=100)
+    min_bound: float = Field(2.0, ge=0, le=1_000_000)
+    pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
+    memory_margin: float | None = Field(None, ge=0, le=10)
+    kv_mib_per_token: float = Field(0.5, ge=0)
+    default_max_tokens: int = Field(128, ge=0)
+    chars_per_token: float = Field(4.0, gt=0)
+    request_memory_header: str | None = Field(None, pattern=r"^[a-z0-9-]+$")
+    request_class_header: str = Field("x-inferlb-request-class", pattern=r"^[a-z0-9-]+$")
+    request_classes: dict[str, RequestClassConfig] = Field(default_factory=dict)
+    prefix_messages: int = Field(2, ge=0, le=1000)
+    prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
+    body_mode: Literal["streamed", "buffered"] = "buffered"
+    memory_queue: bool = False
+    pin_move_after: int = Field(3, ge=1, le=1000)
+    failure_hold_s: float = Field(5.0, gt=0, le=3600)
+    cost_forget: float = Field(0.999, gt=0, le=1)
+    cost_min_samples: int = Field(20, ge=3)
 
 
 class KubernetesService(_Strict):

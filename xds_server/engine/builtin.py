@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from xds_server.engine.factors import balance, capacity, slow_start
-from xds_server.engine.filters import gpu_memory, latency_outlier, max_concurrency, oom
+from xds_server.engine.factors import balance, capacity, gpu_memory, max_concurrency, slow_start
+from xds_server.engine.filters import latency_outlier, oom
 from xds_server.engine.plugin import PluginSet
 from xds_server.engine.scorers import concurrency, errors, idle_compute, kv_cache, latency, memory, queue
 
@@ -19,8 +19,9 @@ def _by_name(*plugins):
 
 
 BUILTIN = PluginSet(
-    filters=_by_name(gpu_memory.PLUGIN, max_concurrency.PLUGIN, oom.PLUGIN, latency_outlier.PLUGIN),
+    filters=_by_name(oom.PLUGIN, latency_outlier.PLUGIN),
     scorers=_by_name(idle_compute.PLUGIN, concurrency.PLUGIN, latency.PLUGIN, queue.PLUGIN, memory.PLUGIN,
                      kv_cache.PLUGIN, errors.PLUGIN),
-    factors=_by_name(capacity.PLUGIN, slow_start.PLUGIN, balance.PLUGIN),
+    factors=_by_name(capacity.PLUGIN, gpu_memory.PLUGIN, max_concurrency.PLUGIN, slow_start.PLUGIN,
+                     balance.PLUGIN),
 )

@@ -7,8 +7,13 @@ A pure function. Per cluster, in order:
 2. **staleness**: an endpoint whose newest sample is older than ``stale_after_s`` (or never seen) is
    ``UNHEALTHY`` (C04) — unless every live endpoint of the cluster is stale: then nothing is
    excluded, the last weights and every plugin's state stay (C05).
-3. **filters** (registry order; the first reason wins). If they would exclude every remaining
-   endpoint, none is excluded (an empty assignment is an outage).
+3. **filters** (registry order; the first reason wins), with health hysteresis: an exclusion takes
+   effect once the endpoint was flagged ``health_rounds`` rounds in a row, and an excluded endpoint
+   returns once it passed ``health_rounds`` rounds in a row (:func:`health_step`). If they would
+   exclude every remaining endpoint, none is excluded (an empty assignment is an outage).
+   Momentary saturation (free GPU memory, running requests) is not a filter: it is the picker's
+   job per request; the slow loop only lowers the weight of an endpoint persistently short
+   (factors ``gpu_memory`` and ``max_concurrency``).
 4. **scorers** on the eligible endpoints; their weighted mean (weights from ``scorer_weights``, only
    scorers with data count; none with data: :data:`NEUTRAL_SCORE`) is the score in [0, 1].
 5. **factors**: ``max_weight x score`` times each factor (capacity, slow start, balance).
@@ -45,6 +50,8 @@ MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
 #: State key of the drain stage (when each draining endpoint started draining, s).
 DRAIN = "drain"
+#: State key of the health hysteresis: ``(flagged rounds in a row, passed rounds in a row, excluded)``.
+HEALTH = "health"
 _NO_STATS = EndpointStats()
 Key = tuple[str, str]
 
@@ -127,6 +134,26 @@ def compute_weights(
     return ordered, state
 
 
+def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tuple[int, int, bool]:
+    """One round of the filters' health hysteresis for one endpoint (pure).
+
+    ``record``: ``(flagged rounds in a row, passed rounds in a row, excluded)`` after the last round
+    (``(0, 0, False)`` for a new endpoint); ``flagged``: a filter flagged it this round; ``rounds``:
+    ``health_rounds``. Returns the new record; its last item says whether it is excluded now.
+
+    >>> health_step((0, 0, False), True, 2), health_step((1, 0, False), True, 2)
+    ((1, 0, False), (2, 0, True))
+    >>> health_step((2, 0, True), False, 2), health_step((0, 1, True), False, 2)
+    ((0, 1, True), (0, 2, False))
+    """
+    flags, passes, excluded = record
+    if flagged:
+        flags, passes = flags + 1, 0
+        return flags, passes, excluded or flags >= rounds
+    flags, passes = 0, passes + 1
+    return flags, passes, excluded and passes < rounds
+
+
 def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EngineParams, now: float
            ) -> tuple[bool, str]:
     """``(removed, reason)`` for a draining endpoint."""
@@ -205,6 +232,27 @@ def _cluster(
         for name in plugins.filters:
             verdicts[s.address].setdefault(name, "off" if name in params.disabled else "not run")
 
+    # Health hysteresis: one round's verdict changes nothing (saturation and one odd window are not health).
+    health_prev = state.get(HEALTH, {})
+    health: dict[str, tuple[int, int, bool]] = {}
+    held: dict[str, str] = {}
+    for s in live:
+        a = s.address
+        if a in excluded:  # stale: time-based already; the hysteresis record starts again after it
+            continue
+        rec = health_step(health_prev.get(a, (0, 0, False)), a in filtered, params.health_rounds)
+        if rec != (0, 0, False):
+            health[a] = rec
+        if a in filtered and not rec[2]:
+            note = f"{filtered.pop(a)} (flagged {rec[0]} of {params.health_rounds} rounds: not excluded yet)"
+            held[a] = note
+        elif a not in filtered and rec[2]:
+            filtered[a] = f"recovering: passed {rec[1]} of {params.health_rounds} rounds since its exclusion"
+    state[HEALTH] = health
+    if held or any(a in filtered for a in (m.address for m in candidates)):
+        candidates = [Member(s, seen[s.address]) for s in live
+                      if s.address not in excluded and s.address not in filtered]
+
     kept_note = None
     if not candidates and filtered:
         candidates = [Member(s, seen[s.address]) for s in live if s.address in filtered]
@@ -250,6 +298,8 @@ def _cluster(
             reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")
         if kept_note:
             reasons.append(kept_note)
+        if a in held:
+            reasons.append(held[a])
         result[a] = EndpointWeight(cluster, a, weight, HEALTHY, combined[a], m.stats, MappingProxyType(scores[a]),
                                    tuple(reasons), MappingProxyType(verdicts[a]), MappingProxyType(factors[a]),
                                    target)

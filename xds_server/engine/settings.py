@@ -26,7 +26,16 @@ def _params(kind: str, name: str, cls: type, raw: Mapping[str, Any]) -> Any:
         raise ValueError(f"{kind}.{name}: {problems}") from None
 
 
+#: Plugins that changed kind: a clear error instead of "unknown" (saturation is not health, issue 13).
+MOVED = {("filters", "gpu_memory"): "factors", ("filters", "max_concurrency"): "factors"}
+
+
 def _known(kind: str, name: object, table: Mapping[str, Any]) -> str:
+    moved = MOVED.get((kind, name)) if isinstance(name, str) else None
+    if moved is not None:
+        raise ValueError(f"{kind}.{name} is now engine.{moved}.{name}: momentary saturation no longer excludes an "
+                         f"endpoint (the picker admits each request); the slow loop only lowers the weight of an "
+                         f"endpoint persistently short")
     if not isinstance(name, str) or name not in table:
         raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {sorted(table)}")
     return name
@@ -72,16 +81,22 @@ def parse_scorers(raw: Mapping[str, Any] | None) -> dict[str, tuple[float, Any]]
     return out
 
 
+#: Plugins off unless the config names them: ``balance`` nudges request-rate shares toward the weight
+#: shares, which fights the picker now that it decides every request from its live in-flight load
+#: (a slower GPU rightly gets fewer requests per unit of weight; balance would inflate its weight).
+DEFAULT_OFF = frozenset({"balance"})
+
+
 def engine_params(
     *, stale_after_s: float, request_memory_mib: float, memory_margin: float, max_weight: int, hysteresis: float,
     quantum: float, max_change: float | None, drain_timeout_s: float, filters: Mapping[str, Any],
-    scorers: Mapping[str, tuple[float, Any]], factors: Mapping[str, Any],
+    scorers: Mapping[str, tuple[float, Any]], factors: Mapping[str, Any], health_rounds: int = 2,
 ) -> EngineParams:
     """:class:`EngineParams` from validated config values (``filters``/``factors`` from
     :func:`parse_switchable`, ``scorers`` from :func:`parse_scorers`)."""
     weights = {name: w for name, (w, _) in scorers.items()}
     plugin_params: dict[str, Any] = {name: p for name, (_, p) in scorers.items()}
-    disabled = set()
+    disabled = set(DEFAULT_OFF - set(factors))
     for table in (filters, factors):
         for name, value in table.items():
             if value is False:
@@ -92,5 +107,5 @@ def engine_params(
         stale_after_s=stale_after_s, request_memory_mib=request_memory_mib, memory_margin=memory_margin,
         max_weight=max_weight, hysteresis=hysteresis, scorer_weights=MappingProxyType(weights), quantum=quantum,
         max_change=max_change, drain_timeout_s=drain_timeout_s, plugin_params=MappingProxyType(plugin_params),
-        disabled=frozenset(disabled),
+        disabled=frozenset(disabled), health_rounds=health_rounds,
     )

@@ -36,6 +36,9 @@ class EngineParams:
     once its in-flight count reaches 0 or after this long (s). ``plugin_params``: ``{plugin name:
     params model}`` (a missing plugin uses its defaults). ``disabled``: filters and factors turned off.
     ``scorer_weights``: ``{scorer: weight in the mean}``; a scorer not named uses its own ``default_weight``.
+    ``health_rounds``: health hysteresis (>= 1): a filter's exclusion takes effect once the endpoint was
+    flagged this many rounds in a row, and an excluded endpoint comes back once it passed this many
+    rounds in a row (1 = act on every round's verdict).
     """
 
     stale_after_s: float = 15.0
@@ -49,6 +52,7 @@ class EngineParams:
     drain_timeout_s: float = 120.0
     plugin_params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     disabled: frozenset[str] = frozenset()
+    health_rounds: int = 2
 
 
 @dataclass(frozen=True, slots=True)

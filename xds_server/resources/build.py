@@ -45,34 +45,38 @@ class BuildMemo:
     def __init__(self, picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
         self._picker_metadata = picker_metadata
         self._assignments: dict[str, tuple[tuple, Resource]] = {}
-        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict[str, dict[str, int]]]] = {}
+        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict, dict]] = {}
 
-    def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int]) -> Resource:
+    def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int],
+                   classes: Mapping[str, str] | None = None) -> Resource:
         """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ)."""
-        key = tuple((w.address, w.weight, w.health, limits.get(w.address)) for w in weights)
+        classes = classes or {}
+        key = tuple((w.address, w.weight, w.health, limits.get(w.address), classes.get(w.address)) for w in weights)
         hit = self._assignments.get(cluster)
         if hit is not None and hit[0] == key:
             return hit[1]
-        res = resource(cluster, build_assignment(cluster, weights, limits))
+        res = resource(cluster, build_assignment(cluster, weights, limits, classes))
         self._assignments[cluster] = (key, res)
         return res
 
-    def static(self, cfg: Config, ext_proc_address: str) -> tuple[dict[str, dict[str, Resource]], dict]:
-        """CDS, LDS and RDS resources of ``cfg`` and ``{cluster: {address: max_concurrency}}``
-        (the config object itself is the key, by identity)."""
+    def static(self, cfg: Config, ext_proc_address: str) -> tuple[dict[str, dict[str, Resource]], dict, dict]:
+        """CDS, LDS and RDS resources of ``cfg``, ``{cluster: {address: max_concurrency}}`` and
+        ``{cluster: {address: gpu_class}}`` (the config object itself is the key, by identity)."""
         key = (id(cfg), ext_proc_address)
         hit = self._static.get(key)
         if hit is not None and hit[0] is cfg:
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
         metadata = self._picker_metadata(cfg) if self._picker_metadata is not None else None
         ext_proc = build_ext_proc_cluster(ext_proc_address, metadata, cfg.envoy.tls)
         clusters = {EXT_PROC_CLUSTER: resource(EXT_PROC_CLUSTER, ext_proc)}
         limits: dict[str, dict[str, int]] = {}
+        classes: dict[str, dict[str, str]] = {}
         for service in cfg.services:
             for version in service.versions:
                 name = cluster_name(service.name, version.name)
                 clusters[name] = resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy))
                 limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
+                classes[name] = {e.address: e.gpu_class for e in version.endpoints}
         built = {
             CLUSTER_TYPE: clusters,
             LISTENER_TYPE: {LISTENER_NAME: resource(LISTENER_NAME, build_listener(cfg))},
@@ -80,8 +84,8 @@ class BuildMemo:
         }
         if len(self._static) >= self._STATIC_ENTRIES:
             self._static.pop(next(iter(self._static)))
-        self._static[key] = (cfg, built, limits)
-        return built, limits
+        self._static[key] = (cfg, built, limits, classes)
+        return built, limits, classes
 
 
 def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str,
@@ -97,9 +101,9 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    static, limits = memo.static(cfg, ext_proc_address)
+    static, limits, classes = memo.static(cfg, ext_proc_address)
     assignments = {
-        name: memo.assignment(name, by_cluster.get(name, []), limits[name])
+        name: memo.assignment(name, by_cluster.get(name, []), limits[name], classes[name])
         for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
     }
     return snapshot_of({

@@ -18,7 +18,8 @@ _HEALTH = {
 
 
 def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
-                     max_concurrency: Mapping[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
+                     max_concurrency: Mapping[str, int] | None = None,
+                     gpu_class: Mapping[str, str] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
     """A ClusterLoadAssignment with one locality; each endpoint's weight and health from the engine.
 
     An empty ``weights`` gives an assignment without endpoints (Envoy then has the cluster with no
@@ -26,6 +27,8 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
     ~8 µs with nested constructors (measured for the xDS benchmark).
     ``max_concurrency`` (address -> requests): written to each endpoint's metadata
     ``filter_metadata["inferlb"]["max_concurrency"]`` for the picker's admission control.
+    ``gpu_class`` (address -> class name): written as ``filter_metadata["inferlb"]["gpu_class"]``
+    (the picker learns its request cost model per GPU class).
 
     Raises:
         ValueError: a weight < 1 (Envoy NACKs it) — the engine guarantees this never happens.
@@ -46,4 +49,6 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
         lb.load_balancing_weight.value = w.weight
         if max_concurrency and w.address in max_concurrency:
             lb.metadata.filter_metadata["inferlb"].update({"max_concurrency": max_concurrency[w.address]})
+        if gpu_class and w.address in gpu_class:
+            lb.metadata.filter_metadata["inferlb"].update({"gpu_class": gpu_class[w.address]})
     return cla

@@ -57,8 +57,13 @@ async def holder():
 
 
 @pytest.fixture
-async def stub(holder):
-    server, port = await start_ext_proc_server(PickerHandler(holder), "127.0.0.1:0")
+async def handler(holder):
+    return PickerHandler(holder)
+
+
+@pytest.fixture
+async def stub(holder, handler):
+    server, port = await start_ext_proc_server(handler, "127.0.0.1:0")
     assert port > 0
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -83,8 +88,8 @@ def set_headers(response: pb.ProcessingResponse) -> dict[str, bytes]:
     return {o.header.key: o.header.raw_value for o in mutation.set_headers}
 
 
-async def test_session_request_sets_cluster_and_override_host(stub):
-    before = counter("inferlb_ext_proc_decisions_total", outcome="session")
+async def test_session_request_sets_cluster_and_override_host(stub, handler):
+    before = counter("inferlb_ext_proc_decisions_total", outcome="affinity")
     [response] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert response.WhichOneof("response") == "request_headers"
     assert response.request_headers.response.clear_route_cache is True
@@ -92,22 +97,39 @@ async def test_session_request_sets_cluster_and_override_host(stub):
     assert set(got) == {"x-inferlb-cluster", "x-gateway-destination-endpoint"}
     assert got["x-inferlb-cluster"] == b"llm-v2"
     assert got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
-    # Sticky across streams.
+    # Sticky across streams (once the first request completed: it no longer weighs on its endpoint).
+    handler.inflight.completed("llm-v2", got["x-gateway-destination-endpoint"].decode())
     [again] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert set_headers(again) == got
-    assert counter("inferlb_ext_proc_decisions_total", outcome="session") == before + 2
+    assert counter("inferlb_ext_proc_decisions_total", outcome="affinity") == before + 2
 
 
-async def test_no_session_sets_only_the_cluster(stub):
+async def test_a_request_without_session_is_pinned_too(stub):
     [response] = await exchange(stub, headers_request())
-    assert set_headers(response) == {"x-inferlb-cluster": b"llm-v1"}
+    got = set_headers(response)
+    assert got["x-inferlb-cluster"] == b"llm-v1" and got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
     assert response.request_headers.response.clear_route_cache is True
     assert not response.request_headers.response.header_mutation.remove_headers
 
 
-async def test_forged_override_host_is_removed_when_not_pinning(stub):
+async def test_forged_override_host_is_overwritten_when_pinning(stub):
     forged = headers_request(x_gateway_destination_endpoint="169.254.169.254:80", x_inferlb_cluster="admin")
     [response] = await exchange(stub, forged)
+    got = set_headers(response)
+    assert got["x-inferlb-cluster"] == b"llm-v1" and got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
+
+
+async def test_forged_override_host_is_removed_when_not_pinning():
+    h = ViewHolder()
+    routing = RoutingTable(services=(ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1"}),))
+    h.update({"llm-v1": endpoint_pb2.ClusterLoadAssignment(cluster_name="llm-v1")}, routing)  # no endpoint
+    server, port = await start_ext_proc_server(PickerHandler(h), "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            forged = headers_request(x_gateway_destination_endpoint="169.254.169.254:80", x_inferlb_cluster="admin")
+            [response] = await exchange(pb_grpc.ExternalProcessorStub(channel), forged)
+    finally:
+        await server.stop(None)
     assert set_headers(response) == {"x-inferlb-cluster": b"llm-v1"}
     assert list(response.request_headers.response.header_mutation.remove_headers) == [
         "x-gateway-destination-endpoint"
@@ -165,7 +187,7 @@ async def test_undecodable_message_ends_the_stream_with_an_error_and_is_counted(
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             # The server is still fine.
             [response] = await exchange(pb_grpc.ExternalProcessorStub(channel), headers_request())
-            assert set_headers(response) == {"x-inferlb-cluster": b"llm-v1"}
+            assert set_headers(response)["x-inferlb-cluster"] == b"llm-v1"
     finally:
         await server.stop(None)
     assert counter("inferlb_ext_proc_errors_total", kind="decode") == before + 1
@@ -208,10 +230,11 @@ async def test_picker_failure_ends_the_stream_with_an_error_and_is_counted():
 
 async def test_cached_answers_follow_forged_headers_and_view_swaps(stub, holder):
     plain, forged = headers_request(), headers_request(x_gateway_destination_endpoint="10.9.9.9:1")
-    for request, removed in [(plain, []), (forged, ["x-gateway-destination-endpoint"]), (plain, [])]:
+    for request in (plain, forged, plain):
         [response] = await exchange(stub, request)
-        assert set_headers(response) == {"x-inferlb-cluster": b"llm-v1"}
-        assert list(response.request_headers.response.header_mutation.remove_headers) == removed
+        got = set_headers(response)
+        assert got["x-inferlb-cluster"] == b"llm-v1" and got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
+        assert not response.request_headers.response.header_mutation.remove_headers
     # A new view with other header names and versions applies to the very next request.
     routing = RoutingTable(
         cluster_header="x-route-to",
@@ -219,4 +242,4 @@ async def test_cached_answers_follow_forged_headers_and_view_swaps(stub, holder)
     )
     holder.update({"llm-v3": assignment("llm-v3")}, routing)
     [response] = await exchange(stub, plain)
-    assert set_headers(response) == {"x-route-to": b"llm-v3"}
+    assert set_headers(response)["x-route-to"] == b"llm-v3"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable
 
 import pytest
@@ -64,8 +65,8 @@ def req(host: bytes = b"api.example.com", **headers: bytes) -> dict[str, bytes]:
 @pytest.mark.parametrize(("version", "cluster"), [(b"v1", "llm-v1"), (b"v2", "llm-v2")])
 def test_known_version_routes_to_its_cluster(version, cluster):
     d = pick(req(model_version=version), VIEW)
-    assert (d.cluster, d.status, d.reason) == (cluster, None, "no-session")
-    assert d.endpoint is None and not d.rejected
+    assert (d.cluster, d.status, d.reason, d.key) == (cluster, None, "least-loaded", "none")
+    assert d.endpoint.startswith("10.0.1." if version == b"v1" else "10.0.2.") and not d.rejected
 
 
 @pytest.mark.parametrize("headers", [req(), req(model_version=b"")])
@@ -100,7 +101,7 @@ def test_custom_version_header_name():
 
 def test_session_is_pinned_and_sticky():
     first = pick(req(x_session_id=b"alice"), VIEW)
-    assert first.reason == "session" and first.cluster == "llm-v1"
+    assert first.reason == "affinity" and first.key == "session" and first.cluster == "llm-v1"
     assert first.endpoint in {f"{ip}:8000" for ip, _ in V1}
     for _ in range(20):
         assert pick(req(x_session_id=b"alice"), VIEW) == first
@@ -115,7 +116,7 @@ def test_sessions_spread_over_the_cluster():
 
 def test_session_headers_in_order_first_non_empty_wins():
     by_user = pick(req(x_user_id=b"bob"), VIEW)
-    assert by_user.reason == "session"
+    assert by_user.reason == "affinity"
     assert pick(req(x_session_id=b"", x_user_id=b"bob"), VIEW).endpoint == by_user.endpoint
     keys = [b"s-%d" % i for i in range(50)]
     both = [pick(req(x_session_id=k, x_user_id=b"bob"), VIEW).endpoint for k in keys]
@@ -123,9 +124,33 @@ def test_session_headers_in_order_first_non_empty_wins():
     assert both == alone
 
 
-def test_no_session_no_pin():
-    d = pick(req(model_version=b"v2"), VIEW)
-    assert d == Decision("llm-v2", None, None, b"", "no-session")
+def test_a_request_without_session_goes_to_the_least_loaded_endpoint():
+    loads = {f"{ip}:8000": 3.0 for ip, _ in V2}
+    loads["10.0.2.2:8000"] = 1.0
+    for i in range(50):
+        d = pick(req(model_version=b"v2", x_request_id=b"req-%d" % i), VIEW, loads=loads)
+        assert (d.cluster, d.endpoint, d.reason, d.session) == ("llm-v2", "10.0.2.2:8000", "least-loaded", None)
+
+
+def test_large_pools_use_two_weighted_choices():
+    from ext_proc.scheduler import SCAN_MAX
+    hosts = [(f"10.1.{i // 250}.{i % 250}", HEALTHY) for i in range(SCAN_MAX + 36)]
+    view = make_view({"llm-v1": cla("llm-v1", hosts)})
+    loads = {f"{ip}:8000": 5.0 for ip, _ in hosts}
+    idle = {f"{ip}:8000" for ip, _ in hosts[:50]}
+    loads.update({e: 0.0 for e in idle})
+    picks = Counter(pick(req(x_request_id=b"r-%d" % i), view, loads=loads).endpoint for i in range(1000))
+    # One of two draws idle: 1 - (50/100)^2 = 75 % of the picks go to the idle half.
+    assert 0.68 <= sum(n for e, n in picks.items() if e in idle) / 1000 <= 0.82, picks
+
+
+def test_idle_requests_without_session_follow_the_weights():
+    assignment = cla("llm-v1", V1)
+    for lb, w in zip(assignment.endpoints[0].lb_endpoints, (10, 30, 30, 30), strict=True):
+        lb.load_balancing_weight.value = w
+    view = make_view({"llm-v1": assignment})
+    picks = Counter(pick(req(x_request_id=b"r-%d" % i), view).endpoint for i in range(2000))
+    assert 0.06 <= picks["10.0.1.0:8000"] / 2000 <= 0.14, picks  # a slow-starting endpoint still gets its share
 
 
 def test_session_on_each_version_uses_that_clusters_endpoints():
@@ -138,7 +163,7 @@ def test_loads_are_plumbed_to_the_ring():
     loads = {f"{ip}:8000": 0 for ip, _ in V1}
     loads[home] = 100
     moved = pick(req(x_session_id=b"alice"), VIEW, loads=loads)
-    assert moved.reason == "session" and moved.endpoint not in (None, home)
+    assert moved.reason == "spilled" and moved.endpoint not in (None, home)
 
 
 # --- health (C10, C11) ------------------------------------------------------------------------
@@ -282,7 +307,7 @@ def test_huge_version_is_a_clear_400():
 
 
 def test_huge_and_binary_session_and_host_values_do_not_raise():
-    assert pick(req(x_session_id=b"\x00\xff" * 5_000), VIEW).reason == "session"
+    assert pick(req(x_session_id=b"\x00\xff" * 5_000), VIEW).reason == "affinity"
     assert pick(req(b"\xff" * 10_000), VIEW).status == 404
     assert pick(req(b"a" * 10_000 + b":99999999999999999999"), VIEW).status == 404
 

@@ -118,12 +118,17 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
 
 
 @pytest.mark.parametrize("headers", [
-    {"model_version": "v1", "x_session_id": "a"},  # the headers say it all
+    {"model_version": "v1", "x_session_id": "a", "x_inferlb_request_class": "small"},  # the headers say it all
     {"content_type": "text/plain"},  # not JSON
 ])
 def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
     answer, end = handler().process(StreamState(), headers_msg(False, **headers))
     assert end and pb.ProcessingResponse.FromString(answer).WhichOneof("response") == "request_headers"
+
+
+def test_a_json_body_is_read_for_the_request_size_when_no_class_header_gives_it():
+    answer, end = handler().process(StreamState(), headers_msg(False, model_version="v1", x_session_id="a"))
+    assert not end and pb.ProcessingResponse.FromString(answer).HasField("mode_override")
 
 
 def test_handler_decides_at_headers_without_a_body():
@@ -138,3 +143,44 @@ def test_unreadable_or_oversized_bodies_fall_back_to_the_headers(body):
     answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
     response = pb.ProcessingResponse.FromString(answer)
     assert end and set_headers(response.request_body.response)["x-inferlb-cluster"] == b"llm-v1"
+
+
+STREAMED_VIEW = EndpointView.build(ASSIGN, RoutingTable(services=(MIXED,), body_max_bytes=4096, body_mode="streamed"))
+
+
+def test_streamed_body_mode_asks_envoy_for_chunks():
+    answer, _ = PickerHandler(ViewHolder(STREAMED_VIEW)).process(StreamState(), headers_msg(False))
+    mode = pb.ProcessingResponse.FromString(answer).mode_override.request_body_mode
+    assert mode == processing_mode_pb2.ProcessingMode.STREAMED
+
+
+def test_streamed_body_is_decided_on_its_first_chunk_and_later_chunks_pass_unchanged():
+    h, stream = PickerHandler(ViewHolder(STREAMED_VIEW)), StreamState()
+    h.process(stream, headers_msg(False, content_length="200000"))
+    head = json.dumps({"model": "v2", "user": "carol", "max_tokens": 64,
+                       "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                    {"role": "user", "content": "x" * 100}]}).encode()[:-40]  # cut mid-message
+    answer, end = h.process(stream, message("request_body", body=head, end_of_stream=False))
+    first = pb.ProcessingResponse.FromString(answer)
+    assert not end and first.WhichOneof("response") == "request_body"
+    common = first.request_body.response
+    assert common.clear_route_cache and set_headers(common)["x-inferlb-cluster"] == b"llm-v2"
+    pinned = set_headers(common)["x-gateway-destination-endpoint"]
+    for last in (False, True):
+        answer, end = h.process(stream, message("request_body", body=b"y" * 1000, end_of_stream=last))
+        assert end == last and pb.ProcessingResponse.FromString(answer) == pb.ProcessingResponse(
+            request_body=pb.BodyResponse())
+    # The session came from the first bytes ("user"): the same pin as by header.
+    assert h.sessions.get(next(iter(h.sessions._entries))) == pinned.decode()
+
+
+def test_partial_and_whole_bodies_give_the_same_prefix_key():
+    from ext_proc.handler import _body_fields, _partial_fields
+    doc = {"model": "v1", "messages": [{"role": "system", "content": "sys " * 50}, {"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "a " * 500}]}
+    raw = json.dumps(doc).encode()
+    routing = VIEW.routing
+    whole = _body_fields(raw, RoutingTable(body_max_bytes=1 << 20))
+    partial = _partial_fields(raw[:400], len(raw), routing)
+    assert partial.prefix == whole.prefix is not None and partial.model == b"v1"
+    assert partial.prompt_tokens == len(raw) / routing.chars_per_token

@@ -13,6 +13,7 @@ from openapi_spec_validator import validate
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from ext_proc.costmodel import CostModel
 from ext_proc.sampler import DecisionSampler
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
@@ -43,8 +44,12 @@ async def client():
     servicer = Picker(holder(), sampler=sampler)
     servicer.decide(http_headers(x_session_id="s-1", model_version="v1"))
     servicer.decide(http_headers())
+    costs = CostModel(min_samples=3)
+    for p in range(10):
+        costs.observe("a100", 100.0 * p, 64.0, 50.0 + 0.1 * p * 100, 20.0)
+    costs.refit()
     app, store = admin_app(ROWS, [verdict(A, 25), verdict(B, 30, DRAINING), verdict(C, 40, cluster="chat-v2")],
-                           sampler)
+                           sampler, cost_model=costs)
     async with TestClient(TestServer(app)) as c:
         c.store = store
         yield c
@@ -118,11 +123,22 @@ async def test_decisions_sample(client):
     conforms(doc, "DecisionsDocument")
     assert doc["every"] == 1
     latest, first = doc["decisions"]
-    assert (first["version"], first["cluster"], first["reason"]) == ("v1", "llm-v1", "session")
+    assert (first["version"], first["cluster"], first["reason"], first["key"]) == ("v1", "llm-v1", "affinity",
+                                                                                  "session")
     assert first["endpoint"].startswith("10.0.0.") and first["session"] and "s-1" not in first["session"]
-    assert (latest["session"], latest["endpoint"], latest["reason"]) == (None, None, "no-session")
+    assert (latest["session"], latest["reason"], latest["key"]) == (None, "least-loaded", "none")
+    assert latest["endpoint"].startswith("10.0.0.")  # requests without a session are pinned too
+    assert first["work"] == 1.0 and first["memory_mib"] > 0
     assert len((await get(client, "/api/v1/decisions?limit=1"))["decisions"]) == 1
     assert (await get(client, "/api/v1/decisions?limit=x", 400))["parameter"] == "limit"
+
+
+async def test_cost_model_is_shown_per_gpu_class(client):
+    doc = await get(client, "/api/v1/cost-model")
+    conforms(doc, "CostModelDocument")
+    a100 = doc["classes"]["a100"]
+    assert a100["ready"] and a100["samples"] == 10
+    assert abs(a100["duration_ms"]["per_1k_prompt_tokens"] - 100.0) < 1.0  # 0.1 ms per prompt token
 
 
 async def test_weights_nodes_readyz_conform(client):

@@ -7,11 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from tests.support.factories import config, filter_reason, same_stats, score, service, spec, specs, stats, version
+from tests.support.factories import config, same_stats, score, service, spec, specs, stats, version
 from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine import stability
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, NEUTRAL_SCORE, combine, compute_weights
+from xds_server.engine.plugin import NoParams, PluginSet, per_endpoint_filter
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.stats import EndpointStats
 
@@ -193,48 +194,106 @@ def test_draining_endpoints_do_not_count_for_all_stale():
 # --- filters --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("free", "health"), [(2457.0, UNHEALTHY), (2457.6, HEALTHY), (2458.0, HEALTHY),
-                                             (2048.0, UNHEALTHY), (None, HEALTHY)])
-def test_gpu_memory_filter_adds_the_20_percent_margin(free, health):
+def rounds(eps, seen, n, params=P):
+    """``n`` rounds, 1 s apart, on the same stats; the last round's verdicts."""
+    state = EngineState()
+    for i in range(n):
+        weights, state = compute_weights(eps, seen, state, params, float(i), plugins=BUILTIN)
+    return {w.address: w for w in weights}, state
+
+
+# Issue 13: saturation is not health. These replace the old one-sample exclusions
+# (test_gpu_memory_filter_adds_the_20_percent_margin, test_max_concurrency_filter,
+# test_max_concurrency_is_per_endpoint asserted UNHEALTHY after one round).
+@pytest.mark.parametrize(("free", "short"), [(2457.0, True), (2457.6, False), (2458.0, False),
+                                            (2048.0, True), (None, False)])
+def test_gpu_memory_short_lowers_the_weight_after_3_rounds_never_the_health(free, short):
     eps = specs(2)
     seen = same_stats(eps, **BUSY, gpu_mem_free_mib=80000.0)
-    seen[eps[0].instance] = stats(**BUSY, gpu_mem_free_mib=free)
-    out, _ = run(eps, seen)  # request 2048 MiB + 20 % = 2457.6 MiB
-    assert out[eps[0].address].health == health
-    if health == UNHEALTHY:
-        assert out[eps[0].address].reasons[0].startswith("gpu_memory")
+    seen[eps[0].instance] = stats(**BUSY, gpu_mem_free_mib=free)  # request 2048 MiB + 20 % = 2457.6 MiB
+    for n in (1, 2, 3, 4):
+        out, _ = rounds(eps, seen, n)
+        assert out[eps[0].address].health == HEALTHY
+        derated = out[eps[0].address].factors["gpu_memory"] < 1.0
+        assert derated == (short and n >= 3)
+    if short:
+        assert out[eps[0].address].factors["gpu_memory"] == 0.5
+        assert out[eps[0].address].weight < out[eps[1].address].weight
 
 
-def test_gpu_memory_filter_uses_the_parameters():
-    s = spec(0)
+def test_gpu_memory_uses_the_engine_request_and_margin():
+    eps = specs(1)
     params = EngineParams(request_memory_mib=1000.0, memory_margin=0.5)
-    assert filter_reason("gpu_memory", s, stats(gpu_mem_free_mib=1499.0), params) is not None
-    assert filter_reason("gpu_memory", s, stats(gpu_mem_free_mib=1500.0), params) is None
+    out, _ = rounds(eps, same_stats(eps, gpu_mem_free_mib=1499.0), 3, params)
+    assert out[eps[0].address].factors["gpu_memory"] == 0.5
+    out, _ = rounds(eps, same_stats(eps, gpu_mem_free_mib=1500.0), 3, params)
+    assert out[eps[0].address].factors["gpu_memory"] == 1.0
 
 
-@pytest.mark.parametrize(("running", "health"), [(8.0, UNHEALTHY), (9.5, UNHEALTHY), (7.9, HEALTHY)])
-def test_max_concurrency_filter(running, health):
+@pytest.mark.parametrize(("running", "short"), [(8.0, True), (9.5, True), (7.9, False)])
+def test_max_concurrency_never_excludes_and_derates_only_a_persistent_shortage(running, short):
     eps = specs(2, max_concurrency=8)
     seen = same_stats(eps, **BUSY)
     seen[eps[0].instance] = stats(gpu_util=0.2, running=running, latency_mean_ms=100.0)
-    out, _ = run(eps, seen)
-    assert out[eps[0].address].health == health
-    if health == UNHEALTHY:
-        assert out[eps[0].address].reasons[0].startswith("max_concurrency")
+    one, _ = rounds(eps, seen, 1)
+    assert one[eps[0].address].health == HEALTHY and one[eps[0].address].factors["max_concurrency"] == 1.0
+    out, _ = rounds(eps, seen, 3)
+    assert out[eps[0].address].health == HEALTHY
+    assert (out[eps[0].address].factors["max_concurrency"] < 1.0) == short
 
 
 def test_max_concurrency_is_per_endpoint():
     eps = [spec(0, max_concurrency=4), spec(1, max_concurrency=16)]
-    out, _ = run(eps, same_stats(eps, running=5.0))
-    assert out[eps[0].address].health == UNHEALTHY
-    assert out[eps[1].address].health == HEALTHY
+    out, _ = rounds(eps, same_stats(eps, running=5.0), 3)
+    assert out[eps[0].address].factors["max_concurrency"] == 0.5
+    assert out[eps[1].address].factors["max_concurrency"] == 1.0
+    assert all(w.health == HEALTHY for w in out.values())
+
+
+def test_a_saturation_burst_does_not_restart_slow_start():
+    """One endpoint at max concurrency for 2 rounds, then calm: it stays at full weight, no ramp."""
+    eps = specs(2, max_concurrency=8)
+    calm = same_stats(eps, **BUSY)
+    hot = {**calm, eps[0].instance: stats(gpu_util=0.5, running=8.0, queue=4.0, latency_mean_ms=100.0,
+                                          gpu_mem_free_mib=10.0)}
+    state = EngineState()
+    for i, seen in enumerate([calm, hot, hot, calm, calm]):
+        weights, state = compute_weights(eps, seen, state, P, float(i * 40), plugins=BUILTIN)
+        out = {w.address: w for w in weights}
+        assert out[eps[0].address].health == HEALTHY
+        assert out[eps[0].address].factors["slow_start"] == 1.0
+
+
+def test_a_shortage_is_restored_after_as_many_calm_rounds():
+    eps = specs(2, max_concurrency=8)
+    hot = same_stats(eps, **BUSY)
+    hot[eps[0].instance] = stats(running=8.0)
+    calm = same_stats(eps, **BUSY)
+    state = EngineState()
+    seen_factors = []
+    for i, seen in enumerate([hot, hot, hot, calm, calm, calm]):
+        weights, state = compute_weights(eps, seen, state, P, float(i), plugins=BUILTIN)
+        seen_factors.append(weights[0].factors["max_concurrency"])
+    assert seen_factors == [1.0, 1.0, 0.5, 0.5, 0.5, 1.0]
+
+
+def _busy_filter(m, _p, _rnd):
+    return "busy" if (m.stats.running or 0.0) >= 8.0 else None
+
+
+#: The built-in plugins plus a filter that flags every endpoint running >= 8 (momentary load is no
+#: built-in filter any more: these tests are about the pipeline's "never all" rule).
+BUSY_FILTERED = PluginSet({**BUILTIN.filters, "busy": per_endpoint_filter("busy", NoParams, _busy_filter)},
+                          BUILTIN.scorers, BUILTIN.factors)
 
 
 def test_when_every_endpoint_would_be_filtered_none_is_excluded():
     eps = specs(3)
     seen = same_stats(eps, running=8.0, gpu_mem_free_mib=100.0, gpu_util=0.9)
-    out, _ = run(eps, seen)
-    for w in out.values():
+    state = EngineState()
+    for i in range(3):
+        weights, state = compute_weights(eps, seen, state, P, float(i), plugins=BUSY_FILTERED)
+    for w in weights:
         assert w.health == HEALTHY
         assert w.weight >= 1
         assert any("none excluded" in r for r in w.reasons)
@@ -245,10 +304,35 @@ def test_filtered_endpoints_are_kept_when_the_rest_is_stale():
     seen = {eps[0].instance: stats(sample_age_s=40.0, gpu_util=0.0),
             eps[1].instance: stats(running=9.0),
             eps[2].instance: stats(running=10.0)}
-    out, _ = run(eps, seen)
+    weights, _ = compute_weights(eps, seen, EngineState(), replace(P, health_rounds=1), plugins=BUSY_FILTERED)
+    out = {w.address: w for w in weights}
     assert out[eps[0].address].health == UNHEALTHY  # stale: out
     assert out[eps[1].address].health == HEALTHY  # filtered, but the cluster must not be empty
     assert out[eps[2].address].health == HEALTHY
+
+
+@pytest.mark.parametrize("health_rounds", [1, 2, 3])
+def test_a_filter_excludes_only_after_health_rounds_flagged_rounds_and_readmits_after_as_many_passes(
+        health_rounds):
+    eps = specs(3)
+    calm = same_stats(eps, running=1.0)
+    hot = {**calm, eps[0].instance: stats(running=8.0)}
+    params = replace(P, health_rounds=health_rounds)
+    state = EngineState()
+    healths = []
+    for i, seen in enumerate([hot, calm, *[hot] * health_rounds, *[calm] * health_rounds]):
+        weights, state = compute_weights(eps, seen, state, params, float(i), plugins=BUSY_FILTERED)
+        healths.append(weights[0].health)
+    # one flagged round then a pass: excluded only when health_rounds is 1 (and back after 1 pass)
+    assert healths[0] == (UNHEALTHY if health_rounds == 1 else HEALTHY)
+    assert healths[1] == HEALTHY
+    flagged = healths[2:2 + health_rounds]
+    assert flagged == [HEALTHY] * (health_rounds - 1) + [UNHEALTHY]
+    passed = healths[2 + health_rounds:]
+    assert passed == [UNHEALTHY] * (health_rounds - 1) + [HEALTHY]
+    if health_rounds > 1:
+        w = compute_weights(eps, hot, EngineState(), params, 0.0, plugins=BUSY_FILTERED)[0][0]
+        assert any("not excluded yet" in r for r in w.reasons)
 
 
 def test_draining_endpoint_is_draining_and_others_are_unaffected():

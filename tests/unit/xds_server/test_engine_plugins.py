@@ -19,7 +19,9 @@ from xds_server.engine.filters import latency_outlier, oom
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 
-BASE = EngineParams(hysteresis=0.0, max_change=None)
+# health_rounds=1: these tests are about each plugin's own rule; the pipeline's health hysteresis
+# (health_rounds, default 2) is tested in test_engine.py.
+BASE = EngineParams(hysteresis=0.0, max_change=None, health_rounds=1)
 OK = {"gpu_util": 0.3, "running": 1.0, "queue": 0.0, "latency_mean_ms": 50.0, "latency_p95_ms": 80.0}
 
 
@@ -386,12 +388,11 @@ def test_every_endpoint_says_what_each_plugin_decided():
     seen[eps[2].instance] = stats(**OK, sample_age_s=99.0)
     out = Rounds(eps, replace(BASE, disabled=frozenset({"oom"}))).run(seen)
     ok, oomy, stale = (out[e.address] for e in eps)
-    assert dict(ok.filters) == {"gpu_memory": "pass", "max_concurrency": "pass", "oom": "off",
-                                "latency_outlier": "pass"}
+    assert dict(ok.filters) == {"oom": "off", "latency_outlier": "pass"}
     assert set(ok.scores) == set(BUILTIN.scorers) and set(ok.factors) == set(BUILTIN.factors)
     assert ok.reasons[0] == f"score {ok.score:.2f} x max_weight 100 -> {ok.target}"
-    assert oomy.filters["gpu_memory"].startswith("gpu memory free 10 MiB") and oomy.filters["latency_outlier"] == \
-        "not run"
+    assert oomy.health == HEALTHY and oomy.filters["latency_outlier"] == "pass"  # short of memory is not health
+    assert oomy.factors["gpu_memory"] == 1.0  # one round short: no derating yet
     assert set(stale.filters.values()) <= {"not run", "off"}
 
 
@@ -429,3 +430,17 @@ def test_every_registered_plugin_has_documented_defaults():
         for name, p in table.items():
             p.params()  # defaults valid
             assert name and p.run.__module__.startswith("xds_server.engine")
+
+
+@pytest.mark.parametrize("name", ["gpu_memory", "max_concurrency"])
+def test_the_saturation_filters_moved_to_factors_with_a_message(name):
+    with pytest.raises(ConfigError, match=f"filters.{name} is now engine.factors.{name}"):
+        config(engine={"filters": {name: False}})
+    p = engine_params(config(engine={"factors": {name: {"rounds": 5, "penalty": 0.25}}, "health_rounds": 3}))
+    assert p.plugin_params[name].rounds == 5 and p.plugin_params[name].penalty == 0.25 and p.health_rounds == 3
+
+
+def test_balance_is_off_unless_the_config_names_it():
+    assert "balance" in engine_params(config()).disabled
+    assert "balance" not in engine_params(config(engine={"factors": {"balance": True}})).disabled
+    assert "balance" not in engine_params(config(engine={"factors": {"balance": {"step": 0.05}}})).disabled

@@ -248,7 +248,9 @@ def test_packed_assignment_is_the_built_assignment():
     res = snap.of(ENDPOINT_TYPE)["llm-v1"]
     cla = unpack(res.packed, endpoint_pb2.ClusterLoadAssignment)
     limits = {e.address: e.max_concurrency for s in CFG.services for v in s.versions for e in v.endpoints}
-    rebuilt = build_assignment("llm-v1", [w for w in weights_of(CFG) if w.cluster == "llm-v1"], limits)
+    classes = {e.address: e.gpu_class for s in CFG.services for v in s.versions for e in v.endpoints}
+    rebuilt = build_assignment("llm-v1", [w for w in weights_of(CFG) if w.cluster == "llm-v1"], limits, classes)
     assert cla == rebuilt
     meta = cla.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"]
     assert meta.fields["max_concurrency"].number_value == 8  # the endpoint default
+    assert meta.fields["gpu_class"].string_value == "a100"  # for the picker's cost model per GPU class

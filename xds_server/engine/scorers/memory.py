@@ -1,7 +1,7 @@
 """``memory``: GPU-memory headroom ``(free - need) / (total - need)``, 0–1.
 
 ``need`` is a request plus the margin (``engine.request_memory_mib x (1 + memory_margin)``), ``total``
-the endpoint's configured GPU memory, ``free`` as the ``gpu_memory`` filter reads it. Bigger GPUs
+the endpoint's configured GPU memory, ``free`` as the ``gpu_memory`` factor reads it. Bigger GPUs
 score higher, which is why the default weight is small (0.25).
 """
 

@@ -1,0 +1,485 @@
+"""The scheduler's rules, one by one: weighted bound, memory admission, spill and pin move, prefix keys,
+the cost model, the first burst (issue 15 item 1) and failing endpoints (issue 15 item 13)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.costmodel import CostModel
+from ext_proc.handler import PickerHandler, _body_fields, prefix_hash
+from ext_proc.inflight import InFlight
+from ext_proc.picker import BodyFields, pick, request_need
+from ext_proc.ring import HashRing
+from ext_proc.scheduler import choose, pin_after, under_bound
+from ext_proc.sessions import SessionTable
+from ext_proc.transport.base import StreamState
+from ext_proc.view import ClusterEndpoints, EndpointView, RequestClass, RoutingTable, ServiceRoute, ViewHolder
+
+FOUR = [f"10.0.0.{i}:8000" for i in range(4)]
+
+
+def pool(endpoints=FOUR, weights=None, classes=None) -> ClusterEndpoints:
+    return ClusterEndpoints("c", tuple(endpoints), HashRing(endpoints), 0, weights or {}, classes or {})
+
+
+def cla(name: str, weights: dict[str, int], classes: dict[str, str] | None = None):
+    assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    locality = assignment.endpoints.add()
+    for address, w in weights.items():
+        host, port = address.rsplit(":", 1)
+        lb = locality.lb_endpoints.add(health_status=health_check_pb2.HEALTHY)
+        lb.endpoint.address.socket_address.address = host
+        lb.endpoint.address.socket_address.port_value = int(port)
+        lb.load_balancing_weight.value = w
+        if classes:
+            lb.metadata.filter_metadata["inferlb"].update({"gpu_class": classes[address]})
+    return assignment
+
+
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}),), body_max_bytes=1 << 20)
+
+
+def view(weights=None, routing=ROUTING, classes=None) -> EndpointView:
+    return EndpointView.build({"c": cla("c", weights or {e: 1 for e in FOUR}, classes)}, routing)
+
+
+def headers(**kw: bytes) -> dict[str, bytes]:
+    return {":authority": b"x", **{k.replace("_", "-"): v for k, v in kw.items()}}
+
+
+# --- weighted bounded loads ----------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10), min_size=2, max_size=8), st.floats(1.0, 3.0),
+       st.lists(st.floats(0.0, 30.0), min_size=8, max_size=8), st.floats(0.05, 5.0))
+def test_some_endpoint_is_always_under_its_weighted_bound(weights, c, loads, work):
+    endpoints = [f"10.0.0.{i}:8000" for i in range(len(weights))]
+    p = pool(endpoints, dict(zip(endpoints, weights, strict=True)))
+    load = dict(zip(endpoints, loads[:len(endpoints)], strict=True))
+    total = sum(load.values())
+    assert any(under_bound(load[e], total, work, p.shares[e], c) for e in endpoints)
+    chosen, reason = choose(p, random.Random(0).getrandbits(64), None, load, total, work, load_factor=c)
+    assert chosen is not None and reason in ("affinity", "spilled")
+    assert under_bound(load[chosen], total, work, p.shares[chosen], c)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=2, max_size=6), st.integers(0, 2**32))
+def test_a_burst_on_one_key_splits_by_weight_within_the_bound(weights, seed):
+    """N requests of one session (no completions): each endpoint holds at most c x N x w_i / sum(w) + 1."""
+    endpoints = [f"10.0.0.{i}:8000" for i in range(len(weights))]
+    p = pool(endpoints, dict(zip(endpoints, weights, strict=True)))
+    live = InFlight()
+    position = random.Random(seed).getrandbits(64)
+    n = 200
+    for _ in range(n):
+        e, _ = choose(p, position, None, live.work, live.cluster_work.get("c", 0.0), 1.0)
+        live.picked("c", e)
+    for e in endpoints:
+        assert live.endpoints.get(e, 0) <= 1.25 * n * p.shares[e] + 1
+
+
+def test_an_a10_gets_its_weight_share_of_pinned_traffic():
+    """The ring ignores weights; the bound does not: 8 A100 (w 100) vs 1 A10 (w 25) sessions hashing anywhere."""
+    endpoints = [f"10.0.0.{i}:8000" for i in range(3)]
+    weights = {endpoints[0]: 100, endpoints[1]: 100, endpoints[2]: 25}
+    v = view(weights)
+    handler = PickerHandler(ViewHolder(v))
+    for i in range(450):
+        handler.process(StreamState(), _headers_msg(x_session_id=b"s%d" % i))
+    counts = handler.inflight.endpoints
+    assert counts[endpoints[2]] <= 1.25 * 450 * 25 / 225 + 1
+    assert counts[endpoints[0]] > 2 * counts[endpoints[2]]
+
+
+# --- memory admission ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("free", "admitted"), [(2457.6, True), (2457.5, False), (10_000.0, True)])
+def test_memory_admission_needs_the_request_plus_20_percent(free, admitted):
+    p = pool(FOUR[:1])
+    chosen, reason = choose(p, None, None, {}, 0.0, 1.0, 2048.0, {FOUR[0]: free})
+    assert (chosen is not None) == admitted
+    assert reason == ("least-loaded" if admitted else "no-memory")
+
+
+def test_estimated_free_subtracts_what_was_sent_since_the_sample_and_credits_completions():
+    clock = [100.0]
+    live = InFlight(clock=lambda: clock[0])
+    live.picked("c", FOUR[0], mib=1000.0)  # before the sample: the sample already counts it
+    clock[0] = 101.0
+    live.set_samples({FOUR[0]: (8000.0, 100.5)})
+    assert live.free[FOUR[0]] == 8000.0
+    live.picked("c", FOUR[0], mib=3000.0)  # after the sample
+    assert live.free[FOUR[0]] == 5000.0
+    live.set_samples({FOUR[0]: (7900.0, 100.5)})  # a new sample from before that pick: still subtracted
+    assert live.free[FOUR[0]] == 4900.0
+    live.completed("c", FOUR[0])  # the first (pre-sample) request ends: its memory is free again
+    assert live.free[FOUR[0]] == 5900.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 40_000), min_size=4, max_size=4), st.floats(0, 20_000))
+def test_a_chosen_endpoint_always_has_memory_for_the_request(frees, need):
+    free = dict(zip(FOUR, frees, strict=True))
+    for position in (None, 12345, 2**63):
+        chosen, reason = choose(pool(), position, None, {}, 0.0, 1.0, need, free)
+        if chosen is None:
+            assert reason == "no-memory" and all(f < need * 1.2 for f in frees)
+        else:
+            assert free[chosen] >= need * 1.2
+
+
+def test_a_session_whose_endpoint_lacks_memory_spills_for_memory():
+    p = pool()
+    home, _ = choose(p, 42, None, {}, 0.0)
+    chosen, reason = choose(p, 42, home, {}, 0.0, 1.0, 4000.0, {home: 100.0})
+    assert chosen != home and reason == "memory"
+
+
+def test_request_need_from_header_body_class_or_default():
+    routing = RoutingTable(request_memory_header="x-sim-memory-mib", kv_mib_per_token=0.5,
+                           request_classes={"big": RequestClass(18432.0, 2000, 512)})
+    assert request_need({"x-sim-memory-mib": b"8192"}, routing, BodyFields()) == (8192.0, None, None)
+    assert request_need({}, routing, BodyFields(prompt_tokens=1000.0, max_tokens=200)) == (600.0, 1000.0, 200.0)
+    assert request_need({}, routing, BodyFields(prompt_tokens=100.0)) == (114.0, 100.0, 128.0)
+    assert request_need({"x-inferlb-request-class": b"big"}, routing, BodyFields()) == (18432.0, 2000, 512)
+    assert request_need({"x-inferlb-request-class": b"nope"}, routing, BodyFields()) == (2048.0, None, None)
+    assert request_need({"x-sim-memory-mib": b"lots"}, routing, BodyFields())[0] == 2048.0  # bad value: ignored
+
+
+async def test_a_request_nothing_can_hold_waits_then_gets_429_saying_why():
+    from ext_proc.admission import Admission
+    v = view({FOUR[0]: 1})
+    handler = PickerHandler(ViewHolder(v), admission=Admission(4, 0.05, 2), limit_concurrency=False)
+    handler.set_samples({FOUR[0]: (1000.0, 0.0)})
+    answer, end = handler.process(StreamState(), _headers_msg())  # needs 2048 MiB + 20 %
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    response = pb.ProcessingResponse.FromString(await answer)
+    assert response.immediate_response.status.code == 429
+    assert "2048 MiB of GPU memory" in json.loads(response.immediate_response.body)["error"]
+
+
+async def test_a_waiting_request_goes_once_a_sample_shows_memory():
+    from ext_proc.admission import Admission
+    v = view({FOUR[0]: 1})
+    handler = PickerHandler(ViewHolder(v), admission=Admission(4, 2.0, 1), limit_concurrency=False)
+    handler.set_samples({FOUR[0]: (1000.0, 0.0)})
+    answer, _ = handler.process(StreamState(), _headers_msg())
+    assert not answer.done()
+    handler.set_samples({FOUR[0]: (30_000.0, 0.0)})
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    response = pb.ProcessingResponse.FromString(await answer)
+    assert response.WhichOneof("response") == "request_headers"
+
+
+# --- spill and pin moves -------------------------------------------------------------------------
+
+
+def test_an_over_bound_preferred_endpoint_spills_clockwise():
+    p = pool()
+    home, reason = choose(p, 7, None, {}, 0.0)
+    assert reason == "affinity"
+    loads = {home: 10.0}
+    chosen, reason = choose(p, 7, None, loads, 10.0)
+    assert reason == "spilled" and chosen != home
+    owners = p.ring.owners
+    i = p.ring.start_index(7)
+    walk = []
+    for k in range(len(owners)):
+        e = owners[(i + k) % len(owners)]
+        if e not in walk:
+            walk.append(e)
+    assert chosen == walk[1]  # the next distinct endpoint clockwise
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), max_size=30), st.integers(1, 5))
+def test_a_pin_moves_only_after_move_after_spills_in_a_row(spilled, move_after):
+    pin, spills, moves = "a", 0, 0
+    run = 0
+    for s in spilled:
+        chosen, reason = ("b" if pin == "a" else "a", "spilled") if s else (pin, "affinity")
+        new, spills, moved = pin_after(pin, chosen, reason, spills, move_after)
+        run = run + 1 if s else 0
+        assert moved == (s and run == move_after)
+        if moved:
+            run = 0
+            moves += 1
+        assert new == (chosen if moved else pin)
+        pin = new
+    assert moves <= len(spilled) // move_after
+
+
+def test_a_burst_does_not_scatter_a_session_but_a_persistent_spill_moves_it():
+    v = view()
+    handler = PickerHandler(ViewHolder(v), pin_move_after=3)
+    answer = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
+    slot = next(iter(handler.sessions._entries))
+    assert handler.sessions.get(slot) == answer
+    # The home endpoint is hot (other traffic): the next 2 requests spill, the pin stays.
+    for _ in range(10):
+        handler.inflight.picked("c", answer, 1.0)
+    for _ in range(2):
+        other = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
+        assert other != answer and handler.sessions.get(slot) == answer
+    third = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
+    assert handler.sessions.get(slot) == third != answer  # moved, and counted as pin-moved
+
+
+# --- prefix keys ---------------------------------------------------------------------------------
+
+
+CHAT = {"model": "v1", "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
+                                    {"role": "user", "content": "Tell me about GPUs."}]}
+
+
+def test_prefix_keys_are_deterministic_and_ignore_later_turns():
+    a = prefix_hash(CHAT, 2, 4096)
+    longer = {**CHAT, "messages": CHAT["messages"] + [{"role": "assistant", "content": "Sure."},
+                                                      {"role": "user", "content": "More."}]}
+    assert a == prefix_hash(json.loads(json.dumps(CHAT)), 2, 4096) == prefix_hash(longer, 2, 4096)
+    other = {**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": "Something else"}]}
+    assert prefix_hash(other, 2, 4096) != a
+    assert prefix_hash(other, 1, 4096) == prefix_hash(CHAT, 1, 4096)  # same system prompt
+    assert prefix_hash({"prompt": "x" * 10_000}, 2, 100) == prefix_hash({"prompt": "x" * 100 + "y"}, 2, 100)
+    assert prefix_hash({"input": 1}, 2, 100) is None and prefix_hash(CHAT, 0, 100) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=200)), max_size=5))
+def test_prefix_key_is_a_function_of_the_leading_messages_only(messages):
+    doc = {"messages": [{"role": r, "content": c} for r, c in messages]}
+    again = json.loads(json.dumps(doc))
+    assert prefix_hash(doc, 2, 4096) == prefix_hash(again, 2, 4096)
+    extended = {"messages": doc["messages"] + [{"role": "user", "content": "later"}]}
+    if len(messages) >= 2:
+        assert prefix_hash(extended, 2, 4096) == prefix_hash(doc, 2, 4096)
+
+
+def test_requests_sharing_a_prefix_prefer_one_endpoint_across_processes():
+    body = json.dumps(CHAT).encode()
+    fields = _body_fields(body, ROUTING)
+    assert fields.prefix is not None and fields.prompt_tokens == pytest.approx(len(
+        CHAT["messages"][0]["content"] + CHAT["messages"][1]["content"]) / 4)
+    first = {pick(headers(), view(), None, None, fields).endpoint for _ in range(3)}
+    other_process = {pick(headers(), EndpointView.build({"c": cla("c", {e: 1 for e in FOUR})}, ROUTING), None,
+                          None, _body_fields(body, ROUTING)).endpoint for _ in range(3)}
+    assert len(first) == 1 and first == other_process
+    assert pick(headers(), view(), None, None, fields).key == "prefix"
+
+
+def test_prompt_cache_key_is_a_session_key():
+    fields = _body_fields(json.dumps({**CHAT, "prompt_cache_key": "conv-9"}).encode(), ROUTING)
+    d = pick(headers(), view(), None, SessionTable(), fields)
+    assert d.key == "session" and d.session is not None
+
+
+# --- cost model ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(5, 200), st.floats(0, 500), st.floats(1, 100), st.integers(0, 2**32))
+def test_the_cost_model_converges_to_the_true_coefficients(a, b, c, seed):
+    """duration = a + b x prompt_k + c x output_k (+ 2 % noise) -> the fit is within 5 % of a typical request."""
+    rng = random.Random(seed)
+    model = CostModel(forget=1.0, min_samples=20)
+    for _ in range(400):
+        p, o = rng.uniform(0, 4000), rng.uniform(1, 1000)
+        y = a + b * p / 1000 + c * o / 1000
+        model.observe("a100", p, o, y * (1 + rng.uniform(-0.02, 0.02)), 0.3 * y)
+    fit = model.refit()["a100"]
+    for p, o in ((100, 10), (2000, 500), (4000, 1000)):
+        truth = a + b * p / 1000 + c * o / 1000
+        assert fit.predict_ms(p, o) == pytest.approx(truth, rel=0.05, abs=0.05 * fit.mean_ms)
+
+
+def test_the_cost_model_forgets_old_behaviour():
+    model = CostModel(forget=0.99, min_samples=20)
+    rng = random.Random(1)
+    for slope in (10.0, 100.0):  # the class became 10x slower per prompt token
+        for _ in range(1000):
+            p = rng.uniform(0, 4000)
+            model.observe("a10", p, 100, 20 + slope * p / 1000)
+    assert model.refit()["a10"].duration[1] == pytest.approx(100.0, rel=0.05)
+
+
+def test_relative_work_is_1_until_ready_then_follows_the_fit():
+    model = CostModel(min_samples=20)
+    assert model.relative_work("a100", 4000, 1000) == 1.0
+    rng = random.Random(2)
+    for _ in range(50):
+        o = rng.uniform(10, 1000)
+        model.observe("a100", 100, o, 10 + 90 * o / 1000)
+    model.refit()
+    long, short = model.relative_work("a100", 100, 1000), model.relative_work("a100", 100, 10)
+    assert long > 1.5 and short < 0.5
+    assert model.relative_work("a100", None, 10) == 1.0 and model.relative_work("h100", 100, 10) == 1.0
+
+
+def test_completions_teach_the_cost_model_through_the_access_log():
+    v = view(classes={e: "a10" for e in FOUR})
+    handler = PickerHandler(ViewHolder(v), costs=CostModel(min_samples=3))
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}).encode()
+    for i in range(5):
+        stream = StreamState()
+        handler.process(stream, _headers_msg(end=False, content_type=b"application/json"))
+        answer, _ = handler.process(stream, _body_msg(body))
+        endpoint = _endpoint(answer, body=True)
+        handler.access_log(_log(endpoint, duration_ms=100.0 + i, ttft_ms=20.0))
+    handler.tick()
+    fit = handler.costs.fits["a10"]
+    assert fit.samples == 5 and fit.mean_ms == pytest.approx(102.0, rel=0.01)
+
+
+# --- issue 15 item 1: the first burst is load-bounded from the first request ---------------------
+
+
+def test_the_first_burst_before_any_access_log_stream_is_bounded():
+    """50 new sessions that all hash to one endpoint, no access-log stream open: <= the bound each."""
+    v = view()
+    handler = PickerHandler(ViewHolder(v))
+    assert handler.inflight.streams == 0
+    p = v.clusters["c"]
+    home = p.ring.lookup(b"k-0")
+    keys = [b"k-%d" % i for i in range(5000) if p.ring.lookup(b"k-%d" % i) == home][:50]
+    assert len(keys) == 50
+    for k in keys:
+        handler.process(StreamState(), _headers_msg(x_session_id=k))
+    counts = handler.inflight.endpoints
+    assert max(counts.values()) <= 16 and sum(counts.values()) == 50
+
+
+# --- issue 15 item 13: a failing endpoint is not pinned, its sessions re-pin once ----------------
+
+
+def test_a_connect_failure_stops_pinning_there_and_re_pins_the_session_once():
+    clock = [0.0]
+    v = view()
+    handler = PickerHandler(ViewHolder(v), inflight=InFlight(clock=lambda: clock[0], failure_hold_s=5.0))
+    first = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
+    survivor = next(e for e in FOUR if e != first)
+    handler.access_log(_log(first, served_by=survivor, attempts=2))  # Envoy retried elsewhere
+    assert first in handler.inflight.failed
+    seen = set()
+    for _ in range(3):  # one after the other, each completed before the next
+        e = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
+        handler.inflight.completed("c", e)
+        seen.add(e)
+    assert first not in seen and len(seen) == 1  # re-pinned once, and it stays there
+    clock[0] = 6.0
+    handler.tick()
+    assert first not in handler.inflight.failed
+    again = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
+    assert again in seen  # the hold is over, but the session stays on its new endpoint
+
+
+def test_upstream_connection_failure_flag_marks_the_pin_failing():
+    handler = PickerHandler(ViewHolder(view()))
+    e = _endpoint(handler.process(StreamState(), _headers_msg())[0])
+    handler.access_log(_log(e, flag="upstream_connection_failure", status=503))
+    assert e in handler.inflight.failed
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _headers_msg(end: bool = True, **kw: bytes) -> bytes:
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    values = {":authority": b"x", ":path": b"/v1/chat/completions",
+              **{k.replace("_", "-"): v for k, v in kw.items()}}
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in values.items()]), end_of_stream=end)
+    ).SerializeToString()
+
+
+def _body_msg(body: bytes) -> bytes:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+
+
+def _endpoint(answer: bytes, body: bool = False) -> str:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    r = pb.ProcessingResponse.FromString(answer)
+    common = r.request_body.response if body else r.request_headers.response
+    got = {o.header.key: o.header.raw_value for o in common.header_mutation.set_headers}
+    return got["x-gateway-destination-endpoint"].decode()
+
+
+def _log(pin: str, served_by: str | None = None, attempts: int = 1, flag: str | None = None, status: int = 200,
+         duration_ms: float = 50.0, ttft_ms: float | None = None) -> bytes:
+    msg = als_pb2.StreamAccessLogsMessage()
+    entry = msg.http_logs.log_entry.add()
+    entry.request.request_headers["x-inferlb-cluster"] = "c"
+    entry.request.request_headers["x-gateway-destination-endpoint"] = pin
+    props = entry.common_properties
+    host, port = (served_by or pin).rsplit(":", 1)
+    props.upstream_remote_address.socket_address.address = host
+    props.upstream_remote_address.socket_address.port_value = int(port)
+    props.upstream_request_attempt_count = attempts
+    props.time_to_last_downstream_tx_byte.FromNanoseconds(int(duration_ms * 1e6))
+    if ttft_ms is not None:
+        props.time_to_first_upstream_rx_byte.FromNanoseconds(int(ttft_ms * 1e6))
+    if flag:
+        setattr(props.response_flags, flag, True)
+    entry.response.response_code.value = status
+    return msg.SerializeToString()
+
+
+def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_free_endpoint():
+    handler = PickerHandler(ViewHolder(view()))
+    handler.set_samples({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0), FOUR[3]: (10.0, 0.0)})
+    assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]
+
+
+def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spill():
+    p = pool(FOUR[:3])
+    home, _ = choose(p, 99, None, {}, 0.0)
+    # The previous turn's completion has not arrived yet: its endpoint holds 1 of 1 in flight.
+    assert choose(p, 99, home, {home: 1.0}, 1.0)[1] == "spilled"  # 1 >= 1.25 x 2 / 3
+    assert choose(p, 99, home, {home: 1.0}, 1.0, min_bound=2.0) == (home, "affinity")
+    assert choose(p, 99, home, {home: 2.0}, 2.0, min_bound=2.0)[1] == "spilled"
+
+
+def test_scheduler_settings_travel_over_xds_unchanged():
+    """A standalone picker (``inferlb ext-proc --xds``) reads the same routing table and settings."""
+    from google.protobuf import json_format, struct_pb2
+
+    from ext_proc.settings import PickerSettings, from_wire, to_wire
+    routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
+                           pinned_load_factor=3.0,
+                           default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
+                           chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
+                           request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
+                           prefix_max_bytes=1000, body_mode="streamed")
+    settings_ = PickerSettings(inflight_expiry_s=130.0, session_ttl_s=1800.0, max_sessions=1000, admission=True,
+                               max_queue=256, queue_timeout_s=0.1, retry_after_s=1, memory_queue=True,
+                               pin_move_after=5, failure_hold_s=2.0, cost_forget=0.99, cost_min_samples=7)
+    struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
+    back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
+    assert back_settings == settings_
+    for name in ("load_factor", "pinned_load_factor", "min_bound", "memory_margin", "default_request_mib",
+                 "kv_mib_per_token", "default_max_tokens", "chars_per_token", "request_memory_header",
+                 "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):
+        assert getattr(back_routing, name) == getattr(routing, name), name
+    assert dict(back_routing.request_classes) == dict(routing.request_classes)
+
+
+def test_an_established_session_keeps_its_pin_up_to_the_looser_pinned_bound():
+    p = pool()
+    home, _ = choose(p, 5, None, {}, 0.0)
+    loads = {home: 4.0}  # 4 of 8 in flight: over 1.25 x 9 / 4 = 2.8, under 2 x 9 / 4 = 4.5
+    total = 8.0
+    assert choose(p, 5, home, loads, total)[1] == "spilled"
+    assert choose(p, 5, home, loads, total, pinned_load_factor=2.0) == (home, "affinity")
+    assert choose(p, 5, None, loads, total, pinned_load_factor=2.0)[1] == "spilled"  # a new session is placed
