@@ -21,6 +21,12 @@ def _prompt(tag: int, n: int) -> tuple[int, ...]:
     return tuple((tag * 7919 + i) % 32000 for i in range(n))
 
 
+def _took(measured_s: float, planned_ms: float, late_ms: float = 30.0) -> bool:
+    """A wall-clock time matches the model's plan: never early, at most ``late_ms`` late (a loaded
+    machine's event loop wakes late, never early)."""
+    return planned_ms - 2.0 <= measured_s * 1000 <= planned_ms + late_ms
+
+
 async def _wait_until(cond, timeout=2.0):
     async with asyncio.timeout(timeout):
         while not cond():
@@ -30,7 +36,7 @@ async def _wait_until(cond, timeout=2.0):
 async def test_a_short_request_alone_takes_the_field_figure():
     node = SimNode(BackendConfig(gpu_class="a10", time_scale=0.4, seed=1, session_history_tokens=0))
     done = await node.serve(_req(tokens=_prompt(1, REF_PROMPT_TOKENS), max_tokens=REF_OUTPUT_TOKENS))
-    assert done.e2e_s * 1000 == pytest.approx(50.0 * 2.5 * 0.4, abs=8.0)
+    assert _took(done.e2e_s, 50.0 * 2.5 * 0.4), done.e2e_s
     assert done.completion_tokens == 16 and done.finish_reason == "length" and done.cached_tokens == 0
     assert node.gate.running == 0 and node.memory.held_mib == 0
 
@@ -41,8 +47,10 @@ async def test_decode_slows_down_with_the_running_batch():
     four = await asyncio.gather(*(node.serve(_req(tokens=_prompt(2 + i, 16), max_tokens=32)) for i in range(4)))
     tpot_alone = (alone.e2e_s - alone.ttft_s) / 31
     tpot_four = min((c.e2e_s - c.ttft_s) / 31 for c in four)
-    assert tpot_alone * 1000 == pytest.approx(decode_step_ms(1, 0.5), rel=0.25)
-    assert tpot_four * 1000 == pytest.approx(decode_step_ms(4, 0.5), rel=0.25)
+    for measured, batch in ((tpot_alone, 1), (tpot_four, 4)):   # never early; late by at most 40 % + 1 ms
+        planned = decode_step_ms(batch, 0.5)
+        assert 0.95 * planned <= measured * 1000 <= 1.4 * planned + 1.0, (batch, measured, planned)
+    assert tpot_four > tpot_alone
 
 
 async def test_prefix_reuse_lowers_ttft_by_the_skipped_prefill():
@@ -52,8 +60,8 @@ async def test_prefix_reuse_lowers_ttft_by_the_skipped_prefill():
     warm = await node.serve(_req(tokens=(*prompt, 5, 6, 7), max_tokens=2))  # same prefix, a new question
     assert cold.cached_tokens == 0 and warm.cached_tokens == 2000
     skipped_ms = prefill_ms(2000)
-    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(skipped_ms, abs=10.0)
-    assert cold.ttft_s * 1000 == pytest.approx(200.0, abs=10.0)
+    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(skipped_ms, abs=20.0)
+    assert _took(cold.ttft_s, 200.0), cold.ttft_s
     assert node.counters["prefix_queried_tokens"] == 2000 + 2003
     assert node.counters["prefix_hit_tokens"] == 2000
     text = node.metrics.render(node.gauges()).decode()
@@ -114,7 +122,7 @@ async def test_returning_session_skips_its_history_prefill_and_is_counted():
     cold = await node.serve(_req(session="alice"))
     warm = await node.serve(_req(session="alice"))
     assert cold.session_hit is False and warm.session_hit is True
-    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(prefill_ms(400, 0.5), abs=5.0)  # 20 ms
+    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(prefill_ms(400, 0.5), abs=12.0)  # 20 ms
     assert node.counters["session_hits"] == 1 and node.counters["session_misses"] == 1
     exposition = node.metrics.render(node.gauges()).decode()
     assert "inferlb_sim_session_cache_hits_total 1.0" in exposition
