@@ -3,7 +3,9 @@
 A pure function. Per cluster, in order:
 
 1. **drain**: a draining endpoint is ``DRAINING`` at once; it is ``removed`` (left out of the
-   ClusterLoadAssignment) once its fresh in-flight count is 0, or after ``drain_timeout_s`` (C11).
+   ClusterLoadAssignment) once its fresh in-flight count is 0, or after ``drain_timeout_s`` (C11);
+   once removed it stays removed (in-flight requests reappearing or stale metrics do not bring it
+   back) until it is undrained or removed from and re-added to the config.
 2. **staleness**: an endpoint whose newest sample is older than ``stale_after_s`` (or never seen) is
    ``UNHEALTHY`` (C04) — unless every live endpoint of the cluster is stale: then nothing is
    excluded, the last weights and every plugin's state stay (C05).
@@ -43,7 +45,8 @@ from xds_server.metrics.stats import EndpointStats
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
-#: State key of the drain stage (when each draining endpoint started draining, s).
+#: State key of the drain stage: per draining endpoint ``(started at (s), removal reason or None)``.
+#: A removal is remembered until the endpoint is undrained or leaves the config.
 DRAIN = "drain"
 _NO_STATS = EndpointStats()
 Key = tuple[str, str]
@@ -164,8 +167,12 @@ def _cluster(
         if not s.draining:
             drains.pop(s.address, None)
             continue
-        started = drains.setdefault(s.address, now)
-        removed, reason = _drain(s, seen[s.address], started, params, now)
+        started, gone = drains.get(s.address, (now, None))
+        if gone is not None:  # removed once: stays removed until undrained or re-added (not recomputed)
+            removed, reason = True, gone
+        else:
+            removed, reason = _drain(s, seen[s.address], started, params, now)
+        drains[s.address] = (started, reason if removed else None)
         result[s.address] = EndpointWeight(cluster, s.address, min(old_weight(s) or 1, cap), DRAINING, None,
                                            seen[s.address], {}, (reason,), removed=removed)
 
