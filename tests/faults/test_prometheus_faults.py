@@ -1,4 +1,4 @@
-"""C05: Prometheus killed, hung, answering 500 or garbage.
+"""C05: Prometheus killed, hung, answering 500, garbage or values that are not numbers.
 
 What degrades: weights freeze at the last good ones (no new information), flagged at once in
 ``/api/v1/weights`` (``metrics_source.ok``), ``inferlb_metrics_source_up 0`` and one log line.
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.integration
 
 #: fault -> how long it lasts once flagged (s). "killed" outlasts engine.stale_after_s (6 s): every
 #: sample is old when Prometheus comes back, and the targets are scraped again one by one.
-OUTAGE_S = {"killed": 7.0, "hung": 2.5, "500": 2.0, "garbage": 3.0}
+#: "strings": answers of the right shape whose values are not numbers (issue 15 item 3).
+OUTAGE_S = {"killed": 7.0, "hung": 2.5, "500": 2.0, "garbage": 3.0, "strings": 3.0}
 
 
 def inject(s: Stack, front: PrometheusFront, fault: str) -> None:
@@ -64,7 +65,7 @@ def test_prometheus_fault_keeps_the_last_good_weights(fault_stack: Stack, front:
 
     s = fault_stack
     control = s.app.control
-    cfg = s.cfg.prometheus
+    cfg = s.cfg.loop
     wait_until(lambda: control.metrics_ok and all_healthy(s), 20, 0.2, "a healthy, fresh baseline")
     sampler = Sampler(s)
     bg = Background(s.listener, sessions(), duration_s=OUTAGE_S[fault] + 9)

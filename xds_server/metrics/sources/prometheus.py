@@ -47,7 +47,9 @@ def parse_vector(result: object, scale: float = 1.0, by: tuple[str, ...] = ("ins
     a series without them cannot be joined and is skipped.
 
     Raises:
-        MetricsUnavailable: the answer is not a list of ``{"metric": {...}, "value": [ts, "v"]}``.
+        MetricsUnavailable: the answer is not a list of ``{"metric": {...}, "value": [ts, "v"]}``, or a
+            sample value or time is not a number (Prometheus's HTTP API writes values as strings of
+            Go floats: digits, ``NaN``, ``+Inf``, ``-Inf``): a malformed answer fails the round.
     """
     if not isinstance(result, list):
         raise MetricsUnavailable(f"expected a vector, got {type(result).__name__}")
@@ -55,9 +57,10 @@ def parse_vector(result: object, scale: float = 1.0, by: tuple[str, ...] = ("ins
     for series in result:
         try:
             labels = series["metric"]
-            _, raw = series["value"]
+            ts, raw = series["value"]
             if not isinstance(raw, str):
                 raise TypeError("sample value must be a string")
+            float(ts), float(raw)  # Prometheus sends numbers, "NaN" and "+Inf"/"-Inf"; "abc" is garbage
             if by == ("instance",):
                 key = str(labels["instance"])
             elif all(k in labels for k in by):
