@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from xds_server.admin.exposition import EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
+from xds_server.config.model import normalize_endpoint_address
 from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
 from xds_server.history.types import HistoryError, HistoryStore
@@ -176,7 +177,11 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         denied = auth.check(request)
         if denied is not None:
             return denied
-        address = request.match_info["address"]
+        written = request.match_info["address"]
+        try:  # the config keeps one spelling per socket address: 10.0.0.1:08000 is 10.0.0.1:8000
+            address = normalize_endpoint_address(written)
+        except ValueError as err:
+            return web.json_response({"error": f"address: {err}"}, status=400)
         draining = request.method == "POST"
         if not await cp.set_draining(address, draining):
             return web.json_response({"error": f"no configured endpoint has address {address!r}"}, status=404)

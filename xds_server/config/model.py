@@ -55,6 +55,28 @@ def _check_hostport(value: str, ip_only: bool = False) -> str:
     return value
 
 
+def normalize_endpoint_address(value: str) -> str:
+    """An endpoint's ``IP:PORT`` in one canonical spelling: the port without leading zeros, an IPv6
+    address compressed, lower case and in brackets (``[fd00::1]:8000``). Two spellings of one socket
+    address (``127.0.0.1:08701`` and ``127.0.0.1:8701``, ``[FD00:0::1]:80`` and ``[fd00::1]:80``) are
+    one endpoint for Envoy, which merges them; inferlb must not keep two.
+
+    >>> normalize_endpoint_address("127.0.0.1:08701"), normalize_endpoint_address("[FD00:0:0::1]:080")
+    ('127.0.0.1:8701', '[fd00::1]:80')
+
+    Raises:
+        ValueError: not ``IP:PORT`` (see :func:`_check_hostport`); an IPv6 address without brackets
+            (``fd00::1:8000`` is ambiguous); IPv4 octets with leading zeros
+            (``010.0.0.1``) are refused by :mod:`ipaddress` (ambiguous: octal or decimal).
+    """
+    _check_hostport(value, ip_only=True)
+    host, _, port = value.rpartition(":")
+    ip = ipaddress.ip_address(host.strip("[]"))
+    if ip.version == 6 and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"an IPv6 address needs brackets, e.g. [{ip.compressed}]:{int(port)}; got {value!r}")
+    return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip.compressed}:{int(port)}"
+
+
 def split_hostport(value: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(host, port)``; IPv6 brackets removed."""
     host, _, port = value.rpartition(":")
@@ -365,7 +387,8 @@ class GpuClass(_Strict):
 
 
 class EndpointConfig(_Strict):
-    """One inference server. ``address`` HOST:PORT serves both inference and ``/metrics``.
+    """One inference server. ``address`` IP:PORT serves both inference and ``/metrics``; it is kept in
+    its canonical spelling (:func:`normalize_endpoint_address`), which is also the default ``instance``.
 
     ``drain``: take no new requests; removed once nothing is in flight (or after ``engine.drain_timeout_s``).
     ``pod`` / ``namespace``: its Kubernetes pod, for ``metrics.gpu_join: pod``.
@@ -383,7 +406,7 @@ class EndpointConfig(_Strict):
     @field_validator("address")
     @classmethod
     def _address(cls, v: str) -> str:
-        return _check_hostport(v, ip_only=True)
+        return normalize_endpoint_address(v)
 
     @property
     def instance(self) -> str:
@@ -616,7 +639,9 @@ class Config(_Strict):
                     where = cluster_name(s.name, v.name)
                     if e.address in seen:
                         raise FieldProblem((*loc, "address"),
-                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
+                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where}); "
+                                           "addresses are compared in their canonical spelling (port without "
+                                           "leading zeros, IPv6 compressed)")
                     seen[e.address] = where
         names = [s.name for s in self.services]
         for group, g in self.node_groups.items():

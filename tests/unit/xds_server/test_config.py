@@ -297,6 +297,43 @@ def test_duplicate_endpoint_is_refused():
     assert "llm-v1" in err and "llm-v2" in err
 
 
+@pytest.mark.parametrize(("written", "canonical"), [
+    ("127.0.0.1:08701", "127.0.0.1:8701"),
+    ("[FD00:0:0::1]:8000", "[fd00::1]:8000"),
+    ("[fd00:0000:0000:0000:0000:0000:0000:0001]:08000", "[fd00::1]:8000"),
+])
+def test_endpoint_addresses_are_kept_in_their_canonical_spelling(written, canonical):
+    """Issue 15 item 5: one socket address, one spelling (Envoy merges the spellings)."""
+    ep = parse_config(MINIMAL.replace("10.0.0.1:8000", f"'{written}'")).services[0].versions[0].endpoints[0]
+    assert (ep.address, ep.instance) == (canonical, canonical)
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("127.0.0.1:8701", "127.0.0.1:08701"),
+    ("[fd00::1]:8000", "[FD00:0::0:1]:8000"),
+])
+def test_two_spellings_of_one_address_are_refused_with_field_and_line(first, second):
+    text = yaml_text(
+        f"""
+        services:
+          - name: llm
+            versions:
+              - name: v1
+                endpoints:
+                  - address: "{first}"
+                  - address: "{second}"
+        """
+    )
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, second)}: services[0].versions[0].endpoints[1].address: "), err
+    assert "listed twice" in err and "canonical spelling" in err
+
+
+def test_ipv6_endpoint_address_without_brackets_is_refused():
+    err = one_error(MINIMAL.replace("10.0.0.1:8000", '"fd00::1:8000"'))
+    assert "needs brackets" in err and "[fd00::1]:8000" in err
+
+
 def test_duplicate_service_is_refused():
     err = one_error(DUP_SERVICE)
     assert "services[1].name" in err and "defined twice" in err and "llm" in err
