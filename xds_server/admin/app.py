@@ -32,6 +32,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -225,8 +226,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         limit = None
         if "limit" in request.query:
             raw = request.query["limit"]
-            if not raw.isdigit() or int(raw) < 1:
-                return _error(400, f"limit: expected an integer >= 1, got {raw!r}", "limit")
+            if not re.fullmatch(r"[0-9]{1,9}", raw) or int(raw) < 1:
+                return _error(400, f"limit: expected an integer 1..999999999, got {raw[:64]!r}", "limit")
             limit = int(raw)
         if sampler is None:
             return web.json_response({"every": 1, "size": 1, "decisions": []})
