@@ -118,7 +118,7 @@ NINES = "9" * 310
 
 @pytest.mark.parametrize("query,param", [
     (f"since={NINES}s", "since"), (f"until={NINES}s", "until"), (f"step={NINES}s", "step"),  # issue 15 item 6
-    ("since=101y", "since"), ("step=5000000w", "step"),
+    ("since=101y", "since"), ("step=0s", "step"), ("step=00s", "step"),
     ("since=0000-01-01T00:00:00Z", "since"), ("limit=%C2%B2", "limit"), (f"limit={'9' * 5000}", "limit"),
     ("since=%D9%A1h", "since"), ("step=", "step"), ("since=1h&since=2h", "since"), ("cluster=", "cluster"),
 ])
