@@ -15,8 +15,8 @@ A pure function. Per cluster, in order:
    scorers with data count; none with data: :data:`NEUTRAL_SCORE`) is the score in [0, 1].
 5. **factors**: ``max_weight x score`` times each factor (capacity, slow start, balance).
 6. **stability**: bounded change against the last weight (if the endpoint was eligible then),
-   quantisation, hysteresis; then the per-endpoint cap so each cluster's sum fits uint32 and at
-   least 1 (EDS weights must be >= 1, case C02).
+   quantisation, hysteresis; weights at least 1 (EDS weights must be >= 1, case C02); then, if a
+   cluster's sum passes uint32, the whole assignment is scaled down keeping its ratios (:func:`fit_uint32`).
 
 Every verdict is kept on the :class:`EndpointWeight` for the admin API and the change log.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -113,21 +114,47 @@ def compute_weights(
     eligible: set[Key] = set()
     new_state: dict[str, dict[Key, Any]] = defaultdict(dict)
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
+    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
     for cluster, members in by_cluster.items():
         weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now,
                                               plugins, scorer_weights)
         for ew in weights:
+            decided[(ew.cluster, ew.address)] = ew.weight
+        for ew in fit_uint32(weights):
             out[(ew.cluster, ew.address)] = ew
         eligible |= {(cluster, a) for a in ok}
         for name, entries in cluster_state.items():
             new_state[name].update({(cluster, a): v for a, v in entries.items()})
     ordered = [out[(s.cluster, s.address)] for s in specs]
     state = EngineState(
-        MappingProxyType({(w.cluster, w.address): w.weight for w in ordered}),
+        MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
         frozenset(eligible),
         MappingProxyType({n: MappingProxyType(e) for n, e in new_state.items() if e}),
     )
     return ordered, state
+
+
+def fit_uint32(weights: Sequence[EndpointWeight], limit: int = MAX_WEIGHT_SUM) -> list[EndpointWeight]:
+    """One cluster's weights scaled as a whole so their sum fits ``limit`` (uint32: Envoy rejects a
+    locality whose weights sum past it, case C02), keeping their ratios; each stays >= 1.
+
+    Unchanged when the sum already fits. Otherwise every weight becomes ``max(1, floor(w x f))`` with
+    ``f = (limit - n) / sum``: the floor loses less than 1 per endpoint and the ``max(1, .)`` adds at
+    most 1, so the sum is <= ``limit``. Each scaled endpoint gets a reason saying so.
+
+    >>> [w.weight for w in fit_uint32([_ew(30), _ew(10)], limit=12)]
+    [7, 2]
+    """
+    total = sum(w.weight for w in weights)
+    if total <= limit:
+        return list(weights)
+    factor = (limit - len(weights)) / total
+    note = f"scaled x{factor:.3g} with the whole cluster: its weights summed to {total}, past uint32"
+    return [replace(w, weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
+
+
+def _ew(weight: int) -> EndpointWeight:  # for the doctest
+    return EndpointWeight("c", f"10.0.0.{weight}:80", weight, HEALTHY, None, _NO_STATS, {}, ())
 
 
 def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EngineParams, now: float
@@ -150,7 +177,7 @@ def _cluster(
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
     scorer_weights: Mapping[str, float],
 ) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
-    cap = max(1, MAX_WEIGHT_SUM // len(members))
+    cap = MAX_WEIGHT_SUM  # one weight; the cluster's sum is fitted at the end (fit_uint32)
     seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
     live = [s for s in members if not s.draining]
     first_round = not any((cluster, s.address) in prev.weights for s in members)
