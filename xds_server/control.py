@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge
 
 from xds_server.ads.cache import SnapshotCache
 from xds_server.config import Config, cluster_name
+from xds_server.config.model import STALE_INTERVALS, stale_message
 from xds_server.engine import settings
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
@@ -211,8 +212,33 @@ class ControlPlane:
             log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
         else:
             self._stats = stats
+            self._fit_staleness()
         await self._compute_and_publish(stats)
         return ok
+
+    def _fit_staleness(self) -> None:
+        """Raise the staleness threshold to :data:`~xds_server.config.model.STALE_INTERVALS` x the
+        longest sample interval a source reports (Prometheus's scrape interval, read from its targets
+        API), so sample ages cycling over one interval never flap health (issue 15 item 11). Logged
+        once per change; ``engine.stale_after_s`` is used as configured when it is long enough."""
+        intervals = getattr(self.source, "sample_intervals", dict)()
+        configured = self.cfg.engine.stale_after_s
+        name, interval = max(intervals.items(), key=lambda kv: kv[1], default=("", 0.0))
+        wanted = max(configured, STALE_INTERVALS * interval)
+        if wanted == self._params.stale_after_s:
+            return
+        if wanted > configured:
+            log.warning("%s; using %g s", stale_message(configured, f"{name}'s sample interval", interval), wanted)
+        else:
+            log.info("engine.stale_after_s %g s fits every source's sample interval again", configured)
+        self._params = replace(self._params, stale_after_s=wanted)
+        if hasattr(self.source, "stale_after_s"):
+            self.source.stale_after_s = wanted
+
+    @property
+    def stale_after_s(self) -> float:
+        """The staleness threshold in use (s): ``engine.stale_after_s``, or longer (see :meth:`_fit_staleness`)."""
+        return self._params.stale_after_s
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}

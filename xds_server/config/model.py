@@ -222,12 +222,16 @@ class PrometheusSource(_Strict):
     """Where the sliding-window statistics come from.
 
     ``window_s``: PromQL range for rates and averages (s); must cover >= 2 scrape intervals.
+    ``scrape_interval_s``: how often Prometheus scrapes the endpoints (s); None (default) = learned
+    from Prometheus's ``/api/v1/targets`` at run time. Either way ``engine.stale_after_s`` must be
+    at least :data:`STALE_INTERVALS` of it (checked at load when given, applied at run time when learned).
     The query interval and timeout are in :class:`Loop` (``prometheus.interval_s``,
     ``prometheus.timeout_s`` and ``prometheus.first_round_wait_s`` are read as deprecated aliases).
     """
 
     url: str = "http://127.0.0.1:9090"
     window_s: float = Field(60.0, gt=0)
+    scrape_interval_s: float | None = Field(None, gt=0)
 
     @field_validator("url")
     @classmethod
@@ -669,6 +673,20 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _staleness_fits_the_sources(self) -> Config:
+        stale = self.engine.stale_after_s
+        m = self.metrics
+        intervals = []
+        if "scrape" in m.sources or m.fallback == "scrape":
+            intervals.append(("metrics.scrape.interval_s", m.scrape.interval_s))
+        if "prometheus" in m.sources and self.prometheus.scrape_interval_s is not None:
+            intervals.append(("prometheus.scrape_interval_s", self.prometheus.scrape_interval_s))
+        for name, interval in intervals:
+            if stale < STALE_INTERVALS * interval:
+                raise FieldProblem(("engine", "stale_after_s"), stale_message(stale, name, interval))
+        return self
+
+    @model_validator(mode="after")
     def _gpu_join(self) -> Config:
         if self.metrics.gpu_join == "pod":
             for s in self.services:
@@ -682,6 +700,18 @@ class Config(_Strict):
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""
         return endpoint.gpu_memory_mib or self.gpu_classes[endpoint.gpu_class].memory_mib
+
+
+#: ``engine.stale_after_s`` must be at least this many of a source's sample interval: between two
+#: scrapes a sample ages up to one interval, and one late or failed scrape must not make it stale.
+STALE_INTERVALS = 2.0
+
+
+def stale_message(stale_after_s: float, source: str, interval_s: float) -> str:
+    """Why ``stale_after_s`` is too short for a source sampled every ``interval_s`` (one line)."""
+    return (f"engine.stale_after_s ({stale_after_s:g} s) is shorter than {STALE_INTERVALS:g} x {source} "
+            f"({interval_s:g} s) = {STALE_INTERVALS * interval_s:g} s: samples age up to one interval between "
+            "scrapes, so endpoints would flap between HEALTHY and UNHEALTHY; raise stale_after_s")
 
 
 def cluster_name(service: str, version: str) -> str:

@@ -452,3 +452,24 @@ def test_load_config_errors_name_the_file(tmp_path):
         load_config(path)
     where = f"{path}:{line_of(text, 'host.example')}: services[0].versions[0].endpoints[0].address: "
     assert str(info.value).startswith(where)
+
+
+# --- staleness against the sources' own intervals (issue 15 item 11) -------------------------------
+
+
+@pytest.mark.parametrize(("extra", "source"), [
+    ("metrics:\n  sources: [scrape]\n  scrape: {interval_s: 20}\n", "metrics.scrape.interval_s (20 s)"),
+    ("metrics:\n  fallback: scrape\n  scrape: {interval_s: 20}\n", "metrics.scrape.interval_s (20 s)"),
+    ("prometheus:\n  scrape_interval_s: 20\n", "prometheus.scrape_interval_s (20 s)"),
+])
+def test_staleness_shorter_than_two_sample_intervals_is_refused_with_field_and_line(extra, source):
+    text = MINIMAL + "engine:\n  stale_after_s: 15\n" + extra
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, 'stale_after_s')}: engine.stale_after_s: "), err
+    assert source in err and "= 40 s" in err and "flap" in err
+
+
+def test_staleness_of_two_sample_intervals_is_accepted():
+    cfg = parse_config(MINIMAL + "engine:\n  stale_after_s: 40\nprometheus:\n  scrape_interval_s: 20\n"
+                       "metrics:\n  sources: [prometheus, scrape]\n  scrape: {interval_s: 20}\n")
+    assert cfg.engine.stale_after_s == 40 and cfg.prometheus.scrape_interval_s == 20

@@ -305,3 +305,35 @@ def test_push_over_grpc_from_the_simulator():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+# --- staleness fitted to the sources' own sample intervals (issue 15 item 11) ----------------------
+
+
+async def test_a_learned_scrape_interval_longer_than_half_the_staleness_raises_it_once(caplog):
+    """Prometheus scrapes every 20 s, engine.stale_after_s is 15: sample ages cycle 0-20 s, so an
+    endpoint would flap. The control plane uses 2 x 20 s instead, says so once, and keeps the
+    endpoint whose last sample is 18 s old HEALTHY."""
+    import logging
+    from types import SimpleNamespace
+
+    from tests.support.factories import config, service, version
+    from xds_server.ads.server import SnapshotCache
+    from xds_server.control import ControlPlane
+
+    cfg = config([service("chat", [version("v1", [{"address": A}, {"address": B}])])],
+                 engine={"stale_after_s": 15})
+    ages = {A: 2.0, B: 18.0}
+    prom = SimpleNamespace(name="prometheus", sample_interval_s=None,
+                           fetch=lambda instances: {i: EndpointStats(sample_age_s=ages[i]) for i in instances})
+    cp = ControlPlane(cfg, CombinedSource([prom]), SnapshotCache(), [], lambda: "127.0.0.1:1")
+    await cp.run_round()
+    assert cp.stale_after_s == 15 and {w.address: w.health for w in cp.weights}[B] == "UNHEALTHY"
+    prom.sample_interval_s = 20.0  # learned from /api/v1/targets
+    with caplog.at_level(logging.WARNING, logger="xds_server.control"):
+        for _ in range(3):
+            await cp.run_round()
+    assert cp.stale_after_s == 40 and cp.source.stale_after_s == 40
+    assert {w.health for w in cp.weights} == {"HEALTHY"}
+    warned = [r.getMessage() for r in caplog.records if "stale_after_s" in r.getMessage()]
+    assert len(warned) == 1 and "prometheus's sample interval (20 s)" in warned[0] and "using 40 s" in warned[0]

@@ -11,14 +11,17 @@ is not stale at once).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests import RequestException
+from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from xds_server.metrics.presets import SAMPLE_TIME, VLLM_DCGM
@@ -27,12 +30,48 @@ from xds_server.metrics.stats import EndpointStats, finite
 
 log = logging.getLogger(__name__)
 
+#: Queries of one round run at once, each on its own thread and pooled connection.
+MAX_PARALLEL_QUERIES = 16
 #: ``{field: (PromQL template with {w}, scale, join labels)}``; a 2-tuple means join by ``instance``.
 Queries = Mapping[str, tuple[str, float, tuple[str, ...]] | tuple[str, float]]
 
 
 def _window(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
+
+
+#: How often the targets' scrape interval is read again from ``/api/v1/targets`` (s).
+INTERVAL_REFRESH_S = 300.0
+_GO_DURATION = re.compile(r"([0-9]+)(ms|y|w|d|h|m|s)")
+_GO_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
+
+
+def parse_prometheus_duration(text: object) -> float | None:
+    """A Prometheus duration (``model.Duration`` as the targets API writes it: ``20s``, ``1m30s``,
+    ``500ms``) -> seconds; None for anything else.
+
+    >>> parse_prometheus_duration("1m30s"), parse_prometheus_duration("500ms"), parse_prometheus_duration("x")
+    (90.0, 0.5, None)
+    """
+    if not isinstance(text, str) or not re.fullmatch(r"(?:[0-9]+(?:ms|y|w|d|h|m|s))+", text):
+        return None
+    return sum(int(n) * _GO_UNITS[u] for n, u in _GO_DURATION.findall(text))
+
+
+def scrape_interval(targets_answer: object, instances: Iterable[str]) -> float | None:
+    """The longest ``scrapeInterval`` of the active targets whose ``instance`` label is one of
+    ``instances``, from a ``/api/v1/targets`` answer (Prometheus >= 2.3x lists it per target); None
+    when no target matches or the answer is not of that shape."""
+    wanted = set(instances)
+    try:
+        targets = targets_answer["data"]["activeTargets"]  # type: ignore[index]
+        found = [parse_prometheus_duration(t.get("scrapeInterval")) for t in targets
+                 if isinstance(t, dict) and isinstance(t.get("labels"), dict)
+                 and t["labels"].get("instance") in wanted]
+    except (KeyError, TypeError):
+        return None
+    found = [f for f in found if f]
+    return max(found) if found else None
 
 
 def join_key(labels: Mapping[str, str], by: tuple[str, ...]) -> str:
@@ -86,18 +125,50 @@ class PrometheusSource:
 
     def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
                  gpu_keys: Mapping[str, str] | None = None) -> None:
-        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
-        # next round is the retry.
-        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
         self._timeout_s = timeout_s
         self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
                          for f, q in queries.items()}
         if SAMPLE_TIME not in self._queries:
             raise ValueError(f"queries must include {SAMPLE_TIME!r} (the newest sample's time)")
+        workers = min(MAX_PARALLEL_QUERIES, len(self._queries))
+        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
+        # next round is the retry. One pooled connection per query thread: with urllib3's default of
+        # 10, 14 parallel queries logged "Connection pool is full" every round (issue 15 item 9).
+        session = requests.Session()
+        session.verify = False
+        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0),
+                                       session=session)
+        session.mount(url, HTTPAdapter(max_retries=Retry(total=0), pool_connections=1, pool_maxsize=workers))
         self._gpu_keys = dict(gpu_keys or {})
         self._last_seen: dict[str, float] = {}
         self._first_asked: dict[str, float] = {}
-        self._pool = ThreadPoolExecutor(max_workers=min(16, len(self._queries)), thread_name_prefix="promql")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="promql")
+        self._url, self._session = url, session
+        #: Prometheus's scrape interval for the configured endpoints (s), read from its targets API;
+        #: None until read (or when it cannot be read).
+        self.sample_interval_s: float | None = None
+        self._interval_read_at: float | None = None
+
+    def _read_interval(self, instances: list[str], now: float) -> None:
+        if self._interval_read_at is not None and now - self._interval_read_at < INTERVAL_REFRESH_S:
+            return
+        try:
+            answer = self._session.get(f"{self._url}/api/v1/targets", params={"state": "active"},
+                                       timeout=self._timeout_s).json()
+        except (RequestException, ValueError) as err:
+            log.debug("cannot read Prometheus's targets for their scrape interval: %s", err)
+            return
+        interval = scrape_interval(answer, instances)
+        if interval is None:  # targets not discovered yet, or renamed: try again next round
+            return
+        self._interval_read_at = now
+        if interval != self.sample_interval_s:
+            log.info("Prometheus scrapes the endpoints every %g s (from %s/api/v1/targets)", interval, self._url)
+        self.sample_interval_s = interval
+
+    def describe(self) -> dict:
+        """For the admin API: the scrape interval learned from Prometheus (s, or None)."""
+        return {"scrape_interval_s": self.sample_interval_s}
 
     def _query(self, field: str) -> dict[str, float | None]:
         query, scale, by = self._queries[field]
@@ -126,6 +197,8 @@ class PrometheusSource:
             raise MetricsUnavailable(f"{len(pending)} queries did not answer within {self._timeout_s:g} s")
         values = {f: fut.result() for f, fut in futures.items()}  # re-raises MetricsUnavailable
         now = time.time() if now is None else now
+        instances = list(instances)
+        self._read_interval(instances, now)
         out: dict[str, EndpointStats] = {}
         for inst in instances:
             ts = values[SAMPLE_TIME].get(inst)

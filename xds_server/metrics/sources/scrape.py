@@ -99,6 +99,7 @@ class ScrapeSource:
         self._keep = sample_names(specs)
         self.window_s = window_s
         self.interval_s = interval_s
+        self.sample_interval_s = interval_s  #: how often its samples are renewed (s)
         self.timeout_s = timeout_s
         self._gpu_labels = {k: dict(v) for k, v in (gpu_labels or {}).items()}
         self._windows: dict[str, deque[Scrape]] = {inst: deque() for inst in self.targets}
