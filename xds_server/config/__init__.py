@@ -2,6 +2,7 @@
 
 from xds_server.config.load import ConfigError, load_config, parse_config
 from xds_server.config.model import (
+    CircuitBreakers,
     Config,
     EndpointConfig,
     EnvoySide,
@@ -19,7 +20,8 @@ from xds_server.config.model import (
 )
 
 __all__ = [
-    "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "History", "KubernetesDiscovery",
+    "CircuitBreakers", "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "History",
+    "KubernetesDiscovery",
     "KubernetesService", "Listen", "Loop", "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name",
     "load_config",
     "parse_config", "split_hostport",

@@ -114,6 +114,28 @@ class OutlierDetection(_Strict):
     max_ejection_percent: int = Field(50, ge=0, le=100)
 
 
+#: Envoy's own default for each circuit-breaker threshold (config.cluster.v3.CircuitBreakers).
+ENVOY_DEFAULT_CIRCUIT_LIMIT = 1024
+UINT32_MAX = 2**32 - 1
+
+
+class CircuitBreakers(_Strict):
+    """Envoy circuit-breaker thresholds of every inference cluster (per cluster, all Envoy workers
+    together; Envoy docs, "Circuit breaking", config.cluster.v3.CircuitBreakers.Thresholds).
+
+    Envoy's default for each is 1024: left unset, a cluster with more requests in flight than that
+    answers 503 (``upstream_rq_pending_overflow``) although no one chose that limit. inferlb sets
+    them high by default; load shedding is the picker's job (``picker.admission``: queue or 429).
+    ``max_connections``: upstream connections (HTTP/1.1: one per request in flight);
+    ``max_pending_requests``: requests waiting for a connection; ``max_requests``: requests in flight.
+    The retry limit is the retry budget (``envoy.retry_budget_percent``).
+    """
+
+    max_connections: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_pending_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
+
+
 class EnvoyTls(_Strict):
     """How Envoy dials inferlb's TLS gRPC servers (paths as Envoy's host sees them).
 
@@ -192,6 +214,13 @@ class EnvoySide(_Strict):
     min_retry_concurrency: int = Field(16, ge=1)
     outlier_detection: OutlierDetection = OutlierDetection()
     tls: EnvoyTls | None = None
+    #: Thresholds of every inference cluster (see :class:`CircuitBreakers`).
+    circuit_breakers: CircuitBreakers = CircuitBreakers()
+    #: Thresholds of the picker's cluster (``inferlb_ext_proc``): each request through the listener
+    #: holds one ext_proc stream while it runs, so None (default) = each threshold is the sum of
+    #: ``circuit_breakers.max_requests + max_pending_requests`` over the inference clusters
+    #: (capped at uint32); an overflow there makes Envoy skip the picker (fail open: the pin is lost).
+    picker_circuit_breakers: CircuitBreakers | None = None
 
     @field_validator("listener", "ext_proc_address")
     @classmethod
