@@ -458,8 +458,12 @@ class ServiceConfig(_Strict):
     """A model service reachable through the listener; ``hosts`` match ``:authority`` ("*" = any).
 
     ``lb_policy``: Envoy's fallback policy for requests the picker does not pin (honours EDS weights).
-    ``panic_threshold_percent``: Envoy's healthy panic threshold; 0 (default) never sends traffic to
-    hosts we marked unhealthy (the control plane already never excludes a whole cluster).
+    ``panic_threshold_percent``: Envoy's healthy panic threshold (Envoy rounds it to an integer):
+    below that share of healthy hosts Envoy spreads requests over all hosts. 1 (default): only when
+    (almost) no host is healthy — under 100 hosts, when none is. The engine never excludes a whole
+    cluster, but Envoy's own outlier detection may eject the hosts it left (it always may eject one),
+    and the two together must not make an outage (issue 15 item 4). 0 = never panic (503
+    ``no healthy upstream`` then).
     ``mixes``: canary splits usable like versions (in the version header, the body's ``model``,
     ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
     """
@@ -469,7 +473,7 @@ class ServiceConfig(_Strict):
     default_version: str | None = None
     connect_timeout_s: float = Field(1.0, ge=0.001)
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
-    panic_threshold_percent: float = Field(0.0, ge=0, le=100)
+    panic_threshold_percent: float = Field(1.0, ge=0, le=100)
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
     mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
 

@@ -98,7 +98,7 @@ def test_cluster_timeout_and_panic_threshold_from_config():
     assert c.common_lb_config.healthy_panic_threshold.value == 10
     c = build_cluster("embed-e1", CFG.services[1], CFG.headers.override_host)
     assert c.connect_timeout.ToNanoseconds() == 1_000_000_000
-    assert c.common_lb_config.healthy_panic_threshold.value == 0
+    assert c.common_lb_config.healthy_panic_threshold.value == 1  # the default: panic only when no host is left
 
 
 # --- assignments ----------------------------------------------------------------------------------
