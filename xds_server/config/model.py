@@ -425,6 +425,9 @@ class EndpointConfig(_Strict):
 
     ``drain``: take no new requests; removed once nothing is in flight (or after ``engine.drain_timeout_s``).
     ``pod`` / ``namespace``: its Kubernetes pod, for ``metrics.gpu_join: pod``.
+    ``gpu_metrics_url``: where the ``scrape`` source reads this endpoint's GPU inputs, when a GPU
+    exporter (dcgm-exporter, per node) serves them apart from the endpoint's own ``/metrics``;
+    several endpoints may share one (then join by pod: ``metrics.gpu_join: pod``).
     """
 
     address: str
@@ -435,6 +438,14 @@ class EndpointConfig(_Strict):
     drain: bool = False
     pod: str | None = None
     namespace: str | None = None
+    gpu_metrics_url: str | None = None
+
+    @field_validator("gpu_metrics_url")
+    @classmethod
+    def _gpu_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"expected an http(s) URL such as http://10.0.0.5:9400/metrics, got {v!r}")
+        return v
 
     @field_validator("address")
     @classmethod

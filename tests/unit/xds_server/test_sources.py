@@ -337,3 +337,55 @@ async def test_a_learned_scrape_interval_longer_than_half_the_staleness_raises_i
     assert {w.health for w in cp.weights} == {"HEALTHY"}
     warned = [r.getMessage() for r in caplog.records if "stale_after_s" in r.getMessage()]
     assert len(warned) == 1 and "prometheus's sample interval (20 s)" in warned[0] and "using 40 s" in warned[0]
+
+
+# --- GPU inputs from a separate exporter, Kubernetes label renames (issue 15 item 8) ---------------
+
+OWN_PAGE = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 2\n"
+DCGM_PAGE = (  # a node's dcgm-exporter as Prometheus would have renamed its labels on Kubernetes
+    "# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n"
+    'DCGM_FI_DEV_GPU_UTIL{gpu="0",exported_pod="llm-0",exported_namespace="ai",pod="dcgm-x",'
+    'namespace="gpu-operator"} 40\n'
+    'DCGM_FI_DEV_GPU_UTIL{gpu="1",exported_pod="llm-1",exported_namespace="ai",pod="dcgm-x",'
+    'namespace="gpu-operator"} 90\n')
+
+
+async def test_the_scrape_source_reads_gpu_inputs_from_a_configured_exporter_with_exported_labels(caplog):
+    import logging
+
+    from aiohttp import web
+
+    async def own(_):
+        return web.Response(text=OWN_PAGE)
+
+    async def dcgm(_):
+        return web.Response(text=DCGM_PAGE)
+
+    app = web.Application()
+    app.router.add_get("/metrics", own)
+    app.router.add_get("/dcgm", dcgm)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    pods = {A: {"namespace": "ai", "pod": "llm-0"}, B: {"namespace": "ai", "pod": "llm-9"}}
+    src = ScrapeSource({A: f"{base}/metrics", B: f"{base}/metrics"}, preset("vllm", "dcgm"), 10.0, 0.05, 1.0,
+                       pods, {A: f"{base}/dcgm", B: f"{base}/dcgm"})
+    task = asyncio.create_task(src.run())
+    try:
+        with caplog.at_level(logging.WARNING, logger="xds_server.metrics.sources.scrape"):
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                got = src.fetch([A, B])
+                if got[A].gpu_util is not None:
+                    break
+            for _ in range(3):
+                got = src.fetch([A, B])
+    finally:
+        task.cancel()
+        await runner.cleanup()
+    assert got[A].gpu_util == pytest.approx(0.40) and got[A].running == 2  # its pod's GPU, not llm-1's
+    assert got[B].gpu_util is None and got[B].running == 2
+    warned = [r.getMessage() for r in caplog.records if "match no series" in r.getMessage()]
+    assert len(warned) == 1 and B in warned[0] and f"{base}/dcgm" in warned[0] and "llm-9" in warned[0]

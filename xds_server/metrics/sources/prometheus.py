@@ -40,6 +40,8 @@ def _window(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
 
+#: Rounds in a row an endpoint's GPU inputs must match nothing before it is logged.
+GPU_MISSING_ROUNDS = 3
 #: How often the targets' scrape interval is read again from ``/api/v1/targets`` (s).
 INTERVAL_REFRESH_S = 300.0
 _GO_DURATION = re.compile(r"([0-9]+)(ms|y|w|d|h|m|s)")
@@ -118,13 +120,15 @@ class PrometheusSource:
 
     ``window_s``: range of rates/averages (s); ``timeout_s``: deadline of one round's queries (s);
     ``queries``: see :data:`Queries` (default: vLLM + DCGM joined by instance); ``gpu_keys``:
-    ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``).
+    ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``);
+    ``gpu_fields``: the GPU inputs: an endpoint whose own series answer but that none of them joins
+    to is logged once, with the query (a renamed label or a wrong pod name).
     """
 
     name = "prometheus"
 
     def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
-                 gpu_keys: Mapping[str, str] | None = None) -> None:
+                 gpu_keys: Mapping[str, str] | None = None, gpu_fields: Iterable[str] = ()) -> None:
         self._timeout_s = timeout_s
         self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
                          for f, q in queries.items()}
@@ -140,6 +144,9 @@ class PrometheusSource:
                                        session=session)
         session.mount(url, HTTPAdapter(max_retries=Retry(total=0), pool_connections=1, pool_maxsize=workers))
         self._gpu_keys = dict(gpu_keys or {})
+        self._gpu_fields = tuple(f for f in gpu_fields if f in self._queries)
+        self._gpu_warned: set[str] = set()
+        self._gpu_missing: dict[str, int] = {}  # rounds in a row with own series but no GPU series
         self._last_seen: dict[str, float] = {}
         self._first_asked: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="promql")
@@ -211,4 +218,22 @@ class PrometheusSource:
                     by = self._queries[f][2]
                     fields[f] = v.get(inst if by == ("instance",) else self._gpu_keys.get(inst, ""))
             out[inst] = replace(EndpointStats(**fields), sample_age_s=max(0.0, now - seen))
+            if ts is not None and self._gpu_fields and all(fields[f] is None for f in self._gpu_fields):
+                self._warn_no_gpu(inst)
+            else:
+                self._gpu_missing.pop(inst, None)
         return out
+
+    def _warn_no_gpu(self, inst: str) -> None:
+        """Once per endpoint: its own metrics answer, but no GPU series joins to it (in
+        :data:`GPU_MISSING_ROUNDS` rounds in a row: not at start-up, when Prometheus may have scraped
+        the endpoint but not yet its GPU exporter)."""
+        self._gpu_missing[inst] = self._gpu_missing.get(inst, 0) + 1
+        if inst in self._gpu_warned or self._gpu_missing[inst] < GPU_MISSING_ROUNDS:
+            return
+        self._gpu_warned.add(inst)
+        field = self._gpu_fields[0]
+        query, _, by = self._queries[field]
+        key = inst if by == ("instance",) else self._gpu_keys.get(inst, "")
+        log.warning("endpoint %s: its GPU inputs (%s) match no series: no %s=%r in the answer to %s",
+                    inst, ", ".join(self._gpu_fields), "/".join(by), key, query)
