@@ -157,6 +157,6 @@ def test_dcgm_labels_renamed_to_exported_pod_and_namespace_still_join(kubernetes
     with caplog.at_level(logging.WARNING, logger="xds_server.metrics.sources.prometheus"):
         for _ in range(6):
             assert missing.fetch([instance])[instance].gpu_util is None
-    warned = [r.getMessage() for r in caplog.records if "match no series" in r.getMessage() and "llm-9" in r.getMessage()]
+    warned = [m for r in caplog.records if "match no series" in (m := r.getMessage()) and "llm-9" in m]
     assert len(warned) == 1 and instance in warned[0] and "'ai/llm-9'" in warned[0]
     assert "DCGM_FI_DEV_GPU_UTIL" in warned[0]
