@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -90,14 +91,14 @@ class InferLB:
         self.sources = build_sources(cfg, self.client_view)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
         self.view = ViewHolder()
+        self._view_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picker-view")
         self.sampler = DecisionSampler()
         self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler,
                                                   completions=self.client_view)
         self.routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, self.sources.combined, self.cache,
-                                    [lambda snap, _weights: self.view.update(snap.assignments(), self.routing),
-                                     self.recorder.record],
+                                    [self._update_picker_view, self.recorder.record],
                                     lambda: self.cfg.envoy.ext_proc_address or
                                     f"{split_hostport(self.cfg.listen.ext_proc)[0]}:{self.ext_proc_port}",
                                     picker_metadata=picker_metadata)
@@ -113,6 +114,14 @@ class InferLB:
         self.stopping = False
         self.last_reload_error: str | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
+
+    def _update_picker_view(self, snap, _weights) -> asyncio.Future:
+        """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
+        snapshot in a worker thread (one at a time, in order), so a 60 000-endpoint view does not
+        freeze the event loop; the round waits for it. The swap of the current view is atomic."""
+        routing = self.routing
+        return asyncio.get_running_loop().run_in_executor(
+            self._view_pool, lambda: self.view.update(snap.assignments(), routing))
 
     def _current_weights(self):
         snap = self.cache.snapshot
@@ -236,6 +245,7 @@ class InferLB:
         if self._runner:
             await self._runner.cleanup()
         await asyncio.to_thread(self.recorder.close)
+        self._view_pool.shutdown(wait=False)
 
 
 async def _watch_file(path: Path, interval_s: float, on_change) -> None:

@@ -7,6 +7,7 @@ when the source fails, the last good weights keep serving and the failure is fla
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -67,7 +68,8 @@ class ControlPlane:
     """Runs weight rounds and publishes each new snapshot to ``cache`` and to ``on_snapshot`` hooks.
 
     A hook is called as ``hook(snapshot, weights)`` (weights: the round's ``EndpointWeight`` list)
-    on the event loop, once per new snapshot; it must not block (hand slow work to a thread).
+    on the event loop, once per new snapshot; it must not block: slow work goes to a thread, and a
+    hook may return an awaitable (e.g. ``run_in_executor``'s future), which is awaited in order.
 
     ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started);
@@ -166,16 +168,32 @@ class ControlPlane:
         await self._compute_and_publish(self._stats)
 
     async def _compute_and_publish(self, stats: dict[str, EndpointStats]) -> None:
+        # The engine and the snapshot build are pure and O(endpoints): they run in a worker thread so
+        # the event loop (ADS streams, the picker, the admin API) keeps answering during a round of
+        # 60 000 endpoints (issue 15, scale). The lock keeps one round at a time.
         async with self._lock:
-            weights, self._state = compute_weights(self._specs_now(), stats, self._state, self._params,
-                                                   now=time.monotonic(), plugins=BUILTIN)
-            self._log_changes(weights)
+            specs, params, state, cfg = self._specs_now(), self._params, self._state, self.cfg
+            now = time.monotonic()
+
+            def decide() -> tuple[list[EndpointWeight], EngineState]:
+                out = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
+                self._log_changes(out[0])
+                return out
+
+            weights, self._state = await asyncio.to_thread(decide)
             self.weights = weights
             ext_proc = self._ext_proc_address()
             served = [w for w in weights if not w.removed]
-            await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)
-            for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
-                await self.cache.set(build_snapshot(group_cfg, served, ext_proc, self._memo), group)
+            groups = self._group_cfgs
+
+            def build() -> tuple[Snapshot, dict[str, Snapshot]]:
+                return (build_snapshot(cfg, served, ext_proc, self._memo),
+                        {g: build_snapshot(gc, served, ext_proc, self._memo) for g, gc in groups.items()})
+
+            main, per_group = await asyncio.to_thread(build)
+            await self._publish(main, weights)
+            for group, snap in per_group.items():  # node-specific views (config node_groups)
+                await self.cache.set(snap, group)
 
     async def refresh(self) -> None:
         """A round now (after a reload); if the metrics source fails, republish from the last stats so a
@@ -254,7 +272,9 @@ class ControlPlane:
             return
         served = await self.cache.set(snap)
         for hook in self._hooks:
-            hook(served, weights)
+            done = hook(served, weights)
+            if inspect.isawaitable(done):  # a hook that hands its work to a thread returns its future
+                await done
         SNAPSHOTS.inc()
         self.ready.set()
 

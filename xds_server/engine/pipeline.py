@@ -249,6 +249,8 @@ def _cluster(
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
     scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
     for name, sc in plugins.scorers.items():
+        if scorer_weights.get(name, 0.0) <= 0:  # off: not run (its score could not count anyway)
+            continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
         for m in candidates:
             v = values.get(m.address)
