@@ -222,7 +222,7 @@ def _cluster(
             age = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
             excluded[s.address] = f"stale metrics ({age} > {params.stale_after_s:g} s)"
 
-    candidates = [Member(s, seen[s.address]) for s in live if s.address not in excluded]
+    candidates = [Member(s, seen[s.address], s.address) for s in live if s.address not in excluded]
     filtered: dict[str, str] = {}
     for name, f in plugins.filters.items():
         if name in params.disabled:
@@ -241,7 +241,7 @@ def _cluster(
 
     kept_note = None
     if not candidates and filtered:
-        candidates = [Member(s, seen[s.address]) for s in live if s.address in filtered]
+        candidates = [Member(s, seen[s.address], s.address) for s in live if s.address in filtered]
         kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
     else:
         excluded.update(filtered)
