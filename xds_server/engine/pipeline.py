@@ -46,6 +46,7 @@ from xds_server.metrics.stats import EndpointStats
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
+_INF = (math.inf, -math.inf)
 #: State key of the drain stage: per draining endpoint ``(started at (s), removal reason or None)``.
 #: A removal is remembered until the endpoint is undrained or leaves the config.
 DRAIN = "drain"
@@ -248,14 +249,23 @@ def _cluster(
 
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
     scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
+    num = dict.fromkeys(scores, 0.0)  # the weighted mean of combine(), accumulated scorer by scorer
+    den = dict.fromkeys(scores, 0.0)
     for name, sc in plugins.scorers.items():
-        if scorer_weights.get(name, 0.0) <= 0:  # off: not run (its score could not count anyway)
+        w = scorer_weights.get(name, 0.0)
+        if w <= 0:  # off: not run (its score could not count anyway)
             continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        for m in candidates:
-            v = values.get(m.address)
-            scores[m.address][name] = None if v is None or not math.isfinite(v) else min(1.0, max(0.0, v))
-    combined = {a: combine(sc, scorer_weights) for a, sc in scores.items()}
+        for a, per in scores.items():
+            v = values.get(a)
+            if v is None or v != v or v in _INF:  # no data, NaN, +-Inf
+                per[name] = None
+                continue
+            v = v if 0.0 <= v <= 1.0 else (0.0 if v < 0.0 else 1.0)
+            per[name] = v
+            num[a] += w * v
+            den[a] += w
+    combined = {a: (min(1.0, max(0.0, num[a] / d)) if (d := den[a]) else NEUTRAL_SCORE) for a in scores}
     raw = {a: params.max_weight * c for a, c in combined.items()}
     factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
     for name, fa in plugins.factors.items():
@@ -270,6 +280,7 @@ def _cluster(
             raw[a] *= m
 
     step = max(1, round(params.quantum * params.max_weight))
+    max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
     for m in candidates:
         a, s = m.address, m.spec
         key = (cluster, a)
@@ -277,11 +288,13 @@ def _cluster(
         target = min(cap, stability.quantize(raw[a], step))
         bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
         weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        parts = " x ".join(f"{n} {v:.3g}" for n, v in factors[a].items() if v != 1.0)
-        reasons = [f"score {combined[a]:.2f} x max_weight {params.max_weight:g}" + (f" x {parts}" if parts else "")
-                   + f" -> {target}"]
+        parts = ""
+        for n, v in factors[a].items():
+            if v != 1.0:
+                parts += f" x {n} {v:.3g}"
+        reasons = [f"score {combined[a]:.2f} x max_weight {max_weight}{parts} -> {target}"]
         if bounded != target:
-            reasons.append(f"bounded to {bounded}: at most x{1 + (params.max_change or 0):g} per round")
+            reasons.append(f"bounded to {bounded}: at most x{growth} per round")
         if weight != bounded:
             reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")
         if kept_note:
