@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 METRICS_UP = Gauge("inferlb_metrics_source_up", "1 when the last metrics round succeeded")
 ROUNDS = Counter("inferlb_weight_rounds_total", "Weight-engine rounds, by outcome", ["outcome"])
+#: Most per-endpoint change lines logged per round.
+MAX_CHANGE_LINES = 200
 SNAPSHOTS = Counter("inferlb_snapshots_total", "New snapshots published")
 
 
@@ -259,12 +261,17 @@ class ControlPlane:
         return self._params.stale_after_s
 
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
+        """One INFO line per changed weight or health, at most :data:`MAX_CHANGE_LINES` per round
+        (then one line counting the rest: a 60 000-endpoint first round is not 60 000 lines)."""
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
-        for w in weights:
-            if before.get((w.cluster, w.address)) != (w.weight, w.health):
-                scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
-                log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
-                         "; ".join(w.reasons), f" [{scores}]" if scores else "")
+        changed = [w for w in weights if before.get((w.cluster, w.address)) != (w.weight, w.health)]
+        for w in changed[:MAX_CHANGE_LINES]:
+            scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
+            log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
+                     "; ".join(w.reasons), f" [{scores}]" if scores else "")
+        if len(changed) > MAX_CHANGE_LINES:
+            log.info("... and %d more weight or health changes this round (all in GET /api/v1/weights and the "
+                     "history)", len(changed) - MAX_CHANGE_LINES)
 
     async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         current = self.cache.latest()

@@ -58,3 +58,18 @@ async def test_engine_and_snapshot_build_run_off_the_event_loop(monkeypatch):
     assert ticks > 0  # the loop ran other tasks while the round worked
     assert order == ["hook done", "round done"]  # the hook's awaitable was awaited before the round ended
     assert {w.address for w in cp.weights} == {"10.1.0.1:8000", "10.1.0.2:8000"}
+
+
+async def test_a_round_that_changes_every_weight_logs_a_bounded_number_of_lines(caplog):
+    import logging
+
+    from xds_server.control import MAX_CHANGE_LINES
+
+    cfg = config([service("chat", [version("v1", MAX_CHANGE_LINES + 50)])])
+    cp = ControlPlane(cfg, metrics_source(lambda i: {x: EndpointStats(sample_age_s=1.0) for x in i}),
+                      SnapshotCache(), [], lambda: "127.0.0.1:1")
+    with caplog.at_level(logging.INFO, logger="xds_server.control"):
+        await cp.run_round()
+    lines = [r.getMessage() for r in caplog.records if r.name == "xds_server.control"]
+    assert sum(m.startswith("weight ") for m in lines) == MAX_CHANGE_LINES
+    assert any(m.startswith("... and 50 more weight or health changes") for m in lines)
