@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from envoy.config.core.v3 import health_check_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
-from google.protobuf import struct_pb2
 
 from xds_server.config import split_hostport
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
@@ -25,7 +24,7 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
     An empty ``weights`` gives an assignment without endpoints (Envoy then has the cluster with no
     hosts instead of waiting for EDS). Built by attribute assignment: ~2.3 µs per endpoint, against
     ~8 µs with nested constructors (measured for the xDS benchmark); the metadata below adds ~45
-    bytes per endpoint on the wire, its Struct is built once per distinct value and copied.
+    bytes per endpoint on the wire; its Metadata is built once per distinct value and copied.
     ``max_concurrency`` (address -> requests): written to each endpoint's metadata
     ``filter_metadata["inferlb"]["max_concurrency"]`` for the picker's admission control.
 
@@ -34,7 +33,7 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
     """
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
     locality = None
-    structs: dict[int, struct_pb2.Struct] = {}  # one Struct per distinct value, copied in C++
+    metas: dict[int, base_pb2.Metadata] = {}  # one Metadata per distinct value, copied in C++
     for w in weights:
         if w.weight < 1:
             raise ValueError(f"{cluster}/{w.address}: load_balancing_weight must be >= 1, got {w.weight}")
@@ -49,9 +48,9 @@ def build_assignment(cluster: str, weights: Iterable[EndpointWeight],
         lb.load_balancing_weight.value = w.weight
         if max_concurrency and w.address in max_concurrency:
             value = max_concurrency[w.address]
-            meta = structs.get(value)
+            meta = metas.get(value)
             if meta is None:
-                meta = structs[value] = struct_pb2.Struct()
-                meta.update({"max_concurrency": value})
-            lb.metadata.filter_metadata["inferlb"].CopyFrom(meta)
+                meta = metas[value] = base_pb2.Metadata()
+                meta.filter_metadata["inferlb"].update({"max_concurrency": value})
+            lb.metadata.CopyFrom(meta)
     return cla
