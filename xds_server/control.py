@@ -7,6 +7,7 @@ when the source fails, the last good weights keep serving and the failure is fla
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +18,7 @@ from prometheus_client import Counter, Gauge
 
 from xds_server.ads.cache import SnapshotCache
 from xds_server.config import Config, cluster_name
+from xds_server.config.model import STALE_INTERVALS, stale_message
 from xds_server.engine import settings
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 METRICS_UP = Gauge("inferlb_metrics_source_up", "1 when the last metrics round succeeded")
 ROUNDS = Counter("inferlb_weight_rounds_total", "Weight-engine rounds, by outcome", ["outcome"])
+#: Most per-endpoint change lines logged per round.
+MAX_CHANGE_LINES = 200
 SNAPSHOTS = Counter("inferlb_snapshots_total", "New snapshots published")
 
 
@@ -67,7 +71,8 @@ class ControlPlane:
     """Runs weight rounds and publishes each new snapshot to ``cache`` and to ``on_snapshot`` hooks.
 
     A hook is called as ``hook(snapshot, weights)`` (weights: the round's ``EndpointWeight`` list)
-    on the event loop, once per new snapshot; it must not block (hand slow work to a thread).
+    on the event loop, once per new snapshot; it must not block: slow work goes to a thread, and a
+    hook may return an awaitable (e.g. ``run_in_executor``'s future), which is awaited in order.
 
     ``source``: the metrics source (its blocking ``fetch(instances)`` raises MetricsUnavailable);
     ``ext_proc_address``: returns the picker's bound ``HOST:PORT`` (known once it has started);
@@ -170,18 +175,34 @@ class ControlPlane:
         await self._compute_and_publish(self._stats)
 
     async def _compute_and_publish(self, stats: dict[str, EndpointStats]) -> None:
+        # The engine and the snapshot build are pure and O(endpoints): they run in a worker thread so
+        # the event loop (ADS streams, the picker, the admin API) keeps answering during a round of
+        # 60 000 endpoints (issue 15, scale). The lock keeps one round at a time.
         async with self._lock:
-            weights, self._state = compute_weights(self._specs_now(), stats, self._state, self._params,
-                                                   now=time.monotonic(), plugins=BUILTIN)
-            self._log_changes(weights)
+            specs, params, state, cfg = self._specs_now(), self._params, self._state, self.cfg
+            now = time.monotonic()
+
+            def decide() -> tuple[list[EndpointWeight], EngineState]:
+                out = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
+                self._log_changes(out[0])
+                return out
+
+            weights, self._state = await asyncio.to_thread(decide)
             self.weights = weights
             for hook in self._round_hooks:
                 hook(weights)
             ext_proc = self._ext_proc_address()
             served = [w for w in weights if not w.removed]
-            await self._publish(build_snapshot(self.cfg, served, ext_proc, self._memo), weights)
-            for group, group_cfg in self._group_cfgs.items():  # node-specific views (config node_groups)
-                await self.cache.set(build_snapshot(group_cfg, served, ext_proc, self._memo), group)
+            groups = self._group_cfgs
+
+            def build() -> tuple[Snapshot, dict[str, Snapshot]]:
+                return (build_snapshot(cfg, served, ext_proc, self._memo),
+                        {g: build_snapshot(gc, served, ext_proc, self._memo) for g, gc in groups.items()})
+
+            main, per_group = await asyncio.to_thread(build)
+            await self._publish(main, weights)
+            for group, snap in per_group.items():  # node-specific views (config node_groups)
+                await self.cache.set(snap, group)
 
     async def refresh(self) -> None:
         """A round now (after a reload); if the metrics source fails, republish from the last stats so a
@@ -218,16 +239,46 @@ class ControlPlane:
             log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
         else:
             self._stats = stats
+            self._fit_staleness()
         await self._compute_and_publish(stats)
         return ok
 
+    def _fit_staleness(self) -> None:
+        """Raise the staleness threshold to :data:`~xds_server.config.model.STALE_INTERVALS` x the
+        longest sample interval a source reports (Prometheus's scrape interval, read from its targets
+        API), so sample ages cycling over one interval never flap health (issue 15 item 11). Logged
+        once per change; ``engine.stale_after_s`` is used as configured when it is long enough."""
+        intervals = getattr(self.source, "sample_intervals", dict)()
+        configured = self.cfg.engine.stale_after_s
+        name, interval = max(intervals.items(), key=lambda kv: kv[1], default=("", 0.0))
+        wanted = max(configured, STALE_INTERVALS * interval)
+        if wanted == self._params.stale_after_s:
+            return
+        if wanted > configured:
+            log.warning("%s; using %g s", stale_message(configured, f"{name}'s sample interval", interval), wanted)
+        else:
+            log.info("engine.stale_after_s %g s fits every source's sample interval again", configured)
+        self._params = replace(self._params, stale_after_s=wanted)
+        if hasattr(self.source, "stale_after_s"):
+            self.source.stale_after_s = wanted
+
+    @property
+    def stale_after_s(self) -> float:
+        """The staleness threshold in use (s): ``engine.stale_after_s``, or longer (see :meth:`_fit_staleness`)."""
+        return self._params.stale_after_s
+
     def _log_changes(self, weights: list[EndpointWeight]) -> None:
+        """One INFO line per changed weight or health, at most :data:`MAX_CHANGE_LINES` per round
+        (then one line counting the rest: a 60 000-endpoint first round is not 60 000 lines)."""
         before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
-        for w in weights:
-            if before.get((w.cluster, w.address)) != (w.weight, w.health):
-                scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
-                log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
-                         "; ".join(w.reasons), f" [{scores}]" if scores else "")
+        changed = [w for w in weights if before.get((w.cluster, w.address)) != (w.weight, w.health)]
+        for w in changed[:MAX_CHANGE_LINES]:
+            scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
+            log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
+                     "; ".join(w.reasons), f" [{scores}]" if scores else "")
+        if len(changed) > MAX_CHANGE_LINES:
+            log.info("... and %d more weight or health changes this round (all in GET /api/v1/weights and the "
+                     "history)", len(changed) - MAX_CHANGE_LINES)
 
     async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         current = self.cache.latest()
@@ -235,7 +286,9 @@ class ControlPlane:
             return
         served = await self.cache.set(snap)
         for hook in self._hooks:
-            hook(served, weights)
+            done = hook(served, weights)
+            if inspect.isawaitable(done):  # a hook that hands its work to a thread returns its future
+                await done
         SNAPSHOTS.inc()
         self.ready.set()
 

@@ -53,7 +53,8 @@ class PrometheusFront:
     die or hang: a refused upstream closes the client's connection, a stopped one never answers);
     ``"500"``: an aiohttp app answers every query with HTTP 500; ``"garbage"``: with one of
     :data:`GARBAGE` in turn (HTML, JSON without data, a result that is not a vector, a series
-    without labels, bytes that are not UTF-8).
+    without labels, bytes that are not UTF-8); ``"strings"``: the real Prometheus's answers with every
+    sample value replaced by ``"abc"``.
     """
 
     def __init__(self) -> None:
@@ -90,9 +91,26 @@ class PrometheusFront:
         self.queries += 1
         if self.mode == "500":
             return web.Response(status=500, text="internal error")
+        if self.mode == "strings":
+            return await self._strings(request)
         status, ctype, body = GARBAGE[self._garbage % len(GARBAGE)]
         self._garbage += 1
         return web.Response(status=status, body=body, content_type=ctype)
+
+    async def _strings(self, request: web.Request) -> web.Response:
+        """The real Prometheus's answer to the same query, every sample value replaced by ``"abc"``:
+        valid JSON of the right shape, but not numbers (issue 15 item 3)."""
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, f"http://127.0.0.1:{self.upstream_port}{request.path_qs}",
+                data=await request.read(), headers={"Content-Type": request.content_type}) as up:
+            doc = await up.json(content_type=None)
+        result = doc.get("data", {}).get("result")
+        for series in result if isinstance(result, list) else []:
+            if "value" in series:
+                series["value"] = [series["value"][0], "abc"]
+        return web.json_response(doc)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         port = self.upstream_port if self.mode == "relay" else self.fake_port

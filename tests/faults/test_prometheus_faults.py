@@ -1,4 +1,4 @@
-"""C05: Prometheus killed, hung, answering 500 or garbage.
+"""C05: Prometheus killed, hung, answering 500, garbage or values that are not numbers.
 
 What degrades: weights freeze at the last good ones (no new information), flagged at once in
 ``/api/v1/weights`` (``metrics_source.ok``), ``inferlb_metrics_source_up 0`` and one log line.
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.integration
 
 #: fault -> how long it lasts once flagged (s). "killed" outlasts engine.stale_after_s (6 s): every
 #: sample is old when Prometheus comes back, and the targets are scraped again one by one.
-OUTAGE_S = {"killed": 7.0, "hung": 2.5, "500": 2.0, "garbage": 3.0}
+#: "strings": answers of the right shape whose values are not numbers (issue 15 item 3).
+OUTAGE_S = {"killed": 7.0, "hung": 2.5, "500": 2.0, "garbage": 3.0, "strings": 3.0}
 
 
 def inject(s: Stack, front: PrometheusFront, fault: str) -> None:

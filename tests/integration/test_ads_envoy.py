@@ -102,17 +102,18 @@ class Harness:
 
 def config(h_or_backends, *, v1: int = 3, with_v2: bool = True, connect_timeout_s: float = 1.0,
            extra_services: list[dict] | None = None, groups: dict | None = None,
-           panic_threshold_percent: float = 0) -> Config:
+           panic_threshold_percent: float | None = None) -> Config:
     """chat-v1 on the first ``v1`` backends (round-robin fallback), chat-v2 on the last backend."""
     backends = h_or_backends.backends if isinstance(h_or_backends, Harness) else h_or_backends
     listeners = LISTENERS
     versions = [{"name": "v1", "endpoints": [{"address": a} for a in backends[:v1]]}]
     if with_v2:
         versions.append({"name": "v2", "endpoints": [{"address": backends[3]}]})
+    panic = {} if panic_threshold_percent is None else {"panic_threshold_percent": panic_threshold_percent}
     return parse_config(yaml.safe_dump({
         "envoy": {"listener": f"127.0.0.1:{listeners['default']}"},
         "services": [{"name": "chat", "lb_policy": "round_robin", "connect_timeout_s": connect_timeout_s,
-                      "panic_threshold_percent": panic_threshold_percent, "versions": versions},
+                      **panic, "versions": versions},
                      *(extra_services or [])],
         "node_groups": groups or {p: {"listener": f"127.0.0.1:{listeners[p]}"} for p in PROTOCOLS},
     }))
@@ -387,12 +388,12 @@ def test_draining_hosts_get_no_traffic(harness: Harness, envoy: EnvoyNode):
 
 def test_every_host_unhealthy_gives_503_with_panic_threshold_0_and_panic_routing_above(
         harness: Harness, envoy: EnvoyNode):
-    """Our clusters set healthy_panic_threshold 0 by default: Envoy's panic mode is off, so with every
-    host UNHEALTHY Envoy 1.40 (override_host -> round robin fallback) answers 503 "no healthy upstream"
-    and never panics. With a threshold above 0 the same state panics: traffic goes to all hosts."""
+    """With healthy_panic_threshold 0 Envoy's panic mode is off, so with every host UNHEALTHY Envoy
+    1.40 (override_host -> round robin fallback) answers 503 "no healthy upstream" and never panics.
+    With a threshold above 0 the same state panics: traffic goes to all hosts."""
     v1 = harness.backends[:3]
     all_bad = {a: (1, UNHEALTHY) for a in v1}
-    harness.push_config(config(harness), all_bad)
+    harness.push_config(config(harness, panic_threshold_percent=0), all_bad)
     wait_until(lambda: all(h["health"] == "UNHEALTHY" for h in envoy.hosts().values()), 3, 0.02, "all UNHEALTHY")
     none_healthy = envoy.stat("cluster.chat-v1.upstream_cx_none_healthy") or 0
     counts = blast(envoy.url, 60, 4)
@@ -406,6 +407,46 @@ def test_every_host_unhealthy_gives_503_with_panic_threshold_0_and_panic_routing
     counts = blast(envoy.url, 300, 4)
     assert not non_2xx(counts) and all(counts[(200, a)] > 0 for a in v1), counts
     assert (envoy.stat("cluster.chat-v1.lb_healthy_panic") or 0) >= 300
+
+
+def test_engine_exclusion_plus_envoy_ejection_never_leave_a_cluster_with_no_host(harness: Harness):
+    """Issue 15 item 4: two endpoints; the engine marks one UNHEALTHY, the other answers only 500s,
+    so Envoy's outlier detection ejects it. With panic threshold 0 every request without a session
+    then got 503 "no healthy upstream". With the default threshold (1 %) Envoy panics when no host
+    is left and spreads requests over both: the excluded-but-working one answers."""
+    from aiohttp import web
+
+    async def failing(_: web.Request) -> web.Response:
+        return web.Response(status=500, text="CUDA out of memory", headers={"x-served-by": "failing"})
+
+    async def start() -> tuple[web.AppRunner, int]:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", failing)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, runner.addresses[0][1]
+
+    runner, port = harness.loop.run(start())
+    bad, excluded = f"127.0.0.1:{port}", harness.backends[0]
+    node = harness.envoys["sotw"]
+    try:
+        harness.push_config(config([excluded, bad], v1=2, with_v2=False), {excluded: (1, UNHEALTHY)})
+        harness.settle("sotw")
+        wait_until(lambda: node.hosts().get(excluded, {}).get("health") == "UNHEALTHY" and bad in node.hosts(),
+                   5, 0.05, "the engine's exclusion in Envoy")
+        blast(node.url, 20, 1)  # 500s: consecutive_5xx ejects the failing host
+        wait_until(lambda: (node.stat("cluster.chat-v1.outlier_detection.ejections_active") or 0) >= 1, 5, 0.05,
+                   "Envoy to eject the failing host")
+        counts = blast(node.url, 40, 4)
+        assert counts[(503, None)] == 0, counts
+        assert counts[(200, excluded)] > 0, counts
+        assert (node.stat("cluster.chat-v1.lb_healthy_panic") or 0) > 0
+    finally:
+        harness.loop.run(runner.cleanup())
+        harness.push_config(config(harness))
+        harness.settle("sotw")
 
 
 # --- fleet ----------------------------------------------------------------------------------------

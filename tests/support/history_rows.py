@@ -23,9 +23,11 @@ def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "c
                           {"latency": 0.5, "concurrency": None}, (f"score 0.50 -> weight {weight}",))
 
 
-def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None, cost_model=None):
+def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None, cost_model=None,
+              ready: bool = False):
     """A real admin application over an in-memory store holding ``rows`` and a control plane whose last
-    round gave ``weights`` (its metrics source is never called). Returns ``(app, store)``."""
+    round gave ``weights`` (its metrics source is never called); ``ready``: as if its first snapshot
+    was published (``/readyz`` 200). Returns ``(app, store)``."""
 
     from tests.support.factories import config, metrics_source
     from xds_server.admin.app import make_admin_app
@@ -36,6 +38,8 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     cache = SnapshotCache()
     cp = ControlPlane(config(), metrics_source(lambda instances: {}, "prometheus"), cache, [], lambda: "127.0.0.1:1")
     cp.weights = list(weights)
+    if ready:
+        cp.ready.set()
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
     store.append(sorted(rows, key=lambda r: r.t))
     return make_admin_app(cp, AdsServicer(cache), store, sampler, cost_model=cost_model), store

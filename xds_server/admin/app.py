@@ -34,6 +34,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,17 +45,30 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from xds_server.admin.exposition import EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
+from xds_server.config.model import normalize_endpoint_address
 from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
+from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 
 
+#: The largest ``limit`` of ``GET /api/v1/decisions`` (the sampler keeps far fewer).
+MAX_DECISIONS_LIMIT = 1_000_000
+
+
 def openapi_document() -> dict:
-    """The OpenAPI document (``openapi.yaml`` next to this module) as a dict."""
-    return yaml.safe_load((HERE / "openapi.yaml").read_text())
+    """The OpenAPI document (``openapi.yaml`` next to this module) as a dict, with the history API's
+    time and duration patterns filled in from :mod:`xds_server.history.timeparse` (the grammar the
+    server parses with), so the document cannot drift from what the server accepts."""
+    doc = yaml.safe_load((HERE / "openapi.yaml").read_text())
+    patterns = {"since": TIME_RE, "until": TIME_RE, "step": STEP_RE}
+    for param in doc["paths"]["/api/v1/history"]["get"]["parameters"]:
+        if param["name"] in patterns:
+            param["schema"]["pattern"] = f"^{patterns[param['name']]}$"
+    return doc
 
 
 def weights_document(cp: ControlPlane) -> dict:
@@ -188,7 +202,11 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         denied = auth.check(request)
         if denied is not None:
             return denied
-        address = request.match_info["address"]
+        written = request.match_info["address"]
+        try:  # the config keeps one spelling per socket address: 10.0.0.1:08000 is 10.0.0.1:8000
+            address = normalize_endpoint_address(written)
+        except ValueError as err:
+            return web.json_response({"error": f"address: {err}"}, status=400)
         draining = request.method == "POST"
         if not await cp.set_draining(address, draining):
             return web.json_response({"error": f"no configured endpoint has address {address!r}"}, status=404)
@@ -232,8 +250,9 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         limit = None
         if "limit" in request.query:
             raw = request.query["limit"]
-            if not raw.isdigit() or int(raw) < 1:
-                return _error(400, f"limit: expected an integer >= 1, got {raw!r}", "limit")
+            if not re.fullmatch(r"[0-9]{1,7}", raw) or not 1 <= int(raw) <= MAX_DECISIONS_LIMIT:
+                return _error(400, f"limit: expected an integer 1..{MAX_DECISIONS_LIMIT}, got {raw[:64]!r}",
+                              "limit")
             limit = int(raw)
         if sampler is None:
             return web.json_response({"every": 1, "size": 1, "decisions": []})

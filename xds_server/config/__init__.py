@@ -2,6 +2,7 @@
 
 from xds_server.config.load import ConfigError, load_config, parse_config
 from xds_server.config.model import (
+    CircuitBreakers,
     Config,
     EndpointConfig,
     EnvoySide,
@@ -22,7 +23,7 @@ from xds_server.config.model import (
 )
 
 __all__ = [
-    "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "EtcdDiscovery", "EtcdService", "EtcdTls",
-    "History", "KubernetesDiscovery", "KubernetesService", "Listen", "Loop", "OutlierDetection", "ServiceConfig",
-    "TlsConfig", "cluster_name", "load_config", "parse_config", "split_hostport",
+    "CircuitBreakers", "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "EtcdDiscovery",
+    "EtcdService", "EtcdTls", "History", "KubernetesDiscovery", "KubernetesService", "Listen", "Loop",
+    "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name", "load_config", "parse_config", "split_hostport",
 ]

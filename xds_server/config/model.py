@@ -55,6 +55,28 @@ def _check_hostport(value: str, ip_only: bool = False) -> str:
     return value
 
 
+def normalize_endpoint_address(value: str) -> str:
+    """An endpoint's ``IP:PORT`` in one canonical spelling: the port without leading zeros, an IPv6
+    address compressed, lower case and in brackets (``[fd00::1]:8000``). Two spellings of one socket
+    address (``127.0.0.1:08701`` and ``127.0.0.1:8701``, ``[FD00:0::1]:80`` and ``[fd00::1]:80``) are
+    one endpoint for Envoy, which merges them; inferlb must not keep two.
+
+    >>> normalize_endpoint_address("127.0.0.1:08701"), normalize_endpoint_address("[FD00:0:0::1]:080")
+    ('127.0.0.1:8701', '[fd00::1]:80')
+
+    Raises:
+        ValueError: not ``IP:PORT`` (see :func:`_check_hostport`); an IPv6 address without brackets
+            (``fd00::1:8000`` is ambiguous); IPv4 octets with leading zeros
+            (``010.0.0.1``) are refused by :mod:`ipaddress` (ambiguous: octal or decimal).
+    """
+    _check_hostport(value, ip_only=True)
+    host, _, port = value.rpartition(":")
+    ip = ipaddress.ip_address(host.strip("[]"))
+    if ip.version == 6 and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"an IPv6 address needs brackets, e.g. [{ip.compressed}]:{int(port)}; got {value!r}")
+    return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip.compressed}:{int(port)}"
+
+
 def split_hostport(value: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(host, port)``; IPv6 brackets removed."""
     host, _, port = value.rpartition(":")
@@ -90,6 +112,28 @@ class OutlierDetection(_Strict):
     base_ejection_time_s: float = Field(10.0, gt=0)
     max_ejection_time_s: float = Field(300.0, gt=0)
     max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+#: Envoy's own default for each circuit-breaker threshold (config.cluster.v3.CircuitBreakers).
+ENVOY_DEFAULT_CIRCUIT_LIMIT = 1024
+UINT32_MAX = 2**32 - 1
+
+
+class CircuitBreakers(_Strict):
+    """Envoy circuit-breaker thresholds of every inference cluster (per cluster, all Envoy workers
+    together; Envoy docs, "Circuit breaking", config.cluster.v3.CircuitBreakers.Thresholds).
+
+    Envoy's default for each is 1024: left unset, a cluster with more requests in flight than that
+    answers 503 (``upstream_rq_pending_overflow``) although no one chose that limit. inferlb sets
+    them high by default; load shedding is the picker's job (``picker.admission``: queue or 429).
+    ``max_connections``: upstream connections (HTTP/1.1: one per request in flight);
+    ``max_pending_requests``: requests waiting for a connection; ``max_requests``: requests in flight.
+    The retry limit is the retry budget (``envoy.retry_budget_percent``).
+    """
+
+    max_connections: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_pending_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
 
 
 class EnvoyTls(_Strict):
@@ -170,6 +214,13 @@ class EnvoySide(_Strict):
     min_retry_concurrency: int = Field(16, ge=1)
     outlier_detection: OutlierDetection = OutlierDetection()
     tls: EnvoyTls | None = None
+    #: Thresholds of every inference cluster (see :class:`CircuitBreakers`).
+    circuit_breakers: CircuitBreakers = CircuitBreakers()
+    #: Thresholds of the picker's cluster (``inferlb_ext_proc``): each request through the listener
+    #: holds one ext_proc stream while it runs, so None (default) = each threshold is the sum of
+    #: ``circuit_breakers.max_requests + max_pending_requests`` over the inference clusters
+    #: (capped at uint32); an overflow there makes Envoy skip the picker (fail open: the pin is lost).
+    picker_circuit_breakers: CircuitBreakers | None = None
 
     @field_validator("listener", "ext_proc_address")
     @classmethod
@@ -200,12 +251,16 @@ class PrometheusSource(_Strict):
     """Where the sliding-window statistics come from.
 
     ``window_s``: PromQL range for rates and averages (s); must cover >= 2 scrape intervals.
+    ``scrape_interval_s``: how often Prometheus scrapes the endpoints (s); None (default) = learned
+    from Prometheus's ``/api/v1/targets`` at run time. Either way ``engine.stale_after_s`` must be
+    at least :data:`STALE_INTERVALS` of it (checked at load when given, applied at run time when learned).
     The query interval and timeout are in :class:`Loop` (``prometheus.interval_s``,
     ``prometheus.timeout_s`` and ``prometheus.first_round_wait_s`` are read as deprecated aliases).
     """
 
     url: str = "http://127.0.0.1:9090"
     window_s: float = Field(60.0, gt=0)
+    scrape_interval_s: float | None = Field(None, gt=0)
 
     @field_validator("url")
     @classmethod
@@ -368,10 +423,14 @@ class GpuClass(_Strict):
 
 
 class EndpointConfig(_Strict):
-    """One inference server. ``address`` HOST:PORT serves both inference and ``/metrics``.
+    """One inference server. ``address`` IP:PORT serves both inference and ``/metrics``; it is kept in
+    its canonical spelling (:func:`normalize_endpoint_address`), which is also the default ``instance``.
 
     ``drain``: take no new requests; removed once nothing is in flight (or after ``engine.drain_timeout_s``).
     ``pod`` / ``namespace``: its Kubernetes pod, for ``metrics.gpu_join: pod``.
+    ``gpu_metrics_url``: where the ``scrape`` source reads this endpoint's GPU inputs, when a GPU
+    exporter (dcgm-exporter, per node) serves them apart from the endpoint's own ``/metrics``;
+    several endpoints may share one (then join by pod: ``metrics.gpu_join: pod``).
     """
 
     address: str
@@ -382,11 +441,19 @@ class EndpointConfig(_Strict):
     drain: bool = False
     pod: str | None = None
     namespace: str | None = None
+    gpu_metrics_url: str | None = None
+
+    @field_validator("gpu_metrics_url")
+    @classmethod
+    def _gpu_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"expected an http(s) URL such as http://10.0.0.5:9400/metrics, got {v!r}")
+        return v
 
     @field_validator("address")
     @classmethod
     def _address(cls, v: str) -> str:
-        return _check_hostport(v, ip_only=True)
+        return normalize_endpoint_address(v)
 
     @property
     def instance(self) -> str:
@@ -405,8 +472,12 @@ class ServiceConfig(_Strict):
     """A model service reachable through the listener; ``hosts`` match ``:authority`` ("*" = any).
 
     ``lb_policy``: Envoy's fallback policy for requests the picker does not pin (honours EDS weights).
-    ``panic_threshold_percent``: Envoy's healthy panic threshold; 0 (default) never sends traffic to
-    hosts we marked unhealthy (the control plane already never excludes a whole cluster).
+    ``panic_threshold_percent``: Envoy's healthy panic threshold (Envoy rounds it to an integer):
+    below that share of healthy hosts Envoy spreads requests over all hosts. 1 (default): only when
+    (almost) no host is healthy — under 100 hosts, when none is. The engine never excludes a whole
+    cluster, but Envoy's own outlier detection may eject the hosts it left (it always may eject one),
+    and the two together must not make an outage (issue 15 item 4). 0 = never panic (503
+    ``no healthy upstream`` then).
     ``mixes``: canary splits usable like versions (in the version header, the body's ``model``,
     ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
     """
@@ -416,7 +487,7 @@ class ServiceConfig(_Strict):
     default_version: str | None = None
     connect_timeout_s: float = Field(1.0, ge=0.001)
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
-    panic_threshold_percent: float = Field(0.0, ge=0, le=100)
+    panic_threshold_percent: float = Field(1.0, ge=0, le=100)
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
     mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
 
@@ -754,7 +825,9 @@ class Config(_Strict):
                     where = cluster_name(s.name, v.name)
                     if e.address in seen:
                         raise FieldProblem((*loc, "address"),
-                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where})")
+                                           f"endpoint {e.address} is listed twice ({seen[e.address]}, {where}); "
+                                           "addresses are compared in their canonical spelling (port without "
+                                           "leading zeros, IPv6 compressed)")
                     seen[e.address] = where
         names = [s.name for s in self.services]
         for group, g in self.node_groups.items():
@@ -782,6 +855,20 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _staleness_fits_the_sources(self) -> Config:
+        stale = self.engine.stale_after_s
+        m = self.metrics
+        intervals = []
+        if "scrape" in m.sources or m.fallback == "scrape":
+            intervals.append(("metrics.scrape.interval_s", m.scrape.interval_s))
+        if "prometheus" in m.sources and self.prometheus.scrape_interval_s is not None:
+            intervals.append(("prometheus.scrape_interval_s", self.prometheus.scrape_interval_s))
+        for name, interval in intervals:
+            if stale < STALE_INTERVALS * interval:
+                raise FieldProblem(("engine", "stale_after_s"), stale_message(stale, name, interval))
+        return self
+
+    @model_validator(mode="after")
     def _gpu_join(self) -> Config:
         if self.metrics.gpu_join == "pod":
             for s in self.services:
@@ -795,6 +882,18 @@ class Config(_Strict):
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""
         return endpoint.gpu_memory_mib or self.gpu_classes[endpoint.gpu_class].memory_mib
+
+
+#: ``engine.stale_after_s`` must be at least this many of a source's sample interval: between two
+#: scrapes a sample ages up to one interval, and one late or failed scrape must not make it stale.
+STALE_INTERVALS = 2.0
+
+
+def stale_message(stale_after_s: float, source: str, interval_s: float) -> str:
+    """Why ``stale_after_s`` is too short for a source sampled every ``interval_s`` (one line)."""
+    return (f"engine.stale_after_s ({stale_after_s:g} s) is shorter than {STALE_INTERVALS:g} x {source} "
+            f"({interval_s:g} s) = {STALE_INTERVALS * interval_s:g} s: samples age up to one interval between "
+            "scrapes, so endpoints would flap between HEALTHY and UNHEALTHY; raise stale_after_s")
 
 
 def cluster_name(service: str, version: str) -> str:

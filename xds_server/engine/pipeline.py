@@ -3,7 +3,9 @@
 A pure function. Per cluster, in order:
 
 1. **drain**: a draining endpoint is ``DRAINING`` at once; it is ``removed`` (left out of the
-   ClusterLoadAssignment) once its fresh in-flight count is 0, or after ``drain_timeout_s`` (C11).
+   ClusterLoadAssignment) once its fresh in-flight count is 0, or after ``drain_timeout_s`` (C11);
+   once removed it stays removed (in-flight requests reappearing or stale metrics do not bring it
+   back) until it is undrained or removed from and re-added to the config.
 2. **staleness**: an endpoint whose newest sample is older than ``stale_after_s`` (or never seen) is
    ``UNHEALTHY`` (C04) — unless every live endpoint of the cluster is stale: then nothing is
    excluded, the last weights and every plugin's state stay (C05).
@@ -18,8 +20,8 @@ A pure function. Per cluster, in order:
    scorers with data count; none with data: :data:`NEUTRAL_SCORE`) is the score in [0, 1].
 5. **factors**: ``max_weight x score`` times each factor (capacity, slow start, balance).
 6. **stability**: bounded change against the last weight (if the endpoint was eligible then),
-   quantisation, hysteresis; then the per-endpoint cap so each cluster's sum fits uint32 and at
-   least 1 (EDS weights must be >= 1, case C02).
+   quantisation, hysteresis; weights at least 1 (EDS weights must be >= 1, case C02); then, if a
+   cluster's sum passes uint32, the whole assignment is scaled down keeping its ratios (:func:`fit_uint32`).
 
 Every verdict is kept on the :class:`EndpointWeight` for the admin API and the change log.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -48,7 +51,9 @@ from xds_server.metrics.stats import EndpointStats
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
 MAX_WEIGHT_SUM = 2**32 - 1
 NEUTRAL_SCORE = 0.5
-#: State key of the drain stage (when each draining endpoint started draining, s).
+_INF = (math.inf, -math.inf)
+#: State key of the drain stage: per draining endpoint ``(started at (s), removal reason or None)``.
+#: A removal is remembered until the endpoint is undrained or leaves the config.
 DRAIN = "drain"
 #: State key of the health hysteresis: ``(flagged rounds in a row, passed rounds in a row, excluded)``.
 HEALTH = "health"
@@ -117,17 +122,20 @@ def compute_weights(
     eligible: set[Key] = set()
     new_state: dict[str, dict[Key, Any]] = defaultdict(dict)
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
+    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
     for cluster, members in by_cluster.items():
         weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now,
                                               plugins, scorer_weights)
         for ew in weights:
+            decided[(ew.cluster, ew.address)] = ew.weight
+        for ew in fit_uint32(weights):
             out[(ew.cluster, ew.address)] = ew
         eligible |= {(cluster, a) for a in ok}
         for name, entries in cluster_state.items():
             new_state[name].update({(cluster, a): v for a, v in entries.items()})
     ordered = [out[(s.cluster, s.address)] for s in specs]
     state = EngineState(
-        MappingProxyType({(w.cluster, w.address): w.weight for w in ordered}),
+        MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
         frozenset(eligible),
         MappingProxyType({n: MappingProxyType(e) for n, e in new_state.items() if e}),
     )
@@ -154,6 +162,29 @@ def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tu
     return flags, passes, excluded and passes < rounds
 
 
+def fit_uint32(weights: Sequence[EndpointWeight], limit: int = MAX_WEIGHT_SUM) -> list[EndpointWeight]:
+    """One cluster's weights scaled as a whole so their sum fits ``limit`` (uint32: Envoy rejects a
+    locality whose weights sum past it, case C02), keeping their ratios; each stays >= 1.
+
+    Unchanged when the sum already fits. Otherwise every weight becomes ``max(1, floor(w x f))`` with
+    ``f = (limit - n) / sum``: the floor loses less than 1 per endpoint and the ``max(1, .)`` adds at
+    most 1, so the sum is <= ``limit``. Each scaled endpoint gets a reason saying so.
+
+    >>> [w.weight for w in fit_uint32([_ew(30), _ew(10)], limit=12)]
+    [7, 2]
+    """
+    total = sum(w.weight for w in weights)
+    if total <= limit:
+        return list(weights)
+    factor = (limit - len(weights)) / total
+    note = f"scaled x{factor:.3g} with the whole cluster: its weights summed to {total}, past uint32"
+    return [replace(w, weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
+
+
+def _ew(weight: int) -> EndpointWeight:  # for the doctest
+    return EndpointWeight("c", f"10.0.0.{weight}:80", weight, HEALTHY, None, _NO_STATS, {}, ())
+
+
 def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EngineParams, now: float
            ) -> tuple[bool, str]:
     """``(removed, reason)`` for a draining endpoint."""
@@ -174,7 +205,7 @@ def _cluster(
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
     scorer_weights: Mapping[str, float],
 ) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
-    cap = max(1, MAX_WEIGHT_SUM // len(members))
+    cap = MAX_WEIGHT_SUM  # one weight; the cluster's sum is fitted at the end (fit_uint32)
     seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
     live = [s for s in members if not s.draining]
     first_round = not any((cluster, s.address) in prev.weights for s in members)
@@ -191,8 +222,12 @@ def _cluster(
         if not s.draining:
             drains.pop(s.address, None)
             continue
-        started = drains.setdefault(s.address, now)
-        removed, reason = _drain(s, seen[s.address], started, params, now)
+        started, gone = drains.get(s.address, (now, None))
+        if gone is not None:  # removed once: stays removed until undrained or re-added (not recomputed)
+            removed, reason = True, gone
+        else:
+            removed, reason = _drain(s, seen[s.address], started, params, now)
+        drains[s.address] = (started, reason if removed else None)
         result[s.address] = EndpointWeight(cluster, s.address, min(old_weight(s) or 1, cap), DRAINING, None,
                                            seen[s.address], {}, (reason,), removed=removed)
 
@@ -215,7 +250,7 @@ def _cluster(
             age = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
             excluded[s.address] = f"stale metrics ({age} > {params.stale_after_s:g} s)"
 
-    candidates = [Member(s, seen[s.address]) for s in live if s.address not in excluded]
+    candidates = [Member(s, seen[s.address], s.address) for s in live if s.address not in excluded]
     filtered: dict[str, str] = {}
     for name, f in plugins.filters.items():
         if name in params.disabled:
@@ -255,19 +290,30 @@ def _cluster(
 
     kept_note = None
     if not candidates and filtered:
-        candidates = [Member(s, seen[s.address]) for s in live if s.address in filtered]
+        candidates = [Member(s, seen[s.address], s.address) for s in live if s.address in filtered]
         kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
     else:
         excluded.update(filtered)
 
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
     scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
+    num = dict.fromkeys(scores, 0.0)  # the weighted mean of combine(), accumulated scorer by scorer
+    den = dict.fromkeys(scores, 0.0)
     for name, sc in plugins.scorers.items():
+        w = scorer_weights.get(name, 0.0)
+        if w <= 0:  # off: not run (its score could not count anyway)
+            continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        for m in candidates:
-            v = values.get(m.address)
-            scores[m.address][name] = None if v is None or not math.isfinite(v) else min(1.0, max(0.0, v))
-    combined = {a: combine(sc, scorer_weights) for a, sc in scores.items()}
+        for a, per in scores.items():
+            v = values.get(a)
+            if v is None or v != v or v in _INF:  # no data, NaN, +-Inf
+                per[name] = None
+                continue
+            v = v if 0.0 <= v <= 1.0 else (0.0 if v < 0.0 else 1.0)
+            per[name] = v
+            num[a] += w * v
+            den[a] += w
+    combined = {a: (min(1.0, max(0.0, num[a] / d)) if (d := den[a]) else NEUTRAL_SCORE) for a in scores}
     raw = {a: params.max_weight * c for a, c in combined.items()}
     factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
     for name, fa in plugins.factors.items():
@@ -282,6 +328,7 @@ def _cluster(
             raw[a] *= m
 
     step = max(1, round(params.quantum * params.max_weight))
+    max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
     for m in candidates:
         a, s = m.address, m.spec
         key = (cluster, a)
@@ -289,11 +336,13 @@ def _cluster(
         target = min(cap, stability.quantize(raw[a], step))
         bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
         weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        parts = " x ".join(f"{n} {v:.3g}" for n, v in factors[a].items() if v != 1.0)
-        reasons = [f"score {combined[a]:.2f} x max_weight {params.max_weight:g}" + (f" x {parts}" if parts else "")
-                   + f" -> {target}"]
+        parts = ""
+        for n, v in factors[a].items():
+            if v != 1.0:
+                parts += f" x {n} {v:.3g}"
+        reasons = [f"score {combined[a]:.2f} x max_weight {max_weight}{parts} -> {target}"]
         if bounded != target:
-            reasons.append(f"bounded to {bounded}: at most x{1 + (params.max_change or 0):g} per round")
+            reasons.append(f"bounded to {bounded}: at most x{growth} per round")
         if weight != bounded:
             reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")
         if kept_note:

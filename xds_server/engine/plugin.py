@@ -43,15 +43,16 @@ State = Mapping[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One endpoint in a round: its configuration and its (sanitised) statistics."""
+    """One endpoint in a round: its configuration and its (sanitised) statistics; ``address``: its
+    ``HOST:PORT`` (``spec.address``, kept as a field: plugins read it per endpoint per round)."""
 
     spec: EndpointSpec
     stats: EndpointStats
+    address: str = ""
 
-    @property
-    def address(self) -> str:
-        """The endpoint's ``HOST:PORT``."""
-        return self.spec.address
+    def __post_init__(self) -> None:
+        if not self.address:
+            object.__setattr__(self, "address", self.spec.address)
 
 
 @dataclass(frozen=True, slots=True)

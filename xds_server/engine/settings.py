@@ -7,6 +7,7 @@ or ``{name: false}`` (off). ``engine.scorers``: ``{name: weight}`` or ``{name: {
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -17,12 +18,18 @@ from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.types import EngineParams
 
 
+def _key(part: object) -> str:
+    """A location part as one line: odd keys (spaces, control characters, empty) quoted."""
+    text = str(part)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else repr(text)
+
+
 def _params(kind: str, name: str, cls: type, raw: Mapping[str, Any]) -> Any:
     try:
         return cls.model_validate(dict(raw))
     except ValidationError as err:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or name}: {e['msg']}" for e in err.errors())
+            f"{'.'.join(_key(p) for p in e['loc']) or name}: {e['msg']}" for e in err.errors())
         raise ValueError(f"{kind}.{name}: {problems}") from None
 
 

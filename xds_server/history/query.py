@@ -8,6 +8,7 @@ at ``since`` (kind ``carried``, stamped at ``since``); with ``step`` there is on
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ def parse_query(params: Mapping[str, str], now: float | None = None) -> HistoryQ
     for name in params:
         if name not in _PARAMS:
             raise QueryError(name, f"unknown parameter; known: {', '.join(_PARAMS)}")
+        getall = getattr(params, "getall", None)  # a multi-dict (aiohttp's request.query)
+        if getall is not None and len(getall(name)) > 1:
+            raise QueryError(name, "given more than once")
     values = {}
     for name, default in (("since", DEFAULT_SINCE), ("until", None)):
         raw = params.get(name, default)
@@ -77,8 +81,8 @@ def parse_query(params: Mapping[str, str], now: float | None = None) -> HistoryQ
     limit = DEFAULT_LIMIT
     if "limit" in params:
         raw = params["limit"]
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-            raise QueryError("limit", f"expected an integer 1..{MAX_LIMIT}, got {raw!r}")
+        if not re.fullmatch(r"[0-9]{1,6}", raw) or not 1 <= int(raw) <= MAX_LIMIT:
+            raise QueryError("limit", f"expected an integer 1..{MAX_LIMIT}, got {raw[:64]!r}")
         limit = int(raw)
     for name in ("cluster", "endpoint"):
         if name in params and not params[name]:

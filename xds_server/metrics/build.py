@@ -45,7 +45,8 @@ def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources
         scrape = ScrapeSource(
             {e.instance: f"http://{e.address}{m.scrape.path}" for e in endpoints}, specs, window,
             m.scrape.interval_s, m.scrape.timeout_s,
-            {e.instance: {"namespace": e.namespace, "pod": e.pod} for e in endpoints} if pod_join else None)
+            {e.instance: {"namespace": e.namespace, "pod": e.pod} for e in endpoints} if pod_join else None,
+            {e.instance: e.gpu_metrics_url for e in endpoints if e.gpu_metrics_url})
     pulls: list[PullSource] = []
     for name in m.sources:
         if name == "prometheus":
@@ -54,7 +55,9 @@ def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources
                 gpu = field in specs and specs[field].gpu
                 queries[field] = (q, 1.0, gpu_by if gpu else ("instance",))
             gpu_keys = {e.instance: f"{e.namespace}/{e.pod}" for e in endpoints} if pod_join else None
-            pulls.append(PrometheusSource(cfg.prometheus.url, window, cfg.loop.timeout_s, queries, gpu_keys))
+            gpu_fields = [f for f, spec in specs.items() if spec.gpu]
+            pulls.append(PrometheusSource(cfg.prometheus.url, window, cfg.loop.timeout_s, queries, gpu_keys,
+                                          gpu_fields))
         elif name == "scrape":
             assert scrape is not None
             pulls.append(scrape)

@@ -106,6 +106,16 @@ class CombinedSource:
         self._name = "+".join(n for n in answers if n in used) or "+".join(answers)
         return self.envoy.enrich(merged) if self.envoy is not None else merged
 
+    def sample_intervals(self) -> dict[str, float]:
+        """``{source name: how often its samples are renewed (s)}`` for the pull sources that know it
+        (Prometheus once its scrape interval was read from its targets API; the scrape source)."""
+        out = {}
+        for src in [*self.pulls, *([self.fallback] if self.fallback else [])]:
+            interval = getattr(src, "sample_interval_s", None)
+            if isinstance(interval, int | float) and interval > 0:
+                out[src.name] = float(interval)
+        return out
+
     def describe(self) -> dict:
         """For the admin API: configured sources, per-source failures and last error, fallback state."""
         sources = {}

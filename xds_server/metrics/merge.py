@@ -10,9 +10,12 @@ or keeps the last weights when the whole cluster is stale: C05). Ties go to the 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 
 from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
+
+_SIGNALS = operator.attrgetter(*SIGNAL_FIELDS)
 
 
 def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterable[str], stale_after_s: float
@@ -34,6 +37,13 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
         seen.sort(key=lambda x: (x[0], x[1]))
         youngest = seen[0][0]
         usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
+        if len(usable) == 1:  # one source answers: its stats as they are (the common case, O(fields))
+            name, st = usable[0][2], usable[0][3]
+            merged[inst] = st
+            where = {f: name for f, v in zip(SIGNAL_FIELDS, _SIGNALS(st), strict=True) if v is not None}
+            where["sample_age_s"] = name
+            origin[inst] = where
+            continue
         values: dict[str, float | None] = {}
         where: dict[str, str] = {}
         for field in SIGNAL_FIELDS:

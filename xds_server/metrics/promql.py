@@ -58,6 +58,24 @@ def _alternatives(sel: Sel, fn: Callable[[Callable[[str], str]], str], agg: str,
     return f"{agg} by ({k}) ({tagged})"
 
 
+def exported_labels(expr: str, by: tuple[str, ...]) -> str:
+    """``expr`` with each label of ``by`` taken from ``exported_<label>`` where that is set.
+
+    Prometheus renames a scraped label that clashes with a target label to ``exported_<label>``
+    (with ``honor_labels: false``, its default): on Kubernetes dcgm-exporter's ``pod`` and
+    ``namespace`` (the GPU's workload) arrive as ``exported_pod`` / ``exported_namespace`` while
+    ``pod`` names the exporter's own pod. Joined by ``instance`` nothing changes.
+
+    >>> exported_labels("m", ("pod",))
+    'label_replace(m, "pod", "$1", "exported_pod", "(.+)")'
+    """
+    if by == ("instance",):
+        return expr
+    for label in by:
+        expr = f'label_replace({expr}, "{label}", "$1", "exported_{label}", "(.+)")'
+    return expr
+
+
 def render(signal: Signal, by: tuple[str, ...]) -> str:
     """PromQL for ``signal`` grouped by the labels ``by`` (window placeholder ``{w}``)."""
     k = ", ".join(by)
@@ -69,7 +87,7 @@ def render(signal: Signal, by: tuple[str, ...]) -> str:
                 inner = f"{select('')} - {selectors(signal.minus)[0]}"
             else:
                 inner = select("")
-            return f"{signal.agg} by ({k}) ({inner})"
+            return f"{signal.agg} by ({k}) ({exported_labels(inner, by)})"
         return _alternatives(signal.sel, gauge, signal.agg, k)
     if isinstance(signal, HistogramMean | HistogramQuantile) and signal.base.union:
         raise ValueError("a histogram signal takes fallback names, not a union")

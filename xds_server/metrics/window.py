@@ -48,7 +48,10 @@ def _regex(pattern: str) -> re.Pattern[str]:
 def _match(labels: Labels, matchers: Iterable[tuple[str, str, str]], required: Mapping[str, str]) -> bool:
     d = dict(labels)
     for k, v in required.items():
-        if d.get(k, "") != v:
+        # Prometheus renames a scraped label that clashes with a target label to exported_<name>
+        # (dcgm-exporter's pod/namespace on Kubernetes); when present it is the one that names the
+        # GPU's workload, as in the PromQL this mirrors (xds_server.metrics.promql.exported_labels).
+        if (d.get(f"exported_{k}") or d.get(k, "")) != v:
             return False
     for label, op, value in matchers:
         have = d.get(label, "")

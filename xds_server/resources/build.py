@@ -7,7 +7,7 @@ from typing import Any
 
 from xds_server.config import Config, cluster_name
 from xds_server.engine.types import EndpointWeight
-from xds_server.resources.clusters import build_cluster, build_ext_proc_cluster
+from xds_server.resources.clusters import build_cluster, build_ext_proc_cluster, picker_limits
 from xds_server.resources.endpoints import build_assignment
 from xds_server.resources.listener import build_listener
 from xds_server.resources.names import EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME
@@ -67,7 +67,9 @@ class BuildMemo:
         if hit is not None and hit[0] is cfg:
             return hit[1], hit[2], hit[3]
         metadata = self._picker_metadata(cfg) if self._picker_metadata is not None else None
-        ext_proc = build_ext_proc_cluster(ext_proc_address, metadata, cfg.envoy.tls)
+        n_clusters = sum(len(s.versions) for s in cfg.services)
+        ext_proc = build_ext_proc_cluster(ext_proc_address, metadata, cfg.envoy.tls,
+                                          picker_limits(cfg.envoy, n_clusters))
         clusters = {EXT_PROC_CLUSTER: resource(EXT_PROC_CLUSTER, ext_proc)}
         limits: dict[str, dict[str, int]] = {}
         classes: dict[str, dict[str, str]] = {}

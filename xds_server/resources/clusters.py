@@ -21,7 +21,8 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from xds_server.config import EnvoySide, EnvoyTls, OutlierDetection, ServiceConfig, split_hostport
+from xds_server.config import CircuitBreakers, EnvoySide, EnvoyTls, OutlierDetection, ServiceConfig, split_hostport
+from xds_server.config.model import UINT32_MAX
 from xds_server.resources.names import EXT_PROC_CLUSTER, TYPE_PREFIX
 
 
@@ -51,12 +52,14 @@ def upstream_tls(tls: EnvoyTls) -> dict:
 
 
 def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | None = None,
-                           tls: EnvoyTls | None = None) -> cluster_pb2.Cluster:
+                           tls: EnvoyTls | None = None, limits: CircuitBreakers | None = None
+                           ) -> cluster_pb2.Cluster:
     """CDS ``inferlb_ext_proc``: an HTTP/2 cluster for the picker at ``HOST:PORT`` (TLS when ``tls`` is
     given): STATIC for an IP, STRICT_DNS for a name (every address it resolves to is a picker).
 
     ``metadata``: the cluster's ``filter_metadata`` (``{namespace: JSON object}``); the app puts the
-    picker's configuration there for pickers that subscribe over ADS.
+    picker's configuration there for pickers that subscribe over ADS. ``limits``: its circuit
+    breakers (:func:`picker_limits`); None = Envoy's defaults (1024 streams).
     """
     host, port = split_hostport(ext_proc_address)
     extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}
@@ -67,7 +70,7 @@ def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | 
         kind = "STATIC"
     except ValueError:   # a DNS name (a Kubernetes Service, say): Envoy resolves it, every replica
         kind = "STRICT_DNS"
-    return json_format.ParseDict({**extra,
+    cluster = json_format.ParseDict({**extra,
         "name": EXT_PROC_CLUSTER,
         "type": kind,
         "connect_timeout": "0.25s",
@@ -78,6 +81,9 @@ def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | 
         "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [{"lb_endpoints": [{"endpoint": {
             "address": {"socket_address": {"address": _loopback(host), "port_value": port}}}}]}]},
     }, cluster_pb2.Cluster())
+    if limits is not None:
+        cluster.circuit_breakers.CopyFrom(circuit_breakers(limits))
+    return cluster
 
 
 def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
@@ -106,14 +112,33 @@ def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
     )
 
 
-def _retry_budget(envoy: EnvoySide) -> circuit_breaker_pb2.CircuitBreakers:
-    """A retry budget instead of Envoy's fixed max_retries (3) circuit breaker."""
-    budget = circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
-        budget_percent=percent_pb2.Percent(value=envoy.retry_budget_percent),
-        min_retry_concurrency=wrappers_pb2.UInt32Value(value=envoy.min_retry_concurrency),
+def circuit_breakers(limits: CircuitBreakers, envoy: EnvoySide | None = None) -> circuit_breaker_pb2.CircuitBreakers:
+    """Envoy circuit breakers (DEFAULT priority) with every threshold set from ``limits`` (so none is
+    Envoy's unchosen default of 1024) and, with ``envoy``, a retry budget instead of Envoy's fixed
+    max_retries (3)."""
+    th = circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=base_pb2.DEFAULT,
+        max_connections=wrappers_pb2.UInt32Value(value=limits.max_connections),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=limits.max_pending_requests),
+        max_requests=wrappers_pb2.UInt32Value(value=limits.max_requests),
     )
-    return circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
-        priority=base_pb2.DEFAULT, retry_budget=budget)])
+    if envoy is not None:
+        th.retry_budget.CopyFrom(circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+            budget_percent=percent_pb2.Percent(value=envoy.retry_budget_percent),
+            min_retry_concurrency=wrappers_pb2.UInt32Value(value=envoy.min_retry_concurrency),
+        ))
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[th])
+
+
+def picker_limits(envoy: EnvoySide, inference_clusters: int) -> CircuitBreakers:
+    """The picker cluster's thresholds: ``envoy.picker_circuit_breakers``, or each the sum of
+    ``max_requests + max_pending_requests`` over the inference clusters (capped at uint32): every
+    request through the listener holds one ext_proc stream while it runs."""
+    if envoy.picker_circuit_breakers is not None:
+        return envoy.picker_circuit_breakers
+    cb = envoy.circuit_breakers
+    n = min(UINT32_MAX, max(1, inference_clusters) * (cb.max_requests + cb.max_pending_requests))
+    return CircuitBreakers(max_connections=n, max_pending_requests=n, max_requests=n)
 
 
 def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
@@ -154,5 +179,5 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
     )
     if envoy is not None:
         cluster.outlier_detection.CopyFrom(_outlier(envoy.outlier_detection))
-        cluster.circuit_breakers.CopyFrom(_retry_budget(envoy))
+        cluster.circuit_breakers.CopyFrom(circuit_breakers(envoy.circuit_breakers, envoy))
     return cluster

@@ -118,6 +118,28 @@ async def test_bad_parameters_are_400s_naming_the_parameter(client, query, param
     assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ")
 
 
+NINES = "9" * 310
+
+
+@pytest.mark.parametrize("query,param", [
+    (f"since={NINES}s", "since"), (f"until={NINES}s", "until"), (f"step={NINES}s", "step"),  # issue 15 item 6
+    ("since=101y", "since"), ("step=0s", "step"), ("step=00s", "step"),
+    ("since=0000-01-01T00:00:00Z", "since"), ("limit=%C2%B2", "limit"), (f"limit={'9' * 5000}", "limit"),
+    ("since=%D9%A1h", "since"), ("step=", "step"), ("since=1h&since=2h", "since"), ("cluster=", "cluster"),
+])
+async def test_every_bad_parameter_is_a_400_never_a_500(client, query, param):
+    doc = await get(client, f"/api/v1/history?{query}", 400)
+    conforms(doc, "Error")
+    assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ") and len(doc["error"]) < 400
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "9" * 5000, "0", "-1", "x"])
+async def test_a_bad_decisions_limit_is_a_400(client, limit):
+    doc = await get(client, f"/api/v1/decisions?limit={limit}", 400)
+    conforms(doc, "Error")
+    assert doc["parameter"] == "limit"
+
+
 async def test_decisions_sample(client):
     doc = await get(client, "/api/v1/decisions")
     conforms(doc, "DecisionsDocument")

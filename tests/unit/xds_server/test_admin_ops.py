@@ -59,6 +59,11 @@ async def test_loopback_without_token_may_drain_and_undrain():
         assert r.status == 200 and {x.health for x in cp.weights} == {"HEALTHY"}
         r = await c.post("/api/v1/endpoints/10.9.9.9:1/drain")
         assert r.status == 404 and "10.9.9.9:1" in (await r.json())["error"]
+        r = await c.post("/api/v1/endpoints/10.1.0.2:08000/drain")  # another spelling of one endpoint
+        assert r.status == 200 and (await r.json())["address"] == "10.1.0.2:8000"
+        assert {x.address: x.health for x in cp.weights}["10.1.0.2:8000"] == "DRAINING"
+        r = await c.post("/api/v1/endpoints/gpu-1:8000/drain")
+        assert r.status == 400 and "address" in (await r.json())["error"]
     finally:
         await c.close()
 

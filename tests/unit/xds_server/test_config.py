@@ -297,6 +297,43 @@ def test_duplicate_endpoint_is_refused():
     assert "llm-v1" in err and "llm-v2" in err
 
 
+@pytest.mark.parametrize(("written", "canonical"), [
+    ("127.0.0.1:08701", "127.0.0.1:8701"),
+    ("[FD00:0:0::1]:8000", "[fd00::1]:8000"),
+    ("[fd00:0000:0000:0000:0000:0000:0000:0001]:08000", "[fd00::1]:8000"),
+])
+def test_endpoint_addresses_are_kept_in_their_canonical_spelling(written, canonical):
+    """Issue 15 item 5: one socket address, one spelling (Envoy merges the spellings)."""
+    ep = parse_config(MINIMAL.replace("10.0.0.1:8000", f"'{written}'")).services[0].versions[0].endpoints[0]
+    assert (ep.address, ep.instance) == (canonical, canonical)
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("127.0.0.1:8701", "127.0.0.1:08701"),
+    ("[fd00::1]:8000", "[FD00:0::0:1]:8000"),
+])
+def test_two_spellings_of_one_address_are_refused_with_field_and_line(first, second):
+    text = yaml_text(
+        f"""
+        services:
+          - name: llm
+            versions:
+              - name: v1
+                endpoints:
+                  - address: "{first}"
+                  - address: "{second}"
+        """
+    )
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, second)}: services[0].versions[0].endpoints[1].address: "), err
+    assert "listed twice" in err and "canonical spelling" in err
+
+
+def test_ipv6_endpoint_address_without_brackets_is_refused():
+    err = one_error(MINIMAL.replace("10.0.0.1:8000", '"fd00::1:8000"'))
+    assert "needs brackets" in err and "[fd00::1]:8000" in err
+
+
 def test_duplicate_service_is_refused():
     err = one_error(DUP_SERVICE)
     assert "services[1].name" in err and "defined twice" in err and "llm" in err
@@ -428,3 +465,24 @@ def test_loop_section_and_its_deprecated_prometheus_spelling(caplog):
     assert "old.yaml: prometheus.interval_s is deprecated; use loop.interval_s" in caplog.text
     with pytest.raises(ConfigError, match="prometheus.interval_s and loop.interval_s are both set"):
         parse_config("loop: {interval_s: 1}\nprometheus: {interval_s: 2}\nservices: []\n")
+
+
+# --- staleness against the sources' own intervals (issue 15 item 11) -------------------------------
+
+
+@pytest.mark.parametrize(("extra", "source"), [
+    ("metrics:\n  sources: [scrape]\n  scrape: {interval_s: 20}\n", "metrics.scrape.interval_s (20 s)"),
+    ("metrics:\n  fallback: scrape\n  scrape: {interval_s: 20}\n", "metrics.scrape.interval_s (20 s)"),
+    ("prometheus:\n  scrape_interval_s: 20\n", "prometheus.scrape_interval_s (20 s)"),
+])
+def test_staleness_shorter_than_two_sample_intervals_is_refused_with_field_and_line(extra, source):
+    text = MINIMAL + "engine:\n  stale_after_s: 15\n" + extra
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, 'stale_after_s')}: engine.stale_after_s: "), err
+    assert source in err and "= 40 s" in err and "flap" in err
+
+
+def test_staleness_of_two_sample_intervals_is_accepted():
+    cfg = parse_config(MINIMAL + "engine:\n  stale_after_s: 40\nprometheus:\n  scrape_interval_s: 20\n"
+                       "metrics:\n  sources: [prometheus, scrape]\n  scrape: {interval_s: 20}\n")
+    assert cfg.engine.stale_after_s == 40 and cfg.prometheus.scrape_interval_s == 20

@@ -54,6 +54,23 @@ def test_150_endpoints_with_a_huge_max_weight_stay_within_uint32():
     assert all(1 <= w.weight <= MAX_WEIGHT_SUM for w in weights)
 
 
+def test_weights_scaled_to_fit_uint32_keep_their_ratios():
+    """Issue 15 item 7: 500 endpoints, max_weight 10**6, capacities 30 and 3, scores 0.2..1. Capping
+    each weight at uint32 / 500 made them all 8 589 934; the whole assignment is scaled instead."""
+    eps = [spec(i, capacity=30.0 if i % 2 else 3.0) for i in range(500)]
+    seen = {s.instance: stats(gpu_util=0.8 * (i % 5) / 4) for i, s in enumerate(eps)}
+    params = EngineParams(max_weight=10**6, quantum=0.0, hysteresis=0.0)
+    weights, state = compute_weights(eps, seen, EngineState(), params, plugins=BUILTIN)
+    assert sum(w.weight for w in weights) <= MAX_WEIGHT_SUM
+    assert len({w.weight for w in weights}) == 10  # 2 capacities x 5 scores, not one clamped value
+    ideal = [w.target for w in weights]
+    for w, t in zip(weights, ideal, strict=True):
+        assert w.weight / weights[0].weight == pytest.approx(t / ideal[0], rel=1e-5)
+        assert "past uint32" in w.reasons[-1]
+    again, _ = compute_weights(eps, seen, state, params, plugins=BUILTIN)  # stable round after round
+    assert [w.weight for w in again] == [w.weight for w in weights]
+
+
 def test_all_zero_scores_still_give_weight_1():
     eps = specs(5)
     # idle compute 0 (GPU at 100 %), concurrency headroom 0 (7 running + 1 queued of 8), KV cache full,

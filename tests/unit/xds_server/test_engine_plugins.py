@@ -444,3 +444,34 @@ def test_balance_is_off_unless_the_config_names_it():
     assert "balance" in engine_params(config()).disabled
     assert "balance" not in engine_params(config(engine={"factors": {"balance": True}})).disabled
     assert "balance" not in engine_params(config(engine={"factors": {"balance": {"step": 0.05}}})).disabled
+
+
+def test_a_drained_and_removed_endpoint_stays_removed_until_undrained():
+    """Issue 15 item 2: in flight 0 -> removed; 2 -> still removed; stale -> still removed."""
+    eps = specs(2)
+    drained = [eps[0], replace(eps[1], draining=True)]
+    r = Rounds(drained, replace(BASE, drain_timeout_s=60))
+    seen = same_stats(eps, **OK, in_flight=0.0)
+    assert r.run(seen, at=0)[eps[1].address].removed
+    seen[eps[1].instance] = stats(**OK, in_flight=2.0)
+    d = r.run(seen, at=1)[eps[1].address]
+    assert d.removed and d.health == DRAINING and "no request in flight" in d.reasons[0]
+    seen[eps[1].instance] = stats(**OK, in_flight=0.0)
+    assert r.run(seen, at=2)[eps[1].address].removed
+    seen[eps[1].instance] = stats(in_flight=3.0, sample_age_s=99.0)
+    assert r.run(seen, at=3)[eps[1].address].removed
+    r.eps = eps  # undrained: back, HEALTHY
+    assert r.run(same_stats(eps, **OK, in_flight=3.0), at=4)[eps[1].address].health == HEALTHY
+    r.eps = drained  # a new drain is decided afresh
+    assert not r.run(same_stats(eps, **OK, in_flight=3.0), at=5)[eps[1].address].removed
+
+
+def test_a_removed_endpoint_dropped_from_the_config_and_re_added_is_decided_afresh():
+    eps = specs(2)
+    drained = [eps[0], replace(eps[1], draining=True)]
+    r = Rounds(drained, replace(BASE, drain_timeout_s=60))
+    assert r.run(same_stats(eps, **OK, in_flight=0.0), at=0)[eps[1].address].removed
+    r.eps = [eps[0]]
+    r.run(same_stats(eps, **OK), at=1)
+    r.eps = drained
+    assert not r.run(same_stats(eps, **OK, in_flight=2.0), at=2)[eps[1].address].removed

@@ -36,8 +36,21 @@ def test_times_are_durations_ago_or_rfc3339():
     for bad in ("2026-01-02T03:04:05", "2026-01-02", "yesterday", "1800000000"):
         with pytest.raises(ValueError, match="RFC 3339"):
             parse_time(bad, NOW)
-    with pytest.raises(ValueError, match="month"):
+    with pytest.raises(ValueError, match="RFC 3339"):
         parse_time("2026-13-02T03:04:05Z", NOW)
+    with pytest.raises(ValueError, match="day is out of range"):
+        parse_time("2026-02-30T03:04:05Z", NOW)
+    assert parse_time("0s", NOW) == NOW  # "0s ago" is now
+
+
+@pytest.mark.parametrize("text", ["01s", "1234567890123s", "١h", "²s", "9" * 310 + "s"])
+def test_durations_are_ascii_integers_without_leading_zeros_and_stay_finite(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_the_longest_duration_is_finite():
+    assert parse_duration("999999999999w" * 100) == pytest.approx(100 * 999999999999 * 604800)
 
 
 def test_query_defaults_and_values():

@@ -61,6 +61,9 @@ def test_empty_vector_is_no_series():
         [{"metric": None, "value": [1, "1"]}],
         ["not a series"],
         [series("a:1", "1"), 42],
+        [series("a:1", "abc")],  # JSON, but not a number (issue 15 item 3)
+        [series("a:1", "")],
+        [{"metric": {"instance": "a:1"}, "value": ["yesterday", "1"]}],
     ],
 )
 def test_malformed_answers_raise_metrics_unavailable(answer):

@@ -74,7 +74,9 @@ def test_total_sampletime_plus_and_minus():
     plus = Plus((Gauge(Sel(("a",)), over_window=False), Gauge(Sel(("b",)), over_window=False)))
     assert render(plus, ("instance",)) == "(sum by (instance) (a)) + (sum by (instance) (b))"
     minus = Gauge(Sel(("total",)), "min", over_window=False, minus=Sel(("used",)))
-    assert render(minus, ("pod",)) == "min by (pod) (total - used)"
+    assert render(minus, ("instance",)) == "min by (instance) (total - used)"
+    # joined by other labels, exported_<label> (Prometheus's rename on a clash) wins where set
+    assert render(minus, ("pod",)) == 'min by (pod) (label_replace(total - used, "pod", "$1", "exported_pod", "(.+)"))'
     with pytest.raises(ValueError):
         Gauge(Sel(("a",)), minus=Sel(("b",)))
 

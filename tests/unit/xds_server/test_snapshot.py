@@ -98,7 +98,7 @@ def test_cluster_timeout_and_panic_threshold_from_config():
     assert c.common_lb_config.healthy_panic_threshold.value == 10
     c = build_cluster("embed-e1", CFG.services[1], CFG.headers.override_host)
     assert c.connect_timeout.ToNanoseconds() == 1_000_000_000
-    assert c.common_lb_config.healthy_panic_threshold.value == 0
+    assert c.common_lb_config.healthy_panic_threshold.value == 1  # the default: panic only when no host is left
 
 
 # --- assignments ----------------------------------------------------------------------------------
@@ -254,3 +254,32 @@ def test_packed_assignment_is_the_built_assignment():
     meta = cla.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"]
     assert meta.fields["max_concurrency"].number_value == 8  # the endpoint default
     assert meta.fields["gpu_class"].string_value == "a100"  # for the picker's cost model per GPU class
+
+
+def _clusters(cfg) -> dict[str, cluster_pb2.Cluster]:
+    out = {}
+    for r in snapshot(cfg, []).resources[CLUSTER_TYPE].values():
+        c = cluster_pb2.Cluster()
+        r.packed.Unpack(c)
+        out[c.name] = c
+    return out
+
+
+def _thresholds(cluster) -> tuple[int, int, int]:
+    (th,) = cluster.circuit_breakers.thresholds
+    return th.max_connections.value, th.max_pending_requests.value, th.max_requests.value
+
+
+def test_every_circuit_breaker_threshold_is_set_from_the_config():
+    """Issue 15 item 12: left unset, Envoy's 1024 applies to the inference clusters and to the
+    picker's (one ext_proc stream per request in flight)."""
+    clusters = _clusters(CFG)
+    assert _thresholds(clusters["llm-v1"]) == (100_000, 100_000, 100_000)
+    assert clusters["llm-v1"].circuit_breakers.thresholds[0].retry_budget.budget_percent.value == 25
+    assert _thresholds(clusters[EXT_PROC_CLUSTER]) == (3 * 200_000,) * 3  # 3 clusters x (requests + pending)
+    custom = config(CFG.model_dump()["services"], envoy={
+        "circuit_breakers": {"max_connections": 500, "max_pending_requests": 50, "max_requests": 2000},
+        "picker_circuit_breakers": {"max_connections": 4, "max_pending_requests": 5, "max_requests": 6}})
+    clusters = _clusters(custom)
+    assert _thresholds(clusters["embed-e1"]) == (500, 50, 2000)
+    assert _thresholds(clusters[EXT_PROC_CLUSTER]) == (4, 5, 6)

@@ -305,3 +305,87 @@ def test_push_over_grpc_from_the_simulator():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+# --- staleness fitted to the sources' own sample intervals (issue 15 item 11) ----------------------
+
+
+async def test_a_learned_scrape_interval_longer_than_half_the_staleness_raises_it_once(caplog):
+    """Prometheus scrapes every 20 s, engine.stale_after_s is 15: sample ages cycle 0-20 s, so an
+    endpoint would flap. The control plane uses 2 x 20 s instead, says so once, and keeps the
+    endpoint whose last sample is 18 s old HEALTHY."""
+    import logging
+    from types import SimpleNamespace
+
+    from tests.support.factories import config, service, version
+    from xds_server.ads.server import SnapshotCache
+    from xds_server.control import ControlPlane
+
+    cfg = config([service("chat", [version("v1", [{"address": A}, {"address": B}])])],
+                 engine={"stale_after_s": 15})
+    ages = {A: 2.0, B: 18.0}
+    prom = SimpleNamespace(name="prometheus", sample_interval_s=None,
+                           fetch=lambda instances: {i: EndpointStats(sample_age_s=ages[i]) for i in instances})
+    cp = ControlPlane(cfg, CombinedSource([prom]), SnapshotCache(), [], lambda: "127.0.0.1:1")
+    await cp.run_round()
+    assert cp.stale_after_s == 15 and {w.address: w.health for w in cp.weights}[B] == "UNHEALTHY"
+    prom.sample_interval_s = 20.0  # learned from /api/v1/targets
+    with caplog.at_level(logging.WARNING, logger="xds_server.control"):
+        for _ in range(3):
+            await cp.run_round()
+    assert cp.stale_after_s == 40 and cp.source.stale_after_s == 40
+    assert {w.health for w in cp.weights} == {"HEALTHY"}
+    warned = [r.getMessage() for r in caplog.records if "stale_after_s" in r.getMessage()]
+    assert len(warned) == 1 and "prometheus's sample interval (20 s)" in warned[0] and "using 40 s" in warned[0]
+
+
+# --- GPU inputs from a separate exporter, Kubernetes label renames (issue 15 item 8) ---------------
+
+OWN_PAGE = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 2\n"
+DCGM_PAGE = (  # a node's dcgm-exporter as Prometheus would have renamed its labels on Kubernetes
+    "# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n"
+    'DCGM_FI_DEV_GPU_UTIL{gpu="0",exported_pod="llm-0",exported_namespace="ai",pod="dcgm-x",'
+    'namespace="gpu-operator"} 40\n'
+    'DCGM_FI_DEV_GPU_UTIL{gpu="1",exported_pod="llm-1",exported_namespace="ai",pod="dcgm-x",'
+    'namespace="gpu-operator"} 90\n')
+
+
+async def test_the_scrape_source_reads_gpu_inputs_from_a_configured_exporter_with_exported_labels(caplog):
+    import logging
+
+    from aiohttp import web
+
+    async def own(_):
+        return web.Response(text=OWN_PAGE)
+
+    async def dcgm(_):
+        return web.Response(text=DCGM_PAGE)
+
+    app = web.Application()
+    app.router.add_get("/metrics", own)
+    app.router.add_get("/dcgm", dcgm)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    pods = {A: {"namespace": "ai", "pod": "llm-0"}, B: {"namespace": "ai", "pod": "llm-9"}}
+    src = ScrapeSource({A: f"{base}/metrics", B: f"{base}/metrics"}, preset("vllm", "dcgm"), 10.0, 0.05, 1.0,
+                       pods, {A: f"{base}/dcgm", B: f"{base}/dcgm"})
+    task = asyncio.create_task(src.run())
+    try:
+        with caplog.at_level(logging.WARNING, logger="xds_server.metrics.sources.scrape"):
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                got = src.fetch([A, B])
+                if got[A].gpu_util is not None:
+                    break
+            for _ in range(3):
+                got = src.fetch([A, B])
+    finally:
+        task.cancel()
+        await runner.cleanup()
+    assert got[A].gpu_util == pytest.approx(0.40) and got[A].running == 2  # its pod's GPU, not llm-1's
+    assert got[B].gpu_util is None and got[B].running == 2
+    warned = [r.getMessage() for r in caplog.records if "match no series" in r.getMessage()]
+    assert len(warned) == 1 and B in warned[0] and f"{base}/dcgm" in warned[0] and "llm-9" in warned[0]

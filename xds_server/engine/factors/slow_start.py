@@ -39,16 +39,21 @@ def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float
          ) -> tuple[Mapping[str, float], State]:
     out: dict[str, float] = {}
     new: dict[str, Ramp] = {}
+    done = _DONE
     for m in rnd.members:
         r = state.get(m.address)
         if r is None:
-            r = Ramp(None) if rnd.first_round or p.window_s == 0 else Ramp(rnd.now, m.stats.success_total)
+            r = done if rnd.first_round or p.window_s == 0 else Ramp(rnd.now, m.stats.success_total)
+        if r.started is None:  # at full weight: the common case, one dict write each
+            out[m.address] = 1.0
+            new[m.address] = r
+            continue
         if r.started is not None:
             elapsed = max(0.0, rnd.now - r.started)
             served = (None if r.base_success is None or m.stats.success_total is None
                       else m.stats.success_total - r.base_success)
             if elapsed >= p.window_s or (p.requests > 0 and served is not None and served >= p.requests):
-                r = Ramp(None)
+                r = done
         if r.started is None:
             out[m.address] = 1.0
         else:
@@ -58,4 +63,5 @@ def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float
     return out, new
 
 
+_DONE = Ramp(None)
 PLUGIN = Factor("slow_start", Params, _run)

@@ -11,9 +11,9 @@ repeats and ``max_ejection_percent`` follow :mod:`..ejection` (Envoy's outlier-d
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -33,6 +33,21 @@ class Params(EjectionParams):
     normalize_by_capacity: bool = True
 
 
+def median_without(ordered: Sequence[float], i: int) -> float:
+    """The median of sorted ``ordered`` without its element at index ``i``, in O(1) (the peers'
+    median of each endpoint without an O(n) copy each: a 60 000-endpoint round stays O(n log n)).
+
+    >>> median_without([1, 2, 3, 10], 3), median_without([1, 2, 3, 10], 0), median_without([1, 5, 9], 1)
+    (2, 3, 5.0)
+    """
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
 def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str], State]:
     judged: dict[str, float] = {}
     for m in rnd.members:
@@ -44,11 +59,12 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
         if v > 0 and math.isfinite(v):
             judged[m.address] = v
     outliers: dict[str, tuple[float, str]] = {}
+    ordered = sorted(judged.values())
+    rank = {a: bisect.bisect_left(ordered, v) for a, v in judged.items()}
     for address, v in judged.items():
-        peers = [x for a, x in judged.items() if a != address]
-        if not peers:
+        if len(ordered) < 2:
             continue
-        ref = statistics.median(peers)
+        ref = median_without(ordered, rank[address])
         if ref > 0 and v > p.factor * ref and v - ref >= p.min_delta_ms:
             unit = " (capacity-normalised)" if p.normalize_by_capacity else ""
             outliers[address] = (v / ref, f"{p.signal} latency {v:.0f} ms > {p.factor:g} x peers' median "

@@ -44,12 +44,15 @@ def _delta(now: float | None, before: float | None) -> float:
 def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str], State]:
     counters: dict[str, OomState] = dict(state)
     outliers: dict[str, tuple[float, str]] = {}
+    fresh = OomState()
     for m in rnd.members:
-        old = counters.get(m.address, OomState())
-        ooms = _delta(m.stats.oom_total, old.oom_total)
-        successes = _delta(m.stats.success_total, old.success_total)
+        old = counters.get(m.address, fresh)
+        st = m.stats
+        ooms = _delta(st.oom_total, old.oom_total)
+        successes = _delta(st.success_total, old.success_total)
         streak = 0.0 if successes > 0 else old.streak + ooms
-        counters[m.address] = OomState(m.stats.oom_total, m.stats.success_total, streak, old.ejection)
+        if (st.oom_total, st.success_total, streak) != (old.oom_total, old.success_total, old.streak):
+            counters[m.address] = OomState(st.oom_total, st.success_total, streak, old.ejection)
         if streak >= p.consecutive:
             outliers[m.address] = (streak, f"{streak:.0f} consecutive out-of-memory refusals")
     ejections = {a: s.ejection for a, s in counters.items() if s.ejection is not None}
@@ -59,7 +62,8 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
         e = new.get(address)
         streak = 0.0 if address in reasons and address in outliers else s.streak  # a fresh ejection restarts it
         if e is not None or s.oom_total is not None or s.success_total is not None:
-            out[address] = OomState(s.oom_total, s.success_total, streak, e)
+            out[address] = s if (e is s.ejection and streak == s.streak) else OomState(
+                s.oom_total, s.success_total, streak, e)
     return reasons, out
 
 

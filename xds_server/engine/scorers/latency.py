@@ -10,10 +10,11 @@ slowness must not be penalised twice. No data, or no peer with data: ``None``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 from xds_server.engine.inputs import latency_of
-from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import ClusterRound, Member, PluginParams, Scorer, State, clamp01
 
 
 class Params(PluginParams):
@@ -29,12 +30,13 @@ def _norm(m: Member, p: Params) -> float | None:
     return v if v is not None and v > 0 and math.isfinite(v) else None
 
 
-def _score(m: Member, p: Params, rnd: ClusterRound) -> float | None:
-    own = _norm(m, p)
-    peers = [v for x in rnd.members if (v := _norm(x, p)) is not None]
-    if own is None or not peers:
-        return None
-    return clamp01(min(peers) / own)
+def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, float | None], State]:
+    """O(n): the pool's best latency is found once per round, not once per endpoint."""
+    own = {m.address: _norm(m, p) for m in rnd.members}
+    best = min((v for v in own.values() if v is not None), default=None)
+    if best is None:
+        return dict.fromkeys(own), state
+    return {a: None if v is None else clamp01(best / v) for a, v in own.items()}, state
 
 
-PLUGIN = per_endpoint_scorer("latency", Params, 1.0, _score)
+PLUGIN = Scorer("latency", Params, 1.0, _run)

@@ -11,14 +11,17 @@ is not stale at once).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests import RequestException
+from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from xds_server.metrics.presets import SAMPLE_TIME, VLLM_DCGM
@@ -27,12 +30,50 @@ from xds_server.metrics.stats import EndpointStats, finite
 
 log = logging.getLogger(__name__)
 
+#: Queries of one round run at once, each on its own thread and pooled connection.
+MAX_PARALLEL_QUERIES = 16
 #: ``{field: (PromQL template with {w}, scale, join labels)}``; a 2-tuple means join by ``instance``.
 Queries = Mapping[str, tuple[str, float, tuple[str, ...]] | tuple[str, float]]
 
 
 def _window(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
+
+
+#: Rounds in a row an endpoint's GPU inputs must match nothing before it is logged.
+GPU_MISSING_ROUNDS = 3
+#: How often the targets' scrape interval is read again from ``/api/v1/targets`` (s).
+INTERVAL_REFRESH_S = 300.0
+_GO_DURATION = re.compile(r"([0-9]+)(ms|y|w|d|h|m|s)")
+_GO_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
+
+
+def parse_prometheus_duration(text: object) -> float | None:
+    """A Prometheus duration (``model.Duration`` as the targets API writes it: ``20s``, ``1m30s``,
+    ``500ms``) -> seconds; None for anything else.
+
+    >>> parse_prometheus_duration("1m30s"), parse_prometheus_duration("500ms"), parse_prometheus_duration("x")
+    (90.0, 0.5, None)
+    """
+    if not isinstance(text, str) or not re.fullmatch(r"(?:[0-9]+(?:ms|y|w|d|h|m|s))+", text):
+        return None
+    return sum(int(n) * _GO_UNITS[u] for n, u in _GO_DURATION.findall(text))
+
+
+def scrape_interval(targets_answer: object, instances: Iterable[str]) -> float | None:
+    """The longest ``scrapeInterval`` of the active targets whose ``instance`` label is one of
+    ``instances``, from a ``/api/v1/targets`` answer (Prometheus >= 2.3x lists it per target); None
+    when no target matches or the answer is not of that shape."""
+    wanted = set(instances)
+    try:
+        targets = targets_answer["data"]["activeTargets"]  # type: ignore[index]
+        found = [parse_prometheus_duration(t.get("scrapeInterval")) for t in targets
+                 if isinstance(t, dict) and isinstance(t.get("labels"), dict)
+                 and t["labels"].get("instance") in wanted]
+    except (KeyError, TypeError):
+        return None
+    found = [f for f in found if f]
+    return max(found) if found else None
 
 
 def join_key(labels: Mapping[str, str], by: tuple[str, ...]) -> str:
@@ -47,7 +88,9 @@ def parse_vector(result: object, scale: float = 1.0, by: tuple[str, ...] = ("ins
     a series without them cannot be joined and is skipped.
 
     Raises:
-        MetricsUnavailable: the answer is not a list of ``{"metric": {...}, "value": [ts, "v"]}``.
+        MetricsUnavailable: the answer is not a list of ``{"metric": {...}, "value": [ts, "v"]}``, or a
+            sample value or time is not a number (Prometheus's HTTP API writes values as strings of
+            Go floats: digits, ``NaN``, ``+Inf``, ``-Inf``): a malformed answer fails the round.
     """
     if not isinstance(result, list):
         raise MetricsUnavailable(f"expected a vector, got {type(result).__name__}")
@@ -55,9 +98,10 @@ def parse_vector(result: object, scale: float = 1.0, by: tuple[str, ...] = ("ins
     for series in result:
         try:
             labels = series["metric"]
-            _, raw = series["value"]
+            ts, raw = series["value"]
             if not isinstance(raw, str):
                 raise TypeError("sample value must be a string")
+            float(ts), float(raw)  # Prometheus sends numbers, "NaN" and "+Inf"/"-Inf"; "abc" is garbage
             if by == ("instance",):
                 key = str(labels["instance"])
             elif all(k in labels for k in by):
@@ -76,25 +120,62 @@ class PrometheusSource:
 
     ``window_s``: range of rates/averages (s); ``timeout_s``: deadline of one round's queries (s);
     ``queries``: see :data:`Queries` (default: vLLM + DCGM joined by instance); ``gpu_keys``:
-    ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``).
+    ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``);
+    ``gpu_fields``: the GPU inputs: an endpoint whose own series answer but that none of them joins
+    to is logged once, with the query (a renamed label or a wrong pod name).
     """
 
     name = "prometheus"
 
     def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
-                 gpu_keys: Mapping[str, str] | None = None) -> None:
-        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
-        # next round is the retry.
-        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0))
+                 gpu_keys: Mapping[str, str] | None = None, gpu_fields: Iterable[str] = ()) -> None:
         self._timeout_s = timeout_s
         self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
                          for f, q in queries.items()}
         if SAMPLE_TIME not in self._queries:
             raise ValueError(f"queries must include {SAMPLE_TIME!r} (the newest sample's time)")
+        workers = min(MAX_PARALLEL_QUERIES, len(self._queries))
+        # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
+        # next round is the retry. One pooled connection per query thread: with urllib3's default of
+        # 10, 14 parallel queries logged "Connection pool is full" every round (issue 15 item 9).
+        session = requests.Session()
+        session.verify = False
+        self._prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0),
+                                       session=session)
+        session.mount(url, HTTPAdapter(max_retries=Retry(total=0), pool_connections=1, pool_maxsize=workers))
         self._gpu_keys = dict(gpu_keys or {})
+        self._gpu_fields = tuple(f for f in gpu_fields if f in self._queries)
+        self._gpu_warned: set[str] = set()
+        self._gpu_missing: dict[str, int] = {}  # rounds in a row with own series but no GPU series
         self._last_seen: dict[str, float] = {}
         self._first_asked: dict[str, float] = {}
-        self._pool = ThreadPoolExecutor(max_workers=min(16, len(self._queries)), thread_name_prefix="promql")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="promql")
+        self._url, self._session = url, session
+        #: Prometheus's scrape interval for the configured endpoints (s), read from its targets API;
+        #: None until read (or when it cannot be read).
+        self.sample_interval_s: float | None = None
+        self._interval_read_at: float | None = None
+
+    def _read_interval(self, instances: list[str], now: float) -> None:
+        if self._interval_read_at is not None and now - self._interval_read_at < INTERVAL_REFRESH_S:
+            return
+        try:
+            answer = self._session.get(f"{self._url}/api/v1/targets", params={"state": "active"},
+                                       timeout=self._timeout_s).json()
+        except (RequestException, ValueError) as err:
+            log.debug("cannot read Prometheus's targets for their scrape interval: %s", err)
+            return
+        interval = scrape_interval(answer, instances)
+        if interval is None:  # targets not discovered yet, or renamed: try again next round
+            return
+        self._interval_read_at = now
+        if interval != self.sample_interval_s:
+            log.info("Prometheus scrapes the endpoints every %g s (from %s/api/v1/targets)", interval, self._url)
+        self.sample_interval_s = interval
+
+    def describe(self) -> dict:
+        """For the admin API: the scrape interval learned from Prometheus (s, or None)."""
+        return {"scrape_interval_s": self.sample_interval_s}
 
     def _query(self, field: str) -> dict[str, float | None]:
         query, scale, by = self._queries[field]
@@ -123,6 +204,8 @@ class PrometheusSource:
             raise MetricsUnavailable(f"{len(pending)} queries did not answer within {self._timeout_s:g} s")
         values = {f: fut.result() for f, fut in futures.items()}  # re-raises MetricsUnavailable
         now = time.time() if now is None else now
+        instances = list(instances)
+        self._read_interval(instances, now)
         out: dict[str, EndpointStats] = {}
         for inst in instances:
             ts = values[SAMPLE_TIME].get(inst)
@@ -135,4 +218,22 @@ class PrometheusSource:
                     by = self._queries[f][2]
                     fields[f] = v.get(inst if by == ("instance",) else self._gpu_keys.get(inst, ""))
             out[inst] = replace(EndpointStats(**fields), sample_age_s=max(0.0, now - seen))
+            if ts is not None and self._gpu_fields and all(fields[f] is None for f in self._gpu_fields):
+                self._warn_no_gpu(inst)
+            else:
+                self._gpu_missing.pop(inst, None)
         return out
+
+    def _warn_no_gpu(self, inst: str) -> None:
+        """Once per endpoint: its own metrics answer, but no GPU series joins to it (in
+        :data:`GPU_MISSING_ROUNDS` rounds in a row: not at start-up, when Prometheus may have scraped
+        the endpoint but not yet its GPU exporter)."""
+        self._gpu_missing[inst] = self._gpu_missing.get(inst, 0) + 1
+        if inst in self._gpu_warned or self._gpu_missing[inst] < GPU_MISSING_ROUNDS:
+            return
+        self._gpu_warned.add(inst)
+        field = self._gpu_fields[0]
+        query, _, by = self._queries[field]
+        key = inst if by == ("instance",) else self._gpu_keys.get(inst, "")
+        log.warning("endpoint %s: its GPU inputs (%s) match no series: no %s=%r in the answer to %s",
+                    inst, ", ".join(self._gpu_fields), "/".join(by), key, query)

@@ -41,6 +41,9 @@ from xds_server.metrics.window import Labels, Scrape, evaluate
 
 log = logging.getLogger(__name__)
 
+#: Rounds in a row an endpoint's GPU inputs must match nothing before it is logged.
+GPU_MISSING_ROUNDS = 3
+
 
 def _sels(signal: Signal) -> list[tuple[Sel, tuple[str, ...]]]:
     if isinstance(signal, Gauge):
@@ -80,18 +83,28 @@ def parse_exposition(text: str, keep: frozenset[str]) -> dict[str, tuple[tuple[L
     return {k: tuple(v) for k, v in out.items()}
 
 
+def _exporter(url: str) -> str:
+    """The window key of a GPU exporter's page (shared by the endpoints that name its URL)."""
+    return f"gpu-exporter {url}"
+
+
 class ScrapeSource:
     """Scrapes ``targets`` (``{instance: URL}``) and evaluates ``specs`` over ``window_s`` per instance.
 
     ``gpu_labels``: ``{instance: {label: value}}`` a GPU series must carry to count for that
-    instance (the pod/namespace join); ``interval_s``/``timeout_s``: scrape period and timeout (s).
+    instance (the pod/namespace join; ``exported_<label>`` counts first, as Prometheus renames a
+    clashing label); ``interval_s``/``timeout_s``: scrape period and timeout (s); ``gpu_targets``:
+    ``{instance: URL}`` of a GPU exporter page (e.g. a node's dcgm-exporter) read for that instance's
+    GPU inputs instead of its own page. An endpoint whose pages were read but that no GPU series
+    counts for is logged once.
     """
 
     name = "scrape"
 
     def __init__(self, targets: Mapping[str, str], specs: Mapping[str, SignalSpec], window_s: float,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
-                 gpu_labels: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 gpu_labels: Mapping[str, Mapping[str, str]] | None = None,
+                 gpu_targets: Mapping[str, str] | None = None) -> None:
         if SAMPLE_TIME not in specs:
             raise ValueError(f"specs must include {SAMPLE_TIME!r}")
         self.targets = dict(targets)
@@ -99,9 +112,16 @@ class ScrapeSource:
         self._keep = sample_names(specs)
         self.window_s = window_s
         self.interval_s = interval_s
+        self.sample_interval_s = interval_s  #: how often its samples are renewed (s)
         self.timeout_s = timeout_s
         self._gpu_labels = {k: dict(v) for k, v in (gpu_labels or {}).items()}
+        self.gpu_targets = dict(gpu_targets or {})
+        self._gpu_specs = [f for f, spec in self._specs.items() if spec.gpu]
+        self._gpu_warned: set[str] = set()
+        self._gpu_missing: dict[str, int] = {}  # rounds in a row with own series but no GPU series
         self._windows: dict[str, deque[Scrape]] = {inst: deque() for inst in self.targets}
+        for url in set(self.gpu_targets.values()):
+            self._windows[_exporter(url)] = deque()
         self._first_asked: dict[str, float] = {}
         self._lock = threading.Lock()
         self.scrapes_ok = 0
@@ -125,18 +145,37 @@ class ScrapeSource:
         now = time.time() if now is None else now
         out = {}
         for inst in instances:
+            gpu_url = self.gpu_targets.get(inst)
             with self._lock:
                 scrapes = [s for s in self._windows.get(inst, ()) if now - self.window_s < s.t <= now]
                 newest = self._windows[inst][-1].t if self._windows.get(inst) else None
+                gpu_scrapes = scrapes if gpu_url is None else [
+                    s for s in self._windows.get(_exporter(gpu_url), ()) if now - self.window_s < s.t <= now]
             values: dict[str, float | None] = {}
             for field, spec in self._specs.items():
                 if field == SAMPLE_TIME:
                     continue
-                v = evaluate(spec.signal, scrapes, self._gpu_labels.get(inst) if spec.gpu else None)
+                v = evaluate(spec.signal, gpu_scrapes if spec.gpu else scrapes,
+                             self._gpu_labels.get(inst) if spec.gpu else None)
                 values[field] = None if v is None else v * spec.scale
+            if scrapes and gpu_scrapes and self._gpu_specs and all(values[f] is None for f in self._gpu_specs):
+                self._warn_no_gpu(inst, gpu_url or self.targets.get(inst, "?"))
+            else:
+                self._gpu_missing.pop(inst, None)
             seen = newest if newest is not None else self._first_asked.setdefault(inst, now)
             out[inst] = EndpointStats(**values, sample_age_s=max(0.0, now - seen))
         return out
+
+    def _warn_no_gpu(self, inst: str, url: str) -> None:
+        """Once per endpoint: pages were read, but no GPU series in them counts for it (in
+        :data:`GPU_MISSING_ROUNDS` rounds in a row)."""
+        self._gpu_missing[inst] = self._gpu_missing.get(inst, 0) + 1
+        if inst in self._gpu_warned or self._gpu_missing[inst] < GPU_MISSING_ROUNDS:
+            return
+        self._gpu_warned.add(inst)
+        need = self._gpu_labels.get(inst)
+        log.warning("endpoint %s: its GPU inputs (%s) match no series in %s%s", inst, ", ".join(self._gpu_specs),
+                    url, f" with labels {need} (or exported_<label>)" if need else "")
 
     async def _scrape(self, http: aiohttp.ClientSession, instance: str, url: str) -> None:
         try:
@@ -161,7 +200,8 @@ class ScrapeSource:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             while True:
                 started = time.monotonic()
-                await asyncio.gather(*(self._scrape(http, i, u) for i, u in self.targets.items()))
+                await asyncio.gather(*(self._scrape(http, i, u) for i, u in self.targets.items()),
+                                     *(self._scrape(http, _exporter(u), u) for u in set(self.gpu_targets.values())))
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def describe(self) -> dict:

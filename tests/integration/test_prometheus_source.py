@@ -1,0 +1,162 @@
+"""The Prometheus source against a real Prometheus (2.42): one pooled connection per parallel query,
+so no "Connection pool is full" lines while Prometheus answers or while it is down (issue 15 item
+9); the scrape interval read from Prometheus's own targets API (issue 15 item 11); DCGM's pod and
+namespace labels renamed by Prometheus to exported_pod / exported_namespace still join, and an
+endpoint no GPU series joins to is logged once with the query (issue 15 item 8)."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import os
+import signal
+import threading
+
+import pytest
+import yaml
+
+from inferlb.devstack import stack
+from tests.integration.conftest import wait_until
+from xds_server.metrics.presets import VLLM_DCGM, preset, promql_queries
+from xds_server.metrics.source import MetricsUnavailable
+from xds_server.metrics.sources.prometheus import PrometheusSource
+
+pytestmark = pytest.mark.integration
+
+SCRAPE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    work = tmp_path_factory.mktemp("prom-source")
+    sim_port, prom_port = stack.free_port(), stack.free_port()
+    sim = stack.start_sim(sim_port, work, gpu_class="a100", version="v1")
+    prom = stack.start_prometheus([f"127.0.0.1:{sim_port}"], work, prom_port, SCRAPE_S)
+    yield f"http://127.0.0.1:{prom_port}", f"127.0.0.1:{sim_port}", prom
+    for p in (prom, sim):
+        p.stop()
+
+
+def pool_full(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "Connection pool is full" in r.getMessage()]
+
+
+def test_parallel_queries_never_overflow_the_connection_pool(prometheus, caplog):
+    url, instance, _ = prometheus
+    assert len(VLLM_DCGM) > 10  # more parallel queries than urllib3's default pool of 10
+    src = PrometheusSource(url, window_s=10, timeout_s=2)
+    with caplog.at_level(logging.WARNING, logger="urllib3"):
+        for _ in range(8):
+            assert instance in src.fetch([instance])
+    assert pool_full(caplog) == []
+
+
+def test_the_scrape_interval_is_read_from_prometheus_targets(prometheus):
+    url, instance, _ = prometheus
+    src = PrometheusSource(url, window_s=10, timeout_s=2)
+    assert src.sample_interval_s is None
+    wait_until(lambda: src.fetch([instance]) and src.sample_interval_s, 20, 0.5, "the targets API to list the sim")
+    assert src.sample_interval_s == SCRAPE_S
+    assert src.describe() == {"scrape_interval_s": SCRAPE_S}
+    other = PrometheusSource(url, window_s=10, timeout_s=2)
+    other.fetch(["127.0.0.1:1"])  # not a target of this Prometheus: nothing learned
+    assert other.sample_interval_s is None
+
+
+def test_no_pool_overflow_while_prometheus_hangs(prometheus, caplog):
+    """SIGSTOP: connections are accepted but never answered; every query times out, round after round."""
+    url, instance, prom = prometheus
+    src = PrometheusSource(url, window_s=10, timeout_s=0.5)
+    src.fetch([instance])  # connections open and pooled
+    os.kill(prom.popen.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="urllib3"):
+            for _ in range(4):
+                with pytest.raises(MetricsUnavailable):
+                    src.fetch([instance])
+            os.kill(prom.popen.pid, signal.SIGCONT)
+            wait_until(lambda: _answers(src, instance), 10, 0.2, "Prometheus to answer again")
+    finally:
+        os.kill(prom.popen.pid, signal.SIGCONT)
+    assert pool_full(caplog) == []
+
+
+def _answers(src: PrometheusSource, instance: str) -> bool:
+    try:
+        return bool(src.fetch([instance]))
+    except MetricsUnavailable:
+        return False
+
+
+#: What dcgm-exporter writes with its Kubernetes pod mapping: the GPU's workload as pod/namespace.
+DCGM_PAGE = ("# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n"
+             'DCGM_FI_DEV_GPU_UTIL{gpu="0",pod="llm-0",namespace="ai"} 40\n'
+             'DCGM_FI_DEV_GPU_UTIL{gpu="1",pod="llm-1",namespace="ai"} 90\n'
+             "# TYPE DCGM_FI_DEV_FB_FREE gauge\n"
+             'DCGM_FI_DEV_FB_FREE{gpu="0",pod="llm-0",namespace="ai"} 30000\n'
+             'DCGM_FI_DEV_FB_FREE{gpu="1",pod="llm-1",namespace="ai"} 1000\n')
+
+
+class _Exporter(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = DCGM_PAGE.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def kubernetes_prometheus(tmp_path_factory):
+    """Prometheus scraping a sim and a dcgm-exporter stand-in whose target carries pod/namespace
+    labels of its own (as Kubernetes service discovery gives it): Prometheus renames the exporter's
+    pod/namespace to exported_pod / exported_namespace (honor_labels: false, its default)."""
+    work = tmp_path_factory.mktemp("prom-k8s")
+    sim_port, prom_port = stack.free_port(), stack.free_port()
+    sim = stack.start_sim(sim_port, work, gpu_class="a100", version="v1")
+    exporter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    (work / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {"job_name": "inference", "static_configs": [{"targets": [f"127.0.0.1:{sim_port}"]}]},
+            {"job_name": "dcgm", "static_configs": [{"targets": [f"127.0.0.1:{exporter.server_port}"],
+                                                     "labels": {"pod": "dcgm-exporter-x",
+                                                                "namespace": "gpu-operator"}}]}]}))
+    prom = stack.spawn("prometheus-k8s", [stack.prometheus_binary(), f"--config.file={work / 'prometheus.yml'}",
+                                          f"--storage.tsdb.path={work / 'data'}",
+                                          f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"], work)
+    stack.wait_http(f"http://127.0.0.1:{prom_port}/-/ready", prom)
+    yield f"http://127.0.0.1:{prom_port}", f"127.0.0.1:{sim_port}"
+    prom.stop()
+    exporter.shutdown()
+    sim.stop()
+
+
+def pod_source(url: str, instance: str, pod: str) -> PrometheusSource:
+    specs = preset("vllm", "dcgm")
+    return PrometheusSource(url, window_s=10, timeout_s=2, queries=promql_queries(specs, ("namespace", "pod")),
+                            gpu_keys={instance: f"ai/{pod}"}, gpu_fields=[f for f, s in specs.items() if s.gpu])
+
+
+def test_dcgm_labels_renamed_to_exported_pod_and_namespace_still_join(kubernetes_prometheus, caplog):
+    url, instance = kubernetes_prometheus
+    src = pod_source(url, instance, "llm-0")
+    caplog.set_level(logging.WARNING, logger="xds_server.metrics.sources.prometheus")
+    got = wait_until(lambda: (st := src.fetch([instance])[instance]).gpu_util is not None and st, 20, 0.5,
+                     "the GPU series of pod ai/llm-0")
+    assert got.gpu_util == pytest.approx(0.40) and got.gpu_mem_free_mib == 30000
+    raw = src._prom.custom_query('DCGM_FI_DEV_GPU_UTIL{exported_pod="llm-0"}')  # Prometheus did rename it
+    assert raw and raw[0]["metric"]["pod"] == "dcgm-exporter-x"
+
+    missing = pod_source(url, instance, "llm-9")
+    with caplog.at_level(logging.WARNING, logger="xds_server.metrics.sources.prometheus"):
+        for _ in range(6):
+            assert missing.fetch([instance])[instance].gpu_util is None
+    warned = [m for r in caplog.records if "match no series" in (m := r.getMessage()) and "llm-9" in m]
+    assert len(warned) == 1 and instance in warned[0] and "'ai/llm-9'" in warned[0]
+    assert "DCGM_FI_DEV_GPU_UTIL" in warned[0]

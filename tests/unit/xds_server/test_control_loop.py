@@ -1,0 +1,75 @@
+"""The slow loop keeps the event loop free: the engine, the change log and the snapshot build run in
+a worker thread, and a hook's awaitable (the picker's view rebuilt in a thread) is awaited in order
+(issue 15, scale: a 60 000-endpoint round froze xDS, the picker and the admin API)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from tests.support.factories import config, metrics_source, service, version
+from xds_server import control as control_module
+from xds_server.ads.server import SnapshotCache
+from xds_server.control import ControlPlane
+from xds_server.metrics.stats import EndpointStats
+
+CFG = config([service("chat", [version("v1", [{"address": "10.1.0.1:8000"}, {"address": "10.1.0.2:8000"}])])])
+
+
+async def test_engine_and_snapshot_build_run_off_the_event_loop(monkeypatch):
+    loop_thread = threading.current_thread()
+    seen: dict[str, threading.Thread] = {}
+    real_compute, real_build = control_module.compute_weights, control_module.build_snapshot
+
+    def compute(*args, **kw):
+        seen["engine"] = threading.current_thread()
+        return real_compute(*args, **kw)
+
+    def build(*args, **kw):
+        seen["build"] = threading.current_thread()
+        return real_build(*args, **kw)
+
+    monkeypatch.setattr(control_module, "compute_weights", compute)
+    monkeypatch.setattr(control_module, "build_snapshot", build)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    def fetch(instances):
+        return {i: EndpointStats(sample_age_s=1.0, gpu_util=0.5) for i in instances}
+
+    order: list[str] = []
+
+    async def slow_hook_work():
+        await asyncio.sleep(0.01)
+        order.append("hook done")
+
+    cp = ControlPlane(CFG, metrics_source(fetch), SnapshotCache(), [lambda snap, w: slow_hook_work()],
+                      lambda: "127.0.0.1:1")
+    t = asyncio.create_task(ticker())
+    assert await cp.run_round()
+    order.append("round done")
+    t.cancel()
+    assert seen["engine"] is not loop_thread and seen["build"] is not loop_thread
+    assert ticks > 0  # the loop ran other tasks while the round worked
+    assert order == ["hook done", "round done"]  # the hook's awaitable was awaited before the round ended
+    assert {w.address for w in cp.weights} == {"10.1.0.1:8000", "10.1.0.2:8000"}
+
+
+async def test_a_round_that_changes_every_weight_logs_a_bounded_number_of_lines(caplog):
+    import logging
+
+    from xds_server.control import MAX_CHANGE_LINES
+
+    cfg = config([service("chat", [version("v1", MAX_CHANGE_LINES + 50)])])
+    cp = ControlPlane(cfg, metrics_source(lambda i: {x: EndpointStats(sample_age_s=1.0) for x in i}),
+                      SnapshotCache(), [], lambda: "127.0.0.1:1")
+    with caplog.at_level(logging.INFO, logger="xds_server.control"):
+        await cp.run_round()
+    lines = [r.getMessage() for r in caplog.records if r.name == "xds_server.control"]
+    assert sum(m.startswith("weight ") for m in lines) == MAX_CHANGE_LINES
+    assert any(m.startswith("... and 50 more weight or health changes") for m in lines)
