@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.progress import Progress
 from bench.quality import plots, report
 from bench.quality.policies import POLICIES
 from bench.quality.runner import ScenarioRunner
@@ -42,21 +43,24 @@ def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, mar
     commit = report.git_commit(Path.cwd())
     print(f"inferlb bench quality: {len(scenarios)} scenario(s) x {len(POLICIES)} policies x {rounds} round(s)"
           f"{' (quick)' if quick else ''}; work dir {work}", file=sys.stderr, flush=True)
-    for name in scenarios:
-        try:
-            run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(list(POLICIES), rounds)
-        except stack.StackError as err:
-            print(f"inferlb bench quality: {name}: {err}", file=sys.stderr)
-            return 1
-        figures, meta = report.record(run, command=command, host=host, date=report.utc_now(), commit=commit,
-                                      envoy=envoy)
-        store = report.merge(store, name, figures, meta)
-        plots.latency_cdf(run, plots_path / f"{name}-latency.png")
-        plots.ttft_cdf(run, plots_path / f"{name}-ttft.png")
-        plots.weights_over_time(run, plots_path / f"{name}-weights.png")
-        store_path.write_text(json.dumps(store, indent=1) + "\n")
-        report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))
-        print(f"inferlb bench quality: {name} done in {run.wall_s:.0f} s", file=sys.stderr, flush=True)
+    planned = sum(sum(SCENARIOS[name].durations(quick)) for name in scenarios) / max(1, len(scenarios))
+    with Progress(len(scenarios) * len(POLICIES) * rounds, planned, "bench quality") as progress:
+        for name in scenarios:
+            try:
+                run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(
+                    list(POLICIES), rounds, progress)
+            except stack.StackError as err:
+                print(f"inferlb bench quality: {name}: {err}", file=sys.stderr)
+                return 1
+            figures, meta = report.record(run, command=command, host=host, date=report.utc_now(), commit=commit,
+                                          envoy=envoy)
+            store = report.merge(store, name, figures, meta)
+            plots.latency_cdf(run, plots_path / f"{name}-latency.png")
+            plots.ttft_cdf(run, plots_path / f"{name}-ttft.png")
+            plots.weights_over_time(run, plots_path / f"{name}-weights.png")
+            store_path.write_text(json.dumps(store, indent=1) + "\n")
+            report.write_section(md, report.render_section(store, os.path.relpath(plots_path, md.resolve().parent)))
+            print(f"inferlb bench quality: {name} done in {run.wall_s:.0f} s", file=sys.stderr, flush=True)
     assert store is not None
     if json_path:
         Path(json_path).write_text(json.dumps(report.json_document(store, scenarios), indent=1) + "\n")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.progress import Progress
 from bench.quality import figures
 from bench.quality.policies import (
     BASELINES,
@@ -185,10 +186,11 @@ class ScenarioRunner:
 
     # --- one policy --------------------------------------------------------------------------------
 
-    def run(self, policies: list[str], rounds: int = 1) -> ScenarioRun:
+    def run(self, policies: list[str], rounds: int = 1, progress: Progress | None = None) -> ScenarioRun:
         """Every policy in ``policies``, ``rounds`` times, interleaved (see :func:`round_orders`), on
         the same trace. Raises ``StackError`` when a process does not start. The machine's load
-        averages before and after are recorded (other work on the machine shares its cores)."""
+        averages before and after are recorded (other work on the machine shares its cores).
+        ``progress``: told of each (policy, round) as it starts."""
         began = time.monotonic()
         out = ScenarioRun(self.sc, self.quick, self.seed, self.warmup_s, self.measure_s, len(self.trace),
                           list(self.addresses), load_before=os.getloadavg())
@@ -198,6 +200,8 @@ class ScenarioRunner:
             self._start_backends()
             for r, order in enumerate(out.orders):
                 for policy in order:
+                    if progress is not None:
+                        progress.step(f"{self.sc.name}, {policy}, round {r + 1}/{len(out.orders)}")
                     pr = self._run_policy(policy, r)
                     out.runs.setdefault(policy, []).append(pr)
                     f = pr.figures
