@@ -23,9 +23,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from ext_proc.handler import PickerHandler
 from ext_proc.transport.base import GRPC_INTERNAL, StreamError, StreamState
 from ext_proc.view import ViewHolder
-from inferlb.devstack.envoy_admin import envoy_stat
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
+from tests.support.envoy import envoy_stat
 from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_headers
 
 pytestmark = pytest.mark.integration
