@@ -85,8 +85,9 @@ class Harness:
         self.push(snapshots(cfg, weights, self.memo))
 
     def applied(self, protocol: str) -> bool:
-        """True when that Envoy ACKed its group's published snapshot for every type, nothing pending."""
-        snap = self.cache.snapshot_for(protocol)
+        """True when that Envoy ACKed its group's newest snapshot (the last one set: published once its
+        debounce is over) for every type, nothing pending."""
+        snap = self.cache.latest(protocol) or self.cache.latest(None)
         node = self.node(protocol)
         return snap is not None and len(node["types"]) == 4 and all(
             t["acked_version"] == snap.versions[f"type.googleapis.com/envoy.config.{TYPES[name]}"]

@@ -165,8 +165,11 @@ def test_a_union_of_metric_names_sums_them_on_real_prometheus(eng: Stack):
     """The PromQL rendering of a union (distinct parts, then summed) against Prometheus' own sums."""
     names = ("vllm:request_success_total", "vllm:prompt_tokens_total")
 
+    at = time.time()   # every query evaluated at one instant: the counters move between scrapes
+
     def query(q: str) -> dict[str, float]:
-        r = requests.get(f"{eng.cfg.prometheus.url}/api/v1/query", params={"query": q}, timeout=5).json()
+        r = requests.get(f"{eng.cfg.prometheus.url}/api/v1/query", params={"query": q, "time": at},
+                         timeout=5).json()
         return {x["metric"]["instance"]: float(x["value"][1]) for x in r["data"]["result"]}
 
     union = query(render(Total(Sel(names, union=True)), ("instance",)))
