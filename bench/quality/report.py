@@ -147,8 +147,8 @@ def _num(v: float | None) -> str:
     return "–" if v is None else f"{v:.1f}"
 
 
-def _int(v: int | None) -> str:
-    return "–" if v is None else str(v)
+def _int(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f}"
 
 
 def _tok(v: float | None) -> str:
