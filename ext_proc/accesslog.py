@@ -70,12 +70,15 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         counted += 1
         props = entry.common_properties
         if pin is not None and failed is not None:
-            flags = props.response_flags
-            upstream = props.upstream_remote_address.socket_address
-            served_by = f"{upstream.address}:{upstream.port_value}" if upstream.address else None
-            if (flags.upstream_connection_failure or flags.upstream_remote_reset
-                    or flags.upstream_connection_termination
-                    or (served_by is not None and served_by != pin and props.upstream_request_attempt_count > 1)):
+            broken = False
+            if props.HasField("response_flags"):  # absent on a clean request: no per-flag reads
+                flags = props.response_flags
+                broken = (flags.upstream_connection_failure or flags.upstream_remote_reset
+                          or flags.upstream_connection_termination)
+            if not broken and props.upstream_request_attempt_count > 1:
+                upstream = props.upstream_remote_address.socket_address
+                broken = bool(upstream.address) and f"{upstream.address}:{upstream.port_value}" != pin
+            if broken:
                 failed(pin)
         if pick is not None and costs is not None and pick[3] is not None and pick[4] is not None \
                 and props.HasField("time_to_last_downstream_tx_byte") and entry.response.response_code.value == 200:

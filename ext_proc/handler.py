@@ -347,12 +347,15 @@ class PickerHandler:
             slot = decision.session
             if slot is not None and endpoint is not None:
                 spills = self.spills.pop(slot, 0) if self.spills else 0
-                pin, spills, moved = pin_after(decision.pinned, endpoint, decision.reason, spills,
-                                               self.pin_move_after)
-                if spills:
-                    self.spills[slot] = spills
-                if moved and decision.reason != "repinned":
-                    self._count("pin-moved")
+                if decision.pinned == endpoint:  # kept (the common case)
+                    pin = endpoint
+                else:
+                    pin, spills, moved = pin_after(decision.pinned, endpoint, decision.reason, spills,
+                                                   self.pin_move_after)
+                    if spills:
+                        self.spills[slot] = spills
+                    if moved and decision.reason != "repinned":
+                        self._count("pin-moved")
                 self.sessions.touch(slot, pin)
         self._count(decision.reason)
         if self._sample is not None:

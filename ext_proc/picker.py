@@ -300,8 +300,11 @@ def pick(
     pool = view.clusters.get(cluster)
     if pool is None or not pool.endpoints:
         return Decision(cluster, None, None, b"", "no-healthy-endpoint")
-    mib, prompt, output = request_need(headers, routing, body)
-    work = costs.relative_work(pool.main_class, prompt, output) if costs is not None else 1.0
+    if body is NO_BODY and not routing.sized:  # nothing tells the size: the default (the common case)
+        mib, prompt, output = routing.default_request_mib, None, None
+    else:
+        mib, prompt, output = request_need(headers, routing, body)
+    work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
     live = getattr(loads, "cluster_work", None)
     if live is not None:
         work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]

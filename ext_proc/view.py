@@ -152,6 +152,7 @@ class RoutingTable:
             up to Envoy's buffer limit, then the decision).
         min_bound: every endpoint's load bound is at least this much work (typical requests).
         pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
+        sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
@@ -180,6 +181,7 @@ class RoutingTable:
     body_mode: str = "buffered"
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
+    sized: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -209,6 +211,7 @@ class RoutingTable:
         object.__setattr__(self, "request_class_header", self.request_class_header.lower())
         classes = {k.encode() if isinstance(k, str) else k: v for k, v in self.request_classes.items()}
         object.__setattr__(self, "request_classes", MappingProxyType(classes))
+        object.__setattr__(self, "sized", bool(classes) or self.request_memory_header is not None)
 
 
 @dataclass(frozen=True)
