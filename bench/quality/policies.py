@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.quality.scenarios import CONTROL, Node, Scenario
+from bench.quality.trace import MEMORY_HEADER
 
 BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash", "ring_hash_bounded")
 INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")
@@ -127,6 +128,10 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
         "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"],
                    **scenario.engine},
+        # The picker reads each request's memory need from the trace's header and the prompt from the
+        # OpenAI body (prefix keys); a request no endpoint can hold waits, then gets a 429.
+        "picker": {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
+                   "body_max_bytes": 1 << 20},
         "services": [{"name": SERVICE, "default_version": scenario.default_version,
                       "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
     }
