@@ -1,0 +1,88 @@
+"""The ``null`` ext_proc server: the smallest correct answer to Envoy's ext_proc, for ``bench picker``.
+
+It measures Envoy's own ext_proc ceiling on a machine: the same Envoy filter config as the picker,
+a server that does no work. Built on the picker's own HTTP/2 transport
+(:mod:`ext_proc.transport.h2`: valid HTTP/2 and gRPC framing, HPACK, flow control) with a trivial
+:class:`~ext_proc.transport.base.Service` that answers every ``Process`` message with a fixed,
+pre-serialized no-change ``ProcessingResponse`` of the message's phase, and drops access-log
+messages. So the null figure includes our framing layer's cost: the ratio picker / null is the
+cost of the picker's decision path (handler, picker, scheduler, responses), not of the transport.
+
+Run: ``python -m bench.null_ext_proc --listen 127.0.0.1:PORT`` (uvloop, one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.responses import EMPTY_ANSWERS
+from ext_proc.transport.base import StreamState
+
+__all__ = ["NullService", "main"]
+
+# The first byte of a ProcessingRequest is the tag of its phase field (protobuf writes fields in
+# field-number order and the phases are fields 2..7, before every other field): wire type 2.
+_BY_TAG = {(pb.ProcessingRequest.DESCRIPTOR.fields_by_name[name].number << 3) | 2: answer
+           for name, answer in EMPTY_ANSWERS.items()}
+_HEADERS_ANSWER = EMPTY_ANSWERS["request_headers"]
+_HOLD_FOR_BODY = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                       mode_override={"request_body_mode": "BUFFERED"}).SerializeToString()
+
+
+class NullService:
+    """A :class:`~ext_proc.transport.base.Service` that changes nothing and decides nothing.
+
+    ``process`` answers each message with the no-change answer of its phase (read from the first
+    byte; a message that does not start with a phase tag is parsed with protobuf); ``access_log``
+    drops the message. With ``hold_body`` the request-headers answer also asks Envoy for the
+    buffered body (``mode_override``, as the picker does with body routing on), so Envoy sends it.
+    """
+
+    def __init__(self, hold_body: bool = False) -> None:
+        self._by_tag = dict(_BY_TAG)
+        if hold_body:
+            self._by_tag[(pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_headers"].number << 3) | 2] = \
+                _HOLD_FOR_BODY
+
+    def process(self, stream: StreamState, data: bytes) -> tuple[bytes, bool]:
+        """``(fixed answer bytes, False)`` for one serialized ``ProcessingRequest``."""
+        answer = self._by_tag.get(data[0]) if data else None
+        if answer is None:
+            phase = pb.ProcessingRequest.FromString(data).WhichOneof("request")
+            answer = EMPTY_ANSWERS.get(phase or "", _HEADERS_ANSWER)
+        return answer, False
+
+    def access_log(self, data: bytes) -> None:
+        """Drop one access-log message."""
+
+    def access_log_opened(self) -> None:
+        """Nothing to track."""
+
+    def access_log_closed(self) -> None:
+        """Nothing to track."""
+
+
+async def _serve(listen: str, reuse_port: bool, hold_body: bool) -> None:
+    from ext_proc.transport.h2.server import start_fast_server
+
+    await start_fast_server(NullService(hold_body), listen, reuse_port=reuse_port)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.null_ext_proc --listen HOST:PORT``: serve until killed."""
+    import uvloop
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", required=True, help="HOST:PORT")
+    parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (several processes, one port)")
+    parser.add_argument("--hold-body", action="store_true", help="ask Envoy for the buffered request body")
+    args = parser.parse_args(argv)
+    uvloop.run(_serve(args.listen, args.reuse_port, args.hold_body))
+
+
+if __name__ == "__main__":
+    main()
