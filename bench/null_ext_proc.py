@@ -25,8 +25,11 @@ __all__ = ["NullService", "main"]
 
 # The first byte of a ProcessingRequest is the tag of its phase field (protobuf writes fields in
 # field-number order and the phases are fields 2..7, before every other field): wire type 2.
-_BY_TAG = {(pb.ProcessingRequest.DESCRIPTOR.fields_by_name[name].number << 3) | 2: answer
-           for name, answer in EMPTY_ANSWERS.items()}
+def _tag(phase: str) -> int:
+    return (pb.ProcessingRequest.DESCRIPTOR.fields_by_name[phase].number << 3) | 2
+
+
+_BY_TAG = {_tag(name): (answer, False) for name, answer in EMPTY_ANSWERS.items()}
 _HEADERS_ANSWER = EMPTY_ANSWERS["request_headers"]
 _HOLD_FOR_BODY = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                        mode_override={"request_body_mode": "BUFFERED"}).SerializeToString()
@@ -37,23 +40,27 @@ class NullService:
 
     ``process`` answers each message with the no-change answer of its phase (read from the first
     byte; a message that does not start with a phase tag is parsed with protobuf); ``access_log``
-    drops the message. With ``hold_body`` the request-headers answer also asks Envoy for the
-    buffered body (``mode_override``, as the picker does with body routing on), so Envoy sends it.
+    drops the message. Like the picker, it ends the stream with its answer to the last message
+    Envoy sends (the request headers; with ``hold_body`` the request body), so answer and
+    trailers leave in one write. With ``hold_body`` the request-headers answer also asks Envoy
+    for the buffered body (``mode_override``, as the picker does with body routing on).
     """
 
     def __init__(self, hold_body: bool = False) -> None:
         self._by_tag = dict(_BY_TAG)
         if hold_body:
-            self._by_tag[(pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_headers"].number << 3) | 2] = \
-                _HOLD_FOR_BODY
+            self._by_tag[_tag("request_headers")] = (_HOLD_FOR_BODY, False)
+            self._by_tag[_tag("request_body")] = (EMPTY_ANSWERS["request_body"], True)
+        else:
+            self._by_tag[_tag("request_headers")] = (_HEADERS_ANSWER, True)
 
     def process(self, stream: StreamState, data: bytes) -> tuple[bytes, bool]:
-        """``(fixed answer bytes, False)`` for one serialized ``ProcessingRequest``."""
+        """``(fixed answer bytes, whether the stream ends)`` for one serialized ``ProcessingRequest``."""
         answer = self._by_tag.get(data[0]) if data else None
         if answer is None:
-            phase = pb.ProcessingRequest.FromString(data).WhichOneof("request")
-            answer = EMPTY_ANSWERS.get(phase or "", _HEADERS_ANSWER)
-        return answer, False
+            phase = pb.ProcessingRequest.FromString(data).WhichOneof("request") or "request_headers"
+            answer = self._by_tag[_tag(phase)]
+        return answer
 
     def access_log(self, data: bytes) -> None:
         """Drop one access-log message."""
