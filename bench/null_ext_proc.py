@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.responses import EMPTY_ANSWERS
@@ -35,6 +36,15 @@ _HOLD_FOR_BODY = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                        mode_override={"request_body_mode": "BUFFERED"}).SerializeToString()
 
 
+def routed_answer(name: str, value: str) -> bytes:
+    """A fixed request-headers answer in the picker's shape: set header ``name`` to ``value``
+    (``raw_value``, OVERWRITE_IF_EXISTS_OR_ADD) with ``clear_route_cache``."""
+    option = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]), clear_route_cache=True)
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)).SerializeToString()
+
+
 class NullService:
     """A :class:`~ext_proc.transport.base.Service` that changes nothing and decides nothing.
 
@@ -43,16 +53,18 @@ class NullService:
     drops the message. Like the picker, it ends the stream with its answer to the last message
     Envoy sends (the request headers; with ``hold_body`` the request body), so answer and
     trailers leave in one write. With ``hold_body`` the request-headers answer also asks Envoy
-    for the buffered body (``mode_override``, as the picker does with body routing on).
+    for the buffered body (``mode_override``, as the picker does with body routing on). With
+    ``headers_answer`` (e.g. :func:`routed_answer`) that fixed answer replaces the no-change one
+    for request headers (without ``hold_body``) or for the body (with it).
     """
 
-    def __init__(self, hold_body: bool = False) -> None:
+    def __init__(self, hold_body: bool = False, headers_answer: bytes | None = None) -> None:
         self._by_tag = dict(_BY_TAG)
         if hold_body:
             self._by_tag[_tag("request_headers")] = (_HOLD_FOR_BODY, False)
-            self._by_tag[_tag("request_body")] = (EMPTY_ANSWERS["request_body"], True)
+            self._by_tag[_tag("request_body")] = (_as_body(headers_answer) or EMPTY_ANSWERS["request_body"], True)
         else:
-            self._by_tag[_tag("request_headers")] = (_HEADERS_ANSWER, True)
+            self._by_tag[_tag("request_headers")] = (headers_answer or _HEADERS_ANSWER, True)
 
     def process(self, stream: StreamState, data: bytes) -> tuple[bytes, bool]:
         """``(fixed answer bytes, whether the stream ends)`` for one serialized ``ProcessingRequest``."""
@@ -72,10 +84,24 @@ class NullService:
         """Nothing to track."""
 
 
-async def _serve(listen: str, reuse_port: bool, hold_body: bool) -> None:
+def _as_body(headers_answer: bytes | None) -> bytes | None:
+    """The same mutation as a request-body answer."""
+    if headers_answer is None:
+        return None
+    common = pb.ProcessingResponse.FromString(headers_answer).request_headers.response
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)).SerializeToString()
+
+
+async def _serve(listen: str, reuse_port: bool, hold_body: bool, set_header: str | None) -> None:
     from ext_proc.transport.h2.server import start_fast_server
 
-    await start_fast_server(NullService(hold_body), listen, reuse_port=reuse_port)
+    answer = None
+    if set_header:
+        name, sep, value = set_header.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--set-header wants NAME=VALUE, got {set_header!r}")
+        answer = routed_answer(name, value)
+    await start_fast_server(NullService(hold_body, answer), listen, reuse_port=reuse_port)
     await asyncio.Event().wait()
 
 
@@ -87,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", required=True, help="HOST:PORT")
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (several processes, one port)")
     parser.add_argument("--hold-body", action="store_true", help="ask Envoy for the buffered request body")
+    parser.add_argument("--set-header", metavar="NAME=VALUE",
+                        help="answer with this header mutation and clear_route_cache (the picker's answer shape)")
     args = parser.parse_args(argv)
-    uvloop.run(_serve(args.listen, args.reuse_port, args.hold_body))
+    uvloop.run(_serve(args.listen, args.reuse_port, args.hold_body, args.set_header))
 
 
 if __name__ == "__main__":

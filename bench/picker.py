@@ -7,10 +7,12 @@ One run sets up, as plain processes on this machine:
   its threads; with ``--workers`` all worker processes);
 - the ``null`` ext_proc server (:mod:`bench.null_ext_proc`, as many processes as picker workers):
   a fixed no-change answer to every message on our HTTP/2 transport — Envoy's ext_proc ceiling;
-- Envoy (``--concurrency N``) with six listeners per the three variants and two route kinds:
-  ``direct_response`` and a route to the upstream cluster, each without ext_proc, with the null
-  server and with the picker (the upstream one with the picker is the control plane's own
-  listener; the null ones copy the picker listeners' filter config, access log included).
+- ``null_routed``: the same server answering in the picker's shape (a fixed cluster-header
+  mutation with ``clear_route_cache``), so Envoy also re-routes and the completion log fires;
+- Envoy (``--concurrency N``) with eight listeners, the four variants (see :data:`VARIANTS`) times
+  two route kinds: ``direct_response`` and a route to the upstream cluster (the upstream one
+  with the picker is the control plane's own listener; the null ones copy the picker
+  listeners' filter config, access log included).
 
 Traffic: wrk (1 thread) with a Lua script that alternates requests with and without an
 ``x-session-id`` (64 sessions), so the scheduler runs both its session path (pin lookup, pinned
@@ -103,7 +105,7 @@ def _h2_cluster(name: str, port: int) -> dict:
 
 
 def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dict[str, int],
-                    null_port: int | None = None, body_kb: int = 0) -> str:
+                    null_port: int | None = None, body_kb: int = 0, null_routed_port: int | None = None) -> str:
     """The ADS bootstrap plus the bench's static listeners and static clusters for the picker and the
     null ext_proc server (the ``*_null`` listeners: the picker listeners' filter config, other cluster)."""
     doc = yaml.safe_load(render_bootstrap(xds_address=f"127.0.0.1:{xds_port}", node_id="bench-envoy",
@@ -122,6 +124,13 @@ def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dic
         doc["static_resources"]["listeners"] += [
             _listener("direct_null", ports["direct_null"], direct, "bench_null", body),
             _listener("upstream_null", ports["upstream_null"], {"route": {"cluster": "bench-v1"}}, "bench_null", body),
+        ]
+    if null_routed_port is not None:
+        doc["static_resources"]["clusters"].append(_h2_cluster("bench_null_routed", null_routed_port))
+        doc["static_resources"]["listeners"] += [
+            _listener("direct_null_routed", ports["direct_null_routed"], direct, "bench_null_routed", body),
+            _listener("upstream_null_routed", ports["upstream_null_routed"], {"route": {"cluster": "bench-v1"}},
+                      "bench_null_routed", body),
         ]
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -247,8 +256,11 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-VARIANTS = ("without", "null", "picker")
-"""The variants run in each round, in this order: no ext_proc filter, the null ext_proc server, the picker."""
+VARIANTS = ("without", "null", "null_routed", "picker")
+"""The variants run in each round, in this order: no ext_proc filter; the null ext_proc server
+(no-change answer); the null server answering in the picker's shape (a fixed cluster-header
+mutation with ``clear_route_cache``, so Envoy also re-routes and the completion access log fires);
+the picker."""
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -261,6 +273,7 @@ def _summary(rounds: list[dict]) -> dict[str, Any]:
         return [r[conns][variant][key] for r in rounds]
 
     ratio = [r["16conn"]["picker"]["rps"] / r["16conn"]["null"]["rps"] for r in rounds]
+    ratio_routed = [r["16conn"]["picker"]["rps"] / r["16conn"]["null_routed"]["rps"] for r in rounds]
     ratio_1 = [r["1conn"]["picker"]["rps"] / r["1conn"]["null"]["rps"] for r in rounds]
     added50 = [r["1conn"]["picker"]["p50_ms"] - r["1conn"]["without"]["p50_ms"] for r in rounds]
     added99 = [r["1conn"]["picker"]["p99_ms"] - r["1conn"]["without"]["p99_ms"] for r in rounds]
@@ -271,6 +284,8 @@ def _summary(rounds: list[dict]) -> dict[str, Any]:
         "rps_null_ext_proc": statistics.median(col("16conn", "null", "rps")),
         "rps_ratio_to_null": statistics.median(ratio),
         "rps_ratio_to_null_1conn": statistics.median(ratio_1),
+        "rps_null_routed": statistics.median(col("16conn", "null_routed", "rps")),
+        "rps_ratio_to_null_routed": statistics.median(ratio_routed),
         "python_cpu_us_per_decision": statistics.median(col("16conn", "picker", "python_cpu_us_per_request")),
         "python_cpu_us_per_decision_1conn": statistics.median(col("1conn", "picker", "python_cpu_us_per_request")),
         "null_cpu_us_per_request": statistics.median(col("16conn", "null", "python_cpu_us_per_request")),
@@ -286,6 +301,7 @@ def _summary(rounds: list[dict]) -> dict[str, Any]:
         "spread": {
             "rps_16conn": {v: _spread(col("16conn", v, "rps")) for v in VARIANTS},
             "rps_ratio_to_null": _spread(ratio),
+            "rps_ratio_to_null_routed": _spread(ratio_routed),
             "python_cpu_us_per_decision": _spread(col("16conn", "picker", "python_cpu_us_per_request")),
             "python_cpu_us_per_decision_1conn": _spread(col("1conn", "picker", "python_cpu_us_per_request")),
             "added_p50_ms": _spread(added50), "added_p99_ms": _spread(added99),
@@ -305,7 +321,8 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
         raise RuntimeError("wrk is not installed (Debian package `wrk`; scripts/setup.sh installs it)")
     work = workdir or Path(tempfile.mkdtemp(prefix="inferlb-bench-"))
     names = ["xds", "admin", "dead", "upstream", "upstream_with", "upstream_without", "upstream_null",
-             "direct_with", "direct_without", "direct_null", "envoy_admin", "picker", "null"]
+             "upstream_null_routed", "direct_with", "direct_without", "direct_null", "direct_null_routed",
+             "envoy_admin", "picker", "null", "null_routed"]
     ports = {n: stack.free_port() for n in names}
     procs: list[stack.Proc] = []
     script = wrk_script(work / "mixed.lua", body_kb)
@@ -317,22 +334,26 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
             "ext-proc", "--xds", f"127.0.0.1:{ports['xds']}", "--listen", f"127.0.0.1:{ports['picker']}",
             "--transport", transport, "--workers", str(workers), "--log-level", "warning"), work)
         procs.append(picker)
-        nulls = [stack.spawn(f"null-{i}", [sys.executable, "-m", "bench.null_ext_proc", "--listen",
-                                           f"127.0.0.1:{ports['null']}", "--reuse-port",
-                                           *(["--hold-body"] if body_kb else [])], work)
-                 for i in range(workers)]
-        procs += nulls
-        _wait_port(ports["picker"])
-        _wait_port(ports["null"])
+        null_argv = [sys.executable, "-m", "bench.null_ext_proc", "--reuse-port", *(["--hold-body"] if body_kb else [])]
+        nulls = {"null": [stack.spawn(f"null-{i}", [*null_argv, "--listen", f"127.0.0.1:{ports['null']}"], work)
+                          for i in range(workers)],
+                 "null_routed": [stack.spawn(f"null-routed-{i}", [
+                     *null_argv, "--listen", f"127.0.0.1:{ports['null_routed']}",
+                     "--set-header", "x-inferlb-cluster=bench-v1"], work) for i in range(workers)]}
+        procs += nulls["null"] + nulls["null_routed"]
+        for name in ("picker", "null", "null_routed"):
+            _wait_port(ports[name])
         envoy = stack.start_envoy(envoy_bootstrap(ports["xds"], ports["envoy_admin"], ports["picker"], ports,
-                                                  ports["null"], body_kb), work,
+                                                  ports["null"], body_kb, ports["null_routed"]), work,
                                   ports["envoy_admin"], concurrency=envoy_concurrency)
         procs.append(envoy)
         _wait_port(ports["upstream_with"])
         picker_procs = _picker_procs(psutil.Process(picker.popen.pid))
-        null_procs = [psutil.Process(p.popen.pid) for p in nulls]
-        kinds = {"direct_response": {"without": "direct_without", "null": "direct_null", "picker": "direct_with"},
-                 "upstream": {"without": "upstream_without", "null": "upstream_null", "picker": "upstream_with"}}
+        measured_procs = {"picker": picker_procs, "without": [],
+                          **{k: [psutil.Process(p.popen.pid) for p in v] for k, v in nulls.items()}}
+        kinds = {kind: {"without": f"{prefix}_without", "null": f"{prefix}_null",
+                        "null_routed": f"{prefix}_null_routed", "picker": f"{prefix}_with"}
+                 for kind, prefix in (("direct_response", "direct"), ("upstream", "upstream"))}
 
         def url(listener: str) -> str:
             return f"http://127.0.0.1:{ports[listener]}/v1/chat/completions"
@@ -350,7 +371,7 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                         progress.step(f"{kind}, {conns} connection(s), round {i + 1}/{runs}")
                         runs_: dict[str, dict] = {}
                         for variant in VARIANTS:
-                            measured = picker_procs if variant == "picker" else null_procs
+                            measured = measured_procs[variant]
                             before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
                             r = run_wrk(url(listeners[variant]), conns, duration_s, script)
                             n = max(1, r["requests"])
@@ -389,7 +410,10 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
         "wrk": "1 thread, Lua script alternating requests with and without x-session-id (64 sessions)"
                + (f", POST with a {body_kb} KiB JSON body" if body_kb else ""),
         "variants": {"without": "no ext_proc filter", "null": "bench.null_ext_proc (fixed no-change answer, "
-                     "same filter config, our h2 transport)", "picker": "inferlb ext-proc"},
+                     "same filter config, our h2 transport)",
+                     "null_routed": "bench.null_ext_proc --set-header x-inferlb-cluster=bench-v1 (the picker's "
+                     "answer shape: header mutation + clear_route_cache; the completion access log fires)",
+                     "picker": "inferlb ext-proc"},
         "route_kinds": result,
         "targets": targets,
         "envoy_ext_proc_stats": stats,
@@ -418,10 +442,10 @@ def markdown(doc: dict[str, Any], command: str) -> str:
         f"rounds (min–max in brackets); 1-minute load average at the end: {m['load_average_1m_at_end']} "
         "(other work shared the 2 cores).",
         "",
-        "| route kind | req/s without ext_proc | req/s null ext_proc | req/s picker | picker / null "
-        "| Python µs / request, picker (16 conn / 1 conn) | Python µs / request, null "
-        "| Envoy µs / request: without / null / picker | added p50 / p99, 1 conn (ms) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| route kind | req/s without ext_proc | req/s null | req/s null, routed | req/s picker | picker / null "
+        "| picker / null routed | Python µs / request, picker (16 conn / 1 conn) | Python µs / request, null "
+        "| Envoy µs / request: without / null / null routed / picker | added p50 / p99, 1 conn (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def rng(s: dict, fmt: str = ",.0f") -> str:
@@ -432,7 +456,9 @@ def markdown(doc: dict[str, Any], command: str) -> str:
         envoy = " / ".join(f"{r['envoy_cpu_us_per_request'][v]:.1f}" for v in VARIANTS)
         lines.append(
             f"| {kind} | {rng(sp['rps_16conn']['without'])} | {rng(sp['rps_16conn']['null'])} | "
+            f"{rng(sp['rps_16conn']['null_routed'])} | "
             f"{rng(sp['rps_16conn']['picker'])} | {rng(sp['rps_ratio_to_null'], '.2f')} | "
+            f"{rng(sp['rps_ratio_to_null_routed'], '.2f')} | "
             f"{rng(sp['python_cpu_us_per_decision'], '.1f')} / {rng(sp['python_cpu_us_per_decision_1conn'], '.1f')} | "
             f"{r['null_cpu_us_per_request']:.1f} | {envoy} | "
             f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} |")

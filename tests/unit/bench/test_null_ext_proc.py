@@ -6,7 +6,7 @@ from __future__ import annotations
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from bench.null_ext_proc import NullService
+from bench.null_ext_proc import NullService, routed_answer
 from ext_proc.responses import EMPTY_ANSWERS
 from ext_proc.transport.base import StreamState
 from tests.unit.ext_proc.test_ext_proc_server import headers_request
@@ -58,3 +58,15 @@ def test_over_http2_the_answer_and_an_ok_status_arrive():
     messages, trailers = peer.result(sid)
     assert messages == [EMPTY_ANSWERS["request_headers"]]
     assert trailers[b"grpc-status"] == b"0" and peer.ended(sid)
+
+
+def test_a_routed_answer_sets_the_header_and_clears_the_route_cache():
+    answer, end = _answer(NullService(headers_answer=routed_answer("x-inferlb-cluster", "bench-v1")),
+                          headers_request(model_version="v1"))
+    common = answer.request_headers.response
+    assert common.clear_route_cache and end
+    assert [(o.header.key, o.header.raw_value) for o in common.header_mutation.set_headers] == \
+        [("x-inferlb-cluster", b"bench-v1")]
+    answer, _ = _answer(NullService(hold_body=True, headers_answer=routed_answer("x-c", "v")),
+                        pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True)))
+    assert answer.request_body.response.clear_route_cache
