@@ -13,7 +13,7 @@ import click
 @click.command("picker")
 @click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
 @click.option("--duration", default=5.0, show_default=True, type=float, help="Seconds per wrk run.")
-@click.option("--runs", default=3, show_default=True, type=int, help="Runs per measurement (medians).")
+@click.option("--runs", default=3, show_default=True, type=int, help="Rounds (each variant once per round; medians).")
 @click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
 @click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
 @click.option("--envoy-concurrency", default=1, show_default=True, type=int, help="Envoy worker threads.")
