@@ -242,9 +242,9 @@ def wrk_script(path: Path, body_kb: int = 0, sessions: int = 64) -> Path:
     body = "nil"
     method = "nil"
     if body_kb > 0:
-        body_file = path.with_suffix(".body.json")
-        body_file.write_text(body_json(body_kb))
-        body = f'io.open("{body_file}"):read("*a")'
+        text = body_json(body_kb)
+        path.with_suffix(".body.json").write_text(text)
+        body = f"[==[{text}]==]"  # a Lua long string (wrk's init cannot read files)
         method = '"POST"'
     path.write_text(_WRK_LUA % {"sessions": sessions, "n": 2 * sessions, "body": body, "method": method})
     return path
