@@ -47,7 +47,7 @@ def test_wrk_script_alternates_session_and_plain_requests(tmp_path):
     body = bp.wrk_script(tmp_path / "b.lua", body_kb=20)
     doc = json.loads(body.with_suffix(".body.json").read_text())
     assert 19 * 1024 < len(json.dumps(doc)) <= 20 * 1024 + 200 and doc["model"] == "bench"
-    assert '"POST"' in body.read_text()
+    assert '"POST"' in body.read_text() and '[==[{"model": "bench"' in body.read_text()
 
 
 def _run(rps: float, p50: float, cpu: float = 10.0, envoy: float = 20.0) -> dict:
