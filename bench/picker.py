@@ -5,14 +5,24 @@ One run sets up, as plain processes on this machine:
   whose only endpoint is a "real upstream": an Envoy listener answering with ``direct_response``;
 - the picker alone (``inferlb ext-proc --xds``), the process whose CPU is measured (psutil, all
   its threads; with ``--workers`` all worker processes);
-- Envoy (``--concurrency N``) with four listeners: the control plane's listener (picker +
-  route to the upstream cluster), a copy without the picker, and a ``direct_response`` route
-  with and without the picker (the picker listeners also log completions to the picker).
+- the ``null`` ext_proc server (:mod:`bench.null_ext_proc`, as many processes as picker workers):
+  a fixed no-change answer to every message on our HTTP/2 transport — Envoy's ext_proc ceiling;
+- ``null_routed``: the same server answering in the picker's shape (a fixed cluster-header
+  mutation with ``clear_route_cache``), so Envoy also re-routes and the completion log fires;
+- Envoy (``--concurrency N``) with eight listeners, the four variants (see :data:`VARIANTS`) times
+  two route kinds: ``direct_response`` and a route to the upstream cluster (the upstream one
+  with the picker is the control plane's own listener; the null ones copy the picker
+  listeners' filter config, access log included).
 
-wrk (1 thread, fixed ``x-session-id`` and ``model-version`` headers, so every request is pinned)
-runs each route kind at 16 connections and at 1 connection, ``runs`` times, alternating without
-and with the picker; medians are reported. Added latency = p50/p99 with the picker minus without,
-at 1 connection, per run, then the median.
+Traffic: wrk (1 thread) with a Lua script that alternates requests with and without an
+``x-session-id`` (64 sessions), so the scheduler runs both its session path (pin lookup, pinned
+bound) and its bounded-loads path; with ``body_kb`` a POST with a JSON body of that size that the
+picker reads for routing (the null server asks for it too). Each route kind runs ``runs`` rounds;
+a round runs each variant once at 16 connections, then once at 1 connection (interleaved, so
+drift on the shared machine hits all variants alike). Medians over rounds are reported, with
+min/max in ``spread``. Added latency = p50/p99 with the picker minus without, at 1 connection,
+per round. Envoy CPU per request: utime+stime of the Envoy process from ``/proc/PID/stat`` over a
+wrk run / its requests (10 ms tick resolution).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -43,18 +54,19 @@ from xds_server.resources.bootstrap import render_bootstrap
 
 T = "type.googleapis.com/"
 HEADERS = {"x-session-id": "bench-session-1", "model-version": "v1"}
-TARGETS = {"python_cpu_us_per_decision": 30.0, "python_cpu_us_per_decision_1conn": 100.0,
-           "added_p50_ms": 0.3, "added_p99_ms": 0.5, "rps_with_picker_direct_response": 10_000.0}
+TARGETS = {"rps_ratio_to_null": 0.85, "python_cpu_us_per_decision": 30.0, "python_cpu_us_per_decision_1conn": 100.0,
+           "added_p50_ms": 0.3, "added_p99_ms": 0.5}
+"""Issue 14's targets (direct_response route, 16 connections; CPU: the worse route kind)."""
 
 
-def _hcm(name: str, route: dict, ext_proc_cluster: str | None, cfg_headers: dict) -> dict:
+def _hcm(name: str, route: dict, ext_proc_cluster: str | None, cfg_headers: dict, body: bool = False) -> dict:
     filters = []
     access_log = []
     if ext_proc_cluster is not None:
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": ext_proc_cluster}, "timeout": "0.25s"},
-            "failure_mode_allow": True, "message_timeout": "0.25s",
+            "failure_mode_allow": True, "message_timeout": "0.25s", "allow_mode_override": body,
             "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
                                 "request_body_mode": "NONE", "response_body_mode": "NONE",
                                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}}})
@@ -76,41 +88,63 @@ def _hcm(name: str, route: dict, ext_proc_cluster: str | None, cfg_headers: dict
             {"name": name, "domains": ["*"], "routes": [{"match": {"prefix": "/"}, **route}]}]}}}
 
 
-def _listener(name: str, port: int, route: dict, ext_proc_cluster: str | None = None) -> dict:
+def _listener(name: str, port: int, route: dict, ext_proc_cluster: str | None = None, body: bool = False) -> dict:
     headers = {"cluster": "x-inferlb-cluster", "override_host": "x-gateway-destination-endpoint"}
     return {"name": name, "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-            "filter_chains": [{"filters": [_hcm(name, route, ext_proc_cluster, headers)]}]}
+            "filter_chains": [{"filters": [_hcm(name, route, ext_proc_cluster, headers, body)]}]}
 
 
-def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dict[str, int]) -> str:
-    """The ADS bootstrap plus the bench's static listeners and a static cluster for the picker."""
-    doc = yaml.safe_load(render_bootstrap(xds_address=f"127.0.0.1:{xds_port}", node_id="bench-envoy",
-                                          admin_port=admin_port))
-    direct = {"direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
-    doc["static_resources"]["clusters"].append({
-        "name": "bench_picker", "type": "STATIC", "connect_timeout": "0.25s",
+def _h2_cluster(name: str, port: int) -> dict:
+    return {
+        "name": name, "type": "STATIC", "connect_timeout": "0.25s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}}},
-        "load_assignment": {"cluster_name": "bench_picker", "endpoints": [{"lb_endpoints": [{"endpoint": {
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": picker_port}}}}]}]}})
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
+
+
+def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dict[str, int],
+                    null_port: int | None = None, body_kb: int = 0, null_routed_port: int | None = None) -> str:
+    """The ADS bootstrap plus the bench's static listeners and static clusters for the picker and the
+    null ext_proc server (the ``*_null`` listeners: the picker listeners' filter config, other cluster)."""
+    doc = yaml.safe_load(render_bootstrap(xds_address=f"127.0.0.1:{xds_port}", node_id="bench-envoy",
+                                          admin_port=admin_port))
+    direct = {"direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
+    body = body_kb > 0
+    doc["static_resources"]["clusters"].append(_h2_cluster("bench_picker", picker_port))
     doc["static_resources"]["listeners"] = [
         _listener("upstream", ports["upstream"], direct),
         _listener("direct_without", ports["direct_without"], direct),
-        _listener("direct_with", ports["direct_with"], direct, "bench_picker"),
+        _listener("direct_with", ports["direct_with"], direct, "bench_picker", body),
         _listener("upstream_without", ports["upstream_without"], {"route": {"cluster": "bench-v1"}}),
     ]
+    if null_port is not None:
+        doc["static_resources"]["clusters"].append(_h2_cluster("bench_null", null_port))
+        doc["static_resources"]["listeners"] += [
+            _listener("direct_null", ports["direct_null"], direct, "bench_null", body),
+            _listener("upstream_null", ports["upstream_null"], {"route": {"cluster": "bench-v1"}}, "bench_null", body),
+        ]
+    if null_routed_port is not None:
+        doc["static_resources"]["clusters"].append(_h2_cluster("bench_null_routed", null_routed_port))
+        doc["static_resources"]["listeners"] += [
+            _listener("direct_null_routed", ports["direct_null_routed"], direct, "bench_null_routed", body),
+            _listener("upstream_null_routed", ports["upstream_null_routed"], {"route": {"cluster": "bench-v1"}},
+                      "bench_null_routed", body),
+        ]
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def control_plane_config(ports: dict[str, int], picker_port: int) -> dict:
+def control_plane_config(ports: dict[str, int], picker_port: int, body_kb: int = 0) -> dict:
+    """The control plane's config: one service, one endpoint (the ``upstream`` listener); with
+    ``body_kb`` > 0, body routing on (``picker.body_max_bytes`` 64 KiB, buffered)."""
     return {
         "listen": {"xds": f"127.0.0.1:{ports['xds']}", "ext_proc": "127.0.0.1:0",
                    "admin": f"127.0.0.1:{ports['admin']}"},
         "envoy": {"listener": f"127.0.0.1:{ports['upstream_with']}", "ext_proc_address": f"127.0.0.1:{picker_port}"},
         "loop": {"interval_s": 5, "timeout_s": 0.2},
         "prometheus": {"url": f"http://127.0.0.1:{ports['dead']}"},
-        "picker": {"admission": False},
+        "picker": {"admission": False, **({"body_max_bytes": 65536} if body_kb else {})},
         "services": [{"name": "bench", "versions": [
             {"name": "v1", "endpoints": [{"address": f"127.0.0.1:{ports['upstream']}"}]}]}],
     }
@@ -120,11 +154,15 @@ _LATENCY = re.compile(r"^\s+(50|99)(?:\.0+)?%\s+([\d.]+)(us|ms|s)\s*$", re.M)
 _UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def run_wrk(url: str, connections: int, duration_s: float) -> dict[str, float]:
-    """One wrk run: requests, req/s, p50/p99 (ms), non-2xx and socket errors."""
+def run_wrk(url: str, connections: int, duration_s: float, script: Path | None = None) -> dict[str, float]:
+    """One wrk run: requests, req/s, p50/p99 (ms), non-2xx and socket errors. With ``script`` (a wrk
+    Lua script, see :func:`wrk_script`) the requests come from it; else fixed ``HEADERS``."""
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency"]
-    for k, v in HEADERS.items():
-        argv += ["-H", f"{k}: {v}"]
+    if script is not None:
+        argv += ["-s", str(script)]
+    else:
+        for k, v in HEADERS.items():
+            argv += ["-H", f"{k}: {v}"]
     out = subprocess.run([*argv, url], capture_output=True, text=True, timeout=duration_s + 30).stdout
     lat = {int(p): float(v) * _UNIT[u] for p, v, u in _LATENCY.findall(out)}
     m = re.search(r"(\d+) requests in", out)
@@ -173,87 +211,209 @@ def _envoy_stats(admin: str) -> dict[str, int]:
     return out
 
 
+_WRK_LUA = """
+-- inferlb bench picker: alternate requests with and without a session header (%(sessions)d sessions),
+-- pre-formatted once, so every request runs the full scheduler (pins, session lookups, bounded loads).
+local reqs = {}
+local i = 0
+init = function(args)
+  for k = 1, %(n)d do
+    local h = {["model-version"] = "v1", ["content-type"] = "application/json"}
+    if k %% 2 == 0 then h["x-session-id"] = "bench-session-" .. (k %% %(sessions)d) end
+    reqs[k] = wrk.format(%(method)s, nil, h, %(body)s)
+  end
+end
+request = function()
+  i = i %% %(n)d + 1
+  return reqs[i]
+end
+"""
+
+
+def body_json(kb: int) -> str:
+    """A chat-completions JSON body of about ``kb`` KiB (model, user, a system prompt and a user turn)."""
+    filler = ("You are a careful assistant. " * (kb * 1024 // 29 + 1))[: max(0, kb * 1024 - 160)]
+    return json.dumps({"model": "bench", "user": "u1", "max_tokens": 64, "messages": [
+        {"role": "system", "content": filler}, {"role": "user", "content": "hello"}]})
+
+
+def wrk_script(path: Path, body_kb: int = 0, sessions: int = 64) -> Path:
+    """Write the wrk Lua script (see ``_WRK_LUA``) to ``path``; ``body_kb`` > 0 sends a POST JSON body."""
+    body = "nil"
+    method = "nil"
+    if body_kb > 0:
+        text = body_json(body_kb)
+        path.with_suffix(".body.json").write_text(text)
+        body = f"[==[{text}]==]"  # a Lua long string (wrk's init cannot read files)
+        method = '"POST"'
+    path.write_text(_WRK_LUA % {"sessions": sessions, "n": 2 * sessions, "body": body, "method": method})
+    return path
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of one process (all its threads) from /proc/PID/stat, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+VARIANTS = ("without", "null", "null_routed", "picker")
+"""The variants run in each round, in this order: no ext_proc filter; the null ext_proc server
+(no-change answer); the null server answering in the picker's shape (a fixed cluster-header
+mutation with ``clear_route_cache``, so Envoy also re-routes and the completion access log fires);
+the picker."""
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _summary(rounds: list[dict]) -> dict[str, Any]:
+    """Medians (and min/max) over rounds of one route kind; ``rounds[i][conns][variant]`` is one wrk run."""
+    def col(conns: str, variant: str, key: str) -> list[float]:
+        return [r[conns][variant][key] for r in rounds]
+
+    ratio = [r["16conn"]["picker"]["rps"] / r["16conn"]["null"]["rps"] for r in rounds]
+    ratio_routed = [r["16conn"]["picker"]["rps"] / r["16conn"]["null_routed"]["rps"] for r in rounds]
+    ratio_1 = [r["1conn"]["picker"]["rps"] / r["1conn"]["null"]["rps"] for r in rounds]
+    added50 = [r["1conn"]["picker"]["p50_ms"] - r["1conn"]["without"]["p50_ms"] for r in rounds]
+    added99 = [r["1conn"]["picker"]["p99_ms"] - r["1conn"]["without"]["p99_ms"] for r in rounds]
+    null50 = [r["1conn"]["null"]["p50_ms"] - r["1conn"]["without"]["p50_ms"] for r in rounds]
+    return {
+        "rps_with_picker": statistics.median(col("16conn", "picker", "rps")),
+        "rps_without_picker": statistics.median(col("16conn", "without", "rps")),
+        "rps_null_ext_proc": statistics.median(col("16conn", "null", "rps")),
+        "rps_ratio_to_null": statistics.median(ratio),
+        "rps_ratio_to_null_1conn": statistics.median(ratio_1),
+        "rps_null_routed": statistics.median(col("16conn", "null_routed", "rps")),
+        "rps_ratio_to_null_routed": statistics.median(ratio_routed),
+        "python_cpu_us_per_decision": statistics.median(col("16conn", "picker", "python_cpu_us_per_request")),
+        "python_cpu_us_per_decision_1conn": statistics.median(col("1conn", "picker", "python_cpu_us_per_request")),
+        "null_cpu_us_per_request": statistics.median(col("16conn", "null", "python_cpu_us_per_request")),
+        "added_p50_ms": statistics.median(added50),
+        "added_p99_ms": statistics.median(added99),
+        "null_added_p50_ms": statistics.median(null50),
+        "p50_ms_with_picker_1conn": statistics.median(col("1conn", "picker", "p50_ms")),
+        "p50_ms_without_picker_1conn": statistics.median(col("1conn", "without", "p50_ms")),
+        "envoy_cpu_us_per_request": {v: statistics.median(col("16conn", v, "envoy_cpu_us_per_request"))
+                                     for v in VARIANTS},
+        "envoy_cpu_us_per_request_1conn": {v: statistics.median(col("1conn", v, "envoy_cpu_us_per_request"))
+                                           for v in VARIANTS},
+        "spread": {
+            "rps_16conn": {v: _spread(col("16conn", v, "rps")) for v in VARIANTS},
+            "rps_ratio_to_null": _spread(ratio),
+            "rps_ratio_to_null_routed": _spread(ratio_routed),
+            "python_cpu_us_per_decision": _spread(col("16conn", "picker", "python_cpu_us_per_request")),
+            "python_cpu_us_per_decision_1conn": _spread(col("1conn", "picker", "python_cpu_us_per_request")),
+            "added_p50_ms": _spread(added50), "added_p99_ms": _spread(added99),
+            "envoy_cpu_us_per_request": {v: _spread(col("16conn", v, "envoy_cpu_us_per_request"))
+                                         for v in VARIANTS},
+        },
+        "errors": sum(r[c][v]["non_2xx"] + r[c][v]["socket_errors"] for r in rounds for c in r if c != "round"
+                      for v in VARIANTS),
+        "rounds": rounds,
+    }
+
+
 def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers: int = 1,
-        envoy_concurrency: int = 1, workdir: Path | None = None) -> dict[str, Any]:
+        envoy_concurrency: int = 1, workdir: Path | None = None, body_kb: int = 0) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON document (see module docstring)."""
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian package `wrk`; scripts/setup.sh installs it)")
     work = workdir or Path(tempfile.mkdtemp(prefix="inferlb-bench-"))
-    names = ["xds", "admin", "dead", "upstream", "upstream_with", "upstream_without", "direct_with",
-             "direct_without", "envoy_admin", "picker"]
+    names = ["xds", "admin", "dead", "upstream", "upstream_with", "upstream_without", "upstream_null",
+             "upstream_null_routed", "direct_with", "direct_without", "direct_null", "direct_null_routed",
+             "envoy_admin", "picker", "null", "null_routed"]
     ports = {n: stack.free_port() for n in names}
     procs: list[stack.Proc] = []
+    script = wrk_script(work / "mixed.lua", body_kb)
     try:
         cfg_path = work / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(control_plane_config(ports, ports["picker"])))
+        cfg_path.write_text(yaml.safe_dump(control_plane_config(ports, ports["picker"], body_kb)))
         procs.append(stack.start_control_plane(cfg_path, work, ports["admin"]))
         picker = stack.spawn("picker", stack.inferlb_argv(
             "ext-proc", "--xds", f"127.0.0.1:{ports['xds']}", "--listen", f"127.0.0.1:{ports['picker']}",
             "--transport", transport, "--workers", str(workers), "--log-level", "warning"), work)
         procs.append(picker)
-        _wait_port(ports["picker"])
-        envoy = stack.start_envoy(envoy_bootstrap(ports["xds"], ports["envoy_admin"], ports["picker"], ports), work,
+        null_argv = [sys.executable, "-m", "bench.null_ext_proc", "--reuse-port", *(["--hold-body"] if body_kb else [])]
+        nulls = {"null": [stack.spawn(f"null-{i}", [*null_argv, "--listen", f"127.0.0.1:{ports['null']}"], work)
+                          for i in range(workers)],
+                 "null_routed": [stack.spawn(f"null-routed-{i}", [
+                     *null_argv, "--listen", f"127.0.0.1:{ports['null_routed']}",
+                     "--set-header", "x-inferlb-cluster=bench-v1"], work) for i in range(workers)]}
+        procs += nulls["null"] + nulls["null_routed"]
+        for name in ("picker", "null", "null_routed"):
+            _wait_port(ports[name])
+        envoy = stack.start_envoy(envoy_bootstrap(ports["xds"], ports["envoy_admin"], ports["picker"], ports,
+                                                  ports["null"], body_kb, ports["null_routed"]), work,
                                   ports["envoy_admin"], concurrency=envoy_concurrency)
         procs.append(envoy)
         _wait_port(ports["upstream_with"])
         picker_procs = _picker_procs(psutil.Process(picker.popen.pid))
-        kinds = {"direct_response": ("direct_with", "direct_without"),
-                 "upstream": ("upstream_with", "upstream_without")}
-        for with_, without in kinds.values():  # warm-up: connections, HPACK tables, caches
-            run_wrk(f"http://127.0.0.1:{ports[with_]}/v1/chat/completions", 16, 1)
-            run_wrk(f"http://127.0.0.1:{ports[without]}/v1/chat/completions", 16, 1)
+        measured_procs = {"picker": picker_procs, "without": [],
+                          **{k: [psutil.Process(p.popen.pid) for p in v] for k, v in nulls.items()}}
+        kinds = {kind: {"without": f"{prefix}_without", "null": f"{prefix}_null",
+                        "null_routed": f"{prefix}_null_routed", "picker": f"{prefix}_with"}
+                 for kind, prefix in (("direct_response", "direct"), ("upstream", "upstream"))}
+
+        def url(listener: str) -> str:
+            return f"http://127.0.0.1:{ports[listener]}/v1/chat/completions"
+
+        for listeners in kinds.values():  # warm-up: connections, HPACK tables, caches
+            for listener in listeners.values():
+                run_wrk(url(listener), 16, 1, script)
         result: dict[str, Any] = {}
-        with Progress(len(kinds) * 2 * runs, 2 * duration_s, "bench picker") as progress:
-            for kind, (with_, without) in kinds.items():
-                raw: dict[str, list[dict]] = {}
-                for conns in (16, 1):
-                    for i in range(runs):
-                        progress.step(f"{kind}, {conns} connection(s), run {i + 1}/{runs}")
-                        base = run_wrk(f"http://127.0.0.1:{ports[without]}/v1/chat/completions", conns, duration_s)
-                        before = _cpu_s(picker_procs)
-                        picked = run_wrk(f"http://127.0.0.1:{ports[with_]}/v1/chat/completions", conns, duration_s)
-                        cpu = _cpu_s(picker_procs) - before
-                        picked["python_cpu_us_per_decision"] = cpu / max(1, picked["requests"]) * 1e6
-                        raw.setdefault(f"{conns}conn", []).append({"run": i + 1, "without": base, "with": picked})
-                sixteen, one = raw["16conn"], raw["1conn"]
-                result[kind] = {
-                    "rps_with_picker": statistics.median(r["with"]["rps"] for r in sixteen),
-                    "rps_without_picker": statistics.median(r["without"]["rps"] for r in sixteen),
-                    "python_cpu_us_per_decision": statistics.median(r["with"]["python_cpu_us_per_decision"]
-                                                                    for r in sixteen),
-                    "python_cpu_us_per_decision_1conn": statistics.median(r["with"]["python_cpu_us_per_decision"]
-                                                                          for r in one),
-                    "added_p50_ms": statistics.median(r["with"]["p50_ms"] - r["without"]["p50_ms"] for r in one),
-                    "added_p99_ms": statistics.median(r["with"]["p99_ms"] - r["without"]["p99_ms"] for r in one),
-                    "p50_ms_with_picker_1conn": statistics.median(r["with"]["p50_ms"] for r in one),
-                    "p50_ms_without_picker_1conn": statistics.median(r["without"]["p50_ms"] for r in one),
-                    "errors": sum(r[w]["non_2xx"] + r[w]["socket_errors"] for rs in raw.values() for r in rs
-                                  for w in ("with", "without")),
-                    "runs": raw,
-                }
+        with Progress(len(kinds) * 2 * runs, len(VARIANTS) * duration_s, "bench picker") as progress:
+            for kind, listeners in kinds.items():
+                rounds: list[dict] = []
+                for i in range(runs):
+                    round_: dict[str, Any] = {"round": i + 1}
+                    for conns in (16, 1):
+                        progress.step(f"{kind}, {conns} connection(s), round {i + 1}/{runs}")
+                        runs_: dict[str, dict] = {}
+                        for variant in VARIANTS:
+                            measured = measured_procs[variant]
+                            before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
+                            r = run_wrk(url(listeners[variant]), conns, duration_s, script)
+                            n = max(1, r["requests"])
+                            r["python_cpu_us_per_request"] = (_cpu_s(measured) - before) / n * 1e6
+                            r["envoy_cpu_us_per_request"] = (_proc_cpu_s(envoy.popen.pid) - envoy_before) / n * 1e6
+                            runs_[variant] = r
+                        round_[f"{conns}conn"] = runs_
+                    rounds.append(round_)
+                result[kind] = _summary(rounds)
         stats = _envoy_stats(f"http://127.0.0.1:{ports['envoy_admin']}")
     finally:
         for p in reversed(procs):
             p.stop()
     direct = result["direct_response"]
     checks = {
+        "rps_ratio_to_null": direct["rps_ratio_to_null"],
         "python_cpu_us_per_decision": max(direct["python_cpu_us_per_decision"],
                                           result["upstream"]["python_cpu_us_per_decision"]),
         "python_cpu_us_per_decision_1conn": max(direct["python_cpu_us_per_decision_1conn"],
                                                 result["upstream"]["python_cpu_us_per_decision_1conn"]),
         "added_p50_ms": direct["added_p50_ms"],
         "added_p99_ms": direct["added_p99_ms"],
-        "rps_with_picker_direct_response": direct["rps_with_picker"],
     }
-    targets = {k: {"target": TARGETS[k], "measured": v,
-                   "met": v >= TARGETS[k] if k.startswith("rps") else v <= TARGETS[k]} for k, v in checks.items()}
+    targets_ = dict(TARGETS)
+    if body_kb:
+        targets_.update(rps_ratio_to_null=0.7, added_p50_ms=0.5, added_p99_ms=float("inf"))
+    targets = {k: {"target": targets_[k], "measured": v,
+                   "met": v >= targets_[k] if k.startswith("rps") else v <= targets_[k]} for k, v in checks.items()}
     return {
         "benchmark": "picker",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "envoy": stack.envoy_version(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
         "transport": transport, "workers": workers, "envoy_concurrency": envoy_concurrency,
-        "duration_s": duration_s, "runs": runs, "wrk": "1 thread, fixed session and version headers",
+        "duration_s": duration_s, "runs": runs, "body_kb": body_kb,
+        "wrk": "1 thread, Lua script alternating requests with and without x-session-id (64 sessions)"
+               + (f", POST with a {body_kb} KiB JSON body" if body_kb else ""),
+        "variants": {"without": "no ext_proc filter", "null": "bench.null_ext_proc (fixed no-change answer, "
+                     "same filter config, our h2 transport)",
+                     "null_routed": "bench.null_ext_proc --set-header x-inferlb-cluster=bench-v1 (the picker's "
+                     "answer shape: header mutation + clear_route_cache; the completion access log fires)",
+                     "picker": "inferlb ext-proc"},
         "route_kinds": result,
         "targets": targets,
         "envoy_ext_proc_stats": stats,
@@ -272,22 +432,36 @@ def _cpu_model() -> str:
 def markdown(doc: dict[str, Any], command: str) -> str:
     """The BENCHMARKS.md section for one result document."""
     m = doc["machine"]
+    body = f", {doc['body_kb']} KiB JSON body read for routing" if doc.get("body_kb") else ""
     lines = [
         f"### Picker, `{doc['transport']}` transport, {doc['workers']} picker process(es), "
-        f"Envoy --concurrency {doc['envoy_concurrency']}",
+        f"Envoy --concurrency {doc['envoy_concurrency']}{body}",
         "",
         f"`{command}` — {doc['date']}, {m['cores']} × {m['cpu']}, Python {m['python']}, Envoy {m['envoy']}; "
-        f"wrk {doc['wrk']}, {doc['duration_s']:g} s per run, medians of {doc['runs']} runs; "
-        f"1-minute load average at the end: {m['load_average_1m_at_end']} (other work shared the 2 cores).",
+        f"wrk {doc['wrk']}, {doc['duration_s']:g} s per run, variants interleaved, medians of {doc['runs']} "
+        f"rounds (min–max in brackets); 1-minute load average at the end: {m['load_average_1m_at_end']} "
+        "(other work shared the 2 cores).",
         "",
-        "| route kind | req/s with picker (16 conn) | req/s without | Python µs / decision (16 conn) "
-        "| Python µs / decision (1 conn) | added p50 / p99, 1 conn (ms) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| route kind | req/s without ext_proc | req/s null | req/s null, routed | req/s picker | picker / null "
+        "| picker / null routed | Python µs / request, picker (16 conn / 1 conn) | Python µs / request, null "
+        "| Envoy µs / request: without / null / null routed / picker | added p50 / p99, 1 conn (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def rng(s: dict, fmt: str = ",.0f") -> str:
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}–{s['max']:{fmt}}]"
+
     for kind, r in doc["route_kinds"].items():
-        lines.append(f"| {kind} | {r['rps_with_picker']:,.0f} | {r['rps_without_picker']:,.0f} | "
-                     f"{r['python_cpu_us_per_decision']:.1f} | {r['python_cpu_us_per_decision_1conn']:.1f} | "
-                     f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} |")
+        sp = r["spread"]
+        envoy = " / ".join(f"{r['envoy_cpu_us_per_request'][v]:.1f}" for v in VARIANTS)
+        lines.append(
+            f"| {kind} | {rng(sp['rps_16conn']['without'])} | {rng(sp['rps_16conn']['null'])} | "
+            f"{rng(sp['rps_16conn']['null_routed'])} | "
+            f"{rng(sp['rps_16conn']['picker'])} | {rng(sp['rps_ratio_to_null'], '.2f')} | "
+            f"{rng(sp['rps_ratio_to_null_routed'], '.2f')} | "
+            f"{rng(sp['python_cpu_us_per_decision'], '.1f')} / {rng(sp['python_cpu_us_per_decision_1conn'], '.1f')} | "
+            f"{r['null_cpu_us_per_request']:.1f} | {envoy} | "
+            f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} |")
     lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
     for name, t in doc["targets"].items():
         lines.append(f"| {name} {'≥' if name.startswith('rps') else '≤'} {t['target']:g} | {t['measured']:.3f} | "

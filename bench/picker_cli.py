@@ -13,23 +13,27 @@ import click
 @click.command("picker")
 @click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
 @click.option("--duration", default=5.0, show_default=True, type=float, help="Seconds per wrk run.")
-@click.option("--runs", default=3, show_default=True, type=int, help="Runs per measurement (medians).")
+@click.option("--runs", default=3, show_default=True, type=int, help="Rounds (each variant once per round; medians).")
 @click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
 @click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
 @click.option("--envoy-concurrency", default=1, show_default=True, type=int, help="Envoy worker threads.")
+@click.option("--body-kb", default=0, show_default=True, type=click.IntRange(0, 512),
+              help="Send a JSON body of this many KiB and turn body routing on (0: GET, headers only).")
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
 def picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
-           md_path: str | None) -> None:
-    """The picker's cost on real Envoy with wrk: req/s, Python CPU per decision, added latency."""
+           body_kb: int, md_path: str | None) -> None:
+    """The picker's cost on real Envoy with wrk, against no ext_proc and a null ext_proc server:
+    req/s, ratio to null, Python and Envoy CPU per request, added latency."""
     from bench.picker import markdown, run, write_markdown
 
     logging.getLogger().setLevel(logging.WARNING)
     doc = run(duration_s=duration, runs=runs, transport=transport, workers=workers,
-              envoy_concurrency=envoy_concurrency)
+              envoy_concurrency=envoy_concurrency, body_kb=body_kb)
     command = "inferlb bench picker " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "inferlb bench picker"
     doc["command"] = command
     Path(json_path).write_text(json.dumps(doc, indent=2))
     section = markdown(doc, command)
     if md_path:
-        write_markdown(Path(md_path), section, f"picker-{transport}-w{workers}-c{envoy_concurrency}")
+        key = f"picker-{transport}-w{workers}-c{envoy_concurrency}" + (f"-b{body_kb}" if body_kb else "")
+        write_markdown(Path(md_path), section, key)
     click.echo(section)
