@@ -47,6 +47,7 @@ from typing import Any
 import psutil
 import yaml
 
+from bench.markdown import replace_marked
 from bench.progress import Progress
 from bench.sessions import bytes_per_session
 from inferlb.devstack import stack
@@ -474,10 +475,4 @@ def markdown(doc: dict[str, Any], command: str) -> str:
 def write_markdown(path: Path, section: str, key: str) -> None:
     """Replace (or append) the section between ``<!-- bench:KEY -->`` markers in ``path``."""
     begin, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nWritten by `inferlb bench ...`.\n"
-    block = f"{begin}\n{section}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_marked(path, begin, end, f"{begin}\n{section}\n{end}")

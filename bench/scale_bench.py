@@ -32,6 +32,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from bench.markdown import replace_marked
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 60_000)
 ROUNDS = 4
@@ -176,15 +178,10 @@ def write_benchmarks(table: str, command: str) -> None:
     from bench.xds_bench import machine
 
     path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
     start, end = "<!-- scale_bench:start -->", "<!-- scale_bench:end -->"
     body = (f"{start}\nCommand: `{command}` · machine: {machine()} (shared with other jobs) · "
             f"date: {date.today().isoformat()}\n\n{table}\n{end}")
-    if start in text:
-        text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n## Scale: one weight round at 1 000 .. 60 000 endpoints\n\n" + body + "\n"
-    path.write_text(text)
+    replace_marked(path, start, end, body, "## Scale: one weight round at 1 000 .. 60 000 endpoints")
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from bench.markdown import replace_marked
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.push import Push
 from xds_server.ads.server import MAX_MESSAGE_BYTES, AdsServicer, start_ads_server
@@ -345,15 +346,10 @@ def report(results: list[dict]) -> str:
 
 def write_benchmarks(table: str, command: str) -> None:
     path = ROOT / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
     start, end = "<!-- xds_bench:start -->", "<!-- xds_bench:end -->"
     body = (f"{start}\nCommand: `{command}` · machine: {machine()} · date: {date.today().isoformat()}\n\n"
             f"{table}\n{end}")
-    if start in text:
-        text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n## xDS push: one weight round to 100 ADS streams\n\n" + body + "\n"
-    path.write_text(text)
+    replace_marked(path, start, end, body, "## xDS push: one weight round to 100 ADS streams")
 
 
 def main() -> None:

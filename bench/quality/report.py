@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.markdown import replace_marked
 from bench.quality.figures import EXTRA, FIGURES
 from bench.quality.policies import BASELINES, POLICIES
 from bench.quality.runner import ScenarioRun
@@ -373,13 +374,7 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
 def write_section(path: Path, section: str) -> None:
     """Put ``section`` into the markdown file at ``path``: replace the old one between the markers,
     or append it (the file is created if missing)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start, end = text.find(BEGIN), text.find(END)
-    if start != -1 and end > start:
-        text = text[:start] + section.rstrip("\n") + text[end + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    replace_marked(path, BEGIN, END, section)
 
 
 def json_document(store: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
