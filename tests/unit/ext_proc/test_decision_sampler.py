@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from envoy.config.core.v3 import base_pb2, health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from bench.decision_sampler import holder
 from ext_proc.handler import PickerHandler, StreamState
 from ext_proc.sampler import DecisionSampler
-from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 
 
 class Picker(PickerHandler):
@@ -20,16 +19,6 @@ class Picker(PickerHandler):
         return answer
 
 
-def holder() -> ViewHolder:
-    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="llm-v1")
-    locality = cla.endpoints.add()
-    for i in range(3):
-        lb = locality.lb_endpoints.add(health_status=health_check_pb2.HEALTHY)
-        lb.endpoint.address.socket_address.address = f"10.0.0.{i}"
-        lb.endpoint.address.socket_address.port_value = 8000
-    h = ViewHolder()
-    h.update({"llm-v1": cla}, RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),)))
-    return h
 
 
 def http_headers(**headers: str) -> pb.HttpHeaders:
