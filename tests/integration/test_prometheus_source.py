@@ -147,8 +147,10 @@ def test_dcgm_labels_renamed_to_exported_pod_and_namespace_still_join(kubernetes
     url, instance = kubernetes_prometheus
     src = pod_source(url, instance, "llm-0")
     caplog.set_level(logging.WARNING, logger="xds_server.metrics.sources.prometheus")
-    got = wait_until(lambda: (st := src.fetch([instance])[instance]).gpu_util is not None and st, 20, 0.5,
-                     "the GPU series of pod ai/llm-0")
+    # Both scraped: the GPU series, and the endpoint's own series (Prometheus may scrape the exporter
+    # first; until the endpoint's own series answer, a missing GPU join is not warned about).
+    got = wait_until(lambda: (st := src.fetch([instance])[instance]).gpu_util is not None
+                     and st.running is not None and st, 20, 0.5, "the own and GPU series of pod ai/llm-0")
     assert got.gpu_util == pytest.approx(0.40) and got.gpu_mem_free_mib == 30000
     raw = src._prom.custom_query('DCGM_FI_DEV_GPU_UTIL{exported_pod="llm-0"}')  # Prometheus did rename it
     assert raw and raw[0]["metric"]["pod"] == "dcgm-exporter-x"

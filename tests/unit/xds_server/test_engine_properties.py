@@ -178,10 +178,12 @@ def test_a_worse_signal_never_raises_the_weight(data, n, field, p):
         worse = min(1.0, worse)
     assume(worse != old)
     seen_worse = {**seen, target.instance: replace(before, **{field: worse})}
-    # Same history for both: round b follows round a's state, as the next round would. (Without
-    # history, an all-stale cluster falls back to neutral weights, which may exceed a scored weight.)
-    a, state = compute_weights(endpoints, seen, EngineState(), p,
-                                   plugins=BUILTIN)
+    # Same history for both: one round first, then the next round with the same or the worse signal.
+    # (Without history, an all-stale cluster falls back to neutral weights, which may exceed a scored
+    # weight; and health needs ``health_rounds`` rounds, so a second round may change another
+    # endpoint's health and with it the pool every relative score is taken over.)
+    _, state = compute_weights(endpoints, seen, EngineState(), p, plugins=BUILTIN)
+    a, _ = compute_weights(endpoints, seen, state, p, plugins=BUILTIN)
     b, _ = compute_weights(endpoints, seen_worse, state, p, plugins=BUILTIN)
     idx = endpoints.index(target)
     assert effective(b[idx]) <= effective(a[idx]), (field, a[idx], b[idx])
