@@ -2,9 +2,10 @@
 
 Envoy's ``envoy.access_loggers.http_grpc`` logger streams ``StreamAccessLogsMessage`` batches
 (one stream per Envoy worker, flushed every ``buffer_flush_interval`` or when
-``buffer_size_bytes`` fill up). The listener logs only requests that carry the picker's cluster
-header and adds the cluster and override-host headers to each entry
-(``additional_request_headers_to_log``), so each entry names exactly what the picker counted.
+``buffer_size_bytes`` fill up). The listener logs every request and adds the cluster and
+override-host headers to each entry (``additional_request_headers_to_log``), so each entry names
+exactly what the picker counted; an entry without the cluster header is a request the picker's
+answer did not reach in time (Envoy failed open), matched to its pick by ``x-request-id``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             another host after a retry (issue 15 item 13).
 
     Returns:
-        The number of HTTP entries that named a cluster (entries without the cluster header are
-        skipped: the picker did not route them).
+        The number of HTTP entries matched to a cluster: by the logged cluster header, else by the
+        request id of a pick in flight (its pin was not applied, so no failure is flagged for it);
+        other entries are skipped (the picker did not route them).
 
     Raises:
         google.protobuf.message.DecodeError: ``data`` is not a ``StreamAccessLogsMessage``.
@@ -62,14 +64,20 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
     counted = 0
     for entry in message.http_logs.log_entry:
         logged = entry.request.request_headers
-        cluster = logged.get(cluster_header) or entry.common_properties.upstream_cluster
-        if not cluster:
-            continue
-        pin = logged.get(override_host_header) or None
-        pick = inflight.pop(cluster, pin)
+        rid = entry.request.request_id.encode()
+        cluster = logged.get(cluster_header)
+        applied = bool(cluster)
+        if applied:
+            pin = logged.get(override_host_header) or None
+        else:
+            routed = inflight.routed(rid) if rid else None
+            if routed is None:
+                continue
+            cluster, pin = routed
+        pick = inflight.pop(cluster, pin, rid)
         counted += 1
         props = entry.common_properties
-        if pin is not None and failed is not None:
+        if applied and pin is not None and failed is not None:
             broken = False
             if props.HasField("response_flags"):  # absent on a clean request: no per-flag reads
                 flags = props.response_flags

@@ -343,7 +343,7 @@ class PickerHandler:
         endpoint = decision.endpoint
         if decision.cluster is not None:
             self.inflight.picked(decision.cluster, endpoint, decision.work, decision.mib, decision.prompt_tokens,
-                                 decision.output_tokens, decision.gpu_class)
+                                 decision.output_tokens, decision.gpu_class, headers.get("x-request-id"))
             slot = decision.session
             if slot is not None and endpoint is not None:
                 spills = self.spills.pop(slot, 0) if self.spills else 0

@@ -7,6 +7,12 @@ gRPC access log does: it reports every finished request that carried the picker'
 first-in first-out per key, and a pick older than ``expiry_s`` is taken as finished (its record
 was lost: the access-log stream broke, Envoy restarted, the buffer overflowed).
 
+Each pick also remembers its request's ``x-request-id``: when Envoy did not apply the picker's
+answer (it came after Envoy's ext_proc timeout, and Envoy failed open or answered 500), the
+request's log entry carries no cluster header, and its id names the pick to release
+(:meth:`InFlight.routed`). Without that, each such pick stayed counted until the expiry (found
+by ``inferlb bench soak``: the in-flight count stuck at 1 with nothing in flight).
+
 All methods run on the picker's one event loop: no locks. ``endpoints`` and ``clusters`` are
 plain dicts read directly on the request path (the ring reads ``endpoints`` as its loads).
 Counts depend only on the picks and completions seen, never on process-local randomness, so two
@@ -59,12 +65,15 @@ class InFlight:
             resets), cleared by :meth:`expire` once the hold is over.
         streams: access-log streams open now; while none is open, completions cannot arrive,
             so admission control ignores these counts (see :attr:`live`).
+        requests: ``{x-request-id: (picked at, cluster, pinned endpoint or None)}`` of the picks
+            in flight that carried an id, oldest first.
 
     Raises:
         ValueError: ``expiry_s`` or ``failure_hold_s`` is not positive.
     """
 
-    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "_pending_ep",
+    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests",
+                 "_pending_ep",
                  "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
@@ -80,6 +89,7 @@ class InFlight:
         self.free: dict[str, float] = {}
         self.failed: dict[str, float] = {}
         self.streams = 0
+        self.requests: dict[bytes, tuple[float, str, str | None]] = {}
         self._pending_ep: dict[str, deque[Pick]] = {}
         self._pending_cl: dict[str, deque[float]] = {}
         self._expiry = expiry_s
@@ -95,11 +105,15 @@ class InFlight:
         return self.streams > 0
 
     def picked(self, cluster: str, endpoint: str | None, work: float = 1.0, mib: float = 0.0,
-               prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "") -> None:
+               prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "",
+               request_id: bytes | None = None) -> None:
         """Count one routed request: to ``cluster``, pinned to ``endpoint`` (None = Envoy chooses),
         with its predicted ``work``, GPU memory need (MiB) and, when known, its tokens (for the
-        cost model) and the endpoint's GPU class."""
+        cost model), the endpoint's GPU class and the request's ``x-request-id`` (an id already in
+        flight is not remembered twice)."""
         now = self._clock()
+        if request_id and request_id not in self.requests:
+            self.requests[request_id] = (now, cluster, endpoint)
         counts = self.clusters
         counts[cluster] = counts.get(cluster, 0) + 1
         queue = self._pending_cl.get(cluster)
@@ -140,8 +154,17 @@ class InFlight:
             del self._pending_ep[endpoint]
         return pick
 
-    def pop(self, cluster: str, endpoint: str | None) -> Pick | None:
-        """As :meth:`completed`, returning the pick the completion matched (None: unpinned or unmatched)."""
+    def routed(self, request_id: bytes) -> tuple[str, str | None] | None:
+        """The ``(cluster, pinned endpoint)`` the picker chose for the request in flight with this
+        ``x-request-id`` (None: none such), forgotten by this call."""
+        known = self.requests.pop(request_id, None)
+        return None if known is None else known[1:]
+
+    def pop(self, cluster: str, endpoint: str | None, request_id: bytes | None = None) -> Pick | None:
+        """As :meth:`completed`, returning the pick the completion matched (None: unpinned or unmatched);
+        ``request_id``: the finished request's ``x-request-id``, forgotten."""
+        if request_id:
+            self.requests.pop(request_id, None)
         matched = _remove(self.clusters, self._pending_cl, cluster)
         self._completions[matched] += 1
         return self.finish(endpoint) if endpoint is not None else None
@@ -196,6 +219,14 @@ class InFlight:
         now = self._clock()
         limit = now - self._expiry
         expired = _expire(self.clusters, self._pending_cl, limit)
+        if self.requests:
+            old = []
+            for rid, (at, _, _) in self.requests.items():  # oldest first: stop at the first young one
+                if at >= limit:
+                    break
+                old.append(rid)
+            for rid in old:
+                del self.requests[rid]
         for endpoint in list(self._pending_ep):
             picks = self._pending_ep[endpoint]
             while picks and picks[0][0] < limit:

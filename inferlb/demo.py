@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -29,7 +30,7 @@ from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, Traffic, drive, make_sessions
 from inferlb.output import plot_history, weights_rich_table, weights_table
-from xds_server.config import load_config
+from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
 ENVOY_LISTENER, ENVOY_ADMIN, PROMETHEUS_PORT = 10000, 9901, 9090
@@ -65,6 +66,72 @@ def demo_config(backends: list[tuple[str, str, int]], metrics_source: str = "pro
             "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()],
         }],
     }
+
+
+@dataclass
+class DemoStack:
+    """The demo's running stack: ``procs`` by name (``sim-PORT``, ``prometheus``, ``inferlb``,
+    ``envoy``), the backends as ``[(version, gpu_class, port)]``, the config (its path and as
+    loaded) and the admin base URLs."""
+
+    procs: dict[str, stack.Proc]
+    backends: list[tuple[str, str, int]]
+    cfg_path: Path
+    cfg: Config
+    admin: str = f"http://127.0.0.1:{ADMIN_PORT}"
+    envoy_admin: str = f"http://127.0.0.1:{ENVOY_ADMIN}"
+
+    def restart_sim(self, port: int) -> stack.Proc:
+        """Start the backend on ``port`` again (after it was stopped or killed), same class and version."""
+        version, gpu = next((v, g) for v, g, p in self.backends if p == port)
+        proc = stack.start_sim(port, self.cfg_path.parent, gpu_class=gpu, version=version)
+        self.procs[proc.name] = proc
+        return proc
+
+    def restart_control_plane(self) -> stack.Proc:
+        """Stop ``inferlb serve`` (SIGTERM, its shutdown grace) and start it again; ready once ``/readyz`` answers."""
+        self.procs["inferlb"].stop(timeout=15)
+        proc = self.procs["inferlb"] = stack.start_control_plane(self.cfg_path, self.cfg_path.parent, ADMIN_PORT)
+        stack.wait_http(f"{self.admin}/readyz", proc)
+        return proc
+
+
+def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: list[stack.Proc] | None = None
+                ) -> DemoStack:
+    """Start the demo's processes in ``work``: the simulated backends (:data:`BACKENDS`, free ports),
+    Prometheus (when ``source`` is ``prometheus``), ``inferlb serve`` and Envoy (``xds_protocol``
+    sotw or delta), each ready before the next starts, on the demo's fixed ports.
+
+    Each process is appended to ``started`` as soon as it runs, so the caller can stop them all
+    even when a later one fails.
+
+    Raises:
+        stack.StackError: a port is taken, or a process did not start or become ready.
+    """
+    ports = [ENVOY_LISTENER, ENVOY_ADMIN, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT]
+    _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
+    procs = started if started is not None else []
+    backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
+    for version, gpu, port in backends:
+        procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
+    if source == "prometheus":
+        procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
+                                            PROMETHEUS_PORT, scrape_interval_s=1.0))
+    cfg_path = work / "inferlb.yaml"
+    cfg_path.write_text(yaml.safe_dump(demo_config(backends, source, str(work / "history.sqlite3")),
+                                       sort_keys=False))
+    cfg = load_config(cfg_path)
+    cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
+    procs.append(cp)
+    demo = DemoStack({}, backends, cfg_path, cfg)
+    stack.wait_http(f"{demo.admin}/readyz", cp)
+    procs.append(stack.start_envoy(
+        render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
+                         delta=xds_protocol == "delta"),
+        work, ENVOY_ADMIN))
+    stack.wait_http(f"{demo.envoy_admin}/ready", procs[-1])
+    demo.procs = {p.name: p for p in procs}
+    return demo
 
 
 def _get_json(url: str) -> dict:
@@ -198,32 +265,12 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        ports = [ENVOY_LISTENER, ENVOY_ADMIN, XDS_PORT, EXT_PROC_PORT, ADMIN_PORT]
-        _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
         print(f"inferlb demo: work dir {work}", flush=True)
         demo_started = time.time()
         print(f"inferlb demo: metrics source {source}" + ("" if source == "prometheus" else
               " (the control plane scrapes the backends' /metrics itself; no Prometheus)"), flush=True)
-        backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
-        for version, gpu, port in backends:
-            procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
-        if source == "prometheus":
-            procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
-                                                PROMETHEUS_PORT, scrape_interval_s=1.0))
-        cfg_path = work / "inferlb.yaml"
-        cfg_path.write_text(yaml.safe_dump(demo_config(backends, source, str(work / "history.sqlite3")),
-                                           sort_keys=False))
-        cfg = load_config(cfg_path)
-        cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
-        procs.append(cp)
-        admin = f"http://127.0.0.1:{ADMIN_PORT}"
-        stack.wait_http(f"{admin}/readyz", cp)
-        envoy_admin = f"http://127.0.0.1:{ENVOY_ADMIN}"
-        procs.append(stack.start_envoy(
-            render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
-                             delta=xds_protocol == "delta"),
-            work, ENVOY_ADMIN))
-        stack.wait_http(f"{envoy_admin}/ready", procs[-1])
+        demo = start_stack(work, source, xds_protocol, procs)
+        backends, cfg, admin, envoy_admin = demo.backends, demo.cfg, demo.admin, demo.envoy_admin
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
               f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
         traffic = asyncio.run(_traffic(duration, concurrency, admin, live))

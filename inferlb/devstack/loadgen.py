@@ -82,10 +82,12 @@ class Planned:
 
 @dataclass
 class Traffic:
-    """Everything sent so far. ``max_lag_ms``: how late :func:`replay` sent its latest request (ms)."""
+    """Everything sent so far. ``max_lag_ms``: how late :func:`replay` sent its latest request (ms).
+    ``in_flight``: requests :func:`drive` has sent and not yet seen answered."""
 
     results: list[Result] = field(default_factory=list)
     max_lag_ms: float = 0.0
+    in_flight: int = 0
 
     def summary(self, default_version: str) -> dict:
         """The demo summary's ``requests``, ``sessions``, ``versions``, ``latency_ms`` (end to end) and
@@ -272,13 +274,16 @@ async def _send_openai(client, body: dict, headers: dict[str, str]) -> _Outcome:
 async def drive(url: str, sessions: list[Session], *, duration_s: float, concurrency: int, seed: int = 1,
                 session_header: str = "x-session-id", version_header: str = "model-version",
                 max_tokens: int = 64, timeout_s: float = 30.0, traffic: Traffic | None = None,
-                stream_share: float = 0.0, system_prompt: str | None = None) -> Traffic:
+                stream_share: float = 0.0, system_prompt: str | None = None, rate: float | None = None,
+                gate: asyncio.Event | None = None) -> Traffic:
     """Send chat completions to ``url`` (``.../v1/chat/completions``) from ``concurrency`` workers
     for ``duration_s`` seconds, with the ``openai`` client.
 
     ``stream_share`` (0-1) of the requests are streamed; ``system_prompt`` (optional) starts every
-    conversation (a shared prefix the backends' prefix cache keeps). Connection errors and timeouts
-    are recorded as status 0 (never raised).
+    conversation (a shared prefix the backends' prefix cache keeps). ``rate``: at most this many
+    requests per second over all workers, evenly spaced (None: each worker sends as soon as its
+    last answer came). ``gate``: while it is cleared no new request starts (the ones in flight
+    finish). Connection errors and timeouts are recorded as status 0 (never raised).
     """
     import openai
 
@@ -289,15 +294,33 @@ async def drive(url: str, sessions: list[Session], *, duration_s: float, concurr
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": "hello"}]
 
+    next_at = [time.monotonic()]
+
+    async def paced() -> None:
+        if gate is not None:
+            await gate.wait()
+        if rate:
+            now = time.monotonic()
+            slot = max(next_at[0], now)
+            next_at[0] = slot + 1 / rate
+            await asyncio.sleep(slot - now)
+
     async def worker(client) -> None:
         while time.monotonic() < deadline:
+            await paced()
+            if gate is not None and not gate.is_set():
+                continue
             s = rng.choice(sessions)
             stream = rng.random() < stream_share
             start = time.monotonic()
             headers = _headers(s, session_header, version_header)
             del headers["content-type"]
-            status, served, version, error, extras = await _send_openai(
-                client, _chat_body(max_tokens, messages, stream), headers)
+            traffic.in_flight += 1
+            try:
+                status, served, version, error, extras = await _send_openai(
+                    client, _chat_body(max_tokens, messages, stream), headers)
+            finally:
+                traffic.in_flight -= 1
             traffic.results.append(Result(s, status, (time.monotonic() - start) * 1000, served, version,
                                           time.time(), error, stream=stream, **extras))
             if status == 0:

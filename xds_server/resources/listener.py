@@ -85,13 +85,13 @@ def completion_log(cfg: Config) -> dict:
 
     ``envoy.access_loggers.http_grpc`` over the ``inferlb_ext_proc`` cluster: one gRPC stream per
     Envoy worker, entries batched for ``picker.access_log_flush_s`` or ``access_log_buffer_bytes``.
-    Only requests with the picker's cluster header are logged, each with its cluster and
-    override-host header values.
+    Every request is logged, with its cluster and override-host header values: one the picker
+    answered too late for (Envoy failed open or answered 500) has neither and is matched to its
+    pick by its ``x-request-id``, so its count does not stay in flight until the expiry.
     """
     p = cfg.picker
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"header_filter": {"header": {"name": cfg.headers.cluster, "present_match": True}}},
         "typed_config": {
             "@type": TYPE_PREFIX + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {

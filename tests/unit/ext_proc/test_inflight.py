@@ -65,11 +65,12 @@ def test_expiry_must_be_positive():
         InFlight(expiry_s=0)
 
 
-def log_message(*entries: tuple[str | None, str | None], upstream: str = "") -> bytes:
+def log_message(*entries: tuple[str | None, str | None], request_ids: tuple[str, ...] = ()) -> bytes:
     msg = als_pb2.StreamAccessLogsMessage()
-    for cluster, pin in entries:
+    for i, (cluster, pin) in enumerate(entries):
         e = accesslog_pb2.HTTPAccessLogEntry()
-        e.common_properties.upstream_cluster = upstream
+        if i < len(request_ids):
+            e.request.request_id = request_ids[i]
         if cluster is not None:
             e.request.request_headers["x-inferlb-cluster"] = cluster
         if pin is not None:
@@ -86,10 +87,35 @@ def test_access_log_entries_complete_what_they_name():
     data = log_message(("chat-v1", "10.0.0.1:8000"), ("chat-v2", None), (None, None))
     assert record_completions(data, f, "x-inferlb-cluster", "x-gateway-destination-endpoint") == 2
     assert f.endpoints == {"10.0.0.1:8000": 1} and f.clusters == {"chat-v1": 1}
-    # Without the logged cluster header, Envoy's upstream cluster names it.
-    assert record_completions(log_message((None, "10.0.0.1:8000"), upstream="chat-v1"), f,
+    assert record_completions(log_message(("chat-v1", "10.0.0.1:8000")), f,
                               "x-inferlb-cluster", "x-gateway-destination-endpoint") == 1
     assert f.endpoints == {} and f.clusters == {}
+
+
+def test_an_entry_without_the_pickers_headers_releases_the_pick_with_its_request_id():
+    """Envoy failed open (the answer came after its ext_proc timeout): the entry has no cluster
+    header, and its x-request-id names the pick; an unknown id releases nothing."""
+    f = InFlight(expiry_s=10)
+    f.picked("chat-v1", "10.0.0.1:8000", request_id=b"late")
+    f.picked("chat-v1", "10.0.0.2:8000", request_id=b"on-time")
+    names = ("x-inferlb-cluster", "x-gateway-destination-endpoint")
+    assert record_completions(log_message((None, None), request_ids=("unknown",)), f, *names) == 0
+    assert f.clusters == {"chat-v1": 2}
+    assert record_completions(log_message((None, None), request_ids=("late",)), f, *names) == 1
+    assert f.endpoints == {"10.0.0.2:8000": 1} and f.clusters == {"chat-v1": 1}
+    assert record_completions(log_message(("chat-v1", "10.0.0.2:8000"), request_ids=("on-time",)), f, *names) == 1
+    assert f.endpoints == {} and f.clusters == {} and f.requests == {}
+
+
+def test_request_ids_are_forgotten_with_their_expired_picks():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    f.picked("c", "a:1", request_id=b"old")
+    clock.now += 6
+    f.picked("c", "a:1", request_id=b"new")
+    clock.now += 5
+    assert f.expire() == 1
+    assert list(f.requests) == [b"new"]
 
 
 ENDPOINTS = [f"10.1.0.{i}:8000" for i in range(5)]
