@@ -134,6 +134,39 @@ def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stac
             b.fault(reset=True)
 
 
+def test_a_pick_envoy_stopped_waiting_for_is_released_by_its_request_id(picker_stack: Stack):
+    """Found by ``inferlb bench soak``: the picker's answer came after Envoy's ext_proc timeout, Envoy
+    failed open (200 from the weighted fallback) and logged the request without the picker's
+    headers. Its x-request-id releases the pick at once; before, it stayed in flight until the
+    expiry (130 s), skewing the loads and admission."""
+    s = picker_stack
+    handler, inflight = s.app.picker, s.app.picker.inflight
+    assert s.send({"x-session-id": "on-time"}).status_code == 200
+    wait_until(lambda: not inflight.clusters and inflight.streams >= 1, 5, 0.02,
+               "the access-log stream open, nothing in flight")
+    real = handler.process
+    delay = s.cfg.envoy.ext_proc_timeout_s + 0.2
+    timeouts = envoy_stat(s.envoy_admin, "http.inferlb.ext_proc.message_timeouts") or 0
+
+    def late(stream, data):  # decide (and count the pick) now, answer after Envoy gave up
+        answer, end = real(stream, data)
+        if not end or not isinstance(answer, bytes):
+            return answer, end
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        loop.call_later(delay, lambda: fut.done() or fut.set_result(answer))
+        return fut, end
+
+    handler.process = late
+    try:
+        assert s.send({"x-session-id": "late"}).status_code == 200
+        assert envoy_stat(s.envoy_admin, "http.inferlb.ext_proc.message_timeouts") == timeouts + 1
+    finally:
+        vars(handler).pop("process", None)
+    wait_until(lambda: not inflight.clusters and not inflight.endpoints and not inflight.requests, 2, 0.01,
+               "the late pick to be released by its completion")
+
+
 def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack: Stack):
     s = picker_stack
     v2 = next(b for b in s.backends if b.version == "v2")
