@@ -93,6 +93,8 @@ class Run:
     """``{"t", "picker", "backends", "client"}`` sampled under traffic (None: could not be read)."""
     probes: list[dict] = field(default_factory=list)
     """``{"at", "settle_s", "picker", "backends"}`` of the warm-up and final probes."""
+    envoy: dict[str, int] = field(default_factory=dict)
+    """Envoy's ext_proc and access-log counters at the end (Envoy is never restarted)."""
 
 
 def fault_schedule(duration_s: float, warmup_s: float, fault_every_s: float) -> list[tuple[float, str]]:
@@ -313,6 +315,11 @@ class Soak:
                 settle, picker, backends = await self.probe(at, SETTLE_S)
                 self.run.probes.append({"at": "end", "t": round(at, 2), "settle_s": settle,
                                         "picker": picker, "backends": backends})
+                stats = await self._get(f"{self.demo.envoy_admin}/stats?filter=ext_proc|grpc_access_log")
+                for line in (stats or b"").decode().splitlines():
+                    name, _, value = line.partition(": ")
+                    if value.isdigit() and not name.startswith("cluster."):
+                        self.run.envoy[name] = int(value)
             finally:
                 stop.set()
                 await sampler
@@ -356,6 +363,7 @@ def report(soak: Soak, command: str, envoy_version: str) -> dict:
         "faults": [asdict(f) for f in run.faults],
         "probes": run.probes,
         "drift_under_traffic": _drift_summary(run.drift),
+        "envoy_counters": run.envoy,
         "processes": growth,
         "targets": targets,
         "ok": all(t["ok"] for t in targets.values()),
@@ -411,6 +419,8 @@ def markdown(doc: dict) -> str:
         f"Picker in-flight minus the backends' running + waiting, sampled under traffic ({d.get('samples', 0)} "
         f"samples; includes requests in transit and the access-log flush delay): median {d.get('median')}, "
         f"range {d.get('min')} to {d.get('max')}.",
+        "Envoy's counters at the end: " + (", ".join(f"`{k}` {v}" for k, v in doc["envoy_counters"].items() if v)
+                                           or "all 0") + ".",
         END,
     ]
     return "\n".join(lines) + "\n"
