@@ -21,7 +21,7 @@ from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
 from ext_proc.costmodel import CostModel
 from ext_proc.inflight import InFlight
-from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick
+from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_large
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -229,6 +229,8 @@ class PickerHandler:
         self.memory_queue = memory_queue
         self.spills: dict[int, int] = {}
         """Session slot -> spills in a row (only sessions spilling now)."""
+        self.largest_memory: dict[str, float] = {}
+        """``{cluster: its largest endpoint's whole GPU memory, MiB}`` (:meth:`set_largest_memory`)."""
         self._timed = 0
 
     @classmethod
@@ -376,6 +378,11 @@ class PickerHandler:
         admission = self.admission
         if cluster is None:
             return self._commit(decision, view, headers, phase)
+        largest = self.largest_memory.get(cluster)
+        if largest is not None and decision.mib > largest:  # no endpoint could ever hold it
+            refusal = too_large(cluster, decision.mib, largest)
+            self._count(refusal.reason)
+            return self._encoder.encode(refusal, view, headers, phase)
         if decision.reason == "no-memory":
             return self._no_memory(decision, headers, view, body, phase)
         if admission is None or not self.limit_concurrency or not self.inflight.streams:
@@ -410,10 +417,10 @@ class PickerHandler:
         """
         cluster = decision.cluster
         assert cluster is not None
+        pool = view.clusters[cluster]
         admission = self.admission
         if admission is None or not self.memory_queue:
             loads = self.inflight
-            pool = view.clusters[cluster]
             candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
             best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
             return self._commit(decision._replace(endpoint=best, gpu_class=pool.classes.get(best, "")), view,
@@ -437,6 +444,13 @@ class PickerHandler:
             return self._commit(self._pick(headers, now, body), now, headers, phase)
 
         return admission.enqueue(cluster, resume, refuse, ready=fits)
+
+    def set_largest_memory(self, largest: dict[str, float]) -> None:
+        """``{cluster: the whole GPU memory of its largest endpoint, MiB}`` (from the config): a
+        request needing more gets a 503 at once that says so (issue 15 item 4: forwarded, it
+        could only fail on a backend, and those failures took the endpoints out of the cluster).
+        A cluster absent is unknown: nothing is refused as too large for it."""
+        self.largest_memory = largest
 
     def set_samples(self, samples: dict[str, tuple[float, float]]) -> None:
         """Fresh GPU memory samples from the slow loop: ``{"HOST:PORT": (free MiB, taken at, monotonic s)}``

@@ -46,7 +46,8 @@ class Decision(NamedTuple):
         reason: why, a short stable label (a metrics label value): the scheduler's reasons
             ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
             :mod:`ext_proc.scheduler`), the handler's "pin-moved", and "no-healthy-endpoint",
-            "unknown-service", "unknown-version", "invalid-version", "not-ready", "overloaded".
+            "unknown-service", "unknown-version", "invalid-version", "not-ready", "overloaded",
+            "too-large".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
         retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
@@ -91,6 +92,15 @@ def overloaded(cluster: str, retry_after_s: int, why: str = "is at its max concu
     message = f"cluster '{cluster}' {why}; retry after {retry_after_s} s"
     return Decision(None, None, 429, json.dumps({"error": message}).encode(), "overloaded",
                     retry_after_s=retry_after_s)
+
+
+def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
+    """The 503 for a request that needs more GPU memory (``need_mib``) than any endpoint of
+    ``cluster`` has in all (``largest_mib``, MiB): reason "too-large", no ``Retry-After`` (retrying
+    the same request cannot help)."""
+    message = (f"cluster '{cluster}' has no endpoint with {need_mib:.0f} MiB of GPU memory for this request "
+               f"(the largest has {largest_mib:.0f} MiB in all)")
+    return Decision(None, None, 503, json.dumps({"error": message}).encode(), "too-large")
 
 
 def _quote(raw: bytes) -> str:

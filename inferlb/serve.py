@@ -101,6 +101,23 @@ def memory_samples(weights: list[EndpointWeight], spec: Callable[[str, str], End
     return out
 
 
+def largest_memory(weights: list[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None]
+                   ) -> dict[str, float]:
+    """``{cluster: the largest whole GPU memory of its endpoints, MiB}`` over one round's endpoints,
+    from their specs (pure; a cluster with an endpoint without a spec is left out: unknown)."""
+    out: dict[str, float] = {}
+    unknown: set[str] = set()
+    for w in weights:
+        s = spec(w.cluster, w.address)
+        if s is None:
+            unknown.add(w.cluster)
+        elif s.memory_mib > out.get(w.cluster, 0.0):
+            out[w.cluster] = s.memory_mib
+    for cluster in unknown:
+        out.pop(cluster, None)
+    return out
+
+
 class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
@@ -153,8 +170,11 @@ class InferLB:
 
     def _feed_picker(self, weights: list[EndpointWeight]) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
-        (its memory admission subtracts what it sent since)."""
+        (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
+        request needing more than every endpoint has is refused)."""
         self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic()))
+        self.picker.set_largest_memory(largest_memory(weights, self.control.spec))
+
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
         snapshot in a worker thread (one at a time, in order), so a 60 000-endpoint view does not

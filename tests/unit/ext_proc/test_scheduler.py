@@ -442,6 +442,37 @@ def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_fr
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]
 
 
+
+def _immediate(answer: bytes):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    r = pb.ProcessingResponse.FromString(answer).immediate_response
+    return r.status.code, json.loads(r.body)["error"], {h.header.key for h in r.headers.set_headers}
+
+
+@pytest.mark.parametrize("memory_queue", [False, True])
+def test_a_request_larger_than_every_endpoints_whole_memory_gets_a_503_that_says_so(memory_queue):
+    """Issue 15 item 4: forwarded, such a request could only fail on a backend (500 oom), and those
+    failures took the endpoints out of the cluster. Default need 2048 MiB; largest endpoint 2000;
+    no memory samples yet (free memory unknown)."""
+    from ext_proc.admission import Admission
+    admission = Admission(8, 0.1, 1) if memory_queue else None
+    handler = PickerHandler(ViewHolder(view()), admission=admission, limit_concurrency=False,
+                            memory_queue=memory_queue)
+    handler.set_largest_memory({"c": 2000.0})
+    status, message, extra = _immediate(handler.process(StreamState(), _headers_msg())[0])
+    assert status == 503 and "retry-after" not in extra
+    assert "no endpoint with 2048 MiB" in message and "the largest has 2000 MiB" in message and "'c'" in message
+    assert not handler.inflight.clusters
+
+
+def test_a_request_that_fits_the_largest_endpoint_or_an_unknown_cluster_is_not_refused_as_too_large():
+    handler = PickerHandler(ViewHolder(view()))
+    handler.set_samples({e: (10.0, 0.0) for e in FOUR})  # no room now: best effort, not a refusal
+    handler.set_largest_memory({"c": 4096.0})
+    assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) in FOUR
+    handler.set_largest_memory({"other": 1.0})
+    assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) in FOUR
+
 def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spill():
     p = pool(FOUR[:3])
     home, _ = choose(p, 99, None, {}, 0.0)
