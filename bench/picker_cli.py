@@ -20,15 +20,17 @@ import click
 @click.option("--body-kb", default=0, show_default=True, type=click.IntRange(0, 512),
               help="Send a JSON body of this many KiB and turn body routing on (0: GET, headers only).")
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
+@click.option("--before", type=click.Path(exists=True, file_okay=False),
+              help="Also run the picker of this checkout (PYTHONPATH) in every round: before/after in one run.")
 def picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
-           body_kb: int, md_path: str | None) -> None:
+           body_kb: int, md_path: str | None, before: str | None) -> None:
     """The picker's cost on real Envoy with wrk, against no ext_proc and a null ext_proc server:
     req/s, ratio to null, Python and Envoy CPU per request, added latency."""
     from bench.picker import markdown, run, write_markdown
 
     logging.getLogger().setLevel(logging.WARNING)
     doc = run(duration_s=duration, runs=runs, transport=transport, workers=workers,
-              envoy_concurrency=envoy_concurrency, body_kb=body_kb)
+              envoy_concurrency=envoy_concurrency, body_kb=body_kb, before=Path(before) if before else None)
     command = "inferlb bench picker " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "inferlb bench picker"
     doc["command"] = command
     Path(json_path).write_text(json.dumps(doc, indent=2))
