@@ -425,10 +425,10 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                         runs_: dict[str, dict] = {}
                         for variant in variants:
                             measured = measured_procs[variant]
-                            before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
+                            cpu_before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
                             r = run_wrk(url(listeners[variant]), conns, duration_s, script)
                             n = max(1, r["requests"])
-                            r["python_cpu_us_per_request"] = (_cpu_s(measured) - before) / n * 1e6
+                            r["python_cpu_us_per_request"] = (_cpu_s(measured) - cpu_before) / n * 1e6
                             r["envoy_cpu_us_per_request"] = (_proc_cpu_s(envoy.popen.pid) - envoy_before) / n * 1e6
                             runs_[variant] = r
                         round_[f"{conns}conn"] = runs_
