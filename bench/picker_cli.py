@@ -47,19 +47,22 @@ def picker(json_path: str, duration: float, runs: int, transport: str, workers: 
 @click.option("--runs", default=5, show_default=True, type=int, help="Rounds (each variant once per round).")
 @click.option("--body-kb", default=0, show_default=True, type=click.IntRange(0, 512),
               help="POST a JSON body of this many KiB and run the body-mode variants instead.")
+@click.option("--connections", default=16, show_default=True, type=int, help="wrk connections.")
 @click.option("--only", multiple=True, help="Run only these variants (and `none`); repeatable.")
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
-def ext_proc_config(json_path: str, duration: float, runs: int, body_kb: int, only: tuple[str, ...],
-                    md_path: str | None) -> None:
+def ext_proc_config(json_path: str, duration: float, runs: int, body_kb: int, connections: int,
+                    only: tuple[str, ...], md_path: str | None) -> None:
     """What each part of the picker's Envoy ext_proc config costs Envoy per request (null servers)."""
     from bench.ext_proc_config import markdown, run
     from bench.picker import write_markdown
 
-    doc = run(duration_s=duration, runs=runs, body_kb=body_kb, only=list(only) or None)
+    doc = run(duration_s=duration, runs=runs, connections=connections, body_kb=body_kb, only=list(only) or None)
     command = "inferlb bench ext-proc-config " + " ".join(sys.argv[3:])
     doc["command"] = command
     Path(json_path).write_text(json.dumps(doc, indent=2))
     section = markdown(doc, command.strip())
     if md_path:
-        write_markdown(Path(md_path), section, "ext-proc-config" + (f"-b{body_kb}" if body_kb else ""))
+        key = "ext-proc-config" + (f"-b{body_kb}" if body_kb else "")
+        key += f"-n{connections}" if connections != 16 else ""
+        write_markdown(Path(md_path), section, key)
     click.echo(section)
