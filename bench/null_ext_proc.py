@@ -36,12 +36,14 @@ _HOLD_FOR_BODY = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                        mode_override={"request_body_mode": "BUFFERED"}).SerializeToString()
 
 
-def routed_answer(name: str, value: str) -> bytes:
+def routed_answer(name: str, value: str, clear_route_cache: bool = True) -> bytes:
     """A fixed request-headers answer in the picker's shape: set header ``name`` to ``value``
-    (``raw_value``, OVERWRITE_IF_EXISTS_OR_ADD) with ``clear_route_cache``."""
+    (``raw_value``, OVERWRITE_IF_EXISTS_OR_ADD) with ``clear_route_cache`` (unless told not to:
+    the bench's measure of what re-routing costs Envoy)."""
     option = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
                                         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]), clear_route_cache=True)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]),
+                               clear_route_cache=clear_route_cache)
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)).SerializeToString()
 
 
@@ -92,7 +94,8 @@ def _as_body(headers_answer: bytes | None) -> bytes | None:
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)).SerializeToString()
 
 
-async def _serve(listen: str, reuse_port: bool, hold_body: bool, set_header: str | None) -> None:
+async def _serve(listen: str, reuse_port: bool, hold_body: bool, set_header: str | None,
+                 clear_route_cache: bool = True) -> None:
     from ext_proc.transport.h2.server import start_fast_server
 
     answer = None
@@ -100,7 +103,7 @@ async def _serve(listen: str, reuse_port: bool, hold_body: bool, set_header: str
         name, sep, value = set_header.partition("=")
         if not sep or not name:
             raise SystemExit(f"--set-header wants NAME=VALUE, got {set_header!r}")
-        answer = routed_answer(name, value)
+        answer = routed_answer(name, value, clear_route_cache)
     await start_fast_server(NullService(hold_body, answer), listen, reuse_port=reuse_port)
     await asyncio.Event().wait()
 
@@ -115,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hold-body", action="store_true", help="ask Envoy for the buffered request body")
     parser.add_argument("--set-header", metavar="NAME=VALUE",
                         help="answer with this header mutation and clear_route_cache (the picker's answer shape)")
+    parser.add_argument("--no-clear-route-cache", action="store_true",
+                        help="with --set-header: leave clear_route_cache off (Envoy keeps the route it had)")
     args = parser.parse_args(argv)
-    uvloop.run(_serve(args.listen, args.reuse_port, args.hold_body, args.set_header))
+    uvloop.run(_serve(args.listen, args.reuse_port, args.hold_body, args.set_header, not args.no_clear_route_cache))
 
 
 if __name__ == "__main__":

@@ -106,9 +106,11 @@ def _h2_cluster(name: str, port: int) -> dict:
 
 
 def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dict[str, int],
-                    null_port: int | None = None, body_kb: int = 0, null_routed_port: int | None = None) -> str:
+                    null_port: int | None = None, body_kb: int = 0, null_routed_port: int | None = None,
+                    before_port: int | None = None) -> str:
     """The ADS bootstrap plus the bench's static listeners and static clusters for the picker and the
-    null ext_proc server (the ``*_null`` listeners: the picker listeners' filter config, other cluster)."""
+    null ext_proc server (the ``*_null`` listeners: the picker listeners' filter config, other cluster);
+    with ``before_port`` also the ``*_before`` listeners for a second picker (``picker_before``)."""
     doc = yaml.safe_load(render_bootstrap(xds_address=f"127.0.0.1:{xds_port}", node_id="bench-envoy",
                                           admin_port=admin_port))
     direct = {"direct_response": {"status": 200, "body": {"inline_string": "ok"}}}
@@ -132,6 +134,13 @@ def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dic
             _listener("direct_null_routed", ports["direct_null_routed"], direct, "bench_null_routed", body),
             _listener("upstream_null_routed", ports["upstream_null_routed"], {"route": {"cluster": "bench-v1"}},
                       "bench_null_routed", body),
+        ]
+    if before_port is not None:
+        doc["static_resources"]["clusters"].append(_h2_cluster("bench_picker_before", before_port))
+        doc["static_resources"]["listeners"] += [
+            _listener("direct_before", ports["direct_before"], direct, "bench_picker_before", body),
+            _listener("upstream_before", ports["upstream_before"], {"route": {"cluster": "bench-v1"}},
+                      "bench_picker_before", body),
         ]
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -261,14 +270,16 @@ VARIANTS = ("without", "null", "null_routed", "picker")
 """The variants run in each round, in this order: no ext_proc filter; the null ext_proc server
 (no-change answer); the null server answering in the picker's shape (a fixed cluster-header
 mutation with ``clear_route_cache``, so Envoy also re-routes and the completion access log fires);
-the picker."""
+the picker. With ``before`` (a checkout's path) a fifth, ``picker_before``: the picker run from
+that checkout (``PYTHONPATH``), for a before/after comparison in the same run."""
+BEFORE = "picker_before"
 
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _summary(rounds: list[dict]) -> dict[str, Any]:
+def _summary(rounds: list[dict], variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Medians (and min/max) over rounds of one route kind; ``rounds[i][conns][variant]`` is one wrk run."""
     def col(conns: str, variant: str, key: str) -> list[float]:
         return [r[conns][variant][key] for r in rounds]
@@ -296,34 +307,64 @@ def _summary(rounds: list[dict]) -> dict[str, Any]:
         "p50_ms_with_picker_1conn": statistics.median(col("1conn", "picker", "p50_ms")),
         "p50_ms_without_picker_1conn": statistics.median(col("1conn", "without", "p50_ms")),
         "envoy_cpu_us_per_request": {v: statistics.median(col("16conn", v, "envoy_cpu_us_per_request"))
-                                     for v in VARIANTS},
+                                     for v in variants},
         "envoy_cpu_us_per_request_1conn": {v: statistics.median(col("1conn", v, "envoy_cpu_us_per_request"))
-                                           for v in VARIANTS},
+                                           for v in variants},
         "spread": {
-            "rps_16conn": {v: _spread(col("16conn", v, "rps")) for v in VARIANTS},
+            "rps_16conn": {v: _spread(col("16conn", v, "rps")) for v in variants},
             "rps_ratio_to_null": _spread(ratio),
             "rps_ratio_to_null_routed": _spread(ratio_routed),
             "python_cpu_us_per_decision": _spread(col("16conn", "picker", "python_cpu_us_per_request")),
             "python_cpu_us_per_decision_1conn": _spread(col("1conn", "picker", "python_cpu_us_per_request")),
             "added_p50_ms": _spread(added50), "added_p99_ms": _spread(added99),
             "envoy_cpu_us_per_request": {v: _spread(col("16conn", v, "envoy_cpu_us_per_request"))
-                                         for v in VARIANTS},
+                                         for v in variants},
         },
         "errors": sum(r[c][v]["non_2xx"] + r[c][v]["socket_errors"] for r in rounds for c in r if c != "round"
-                      for v in VARIANTS),
+                      for v in variants),
+        **(_before(rounds) if BEFORE in variants else {}),
         "rounds": rounds,
     }
 
 
+def _before(rounds: list[dict]) -> dict[str, Any]:
+    """The ``picker_before`` figures of one route kind (same keys as the picker's, ``_before`` added)."""
+    def col(conns: str, key: str) -> list[float]:
+        return [r[conns][BEFORE][key] for r in rounds]
+
+    ratio = [r["16conn"][BEFORE]["rps"] / r["16conn"]["null"]["rps"] for r in rounds]
+    gain = [r["16conn"]["picker"]["rps"] / r["16conn"][BEFORE]["rps"] for r in rounds]
+    return {"before": {
+        "rps_with_picker": statistics.median(col("16conn", "rps")),
+        "rps_ratio_to_null": statistics.median(ratio),
+        "rps_after_over_before": statistics.median(gain),
+        "python_cpu_us_per_decision": statistics.median(col("16conn", "python_cpu_us_per_request")),
+        "python_cpu_us_per_decision_1conn": statistics.median(col("1conn", "python_cpu_us_per_request")),
+        "added_p50_ms": statistics.median([r["1conn"][BEFORE]["p50_ms"] - r["1conn"]["without"]["p50_ms"]
+                                           for r in rounds]),
+        "added_p99_ms": statistics.median([r["1conn"][BEFORE]["p99_ms"] - r["1conn"]["without"]["p99_ms"]
+                                           for r in rounds]),
+        "spread": {"rps_ratio_to_null": _spread(ratio), "rps_after_over_before": _spread(gain),
+                   "python_cpu_us_per_decision": _spread(col("16conn", "python_cpu_us_per_request")),
+                   "python_cpu_us_per_decision_1conn": _spread(col("1conn", "python_cpu_us_per_request"))},
+    }}
+
+
+
+
+
 def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers: int = 1,
-        envoy_concurrency: int = 1, workdir: Path | None = None, body_kb: int = 0) -> dict[str, Any]:
-    """Run the whole benchmark; returns the JSON document (see module docstring)."""
+        envoy_concurrency: int = 1, workdir: Path | None = None, body_kb: int = 0,
+        before: Path | None = None) -> dict[str, Any]:
+    """Run the whole benchmark; returns the JSON document (see module docstring). ``before``: a
+    checkout whose picker also runs (variant ``picker_before``, see :data:`VARIANTS`)."""
+    variants = (*VARIANTS, BEFORE) if before is not None else VARIANTS
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian package `wrk`; scripts/setup.sh installs it)")
     work = workdir or Path(tempfile.mkdtemp(prefix="inferlb-bench-"))
     names = ["xds", "admin", "dead", "upstream", "upstream_with", "upstream_without", "upstream_null",
              "upstream_null_routed", "direct_with", "direct_without", "direct_null", "direct_null_routed",
-             "envoy_admin", "picker", "null", "null_routed"]
+             "envoy_admin", "picker", "null", "null_routed", "picker_before", "direct_before", "upstream_before"]
     ports = {n: stack.free_port() for n in names}
     procs: list[stack.Proc] = []
     script = wrk_script(work / "mixed.lua", body_kb)
@@ -335,6 +376,13 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
             "ext-proc", "--xds", f"127.0.0.1:{ports['xds']}", "--listen", f"127.0.0.1:{ports['picker']}",
             "--transport", transport, "--workers", str(workers), "--log-level", "warning"), work)
         procs.append(picker)
+        picker_argv = stack.inferlb_argv(
+            "ext-proc", "--xds", f"127.0.0.1:{ports['xds']}", "--listen", f"127.0.0.1:{ports['picker_before']}",
+            "--transport", transport, "--workers", str(workers), "--log-level", "warning")
+        picker_before = stack.spawn(BEFORE, picker_argv, work, env={"PYTHONPATH": str(before)}) \
+            if before is not None else None
+        if picker_before is not None:
+            procs.append(picker_before)
         null_argv = [sys.executable, "-m", "bench.null_ext_proc", "--reuse-port", *(["--hold-body"] if body_kb else [])]
         nulls = {"null": [stack.spawn(f"null-{i}", [*null_argv, "--listen", f"127.0.0.1:{ports['null']}"], work)
                           for i in range(workers)],
@@ -342,28 +390,32 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                      *null_argv, "--listen", f"127.0.0.1:{ports['null_routed']}",
                      "--set-header", "x-inferlb-cluster=bench-v1"], work) for i in range(workers)]}
         procs += nulls["null"] + nulls["null_routed"]
-        for name in ("picker", "null", "null_routed"):
+        for name in ("picker", "null", "null_routed", *(["picker_before"] if before is not None else [])):
             _wait_port(ports[name])
         envoy = stack.start_envoy(envoy_bootstrap(ports["xds"], ports["envoy_admin"], ports["picker"], ports,
-                                                  ports["null"], body_kb, ports["null_routed"]), work,
+                                                  ports["null"], body_kb, ports["null_routed"],
+                                                  ports["picker_before"] if before is not None else None), work,
                                   ports["envoy_admin"], concurrency=envoy_concurrency)
         procs.append(envoy)
         _wait_port(ports["upstream_with"])
         picker_procs = _picker_procs(psutil.Process(picker.popen.pid))
         measured_procs = {"picker": picker_procs, "without": [],
                           **{k: [psutil.Process(p.popen.pid) for p in v] for k, v in nulls.items()}}
+        if picker_before is not None:
+            measured_procs[BEFORE] = _picker_procs(psutil.Process(picker_before.popen.pid))
         kinds = {kind: {"without": f"{prefix}_without", "null": f"{prefix}_null",
-                        "null_routed": f"{prefix}_null_routed", "picker": f"{prefix}_with"}
+                        "null_routed": f"{prefix}_null_routed", "picker": f"{prefix}_with",
+                        BEFORE: f"{prefix}_before"}
                  for kind, prefix in (("direct_response", "direct"), ("upstream", "upstream"))}
 
         def url(listener: str) -> str:
             return f"http://127.0.0.1:{ports[listener]}/v1/chat/completions"
 
         for listeners in kinds.values():  # warm-up: connections, HPACK tables, caches
-            for listener in listeners.values():
-                run_wrk(url(listener), 16, 1, script)
+            for variant in variants:
+                run_wrk(url(listeners[variant]), 16, 1, script)
         result: dict[str, Any] = {}
-        with Progress(len(kinds) * 2 * runs, len(VARIANTS) * duration_s, "bench picker") as progress:
+        with Progress(len(kinds) * 2 * runs, len(variants) * duration_s, "bench picker") as progress:
             for kind, listeners in kinds.items():
                 rounds: list[dict] = []
                 for i in range(runs):
@@ -371,17 +423,17 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                     for conns in (16, 1):
                         progress.step(f"{kind}, {conns} connection(s), round {i + 1}/{runs}")
                         runs_: dict[str, dict] = {}
-                        for variant in VARIANTS:
+                        for variant in variants:
                             measured = measured_procs[variant]
-                            before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
+                            cpu_before, envoy_before = _cpu_s(measured), _proc_cpu_s(envoy.popen.pid)
                             r = run_wrk(url(listeners[variant]), conns, duration_s, script)
                             n = max(1, r["requests"])
-                            r["python_cpu_us_per_request"] = (_cpu_s(measured) - before) / n * 1e6
+                            r["python_cpu_us_per_request"] = (_cpu_s(measured) - cpu_before) / n * 1e6
                             r["envoy_cpu_us_per_request"] = (_proc_cpu_s(envoy.popen.pid) - envoy_before) / n * 1e6
                             runs_[variant] = r
                         round_[f"{conns}conn"] = runs_
                     rounds.append(round_)
-                result[kind] = _summary(rounds)
+                result[kind] = _summary(rounds, variants)
         stats = _envoy_stats(f"http://127.0.0.1:{ports['envoy_admin']}")
     finally:
         for p in reversed(procs):
@@ -414,7 +466,9 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                      "same filter config, our h2 transport)",
                      "null_routed": "bench.null_ext_proc --set-header x-inferlb-cluster=bench-v1 (the picker's "
                      "answer shape: header mutation + clear_route_cache; the completion access log fires)",
-                     "picker": "inferlb ext-proc"},
+                     "picker": "inferlb ext-proc",
+                     **({BEFORE: f"inferlb ext-proc from {before} (PYTHONPATH; its upstream listener routes "
+                                 "to bench-v1 statically)"} if before is not None else {})},
         "route_kinds": result,
         "targets": targets,
         "envoy_ext_proc_stats": stats,
@@ -463,6 +517,25 @@ def markdown(doc: dict[str, Any], command: str) -> str:
             f"{rng(sp['python_cpu_us_per_decision'], '.1f')} / {rng(sp['python_cpu_us_per_decision_1conn'], '.1f')} | "
             f"{r['null_cpu_us_per_request']:.1f} | {envoy} | "
             f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} |")
+    before = {kind: r["before"] for kind, r in doc["route_kinds"].items() if "before" in r}
+    if before:
+        lines += ["", f"Before → after in the same run (`picker_before`: {doc['variants'][BEFORE]}):", "",
+                  "| route kind | req/s picker | after / before | picker / null | Python µs / decision, 16 conn "
+                  "| Python µs / decision, 1 conn | added p50 / p99, 1 conn (ms) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for kind, b in before.items():
+            a = doc["route_kinds"][kind]
+            sp = b["spread"]
+            lines.append(
+                f"| {kind} | {b['rps_with_picker']:,.0f} → {a['rps_with_picker']:,.0f} | "
+                f"{rng(sp['rps_after_over_before'], '.2f')} | "
+                f"{b['rps_ratio_to_null']:.2f} → {a['rps_ratio_to_null']:.2f} | "
+                f"{rng(sp['python_cpu_us_per_decision'], '.1f')} → "
+                f"{rng(a['spread']['python_cpu_us_per_decision'], '.1f')} | "
+                f"{rng(sp['python_cpu_us_per_decision_1conn'], '.1f')} → "
+                f"{rng(a['spread']['python_cpu_us_per_decision_1conn'], '.1f')} | "
+                f"{b['added_p50_ms']:.3f} / {b['added_p99_ms']:.3f} → "
+                f"{a['added_p50_ms']:.3f} / {a['added_p99_ms']:.3f} |")
     lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
     for name, t in doc["targets"].items():
         lines.append(f"| {name} {'≥' if name.startswith('rps') else '≤'} {t['target']:g} | {t['measured']:.3f} | "

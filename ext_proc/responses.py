@@ -41,8 +41,14 @@ def headers_of(http_headers: pb.HttpHeaders) -> dict[str, bytes]:
     The value is ``raw_value``, or ``value`` encoded as UTF-8 when ``raw_value`` is empty. When a
     name repeats, the first occurrence wins.
     """
-    headers: dict[str, bytes] = {}
-    for h in http_headers.headers.headers:
+    fields = http_headers.headers.headers
+    # As Envoy sends them (lower-case names, every value in raw_value): one comprehension, the
+    # first occurrence written last. Anything else takes the field-by-field loop below.
+    headers = {h.key: h.raw_value for h in reversed(fields)}
+    if all(headers.values()) and "".join(headers).islower():
+        return headers
+    headers = {}
+    for h in fields:
         key = h.key.lower()
         if key not in headers:
             headers[key] = h.raw_value or h.value.encode()

@@ -255,8 +255,11 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
     uvloop.run(run_picker(xds, listen, kind=transport, node_id=node, reuse_port=reuse_port, tls=tls))
 
 
-@main.group(cls=LazyGroup, lazy={"picker": "bench.picker_cli:picker", "quality": "bench.quality.cli:quality",
-                                      "soak": "bench.soak_cli:soak"})
+_BENCHES = {"picker": "bench.picker_cli:picker", "ext-proc-config": "bench.picker_cli:ext_proc_config",
+            "quality": "bench.quality.cli:quality", "soak": "bench.soak_cli:soak"}
+
+
+@main.group(cls=LazyGroup, lazy=_BENCHES)
 def bench() -> None:
     """Benchmarks on this machine (results to JSON and BENCHMARKS.md)."""
 

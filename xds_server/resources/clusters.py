@@ -60,6 +60,9 @@ def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | 
     ``metadata``: the cluster's ``filter_metadata`` (``{namespace: JSON object}``); the app puts the
     picker's configuration there for pickers that subscribe over ADS. ``limits``: its circuit
     breakers (:func:`picker_limits`); None = Envoy's defaults (1024 streams).
+    HTTP/2 options are Envoy's defaults on purpose: one connection per Envoy worker carries every
+    stream; capping streams per connection (more connections) or smaller windows cost Envoy more CPU
+    per request (``inferlb bench ext-proc-config``, BENCHMARKS.md).
     """
     host, port = split_hostport(ext_proc_address)
     extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}

@@ -12,6 +12,10 @@ The listener's HTTP connection manager
 - logs every request the picker routed (it carries the cluster header) to the picker's
   ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
   counts requests in flight (docs/envoy-facts.md: the ext_proc stream ends long before the request).
+Each part's cost to Envoy (the ext_proc call, the mutation with ``clear_route_cache``, the access
+log and its flush settings, ``allow_mode_override``, ``envoy_grpc`` rather than ``google_grpc``) is
+measured by ``inferlb bench ext-proc-config`` (BENCHMARKS.md): nothing here costs measurably more
+than the behaviour needs.
 With ``envoy.picker: false`` there is no ext_proc filter: routes match the version header and
 Envoy's weighted fallback policy picks every host (EDS weights only).
 """

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,7 +133,8 @@ class _ConnectionError(Exception):
 
 class _Stream:
     __slots__ = ("id", "method", "state", "buffer", "recv_window", "recv_unacked", "send_window",
-                 "remote_closed", "local_closed", "headers_sent", "pending", "trailers", "waiting", "deadline")
+                 "remote_closed", "local_closed", "headers_sent", "pending", "trailers", "waiting", "deadline",
+                 "deadline_at")
 
     def __init__(self, stream_id: int, method: str, recv_window: int, send_window: int) -> None:
         self.id = stream_id
@@ -148,7 +150,8 @@ class _Stream:
         self.pending = bytearray()  # DATA waiting for flow-control window
         self.trailers: bytes | None = None  # trailers block waiting behind ``pending``
         self.waiting: asyncio.Future | None = None  # an answer waiting for admission
-        self.deadline: asyncio.TimerHandle | None = None
+        self.deadline_at: float | None = None  # time.monotonic() of the grpc-timeout, when sent
+        self.deadline: asyncio.TimerHandle | None = None  # armed only while an answer waits
 
 
 class Connection:
@@ -160,7 +163,8 @@ class Connection:
         write: sends bytes produced outside :meth:`receive` (answers that waited for admission,
             deadline expiries); the transport's ``write``.
         call_later: ``(delay_s, callback) -> handle with .cancel()`` for ``grpc-timeout``
-            (the event loop's ``call_later``).
+            (the event loop's ``call_later``); armed only while an answer waits for admission
+            (an answer given at once cannot miss its deadline).
 
     Attributes:
         closing: True once a GOAWAY was sent or received; see :attr:`done`.
@@ -176,7 +180,7 @@ class Connection:
         self._preface = False
         self._settings_seen = False
         self._decoder = Decoder(max_header_list_size=limits.max_header_block)
-        self._block_cache: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self._block_cache: dict[bytes, tuple[str | None, float | None]] = {}
         self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
         self._header_block: tuple[int, int, bytearray] | None = None  # (stream id, flags, fragments)
@@ -234,14 +238,20 @@ class Connection:
         """Feed bytes read from the socket; returns the bytes to write (may be empty)."""
         if self._fatal:
             return b""
-        buf = self._buffer
-        buf += data
+        buf: bytes | bytearray
+        if self._buffer:  # the rest of a frame from an earlier read
+            buf = self._buffer
+            buf += data
+        else:  # the common case: frames from this read only, sliced without a copy into a buffer
+            buf = data
         pos = 0
         try:
             if not self._preface:
                 if len(buf) < len(PREFACE):
                     if not PREFACE.startswith(bytes(buf)):
                         raise _ConnectionError(PROTOCOL_ERROR, "bad connection preface")
+                    if buf is not self._buffer:
+                        self._buffer = bytearray(buf)
                     return self._flush()
                 if bytes(buf[: len(PREFACE)]) != PREFACE:
                     raise _ConnectionError(PROTOCOL_ERROR, "bad connection preface")
@@ -255,14 +265,19 @@ class Connection:
                     raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 if end - pos - 9 < length:
                     break
-                payload = bytes(buf[pos + 9: pos + 9 + length])
+                payload = buf[pos + 9: pos + 9 + length]
+                if type(payload) is not bytes:
+                    payload = bytes(payload)
                 pos += 9 + length
                 self._frame(type_, flags, stream_id & 0x7FFFFFFF, payload)
                 if self._fatal:
                     break
         except _ConnectionError as err:
             self._goaway(err.code, str(err))
-        del buf[:pos]
+        if buf is self._buffer:
+            del buf[:pos]
+        elif pos < len(buf):
+            self._buffer = bytearray(buf[pos:])
         return self._flush()
 
     def _flush(self) -> bytes:
@@ -427,8 +442,7 @@ class Connection:
             stream.recv_window += stream.recv_unacked
             stream.recv_unacked = 0
         if payload and not stream.local_closed:  # after our status, more input is dropped
-            stream.buffer += payload
-            self._messages(stream)
+            self._messages(stream, payload)
         if end and stream.id in self._streams:
             self._remote_end(stream)
 
@@ -448,13 +462,15 @@ class Connection:
         else:
             self._header_block = (stream_id, flags, bytearray(payload))
 
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        """Decode a header block, or return the cached decoding of the same bytes.
+    def _request_of(self, block: bytes) -> tuple[str | None, float | None]:
+        """Decode a header block into what a new stream needs: ``(method path, or None when the
+        block is not a gRPC request (not POST, no ``application/grpc`` content-type); grpc-timeout
+        in seconds or None)``; or return the cached answer for the same bytes.
 
         Decoding is a function of the block and the dynamic table. A block whose decoding left
         the table as it was (indexed fields, literals without indexing: Envoy sends ``:path``
         Huffman-coded without indexing on every stream) decodes the same while the table stays,
-        so it is cached; any decoding that changes the table empties the cache.
+        so its answer is cached; any decoding that changes the table empties the cache.
         """
         cache = self._block_cache
         cached = cache.get(block)
@@ -468,15 +484,28 @@ class Connection:
             raise _ConnectionError(COMPRESSION_ERROR, f"HPACK: {err}") from None
         except (ValueError, IndexError, UnicodeError) as err:
             raise _ConnectionError(COMPRESSION_ERROR, f"HPACK: {err}") from None
+        method = path = content_type = timeout = None
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name == b":method":
+                method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = value
+        grpc = method == b"POST" and content_type is not None and content_type.startswith(b"application/grpc")
+        request = (path.decode("latin-1") if path else "") if grpc else None, \
+            parse_grpc_timeout(timeout) if timeout is not None else None
         if (table.maxsize, list(table.dynamic_entries)) == before:
             if len(cache) < 64:
-                cache[block] = headers
+                cache[block] = request
         else:
             cache.clear()
-        return headers
+        return request
 
     def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
-        headers = self._decode(block)  # always, so the dynamic table stays in sync
+        name, seconds = self._request_of(block)  # always, so the dynamic table stays in sync
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers
             if not flags & END_STREAM:
@@ -496,38 +525,36 @@ class Connection:
         if len(self._streams) >= self._limits.max_streams:
             self._rst(stream_id, REFUSED_STREAM)
             return
-        method = path = content_type = timeout = None
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name == b":method":
-                method = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-        if method != b"POST" or content_type is None or not content_type.startswith(b"application/grpc"):
+        if name is None:
             self._rst(stream_id, PROTOCOL_ERROR)
             return
-        name = path.decode("latin-1") if path else ""
         stream = _Stream(stream_id, name, self._limits.stream_window, self._peer_initial_window)
         self._streams[stream_id] = stream
-        if name not in (PROCESS_METHOD, ACCESS_LOG_METHOD):
-            self._finish(stream, GRPC_UNIMPLEMENTED, f"unknown method {name}")
+        if name == PROCESS_METHOD:
+            if seconds is not None:  # the timer is armed only if an answer has to wait (_dispatch)
+                stream.deadline_at = time.monotonic() + seconds
+        elif name == ACCESS_LOG_METHOD:
+            self._handler.access_log_opened()
+            if seconds is not None:
+                stream.deadline = self._call_later(seconds, lambda s=stream: self._expire(s))
         else:
-            if name == ACCESS_LOG_METHOD:
-                self._handler.access_log_opened()
-            if timeout is not None:
-                seconds = parse_grpc_timeout(timeout)
-                if seconds is not None:
-                    stream.deadline = self._call_later(seconds, lambda s=stream: self._expire(s))
+            self._finish(stream, GRPC_UNIMPLEMENTED, f"unknown method {name}")
         if flags & END_STREAM and stream_id in self._streams:
             self._remote_end(stream)
 
     # -- gRPC -----------------------------------------------------------------------------------
 
-    def _messages(self, stream: _Stream) -> None:
+    def _messages(self, stream: _Stream, payload: bytes) -> None:
         buf = stream.buffer
+        if not buf and len(payload) >= 5 and stream.waiting is None:  # one whole message, the common case
+            compressed, length = _GRPC_PREFIX.unpack_from(payload, 0)
+            if len(payload) == 5 + length and not compressed:
+                if length > self._limits.max_message:
+                    self._finish(stream, GRPC_RESOURCE_EXHAUSTED, f"message of {length} bytes exceeds the limit")
+                    return
+                self._dispatch(stream, payload[5:])
+                return
+        buf += payload
         while len(buf) >= 5 and not stream.local_closed:
             compressed, length = _GRPC_PREFIX.unpack_from(buf, 0)
             if length > self._limits.max_message:
@@ -555,10 +582,31 @@ class Connection:
             return
         if isinstance(answer, asyncio.Future):
             stream.waiting = answer
+            if stream.deadline_at is not None and stream.deadline is None:
+                stream.deadline = self._call_later(max(0.0, stream.deadline_at - time.monotonic()),
+                                                   lambda s=stream: self._expire(s))
             answer.add_done_callback(lambda f, s=stream, e=end: self._deferred(s, f, e))
             return
-        if answer is not None:
-            self._send_message(stream, answer)
+        if answer is None:
+            if end:
+                self._finish(stream, GRPC_OK)
+            return
+        size = len(answer) + 5
+        if end and not stream.headers_sent and not self._table_size_update and not stream.pending \
+                and size <= stream.send_window and size <= self._send_window and size <= self._peer_max_frame:
+            # The common case: headers, the one message and the OK trailers in one buffer.
+            sid = stream.id
+            self._out.append(b"".join((
+                _FRAME.pack(0, len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
+                _FRAME.pack(size >> 16, size & 0xFFFF, DATA, 0, sid), _GRPC_PREFIX.pack(0, size - 5), answer,
+                _FRAME.pack(0, len(_TRAILERS_OK), HEADERS, END_HEADERS | END_STREAM, sid), _TRAILERS_OK)))
+            stream.headers_sent = stream.local_closed = True
+            stream.send_window -= size
+            self._send_window -= size
+            if stream.remote_closed:
+                self._close(stream)
+            return
+        self._send_message(stream, answer)
         if end:
             self._finish(stream, GRPC_OK)
 

@@ -60,7 +60,7 @@ class _Protocol(asyncio.Protocol):
         out = conn.receive(data)
         if out:
             self._transport.write(out)
-        if conn.done:
+        if conn.closing and conn.done:
             self._transport.close()
 
     def drain(self) -> None:

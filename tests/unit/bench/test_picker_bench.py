@@ -72,3 +72,19 @@ def test_summary_takes_per_round_ratios_then_medians():
            "route_kinds": {"direct_response": s}, "targets": {}, "envoy_ext_proc_stats": {},
            "session_table_bytes_per_session": 1}
     assert "| direct_response | 5,000 [5,000–5,000] | 1,000 [1,000–2,000] |" in bp.markdown(doc, "cmd")
+
+
+def test_summary_with_a_before_picker_compares_it_in_each_round():
+    variants = (*bp.VARIANTS, bp.BEFORE)
+    rounds = []
+    for i, (picker, before) in enumerate([(900, 600), (1000, 800), (800, 800)]):
+        conns = {v: _run(r, 0.1 * (j + 1), cpu=50.0 if v == bp.BEFORE else 30.0) for j, (v, r) in
+                 enumerate(zip(variants, (5000, 1000, 1000, picker, before), strict=True))}
+        rounds.append({"round": i + 1, "16conn": conns, "1conn": copy.deepcopy(conns)})
+    s = bp._summary(rounds, variants)
+    b = s["before"]
+    assert b["rps_with_picker"] == 800 and b["rps_ratio_to_null"] == 0.8
+    assert b["rps_after_over_before"] == 1.25  # ratios 1.5, 1.25, 1.0
+    assert b["python_cpu_us_per_decision"] == 50.0 and s["python_cpu_us_per_decision"] == 30.0
+    assert abs(b["added_p50_ms"] - 0.4) < 1e-9  # picker_before (5th) 0.5 minus without 0.1
+    assert "before" not in bp._summary(rounds)  # without the variant: the plain summary

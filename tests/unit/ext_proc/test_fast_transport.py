@@ -357,3 +357,58 @@ async def test_a_reset_stream_drops_its_waiting_answer():
     peer.pump()
     assert peer.server.active_streams == 0
     assert handler.admission.release(lambda c: True) == 0
+
+
+def test_an_answer_given_at_once_arms_no_deadline_timer():
+    """grpc-timeout only matters for an answer that waits: the common stream costs no timer."""
+    peer = Peer()  # no_timers: any call_later fails the test
+    request = headers_request(x_session_id="t")
+    sid = peer.call([request.SerializeToString()], extra_headers=[("grpc-timeout", "250m")])
+    peer.pump()
+    assert peer.result(sid) == ([direct(request)], {b":status": b"200", b"content-type": b"application/grpc",
+                                                     b"grpc-status": b"0"})
+
+
+async def test_a_deadline_counts_from_the_stream_start_not_from_the_wait():
+    handler = admission_handler()
+    delays: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    def call_later(delay, callback):
+        delays.append(delay)
+        return loop.call_later(delay, callback)
+
+    peer = Peer(handler, call_later=call_later)
+    peer.call([headers_request(x_session_id="w").SerializeToString()], extra_headers=[("grpc-timeout", "10S")])
+    peer.pump()
+    assert len(delays) == 1 and 9.0 < delays[0] <= 10.0
+
+
+@pytest.mark.parametrize("window", [5, 40, 65535])
+def test_answers_under_a_small_peer_window_match_the_one_buffer_path(window):
+    """The one-buffer answer (headers, message, trailers) and the flow-controlled path send the same."""
+    request = headers_request(model_version="v2", x_session_id="w")
+    peer = Peer(window=window)
+    sid = peer.call([request.SerializeToString()])
+    for _ in range(20):
+        peer.pump()
+        messages, trailers = peer.result(sid)
+        if peer.ended(sid):
+            break
+    assert messages == [direct(request)] and trailers[b"grpc-status"] == b"0"
+
+
+def test_a_connection_preface_split_over_reads_is_kept():
+    """Reads of 7 bytes: a partial preface, partial frames, all kept until they are whole."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    sid = client.get_next_available_stream_id()
+    client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_METHOD),
+                              (":authority", "picker"), ("content-type", "application/grpc")])
+    message = headers_request(x_session_id="p").SerializeToString()
+    client.send_data(sid, struct.pack(">BI", 0, len(message)) + message, end_stream=True)
+    wire = client.data_to_send()
+    server = Connection(PickerHandler(holder()), Limits(), lambda b: None, no_timers)
+    out = b"".join(server.receive(wire[i: i + 7]) for i in range(0, len(wire), 7))
+    events = client.receive_data(server.start() + out)
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
