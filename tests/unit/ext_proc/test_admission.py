@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission, admit
 from ext_proc.handler import PickerHandler, StreamState
-from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_capacity
+from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_details
 from tests.unit.ext_proc.test_inflight import log_message
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
@@ -41,8 +41,8 @@ def limited(limits: list[int | None]):
 
 
 def test_capacity_is_the_sum_of_endpoint_limits_or_unknown():
-    assert cluster_capacity(limited([2, 3]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 5
-    assert cluster_capacity(limited([2, None]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 0
+    assert cluster_details(limited([2, 3])).capacity == 5
+    assert cluster_details(limited([2, None])).capacity == 0
     view = EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)
     assert view.clusters["llm-v1"].capacity == 2
 
