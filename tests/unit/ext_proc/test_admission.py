@@ -114,3 +114,15 @@ async def test_without_an_access_log_stream_nothing_is_held():
 def test_bad_parameters_raise():
     with pytest.raises(ValueError, match="admission"):
         Admission(timeout_s=0)
+
+
+def test_locality_metadata_is_the_default_of_its_endpoints():
+    assignment = limited([None, 3, 0])
+    locality = assignment.endpoints[0]
+    locality.metadata.filter_metadata["inferlb"].update({"max_concurrency": 5, "gpu_class": "a100"})
+    locality.lb_endpoints[1].metadata.filter_metadata["inferlb"].update({"gpu_class": "a10"})
+    details = cluster_details(assignment)
+    assert details.capacity == 0  # the third one's own 0 overrides the locality's 5: not limited
+    assert details.classes == {"10.0.0.0:8000": "a100", "10.0.0.1:8000": "a10", "10.0.0.2:8000": "a100"}
+    del locality.lb_endpoints[2]
+    assert cluster_details(assignment).capacity == 5 + 3
