@@ -86,7 +86,7 @@ class HashRing:
     def __init__(self, endpoints: Sequence[str], vnodes: int = 160, previous: HashRing | None = None) -> None:
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
-        names = tuple(sorted(set(endpoints)))
+        names = tuple(sorted(dict.fromkeys(endpoints)))
         k = points_per_endpoint(len(names), vnodes)
         rows = self._hash_rows(names, k, previous)
         # Rows are in name order; ties between two points' hashes (astronomically rare) are sorted

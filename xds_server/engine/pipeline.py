@@ -114,30 +114,27 @@ def compute_weights(
     by_cluster: dict[str, list[EndpointSpec]] = defaultdict(list)
     for spec in specs:
         by_cluster[spec.cluster].append(spec)
-    prev_plugins: dict[str, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
-    for name, entries in prev.plugins.items():
-        for (cluster, address), value in entries.items():
-            prev_plugins[cluster][name][address] = value
     out: dict[Key, EndpointWeight] = {}
     eligible: set[Key] = set()
-    new_state: dict[str, dict[Key, Any]] = defaultdict(dict)
+    new_state: dict[str, Mapping[str, Any]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
     decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
     for cluster, members in by_cluster.items():
-        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now,
-                                              plugins, scorer_weights)
+        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}), params,
+                                              now, plugins, scorer_weights)
         for ew in weights:
             decided[(ew.cluster, ew.address)] = ew.weight
         for ew in fit_uint32(weights):
             out[(ew.cluster, ew.address)] = ew
         eligible |= {(cluster, a) for a in ok}
-        for name, entries in cluster_state.items():
-            new_state[name].update({(cluster, a): v for a, v in entries.items()})
+        kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
+        if kept:
+            new_state[cluster] = MappingProxyType(kept)
     ordered = [out[(s.cluster, s.address)] for s in specs]
     state = EngineState(
         MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
         frozenset(eligible),
-        MappingProxyType({n: MappingProxyType(e) for n, e in new_state.items() if e}),
+        MappingProxyType(new_state),
     )
     return ordered, state
 
@@ -210,8 +207,9 @@ def _cluster(
     live = [s for s in members if not s.draining]
     first_round = not any((cluster, s.address) in prev.weights for s in members)
     addresses = {s.address for s in members}
-    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten
-        name: {a: x for a, x in v.items() if a in addresses} for name, v in prev_plugins.items()}
+    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten (C-level when none is)
+        name: dict(v) if v.keys() <= addresses else {a: x for a, x in v.items() if a in addresses}
+        for name, v in prev_plugins.items()}
 
     def old_weight(s: EndpointSpec) -> int | None:
         return prev.weights.get((cluster, s.address))
@@ -296,24 +294,31 @@ def _cluster(
         excluded.update(filtered)
 
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
-    scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
-    num = dict.fromkeys(scores, 0.0)  # the weighted mean of combine(), accumulated scorer by scorer
-    den = dict.fromkeys(scores, 0.0)
+    runs: list[tuple[str, float, Mapping[str, float | None]]] = []
     for name, sc in plugins.scorers.items():
         w = scorer_weights.get(name, 0.0)
         if w <= 0:  # off: not run (its score could not count anyway)
             continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        for a, per in scores.items():
+        runs.append((name, w, values))
+    # The weighted mean of combine(), accumulated scorer by scorer (in run order), one endpoint at a time.
+    scores: dict[str, dict[str, float | None]] = {}
+    combined: dict[str, float] = {}
+    for m in candidates:
+        a = m.address
+        per: dict[str, float | None] = {}
+        num = den = 0.0
+        for name, w, values in runs:
             v = values.get(a)
             if v is None or v != v or v in _INF:  # no data, NaN, +-Inf
                 per[name] = None
                 continue
             v = v if 0.0 <= v <= 1.0 else (0.0 if v < 0.0 else 1.0)
             per[name] = v
-            num[a] += w * v
-            den[a] += w
-    combined = {a: (min(1.0, max(0.0, num[a] / d)) if (d := den[a]) else NEUTRAL_SCORE) for a in scores}
+            num += w * v
+            den += w
+        scores[a] = per
+        combined[a] = min(1.0, max(0.0, num / den)) if den else NEUTRAL_SCORE
     raw = {a: params.max_weight * c for a, c in combined.items()}
     factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
     for name, fa in plugins.factors.items():
