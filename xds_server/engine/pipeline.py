@@ -197,6 +197,15 @@ def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EnginePar
     return False, f"draining: no new requests; {flight} in flight ({waited:.0f} of {params.drain_timeout_s:g} s)"
 
 
+def _shared(table: dict[tuple, Mapping[str, str]], values: dict[str, str]) -> Mapping[str, str]:
+    """A read-only view of ``values``: the same object for every equal ``values`` seen in ``table``."""
+    key = tuple(values.items())
+    view = table.get(key)
+    if view is None:
+        view = table[key] = MappingProxyType(values)
+    return view
+
+
 def _cluster(
     cluster: str, members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState,
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
@@ -334,6 +343,10 @@ def _cluster(
 
     step = max(1, round(params.quantum * params.max_weight))
     max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
+    # Most endpoints share their filter verdicts and factor multipliers ("pass" everywhere, x 1):
+    # one read-only mapping per distinct content, not one per endpoint (memory, allocations).
+    shared_verdicts: dict[tuple, Mapping[str, str]] = {}
+    shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
     for m in candidates:
         a, s = m.address, m.spec
         key = (cluster, a)
@@ -341,10 +354,12 @@ def _cluster(
         target = min(cap, stability.quantize(raw[a], step))
         bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
         weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        parts = ""
-        for n, v in factors[a].items():
-            if v != 1.0:
-                parts += f" x {n} {v:.3g}"
+        fkey = tuple(factors[a].items())
+        hit = shared_factors.get(fkey)
+        if hit is None:
+            parts = "".join(f" x {n} {v:.3g}" for n, v in fkey if v != 1.0)
+            hit = shared_factors[fkey] = (MappingProxyType(factors[a]), parts)
+        factor_map, parts = hit
         reasons = [f"score {combined[a]:.2f} x max_weight {max_weight}{parts} -> {target}"]
         if bounded != target:
             reasons.append(f"bounded to {bounded}: at most x{growth} per round")
@@ -355,11 +370,10 @@ def _cluster(
         if a in held:
             reasons.append(held[a])
         result[a] = EndpointWeight(cluster, a, weight, HEALTHY, combined[a], m.stats, MappingProxyType(scores[a]),
-                                   tuple(reasons), MappingProxyType(verdicts[a]), MappingProxyType(factors[a]),
-                                   target)
+                                   tuple(reasons), _shared(shared_verdicts, verdicts[a]), factor_map, target)
     for s in live:
         if s.address in excluded:
             result[s.address] = EndpointWeight(
                 cluster, s.address, max(1, min(old_weight(s) or 1, cap)), UNHEALTHY, None, seen[s.address], {},
-                (excluded[s.address],), MappingProxyType(verdicts[s.address]))
+                (excluded[s.address],), _shared(shared_verdicts, verdicts[s.address]))
     return [result[s.address] for s in members], {m.address for m in candidates}, state
