@@ -14,6 +14,10 @@ every weight and ring is recomputed. Measured per size:
   round (which builds the picker's rings from scratch);
 - **RSS** of the process after the rounds (MB).
 
+The history is an SQLite file in a temporary folder (as ``inferlb serve`` writes one); every weight
+changes every round, so every round writes a row per endpoint, and a round counts until its rows are
+written.
+
 Not included: Prometheus itself and the wire (the ADS push to many streams is ``bench.xds_bench``).
 
 Run from the repository root: ``python3 -m bench.scale_bench [--sizes 1000,...] [--write]``.
@@ -28,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -40,12 +45,12 @@ ROUNDS = 4
 TARGETS = {"round_cpu_s_at_60k": 1.0, "loop_blocked_ms": 50.0, "rss_mb_at_60k": 500.0}
 
 
-def fleet(n: int) -> dict:
-    """One service, one version, ``n`` endpoints (``10.a.b.c:8000``)."""
+def fleet(n: int, history_path: str = ":memory:") -> dict:
+    """One service, one version, ``n`` endpoints (``10.a.b.c:8000``); the history at ``history_path``."""
     eps = [{"address": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8000", "max_concurrency": 16}
            for i in range(n)]
     return {"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-            "history": {"path": ":memory:"},
+            "history": {"path": history_path},
             "services": [{"name": "chat", "versions": [{"name": "v1", "endpoints": eps}]}]}
 
 
@@ -79,7 +84,7 @@ class Source:
         return out
 
 
-async def _measure(n: int) -> dict:
+async def _measure(n: int, history_path: str) -> dict:
     import psutil
 
     from inferlb.serve import InferLB
@@ -91,11 +96,12 @@ async def _measure(n: int) -> dict:
     from xds_server.resources.build import BuildMemo, build_snapshot
 
     proc = psutil.Process()
-    cfg = Config.model_validate(fleet(n))
+    cfg = Config.model_validate(fleet(n, history_path))
     app = InferLB(cfg)
     instances = [s.instance for s in endpoint_specs(cfg)]
     sets = stats_sets(instances, ROUNDS)
     app.control.source = CombinedSource([Source(sets)])
+    app.recorder.start()  # as in InferLB.start: the history writer thread takes each round's weights
     lag = {"max": 0.0}
     stop = asyncio.Event()
 
@@ -116,6 +122,7 @@ async def _measure(n: int) -> dict:
         before = cpu()
         lag["max"] = 0.0
         ok = await app.control.run_round()
+        await asyncio.to_thread(app.recorder.flush, 60.0)  # its history rows are written: part of the round
         rounds.append(cpu() - before)
         lags.append(lag["max"])
         assert ok and len(app.control.weights) == n
@@ -194,7 +201,8 @@ def main() -> None:
         import logging
 
         logging.disable(logging.INFO)  # the first round logs every endpoint's new weight
-        print(json.dumps(asyncio.run(_measure(args.child))), flush=True)
+        with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
+            print(json.dumps(asyncio.run(_measure(args.child, str(Path(tmp) / "history.sqlite3")))), flush=True)
         return
     results = []
     for n in (int(s) for s in args.sizes.split(",")):
