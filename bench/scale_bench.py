@@ -4,11 +4,13 @@ For each size, in a fresh child process (so memory is its own), the real wiring 
 (:class:`inferlb.serve.InferLB`: control plane, snapshot cache, the picker's endpoint view, the
 history recorder) runs weight rounds fed by a stand-in metrics source that answers every endpoint
 with full statistics (latency, queue, GPU, KV cache, request rate...), new values every round, so
-every weight and ring is recomputed. Measured per size:
+every weight is recomputed (the rings are rebuilt only in the first round: the endpoints stay). Measured
+per size:
 
 - **round CPU**: process CPU time (all threads) of one steady round (``ControlPlane.run_round``:
-  engine, snapshot build, cache, picker view and its rings), median of the rounds after the first;
-  and, alone, the engine (``compute_weights``), the snapshot build and the picker's view build;
+  engine, snapshot build, cache, picker view, history rows written), median of the rounds after the first;
+  and, alone, the engine (``compute_weights``), the snapshot build, the picker's view build, and
+  writing one history row per endpoint;
 - **loop blocked**: the longest time the asyncio event loop (the one the ADS server, the picker and
   the admin API share) did not run a 5 ms timer during the steady rounds, and during the first
   round (which builds the picker's rings from scratch);
@@ -92,6 +94,8 @@ async def _measure(n: int, history_path: str) -> dict:
     from xds_server.control import endpoint_specs
     from xds_server.engine.builtin import BUILTIN
     from xds_server.engine.pipeline import compute_weights
+    from xds_server.history.changes import to_record
+    from xds_server.history.sqlite import open_store
     from xds_server.metrics.combined import CombinedSource
     from xds_server.resources.build import BuildMemo, build_snapshot
 
@@ -142,11 +146,17 @@ async def _measure(n: int, history_path: str) -> dict:
     app.view.update(snap.assignments(), app.routing)
     view = time.process_time() - t
     app.recorder.close()
+    t = time.process_time()  # every endpoint changed: one history row each, as in every measured round
+    rows, _ = to_record(weights, {}, 1e6, snap.version, cfg.history.keyframe_s)
+    store = open_store(cfg.history)
+    store.append(rows)
+    history = time.process_time() - t
+    store.close()
     steady = rounds[1:]
     return {"endpoints": n, "round_cpu_s": round(statistics.median(steady), 3),
             "round_cpu_range_s": [round(min(steady), 3), round(max(steady), 3)],
             "first_round_cpu_s": round(rounds[0], 3), "engine_cpu_s": round(engine, 3),
-            "build_cpu_s": round(build, 3), "view_cpu_s": round(view, 3),
+            "build_cpu_s": round(build, 3), "view_cpu_s": round(view, 3), "history_cpu_s": round(history, 3),
             "loop_blocked_ms": round(max(lags[1:]) * 1000, 1),
             "first_round_loop_blocked_ms": round(lags[0] * 1000, 1), "rss_mb": round(rss, 1)}
 
@@ -163,14 +173,14 @@ def run_size(n: int) -> dict:
 def report(results: list[dict]) -> str:
     base = results[0]
     lines = ["| endpoints | round CPU (s), median (min–max) | per 1k endpoints (s) | engine (s) | snapshot build (s) "
-             "| picker view (s) | loop blocked, max (ms) | first round CPU (s) | first round: loop blocked (ms) "
-             "| RSS (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| picker view (s) | history rows (s) | loop blocked, max (ms) | first round CPU (s) "
+             "| first round: loop blocked (ms) | RSS (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lo, hi = r["round_cpu_range_s"]
         lines.append(f"| {r['endpoints']:,} | {r['round_cpu_s']} ({lo}–{hi}) "
                      f"| {r['round_cpu_s'] / r['endpoints'] * 1000:.3f} | {r['engine_cpu_s']} | {r['build_cpu_s']} "
-                     f"| {r['view_cpu_s']} | {r['loop_blocked_ms']} | {r['first_round_cpu_s']} "
+                     f"| {r['view_cpu_s']} | {r['history_cpu_s']} | {r['loop_blocked_ms']} | {r['first_round_cpu_s']} "
                      f"| {r['first_round_loop_blocked_ms']} | {r['rss_mb']} |")
     last = results[-1]
     lines.append("")
