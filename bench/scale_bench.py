@@ -4,15 +4,21 @@ For each size, in a fresh child process (so memory is its own), the real wiring 
 (:class:`inferlb.serve.InferLB`: control plane, snapshot cache, the picker's endpoint view, the
 history recorder) runs weight rounds fed by a stand-in metrics source that answers every endpoint
 with full statistics (latency, queue, GPU, KV cache, request rate...), new values every round, so
-every weight and ring is recomputed. Measured per size:
+every weight is recomputed (the rings are rebuilt only in the first round: the endpoints stay). Measured
+per size:
 
 - **round CPU**: process CPU time (all threads) of one steady round (``ControlPlane.run_round``:
-  engine, snapshot build, cache, picker view and its rings), median of the rounds after the first;
-  and, alone, the engine (``compute_weights``), the snapshot build and the picker's view build;
+  engine, snapshot build, cache, picker view, history rows written), median of the rounds after the first;
+  and, alone, the engine (``compute_weights``), the snapshot build, the picker's view build, and
+  writing one history row per endpoint;
 - **loop blocked**: the longest time the asyncio event loop (the one the ADS server, the picker and
   the admin API share) did not run a 5 ms timer during the steady rounds, and during the first
   round (which builds the picker's rings from scratch);
 - **RSS** of the process after the rounds (MB).
+
+The history is an SQLite file in a temporary folder (as ``inferlb serve`` writes one); every weight
+changes every round, so every round writes a row per endpoint, and a round counts until its rows are
+written.
 
 Not included: Prometheus itself and the wire (the ADS push to many streams is ``bench.xds_bench``).
 
@@ -28,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -40,12 +47,12 @@ ROUNDS = 4
 TARGETS = {"round_cpu_s_at_60k": 1.0, "loop_blocked_ms": 50.0, "rss_mb_at_60k": 500.0}
 
 
-def fleet(n: int) -> dict:
-    """One service, one version, ``n`` endpoints (``10.a.b.c:8000``)."""
+def fleet(n: int, history_path: str = ":memory:") -> dict:
+    """One service, one version, ``n`` endpoints (``10.a.b.c:8000``); the history at ``history_path``."""
     eps = [{"address": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8000", "max_concurrency": 16}
            for i in range(n)]
     return {"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-            "history": {"path": ":memory:"},
+            "history": {"path": history_path},
             "services": [{"name": "chat", "versions": [{"name": "v1", "endpoints": eps}]}]}
 
 
@@ -66,7 +73,7 @@ def stats_sets(instances: list[str], rounds: int, seed: int = 15) -> list[dict]:
 
 
 class Source:
-    """A pull source answering the prebuilt stats, one set per round."""
+    """A pull source answering the prebuilt stats, one set per round, in turn."""
 
     name = "bench"
 
@@ -79,7 +86,7 @@ class Source:
         return out
 
 
-async def _measure(n: int) -> dict:
+async def _measure(n: int, history_path: str) -> dict:
     import psutil
 
     from inferlb.serve import InferLB
@@ -87,15 +94,20 @@ async def _measure(n: int) -> dict:
     from xds_server.control import endpoint_specs
     from xds_server.engine.builtin import BUILTIN
     from xds_server.engine.pipeline import compute_weights
+    from xds_server.history.changes import to_record
+    from xds_server.history.sqlite import open_store
     from xds_server.metrics.combined import CombinedSource
     from xds_server.resources.build import BuildMemo, build_snapshot
 
     proc = psutil.Process()
-    cfg = Config.model_validate(fleet(n))
+    cfg = Config.model_validate(fleet(n, history_path))
     app = InferLB(cfg)
     instances = [s.instance for s in endpoint_specs(cfg)]
-    sets = stats_sets(instances, ROUNDS)
+    # Two answers, alternating: every round still brings new values for every endpoint, and the
+    # stand-in holds 2 rounds of stats, not ROUNDS (each set is ~36 MB of RSS at 60 000 endpoints).
+    sets = stats_sets(instances, 2)
     app.control.source = CombinedSource([Source(sets)])
+    app.recorder.start()  # as in InferLB.start: the history writer thread takes each round's weights
     lag = {"max": 0.0}
     stop = asyncio.Event()
 
@@ -116,6 +128,7 @@ async def _measure(n: int) -> dict:
         before = cpu()
         lag["max"] = 0.0
         ok = await app.control.run_round()
+        await asyncio.to_thread(app.recorder.flush, 60.0)  # its history rows are written: part of the round
         rounds.append(cpu() - before)
         lags.append(lag["max"])
         assert ok and len(app.control.weights) == n
@@ -135,11 +148,17 @@ async def _measure(n: int) -> dict:
     app.view.update(snap.assignments(), app.routing)
     view = time.process_time() - t
     app.recorder.close()
+    t = time.process_time()  # every endpoint changed: one history row each, as in every measured round
+    rows, _ = to_record(weights, {}, 1e6, snap.version, cfg.history.keyframe_s)
+    store = open_store(cfg.history)
+    store.append(rows)
+    history = time.process_time() - t
+    store.close()
     steady = rounds[1:]
     return {"endpoints": n, "round_cpu_s": round(statistics.median(steady), 3),
             "round_cpu_range_s": [round(min(steady), 3), round(max(steady), 3)],
             "first_round_cpu_s": round(rounds[0], 3), "engine_cpu_s": round(engine, 3),
-            "build_cpu_s": round(build, 3), "view_cpu_s": round(view, 3),
+            "build_cpu_s": round(build, 3), "view_cpu_s": round(view, 3), "history_cpu_s": round(history, 3),
             "loop_blocked_ms": round(max(lags[1:]) * 1000, 1),
             "first_round_loop_blocked_ms": round(lags[0] * 1000, 1), "rss_mb": round(rss, 1)}
 
@@ -156,14 +175,14 @@ def run_size(n: int) -> dict:
 def report(results: list[dict]) -> str:
     base = results[0]
     lines = ["| endpoints | round CPU (s), median (min–max) | per 1k endpoints (s) | engine (s) | snapshot build (s) "
-             "| picker view (s) | loop blocked, max (ms) | first round CPU (s) | first round: loop blocked (ms) "
-             "| RSS (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| picker view (s) | history rows (s) | loop blocked, max (ms) | first round CPU (s) "
+             "| first round: loop blocked (ms) | RSS (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lo, hi = r["round_cpu_range_s"]
         lines.append(f"| {r['endpoints']:,} | {r['round_cpu_s']} ({lo}–{hi}) "
                      f"| {r['round_cpu_s'] / r['endpoints'] * 1000:.3f} | {r['engine_cpu_s']} | {r['build_cpu_s']} "
-                     f"| {r['view_cpu_s']} | {r['loop_blocked_ms']} | {r['first_round_cpu_s']} "
+                     f"| {r['view_cpu_s']} | {r['history_cpu_s']} | {r['loop_blocked_ms']} | {r['first_round_cpu_s']} "
                      f"| {r['first_round_loop_blocked_ms']} | {r['rss_mb']} |")
     last = results[-1]
     lines.append("")
@@ -194,7 +213,8 @@ def main() -> None:
         import logging
 
         logging.disable(logging.INFO)  # the first round logs every endpoint's new weight
-        print(json.dumps(asyncio.run(_measure(args.child))), flush=True)
+        with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
+            print(json.dumps(asyncio.run(_measure(args.child, str(Path(tmp) / "history.sqlite3")))), flush=True)
         return
     results = []
     for n in (int(s) for s in args.sizes.split(",")):

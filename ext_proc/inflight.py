@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from operator import itemgetter
 
 from prometheus_client import Counter, Gauge
 
@@ -38,6 +39,7 @@ EXPIRED = Counter(
     "inferlb_ext_proc_inflight_expired_total",
     "Picks taken as finished because no completion arrived within the expiry (lost records).",
 )
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 IN_FLIGHT = Gauge("inferlb_ext_proc_in_flight", "Requests in flight (picks - completions), by cluster.", ["cluster"])
 
 
@@ -190,17 +192,17 @@ class InFlight:
 
         Each endpoint's estimate restarts from its sample minus the memory of its picks made after
         the sample was taken and still in flight. Endpoints absent from ``samples`` lose their
-        estimate (unknown: admitted). O(requests in flight); call once per metrics round.
+        estimate (unknown: admitted). Two dict copies of ``samples`` plus O(requests in flight); call
+        once per metrics round.
         """
-        free: dict[str, float] = {}
-        for endpoint, (mib, taken_at) in samples.items():
-            since = 0.0
-            for pick in self._pending_ep.get(endpoint, ()):
-                if pick[0] > taken_at:
-                    since += pick[2]
-            free[endpoint] = mib - since
+        free = dict(zip(samples, map(_FIRST, samples.values()), strict=True))  # C-level loops: 60 000 in a few ms
+        for endpoint, picks in self._pending_ep.items():  # only endpoints with picks in flight
+            sample = samples.get(endpoint)
+            if sample is not None:
+                taken_at = sample[1]
+                free[endpoint] -= sum(pick[2] for pick in picks if pick[0] > taken_at)
         self.free = free
-        self._sampled = {e: t for e, (_, t) in samples.items()}
+        self._sampled = dict(zip(samples, map(_SECOND, samples.values()), strict=True))
 
     def failed_now(self, endpoint: str) -> bool:
         """Mark ``endpoint`` as failing (a connect failure or reset); returns True when it was not

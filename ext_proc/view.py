@@ -11,23 +11,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
-from envoy.config.core.v3 import health_check_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from ext_proc.ring import HashRing, key_hash
 
 __all__ = [
     "MIX_BUCKETS",
+    "ClusterDetails",
     "ClusterEndpoints",
     "EndpointView",
     "RequestClass",
     "RoutingTable",
     "ServiceRoute",
     "ViewHolder",
-    "cluster_capacity",
-    "endpoint_details",
+    "cluster_details",
     "pinnable_endpoints",
 ]
 
@@ -223,8 +223,8 @@ class ClusterEndpoints:
         endpoints: ``"HOST:PORT"`` of each pinnable endpoint, sorted, no duplicates.
         ring: a :class:`HashRing` over ``endpoints`` (empty when there are none).
         members: ``endpoints`` as a set (is a pinned endpoint still pinnable?).
-        capacity: the sum of the pinnable endpoints' max concurrency (EDS endpoint metadata
-            ``filter_metadata["inferlb"]["max_concurrency"]``); 0 when any of them has none
+        capacity: the sum of the pinnable endpoints' max concurrency (EDS endpoint or locality
+            metadata ``filter_metadata["inferlb"]["max_concurrency"]``); 0 when any of them has none
             (admission control then leaves the cluster alone).
         salt: 64-bit hash of ``name``, mixed into session-table keys so one session key has a
             separate pin in each cluster.
@@ -267,81 +267,82 @@ class ClusterEndpoints:
         object.__setattr__(self, "cumulative", tuple(cumulative))
 
 
-def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:
-    """``"HOST:PORT"`` of an LbEndpoint (IPv6 hosts in brackets), or None without a socket port."""
-    sock = lb_endpoint.endpoint.address.socket_address
-    if not sock.address or sock.WhichOneof("port_specifier") != "port_value":
-        return None
-    host = sock.address
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{sock.port_value}"
+class ClusterDetails(NamedTuple):
+    """What the picker reads from one ``ClusterLoadAssignment`` (:func:`cluster_details`).
+
+    Attributes:
+        endpoints: the pinnable endpoints, sorted ``"HOST:PORT"`` (see :func:`pinnable_endpoints`).
+        capacity: sum of their max concurrency (requests); 0 (unknown: not limited) when one of
+            them carries no positive value.
+        weights: ``{endpoint: load_balancing_weight}`` of ``endpoints`` (a missing weight: 1).
+        classes: ``{endpoint: gpu_class}`` of ``endpoints`` ("" unknown).
+    """
+
+    endpoints: tuple[str, ...]
+    capacity: int
+    weights: dict[str, int]
+    classes: dict[str, str]
+
+
+def _inferlb(metadata: base_pb2.Metadata) -> Mapping[str, Any] | None:
+    """The ``fields`` of ``metadata.filter_metadata["inferlb"]``, or None without it."""
+    struct = metadata.filter_metadata.get("inferlb")
+    return struct.fields if struct is not None else None
+
+
+def cluster_details(assignment: endpoint_pb2.ClusterLoadAssignment) -> ClusterDetails:
+    """Read ``assignment`` once: its pinnable endpoints and their capacity, weights and GPU classes.
+
+    An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
+    address with a numeric port (IPv6 hosts in brackets). Only the lowest priority level that has
+    a pinnable endpoint counts: higher priorities are failover, and a session should not be pinned
+    to them while the primary level has capacity. Load-balancing weights do not change the ring
+    (so adding weight moves no key); they set each endpoint's share in the weighted load bound
+    (:attr:`ClusterEndpoints.shares`).
+
+    ``max_concurrency`` and ``gpu_class`` are read from the endpoint's metadata
+    ``filter_metadata["inferlb"]``, else from its locality's (the control plane writes a
+    locality-wide value once and only the endpoints that differ carry their own). An address listed
+    twice counts once, with the details of its first listing.
+    """
+    by_priority: dict[int, list[str]] = {}
+    details: dict[str, tuple[int, int, str]] = {}  # address -> (weight, max_concurrency, gpu_class)
+    for locality in assignment.endpoints:
+        shared = _inferlb(locality.metadata) if locality.HasField("metadata") else None
+        shared_limit = shared.get("max_concurrency") if shared is not None else None
+        shared_class = shared.get("gpu_class") if shared is not None else None
+        pinnable = by_priority.setdefault(locality.priority, [])
+        for lb_endpoint in locality.lb_endpoints:
+            sock = lb_endpoint.endpoint.address.socket_address
+            host, port = sock.address, sock.port_value
+            if not host or (not port and sock.WhichOneof("port_specifier") != "port_value"):
+                continue
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"
+            address = f"{host}:{port}"
+            if lb_endpoint.health_status in _PINNABLE_HEALTH:
+                pinnable.append(address)
+            if address in details:
+                continue
+            own = _inferlb(lb_endpoint.metadata) if lb_endpoint.HasField("metadata") else None
+            limit = own.get("max_concurrency", shared_limit) if own is not None else shared_limit
+            gpu = own.get("gpu_class", shared_class) if own is not None else shared_class
+            details[address] = (lb_endpoint.load_balancing_weight.value or 1,
+                                int(limit.number_value) if limit is not None else 0,
+                                gpu.string_value if gpu is not None else "")
+    levels = [p for p, found in by_priority.items() if found]
+    if not levels:
+        return ClusterDetails((), 0, {}, {})
+    endpoints = tuple(sorted(dict.fromkeys(by_priority[min(levels)])))  # keeps runs: timsort is ~3x faster
+    limits = [details[a][1] for a in endpoints]
+    return ClusterDetails(endpoints, sum(limits) if all(v > 0 for v in limits) else 0,
+                          {a: details[a][0] for a in endpoints}, {a: details[a][2] for a in endpoints})
 
 
 def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[str, ...]:
-    """Return the endpoints of ``assignment`` the picker may pin, as sorted ``"HOST:PORT"``.
-
-    An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
-    address with a numeric port. Only the lowest priority level that has a pinnable endpoint
-    counts: higher priorities are failover, and a session should not be pinned to them while
-    the primary level has capacity. Load-balancing weights do not change the ring (so adding
-    weight moves no key); they set each endpoint's share in the weighted load bound
-    (:attr:`ClusterEndpoints.shares`).
-    """
-    by_priority: dict[int, set[str]] = {}
-    for locality in assignment.endpoints:
-        for lb_endpoint in locality.lb_endpoints:
-            if lb_endpoint.health_status not in _PINNABLE_HEALTH:
-                continue
-            address = _address(lb_endpoint)
-            if address is not None:
-                by_priority.setdefault(locality.priority, set()).add(address)
-    if not by_priority:
-        return ()
-    return tuple(sorted(by_priority[min(by_priority)]))
-
-
-def cluster_capacity(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]) -> int:
-    """Sum of ``filter_metadata["inferlb"]["max_concurrency"]`` over ``endpoints`` of ``assignment``.
-
-    Returns 0 (unknown: not limited) when one of them carries no positive value.
-    """
-    wanted = set(endpoints)
-    total = 0
-    for locality in assignment.endpoints:
-        for lb_endpoint in locality.lb_endpoints:
-            address = _address(lb_endpoint)
-            if address not in wanted:
-                continue
-            wanted.discard(address)
-            meta = lb_endpoint.metadata.filter_metadata
-            field_ = meta["inferlb"].fields.get("max_concurrency") if "inferlb" in meta else None
-            value = int(field_.number_value) if field_ is not None else 0
-            if value <= 0:
-                return 0
-            total += value
-    return total
-
-
-def endpoint_details(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]
-                     ) -> tuple[dict[str, int], dict[str, str]]:
-    """``({endpoint: load_balancing_weight}, {endpoint: gpu_class})`` of ``endpoints`` in ``assignment``.
-
-    A missing weight counts as 1 (Envoy's default); a missing ``inferlb.gpu_class`` as "".
-    """
-    wanted = set(endpoints)
-    weights: dict[str, int] = {}
-    classes: dict[str, str] = {}
-    for locality in assignment.endpoints:
-        for lb_endpoint in locality.lb_endpoints:
-            address = _address(lb_endpoint)
-            if address not in wanted or address in weights:
-                continue
-            weights[address] = lb_endpoint.load_balancing_weight.value or 1
-            meta = lb_endpoint.metadata.filter_metadata
-            field_ = meta["inferlb"].fields.get("gpu_class") if "inferlb" in meta else None
-            classes[address] = field_.string_value if field_ is not None else ""
-    return weights, classes
+    """The endpoints of ``assignment`` the picker may pin, as sorted ``"HOST:PORT"``
+    (:attr:`ClusterDetails.endpoints` of :func:`cluster_details`)."""
+    return cluster_details(assignment).endpoints
 
 
 class EndpointView:
@@ -402,7 +403,8 @@ class EndpointView:
                 routing table but missing here is routed to without pinning.
             routing: the routing rules.
             previous: an earlier view; rings of clusters whose pinnable endpoints and
-                ``vnodes`` are unchanged are reused instead of rehashed.
+                ``vnodes`` are unchanged are reused, other rings of its clusters lend their
+                endpoints' hashes (only new endpoints are hashed).
 
         Raises:
             ValueError: a routing value is invalid (see :class:`RoutingTable`).
@@ -410,14 +412,12 @@ class EndpointView:
         old = previous.clusters if previous is not None else {}
         clusters: dict[str, ClusterEndpoints] = {}
         for name, assignment in assignments.items():
-            endpoints = pinnable_endpoints(assignment)
-            capacity = cluster_capacity(assignment, endpoints)
-            weights, classes = endpoint_details(assignment, endpoints)
+            endpoints, capacity, weights, classes = cluster_details(assignment)
             kept = old.get(name)
             if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
                 ring = kept.ring
             else:
-                ring = HashRing(endpoints, routing.vnodes)
+                ring = HashRing(endpoints, routing.vnodes, previous=kept.ring if kept is not None else None)
             clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity, weights, classes)
         return cls(routing, clusters)
 

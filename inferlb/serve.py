@@ -22,7 +22,7 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,7 +55,7 @@ from xds_server.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
-#: Rounds between two full cyclic-GC passes over the heap (see ``InferLB._settle_heap``).
+#: Rounds between two full cyclic-GC passes over the heap (see ``InferLB._round_heap``).
 UNFREEZE_EVERY = 60
 
 RELOADS = Counter("inferlb_config_reloads_total", "Config reloads, by outcome", ["outcome"])
@@ -151,10 +151,11 @@ class InferLB:
         self.routing = routing_table(cfg)
         self.recorder = HistoryRecorder(open_store(cfg.history), cfg.history.keyframe_s, self._current_weights)
         self.control = ControlPlane(cfg, self.sources.combined, self.cache,
-                                    [self._update_picker_view, self.recorder.record, self._settle_heap],
+                                    [self._update_picker_view, self.recorder.record],
                                     lambda: self.cfg.envoy.ext_proc_address or
                                     f"{split_hostport(self.cfg.listen.ext_proc)[0]}:{self.ext_proc_port}",
-                                    picker_metadata=picker_metadata, on_round=[self._feed_picker])
+                                    picker_metadata=picker_metadata, on_round=[self._feed_picker],
+                                    round_context=self._round_heap)
         self.ads: AdsServicer | None = None
         self.ads_server: grpc.aio.Server | None = None
         self.ext_server: Server | None = None
@@ -168,12 +169,18 @@ class InferLB:
         self.last_reload_error: str | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
 
-    def _feed_picker(self, weights: list[EndpointWeight]) -> None:
+    async def _feed_picker(self, weights: list[EndpointWeight]) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
-        request needing more than every endpoint has is refused)."""
-        self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic()))
-        self.picker.set_largest_memory(largest_memory(weights, self.control.spec))
+        request needing more than every endpoint has is refused). Read from the weights in a worker
+        thread (30 ms at 60 000 endpoints), handed over on the loop."""
+        def read() -> tuple:
+            return (memory_samples(weights, self.control.spec, time.monotonic()),
+                    largest_memory(weights, self.control.spec))
+
+        samples, largest = await asyncio.to_thread(read)
+        self.picker.set_samples(samples)
+        self.picker.set_largest_memory(largest)
 
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
@@ -183,20 +190,30 @@ class InferLB:
         return asyncio.get_running_loop().run_in_executor(
             self._view_pool, lambda: self.view.update(snap.assignments(), routing))
 
-    def _settle_heap(self, _snap, _weights) -> None:
-        """ControlPlane hook: move what is alive after a round (config, engine state, the picker's
-        rings, the snapshot) out of the cyclic GC's generations (``gc.freeze``). A full collection
-        walks every tracked object with the GIL held; at 4 000 endpoints that stalled the event loop
-        ~100 ms per round, at 60 000 over a second (bench/scale_bench.py). Frozen objects are still
-        freed by reference counting when the next round replaces them; once every
-        :data:`UNFREEZE_EVERY` rounds everything is handed back to the collector (one full pass), so
-        reference cycles cannot pile up."""
-        self._rounds_frozen += 1
-        if self._rounds_frozen >= UNFREEZE_EVERY:
-            self._rounds_frozen = 0
-            gc.unfreeze()
-            gc.collect()
-        gc.freeze()
+    @contextlib.contextmanager
+    def _round_heap(self) -> Iterator[None]:
+        """ControlPlane round context: no automatic cyclic GC during a round, and what is alive after
+        it (config, engine state, the picker's rings, the snapshot) moved out of the collector's
+        generations (``gc.freeze``). A collection walks every tracked object it covers with the GIL
+        held, so it stalls the event loop even when the round runs in a worker thread: at 60 000
+        endpoints a round's ~1 million new objects set off 6 full passes of 30-70 ms each (and 0.3 s
+        of CPU) inside the engine, and a full pass over the whole heap takes ~0.4 s
+        (bench/scale_bench.py). Frozen objects are still freed by reference counting when the next
+        round replaces them; once every :data:`UNFREEZE_EVERY` rounds everything is handed back to the
+        collector (one full pass), so reference cycles cannot pile up."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            self._rounds_frozen += 1
+            if self._rounds_frozen >= UNFREEZE_EVERY:
+                self._rounds_frozen = 0
+                gc.unfreeze()
+                gc.collect()
+            gc.freeze()
+            if enabled:
+                gc.enable()
 
     def _current_weights(self):
         snap = self.cache.snapshot

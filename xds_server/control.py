@@ -11,6 +11,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -79,7 +80,9 @@ class ControlPlane:
     ``picker_metadata(cfg)``: the picker cluster's ``filter_metadata`` (see
     :class:`~xds_server.resources.build.BuildMemo`). ``on_round``: hooks called with every round's
     weights (their ``inputs`` are that round's stats), snapshot or not, on the event loop; they must
-    not block.
+    not block (like ``on_snapshot`` hooks, one may return an awaitable). ``round_context``: a context
+    manager factory entered around each round's computation and publication (``inferlb serve``
+    keeps the cyclic GC out of the round with it); none by default.
 
     Hooks see only what the cache accepted: the snapshot it validated (rejected resources replaced by
     their last good versions), after it was set, so history never records a version Envoy never got.
@@ -93,14 +96,17 @@ class ControlPlane:
                  on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
                  ext_proc_address: Callable[[], str],
                  picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None,
-                 on_round: list[Callable[[list[EndpointWeight]], None]] | None = None) -> None:
+                 on_round: list[Callable[[list[EndpointWeight]], Any]] | None = None,
+                 round_context: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.cfg = cfg
         self._round_hooks = on_round or []
+        self._round_context = round_context
         self._ext_proc_address = ext_proc_address
         self.source = source
         self.cache = cache
         self._hooks = on_snapshot
         self._specs = endpoint_specs(cfg)
+        self._spec_of = {(s.cluster, s.address): s for s in self._specs}
         self._params = engine_params(cfg)
         self._state = EngineState()
         self._memo = BuildMemo(picker_metadata)
@@ -121,7 +127,7 @@ class ControlPlane:
 
     def spec(self, cluster: str, address: str) -> EndpointSpec | None:
         """The engine's view of one configured endpoint."""
-        return next((s for s in self._specs if s.cluster == cluster and s.address == address), None)
+        return self._spec_of.get((cluster, address))
 
     @property
     def addresses(self) -> set[str]:
@@ -133,9 +139,6 @@ class ControlPlane:
         """Addresses set to drain through :meth:`set_draining`."""
         return frozenset(self._draining)
 
-    def _specs_now(self) -> list[EndpointSpec]:
-        return [replace(s, draining=True) if s.address in self._draining else s for s in self._specs]
-
     def reconfigure(self, cfg: Config, source: MetricsSource | None = None) -> None:
         """Take a new (already validated) config: endpoints, engine parameters, Envoy side, headers.
 
@@ -144,6 +147,7 @@ class ControlPlane:
         """
         self.cfg = cfg
         self._specs = endpoint_specs(cfg)
+        self._spec_of = {(s.cluster, s.address): s for s in self._specs}
         self._params = engine_params(cfg)
         self._group_cfgs = {g: cfg.for_node_group(g) for g in cfg.node_groups}
         self._draining &= self.addresses
@@ -179,30 +183,34 @@ class ControlPlane:
         # the event loop (ADS streams, the picker, the admin API) keeps answering during a round of
         # 60 000 endpoints (issue 15, scale). The lock keeps one round at a time.
         async with self._lock:
-            specs, params, state, cfg = self._specs_now(), self._params, self._state, self.cfg
-            now = time.monotonic()
+            with self._round_context():
+                configured, params, state, cfg = self._specs, self._params, self._state, self.cfg
+                draining, now = frozenset(self._draining), time.monotonic()
 
-            def decide() -> tuple[list[EndpointWeight], EngineState]:
-                out = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
-                self._log_changes(out[0])
-                return out
+                def decide() -> tuple[list[EndpointWeight], EngineState]:
+                    specs = [replace(s, draining=True) if s.address in draining else s for s in configured]
+                    out = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
+                    self._log_changes(out[0])
+                    return out
 
-            weights, self._state = await asyncio.to_thread(decide)
-            self.weights = weights
-            for hook in self._round_hooks:
-                hook(weights)
-            ext_proc = self._ext_proc_address()
-            served = [w for w in weights if not w.removed]
-            groups = self._group_cfgs
+                weights, self._state = await asyncio.to_thread(decide)
+                self.weights = weights
+                for hook in self._round_hooks:
+                    done = hook(weights)
+                    if inspect.isawaitable(done):
+                        await done
+                ext_proc = self._ext_proc_address()
+                groups = self._group_cfgs
 
-            def build() -> tuple[Snapshot, dict[str, Snapshot]]:
-                return (build_snapshot(cfg, served, ext_proc, self._memo),
-                        {g: build_snapshot(gc, served, ext_proc, self._memo) for g, gc in groups.items()})
+                def build() -> tuple[Snapshot, dict[str, Snapshot]]:
+                    served = [w for w in weights if not w.removed]
+                    return (build_snapshot(cfg, served, ext_proc, self._memo),
+                            {g: build_snapshot(gc, served, ext_proc, self._memo) for g, gc in groups.items()})
 
-            main, per_group = await asyncio.to_thread(build)
-            await self._publish(main, weights)
-            for group, snap in per_group.items():  # node-specific views (config node_groups)
-                await self.cache.set(snap, group)
+                main, per_group = await asyncio.to_thread(build)
+                await self._publish(main, weights)
+                for group, snap in per_group.items():  # node-specific views (config node_groups)
+                    await self.cache.set(snap, group)
 
     async def refresh(self) -> None:
         """A round now (after a reload); if the metrics source fails, republish from the last stats so a

@@ -28,11 +28,15 @@ TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 
 @dataclass(frozen=True, slots=True)
 class Resource:
-    """One xDS resource: ``version`` is a 16-hex digest of ``packed`` (the Any-wrapped message)."""
+    """One xDS resource: ``version`` is a 16-hex digest of ``packed`` (the Any-wrapped message);
+    ``message`` is that message itself, read only: the validation and the picker's endpoint view
+    read it instead of parsing ``packed`` again (at 60 000 endpoints one parse of an assignment
+    holds the GIL, and so stalls the event loop, for ~0.1 s)."""
 
     name: str
     version: str
     packed: any_pb2.Any
+    message: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +56,9 @@ class Snapshot:
         return self.resources.get(type_url, MappingProxyType({}))
 
     def assignments(self) -> dict[str, endpoint_pb2.ClusterLoadAssignment]:
-        """Every ClusterLoadAssignment, by cluster name (what the picker's endpoint view is built from)."""
-        out = {}
-        for name, res in self.of(ENDPOINT_TYPE).items():
-            cla = endpoint_pb2.ClusterLoadAssignment()
-            res.packed.Unpack(cla)
-            out[name] = cla
-        return out
+        """Every ClusterLoadAssignment, by cluster name (what the picker's endpoint view is built
+        from); the resources' own messages, not copies: read only."""
+        return {name: res.message for name, res in self.of(ENDPOINT_TYPE).items()}
 
 
 def _digest(parts: Iterable[bytes]) -> str:
@@ -70,9 +70,9 @@ def _digest(parts: Iterable[bytes]) -> str:
 
 
 def resource(name: str, msg: Message) -> Resource:
-    packed = any_pb2.Any()
-    packed.Pack(msg)
-    return Resource(name, _digest([msg.SerializeToString(deterministic=True)]), packed)
+    data = msg.SerializeToString(deterministic=True)  # once: the digest and the Any share it
+    packed = any_pb2.Any(type_url=f"type.googleapis.com/{msg.DESCRIPTOR.full_name}", value=data)
+    return Resource(name, _digest([data]), packed, msg)
 
 
 def snapshot_of(resources: Mapping[str, Mapping[str, Resource]]) -> Snapshot:

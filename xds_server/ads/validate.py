@@ -107,9 +107,9 @@ def check_resource(type_url: str, res: Resource) -> list[str]:
     if spec is None:
         return []
     cls, name_field = spec
-    msg = cls()
-    if not res.packed.Unpack(msg):
-        return [f"packed type {res.packed.TypeName()} is not {cls.DESCRIPTOR.full_name}"]
+    msg = res.message  # what ``packed`` holds, already parsed (see Resource)
+    if msg.DESCRIPTOR.full_name != cls.DESCRIPTOR.full_name:
+        return [f"message type {msg.DESCRIPTOR.full_name} is not {cls.DESCRIPTOR.full_name}"]
     problems = []
     own = getattr(msg, name_field)
     if own != res.name:

@@ -114,30 +114,27 @@ def compute_weights(
     by_cluster: dict[str, list[EndpointSpec]] = defaultdict(list)
     for spec in specs:
         by_cluster[spec.cluster].append(spec)
-    prev_plugins: dict[str, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
-    for name, entries in prev.plugins.items():
-        for (cluster, address), value in entries.items():
-            prev_plugins[cluster][name][address] = value
     out: dict[Key, EndpointWeight] = {}
     eligible: set[Key] = set()
-    new_state: dict[str, dict[Key, Any]] = defaultdict(dict)
+    new_state: dict[str, Mapping[str, Any]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
     decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
     for cluster, members in by_cluster.items():
-        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev_plugins[cluster], params, now,
-                                              plugins, scorer_weights)
+        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}), params,
+                                              now, plugins, scorer_weights)
         for ew in weights:
             decided[(ew.cluster, ew.address)] = ew.weight
         for ew in fit_uint32(weights):
             out[(ew.cluster, ew.address)] = ew
         eligible |= {(cluster, a) for a in ok}
-        for name, entries in cluster_state.items():
-            new_state[name].update({(cluster, a): v for a, v in entries.items()})
+        kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
+        if kept:
+            new_state[cluster] = MappingProxyType(kept)
     ordered = [out[(s.cluster, s.address)] for s in specs]
     state = EngineState(
         MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
         frozenset(eligible),
-        MappingProxyType({n: MappingProxyType(e) for n, e in new_state.items() if e}),
+        MappingProxyType(new_state),
     )
     return ordered, state
 
@@ -200,6 +197,15 @@ def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EnginePar
     return False, f"draining: no new requests; {flight} in flight ({waited:.0f} of {params.drain_timeout_s:g} s)"
 
 
+def _shared(table: dict[tuple, Mapping[str, str]], values: dict[str, str]) -> Mapping[str, str]:
+    """A read-only view of ``values``: the same object for every equal ``values`` seen in ``table``."""
+    key = tuple(values.items())
+    view = table.get(key)
+    if view is None:
+        view = table[key] = MappingProxyType(values)
+    return view
+
+
 def _cluster(
     cluster: str, members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState,
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
@@ -210,8 +216,9 @@ def _cluster(
     live = [s for s in members if not s.draining]
     first_round = not any((cluster, s.address) in prev.weights for s in members)
     addresses = {s.address for s in members}
-    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten
-        name: {a: x for a, x in v.items() if a in addresses} for name, v in prev_plugins.items()}
+    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten (C-level when none is)
+        name: dict(v) if v.keys() <= addresses else {a: x for a, x in v.items() if a in addresses}
+        for name, v in prev_plugins.items()}
 
     def old_weight(s: EndpointSpec) -> int | None:
         return prev.weights.get((cluster, s.address))
@@ -296,24 +303,31 @@ def _cluster(
         excluded.update(filtered)
 
     rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
-    scores: dict[str, dict[str, float | None]] = {m.address: {} for m in candidates}
-    num = dict.fromkeys(scores, 0.0)  # the weighted mean of combine(), accumulated scorer by scorer
-    den = dict.fromkeys(scores, 0.0)
+    runs: list[tuple[str, float, Mapping[str, float | None]]] = []
     for name, sc in plugins.scorers.items():
         w = scorer_weights.get(name, 0.0)
         if w <= 0:  # off: not run (its score could not count anyway)
             continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        for a, per in scores.items():
+        runs.append((name, w, values))
+    # The weighted mean of combine(), accumulated scorer by scorer (in run order), one endpoint at a time.
+    scores: dict[str, dict[str, float | None]] = {}
+    combined: dict[str, float] = {}
+    for m in candidates:
+        a = m.address
+        per: dict[str, float | None] = {}
+        num = den = 0.0
+        for name, w, values in runs:
             v = values.get(a)
             if v is None or v != v or v in _INF:  # no data, NaN, +-Inf
                 per[name] = None
                 continue
             v = v if 0.0 <= v <= 1.0 else (0.0 if v < 0.0 else 1.0)
             per[name] = v
-            num[a] += w * v
-            den[a] += w
-    combined = {a: (min(1.0, max(0.0, num[a] / d)) if (d := den[a]) else NEUTRAL_SCORE) for a in scores}
+            num += w * v
+            den += w
+        scores[a] = per
+        combined[a] = min(1.0, max(0.0, num / den)) if den else NEUTRAL_SCORE
     raw = {a: params.max_weight * c for a, c in combined.items()}
     factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
     for name, fa in plugins.factors.items():
@@ -329,6 +343,10 @@ def _cluster(
 
     step = max(1, round(params.quantum * params.max_weight))
     max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
+    # Most endpoints share their filter verdicts and factor multipliers ("pass" everywhere, x 1):
+    # one read-only mapping per distinct content, not one per endpoint (memory, allocations).
+    shared_verdicts: dict[tuple, Mapping[str, str]] = {}
+    shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
     for m in candidates:
         a, s = m.address, m.spec
         key = (cluster, a)
@@ -336,10 +354,12 @@ def _cluster(
         target = min(cap, stability.quantize(raw[a], step))
         bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
         weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        parts = ""
-        for n, v in factors[a].items():
-            if v != 1.0:
-                parts += f" x {n} {v:.3g}"
+        fkey = tuple(factors[a].items())
+        hit = shared_factors.get(fkey)
+        if hit is None:
+            parts = "".join(f" x {n} {v:.3g}" for n, v in fkey if v != 1.0)
+            hit = shared_factors[fkey] = (MappingProxyType(factors[a]), parts)
+        factor_map, parts = hit
         reasons = [f"score {combined[a]:.2f} x max_weight {max_weight}{parts} -> {target}"]
         if bounded != target:
             reasons.append(f"bounded to {bounded}: at most x{growth} per round")
@@ -350,11 +370,10 @@ def _cluster(
         if a in held:
             reasons.append(held[a])
         result[a] = EndpointWeight(cluster, a, weight, HEALTHY, combined[a], m.stats, MappingProxyType(scores[a]),
-                                   tuple(reasons), MappingProxyType(verdicts[a]), MappingProxyType(factors[a]),
-                                   target)
+                                   tuple(reasons), _shared(shared_verdicts, verdicts[a]), factor_map, target)
     for s in live:
         if s.address in excluded:
             result[s.address] = EndpointWeight(
                 cluster, s.address, max(1, min(old_weight(s) or 1, cap)), UNHEALTHY, None, seen[s.address], {},
-                (excluded[s.address],), MappingProxyType(verdicts[s.address]))
+                (excluded[s.address],), _shared(shared_verdicts, verdicts[s.address]))
     return [result[s.address] for s in members], {m.address for m in candidates}, state

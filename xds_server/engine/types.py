@@ -84,8 +84,10 @@ class EndpointWeight:
 @dataclass(frozen=True, slots=True)
 class EngineState:
     """What the engine remembers between rounds, per ``(cluster, address)``: the last weight, whether
-    it was eligible (HEALTHY and scored), and each stateful plugin's value (``plugins[name]``)."""
+    it was eligible (HEALTHY and scored), and each stateful plugin's state
+    (``plugins[cluster][name]``: that plugin's state for the cluster, usually ``{address: value}``;
+    kept per cluster so a round hands each cluster its own without regrouping every entry)."""
 
     weights: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     eligible: frozenset[tuple[str, str]] = frozenset()
-    plugins: Mapping[str, Mapping[tuple[str, str], Any]] = field(default_factory=lambda: MappingProxyType({}))
+    plugins: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=lambda: MappingProxyType({}))

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import orjson
+
 from xds_server.config import History
 from xds_server.history.types import HistoryError, HistoryRow
 
@@ -104,9 +106,11 @@ class SqliteHistory:
 
     def append(self, rows: Sequence[HistoryRow]) -> None:
         """Insert ``rows`` in one transaction. Raises :class:`HistoryError` on a database error."""
-        data = [(r.t, r.cluster, r.endpoint, r.weight, r.health, r.score, json.dumps(dict(r.inputs)),
-                 json.dumps(dict(r.scores)), json.dumps(list(r.reasons)), r.kind, r.snapshot_version)
-                for r in rows]
+        # orjson: JSON that reads back the same for these plain values (str keys, finite floats, None;
+        # compact, no spaces), ~6x faster than json.dumps; at 60 000 changed endpoints a round writes 60 000 rows.
+        data = [(r.t, r.cluster, r.endpoint, r.weight, r.health, r.score, orjson.dumps(dict(r.inputs)).decode(),
+                 orjson.dumps(dict(r.scores)).decode(), orjson.dumps(list(r.reasons)).decode(), r.kind,
+                 r.snapshot_version) for r in rows]
         with self._lock:
             try:
                 with self._db() as db:

@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission, admit
 from ext_proc.handler import PickerHandler, StreamState
-from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_capacity
+from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_details
 from tests.unit.ext_proc.test_inflight import log_message
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
@@ -41,8 +41,8 @@ def limited(limits: list[int | None]):
 
 
 def test_capacity_is_the_sum_of_endpoint_limits_or_unknown():
-    assert cluster_capacity(limited([2, 3]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 5
-    assert cluster_capacity(limited([2, None]), ("10.0.0.0:8000", "10.0.0.1:8000")) == 0
+    assert cluster_details(limited([2, 3])).capacity == 5
+    assert cluster_details(limited([2, None])).capacity == 0
     view = EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)
     assert view.clusters["llm-v1"].capacity == 2
 
@@ -114,3 +114,15 @@ async def test_without_an_access_log_stream_nothing_is_held():
 def test_bad_parameters_raise():
     with pytest.raises(ValueError, match="admission"):
         Admission(timeout_s=0)
+
+
+def test_locality_metadata_is_the_default_of_its_endpoints():
+    assignment = limited([None, 3, 0])
+    locality = assignment.endpoints[0]
+    locality.metadata.filter_metadata["inferlb"].update({"max_concurrency": 5, "gpu_class": "a100"})
+    locality.lb_endpoints[1].metadata.filter_metadata["inferlb"].update({"gpu_class": "a10"})
+    details = cluster_details(assignment)
+    assert details.capacity == 0  # the third one's own 0 overrides the locality's 5: not limited
+    assert details.classes == {"10.0.0.0:8000": "a100", "10.0.0.1:8000": "a10", "10.0.0.2:8000": "a100"}
+    del locality.lb_endpoints[2]
+    assert cluster_details(assignment).capacity == 5 + 3

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ext_proc.ring as ring_module
 from ext_proc.ring import HashRing, key_hash
 
 # Ring building hashes n * vnodes points; keep hypothesis example counts modest.
@@ -149,3 +150,40 @@ def test_full_endpoint_is_skipped_for_the_next_clockwise():
     # Below capacity again (total 7 -> capacity ceil(1.25 * 8 / 3) = 4): back home.
     loads[home] = 3
     assert ring.lookup(key, loads=loads, load_factor=1.25) == home
+
+
+def test_points_are_the_blake2b_of_name_and_index():
+    names = ["10.0.0.1:80", "10.0.0.2:80", "[fd00::1]:80"]
+    ring = HashRing(names, vnodes=7)
+    want = sorted((key_hash(f"{n}#{i}".encode()), n) for n in names for i in range(7))
+    assert ring.owners == [n for _, n in want]
+    assert [ring.start_index(p - 1) for p, _ in want] == list(range(len(want)))
+
+
+def test_a_large_ring_keeps_each_endpoints_first_points_within_the_budget(monkeypatch):
+    monkeypatch.setattr(ring_module, "POINTS_BUDGET", 64)
+    names = [f"10.0.0.{i}:80" for i in range(10)]
+    assert ring_module.points_per_endpoint(10, 160) == ring_module.MIN_VNODES  # 64 // 10 < 16
+    assert ring_module.points_per_endpoint(2, 160) == 32 and ring_module.points_per_endpoint(2, 5) == 5
+    big = HashRing(names, vnodes=160)
+    # the points kept are each endpoint's first 16, exactly
+    want = sorted((key_hash(f"{n}#{i}".encode()), n) for n in names for i in range(ring_module.MIN_VNODES))
+    assert big.points == len(want) and big.owners == [n for _, n in want]
+    assert [big.start_index(p - 1) for p, _ in want] == list(range(len(want)))
+    assert HashRing(names[:2], vnodes=160).points == 64
+
+
+@FAST
+@given(endpoint_sets, endpoint_sets, st.integers(1, 40), st.integers(1, 40))
+def test_a_ring_built_from_a_previous_one_equals_one_built_afresh(before, after, v0, v1):
+    old = HashRing(sorted(before), vnodes=v0)
+    reused, fresh = HashRing(sorted(after), vnodes=v1, previous=old), HashRing(sorted(after), vnodes=v1)
+    assert reused.owners == fresh.owners
+    probes = range(0, 2**64, 2**58)
+    assert [reused.start_index(k) for k in probes] == [fresh.start_index(k) for k in probes]
+
+
+def test_equal_points_go_to_the_smaller_name(monkeypatch):
+    monkeypatch.setattr(ring_module, "_hash_row", lambda name, start, stop: [7 + i for i in range(start, stop)])
+    ring = HashRing(["b:1", "a:1", "c:1"], vnodes=2)
+    assert ring.owners == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1"]

@@ -5,7 +5,10 @@ a worker thread, and a hook's awaitable (the picker's view rebuilt in a thread) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+
+import pytest
 
 from tests.support.factories import config, metrics_source, service, version
 from xds_server import control as control_module
@@ -73,3 +76,48 @@ async def test_a_round_that_changes_every_weight_logs_a_bounded_number_of_lines(
     lines = [r.getMessage() for r in caplog.records if r.name == "xds_server.control"]
     assert sum(m.startswith("weight ") for m in lines) == MAX_CHANGE_LINES
     assert any(m.startswith("... and 50 more weight or health changes") for m in lines)
+
+
+async def test_the_round_context_spans_the_whole_round_and_round_hooks_may_be_awaited():
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def round_context():
+        events.append("enter")
+        try:
+            yield
+        finally:
+            events.append("exit")
+
+    async def on_round(weights):
+        await asyncio.sleep(0.01)
+        events.append(f"on_round {len(weights)}")
+
+    def fetch(instances):
+        return {i: EndpointStats(sample_age_s=1.0, gpu_util=0.5) for i in instances}
+
+    cp = ControlPlane(CFG, metrics_source(fetch), SnapshotCache(), [lambda snap, w: events.append("snapshot")],
+                      lambda: "127.0.0.1:1", on_round=[on_round], round_context=round_context)
+    assert await cp.run_round()
+    assert events == ["enter", "on_round 2", "snapshot", "exit"]
+
+
+async def test_the_round_context_is_left_when_a_round_fails(monkeypatch):
+    left: list[bool] = []
+
+    @contextlib.contextmanager
+    def round_context():
+        try:
+            yield
+        finally:
+            left.append(True)
+
+    def broken(*args, **kw):
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(control_module, "compute_weights", broken)
+    cp = ControlPlane(CFG, metrics_source(lambda i: {x: EndpointStats(sample_age_s=1.0) for x in i}),
+                      SnapshotCache(), [], lambda: "127.0.0.1:1", round_context=round_context)
+    with pytest.raises(RuntimeError, match="engine bug"):
+        await cp.run_round()
+    assert left == [True]

@@ -251,9 +251,23 @@ def test_packed_assignment_is_the_built_assignment():
     classes = {e.address: e.gpu_class for s in CFG.services for v in s.versions for e in v.endpoints}
     rebuilt = build_assignment("llm-v1", [w for w in weights_of(CFG) if w.cluster == "llm-v1"], limits, classes)
     assert cla == rebuilt
-    meta = cla.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"]
+    meta = cla.endpoints[0].metadata.filter_metadata["inferlb"]  # locality-wide: every endpoint has these
     assert meta.fields["max_concurrency"].number_value == 8  # the endpoint default
     assert meta.fields["gpu_class"].string_value == "a100"  # for the picker's cost model per GPU class
+    assert not any(lb.HasField("metadata") for lb in cla.endpoints[0].lb_endpoints)
+
+
+def test_only_endpoints_that_differ_from_the_locality_carry_their_own_metadata():
+    ws = [weight("c", f"10.0.0.{i}:8000", 5) for i in range(5)]
+    limits = {w.address: 8 for w in ws} | {"10.0.0.1:8000": 4}
+    del limits["10.0.0.2:8000"]
+    classes = {w.address: "a100" for w in ws} | {"10.0.0.3:8000": "a10"}
+    locality = build_assignment("c", ws, limits, classes).endpoints[0]
+    assert dict(locality.metadata.filter_metadata["inferlb"]) == {"max_concurrency": 8, "gpu_class": "a100"}
+    own = [dict(lb.metadata.filter_metadata["inferlb"]) if lb.HasField("metadata") else None
+           for lb in locality.lb_endpoints]
+    # 0 and "" stand for "none" (as if absent) where the locality has a value
+    assert own == [None, {"max_concurrency": 4}, {"max_concurrency": 0}, {"gpu_class": "a10"}, None]
 
 
 def _clusters(cfg) -> dict[str, cluster_pb2.Cluster]:

@@ -37,6 +37,9 @@ class Shortage:
     derated: bool = False
 
 
+_CALM = Shortage()  # a new endpoint's record, and the one not kept in the state
+
+
 def step(record: Shortage, short: bool | None, rounds: int) -> Shortage:
     """The next record after one round (``short`` None = no data: nothing changes).
 
@@ -62,9 +65,9 @@ def shortage_factor(name: str, is_short: Callable[[Member, ClusterRound], bool |
         out: dict[str, float] = {}
         new: dict[str, Shortage] = {}
         for m in rnd.members:
-            r = step(state.get(m.address, Shortage()), is_short(m, rnd), p.rounds)
+            r = step(state.get(m.address, _CALM), is_short(m, rnd), p.rounds)
             out[m.address] = p.penalty if r.derated else 1.0
-            if r != Shortage():
+            if r != _CALM:
                 new[m.address] = r
         return out, new
 
