@@ -1,0 +1,184 @@
+"""The sum of every picker's live load, with expiry (pure: data in, data out; the clock is passed in).
+
+Each picker (one per Envoy) reports its whole live load about every 100 ms (not a delta, so a lost
+report costs nothing but freshness). The table keeps each picker's latest report with its receive
+time; the view is the sum over the pickers whose report is younger than ``expiry_s`` (a picker
+that dies, or whose stream hangs, stops counting within that bound; a stream that ends is forgotten
+at once). The sum is recomputed only when a report arrived or one expired since the last view:
+O(pickers x endpoints) per report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["ClusterLoad", "EMPTY", "Load", "LoadTable", "Report", "Totals", "alive", "sum_reports"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Live load on one endpoint of one cluster: requests in flight, their predicted work (typical
+    requests), GPU memory (MiB), tokens (prompt + output), and picks since the previous report."""
+
+    in_flight: float = 0.0
+    work: float = 0.0
+    memory_mib: float = 0.0
+    tokens: float = 0.0
+    picks: float = 0.0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(self.in_flight + other.in_flight, self.work + other.work, self.memory_mib + other.memory_mib,
+                    self.tokens + other.tokens, self.picks + other.picks)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterLoad:
+    """Requests in flight to one cluster (pinned or not) and their work."""
+
+    in_flight: float = 0.0
+    work: float = 0.0
+
+    def __add__(self, other: ClusterLoad) -> ClusterLoad:
+        return ClusterLoad(self.in_flight + other.in_flight, self.work + other.work)
+
+
+_NO_ENDPOINTS: Mapping[tuple[str, str], Load] = MappingProxyType({})
+_NO_CLUSTERS: Mapping[str, ClusterLoad] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One picker's whole live load: ``endpoints[(cluster, "HOST:PORT")]`` and ``clusters[cluster]``.
+
+    ``picker``: who reports (unique per picker process); ``seq``: increases with every report.
+    """
+
+    picker: str
+    seq: int = 0
+    endpoints: Mapping[tuple[str, str], Load] = field(default_factory=lambda: _NO_ENDPOINTS)
+    clusters: Mapping[str, ClusterLoad] = field(default_factory=lambda: _NO_CLUSTERS)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """The sum of some reports: per (cluster, endpoint), per cluster, and how many pickers."""
+
+    endpoints: Mapping[tuple[str, str], Load]
+    clusters: Mapping[str, ClusterLoad]
+    pickers: int
+
+
+EMPTY = Totals(_NO_ENDPOINTS, _NO_CLUSTERS, 0)
+
+
+def sum_reports(reports: Iterable[Report]) -> Totals:
+    """The sum of ``reports``, key by key (a key missing from a report counts 0).
+
+    >>> a = Report("a", 1, {("c", "e:1"): Load(2, 2.5, 100)}, {"c": ClusterLoad(3, 3.5)})
+    >>> b = Report("b", 7, {("c", "e:1"): Load(1, 1, 50)}, {"c": ClusterLoad(1, 1)})
+    >>> t = sum_reports([a, b]); t.endpoints[("c", "e:1")].in_flight, t.clusters["c"].work, t.pickers
+    (3.0, 4.5, 2)
+    """
+    endpoints: dict[tuple[str, str], Load] = {}
+    clusters: dict[str, ClusterLoad] = {}
+    n = 0
+    for r in reports:
+        n += 1
+        for key, load in r.endpoints.items():
+            have = endpoints.get(key)
+            endpoints[key] = load if have is None else have + load
+        for key, cl in r.clusters.items():
+            have_c = clusters.get(key)
+            clusters[key] = cl if have_c is None else have_c + cl
+    return Totals(MappingProxyType(endpoints), MappingProxyType(clusters), n)
+
+
+def alive(received: Mapping[str, float], now: float, expiry_s: float) -> set[str]:
+    """The pickers whose last report (``received[picker]``, monotonic s) is younger than ``expiry_s``.
+
+    >>> sorted(alive({"a": 9.5, "b": 8.0, "c": 10.0}, now=10.0, expiry_s=1.0))
+    ['a', 'c']
+    """
+    limit = now - expiry_s
+    return {p for p, at in received.items() if at > limit}
+
+
+class LoadTable:
+    """Every picker's latest report and the sum of the live ones.
+
+    Args:
+        expiry_s: a picker whose last report is older than this stops counting (s, > 0). Choose
+            several report intervals (default 1 s = ten 100 ms reports).
+
+    Raises:
+        ValueError: ``expiry_s`` is not positive.
+    """
+
+    def __init__(self, expiry_s: float = 1.0) -> None:
+        if expiry_s <= 0:
+            raise ValueError(f"load view expiry_s must be > 0, got {expiry_s}")
+        self.expiry_s = expiry_s
+        self._reports: dict[str, Report] = {}
+        self._received: dict[str, float] = {}
+        self._totals = EMPTY
+        self._dirty = False
+
+    def record(self, report: Report, now: float) -> None:
+        """Keep ``report`` as its picker's load from ``now`` (monotonic s); an older ``seq`` than the
+        one kept (a reordered or replayed report) is ignored."""
+        kept = self._reports.get(report.picker)
+        if kept is not None and report.seq < kept.seq:
+            return
+        self._reports[report.picker] = report
+        self._received[report.picker] = now
+        self._dirty = True
+
+    def forget(self, picker: str) -> None:
+        """Stop counting ``picker`` at once (its stream ended)."""
+        if self._reports.pop(picker, None) is not None:
+            del self._received[picker]
+            self._dirty = True
+
+    def totals(self, now: float) -> Totals:
+        """The sum over the pickers alive at ``now`` (expired ones are dropped here)."""
+        live = alive(self._received, now, self.expiry_s)
+        if len(live) != len(self._received):
+            for picker in [p for p in self._received if p not in live]:
+                self.forget(picker)
+        if self._dirty:
+            self._totals = sum_reports(self._reports.values())
+            self._dirty = False
+        return self._totals
+
+    def report(self, picker: str) -> Report | None:
+        """``picker``'s kept report (None: none, or forgotten)."""
+        return self._reports.get(picker)
+
+    def shares(self, now: float) -> dict:
+        """The admin document: each live picker's report, its age and its share of the requests in
+        flight (0-1), with the totals. Shape: ``{"pickers": [{"picker", "seq", "age_s", "share",
+        "in_flight", "endpoints": [{"cluster", "endpoint", "in_flight", "work", "memory_mib",
+        "tokens", "picks", "share"}]}], "endpoints": [...same without share...], "expiry_s"}``."""
+        totals = self.totals(now)
+        all_in_flight = sum(cl.in_flight for cl in totals.clusters.values())
+        pickers = []
+        for name in sorted(self._reports):
+            r = self._reports[name]
+            mine = sum(cl.in_flight for cl in r.clusters.values())
+            pickers.append({
+                "picker": name, "seq": r.seq, "age_s": round(max(0.0, now - self._received[name]), 3),
+                "in_flight": mine, "share": round(mine / all_in_flight, 4) if all_in_flight > 0 else 0.0,
+                "endpoints": [_row(key, load, totals.endpoints.get(key)) for key, load in sorted(r.endpoints.items())],
+            })
+        return {"expiry_s": self.expiry_s, "pickers": pickers,
+                "endpoints": [_row(key, load) for key, load in sorted(totals.endpoints.items())]}
+
+
+def _row(key: tuple[str, str], load: Load, total: Load | None = None) -> dict:
+    row = {"cluster": key[0], "endpoint": key[1], "in_flight": load.in_flight, "work": round(load.work, 4),
+           "memory_mib": round(load.memory_mib, 1), "tokens": round(load.tokens, 1), "picks": load.picks}
+    if total is not None:
+        row["share"] = round(load.in_flight / total.in_flight, 4) if total.in_flight > 0 else 0.0
+    return row
