@@ -76,8 +76,8 @@ EMPTY = Totals(_NO_ENDPOINTS, _NO_CLUSTERS, 0)
 def sum_reports(reports: Iterable[Report]) -> Totals:
     """The sum of ``reports``, key by key (a key missing from a report counts 0).
 
-    >>> a = Report("a", 1, {("c", "e:1"): Load(2, 2.5, 100)}, {"c": ClusterLoad(3, 3.5)})
-    >>> b = Report("b", 7, {("c", "e:1"): Load(1, 1, 50)}, {"c": ClusterLoad(1, 1)})
+    >>> a = Report("a", 1, {("c", "e:1"): Load(2.0, 2.5, 100.0)}, {"c": ClusterLoad(3.0, 3.5)})
+    >>> b = Report("b", 7, {("c", "e:1"): Load(1.0, 1.0, 50.0)}, {"c": ClusterLoad(1.0, 1.0)})
     >>> t = sum_reports([a, b]); t.endpoints[("c", "e:1")].in_flight, t.clusters["c"].work, t.pickers
     (3.0, 4.5, 2)
     """
