@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from prometheus_client import Counter
@@ -20,7 +20,7 @@ from ext_proc.inflight import InFlight
 from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
 from protos import load_view_pb2, load_view_pb2_grpc
 
-__all__ = ["report_message", "run_load_view", "view_others"]
+__all__ = ["report_message", "run_load_view", "view_others", "view_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,23 @@ def view_others(view: load_view_pb2.LoadView) -> Others:
                      view.pickers)
 
 
+def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[float, float]]:
+    """The memory samples of a view as :meth:`ext_proc.inflight.InFlight.set_samples` takes them:
+    ``{endpoint: (free MiB, taken at)}``, ``taken at`` on the picker's clock (``now`` - their age)."""
+    return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
+
+
+Samples = dict[str, tuple[float, float]]
+
+
 async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.1,
-                        expiry_s: float = 1.0, backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
+                        expiry_s: float = 1.0, on_samples: Callable[[Samples], None] | None = None,
+                        backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
     """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
 
-    ``picker``: this picker's name in the control plane (unique per process).
+    ``picker``: this picker's name in the control plane (unique per process). ``on_samples``: given
+    the slow loop's GPU memory samples each time a view brings a new round of them (a standalone
+    picker's only source; None: ignored, the in-process picker gets them directly).
     """
     inflight = shared.inflight
     seq = 0
@@ -84,6 +96,8 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share(reports())
                 async for view in call:
                     shared.set_others(view_others(view))
+                    if on_samples is not None and view.memory_round:
+                        on_samples(view_samples(view, inflight.now()))
                     VIEWS.labels("received").inc()
                     delay = backoff_s
             lost("the control plane ended the stream")

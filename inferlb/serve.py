@@ -36,6 +36,7 @@ from ext_proc import transport
 from ext_proc.handler import PickerHandler
 from ext_proc.load_client import run_load_view
 from ext_proc.sampler import DecisionSampler
+from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import Server, TlsFiles, ssl_context
 from ext_proc.view import ViewHolder
 from inferlb.picker_config import picker_metadata, picker_settings, routing_table
@@ -160,7 +161,9 @@ class InferLB:
     def _feed_picker(self, weights: list[EndpointWeight]) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since)."""
-        self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic()))
+        samples = memory_samples(weights, self.control.spec, time.monotonic())
+        self.picker.set_samples(samples)
+        self.load_view.set_memory(samples)  # and, with the load view, to every standalone picker
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
         snapshot in a worker thread (one at a time, in order), so a 60 000-endpoint view does not
@@ -219,11 +222,12 @@ class InferLB:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
-        if self.cfg.picker.shared_view and not tls:  # the in-process picker is one of the gateways too
+        if not tls:  # the in-process picker is one of the gateways too (its memory samples come directly)
             p = self.cfg.picker
+            shared = self.picker.share_load() if p.shared_view else SharedLoad(self.picker.inflight)
             self._share_task = asyncio.create_task(run_load_view(
                 f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
-                f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", self.picker.share_load(),
+                f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
                 p.shared_view_interval_s, p.shared_view_expiry_s))
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")

@@ -593,7 +593,8 @@ class Picker(_Strict):
     ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
     plane every ``shared_view_interval_s`` and decides on the sum over all pickers (one load view
     across many gateways); a picker whose last report is older than ``shared_view_expiry_s`` stops
-    counting. Off: each picker decides on its own Envoy's load alone.
+    counting. Off: each picker decides on its own Envoy's load alone (it still reports, and still gets
+    the slow loop's GPU memory samples over the same stream).
     """
 
     transport: Literal["fast", "grpcio"] = "fast"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -75,14 +75,21 @@ def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
     return [load_view_pb2.ClusterLoad(cluster=c, in_flight=v.in_flight, work=v.work) for c, v in loads.items()]
 
 
-def view_message(totals: Totals, own: Report | None, seq: int) -> load_view_pb2.LoadView:
+def view_message(totals: Totals, own: Report | None, seq: int,
+                 memory: tuple[int, Mapping[str, tuple[float, float]], float] | None = None) -> load_view_pb2.LoadView:
     """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
-    (``own`` None: the picker is not in the sum)."""
+    (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
+    at)}, now)`` to send the slow loop's samples with their age at ``now`` (monotonic s)."""
     msg = load_view_pb2.LoadView(seq=seq, pickers=totals.pickers, endpoints=_endpoints(totals.endpoints),
                                  clusters=_clusters(totals.clusters))
     if own is not None:
         msg.own_endpoints.extend(_endpoints(own.endpoints))
         msg.own_clusters.extend(_clusters(own.clusters))
+    if memory is not None:
+        round_, samples, now = memory
+        msg.memory_round = round_
+        msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at))
+                          for e, (free, at) in samples.items())
     return msg
 
 
@@ -100,6 +107,7 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[load_view_pb2.LoadView]:
         table = self.table
         mine: Report | None = None
+        sent_round = 0
         try:
             async for msg in request_iterator:
                 try:
@@ -116,7 +124,11 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                     mine = report
                 totals = table.totals(now)
                 PICKERS.set(totals.pickers)
-                yield view_message(totals, own, own.seq if own is not None else report.seq)
+                memory = None
+                if table.memory_round != sent_round:
+                    sent_round = table.memory_round
+                    memory = (sent_round, table.memory, now)
+                yield view_message(totals, own, own.seq if own is not None else report.seq, memory)
         finally:
             if mine is not None and table.report(mine.picker) is mine:  # not taken over by a new stream
                 table.forget(mine.picker)

@@ -124,6 +124,15 @@ class LoadTable:
         self._received: dict[str, float] = {}
         self._totals = EMPTY
         self._dirty = False
+        self.memory: Mapping[str, tuple[float, float]] = MappingProxyType({})
+        """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
+        self.memory_round = 0
+        """Increases with every :meth:`set_memory` (0: none yet)."""
+
+    def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
+        """Take the slow loop's memory samples of one round (passed on to every picker with the view)."""
+        self.memory = MappingProxyType(dict(samples))
+        self.memory_round += 1
 
     def record(self, report: Report, now: float) -> None:
         """Keep ``report`` as its picker's load from ``now`` (monotonic s); an older ``seq`` than the

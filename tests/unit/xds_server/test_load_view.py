@@ -4,12 +4,14 @@ the gRPC service answering each report with the view (a real grpc.aio server on 
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.load_client import view_samples
 from protos import load_view_pb2, load_view_pb2_grpc
 from xds_server.loadview.service import add_load_view_servicer, report_from
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report, sum_reports
@@ -131,5 +133,30 @@ async def test_the_service_answers_each_report_with_the_sum_and_the_pickers_own_
             v4 = await two.read()
             assert v4.pickers == 1, "p1's stream ended: it no longer counts"
             await two.done_writing()
+    finally:
+        await server.stop(None)
+
+
+async def test_the_slow_loops_memory_samples_travel_with_the_view_once_per_round():
+    table = LoadTable(expiry_s=5.0)
+    server = grpc.aio.server()
+    add_load_view_servicer(table)(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share()
+            await call.write(load_view_pb2.LoadReport(picker="p", seq=1))
+            assert (await call.read()).memory_round == 0
+            table.set_memory({A: (20480.0, time.monotonic() - 0.5)})
+            await call.write(load_view_pb2.LoadReport(picker="p", seq=2))
+            view = await call.read()
+            assert view.memory_round == 1
+            [(endpoint, (free, taken))] = view_samples(view, now=100.0).items()
+            assert endpoint == A and free == 20480.0 and 99.0 < taken <= 99.5  # 0.5 s old (and the send)
+            await call.write(load_view_pb2.LoadReport(picker="p", seq=3))
+            again = await call.read()
+            assert again.memory_round == 0 and not again.memory, "the same round is not sent twice"
+            await call.done_writing()
     finally:
         await server.stop(None)
