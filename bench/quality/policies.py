@@ -145,7 +145,8 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         versions.setdefault(node.version, []).append(_endpoint(node, address))
     return {
         "listen": {"xds": f"127.0.0.1:{xds_port}", "ext_proc": "127.0.0.1:0", "admin": f"127.0.0.1:{admin_port}"},
-        "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker},
+        "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker,
+                  **scenario.envoy},
         "loop": {"interval_s": CONTROL["interval_s"], "timeout_s": CONTROL["query_timeout_s"]},
         "prometheus": {"url": prometheus_url, "window_s": CONTROL["window_s"]},
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},

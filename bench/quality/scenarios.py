@@ -110,7 +110,8 @@ class Scenario:
     client's per-request timeout (a longer request is a timeout error). ``engine``: inferlb
     ``engine`` settings for this scenario (on top of :data:`CONTROL`). ``gateways``: Envoy + picker
     pairs the traffic is split over (> 1: the scenario runs the multi-gateway policies,
-    :data:`bench.quality.policies.GATEWAY_POLICIES`, instead of the usual ones)."""
+    :data:`bench.quality.policies.GATEWAY_POLICIES`, instead of the usual ones). ``envoy``: inferlb
+    ``envoy`` settings for this scenario."""
 
     name: str
     title: str
@@ -126,6 +127,7 @@ class Scenario:
     events: tuple[Event, ...] = ()
     engine: Mapping[str, Any] = field(default_factory=dict)
     gateways: int = 1
+    envoy: Mapping[str, Any] = field(default_factory=dict)
 
     def durations(self, quick: bool) -> tuple[float, float]:
         """``(warmup_s, measure_s)`` for the mode."""
@@ -237,6 +239,9 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
         time_scale=0.25,
         engine={"request_memory_mib": 8192.0},
+        # No retries, as the baselines: a retried OOM (HTTP 500) would mark its endpoint as failing in
+        # the picker and hide the OOMs this scenario counts.
+        envoy={"retries": 0},
         gateways=3,
     ),
 )})
