@@ -4,17 +4,18 @@ Each picker (one per Envoy) reports its whole live load about every 100 ms (not 
 report costs nothing but freshness). The table keeps each picker's latest report with its receive
 time; the view is the sum over the pickers whose report is younger than ``expiry_s`` (a picker
 that dies, or whose stream hangs, stops counting within that bound; a stream that ends is forgotten
-at once). The sum is recomputed only when a report arrived or one expired since the last view:
-O(pickers x endpoints) per report.
+at once). The sum is kept up to date incrementally: a new report takes its picker's previous one
+out and adds itself, O(the report's entries), so the cost per report does not grow with the number
+of pickers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["ClusterLoad", "EMPTY", "Load", "LoadTable", "Report", "Totals", "alive", "sum_reports"]
+__all__ = ["ClusterLoad", "EMPTY", "Load", "LoadTable", "Report", "Totals", "alive"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,15 @@ class Load:
         return Load(self.in_flight + other.in_flight, self.work + other.work, self.memory_mib + other.memory_mib,
                     self.tokens + other.tokens, self.picks + other.picks)
 
+    def __sub__(self, other: Load) -> Load:
+        return Load(self.in_flight - other.in_flight, self.work - other.work, self.memory_mib - other.memory_mib,
+                    self.tokens - other.tokens, self.picks - other.picks)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left (below rounding noise): the entry can go."""
+        return max(abs(self.in_flight), abs(self.work), abs(self.memory_mib), abs(self.tokens), abs(self.picks)) < 1e-6
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterLoad:
@@ -42,6 +52,14 @@ class ClusterLoad:
 
     def __add__(self, other: ClusterLoad) -> ClusterLoad:
         return ClusterLoad(self.in_flight + other.in_flight, self.work + other.work)
+
+    def __sub__(self, other: ClusterLoad) -> ClusterLoad:
+        return ClusterLoad(self.in_flight - other.in_flight, self.work - other.work)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left (below rounding noise)."""
+        return max(abs(self.in_flight), abs(self.work)) < 1e-6
 
 
 _NO_ENDPOINTS: Mapping[tuple[str, str], Load] = MappingProxyType({})
@@ -71,28 +89,8 @@ class Totals:
 
 
 EMPTY = Totals(_NO_ENDPOINTS, _NO_CLUSTERS, 0)
-
-
-def sum_reports(reports: Iterable[Report]) -> Totals:
-    """The sum of ``reports``, key by key (a key missing from a report counts 0).
-
-    >>> a = Report("a", 1, {("c", "e:1"): Load(2.0, 2.5, 100.0)}, {"c": ClusterLoad(3.0, 3.5)})
-    >>> b = Report("b", 7, {("c", "e:1"): Load(1.0, 1.0, 50.0)}, {"c": ClusterLoad(1.0, 1.0)})
-    >>> t = sum_reports([a, b]); t.endpoints[("c", "e:1")].in_flight, t.clusters["c"].work, t.pickers
-    (3.0, 4.5, 2)
-    """
-    endpoints: dict[tuple[str, str], Load] = {}
-    clusters: dict[str, ClusterLoad] = {}
-    n = 0
-    for r in reports:
-        n += 1
-        for key, load in r.endpoints.items():
-            have = endpoints.get(key)
-            endpoints[key] = load if have is None else have + load
-        for key, cl in r.clusters.items():
-            have_c = clusters.get(key)
-            clusters[key] = cl if have_c is None else have_c + cl
-    return Totals(MappingProxyType(endpoints), MappingProxyType(clusters), n)
+_NO_LOAD = Load()
+_NO_CLUSTER_LOAD = ClusterLoad()
 
 
 def alive(received: Mapping[str, float], now: float, expiry_s: float) -> set[str]:
@@ -122,8 +120,10 @@ class LoadTable:
         self.expiry_s = expiry_s
         self._reports: dict[str, Report] = {}
         self._received: dict[str, float] = {}
-        self._totals = EMPTY
-        self._dirty = False
+        self._endpoints: dict[tuple[str, str], Load] = {}
+        self._clusters: dict[str, ClusterLoad] = {}
+        self._endpoints_view = MappingProxyType(self._endpoints)
+        self._clusters_view = MappingProxyType(self._clusters)
         self.memory: Mapping[str, tuple[float, float]] = MappingProxyType({})
         """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
         self.memory_round = 0
@@ -140,26 +140,44 @@ class LoadTable:
         kept = self._reports.get(report.picker)
         if kept is not None and report.seq < kept.seq:
             return
+        if kept is not None:
+            self._apply(kept, -1)
+        self._apply(report, +1)
         self._reports[report.picker] = report
         self._received[report.picker] = now
-        self._dirty = True
 
     def forget(self, picker: str) -> None:
         """Stop counting ``picker`` at once (its stream ended)."""
-        if self._reports.pop(picker, None) is not None:
+        kept = self._reports.pop(picker, None)
+        if kept is not None:
             del self._received[picker]
-            self._dirty = True
+            self._apply(kept, -1)
+
+    def _apply(self, report: Report, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""
+        for key, load in report.endpoints.items():
+            have = self._endpoints.get(key, _NO_LOAD)
+            new = have + load if sign > 0 else have - load
+            if new.empty:
+                self._endpoints.pop(key, None)
+            else:
+                self._endpoints[key] = new
+        for cluster, cl in report.clusters.items():
+            have_c = self._clusters.get(cluster, _NO_CLUSTER_LOAD)
+            new_c = have_c + cl if sign > 0 else have_c - cl
+            if new_c.empty:
+                self._clusters.pop(cluster, None)
+            else:
+                self._clusters[cluster] = new_c
 
     def totals(self, now: float) -> Totals:
-        """The sum over the pickers alive at ``now`` (expired ones are dropped here)."""
+        """The sum over the pickers alive at ``now`` (expired ones are dropped here). Its maps are
+        read-only views of the running sums: read them before the next :meth:`record`."""
         live = alive(self._received, now, self.expiry_s)
         if len(live) != len(self._received):
             for picker in [p for p in self._received if p not in live]:
                 self.forget(picker)
-        if self._dirty:
-            self._totals = sum_reports(self._reports.values())
-            self._dirty = False
-        return self._totals
+        return Totals(self._endpoints_view, self._clusters_view, len(self._reports))
 
     def report(self, picker: str) -> Report | None:
         """``picker``'s kept report (None: none, or forgotten)."""
