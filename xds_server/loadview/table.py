@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["ClusterLoad", "EMPTY", "Load", "LoadTable", "Report", "Totals", "alive"]
+__all__ = ["ClusterLoad", "Load", "LoadTable", "Report", "Totals", "alive"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,6 @@ class Totals:
     pickers: int
 
 
-EMPTY = Totals(_NO_ENDPOINTS, _NO_CLUSTERS, 0)
 _NO_LOAD = Load()
 _NO_CLUSTER_LOAD = ClusterLoad()
 
