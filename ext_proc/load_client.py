@@ -97,6 +97,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 async for view in call:
                     shared.set_others(view_others(view))
                     if on_samples is not None and view.memory_round:
+                        shared.free.rebase({m.endpoint: m.others_mib for m in view.memory})
                         on_samples(view_samples(view, inflight.now()))
                     VIEWS.labels("received").inc()
                     delay = backoff_s

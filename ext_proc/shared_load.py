@@ -16,7 +16,8 @@ swapped by the client (:mod:`ext_proc.load_client`) on the same event loop, one 
 
 Free GPU memory: an endpoint's estimate is the picker's own (last sample minus its own picks since)
 minus what the others added since that sample: their memory in flight now minus their memory in
-flight when the sample arrived (the baseline, taken the first time the new sample is read).
+flight when the sample was taken (the baseline: sent with the sample by the control plane, from the
+others' reports at that time; else their memory in flight when this picker first reads the sample).
 """
 
 from __future__ import annotations
@@ -122,13 +123,20 @@ class _Plus(Mapping[str, float]):
 class _Free(Mapping[str, float]):
     """Estimated free GPU memory: the picker's own estimate minus what the others added since its sample."""
 
-    __slots__ = ("_inflight", "others", "_sample", "_baseline")
+    __slots__ = ("_inflight", "others", "_sample", "_baseline", "_next")
 
     def __init__(self, inflight: InFlight) -> None:
         self._inflight = inflight
         self.others: Mapping[str, float] = _NONE
         self._sample: Mapping[str, float] | None = None
         self._baseline: Mapping[str, float] = _NONE
+        self._next: Mapping[str, float] | None = None
+
+    def rebase(self, baseline: Mapping[str, float]) -> None:
+        """The others' memory in flight when the next sample was taken (``{endpoint: MiB}``, from the
+        control plane): used from that sample on, instead of their memory at its first read. Call it
+        just before the sample is set."""
+        self._next = baseline
 
     def get(self, key: str, default: float | None = None) -> float | None:  # type: ignore[override]
         own = self._inflight.free
@@ -136,7 +144,8 @@ class _Free(Mapping[str, float]):
         if value is None:
             return default
         if own is not self._sample:  # a new sample (InFlight.set_samples replaces the map): rebase
-            self._sample, self._baseline = own, self.others
+            self._baseline = self._next if self._next is not None else self.others
+            self._sample, self._next = own, None
         return value - (self.others.get(key, 0.0) - self._baseline.get(key, 0.0))
 
     def __getitem__(self, key: str) -> float:

@@ -76,10 +76,12 @@ def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
 
 
 def view_message(totals: Totals, own: Report | None, seq: int,
-                 memory: tuple[int, Mapping[str, tuple[float, float]], float] | None = None) -> load_view_pb2.LoadView:
+                 memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None
+                 ) -> load_view_pb2.LoadView:
     """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
     (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
-    at)}, now)`` to send the slow loop's samples with their age at ``now`` (monotonic s)."""
+    at, the others' MiB in flight then)}, now)`` to send the slow loop's samples with their age at
+    ``now`` (monotonic s)."""
     msg = load_view_pb2.LoadView(seq=seq, pickers=totals.pickers, endpoints=_endpoints(totals.endpoints),
                                  clusters=_clusters(totals.clusters))
     if own is not None:
@@ -88,8 +90,9 @@ def view_message(totals: Totals, own: Report | None, seq: int,
     if memory is not None:
         round_, samples, now = memory
         msg.memory_round = round_
-        msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at))
-                          for e, (free, at) in samples.items())
+        msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at),
+                                                     others_mib=others)
+                          for e, (free, at, others) in samples.items())
     return msg
 
 
@@ -127,7 +130,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                 memory = None
                 if table.memory_round != sent_round:
                     sent_round = table.memory_round
-                    memory = (sent_round, table.memory, now)
+                    memory = (sent_round, {e: (free, at, table.others_mib_at(report.picker, e, at))
+                                           for e, (free, at) in table.memory.items()}, now)
                 yield view_message(totals, own, own.seq if own is not None else report.seq, memory)
         finally:
             if mine is not None and table.report(mine.picker) is mine:  # not taken over by a new stream

@@ -11,6 +11,7 @@ of pickers.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -89,6 +90,8 @@ class Totals:
 
 
 _NO_LOAD = Load()
+#: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
+HISTORY_S = 10.0
 _NO_CLUSTER_LOAD = ClusterLoad()
 
 
@@ -127,6 +130,7 @@ class LoadTable:
         """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
         self.memory_round = 0
         """Increases with every :meth:`set_memory` (0: none yet)."""
+        self._mib: dict[str, deque[tuple[float, dict[str, float]]]] = {}  # picker -> (received, {endpoint: MiB})
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
         """Take the slow loop's memory samples of one round (passed on to every picker with the view)."""
@@ -144,13 +148,37 @@ class LoadTable:
         self._apply(report, +1)
         self._reports[report.picker] = report
         self._received[report.picker] = now
+        mib: dict[str, float] = {}
+        for (_, endpoint), load in report.endpoints.items():
+            mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
+        history = self._mib.setdefault(report.picker, deque())
+        history.append((now, mib))
+        while len(history) > 1 and history[1][0] < now - HISTORY_S:
+            history.popleft()
 
     def forget(self, picker: str) -> None:
         """Stop counting ``picker`` at once (its stream ended)."""
         kept = self._reports.pop(picker, None)
         if kept is not None:
             del self._received[picker]
+            self._mib.pop(picker, None)
             self._apply(kept, -1)
+
+    def others_mib_at(self, picker: str, endpoint: str, at: float) -> float:
+        """GPU memory (MiB) the pickers other than ``picker`` had in flight on ``endpoint`` at ``at``
+        (monotonic s), from each one's last report received by then (none yet: 0; older than the
+        kept history, :data:`HISTORY_S`: its oldest kept report)."""
+        total = 0.0
+        for name, history in self._mib.items():
+            if name == picker:
+                continue
+            value = history[0][1].get(endpoint, 0.0)
+            for received, mib in history:
+                if received > at:
+                    break
+                value = mib.get(endpoint, 0.0)
+            total += value
+        return total
 
     def _apply(self, report: Report, sign: int) -> None:
         """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""

@@ -13,6 +13,7 @@ from ext_proc.load_client import report_message, run_load_view, view_others
 from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import ViewHolder
+from protos import load_view_pb2
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
 from xds_server.loadview.service import add_load_view_servicer, report_from, view_message
 from xds_server.loadview.table import LoadTable
@@ -64,6 +65,32 @@ def test_free_memory_subtracts_what_the_others_added_since_the_sample():
     f.picked("c", A, mib=1000.0)
     assert shared.free.get(A, None) == 13000.0
     assert shared.free.get(B, "unknown") == "unknown"
+
+
+def test_the_control_planes_baseline_counts_what_the_others_sent_between_the_sample_and_its_arrival():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    shared = SharedLoad(f)
+    shared.set_others(others_of({("c", A): (3, 3.0, 9000.0)}, {}, {}, {}))  # the others now
+    shared.free.rebase({A: 3000.0})  # ... but only 3000 MiB when the sample was taken
+    f.set_samples({A: (20000.0, clock.now - 0.5)})
+    assert shared.free.get(A, None) == 14000.0, "6000 MiB sent by the others after the sample was taken"
+    f.set_samples({A: (15000.0, clock.now)})  # a later sample without a baseline: taken at its first read
+    assert shared.free.get(A, None) == 15000.0
+
+
+def test_the_table_gives_the_others_memory_at_a_past_time():
+    t = LoadTable(expiry_s=5.0)
+    for at, mib in ((1.0, 100.0), (2.0, 300.0), (3.0, 700.0)):
+        t.record(report_from(_mib_report("them", int(at), mib)), now=at)
+    t.record(report_from(_mib_report("me", 1, 5000.0)), now=2.5)
+    assert t.others_mib_at("me", A, 2.4) == 300.0 and t.others_mib_at("me", A, 0.5) == 100.0
+    assert t.others_mib_at("me", A, 9.0) == 700.0 and t.others_mib_at("them", A, 9.0) == 5000.0
+
+
+def _mib_report(picker: str, seq: int, mib: float):
+    return load_view_pb2.LoadReport(picker=picker, seq=seq, endpoints=[
+        load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=1, work=1, memory_mib=mib)])
 
 
 def test_the_second_picker_bounds_on_the_first_pickers_load():
