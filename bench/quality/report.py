@@ -298,7 +298,8 @@ def gateway_targets(store: Mapping[str, Any], scenario: str = "multi_gateway") -
     peak than that bound, or more OOMs than with the view, their spreads over rounds apart)."""
     if scenario not in store.get("scenarios", {}):
         return []
-    one, shared, alone = (_get(store, scenario, p, "peak_in_flight") for p in GATEWAY_POLICIES)
+    one, shared, alone = (_get(store, scenario, p, "peak_in_flight")
+                          for p in ("inferlb_one_gateway", "inferlb_shared_view", "inferlb_no_shared_view"))
     bound = None if one is None else 1.1 * one
     oom = _get(store, scenario, "inferlb_shared_view", "oom_rate")
     oom_off = _get(store, scenario, "inferlb_no_shared_view", "oom_rate")
@@ -358,7 +359,7 @@ Policies:
   `inferlb_shared_view`: the traffic split over the pairs (a session always through the same one),
   the pickers deciding on one load view (the sum of every picker's requests in flight, reported
   every 100 ms); `inferlb_no_shared_view`: the same with `picker.shared_view: false`, each picker on
-  its own Envoy's load alone.
+  its own Envoy's load alone; `inferlb_shared_view_25ms`: the shared view reported every 25 ms.
 
 inferlb's loop runs compressed like the backends: Prometheus scrapes every
 {CONTROL['scrape_interval_s']:g} s, `window_s` {CONTROL['window_s']:g}, `interval_s` {CONTROL['interval_s']:g},

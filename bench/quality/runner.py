@@ -33,6 +33,7 @@ from bench.progress import Progress
 from bench.quality import figures
 from bench.quality.policies import (
     BASELINES,
+    FAST_VIEW_INTERVAL_S,
     GATEWAY_POLICIES,
     SESSION_HEADER,
     VERSION_HEADER,
@@ -245,7 +246,9 @@ class ScenarioRunner:
                                      prometheus_url=f"http://127.0.0.1:{self.prometheus_port}",
                                      xds_port=xds, admin_port=admin,
                                      listener_port=listener, route_timeout_s=route_timeout,
-                                     shared_view=policy != "inferlb_no_shared_view")
+                                     shared_view=policy != "inferlb_no_shared_view",
+                                     view_interval_s=(FAST_VIEW_INTERVAL_S if policy == "inferlb_shared_view_25ms"
+                                                      else 0.1))
                 cfg_path = work / "inferlb.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                 cp = stack.start_control_plane(cfg_path, work, admin)
