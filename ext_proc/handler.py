@@ -28,6 +28,7 @@ from ext_proc.sampler import DecisionSampler
 from ext_proc.scheduler import pin_after
 from ext_proc.sessions import SessionTable
 from ext_proc.settings import PickerSettings
+from ext_proc.shared_load import SharedLoad
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
@@ -217,6 +218,8 @@ class PickerHandler:
             raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
+        self.loads: InFlight | SharedLoad = self.inflight
+        """What decisions read as the live load: ``inflight``, or with :meth:`share_load` the shared view."""
         self.sessions = sessions if sessions is not None else SessionTable()
         self.admission = admission
         self.errors = errors if errors is not None else ErrorReporter(log)
@@ -333,10 +336,10 @@ class PickerHandler:
     def _pick(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
         self._timed += 1
         if self._timed < SAMPLE_EVERY:
-            return pick(headers, view, self.inflight, self.sessions, body, self.costs)
+            return pick(headers, view, self.loads, self.sessions, body, self.costs)
         self._timed = 0
         start = time.perf_counter()
-        decision = pick(headers, view, self.inflight, self.sessions, body, self.costs)
+        decision = pick(headers, view, self.loads, self.sessions, body, self.costs)
         DECISION_SECONDS.observe(time.perf_counter() - start)
         return decision
 
@@ -369,7 +372,7 @@ class PickerHandler:
         return pool.capacity if pool is not None else 0
 
     def _room(self, cluster: str) -> bool:
-        return self.inflight.clusters.get(cluster, 0) < self._capacity(self.holder.current, cluster)
+        return self.loads.clusters.get(cluster, 0) < self._capacity(self.holder.current, cluster)
 
     def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                phase: str) -> bytes | asyncio.Future[bytes]:
@@ -387,7 +390,7 @@ class PickerHandler:
             return self._no_memory(decision, headers, view, body, phase)
         if admission is None or not self.limit_concurrency or not self.inflight.streams:
             return self._commit(decision, view, headers, phase)
-        verdict = admit(self.inflight.clusters.get(cluster, 0), self._capacity(view, cluster),
+        verdict = admit(self.loads.clusters.get(cluster, 0), self._capacity(view, cluster),
                         admission.queued(cluster), admission.max_queue)
         if verdict == "admit":
             return self._commit(decision, view, headers, phase)
@@ -420,7 +423,7 @@ class PickerHandler:
         pool = view.clusters[cluster]
         admission = self.admission
         if admission is None or not self.memory_queue:
-            loads = self.inflight
+            loads = self.loads
             candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
             best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
             return self._commit(decision._replace(endpoint=best, gpu_class=pool.classes.get(best, "")), view,
@@ -451,6 +454,14 @@ class PickerHandler:
         could only fail on a backend, and those failures took the endpoints out of the cluster).
         A cluster absent is unknown: nothing is refused as too large for it."""
         self.largest_memory = largest
+
+    def share_load(self) -> SharedLoad:
+        """Decide on the shared load view from now on: the loads every decision reads become this
+        picker's own plus the other pickers' (:mod:`ext_proc.shared_load`; fed by
+        :func:`ext_proc.load_client.run_load_view`). Returns the :class:`SharedLoad` to feed."""
+        if not isinstance(self.loads, SharedLoad):
+            self.loads = SharedLoad(self.inflight)
+        return self.loads
 
     def set_samples(self, samples: dict[str, tuple[float, float]]) -> None:
         """Fresh GPU memory samples from the slow loop: ``{"HOST:PORT": (free MiB, taken at, monotonic s)}``

@@ -204,6 +204,30 @@ class InFlight:
         self.free = free
         self._sampled = dict(zip(samples, map(_SECOND, samples.values()), strict=True))
 
+    def by_endpoint(self, since: float) -> dict[tuple[str, str], tuple[int, float, float, float, int]]:
+        """The pinned load in flight per ``(cluster, endpoint)``: ``(requests, work, MiB, tokens, picks
+        after since)`` (tokens: prompt + output where known; ``since``: monotonic s, as the clock).
+
+        O(requests in flight); for the load report (:mod:`ext_proc.shared_load`), not the request path.
+        """
+        out: dict[tuple[str, str], list] = {}
+        for endpoint, picks in self._pending_ep.items():
+            for at, work, mib, prompt, output, _, cluster in picks:
+                row = out.get((cluster, endpoint))
+                if row is None:
+                    row = out[(cluster, endpoint)] = [0, 0.0, 0.0, 0.0, 0]
+                row[0] += 1
+                row[1] += work
+                row[2] += mib
+                row[3] += (prompt or 0.0) + (output or 0.0)
+                if at > since:
+                    row[4] += 1
+        return {key: (n, w, m, t, p) for key, (n, w, m, t, p) in out.items()}
+
+    def now(self) -> float:
+        """The in-flight clock's time (monotonic s)."""
+        return self._clock()
+
     def failed_now(self, endpoint: str) -> bool:
         """Mark ``endpoint`` as failing (a connect failure or reset); returns True when it was not
         marked already. It is skipped for ``failure_hold_s``."""

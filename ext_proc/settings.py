@@ -33,6 +33,10 @@ class PickerSettings:
         failure_hold_s: an endpoint whose connections fail is not picked for this long (s).
         cost_forget, cost_min_samples: the cost model's forgetting factor and samples per class
             before its fit is used (:class:`ext_proc.costmodel.CostModel`).
+        shared_view: decide on the sum of every picker's live load (:mod:`ext_proc.shared_load`);
+            False: on this picker's load alone (it still reports and gets memory samples).
+        shared_view_interval_s: how often the load is reported (s).
+        shared_view_expiry_s: a view older than this is dropped (s).
     """
 
     inflight_expiry_s: float
@@ -47,6 +51,9 @@ class PickerSettings:
     failure_hold_s: float
     cost_forget: float
     cost_min_samples: int
+    shared_view: bool
+    shared_view_interval_s: float
+    shared_view_expiry_s: float
 
 
 def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:

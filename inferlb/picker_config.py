@@ -69,6 +69,9 @@ def picker_settings(cfg: Config) -> PickerSettings:
         failure_hold_s=p.failure_hold_s,
         cost_forget=p.cost_forget,
         cost_min_samples=p.cost_min_samples,
+        shared_view=p.shared_view,
+        shared_view_interval_s=p.shared_view_interval_s,
+        shared_view_expiry_s=p.shared_view_expiry_s,
     )
 
 

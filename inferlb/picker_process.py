@@ -2,8 +2,11 @@
 
 The picker subscribes to CDS and EDS (:mod:`ext_proc.xds_client`), reads its routing table and
 settings from the metadata of the picker's cluster (:mod:`ext_proc.settings`), and starts
-serving once it has them (until then Envoy fails open). Later routing and endpoint changes apply
-at once; a change of process settings (session table, admission) is logged and needs a restart.
+serving once it has them (until then Envoy fails open). It reports its live load to the same address and
+gets the slow loop's memory samples back; with ``picker.shared_view`` it decides on the sum over every
+picker (:mod:`ext_proc.load_client`).
+Later routing and endpoint changes apply at once; a change of process settings (session table,
+admission) is logged and needs a restart.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from google.protobuf import json_format
 
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
+from ext_proc.load_client import run_load_view
 from ext_proc.settings import METADATA_KEY, PickerSettings, from_wire
+from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import TlsFiles
 from ext_proc.view import RoutingTable, ViewHolder
 from ext_proc.xds_client import XdsSubscriber
@@ -108,11 +113,18 @@ async def run_picker(
         log.info("picker serving on port %d (%s transport), fed by %s", port, kind, xds)
         if ready is not None:
             ready(port)
-        housekeeping = asyncio.create_task(handler.maintain())
+        # The load view also brings the slow loop's memory samples; with ``shared_view`` off the picker
+        # still reports (the admin API shows its share) but decides on its own load alone.
+        s = first.result()
+        shared = handler.share_load() if s.shared_view else SharedLoad(handler.inflight)
+        tasks = [asyncio.create_task(handler.maintain()),
+                 asyncio.create_task(run_load_view(xds, node_id, shared, s.shared_view_interval_s,
+                                                   s.shared_view_expiry_s, handler.set_samples))]
         try:
             await waiter
         finally:
-            housekeeping.cancel()
+            for task in tasks:
+                task.cancel()
             await server.stop(1.0)
     finally:
         subscription.cancel()

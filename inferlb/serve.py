@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +34,9 @@ from pydantic import ValidationError
 
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
+from ext_proc.load_client import run_load_view
 from ext_proc.sampler import DecisionSampler
+from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import Server, TlsFiles, ssl_context
 from ext_proc.view import ViewHolder
 from inferlb.picker_config import picker_metadata, picker_settings, routing_table
@@ -48,6 +51,8 @@ from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compo
 from xds_server.engine.types import EndpointSpec, EndpointWeight
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
+from xds_server.loadview.service import add_load_view_servicer
+from xds_server.loadview.table import LoadTable
 from xds_server.metrics.build import build_sources
 from xds_server.metrics.sources.envoy import ClientView
 from xds_server.metrics.sources.push import start_push_server
@@ -162,6 +167,8 @@ class InferLB:
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
         self._picker_task: asyncio.Task | None = None
+        self._share_task: asyncio.Task | None = None
+        self.load_view = LoadTable(cfg.picker.shared_view_expiry_s)
         self._scrape_task: asyncio.Task | None = None
         self.push_server: grpc.aio.Server | None = None
         self._reload_lock = asyncio.Lock()
@@ -181,6 +188,7 @@ class InferLB:
         samples, largest = await asyncio.to_thread(read)
         self.picker.set_samples(samples)
         self.picker.set_largest_memory(largest)
+        self.load_view.set_memory(samples)  # and, with the load view, to every standalone picker
 
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
@@ -227,7 +235,8 @@ class InferLB:
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
         self.ads_server, self.ads, self.xds_port = await start_ads_server(
-            self.cache, self.cfg.listen.xds, max_streams=self.cfg.listen.max_xds_streams, credentials=creds)
+            self.cache, self.cfg.listen.xds, max_streams=self.cfg.listen.max_xds_streams, credentials=creds,
+            services=[add_load_view_servicer(self.load_view)])
         files = picker_tls(tls) if tls else None
         self.ext_server, self.ext_proc_port = await transport.start(
             self.cfg.picker.transport, self.picker, self.cfg.listen.ext_proc, tls=files)
@@ -235,7 +244,7 @@ class InferLB:
         auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
                              reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
-                             cost_model=self.picker.costs)
+                             cost_model=self.picker.costs, load_view=self.load_view)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -249,6 +258,13 @@ class InferLB:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
+        if not tls:  # the in-process picker is one of the gateways too (its memory samples come directly)
+            p = self.cfg.picker
+            shared = self.picker.share_load() if p.shared_view else SharedLoad(self.picker.inflight)
+            self._share_task = asyncio.create_task(run_load_view(
+                f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
+                f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
+                p.shared_view_interval_s, p.shared_view_expiry_s))
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")
 
@@ -343,7 +359,7 @@ class InferLB:
     async def stop(self, grace_s: float = 1.0) -> None:
         """Graceful stop: not ready, no new streams, open streams get ``grace_s`` s, then all closed."""
         self.stopping = True
-        for task in (self._loop_task, self._picker_task, self._scrape_task, self._etcd_task):
+        for task in (self._loop_task, self._picker_task, self._scrape_task, self._etcd_task, self._share_task):
             if task:
                 task.cancel()
         if self._watcher is not None:
@@ -354,6 +370,11 @@ class InferLB:
             await self._runner.cleanup()
         await asyncio.to_thread(self.recorder.close)
         self._view_pool.shutdown(wait=False)
+
+
+def _loopback(host: str) -> str:
+    """Where this process reaches its own server bound to ``host`` (a wildcard: the loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
 
 
 async def _watch_file(path: Path, interval_s: float, on_change) -> None:

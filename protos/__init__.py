@@ -5,6 +5,7 @@ dependency) compiles ``inferlb/v1/*.proto`` in memory the first time this packag
 the generated classes can never drift from the ``.proto`` source. Import the modules from here::
 
     from protos import node_status_pb2, node_status_pb2_grpc
+    from protos import load_view_pb2, load_view_pb2_grpc
 
 The proto package is ``inferlb.v1``; the generated modules are registered as
 ``protos.inferlb.v1.<name>_pb2`` in ``sys.modules`` (compiled from the folder that holds this
@@ -43,3 +44,4 @@ def load(proto: str) -> tuple[ModuleType, ModuleType]:
 
 
 node_status_pb2, node_status_pb2_grpc = load("inferlb/v1/node_status.proto")
+load_view_pb2, load_view_pb2_grpc = load("inferlb/v1/load_view.proto")

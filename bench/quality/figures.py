@@ -35,7 +35,7 @@ FIGURES: tuple[str, ...] = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p
                             "p50_ms", "p95_ms", "p99_ms", "prefix_hit_rate", "error_rate", "oom_rate",
                             "preemptions", "wrong_version", "session_hit_rate", "sessions_moved",
                             "throughput_rps", "output_tokens_per_s")
-EXTRA: tuple[str, ...] = ("mean_ms", "timeout_rate", "requests", "streamed")
+EXTRA: tuple[str, ...] = ("mean_ms", "timeout_rate", "requests", "streamed", "peak_in_flight")
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ def compute(trace: Sequence[TraceRequest], results: Sequence[Result], w: RunWind
         "output_tokens_per_s": None,
         "requests": n,
         "streamed": sum(1 for r in measured if r.stream),
+        "peak_in_flight": None,  # the runner's, from the backends (scenarios with several gateways)
     }
     if w.multi_version:
         wrong = sum(1 for r in ok if r.backend_version != (r.session.version or w.default_version))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.progress import Progress
 from bench.quality import plots, report
-from bench.quality.policies import POLICIES
+from bench.quality.policies import policies_for
 from bench.quality.runner import ScenarioRunner
 from bench.quality.scenarios import SCENARIOS
 from inferlb.devstack import stack
@@ -41,14 +41,15 @@ def run_quality(*, scenarios: list[str], quick: bool, json_path: str | None, mar
         + f" --rounds {rounds}"
     host, envoy = report.machine(), stack.envoy_version()
     commit = report.git_commit(Path.cwd())
-    print(f"inferlb bench quality: {len(scenarios)} scenario(s) x {len(POLICIES)} policies x {rounds} round(s)"
+    runs = sum(len(policies_for(SCENARIOS[name])) for name in scenarios)
+    print(f"inferlb bench quality: {len(scenarios)} scenario(s), {runs} policy runs x {rounds} round(s)"
           f"{' (quick)' if quick else ''}; work dir {work}", file=sys.stderr, flush=True)
     planned = sum(sum(SCENARIOS[name].durations(quick)) for name in scenarios) / max(1, len(scenarios))
-    with Progress(len(scenarios) * len(POLICIES) * rounds, planned, "bench quality") as progress:
+    with Progress(runs * rounds, planned, "bench quality") as progress:
         for name in scenarios:
             try:
                 run = ScenarioRunner(SCENARIOS[name], quick=quick, seed=seed, workdir=work).run(
-                    list(POLICIES), rounds, progress)
+                    list(policies_for(SCENARIOS[name])), rounds, progress)
             except stack.StackError as err:
                 print(f"inferlb bench quality: {name}: {err}", file=sys.stderr)
                 return 1

@@ -21,6 +21,17 @@ inferlb runs as ``inferlb serve`` (its own process) and configures its Envoy ove
 - ``inferlb_eds``: EDS weights and health from the weight engine, version routes on the version
   header, no ext_proc picker (``envoy.picker: false``);
 - ``inferlb_full``: the same plus the ext_proc picker (version routing, session pinning).
+
+A scenario with several gateways (``Scenario.gateways`` > 1) runs standalone pickers (``inferlb
+ext-proc``), each next to its own Envoy (:mod:`inferlb.devstack.gateway`), against one ``inferlb
+serve`` (:data:`GATEWAY_POLICIES`):
+
+- ``inferlb_one_gateway``: one Envoy + picker takes all the traffic (the bound one gateway achieves);
+- ``inferlb_shared_view``: the traffic split over ``gateways`` pairs, the pickers sharing one load
+  view (``picker.shared_view``, the default);
+- ``inferlb_no_shared_view``: the same with ``picker.shared_view: false`` (each picker on its own load);
+- ``inferlb_shared_view_25ms``: the shared view with reports every 25 ms instead of 100 ms (how much
+  of what remains is the view's staleness).
 """
 
 from __future__ import annotations
@@ -34,6 +45,21 @@ from bench.quality.trace import MEMORY_HEADER
 BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash", "ring_hash_bounded")
 INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")
 POLICIES: tuple[str, ...] = (*BASELINES, *INFERLB)
+GATEWAY_POLICIES: tuple[str, ...] = ("inferlb_one_gateway", "inferlb_shared_view", "inferlb_no_shared_view",
+                                     "inferlb_shared_view_25ms")
+#: ``picker.shared_view_interval_s`` of ``inferlb_shared_view_25ms`` (s).
+FAST_VIEW_INTERVAL_S = 0.025
+ALL_POLICIES: tuple[str, ...] = (*POLICIES, *GATEWAY_POLICIES)
+
+
+def policies_for(scenario: Scenario) -> tuple[str, ...]:
+    """The policies a scenario runs: :data:`GATEWAY_POLICIES` with several gateways, else :data:`POLICIES`."""
+    return GATEWAY_POLICIES if scenario.gateways > 1 else POLICIES
+
+
+def gateway_count(scenario: Scenario, policy: str) -> int:
+    """Envoy + picker pairs of ``policy`` in ``scenario`` (1 for every single-gateway policy)."""
+    return 1 if policy == "inferlb_one_gateway" or policy not in GATEWAY_POLICIES else scenario.gateways
 
 BASELINE_CLUSTER = "chat"
 SERVICE = "chat"
@@ -111,8 +137,11 @@ def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_
 
 
 def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool, prometheus_url: str,
-                   xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float) -> dict:
-    """inferlb's YAML config (as a dict) for ``scenario`` with node ``i`` at ``addresses[i]``.
+                   xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float,
+                   shared_view: bool = True, view_interval_s: float = 0.1) -> dict:
+    """inferlb's YAML config (as a dict) for ``scenario`` with node ``i`` at ``addresses[i]``;
+    ``shared_view``: the pickers' one load view (``picker.shared_view``), reported every
+    ``view_interval_s``.
 
     Every node is listed, including one that joins later: inferlb has no discovery source yet, so a
     node counts as present while its metrics are fresh (an absent node's ``/metrics`` answers 503).
@@ -122,7 +151,8 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         versions.setdefault(node.version, []).append(_endpoint(node, address))
     return {
         "listen": {"xds": f"127.0.0.1:{xds_port}", "ext_proc": "127.0.0.1:0", "admin": f"127.0.0.1:{admin_port}"},
-        "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker},
+        "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker,
+                  **scenario.envoy},
         "loop": {"interval_s": CONTROL["interval_s"], "timeout_s": CONTROL["query_timeout_s"]},
         "prometheus": {"url": prometheus_url, "window_s": CONTROL["window_s"]},
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
@@ -131,7 +161,7 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         # The picker reads each request's memory need from the trace's header and the prompt from the
         # OpenAI body (prefix keys); a request no endpoint can hold waits, then gets a 429.
         "picker": {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
-                   "body_max_bytes": 1 << 20},
+                   "body_max_bytes": 1 << 20, "shared_view": shared_view, "shared_view_interval_s": view_interval_s},
         "services": [{"name": SERVICE, "default_version": scenario.default_version,
                       "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
     }

@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.markdown import replace_marked
 from bench.quality.figures import EXTRA, FIGURES
-from bench.quality.policies import BASELINES, POLICIES
+from bench.quality.policies import ALL_POLICIES, BASELINES, GATEWAY_POLICIES
 from bench.quality.runner import ScenarioRun
 from bench.quality.scenarios import CONTROL, SCENARIOS, Scenario
 
@@ -179,7 +179,7 @@ def scenario_table(figures: Mapping[str, Mapping[str, Any]]) -> str:
     """One markdown table: a row per policy, a column per figure (median over rounds, spread below)."""
     lines = ["| policy | " + " | ".join(c for c, _, _ in _COLUMNS) + " |",
              "| --- |" + " ---: |" * len(_COLUMNS)]
-    for p in POLICIES:
+    for p in ALL_POLICIES:
         if p in figures:
             lines.append(f"| {p} | " + " | ".join(_cell(figures[p], k, fmt) for _, k, fmt in _COLUMNS) + " |")
     return "\n".join(lines)
@@ -276,6 +276,7 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     rows.append((f"sessions moved on scale-up ≤ 1/N + 5 % = {_pct(bound)} (scaling, N = {n_after})", _pct(moved),
                  verdict(None if moved is None else moved <= bound,
                          "" if moved is None or moved <= bound else f"by {100 * (moved - bound):.1f} points")))
+    rows += gateway_targets(store)
     ratios = {}
     for s in sc:
         best = max((v for b in BASELINES if (v := _get(store, s, b, "throughput_rps")) is not None), default=None)
@@ -289,6 +290,37 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
                          "" if worst_t is None or worst_t[1] >= 0.95
                          else f"{worst_t[0]}: {100 * (0.95 - worst_t[1]):.1f} points short")))
     return rows
+
+
+def gateway_targets(store: Mapping[str, Any], scenario: str = "multi_gateway") -> list[tuple[str, str, str]]:
+    """The one-load-view targets (issue 16): with the shared view, the worst endpoint's peak in flight
+    within 10 % of what one gateway alone achieves and 0 OOMs; without it, the 1/N effect (a higher
+    peak than that bound, or more OOMs than with the view, their spreads over rounds apart)."""
+    if scenario not in store.get("scenarios", {}):
+        return []
+    one, shared, alone = (_get(store, scenario, p, "peak_in_flight")
+                          for p in ("inferlb_one_gateway", "inferlb_shared_view", "inferlb_no_shared_view"))
+    bound = None if one is None else 1.1 * one
+    oom = _get(store, scenario, "inferlb_shared_view", "oom_rate")
+    oom_off = _get(store, scenario, "inferlb_no_shared_view", "oom_rate")
+    n = SCENARIOS[scenario].gateways
+    return [
+        (f"{scenario}: peak in flight with the shared view ≤ 1.1 × one gateway's",
+         "–" if shared is None or one is None else f"{_int(shared)} vs {_int(one)} (bound {bound:.1f})",
+         verdict_of(None if shared is None or bound is None else shared <= bound)),
+        (f"{scenario}: 0 OOMs with the shared view", _pct(oom), verdict_of(None if oom is None else oom == 0)),
+        (f"{scenario}: without it ({n} pickers on their own load), the 1/N effect shows",
+         "–" if alone is None else f"peak {_int(alone)}, OOM {_pct(oom_off)}",
+         verdict_of(None if alone is None or bound is None else alone > bound or (
+             (oom_off or 0) > (oom or 0) and not overlap(_spread(store, scenario, "inferlb_no_shared_view", "oom_rate"),
+                                                         _spread(store, scenario, "inferlb_shared_view", "oom_rate"))),
+                    "shows")),
+    ]
+
+
+def verdict_of(ok: bool | None, yes: str = "met") -> str:
+    """``met`` (or ``yes``), ``missed``, or ``not measured`` (None)."""
+    return "not measured" if ok is None else yes if ok else "missed" if yes == "met" else "does not show"
 
 
 INTRO = f"""\
@@ -321,6 +353,13 @@ Policies:
   value, no ext_proc picker (`envoy.picker: false`); Envoy's `least_request` fallback uses the weights.
 - `inferlb_full`: the same plus the ext_proc picker (version routing and session pinning by
   consistent hashing).
+- Scenarios with several gateways (`multi_gateway`) run other policies: Envoy + standalone picker
+  (`inferlb ext-proc`) pairs against one `inferlb serve`, each pair with its own listener and
+  picker. `inferlb_one_gateway`: one pair takes all the traffic (the bound one gateway achieves);
+  `inferlb_shared_view`: the traffic split over the pairs (a session always through the same one),
+  the pickers deciding on one load view (the sum of every picker's requests in flight, reported
+  every 100 ms); `inferlb_no_shared_view`: the same with `picker.shared_view: false`, each picker on
+  its own Envoy's load alone; `inferlb_shared_view_25ms`: the shared view reported every 25 ms.
 
 inferlb's loop runs compressed like the backends: Prometheus scrapes every
 {CONTROL['scrape_interval_s']:g} s, `window_s` {CONTROL['window_s']:g}, `interval_s` {CONTROL['interval_s']:g},
@@ -360,13 +399,18 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
                 f"Run: {_run_line(meta)}", "", scenario_table(figures), "",
                 f"![{name} TTFT CDF]({plots_dir}/{name}-ttft.png) "
                 f"![{name} latency CDF]({plots_dir}/{name}-latency.png)"]
-        if any(p in figures for p in ("inferlb_eds", "inferlb_full")):
+        if any(p in figures for p in ("inferlb_eds", "inferlb_full", *GATEWAY_POLICIES)):
             out.append(f"![{name} weights over time]({plots_dir}/{name}-weights.png)")
         shares = meta.get("served_share", {})
         if shares:
             out += ["", "Share of measured successful requests per node: " + "; ".join(
                 f"{p}: " + ", ".join(f"{n} {100 * s:.0f} %" for n, s in shares[p].items())
-                for p in POLICIES if p in shares) + "."]
+                for p in ALL_POLICIES if p in shares) + "."]
+        peaks = [(p, f) for p in GATEWAY_POLICIES if (f := figures.get(p)) and f.get("peak_in_flight") is not None]
+        if peaks:
+            out += ["", "The worst endpoint's peak of requests in flight (running + waiting on the backend, "
+                        "sampled every 50 ms over the measured window): " + "; ".join(
+                            f"{p} {_cell(f, 'peak_in_flight', _int)}" for p, f in peaks) + "."]
     out += ["", END]
     return "\n".join(out) + "\n"
 

@@ -15,6 +15,7 @@ end of the run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -25,23 +26,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import yaml
 
 from bench.progress import Progress
 from bench.quality import figures
 from bench.quality.policies import (
     BASELINES,
+    FAST_VIEW_INTERVAL_S,
+    GATEWAY_POLICIES,
     SESSION_HEADER,
     VERSION_HEADER,
     baseline_bootstrap,
     eds_document,
+    gateway_count,
     inferlb_config,
 )
 from bench.quality.scenarios import CONTROL, SIM_ARGS, Event, Scenario
 from bench.quality.trace import TraceRequest, build_trace, to_planned
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
-from inferlb.devstack.loadgen import Result, Traffic, replay
+from inferlb.devstack.gateway import gateway_bootstrap, start_gateway_picker
+from inferlb.devstack.loadgen import Planned, Result, Traffic, replay
+from xds_server.config import load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,9 @@ log = logging.getLogger(__name__)
 WEIGHT_POLL_S = 0.5
 #: Envoy's route timeout is the client's plus this (s), so the client's timeout decides.
 ROUTE_TIMEOUT_SLACK_S = 1.0
+#: How often each backend's requests in flight (running + waiting) are sampled for the peak, in
+#: scenarios with several gateways (s).
+PEAK_POLL_S = 0.05
 
 
 @dataclass
@@ -232,33 +242,111 @@ class ScenarioRunner:
                     eds_dir=str(eds.path.parent), route_timeout_s=route_timeout))
             else:
                 xds, admin = stack.free_port(), stack.free_port()
-                cfg = inferlb_config(self.sc, self.addresses, picker=policy == "inferlb_full",
+                cfg = inferlb_config(self.sc, self.addresses, picker=policy != "inferlb_eds",
                                      prometheus_url=f"http://127.0.0.1:{self.prometheus_port}",
                                      xds_port=xds, admin_port=admin,
-                                     listener_port=listener, route_timeout_s=route_timeout)
+                                     listener_port=listener, route_timeout_s=route_timeout,
+                                     shared_view=policy != "inferlb_no_shared_view",
+                                     view_interval_s=(FAST_VIEW_INTERVAL_S if policy == "inferlb_shared_view_25ms"
+                                                      else 0.1))
                 cfg_path = work / "inferlb.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                 cp = stack.start_control_plane(cfg_path, work, admin)
                 procs.append(cp)
                 stack.wait_http(f"http://127.0.0.1:{admin}/readyz", cp)
-                boot = render_bootstrap(xds_address=f"127.0.0.1:{xds}", node_id=f"bench-{policy}",
-                                        admin_port=envoy_admin_port)
-            envoy = stack.start_envoy(boot, work, envoy_admin_port)
-            procs.append(envoy)
+                boot = "" if policy in GATEWAY_POLICIES else render_bootstrap(
+                    xds_address=f"127.0.0.1:{xds}", node_id=f"bench-{policy}", admin_port=envoy_admin_port)
+            listeners = [listener]
+            if policy in GATEWAY_POLICIES:
+                listeners, envoy_admin_port = self._start_gateways(gateway_count(self.sc, policy), cfg_path, xds,
+                                                                   admin, work, procs)
+            else:
+                envoy = stack.start_envoy(boot, work, envoy_admin_port)
+                procs.append(envoy)
+                stack.wait_http(f"http://127.0.0.1:{envoy_admin_port}/ready", envoy, timeout=20)
             envoy_admin = f"http://127.0.0.1:{envoy_admin_port}"
-            stack.wait_http(f"{envoy_admin}/ready", envoy, timeout=20)
             self._last: dict[int, dict[str, int]] = {}
-            traffic, weights, events, started, before = asyncio.run(
-                self._drive(f"{policy}-r{round_}", listener, envoy_admin, eds, present))
+            traffic, weights, events, started, before, peaks = asyncio.run(
+                self._drive(f"{policy}-r{round_}", listeners, envoy_admin, eds, present))
         finally:
             for p in reversed(procs):
                 p.stop()
         after = {i: c for i in range(len(self.addresses)) if (c := self._counters(i) or self._last.get(i))}
         backends = figures.BackendCounters(**{k: sum(after[i][k] - before.get(i, {}).get(k, 0) for i in after)
                                               for k in _COUNTERS})
-        return self._summarise(policy, round_, traffic, weights, events, started, backends)
+        pr = self._summarise(policy, round_, traffic, weights, events, started, backends)
+        if self.sc.gateways > 1:
+            pr.figures["peak_in_flight"] = max(peaks.values(), default=None)
+        return pr
 
-    async def _drive(self, run_key: str, listener: int, envoy_admin: str, eds: _EdsFile | None, present: set[int]):
+    def _start_gateways(self, n: int, cfg_path: Path, xds: int, admin: int, work: Path,
+                        procs: list[stack.Proc]) -> tuple[list[int], int]:
+        """``n`` Envoy + standalone picker pairs on the control plane at ``xds``; returns their listener
+        ports and the first Envoy's admin port, once every picker reports to the load view."""
+        cfg = load_config(cfg_path)
+        listeners, admins = [], []
+        for g in range(n):
+            picker_port, listener, envoy_admin = stack.free_port(), stack.free_port(), stack.free_port()
+            procs.append(start_gateway_picker(f"127.0.0.1:{xds}", picker_port, work, f"gw-{g}"))
+            boot = gateway_bootstrap(cfg, xds_address=f"127.0.0.1:{xds}", node_id=f"gw-{g}-envoy",
+                                     admin_port=envoy_admin, listener_port=listener,
+                                     picker_address=f"127.0.0.1:{picker_port}")
+            envoy = stack.start_envoy(boot, work, envoy_admin, name=f"envoy-gw-{g}")
+            procs.append(envoy)
+            stack.wait_http(f"http://127.0.0.1:{envoy_admin}/ready", envoy, timeout=20)
+            listeners.append(listener)
+            admins.append(envoy_admin)
+        deadline = time.monotonic() + 20
+        while True:
+            names = {p["picker"] for p in _get_json(f"http://127.0.0.1:{admin}/api/v1/pickers")["pickers"]}
+            if {f"gw-{g}" for g in range(n)} <= names:
+                return listeners, admins[0]
+            if time.monotonic() > deadline:
+                raise stack.StackError(f"the gateways' pickers did not all report to the load view: {sorted(names)}")
+            time.sleep(0.1)
+
+    async def _replay(self, listeners: list[int], planned: list[Planned]) -> Traffic:
+        """The trace through one listener, or split over several gateways: a session always through
+        the same one (by its number), a single request by its position in the trace."""
+        kwargs = {"timeout_s": self.sc.timeout_s, "session_header": SESSION_HEADER, "version_header": VERSION_HEADER}
+        urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for p in listeners]
+        if len(urls) == 1:
+            return await replay(urls[0], planned, **kwargs)
+        parts: list[list[int]] = [[] for _ in urls]
+        for i, t in enumerate(self.trace):
+            parts[(t.session if t.session is not None else i) % len(urls)].append(i)
+        traffics = await asyncio.gather(*(replay(u, [planned[i] for i in idx], **kwargs)
+                                          for u, idx in zip(urls, parts, strict=True)))
+        out = Traffic(max_lag_ms=max(t.max_lag_ms for t in traffics))
+        for t, idx in zip(traffics, parts, strict=True):
+            out.results += [dataclasses.replace(r, index=idx[r.index]) for r in t.results]
+        return out
+
+    async def _peaks(self, t0: float, done: asyncio.Event) -> dict[str, int]:
+        """Each backend's most requests in flight (running + waiting + held), sampled every
+        :data:`PEAK_POLL_S` over the measured window."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, t0 + self.warmup_s - loop.time()))
+        peaks: dict[str, int] = {}
+        timeout = aiohttp.ClientTimeout(total=1.0)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            async def one(address: str) -> None:
+                try:
+                    async with http.get(f"http://{address}/sim/state") as r:
+                        s = await r.json()
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    return
+                peaks[address] = max(peaks.get(address, 0), s["running"] + s["waiting"] + s["hung"])
+            while not done.is_set():
+                await asyncio.gather(*(one(a) for a in self.addresses))
+                try:
+                    await asyncio.wait_for(done.wait(), PEAK_POLL_S)
+                except TimeoutError:
+                    pass
+        return peaks
+
+    async def _drive(self, run_key: str, listeners: list[int], envoy_admin: str, eds: _EdsFile | None,
+                     present: set[int]):
         planned = to_planned(self.trace, f"{run_key}-{self.seed}", self.sc.traffic)
         before: dict[int, dict[str, int]] = {}
         weights: list[tuple[float, str, str, int, str]] = []
@@ -296,15 +384,15 @@ class ScenarioRunner:
                     before[i] = c
 
         tasks = [asyncio.create_task(poll()), asyncio.create_task(fire()), asyncio.create_task(mark_warmup_end())]
+        peak_task = asyncio.create_task(self._peaks(t0, done)) if self.sc.gateways > 1 else None
         try:
-            traffic = await replay(f"http://127.0.0.1:{listener}/v1/chat/completions", planned,
-                                   timeout_s=self.sc.timeout_s, session_header=SESSION_HEADER,
-                                   version_header=VERSION_HEADER)
+            traffic = await self._replay(listeners, planned)
         finally:
             done.set()
             tasks[1].cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return traffic, weights, events, started, before
+        peaks = await peak_task if peak_task is not None else {}
+        return traffic, weights, events, started, before, peaks
 
     def _apply(self, e: Event, eds: _EdsFile | None, present: set[int]) -> None:
         """Apply one event (blocking): a fault, a node joining, or a node leaving."""

@@ -108,7 +108,10 @@ class Scenario:
     """One trap. ``warmup_s`` + ``measure_s`` (full) or ``quick_warmup_s`` + ``quick_measure_s``
     (``--quick``) make the trace; only requests sent after the warm-up count. ``timeout_s``: the
     client's per-request timeout (a longer request is a timeout error). ``engine``: inferlb
-    ``engine`` settings for this scenario (on top of :data:`CONTROL`)."""
+    ``engine`` settings for this scenario (on top of :data:`CONTROL`). ``gateways``: Envoy + picker
+    pairs the traffic is split over (> 1: the scenario runs the multi-gateway policies,
+    :data:`bench.quality.policies.GATEWAY_POLICIES`, instead of the usual ones). ``envoy``: inferlb
+    ``envoy`` settings for this scenario."""
 
     name: str
     title: str
@@ -123,6 +126,8 @@ class Scenario:
     timeout_s: float = 2.0
     events: tuple[Event, ...] = ()
     engine: Mapping[str, Any] = field(default_factory=dict)
+    gateways: int = 1
+    envoy: Mapping[str, Any] = field(default_factory=dict)
 
     def durations(self, quick: bool) -> tuple[float, float]:
         """``(warmup_s, measure_s)`` for the mode."""
@@ -223,6 +228,21 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         nodes=tuple(Node("a100") for _ in range(4)),
         traffic=Traffic(rps=60.0, turns=(6, 16), think_s=0.5, system_tokens=500, user_tokens=60,
                         session_header=False),
+    ),
+    Scenario(
+        name="multi_gateway",
+        title="Three gateways, one pool",
+        trap="three Envoys (one per zone), each with its own picker, share four GPUs: a picker that sees only "
+             "its own Envoy's requests bounds loads, concurrency and memory on a third of the load, so "
+             "together they send up to three times what an endpoint should take (the uneven mix: OOMs)",
+        nodes=tuple(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
+        traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
+        time_scale=0.25,
+        engine={"request_memory_mib": 8192.0},
+        # No retries, as the baselines: a retried OOM (HTTP 500) would mark its endpoint as failing in
+        # the picker and hide the OOMs this scenario counts.
+        envoy={"retries": 0},
+        gateways=3,
     ),
 )})
 

@@ -24,10 +24,10 @@ def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "c
 
 
 def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None, cost_model=None,
-              ready: bool = False):
+              ready: bool = False, load_view=None):
     """A real admin application over an in-memory store holding ``rows`` and a control plane whose last
     round gave ``weights`` (its metrics source is never called); ``ready``: as if its first snapshot
-    was published (``/readyz`` 200). Returns ``(app, store)``."""
+    was published (``/readyz`` 200); ``load_view``: the pickers' load table. Returns ``(app, store)``."""
 
     from tests.support.factories import config, metrics_source
     from xds_server.admin.app import make_admin_app
@@ -42,7 +42,8 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
         cp.ready.set()
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
     store.append(sorted(rows, key=lambda r: r.t))
-    return make_admin_app(cp, AdsServicer(cache), store, sampler, cost_model=cost_model), store
+    return make_admin_app(cp, AdsServicer(cache), store, sampler, cost_model=cost_model,
+                          load_view=load_view), store
 
 
 def pin_history_clock(monkeypatch, now: float) -> None:

@@ -18,6 +18,8 @@
   passes the picker's sampler).
 - ``GET /api/v1/cost-model`` the picker's request cost model per GPU class (any :class:`CostModelView`;
   the app passes the in-process picker's).
+- ``GET /api/v1/pickers`` the shared load view: each picker's live load per endpoint and its share
+  (:meth:`xds_server.loadview.table.LoadTable.shares`).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
 
@@ -35,6 +37,7 @@ import ipaddress
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +53,7 @@ from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
 from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.loadview.table import LoadTable
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -174,14 +178,15 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
                    sampler: DecisionLog | None = None, *, auth: WriteAuth | None = None,
                    reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
                    is_ready: Callable[[], bool] | None = None,
-                   cost_model: CostModelView | None = None) -> web.Application:
+                   cost_model: CostModelView | None = None, load_view: LoadTable | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.
 
     Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
     ``auth``: who may write (default: loopback only, no token); ``reload``: the config reload
     (``() -> (applied, message)``; None = no reload endpoint); ``is_ready``: readiness (default:
     the first snapshot is published); ``cost_model``: the picker's request cost model (the app
-    passes the in-process picker's; None: an empty model is shown).
+    passes the in-process picker's; None: an empty model is shown); ``load_view``: the pickers' shared
+    load view (None: no picker reports, an empty list is shown).
     """
     auth = auth or WriteAuth(None, "127.0.0.1")
     ready_now = is_ready or cp.ready.is_set
@@ -264,6 +269,10 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
             return web.json_response({"forget": 1.0, "min_samples": 0, "classes": {}})
         return web.json_response(cost_model.describe())
 
+    async def pickers(_: web.Request) -> web.Response:
+        table = load_view if load_view is not None else LoadTable()
+        return web.json_response(table.shares(time.monotonic()))
+
     async def openapi(_: web.Request) -> web.Response:
         return web.Response(text=spec, content_type="application/json")
 
@@ -279,6 +288,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     app.router.add_get("/api/v1/history", history_series)
     app.router.add_get("/api/v1/decisions", decisions)
     app.router.add_get("/api/v1/cost-model", costs)
+    app.router.add_get("/api/v1/pickers", pickers)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/", page)
     app.router.add_static("/static/", STATIC)

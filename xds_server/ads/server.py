@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -215,10 +216,13 @@ def add_ads_servicer(servicer: AdsServicer, server: grpc.aio.Server) -> None:
 
 async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: type[AdsServicer] = AdsServicer, *,
                            max_streams: int = 1024, credentials: grpc.ServerCredentials | None = None,
+                           services: Sequence[Callable[[grpc.aio.Server], None]] = (),
                            ) -> tuple[grpc.aio.Server, AdsServicer, int]:
     """Bind and start the ADS server on ``address`` (``HOST:PORT``, port 0 = any).
 
-    ``credentials``: TLS server credentials (None = plaintext); ``max_streams``: see :class:`AdsServicer`.
+    ``credentials``: TLS server credentials (None = plaintext); ``max_streams``: see :class:`AdsServicer`;
+    ``services``: hooks that add more gRPC services to the same server before it starts (e.g. the
+    load view, :func:`xds_server.loadview.service.add_load_view_servicer`).
 
     Messages up to :data:`MAX_MESSAGE_BYTES` (64 MiB) each way. Returns ``(server, servicer,
     bound_port)``. Raises ``RuntimeError`` if the address can't be bound.
@@ -229,6 +233,8 @@ async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: typ
     ])
     servicer = servicer_cls(cache, max_streams)
     add_ads_servicer(servicer, server)
+    for add in services:
+        add(server)
     port = (server.add_secure_port(address, credentials) if credentials is not None
             else server.add_insecure_port(address))
     if port == 0:

@@ -590,6 +590,11 @@ class Picker(_Strict):
     spills in a row that move a session. ``failure_hold_s``: an endpoint whose connections fail is
     not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
+    ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
+    plane every ``shared_view_interval_s`` and decides on the sum over all pickers (one load view
+    across many gateways); a picker whose last report is older than ``shared_view_expiry_s`` stops
+    counting. Off: each picker decides on its own Envoy's load alone (it still reports, and still gets
+    the slow loop's GPU memory samples over the same stream).
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
@@ -617,6 +622,9 @@ class Picker(_Strict):
     prefix_messages: int = Field(2, ge=0, le=1000)
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
     body_mode: Literal["streamed", "buffered"] = "buffered"
+    shared_view: bool = True
+    shared_view_interval_s: float = Field(0.1, gt=0, le=10)
+    shared_view_expiry_s: float = Field(1.0, gt=0, le=60)
     memory_queue: bool = False
     pin_move_after: int = Field(3, ge=1, le=1000)
     failure_hold_s: float = Field(5.0, gt=0, le=3600)

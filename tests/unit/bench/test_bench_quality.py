@@ -356,3 +356,23 @@ def test_streamed_figures_ttft_tpot_tokens_and_backend_counters():
     assert f["prefix_hit_rate"] == 0.25 and f["preemptions"] == 3
     assert f["output_tokens_per_s"] == pytest.approx(16 * f["throughput_rps"])
     assert figures.compute(trace, results, W)["prefix_hit_rate"] is None
+
+
+def test_the_multi_gateway_targets_compare_with_one_gateway_and_claim_the_1_over_n_effect_only_apart():
+    from bench.quality.report import gateway_targets
+
+    def fig(peaks, ooms):
+        return {"peak_in_flight": sorted(peaks)[len(peaks) // 2], "oom_rate": sorted(ooms)[len(ooms) // 2],
+                "rounds": len(peaks), "by_round": {"peak_in_flight": peaks, "oom_rate": ooms}}
+
+    store = {"scenarios": {"multi_gateway": {
+        "inferlb_one_gateway": fig([10, 10], [0.0, 0.0]),
+        "inferlb_shared_view": fig([11, 11], [0.0, 0.0]),
+        "inferlb_no_shared_view": fig([10, 11], [0.01, 0.03]),
+    }}}
+    rows = gateway_targets(store)
+    assert [v for _, _, v in rows] == ["met", "met", "shows"]
+    store["scenarios"]["multi_gateway"]["inferlb_no_shared_view"] = fig([10, 11], [0.0, 0.01])
+    store["scenarios"]["multi_gateway"]["inferlb_shared_view"] = fig([12, 13], [0.0, 0.02])
+    assert [v for _, _, v in gateway_targets(store)] == ["missed", "missed", "does not show"]
+    assert gateway_targets({"scenarios": {}}) == []

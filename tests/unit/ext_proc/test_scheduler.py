@@ -495,7 +495,8 @@ def test_scheduler_settings_travel_over_xds_unchanged():
                            prefix_max_bytes=1000, body_mode="streamed")
     settings_ = PickerSettings(inflight_expiry_s=130.0, session_ttl_s=1800.0, max_sessions=1000, admission=True,
                                max_queue=256, queue_timeout_s=0.1, retry_after_s=1, memory_queue=True,
-                               pin_move_after=5, failure_hold_s=2.0, cost_forget=0.99, cost_min_samples=7)
+                               pin_move_after=5, failure_hold_s=2.0, cost_forget=0.99, cost_min_samples=7,
+                               shared_view=False, shared_view_interval_s=0.1, shared_view_expiry_s=1.0)
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_

@@ -20,9 +20,10 @@ from aiohttp import web
 
 from tests.support.history_rows import admin_app, row, verdict
 from xds_server.engine.types import DRAINING
+from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report
 
 ROOT = Path(__file__).resolve().parents[3]
-#: Cases per operation and phase; 8 operations, coverage + fuzzing phases: a few seconds in all.
+#: Cases per operation and phase; 9 operations, coverage + fuzzing phases: a few seconds in all.
 MAX_EXAMPLES = 60
 
 
@@ -31,8 +32,12 @@ def admin_url():
     now = time.time()
     rows = [row(now - 7200, "10.0.0.1:8000", 10), row(now - 300, "10.0.0.1:8000", 25),
             row(now - 200, "10.0.0.2:8000", 30, DRAINING)]
+    pickers = LoadTable(expiry_s=3600.0)  # two pickers' reports, kept for the whole run
+    for name, n in (("gw-1", 3), ("gw-2", 1)):
+        pickers.record(Report(name, 1, {("chat-v1", "10.0.0.1:8000"): Load(n, n, 8192.0 * n, 400.0 * n, n)},
+                              {"chat-v1": ClusterLoad(n, n)}), time.monotonic())
     app, store = admin_app(rows, [verdict("10.0.0.1:8000", 25), verdict("10.0.0.2:8000", 30, DRAINING)],
-                           ready=True)
+                           ready=True, load_view=pickers)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, access_log=None)
     loop.run_until_complete(runner.setup())

@@ -1,0 +1,108 @@
+"""The picker's side of the shared load view: the I/O shell around :mod:`ext_proc.shared_load`.
+
+Every ``interval_s`` (default 100 ms) the picker sends its whole live load (``LoadReport``,
+``protos/inferlb/v1/load_view.proto``) to the control plane and takes each ``LoadView`` it gets
+back into its :class:`~ext_proc.shared_load.SharedLoad`. When the stream breaks, or no view came
+for ``expiry_s``, the others' load is dropped (the picker decides on its own load, as without the
+view) and the stream is opened again with a growing back-off (0.25 s to 5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from prometheus_client import Counter
+
+from ext_proc.inflight import InFlight
+from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
+from protos import load_view_pb2, load_view_pb2_grpc
+
+__all__ = ["report_message", "run_load_view", "view_others", "view_samples"]
+
+log = logging.getLogger(__name__)
+
+VIEWS = Counter("inferlb_ext_proc_load_views_total", "Shared load views received from the control plane, "
+                "and how often the view was lost (stream broken or stale)", ["outcome"])
+
+
+def report_message(inflight: InFlight, picker: str, seq: int, since: float) -> load_view_pb2.LoadReport:
+    """The ``LoadReport`` of ``inflight`` now (picks counted since ``since``, the in-flight clock's s)."""
+    msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
+    for (cluster, endpoint), (n, work, mib, tokens, picks) in inflight.by_endpoint(since).items():
+        msg.endpoints.add(cluster=cluster, endpoint=endpoint, in_flight=n, work=work, memory_mib=mib,
+                          tokens=tokens, picks=picks)
+    cluster_work = inflight.cluster_work
+    for cluster, n in inflight.clusters.items():
+        msg.clusters.add(cluster=cluster, in_flight=n, work=cluster_work.get(cluster, 0.0))
+    return msg
+
+
+def view_others(view: load_view_pb2.LoadView) -> Others:
+    """The others' load carried by one ``LoadView`` (its totals minus this picker's share)."""
+    return others_of({(e.cluster, e.endpoint): (e.in_flight, e.work, e.memory_mib) for e in view.endpoints},
+                     {c.cluster: (c.in_flight, c.work) for c in view.clusters},
+                     {(e.cluster, e.endpoint): (e.in_flight, e.work, e.memory_mib) for e in view.own_endpoints},
+                     {c.cluster: (c.in_flight, c.work) for c in view.own_clusters},
+                     view.pickers)
+
+
+def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[float, float]]:
+    """The memory samples of a view as :meth:`ext_proc.inflight.InFlight.set_samples` takes them:
+    ``{endpoint: (free MiB, taken at)}``, ``taken at`` on the picker's clock (``now`` - their age)."""
+    return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
+
+
+Samples = dict[str, tuple[float, float]]
+
+
+async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.1,
+                        expiry_s: float = 1.0, on_samples: Callable[[Samples], None] | None = None,
+                        backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
+    """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
+
+    ``picker``: this picker's name in the control plane (unique per process). ``on_samples``: given
+    the slow loop's GPU memory samples each time a view brings a new round of them (a standalone
+    picker's only source; None: ignored, the in-process picker gets them directly).
+    """
+    inflight = shared.inflight
+    seq = 0
+    delay = backoff_s
+
+    def lost(why: str) -> None:
+        if shared.others is not NO_OTHERS:
+            VIEWS.labels("lost").inc()
+            log.warning("picker: shared load view lost (%s); deciding on this picker's load alone", why)
+        shared.set_others(NO_OTHERS)
+        shared.viewed_at = None
+
+    async def reports() -> AsyncIterator[load_view_pb2.LoadReport]:
+        nonlocal seq
+        since = inflight.now()
+        while True:
+            now = inflight.now()
+            seq += 1
+            yield report_message(inflight, picker, seq, since)
+            since = now
+            await asyncio.sleep(interval_s)
+            if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
+                lost(f"no view for {expiry_s:g} s")
+
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share(reports())
+                async for view in call:
+                    shared.set_others(view_others(view))
+                    if on_samples is not None and view.memory_round:
+                        shared.free.rebase({m.endpoint: m.others_mib for m in view.memory})
+                        on_samples(view_samples(view, inflight.now()))
+                    VIEWS.labels("received").inc()
+                    delay = backoff_s
+            lost("the control plane ended the stream")
+        except grpc.aio.AioRpcError as err:
+            lost(f"{err.code().name}: {err.details()}")
+        await asyncio.sleep(delay)
+        delay = min(max_backoff_s, delay * 2)

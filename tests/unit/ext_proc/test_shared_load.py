@@ -1,0 +1,176 @@
+"""The picker's side of the shared load view: own + others, the seam in the handler, and the client
+stream against a real control-plane service (grpc.aio on a loopback port)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ext_proc.handler import PickerHandler
+from ext_proc.inflight import InFlight
+from ext_proc.load_client import report_message, run_load_view, view_others
+from ext_proc.picker import pick
+from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
+from ext_proc.view import ViewHolder
+from protos import load_view_pb2
+from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
+from xds_server.loadview.service import add_load_view_servicer, report_from, view_message
+from xds_server.loadview.table import LoadTable
+
+A, B = FOUR[0], FOUR[1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_others_are_the_totals_minus_the_own_share_never_below_zero():
+    o = others_of({("c", A): (5, 5.0, 500.0), ("d", A): (1, 2.0, 0.0), ("c", B): (1, 1.0, 10.0)},
+                  {"c": (6, 6.0), "d": (1, 2.0)},
+                  {("c", A): (2, 2.0, 200.0), ("c", B): (3, 3.0, 30.0)}, {"c": (5, 5.0)}, pickers=2)
+    assert o.work == {A: 5.0} and o.in_flight == {A: 4.0} and o.memory_mib == {A: 300.0}
+    assert B not in o.work, "own share above the total (a newer own report) counts 0, not negative"
+    assert o.clusters == {"c": 1.0, "d": 1.0} and o.cluster_work == {"c": 1.0, "d": 2.0} and o.pickers == 2
+
+
+def test_the_loads_read_are_own_live_plus_others_at_the_views_time():
+    f = InFlight(expiry_s=10)
+    shared = SharedLoad(f)
+    f.picked("c", A, work=1.0)
+    shared.set_others(others_of({("c", A): (3, 3.0, 0.0)}, {"c": (3, 3.0)}, {("c", A): (1, 1.0, 0.0)},
+                                {"c": (1, 1.0)}))
+    f.picked("c", A, work=0.5)  # a pick since the view counts at once
+    assert shared.work.get(A, 0.0) == 1.5 + 2.0
+    assert shared.cluster_work.get("c", 0.0) == 3.5 and shared.clusters.get("c", 0) == 4
+    assert shared.work.get(B, 0.0) == 0.0 and A in shared.work and set(shared.work) == {A}
+    shared.set_others(NO_OTHERS)
+    assert shared.work.get(A, 0.0) == 1.5
+
+
+def test_free_memory_subtracts_what_the_others_added_since_the_sample():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    shared = SharedLoad(f)
+    others = {("c", A): (2, 2.0, 4000.0)}
+    shared.set_others(others_of(others, {}, {}, {}))
+    f.set_samples({A: (20000.0, clock.now)})  # the sample already holds the others' 4000 MiB
+    assert shared.free.get(A, None) == 20000.0
+    shared.set_others(others_of({("c", A): (3, 3.0, 10000.0)}, {}, {}, {}))
+    assert shared.free.get(A, None) == 14000.0, "6000 MiB sent by the others since the sample"
+    f.picked("c", A, mib=1000.0)
+    assert shared.free.get(A, None) == 13000.0
+    assert shared.free.get(B, "unknown") == "unknown"
+
+
+def test_the_control_planes_baseline_counts_what_the_others_sent_between_the_sample_and_its_arrival():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    shared = SharedLoad(f)
+    shared.set_others(others_of({("c", A): (3, 3.0, 9000.0)}, {}, {}, {}))  # the others now
+    shared.free.rebase({A: 3000.0})  # ... but only 3000 MiB when the sample was taken
+    f.set_samples({A: (20000.0, clock.now - 0.5)})
+    assert shared.free.get(A, None) == 14000.0, "6000 MiB sent by the others after the sample was taken"
+    f.set_samples({A: (15000.0, clock.now)})  # a later sample without a baseline: taken at its first read
+    assert shared.free.get(A, None) == 15000.0
+
+
+def test_the_table_gives_the_others_memory_at_a_past_time():
+    t = LoadTable(expiry_s=5.0)
+    for at, mib in ((1.0, 100.0), (2.0, 300.0), (3.0, 700.0)):
+        t.record(report_from(_mib_report("them", int(at), mib)), now=at)
+    t.record(report_from(_mib_report("me", 1, 5000.0)), now=2.5)
+    assert t.others_mib_at("me", A, 2.4) == 300.0 and t.others_mib_at("me", A, 0.5) == 100.0
+    assert t.others_mib_at("me", A, 9.0) == 700.0 and t.others_mib_at("them", A, 9.0) == 5000.0
+
+
+def _mib_report(picker: str, seq: int, mib: float):
+    return load_view_pb2.LoadReport(picker=picker, seq=seq, endpoints=[
+        load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=1, work=1, memory_mib=mib)])
+
+
+def test_the_second_picker_bounds_on_the_first_pickers_load():
+    """Two pickers, one ring: picker 2 alone would keep a key on its owner; with picker 1's requests
+    on that owner in the view, the owner is over its bound and picker 2 spills."""
+    v = view()
+    h = headers(x_session_id=b"s-1")
+    owner = pick(h, v, InFlight()).endpoint
+    first, second = InFlight(), InFlight()
+    for _ in range(6):
+        first.picked("c", owner)
+    alone = pick(h, v, second)
+    shared = SharedLoad(second)
+    shared.set_others(others_of({("c", owner): (6, 6.0, 0.0)}, {"c": (6, 6.0)}, {}, {}))
+    together = pick(h, v, shared)
+    assert alone.endpoint == owner and alone.reason == "affinity"
+    assert together.endpoint != owner and together.reason == "spilled"
+
+
+def test_share_load_is_the_one_seam_of_the_handler():
+    handler = PickerHandler(ViewHolder(view()))
+    assert handler.loads is handler.inflight
+    shared = handler.share_load()
+    assert handler.loads is shared and handler.share_load() is shared and shared.inflight is handler.inflight
+
+
+def test_a_report_carries_the_live_load_and_picks_since_the_last_report():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    f.picked("c", A, work=2.0, mib=100.0, prompt_tokens=30, output_tokens=10)
+    since = clock.now
+    clock.now += 0.1
+    f.picked("c", A, work=1.0, mib=50.0)
+    f.picked("c", None)
+    msg = report_message(f, "p1", 7, since)
+    r = report_from(msg)  # what the control plane reads back
+    assert r.picker == "p1" and r.seq == 7
+    load = r.endpoints[("c", A)]
+    assert (load.in_flight, load.work, load.memory_mib, load.tokens, load.picks) == (2, 3.0, 150.0, 40.0, 1)
+    assert r.clusters["c"].in_flight == 3 and r.clusters["c"].work == 3.0
+
+
+def test_a_view_from_the_control_plane_gives_the_others_load():
+    t = LoadTable(expiry_s=1.0)
+    mine, theirs = InFlight(), InFlight()
+    mine.picked("c", A)
+    for _ in range(3):
+        theirs.picked("c", A)
+    t.record(report_from(report_message(theirs, "them", 1, 0.0)), now=1.0)
+    t.record(report_from(report_message(mine, "me", 1, 0.0)), now=1.0)
+    o = view_others(view_message(t.totals(1.0), t.report("me"), 1))
+    assert o.in_flight == {A: 3.0} and o.clusters == {"c": 3.0} and o.pickers == 2
+
+
+async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead_one_stops_counting():
+    table = LoadTable(expiry_s=0.5)
+    server = grpc.aio.server()
+    add_load_view_servicer(table)(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
+    for _ in range(4):
+        one.inflight.picked("c", A)
+    target = f"127.0.0.1:{port}"
+    tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.02, 0.5)),
+             asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5))]
+    try:
+        async def until(cond) -> None:
+            for _ in range(300):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("condition not reached in 3 s")
+
+        await until(lambda: two.work.get(A, 0.0) == 4.0)
+        assert two.clusters.get("c", 0) == 4 and one.work.get(A, 0.0) == 4.0, "own load is not counted twice"
+        tasks[0].cancel()  # picker one dies
+        await until(lambda: two.work.get(A, 0.0) == 0.0)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop(None)

@@ -1,0 +1,146 @@
+"""The ``inferlb.v1.LoadViewService`` server: pickers report their live load, each report is answered
+with the sum over every live picker (:class:`~xds_server.loadview.table.LoadTable`).
+
+Served on the xDS gRPC server (a standalone picker already knows that address). Bad input (a
+negative or non-finite number, no picker name) is refused per report: counted, logged, the stream
+goes on with the picker's last good report. A picker counts from its first report until its stream
+ends or its last report is older than the table's expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from protos import load_view_pb2, load_view_pb2_grpc
+from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report, Totals
+
+__all__ = ["LoadViewServicer", "add_load_view_servicer", "report_from", "view_message"]
+
+log = logging.getLogger(__name__)
+
+REPORTS = Counter("inferlb_load_view_reports_total", "Picker load reports received, by outcome", ["outcome"])
+PICKERS = Gauge("inferlb_load_view_pickers", "Pickers whose load reports are in the shared load view now")
+
+
+def _number(value: float, what: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value}")
+    return value
+
+
+def report_from(msg: load_view_pb2.LoadReport) -> Report:
+    """The :class:`Report` of one ``LoadReport`` message.
+
+    Raises:
+        ValueError: no ``picker``, an endpoint without cluster or endpoint, or a negative or
+            non-finite number (the message names the field).
+    """
+    if not msg.picker:
+        raise ValueError("LoadReport.picker is empty")
+    endpoints: dict[tuple[str, str], Load] = {}
+    for e in msg.endpoints:
+        if not e.cluster or not e.endpoint:
+            raise ValueError("LoadReport.endpoints[].cluster and .endpoint must be set")
+        where = f"LoadReport.endpoints[{e.cluster}/{e.endpoint}]"
+        load = Load(_number(e.in_flight, f"{where}.in_flight"), _number(e.work, f"{where}.work"),
+                    _number(e.memory_mib, f"{where}.memory_mib"), _number(e.tokens, f"{where}.tokens"),
+                    _number(e.picks, f"{where}.picks"))
+        key = (e.cluster, e.endpoint)
+        have = endpoints.get(key)
+        endpoints[key] = load if have is None else have + load
+    clusters: dict[str, ClusterLoad] = {}
+    for c in msg.clusters:
+        if not c.cluster:
+            raise ValueError("LoadReport.clusters[].cluster must be set")
+        cl = ClusterLoad(_number(c.in_flight, f"LoadReport.clusters[{c.cluster}].in_flight"),
+                         _number(c.work, f"LoadReport.clusters[{c.cluster}].work"))
+        have_c = clusters.get(c.cluster)
+        clusters[c.cluster] = cl if have_c is None else have_c + cl
+    return Report(msg.picker, msg.seq, endpoints, clusters)
+
+
+def _endpoints(loads) -> list[load_view_pb2.EndpointLoad]:
+    return [load_view_pb2.EndpointLoad(cluster=c, endpoint=e, in_flight=v.in_flight, work=v.work,
+                                       memory_mib=v.memory_mib, tokens=v.tokens, picks=v.picks)
+            for (c, e), v in loads.items()]
+
+
+def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
+    return [load_view_pb2.ClusterLoad(cluster=c, in_flight=v.in_flight, work=v.work) for c, v in loads.items()]
+
+
+def view_message(totals: Totals, own: Report | None, seq: int,
+                 memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None
+                 ) -> load_view_pb2.LoadView:
+    """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
+    (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
+    at, the others' MiB in flight then)}, now)`` to send the slow loop's samples with their age at
+    ``now`` (monotonic s)."""
+    msg = load_view_pb2.LoadView(seq=seq, pickers=totals.pickers, endpoints=_endpoints(totals.endpoints),
+                                 clusters=_clusters(totals.clusters))
+    if own is not None:
+        msg.own_endpoints.extend(_endpoints(own.endpoints))
+        msg.own_clusters.extend(_clusters(own.clusters))
+    if memory is not None:
+        round_, samples, now = memory
+        msg.memory_round = round_
+        msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at),
+                                                     others_mib=others)
+                          for e, (free, at, others) in samples.items())
+    return msg
+
+
+class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
+    """Keeps the pickers' reports in ``table`` and answers each with the view of now.
+
+    ``clock``: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, table: LoadTable, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self._clock = clock
+
+    async def Share(self, request_iterator: AsyncIterator[load_view_pb2.LoadReport],  # noqa: N802 (gRPC name)
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[load_view_pb2.LoadView]:
+        table = self.table
+        mine: Report | None = None
+        sent_round = 0
+        try:
+            async for msg in request_iterator:
+                try:
+                    report = report_from(msg)
+                except ValueError as err:
+                    REPORTS.labels("rejected").inc()
+                    log.warning("load view: refused a report from %s: %s", context.peer(), err)
+                    continue
+                now = self._clock()
+                table.record(report, now)
+                REPORTS.labels("accepted").inc()
+                own = table.report(report.picker)
+                if own is report:
+                    mine = report
+                totals = table.totals(now)
+                PICKERS.set(totals.pickers)
+                memory = None
+                if table.memory_round != sent_round:
+                    sent_round = table.memory_round
+                    memory = (sent_round, {e: (free, at, table.others_mib_at(report.picker, e, at))
+                                           for e, (free, at) in table.memory.items()}, now)
+                yield view_message(totals, own, own.seq if own is not None else report.seq, memory)
+        finally:
+            if mine is not None and table.report(mine.picker) is mine:  # not taken over by a new stream
+                table.forget(mine.picker)
+                PICKERS.set(table.totals(self._clock()).pickers)
+
+
+def add_load_view_servicer(table: LoadTable) -> Callable[[grpc.aio.Server], None]:
+    """A hook that adds the load-view service over ``table`` to a gRPC server (before it starts)."""
+    def add(server: grpc.aio.Server) -> None:
+        load_view_pb2_grpc.add_LoadViewServiceServicer_to_server(LoadViewServicer(table), server)
+    return add

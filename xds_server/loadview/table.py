@@ -1,0 +1,238 @@
+"""The sum of every picker's live load, with expiry (pure: data in, data out; the clock is passed in).
+
+Each picker (one per Envoy) reports its whole live load about every 100 ms (not a delta, so a lost
+report costs nothing but freshness). The table keeps each picker's latest report with its receive
+time; the view is the sum over the pickers whose report is younger than ``expiry_s`` (a picker
+that dies, or whose stream hangs, stops counting within that bound; a stream that ends is forgotten
+at once). The sum is kept up to date incrementally: a new report takes its picker's previous one
+out and adds itself, O(the report's entries), so the cost per report does not grow with the number
+of pickers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["ClusterLoad", "Load", "LoadTable", "Report", "Totals", "alive"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Live load on one endpoint of one cluster: requests in flight, their predicted work (typical
+    requests), GPU memory (MiB), tokens (prompt + output), and picks since the previous report."""
+
+    in_flight: float = 0.0
+    work: float = 0.0
+    memory_mib: float = 0.0
+    tokens: float = 0.0
+    picks: float = 0.0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(self.in_flight + other.in_flight, self.work + other.work, self.memory_mib + other.memory_mib,
+                    self.tokens + other.tokens, self.picks + other.picks)
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(self.in_flight - other.in_flight, self.work - other.work, self.memory_mib - other.memory_mib,
+                    self.tokens - other.tokens, self.picks - other.picks)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left (below rounding noise): the entry can go."""
+        return max(abs(self.in_flight), abs(self.work), abs(self.memory_mib), abs(self.tokens), abs(self.picks)) < 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterLoad:
+    """Requests in flight to one cluster (pinned or not) and their work."""
+
+    in_flight: float = 0.0
+    work: float = 0.0
+
+    def __add__(self, other: ClusterLoad) -> ClusterLoad:
+        return ClusterLoad(self.in_flight + other.in_flight, self.work + other.work)
+
+    def __sub__(self, other: ClusterLoad) -> ClusterLoad:
+        return ClusterLoad(self.in_flight - other.in_flight, self.work - other.work)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left (below rounding noise)."""
+        return max(abs(self.in_flight), abs(self.work)) < 1e-6
+
+
+_NO_ENDPOINTS: Mapping[tuple[str, str], Load] = MappingProxyType({})
+_NO_CLUSTERS: Mapping[str, ClusterLoad] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One picker's whole live load: ``endpoints[(cluster, "HOST:PORT")]`` and ``clusters[cluster]``.
+
+    ``picker``: who reports (unique per picker process); ``seq``: increases with every report.
+    """
+
+    picker: str
+    seq: int = 0
+    endpoints: Mapping[tuple[str, str], Load] = field(default_factory=lambda: _NO_ENDPOINTS)
+    clusters: Mapping[str, ClusterLoad] = field(default_factory=lambda: _NO_CLUSTERS)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """The sum of some reports: per (cluster, endpoint), per cluster, and how many pickers."""
+
+    endpoints: Mapping[tuple[str, str], Load]
+    clusters: Mapping[str, ClusterLoad]
+    pickers: int
+
+
+_NO_LOAD = Load()
+#: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
+HISTORY_S = 10.0
+_NO_CLUSTER_LOAD = ClusterLoad()
+
+
+def alive(received: Mapping[str, float], now: float, expiry_s: float) -> set[str]:
+    """The pickers whose last report (``received[picker]``, monotonic s) is younger than ``expiry_s``.
+
+    >>> sorted(alive({"a": 9.5, "b": 8.0, "c": 10.0}, now=10.0, expiry_s=1.0))
+    ['a', 'c']
+    """
+    limit = now - expiry_s
+    return {p for p, at in received.items() if at > limit}
+
+
+class LoadTable:
+    """Every picker's latest report and the sum of the live ones.
+
+    Args:
+        expiry_s: a picker whose last report is older than this stops counting (s, > 0). Choose
+            several report intervals (default 1 s = ten 100 ms reports).
+
+    Raises:
+        ValueError: ``expiry_s`` is not positive.
+    """
+
+    def __init__(self, expiry_s: float = 1.0) -> None:
+        if expiry_s <= 0:
+            raise ValueError(f"load view expiry_s must be > 0, got {expiry_s}")
+        self.expiry_s = expiry_s
+        self._reports: dict[str, Report] = {}
+        self._received: dict[str, float] = {}
+        self._endpoints: dict[tuple[str, str], Load] = {}
+        self._clusters: dict[str, ClusterLoad] = {}
+        self._endpoints_view = MappingProxyType(self._endpoints)
+        self._clusters_view = MappingProxyType(self._clusters)
+        self.memory: Mapping[str, tuple[float, float]] = MappingProxyType({})
+        """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
+        self.memory_round = 0
+        """Increases with every :meth:`set_memory` (0: none yet)."""
+        self._mib: dict[str, deque[tuple[float, dict[str, float]]]] = {}  # picker -> (received, {endpoint: MiB})
+
+    def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
+        """Take the slow loop's memory samples of one round (passed on to every picker with the view)."""
+        self.memory = MappingProxyType(dict(samples))
+        self.memory_round += 1
+
+    def record(self, report: Report, now: float) -> None:
+        """Keep ``report`` as its picker's load from ``now`` (monotonic s); an older ``seq`` than the
+        one kept (a reordered or replayed report) is ignored."""
+        kept = self._reports.get(report.picker)
+        if kept is not None and report.seq < kept.seq:
+            return
+        if kept is not None:
+            self._apply(kept, -1)
+        self._apply(report, +1)
+        self._reports[report.picker] = report
+        self._received[report.picker] = now
+        mib: dict[str, float] = {}
+        for (_, endpoint), load in report.endpoints.items():
+            mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
+        history = self._mib.setdefault(report.picker, deque())
+        history.append((now, mib))
+        while len(history) > 1 and history[1][0] < now - HISTORY_S:
+            history.popleft()
+
+    def forget(self, picker: str) -> None:
+        """Stop counting ``picker`` at once (its stream ended)."""
+        kept = self._reports.pop(picker, None)
+        if kept is not None:
+            del self._received[picker]
+            self._mib.pop(picker, None)
+            self._apply(kept, -1)
+
+    def others_mib_at(self, picker: str, endpoint: str, at: float) -> float:
+        """GPU memory (MiB) the pickers other than ``picker`` had in flight on ``endpoint`` at ``at``
+        (monotonic s), from each one's last report received by then (none yet: 0; older than the
+        kept history, :data:`HISTORY_S`: its oldest kept report)."""
+        total = 0.0
+        for name, history in self._mib.items():
+            if name == picker:
+                continue
+            value = history[0][1].get(endpoint, 0.0)
+            for received, mib in history:
+                if received > at:
+                    break
+                value = mib.get(endpoint, 0.0)
+            total += value
+        return total
+
+    def _apply(self, report: Report, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""
+        for key, load in report.endpoints.items():
+            have = self._endpoints.get(key, _NO_LOAD)
+            new = have + load if sign > 0 else have - load
+            if new.empty:
+                self._endpoints.pop(key, None)
+            else:
+                self._endpoints[key] = new
+        for cluster, cl in report.clusters.items():
+            have_c = self._clusters.get(cluster, _NO_CLUSTER_LOAD)
+            new_c = have_c + cl if sign > 0 else have_c - cl
+            if new_c.empty:
+                self._clusters.pop(cluster, None)
+            else:
+                self._clusters[cluster] = new_c
+
+    def totals(self, now: float) -> Totals:
+        """The sum over the pickers alive at ``now`` (expired ones are dropped here). Its maps are
+        read-only views of the running sums: read them before the next :meth:`record`."""
+        live = alive(self._received, now, self.expiry_s)
+        if len(live) != len(self._received):
+            for picker in [p for p in self._received if p not in live]:
+                self.forget(picker)
+        return Totals(self._endpoints_view, self._clusters_view, len(self._reports))
+
+    def report(self, picker: str) -> Report | None:
+        """``picker``'s kept report (None: none, or forgotten)."""
+        return self._reports.get(picker)
+
+    def shares(self, now: float) -> dict:
+        """The admin document: each live picker's report, its age and its share of the requests in
+        flight (0-1), with the totals. Shape: ``{"pickers": [{"picker", "seq", "age_s", "share",
+        "in_flight", "endpoints": [{"cluster", "endpoint", "in_flight", "work", "memory_mib",
+        "tokens", "picks", "share"}]}], "endpoints": [...same without share...], "expiry_s"}``."""
+        totals = self.totals(now)
+        all_in_flight = sum(cl.in_flight for cl in totals.clusters.values())
+        pickers = []
+        for name in sorted(self._reports):
+            r = self._reports[name]
+            mine = sum(cl.in_flight for cl in r.clusters.values())
+            pickers.append({
+                "picker": name, "seq": r.seq, "age_s": round(max(0.0, now - self._received[name]), 3),
+                "in_flight": mine, "share": round(mine / all_in_flight, 4) if all_in_flight > 0 else 0.0,
+                "endpoints": [_row(key, load, totals.endpoints.get(key)) for key, load in sorted(r.endpoints.items())],
+            })
+        return {"expiry_s": self.expiry_s, "pickers": pickers,
+                "endpoints": [_row(key, load) for key, load in sorted(totals.endpoints.items())]}
+
+
+def _row(key: tuple[str, str], load: Load, total: Load | None = None) -> dict:
+    row = {"cluster": key[0], "endpoint": key[1], "in_flight": load.in_flight, "work": round(load.work, 4),
+           "memory_mib": round(load.memory_mib, 1), "tokens": round(load.tokens, 1), "picks": load.picks}
+    if total is not None:
+        row["share"] = round(load.in_flight / total.in_flight, 4) if total.in_flight > 0 else 0.0
+    return row
