@@ -29,6 +29,7 @@ __all__ = [
     "cluster_capacity",
     "endpoint_details",
     "pinnable_endpoints",
+    "pinnable_levels",
 ]
 
 # Envoy's override_host policy sends a pinned request to its host whatever the host's health,
@@ -152,6 +153,9 @@ class RoutingTable:
             up to Envoy's buffer limit, then the decision).
         min_bound: every endpoint's load bound is at least this much work (typical requests).
         pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
+        spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
+            there when its first tier's requests in flight are at least this share (0-1] of that
+            tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
         sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:
@@ -181,6 +185,7 @@ class RoutingTable:
     body_mode: str = "buffered"
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
+    spill_threshold: float = 0.6
     sized: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +203,8 @@ class RoutingTable:
         if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:
             raise ValueError(f"routing: load_factor and pinned_load_factor must be >= 1.0, got "
                              f"{self.load_factor}, {self.pinned_load_factor}")
+        if not 0 < self.spill_threshold <= 1:
+            raise ValueError(f"routing: spill_threshold must be in (0, 1], got {self.spill_threshold}")
         for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
@@ -235,6 +242,8 @@ class ClusterEndpoints:
         classes: ``{endpoint: GPU class}`` from EDS metadata ``inferlb.gpu_class`` ("" unknown).
         main_class: the most common class (its cost-model fit predicts a request's work).
         cumulative: the running sum of ``shares`` in ``endpoints`` order (weighted sampling).
+        spill: the pinnable endpoints of the next EDS priority level (the cloud tier, where the
+            edge tier spills: :mod:`ext_proc.tiers`), None when there is none.
     """
 
     name: str
@@ -243,6 +252,7 @@ class ClusterEndpoints:
     capacity: int = 0
     weights: Mapping[str, int] = field(default_factory=dict, compare=False)
     classes: Mapping[str, str] = field(default_factory=dict, compare=False)
+    spill: ClusterEndpoints | None = field(default=None, compare=False)
     members: frozenset[str] = field(init=False, compare=False)
     salt: int = field(init=False, compare=False)
     shares: Mapping[str, float] = field(init=False, compare=False)
@@ -284,10 +294,18 @@ def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[
     An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
     address with a numeric port. Only the lowest priority level that has a pinnable endpoint
     counts: higher priorities are failover, and a session should not be pinned to them while
-    the primary level has capacity. Load-balancing weights do not change the ring (so adding
+    the primary level has capacity (the next level is :attr:`ClusterEndpoints.spill`, see
+    :func:`pinnable_levels`). Load-balancing weights do not change the ring (so adding
     weight moves no key); they set each endpoint's share in the weighted load bound
     (:attr:`ClusterEndpoints.shares`).
     """
+    levels = pinnable_levels(assignment)
+    return levels[0] if levels else ()
+
+
+def pinnable_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[tuple[str, ...]]:
+    """The pinnable endpoints of each priority level that has one, lowest priority number first
+    (each sorted ``"HOST:PORT"``; pinnable as in :func:`pinnable_endpoints`)."""
     by_priority: dict[int, set[str]] = {}
     for locality in assignment.endpoints:
         for lb_endpoint in locality.lb_endpoints:
@@ -296,9 +314,7 @@ def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[
             address = _address(lb_endpoint)
             if address is not None:
                 by_priority.setdefault(locality.priority, set()).add(address)
-    if not by_priority:
-        return ()
-    return tuple(sorted(by_priority[min(by_priority)]))
+    return [tuple(sorted(by_priority[p])) for p in sorted(by_priority)]
 
 
 def cluster_capacity(assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...]) -> int:
@@ -410,20 +426,30 @@ class EndpointView:
         old = previous.clusters if previous is not None else {}
         clusters: dict[str, ClusterEndpoints] = {}
         for name, assignment in assignments.items():
-            endpoints = pinnable_endpoints(assignment)
-            capacity = cluster_capacity(assignment, endpoints)
-            weights, classes = endpoint_details(assignment, endpoints)
+            levels = pinnable_levels(assignment)
             kept = old.get(name)
-            if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
-                ring = kept.ring
-            else:
-                ring = HashRing(endpoints, routing.vnodes)
-            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity, weights, classes)
+            spill = None
+            if len(levels) > 1:
+                spill = _level(name, assignment, levels[1], routing, kept.spill if kept is not None else None)
+            clusters[name] = _level(name, assignment, levels[0] if levels else (), routing, kept, spill)
         return cls(routing, clusters)
 
     def service_for_host(self, host: str) -> ServiceRoute | None:
         """The first service whose hosts name ``host`` (lower-case, no port) or "*", else None."""
         return self._by_host.get(host, self._wildcard)
+
+
+def _level(name: str, assignment: endpoint_pb2.ClusterLoadAssignment, endpoints: tuple[str, ...],
+           routing: RoutingTable, kept: ClusterEndpoints | None, spill: ClusterEndpoints | None = None
+           ) -> ClusterEndpoints:
+    """One priority level's :class:`ClusterEndpoints` (the ring of ``kept`` reused when it fits)."""
+    capacity = cluster_capacity(assignment, endpoints)
+    weights, classes = endpoint_details(assignment, endpoints)
+    if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
+        ring = kept.ring
+    else:
+        ring = HashRing(endpoints, routing.vnodes)
+    return ClusterEndpoints(name, endpoints, ring, capacity, weights, classes, spill)
 
 
 class ViewHolder:
