@@ -52,6 +52,10 @@ def served_by(s: Stack, n: int, headers: dict[str, str] | None = None) -> Counte
 def test_the_picker_keeps_requests_on_the_edge_under_the_threshold_and_spills_at_it(picker_stack: Stack):
     s = picker_stack
     edge, cloud = [b.address for b in s.backends[:2]], s.backends[2].address
+
+    def on_edge() -> int:
+        return sum(s.app.picker.inflight.endpoints.get(e, 0) for e in edge)
+
     # One at a time the edge is never above 1/4 of its capacity: the cloud gets nothing.
     seen = served_by(s, 20) + served_by(s, 10, {"x-session-id": "tiers-one"})
     assert seen[cloud] == 0 and sum(seen.values()) == 30
@@ -61,21 +65,19 @@ def test_the_picker_keeps_requests_on_the_edge_under_the_threshold_and_spills_at
     held = [threading.Thread(target=lambda: requests.post(f"{s.listener}/v1/chat/completions", json={
         "max_tokens": 8, "messages": []}, timeout=30), daemon=True) for _ in range(3)]
     try:
-        for t in held:
+        for n, t in enumerate(held, start=1):
             t.start()
-            wait_until(lambda n=held.index(t) + 1: sum(s.app.picker.inflight.endpoints.get(e, 0) for e in edge) == n,
-                       10, 0.02, "the held request to be counted on the edge")
+            wait_until(lambda n=n: on_edge() == n, 10, 0.02, "the held request to be counted on the edge")
         spilled = served_by(s, 6) + served_by(s, 4, {"x-session-id": "tiers-two"})
         assert spilled == Counter({cloud: 10})
-        assert sum(s.app.picker.inflight.endpoints.get(e, 0) for e in edge) == 3
+        assert on_edge() == 3
     finally:
         for b in s.backends[:2]:
             b.fault(reset=True)
         for t in held:
             t.join(30)
     # The held requests finished: the edge takes the traffic again.
-    wait_until(lambda: sum(s.app.picker.inflight.endpoints.get(e, 0) for e in edge) == 0, 10,
-               what="the held requests' completions")
+    wait_until(lambda: on_edge() == 0, 10, what="the held requests' completions")
     assert served_by(s, 10)[cloud] == 0
 
 

@@ -35,7 +35,7 @@ import ipaddress
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,8 +43,9 @@ import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
-from xds_server.admin.exposition import EndpointCollector, NodeCollector
+from xds_server.admin.exposition import AutoscalingCollector, EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
+from xds_server.autoscaling import cluster_loads
 from xds_server.config.model import normalize_endpoint_address
 from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
@@ -130,6 +131,10 @@ class DecisionLog(Protocol):
         ...
 
 
+#: ``() -> ({cluster: requests in flight}, {cluster: requests waiting in the picker})``.
+LiveLoad = Callable[[], tuple[Mapping[str, float], Mapping[str, float]]]
+
+
 class CostModelView(Protocol):
     """The picker's request cost model as the admin API shows it."""
 
@@ -174,19 +179,25 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
                    sampler: DecisionLog | None = None, *, auth: WriteAuth | None = None,
                    reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
                    is_ready: Callable[[], bool] | None = None,
-                   cost_model: CostModelView | None = None) -> web.Application:
+                   cost_model: CostModelView | None = None,
+                   live_load: LiveLoad | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.
 
     Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
     ``auth``: who may write (default: loopback only, no token); ``reload``: the config reload
     (``() -> (applied, message)``; None = no reload endpoint); ``is_ready``: readiness (default:
     the first snapshot is published); ``cost_model``: the picker's request cost model (the app
-    passes the in-process picker's; None: an empty model is shown).
+    passes the in-process picker's; None: an empty model is shown); ``live_load``: ``() ->
+    ({cluster: requests in flight}, {cluster: requests waiting in the picker})`` for the autoscaling
+    signal (None: no live load is known, both 0).
     """
     auth = auth or WriteAuth(None, "127.0.0.1")
     ready_now = is_ready or cp.ready.is_set
     local = CollectorRegistry(auto_describe=False)
     local.register(EndpointCollector(lambda: cp.weights))
+    load_now = live_load or (lambda: ({}, {}))
+    local.register(AutoscalingCollector(lambda: cluster_loads(cp.cfg, cp.weights, *load_now()),
+                                        lambda: cp.cfg.autoscaling))
     local.register(NodeCollector(ads.describe_nodes, lambda: {
         short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
     spec = json.dumps(openapi_document())
