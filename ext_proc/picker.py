@@ -249,7 +249,7 @@ def pick(
         request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
         (affinity, weighted bounded loads, memory admission) among the endpoints of one tier
         (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
-        ``spill_threshold``); reason "no-memory" (endpoint None)
+        ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
         when no endpoint can hold it. Without a healthy endpoint nothing is pinned. Before the
         first real view, nothing is decided (reason "not-ready") so Envoy's own routing applies.
 
@@ -339,5 +339,11 @@ def pick(
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, routing.memory_margin, spin, routing.min_bound,
                               routing.pinned_load_factor)
+    if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
+        pool = pool.spill
+        total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
+        endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
+                                  routing.load_factor, routing.memory_margin, spin, routing.min_bound,
+                                  routing.pinned_load_factor)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

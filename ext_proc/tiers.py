@@ -6,7 +6,9 @@ tier as its :attr:`~ext_proc.view.ClusterEndpoints.spill`. The rule, per request
 
 - the request stays on the edge tier while the edge's requests in flight are below
   ``threshold x`` the edge's max concurrency (the sum of its endpoints' ``max_concurrency``);
-- at or above it, it goes to the cloud tier (the scheduler then chooses among the cloud endpoints).
+- at or above it, it goes to the cloud tier (the scheduler then chooses among the cloud endpoints);
+- a request no edge endpoint has the memory for (memory admission) goes to the cloud tier too
+  (:func:`ext_proc.picker.pick`), rather than waiting for edge memory.
 
 So the edge never holds more than ``ceil(threshold x capacity)`` requests the picker sent there
 (60 % by default), and the cloud gets nothing while the edge is under the threshold. An edge tier

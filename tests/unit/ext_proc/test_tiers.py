@@ -95,3 +95,14 @@ def test_the_threshold_travels_over_xds():
     struct = json_format.ParseDict(to_wire(routing(0.45), settings), struct_pb2.Struct())
     back, _ = from_wire(json_format.MessageToDict(struct))
     assert back.spill_threshold == 0.45
+
+
+def test_a_request_no_edge_endpoint_has_memory_for_goes_to_the_cloud_under_the_threshold():
+    view = EndpointView.build({"llm-v1": tiered()}, routing())
+    live = InFlight()
+    live.set_samples({e: (1000.0, 0.0) for e in EDGE} | {e: (50000.0, 0.0) for e in CLOUD})
+    d = pick({":authority": b"x"}, view, live)   # the default need, 2 GiB x 1.2: no edge endpoint has it
+    assert d.endpoint in CLOUD and d.reason == "least-loaded"
+    live.set_samples({e: (1000.0, 0.0) for e in EDGE + CLOUD})
+    d = pick({":authority": b"x"}, view, live)
+    assert d.endpoint is None and d.reason == "no-memory"
