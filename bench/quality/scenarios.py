@@ -230,9 +230,10 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
     Scenario(
         name="edge_cloud",
         title="Edge nodes that spill to the cloud",
-        trap="three edge nodes (A10-class, 4 GB requests, room for 6 each) take the calm traffic; bursts at "
-             "5x the rate need the two cloud nodes too: a flat pool sends the cloud its share all the time, "
-             "a health-only failover (Envoy's priority levels) never spills and the edge runs out of memory",
+        trap="three edge nodes (A10-class, 4 GB requests, room for 6 each) should take the calm traffic; bursts "
+             "at 5x the rate need the two cloud nodes too: a flat pool sends the cloud its share all the time "
+             "and overloads the slower edge; a health-only failover (Envoy's priority levels) keeps everything "
+             "on the edge until it runs out of memory and is ejected, then sends the cloud most of it",
         nodes=(*(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(3)),
                Node("a100", tier="cloud"), Node("a100", tier="cloud")),
         traffic=Traffic(rps=24.0, anon_share=0.7, turns=(2, 4), burst=(6.0, 1.5, 5.0),
