@@ -368,8 +368,14 @@ class PickerHandler:
         return self._encoder.encode(decision, view, headers, phase)
 
     def _capacity(self, view: EndpointView, cluster: str) -> int:
+        """The cluster's max concurrency: of both tiers when it has two (0 = unknown: one of them is)."""
         pool = view.clusters.get(cluster)
-        return pool.capacity if pool is not None else 0
+        if pool is None:
+            return 0
+        spill = pool.spill
+        if spill is None or pool.capacity <= 0 or spill.capacity <= 0:
+            return pool.capacity if spill is None else 0
+        return pool.capacity + spill.capacity
 
     def _room(self, cluster: str) -> bool:
         return self.loads.clusters.get(cluster, 0) < self._capacity(self.holder.current, cluster)

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 from ext_proc.ring import key_hash
 from ext_proc.scheduler import choose
 from ext_proc.sessions import session_slot
+from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
 __all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "overloaded", "pick", "request_need",
@@ -256,7 +257,9 @@ def pick(
         session cookie (when configured), else the body's ``user``, else its
         ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
         request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
-        (affinity, weighted bounded loads, memory admission); reason "no-memory" (endpoint None)
+        (affinity, weighted bounded loads, memory admission) among the endpoints of one tier
+        (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
+        ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
         when no endpoint can hold it. Without a healthy endpoint nothing is pinned. Before the
         first real view, nothing is decided (reason "not-ready") so Envoy's own routing applies.
 
@@ -319,10 +322,15 @@ def pick(
     if live is not None:
         work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
         total = live.get(cluster, 0.0)
+        if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
+            pool = tier_for(pool, loads.endpoints, routing.spill_threshold)  # type: ignore[union-attr]
+            total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
     elif loads is None:
         work_of, total, free, failed = _NO_LOADS, 0.0, None, _NO_LOADS
     else:  # a plain {endpoint: load} mapping
         work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
+        if pool.spill is not None:
+            pool = tier_for(pool, loads, routing.spill_threshold)  # type: ignore[arg-type]
         total = float(sum(loads.get(e, 0) for e in pool.endpoints))  # type: ignore[union-attr]
     slot = pinned = None
     kind = "none"
@@ -341,5 +349,11 @@ def pick(
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, routing.memory_margin, spin, routing.min_bound,
                               routing.pinned_load_factor)
+    if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
+        pool = pool.spill
+        total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
+        endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
+                                  routing.load_factor, routing.memory_margin, spin, routing.min_bound,
+                                  routing.pinned_load_factor)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

@@ -28,7 +28,9 @@ __all__ = [
     "ServiceRoute",
     "ViewHolder",
     "cluster_details",
+    "cluster_levels",
     "pinnable_endpoints",
+    "pinnable_levels",
 ]
 
 # Envoy's override_host policy sends a pinned request to its host whatever the host's health,
@@ -152,6 +154,9 @@ class RoutingTable:
             up to Envoy's buffer limit, then the decision).
         min_bound: every endpoint's load bound is at least this much work (typical requests).
         pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
+        spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
+            there when its first tier's requests in flight are at least this share (0-1] of that
+            tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
         sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:
@@ -181,6 +186,7 @@ class RoutingTable:
     body_mode: str = "buffered"
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
+    spill_threshold: float = 0.6
     sized: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +204,8 @@ class RoutingTable:
         if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:
             raise ValueError(f"routing: load_factor and pinned_load_factor must be >= 1.0, got "
                              f"{self.load_factor}, {self.pinned_load_factor}")
+        if not 0 < self.spill_threshold <= 1:
+            raise ValueError(f"routing: spill_threshold must be in (0, 1], got {self.spill_threshold}")
         for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
@@ -235,6 +243,8 @@ class ClusterEndpoints:
         classes: ``{endpoint: GPU class}`` from EDS metadata ``inferlb.gpu_class`` ("" unknown).
         main_class: the most common class (its cost-model fit predicts a request's work).
         cumulative: the running sum of ``shares`` in ``endpoints`` order (weighted sampling).
+        spill: the pinnable endpoints of the next EDS priority level (the cloud tier, where the
+            edge tier spills: :mod:`ext_proc.tiers`), None when there is none.
     """
 
     name: str
@@ -243,6 +253,7 @@ class ClusterEndpoints:
     capacity: int = 0
     weights: Mapping[str, int] = field(default_factory=dict, compare=False)
     classes: Mapping[str, str] = field(default_factory=dict, compare=False)
+    spill: ClusterEndpoints | None = field(default=None, compare=False)
     members: frozenset[str] = field(init=False, compare=False)
     salt: int = field(init=False, compare=False)
     shares: Mapping[str, float] = field(init=False, compare=False)
@@ -290,13 +301,14 @@ def _inferlb(metadata: base_pb2.Metadata) -> Mapping[str, Any] | None:
     return struct.fields if struct is not None else None
 
 
-def cluster_details(assignment: endpoint_pb2.ClusterLoadAssignment) -> ClusterDetails:
-    """Read ``assignment`` once: its pinnable endpoints and their capacity, weights and GPU classes.
+def cluster_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[ClusterDetails]:
+    """Read ``assignment`` once: per priority level that has a pinnable endpoint (lowest priority
+    number first), its pinnable endpoints and their capacity, weights and GPU classes.
 
     An endpoint is pinnable when its ``health_status`` is UNKNOWN or HEALTHY and it has a socket
-    address with a numeric port (IPv6 hosts in brackets). Only the lowest priority level that has
-    a pinnable endpoint counts: higher priorities are failover, and a session should not be pinned
-    to them while the primary level has capacity. Load-balancing weights do not change the ring
+    address with a numeric port (IPv6 hosts in brackets). The first level is where requests and
+    sessions go; the next one is failover (the cloud tier the edge spills to:
+    :attr:`ClusterEndpoints.spill`, :mod:`ext_proc.tiers`). Load-balancing weights do not change the ring
     (so adding weight moves no key); they set each endpoint's share in the weighted load bound
     (:attr:`ClusterEndpoints.shares`).
 
@@ -330,19 +342,32 @@ def cluster_details(assignment: endpoint_pb2.ClusterLoadAssignment) -> ClusterDe
             details[address] = (lb_endpoint.load_balancing_weight.value or 1,
                                 int(limit.number_value) if limit is not None else 0,
                                 gpu.string_value if gpu is not None else "")
-    levels = [p for p, found in by_priority.items() if found]
-    if not levels:
-        return ClusterDetails((), 0, {}, {})
-    endpoints = tuple(sorted(dict.fromkeys(by_priority[min(levels)])))  # keeps runs: timsort is ~3x faster
-    limits = [details[a][1] for a in endpoints]
-    return ClusterDetails(endpoints, sum(limits) if all(v > 0 for v in limits) else 0,
-                          {a: details[a][0] for a in endpoints}, {a: details[a][2] for a in endpoints})
+    out = []
+    for priority in sorted(p for p, found in by_priority.items() if found):
+        endpoints = tuple(sorted(dict.fromkeys(by_priority[priority])))  # keeps runs: timsort is ~3x faster
+        limits = [details[a][1] for a in endpoints]
+        out.append(ClusterDetails(endpoints, sum(limits) if all(v > 0 for v in limits) else 0,
+                                  {a: details[a][0] for a in endpoints}, {a: details[a][2] for a in endpoints}))
+    return out
+
+
+def cluster_details(assignment: endpoint_pb2.ClusterLoadAssignment) -> ClusterDetails:
+    """The first level of :func:`cluster_levels` (the pinnable endpoints of the lowest priority that
+    has one, and their capacity, weights and GPU classes); empty when no endpoint is pinnable."""
+    levels = cluster_levels(assignment)
+    return levels[0] if levels else ClusterDetails((), 0, {}, {})
 
 
 def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[str, ...]:
     """The endpoints of ``assignment`` the picker may pin, as sorted ``"HOST:PORT"``
     (:attr:`ClusterDetails.endpoints` of :func:`cluster_details`)."""
     return cluster_details(assignment).endpoints
+
+
+def pinnable_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[tuple[str, ...]]:
+    """The pinnable endpoints of each priority level that has one, lowest priority number first
+    (:attr:`ClusterDetails.endpoints` of each of :func:`cluster_levels`)."""
+    return [level.endpoints for level in cluster_levels(assignment)]
 
 
 class EndpointView:
@@ -412,18 +437,30 @@ class EndpointView:
         old = previous.clusters if previous is not None else {}
         clusters: dict[str, ClusterEndpoints] = {}
         for name, assignment in assignments.items():
-            endpoints, capacity, weights, classes = cluster_details(assignment)
+            levels = cluster_levels(assignment)
             kept = old.get(name)
-            if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
-                ring = kept.ring
-            else:
-                ring = HashRing(endpoints, routing.vnodes, previous=kept.ring if kept is not None else None)
-            clusters[name] = ClusterEndpoints(name, endpoints, ring, capacity, weights, classes)
+            spill = None
+            if len(levels) > 1:
+                spill = _level(name, levels[1], routing, kept.spill if kept is not None else None)
+            clusters[name] = _level(name, levels[0] if levels else ClusterDetails((), 0, {}, {}), routing, kept,
+                                    spill)
         return cls(routing, clusters)
 
     def service_for_host(self, host: str) -> ServiceRoute | None:
         """The first service whose hosts name ``host`` (lower-case, no port) or "*", else None."""
         return self._by_host.get(host, self._wildcard)
+
+
+def _level(name: str, details: ClusterDetails, routing: RoutingTable, kept: ClusterEndpoints | None,
+           spill: ClusterEndpoints | None = None) -> ClusterEndpoints:
+    """One priority level's :class:`ClusterEndpoints` (the ring of ``kept`` reused when it fits;
+    else built from it, rehashing only new endpoints)."""
+    endpoints, capacity, weights, classes = details
+    if kept is not None and kept.endpoints == endpoints and kept.ring.vnodes == routing.vnodes:
+        ring = kept.ring
+    else:
+        ring = HashRing(endpoints, routing.vnodes, previous=kept.ring if kept is not None else None)
+    return ClusterEndpoints(name, endpoints, ring, capacity, weights, classes, spill)
 
 
 class ViewHolder:

@@ -223,6 +223,13 @@ class InferLB:
             if enabled:
                 gc.enable()
 
+    def _live_load(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The in-process picker's ``({cluster: requests in flight}, {cluster: requests waiting in its
+        queue})``, for the autoscaling signal (read on the event loop the picker runs on)."""
+        admission = self.picker.admission
+        queued = {} if admission is None else {c: admission.queued(c) for c in self.view.current.clusters}
+        return self.picker.inflight.clusters, queued
+
     def _current_weights(self):
         snap = self.cache.snapshot
         return (snap.version if snap else None), self.control.weights
@@ -244,7 +251,8 @@ class InferLB:
         auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
                              reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
-                             cost_model=self.picker.costs, load_view=self.load_view)
+                             cost_model=self.picker.costs, load_view=self.load_view,
+                             live_load=self._live_load)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

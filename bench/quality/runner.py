@@ -43,12 +43,14 @@ from bench.quality.policies import (
     inferlb_config,
 )
 from bench.quality.scenarios import CONTROL, SIM_ARGS, Event, Scenario
+from bench.quality.tiers import tier_figures
 from bench.quality.trace import TraceRequest, build_trace, to_planned
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.gateway import gateway_bootstrap, start_gateway_picker
 from inferlb.devstack.loadgen import Planned, Result, Traffic, replay
 from xds_server.config import load_config
+from xds_server.config.model import EndpointConfig, Picker
 from xds_server.resources.bootstrap import render_bootstrap
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ ROUTE_TIMEOUT_SLACK_S = 1.0
 #: How often each backend's requests in flight (running + waiting) are sampled for the peak, in
 #: scenarios with several gateways (s).
 PEAK_POLL_S = 0.05
+#: Each node's max concurrency and the edge's spill threshold as inferlb is configured here (its defaults).
+EDGE_MAX_CONCURRENCY: int = EndpointConfig.model_fields["max_concurrency"].default
+SPILL_THRESHOLD: float = Picker.model_fields["spill_threshold"].default
 
 
 @dataclass
@@ -426,6 +431,11 @@ class ScenarioRunner:
             next_event_s=self.warmup_s + later[0] * self.measure_s if later else None,
         )
         figs = figures.compute(self.trace, results, window, backends)
+        cloud = {a for a, n in zip(self.addresses, self.sc.nodes, strict=True) if n.tier == "cloud"}
+        if cloud:
+            edge = set(self.addresses) - cloud
+            figs.update(tier_figures(self.trace, results, self.warmup_s, started, edge, cloud,
+                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD))
         measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
         served: dict[str, int] = {}
         for r in measured_ok:

@@ -46,12 +46,15 @@ class Node:
 
     ``gpu_class``: the sim's class (``a100``, ``a10``; latency x1 / x2.5). ``gpu_memory_mib``: total GPU
     memory (None = the class default). ``present``: False for a node that an ``add`` event brings in.
+    ``tier``: ``edge`` or ``cloud`` (inferlb's endpoint tier: EDS priority 0 or 1; the baselines
+    see one flat pool).
     """
 
     gpu_class: str = "a100"
     version: str = "v1"
     gpu_memory_mib: float | None = None
     present: bool = True
+    tier: Literal["edge", "cloud"] = "edge"
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,19 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         # the picker and hide the OOMs this scenario counts.
         envoy={"retries": 0},
         gateways=3,
+    ),
+    Scenario(
+        name="edge_cloud",
+        title="Edge nodes that spill to the cloud",
+        trap="three edge nodes (A10-class, 4 GB requests, room for 6 each) should take the calm traffic; bursts "
+             "at 5x the rate need the two cloud nodes too: a flat pool sends the cloud its share all the time "
+             "and overloads the slower edge; a health-only failover (Envoy's priority levels) keeps everything "
+             "on the edge until it runs out of memory and is ejected, then sends the cloud most of it",
+        nodes=(*(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(3)),
+               Node("a100", tier="cloud"), Node("a100", tier="cloud")),
+        traffic=Traffic(rps=24.0, anon_share=0.7, turns=(2, 4), burst=(6.0, 1.5, 5.0),
+                        memory_mib=((4096.0, 1.0),)),
+        engine={"request_memory_mib": 4096.0},
     ),
 )})
 

@@ -38,7 +38,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,8 +46,9 @@ import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
-from xds_server.admin.exposition import EndpointCollector, NodeCollector
+from xds_server.admin.exposition import AutoscalingCollector, EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
+from xds_server.autoscaling import cluster_loads
 from xds_server.config.model import normalize_endpoint_address
 from xds_server.control import ControlPlane
 from xds_server.history.query import QueryError, parse_query, run_query
@@ -134,6 +135,10 @@ class DecisionLog(Protocol):
         ...
 
 
+#: ``() -> ({cluster: requests in flight}, {cluster: requests waiting in the picker})``.
+LiveLoad = Callable[[], tuple[Mapping[str, float], Mapping[str, float]]]
+
+
 class CostModelView(Protocol):
     """The picker's request cost model as the admin API shows it."""
 
@@ -178,7 +183,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
                    sampler: DecisionLog | None = None, *, auth: WriteAuth | None = None,
                    reload: Callable[[], Awaitable[tuple[bool, str]]] | None = None,
                    is_ready: Callable[[], bool] | None = None,
-                   cost_model: CostModelView | None = None, load_view: LoadTable | None = None) -> web.Application:
+                   cost_model: CostModelView | None = None, load_view: LoadTable | None = None,
+                   live_load: LiveLoad | None = None) -> web.Application:
     """The admin application for one control plane, its ADS servicer, history store and decision sampler.
 
     Without ``history`` the history API answers 503; without ``sampler`` the decisions list is empty.
@@ -186,12 +192,17 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     (``() -> (applied, message)``; None = no reload endpoint); ``is_ready``: readiness (default:
     the first snapshot is published); ``cost_model``: the picker's request cost model (the app
     passes the in-process picker's; None: an empty model is shown); ``load_view``: the pickers' shared
-    load view (None: no picker reports, an empty list is shown).
+    load view (None: no picker reports, an empty list is shown); ``live_load``: ``() ->
+    ({cluster: requests in flight}, {cluster: requests waiting in the picker})`` for the autoscaling
+    signal (None: no live load is known, both 0).
     """
     auth = auth or WriteAuth(None, "127.0.0.1")
     ready_now = is_ready or cp.ready.is_set
     local = CollectorRegistry(auto_describe=False)
     local.register(EndpointCollector(lambda: cp.weights))
+    load_now = live_load or (lambda: ({}, {}))
+    local.register(AutoscalingCollector(lambda: cluster_loads(cp.cfg, cp.weights, *load_now()),
+                                        lambda: cp.cfg.autoscaling))
     local.register(NodeCollector(ads.describe_nodes, lambda: {
         short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
     spec = json.dumps(openapi_document())

@@ -7,6 +7,7 @@ is gone has no series left behind, and an input with no data has no sample (neve
   ``load_balancing_weight``), ``inferlb_endpoint_health{status}`` (1 for the current health status,
   0 for the others), ``inferlb_endpoint_score{plugin}`` (each scorer's 0–1 score) and the engine's
   inputs as seen, in base units (:data:`INPUTS`).
+- :class:`AutoscalingCollector`: per ``{cluster}``: the autoscaling signal (:data:`AUTOSCALING`).
 - :class:`NodeCollector`: per connected Envoy ``{node, type}``: ``inferlb_xds_node_acked_version_info
   {version}``, ``inferlb_xds_node_in_sync`` (1 when the node ACKed the current snapshot's version),
   ``inferlb_xds_node_acks_total``, ``inferlb_xds_node_nacks_total`` (per stream: they restart with it).
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from xds_server.autoscaling import ClusterLoad, signal
+from xds_server.config.model import Autoscaling
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EndpointWeight
 
 HEALTH_STATUSES = (HEALTHY, UNHEALTHY, DRAINING)
@@ -116,3 +119,43 @@ class NodeCollector(Collector):
         yield in_sync
         yield acks
         yield nacks
+
+
+#: The autoscaling signal's families: name -> help (one gauge each, label ``cluster``). Built for a
+#: Kubernetes HPA through prometheus-adapter (an External metric) and for KEDA's Prometheus scaler:
+#: ``inferlb_cluster_desired_replicas`` with target AverageValue 1 (threshold 1) makes the scaler's
+#: replica count this suggestion; ``inferlb_cluster_saturation_ratio`` suits a Value target instead.
+AUTOSCALING: dict[str, str] = {
+    "inferlb_cluster_saturation_ratio": "Requests in flight and waiting in the picker over the max concurrency of "
+                                        "the cluster's serving endpoints, 0-1 (1 = full or over)",
+    "inferlb_cluster_queue_requests": "Requests waiting: in the picker's admission queue plus at the backends",
+    "inferlb_cluster_queue_wait_seconds": "Expected wait of a request joining the queue now: queue / finished "
+                                          "requests per second (Little's law); absent when unknown",
+    "inferlb_cluster_replicas": "Endpoints of the cluster serving now (HEALTHY in EDS)",
+    "inferlb_cluster_desired_replicas": "Suggested replica count: ceil(replicas x saturation / target saturation), "
+                                        "the Kubernetes HPA rule with its tolerance; use with target AverageValue 1",
+}
+
+
+class AutoscalingCollector(Collector):
+    """The autoscaling signal of every cluster (:mod:`xds_server.autoscaling`), computed at scrape time
+    from ``loads()`` and the ``settings()`` in force (target saturation, tolerance)."""
+
+    def __init__(self, loads: Callable[[], Sequence[ClusterLoad]], settings: Callable[[], Autoscaling]) -> None:
+        self._loads = loads
+        self._settings = settings
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families of :data:`AUTOSCALING`."""
+        families = {name: GaugeMetricFamily(name, doc, labels=["cluster"]) for name, doc in AUTOSCALING.items()}
+        settings = self._settings()
+        for load in self._loads():
+            s = signal(load, settings.target_saturation, settings.tolerance)
+            key = [s.cluster]
+            families["inferlb_cluster_saturation_ratio"].add_metric(key, s.saturation)
+            families["inferlb_cluster_queue_requests"].add_metric(key, s.queue)
+            if s.wait_s is not None:
+                families["inferlb_cluster_queue_wait_seconds"].add_metric(key, s.wait_s)
+            families["inferlb_cluster_replicas"].add_metric(key, s.replicas)
+            families["inferlb_cluster_desired_replicas"].add_metric(key, s.desired_replicas)
+        yield from families.values()

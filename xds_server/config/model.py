@@ -431,10 +431,14 @@ class EndpointConfig(_Strict):
     ``gpu_metrics_url``: where the ``scrape`` source reads this endpoint's GPU inputs, when a GPU
     exporter (dcgm-exporter, per node) serves them apart from the endpoint's own ``/metrics``;
     several endpoints may share one (then join by pod: ``metrics.gpu_join: pod``).
+    ``tier``: ``edge`` (default; EDS priority 0) or ``cloud`` (EDS priority 1): a cluster's requests
+    stay on its edge endpoints while their load is under ``picker.spill_threshold`` and spill to
+    its cloud endpoints above it (the picker), or when the edge is unhealthy (Envoy's priority levels).
     """
 
     address: str
     gpu_class: str = "a100"
+    tier: Literal["edge", "cloud"] = "edge"
     max_concurrency: int = Field(8, ge=1)
     gpu_memory_mib: float | None = Field(None, gt=0)
     metrics_instance: str | None = None
@@ -466,6 +470,14 @@ class VersionConfig(_Strict):
 
     name: str = Field(pattern=VERSION_RE)
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _edge_first(cls, v: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+        if all(e.tier == "cloud" for e in v):
+            raise ValueError("every endpoint has tier 'cloud': the cloud tier is where the edge tier spills, "
+                             "so a version with cloud endpoints needs at least one edge endpoint")
+        return v
 
 
 class ServiceConfig(_Strict):
@@ -595,6 +607,9 @@ class Picker(_Strict):
     across many gateways); a picker whose last report is older than ``shared_view_expiry_s`` stops
     counting. Off: each picker decides on its own Envoy's load alone (it still reports, and still gets
     the slow loop's GPU memory samples over the same stream).
+    ``spill_threshold``: tiers (``services[].versions[].endpoints[].tier``): a request goes to its
+    cluster's cloud tier when the edge tier's requests in flight are at least this share (0-1) of
+    the edge tier's max concurrency, else to the edge tier.
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
@@ -630,6 +645,21 @@ class Picker(_Strict):
     failure_hold_s: float = Field(5.0, gt=0, le=3600)
     cost_forget: float = Field(0.999, gt=0, le=1)
     cost_min_samples: int = Field(20, ge=3)
+    spill_threshold: float = Field(0.6, gt=0, le=1)
+
+
+class Autoscaling(_Strict):
+    """The autoscaling signal at ``/metrics`` (``xds_server/autoscaling.py``).
+
+    ``target_saturation``: the saturation (0-1, requests in flight and waiting over the serving
+    endpoints' max concurrency) a cluster should run at; the suggested replica count is
+    ``ceil(current x saturation / target_saturation)``, the Kubernetes HPA formula.
+    ``tolerance``: no change is suggested while ``saturation / target_saturation`` is within
+    1 +- this (the HPA's default tolerance is 0.1).
+    """
+
+    target_saturation: float = Field(0.7, gt=0, le=1)
+    tolerance: float = Field(0.1, ge=0, lt=1)
 
 
 class KubernetesService(_Strict):
@@ -779,6 +809,7 @@ class Config(_Strict):
     tls: TlsConfig | None = None
     admin: AdminConfig = AdminConfig()
     discovery: Discovery = Discovery()
+    autoscaling: Autoscaling = Autoscaling()
 
     @field_validator("gpu_classes", mode="after")
     @classmethod

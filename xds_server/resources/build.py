@@ -45,27 +45,32 @@ class BuildMemo:
     def __init__(self, picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
         self._picker_metadata = picker_metadata
         self._assignments: dict[str, tuple[tuple, Resource]] = {}
-        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict, dict]] = {}
+        self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict, dict, dict]] = {}
 
     def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int],
-                   classes: Mapping[str, str] | None = None) -> Resource:
-        """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ)."""
+                   classes: Mapping[str, str] | None = None, tiers: Mapping[str, str] | None = None) -> Resource:
+        """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ);
+        ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge)."""
         classes = classes or {}
-        key = tuple((w.address, w.weight, w.health, limits.get(w.address), classes.get(w.address)) for w in weights)
+        tiers = tiers or {}
+        key = tuple((w.address, w.weight, w.health, limits.get(w.address), classes.get(w.address),
+                     tiers.get(w.address)) for w in weights)
         hit = self._assignments.get(cluster)
         if hit is not None and hit[0] == key:
             return hit[1]
-        res = resource(cluster, build_assignment(cluster, weights, limits, classes))
+        res = resource(cluster, build_assignment(cluster, weights, limits, classes, tiers))
         self._assignments[cluster] = (key, res)
         return res
 
-    def static(self, cfg: Config, ext_proc_address: str) -> tuple[dict[str, dict[str, Resource]], dict, dict]:
-        """CDS, LDS and RDS resources of ``cfg``, ``{cluster: {address: max_concurrency}}`` and
-        ``{cluster: {address: gpu_class}}`` (the config object itself is the key, by identity)."""
+    def static(self, cfg: Config, ext_proc_address: str
+               ) -> tuple[dict[str, dict[str, Resource]], dict, dict, dict]:
+        """CDS, LDS and RDS resources of ``cfg``, ``{cluster: {address: max_concurrency}}``,
+        ``{cluster: {address: gpu_class}}`` and ``{cluster: {address: "cloud"}}`` (the cloud-tier
+        endpoints; the config object itself is the key, by identity)."""
         key = (id(cfg), ext_proc_address)
         hit = self._static.get(key)
         if hit is not None and hit[0] is cfg:
-            return hit[1], hit[2], hit[3]
+            return hit[1], hit[2], hit[3], hit[4]
         metadata = self._picker_metadata(cfg) if self._picker_metadata is not None else None
         n_clusters = sum(len(s.versions) for s in cfg.services)
         ext_proc = build_ext_proc_cluster(ext_proc_address, metadata, cfg.envoy.tls,
@@ -73,12 +78,14 @@ class BuildMemo:
         clusters = {EXT_PROC_CLUSTER: resource(EXT_PROC_CLUSTER, ext_proc)}
         limits: dict[str, dict[str, int]] = {}
         classes: dict[str, dict[str, str]] = {}
+        tiers: dict[str, dict[str, str]] = {}
         for service in cfg.services:
             for version in service.versions:
                 name = cluster_name(service.name, version.name)
                 clusters[name] = resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy))
                 limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
                 classes[name] = {e.address: e.gpu_class for e in version.endpoints}
+                tiers[name] = {e.address: e.tier for e in version.endpoints if e.tier != "edge"}
         built = {
             CLUSTER_TYPE: clusters,
             LISTENER_TYPE: {LISTENER_NAME: resource(LISTENER_NAME, build_listener(cfg))},
@@ -86,8 +93,8 @@ class BuildMemo:
         }
         if len(self._static) >= self._STATIC_ENTRIES:
             self._static.pop(next(iter(self._static)))
-        self._static[key] = (cfg, built, limits, classes)
-        return built, limits, classes
+        self._static[key] = (cfg, built, limits, classes, tiers)
+        return built, limits, classes, tiers
 
 
 def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_address: str,
@@ -103,9 +110,9 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     by_cluster: dict[str, list[EndpointWeight]] = {}
     for w in weights:
         by_cluster.setdefault(w.cluster, []).append(w)
-    static, limits, classes = memo.static(cfg, ext_proc_address)
+    static, limits, classes, tiers = memo.static(cfg, ext_proc_address)
     assignments = {
-        name: memo.assignment(name, by_cluster.get(name, []), limits[name], classes[name])
+        name: memo.assignment(name, by_cluster.get(name, []), limits[name], classes[name], tiers[name])
         for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
     }
     return snapshot_of({

@@ -1,0 +1,70 @@
+"""Edge -> cloud figures of one run (pure), for scenarios with cloud nodes (``edge_cloud``).
+
+From the client's side of every request (sent at ``at - latency``, answered at ``at``) and the
+node that served it:
+
+- ``edge_peak_load``: the most requests in flight on the edge nodes at once during the measured
+  window, over the edge tier's max concurrency (0-1 at or under it; the picker's threshold is
+  ``picker.spill_threshold``, 0.6 by default);
+- ``cloud_share``: share of the measured successful requests the cloud nodes served;
+- ``cloud_share_calm``: the same among those sent while the edge was under the threshold with room
+  to spare: at most ``threshold x capacity - CALM_SLACK`` requests in flight on the edge at the
+  send. The slack covers what the client sees and the picker does not yet: Envoy reports a
+  completion to the picker a few ms after the client has the answer (its access-log flush);
+- ``edge_oom_rate``: share of the measured requests answered by an edge node that were an OOM.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Collection, Sequence
+
+from bench.quality.trace import TraceRequest
+from inferlb.devstack.loadgen import Result
+
+TIER_FIGURES: tuple[str, ...] = ("edge_peak_load", "cloud_share", "cloud_share_calm", "edge_oom_rate")
+#: Requests below the threshold that count as "under it" for ``cloud_share_calm``.
+CALM_SLACK = 2
+
+
+def _rate(n: int, d: int) -> float | None:
+    return None if d == 0 else n / d
+
+
+def tier_figures(trace: Sequence[TraceRequest], results: Sequence[Result], warmup_s: float, started: float,
+                 edge: Collection[str], cloud: Collection[str], edge_capacity: int,
+                 threshold: float) -> dict[str, float | None]:
+    """The figures of the module docstring. ``started``: wall time (s) the replay began (trace time 0);
+    ``edge`` / ``cloud``: node addresses; ``edge_capacity``: the edge's max concurrency (> 0).
+
+    Raises:
+        ValueError: ``edge_capacity`` <= 0 or a result without its trace index.
+    """
+    if edge_capacity <= 0:
+        raise ValueError(f"edge_capacity must be > 0, got {edge_capacity}")
+    if any(r.index is None for r in results):
+        raise ValueError("every result needs its trace index (use loadgen.replay)")
+    on_edge = [r for r in results if r.served_by in edge]
+    starts = sorted(r.at - r.latency_ms / 1000.0 for r in on_edge)
+    ends = sorted(r.at for r in on_edge)
+
+    def edge_in_flight(t: float) -> int:
+        """Edge requests sent before ``t`` and not answered by then."""
+        return bisect_left(starts, t) - bisect_right(ends, t)
+
+    window_start = started + warmup_s
+    peak = 0
+    for t in starts:   # the in-flight count peaks right after a send
+        if t >= window_start:
+            peak = max(peak, edge_in_flight(t) + 1)
+    measured = [r for r in results if trace[r.index].at_s >= warmup_s]  # type: ignore[index]
+    ok = [r for r in measured if 200 <= r.status < 300 and (r.served_by in edge or r.served_by in cloud)]
+    calm_limit = threshold * edge_capacity - CALM_SLACK
+    calm = [r for r in ok if edge_in_flight(r.at - r.latency_ms / 1000.0) <= calm_limit]
+    edge_answers = [r for r in measured if r.served_by in edge]
+    return {
+        "edge_peak_load": peak / edge_capacity,
+        "cloud_share": _rate(sum(1 for r in ok if r.served_by in cloud), len(ok)),
+        "cloud_share_calm": _rate(sum(1 for r in calm if r.served_by in cloud), len(calm)),
+        "edge_oom_rate": _rate(sum(1 for r in edge_answers if r.error == "oom"), len(edge_answers)),
+    }

@@ -1,0 +1,55 @@
+"""The edge -> cloud figures of a run (bench/quality/tiers.py), from client-side intervals."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.quality.tiers import CALM_SLACK, tier_figures
+from bench.quality.trace import TraceRequest
+from inferlb.devstack.loadgen import Result, Session
+
+EDGE, CLOUD = {"e1", "e2"}, {"c1"}
+
+
+def run(requests: list[tuple[float, float, str, str | None]]):
+    """``(send s, latency s, node, error)`` per request -> (trace, results); the replay started at 100."""
+    trace = [TraceRequest(send, None, 0, None, None) for send, _, _, _ in requests]
+    results = [Result(Session(None, None), 500 if error else 200, latency * 1000, node, "v1",
+                      100.0 + send + latency, error, i) for i, (send, latency, node, error) in enumerate(requests)]
+    return trace, results
+
+
+def figures(requests, warmup_s=0.0, capacity=10, threshold=0.6):
+    trace, results = run(requests)
+    return tier_figures(trace, results, warmup_s, 100.0, EDGE, CLOUD, capacity, threshold)
+
+
+def test_the_edge_peak_is_the_most_requests_in_flight_there_at_once():
+    # Three overlapping edge requests, then two more after they ended; the cloud's don't count.
+    f = figures([(0.0, 1.0, "e1", None), (0.1, 1.0, "e2", None), (0.2, 1.0, "e1", None),
+                 (0.3, 1.0, "c1", None), (2.0, 0.5, "e1", None), (2.1, 0.5, "e2", None)])
+    assert f["edge_peak_load"] == pytest.approx(0.3)
+    assert f["cloud_share"] == pytest.approx(1 / 6) and f["edge_oom_rate"] == 0.0
+
+
+def test_cloud_requests_count_as_calm_only_when_the_edge_was_well_under_the_threshold():
+    # Threshold 0.6 x 10 = 6: calm = at most 6 - CALM_SLACK = 4 edge requests in flight at the send.
+    assert CALM_SLACK == 2
+    busy = [(0.0 + 0.01 * i, 5.0, "e1", None) for i in range(6)]   # 6 in flight from 0.05 s
+    f = figures([*busy, (1.0, 0.1, "c1", None), (6.0, 0.1, "c1", None)])
+    # The cloud request at 1 s (6 on the edge) is not calm; the one at 6 s (edge idle) is.
+    assert f["cloud_share"] == pytest.approx(2 / 8)
+    # Calm: the first five edge requests (0-4 in flight at their sends) and the cloud request at 6 s.
+    assert f["cloud_share_calm"] == pytest.approx(1 / 6)
+
+
+def test_edge_ooms_and_the_warm_up():
+    f = figures([(0.0, 0.1, "e1", "oom"), (2.0, 0.1, "e1", "oom"), (2.5, 0.1, "e2", None), (3.0, 0.1, "c1", "oom")],
+                warmup_s=1.0)
+    assert f["edge_oom_rate"] == pytest.approx(1 / 2)   # the warm-up's OOM and the cloud's are not counted
+    assert f["cloud_share"] == 0.0                      # of the successful measured requests
+
+
+def test_a_zero_capacity_is_refused():
+    with pytest.raises(ValueError, match="edge_capacity"):
+        figures([(0.0, 0.1, "e1", None)], capacity=0)
