@@ -153,8 +153,10 @@ class InferLB:
 
     def _feed_picker(self, weights: list[EndpointWeight]) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
-        (its memory admission subtracts what it sent since)."""
-        self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic()))
+        (its memory admission subtracts what it sent since). Sample ages count from the fetch, not
+        from now: the round's computation in between would make every sample look younger."""
+        at = self.control.stats_at
+        self.picker.set_samples(memory_samples(weights, self.control.spec, time.monotonic() if at is None else at))
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the
         snapshot in a worker thread (one at a time, in order), so a 60 000-endpoint view does not
