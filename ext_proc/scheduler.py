@@ -5,7 +5,7 @@ load the picker keeps (:class:`ext_proc.inflight.InFlight`), :func:`choose` retu
 and why. The rules, each with its source:
 
 - **Weighted bounded loads.** An endpoint is *under its bound* when its load is below
-  ``max(c x (total + work) x w_i / sum(w), min_bound x w_i / max(w))`` (a session's existing pin uses
+  ``max(c x (total + work) x w_i / sum(w), min_bound)`` (a session's existing pin uses
   ``pinned_load_factor`` as ``c``): ``total`` is the cluster's load in flight, ``work`` this
   request's, ``w_i`` its EDS weight (capacity carries into pinned traffic). With equal weights and
   unit work this is the bound of Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
@@ -90,12 +90,9 @@ def choose(
         margin: the memory margin (0-1 share on top of the need).
         spin: without a key, a 64-bit hash of the request id: its two 32-bit halves draw the two
             choices.
-        min_bound: the heaviest endpoint's bound is at least this much work, every other one's at
-            least ``min_bound x w_i / max(w)`` (at low load the weighted bound is below one request:
-            a conversation's next turn, sent while the completion of its previous one is still on
-            its way, would spill; the floor follows the weights, or an endpoint the slow loop
-            weighs down — a latency outlier, a slower GPU — would keep ``min_bound`` requests
-            however low its weight).
+        min_bound: every endpoint's bound is at least this much work (at low load the weighted
+            bound is below one request: a conversation's next turn, sent while the completion of
+            its previous one is still on its way, would spill).
         pinned_load_factor: ``c`` for a session's existing pin (None: ``load_factor``). Moving an
             established conversation costs its KV cache (its whole history prefilled again),
             placing a new one costs nothing, so the pin gets the looser bound.
@@ -111,7 +108,7 @@ def choose(
     if pinned is not None:
         if pinned in pool.members and pinned not in failed:
             pinned_scale = (pinned_load_factor or load_factor) * (total + work)
-            if loads.get(pinned, 0.0) < max(pinned_scale * shares[pinned], min_bound * pool.relative[pinned]) and (
+            if loads.get(pinned, 0.0) < max(pinned_scale * shares[pinned], min_bound) and (
                     free is None or free.get(pinned, _INF) >= need):
                 return pinned, "affinity"
             endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned, min_bound)
@@ -174,7 +171,6 @@ def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, floa
     n = len(pool.endpoints)
     i = ring.start_index(position) if position is not None else 0
     shares = pool.shares
-    relative = pool.relative
     seen: set[str] | None = None
     memory_skipped = False
     first = True
@@ -184,7 +180,7 @@ def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, floa
             if e != skip and e not in failed:
                 if free is not None and free.get(e, _INF) < need:
                     memory_skipped = True
-                elif loads.get(e, 0.0) < max(scale * shares[e], min_bound * relative[e]):
+                elif loads.get(e, 0.0) < max(scale * shares[e], min_bound):
                     if first and skip is None:
                         return e, "affinity"
                     return e, "memory" if memory_skipped else "spilled"

@@ -235,7 +235,6 @@ class ClusterEndpoints:
         classes: ``{endpoint: GPU class}`` from EDS metadata ``inferlb.gpu_class`` ("" unknown).
         main_class: the most common class (its cost-model fit predicts a request's work).
         cumulative: the running sum of ``shares`` in ``endpoints`` order (weighted sampling).
-        relative: ``{endpoint: w_i / max(w)}`` (0-1): scales the scheduler's least load bound.
     """
 
     name: str
@@ -249,7 +248,6 @@ class ClusterEndpoints:
     shares: Mapping[str, float] = field(init=False, compare=False)
     main_class: str = field(init=False, compare=False)
     cumulative: tuple[float, ...] = field(init=False, compare=False)
-    relative: Mapping[str, float] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", frozenset(self.endpoints))
@@ -267,8 +265,6 @@ class ClusterEndpoints:
             upto += w[e]
             cumulative.append(upto / total)
         object.__setattr__(self, "cumulative", tuple(cumulative))
-        top = max(w.values(), default=1)
-        object.__setattr__(self, "relative", MappingProxyType({e: v / top for e, v in w.items()}))
 
 
 def _address(lb_endpoint: endpoint_pb2.LbEndpoint) -> str | None:

@@ -561,30 +561,6 @@ def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spi
     assert choose(p, 99, home, {home: 2.0}, 2.0, min_bound=2.0)[1] == "spilled"
 
 
-def test_the_least_bound_follows_the_weights_so_a_weighed_down_pin_spills():
-    weights = {FOUR[0]: 10, FOUR[1]: 100, FOUR[2]: 100, FOUR[3]: 100}  # FOUR[0]: a latency outlier, say
-    p = pool(weights=weights)
-    assert p.relative == {FOUR[0]: 0.1, FOUR[1]: 1.0, FOUR[2]: 1.0, FOUR[3]: 1.0}
-    # One request in flight on the outlier, three in the cluster: 2.0 x 4 x 10/310 = 0.26 < 1, and
-    # its floor is 2 x 0.1 = 0.2: the next turn spills (a full-weight pin keeps it: floor 2).
-    assert choose(p, 7, FOUR[0], {FOUR[0]: 1.0}, 3.0, min_bound=2.0, pinned_load_factor=2.0)[1] == "spilled"
-    assert choose(p, 7, FOUR[1], {FOUR[1]: 1.0}, 3.0, min_bound=2.0, pinned_load_factor=2.0) == (FOUR[1], "affinity")
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(1, 100), min_size=4, max_size=4), st.lists(st.floats(0, 20), min_size=4, max_size=4),
-       st.integers(0, 2**64 - 1))
-def test_an_endpoint_is_kept_only_under_its_weighted_bound_or_floor(ws, loads_, position):
-    weights = dict(zip(FOUR, ws, strict=True))
-    loads = dict(zip(FOUR, loads_, strict=True))
-    p = pool(weights=weights)
-    total = sum(loads_)
-    chosen, reason = choose(p, position, None, loads, total, 1.0, min_bound=2.0)
-    if reason == "affinity":
-        bound = max(1.25 * (total + 1.0) * p.shares[chosen], 2.0 * weights[chosen] / max(ws))
-        assert loads[chosen] < bound
-
-
 def test_scheduler_settings_travel_over_xds_unchanged():
     """A standalone picker (``inferlb ext-proc --xds``) reads the same routing table and settings."""
     from google.protobuf import json_format, struct_pb2
