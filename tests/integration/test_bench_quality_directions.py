@@ -34,8 +34,11 @@ def test_quick_runs_show_the_scheduler_targets_directions(tmp_path):
         argv += ["--scenario", name]
     proc = subprocess.run(inferlb_argv(*argv), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = json.loads(out.read_text())["scenarios"]
+    check_directions(json.loads(out.read_text())["scenarios"])
 
+
+def check_directions(figures: dict) -> None:
+    """The directions above, on ``{scenario: {policy: figures}}`` of one run."""
     uneven = figures["uneven"]
     worst_blind = min(uneven[p]["oom_rate"] for p in BASELINES)
     assert worst_blind > 0.05, uneven  # the trap is there: blind policies run out of memory
