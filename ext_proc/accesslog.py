@@ -38,7 +38,7 @@ class CostSink(Protocol):
 
 def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str,
                        view: CompletionSink | None = None, costs: CostSink | None = None,
-                       failed: Callable[[str], None] | None = None) -> int:
+                       failed: Callable[[str, bool], None] | None = None) -> int:
     """Count the completions in one serialized ``StreamAccessLogsMessage``.
 
     Args:
@@ -48,9 +48,10 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         view: also record each entry's upstream host, status and total time there (Envoy's view).
         costs: each completion of a pick whose tokens were known, with its duration
             (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms.
-        failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed: Envoy
-            flagged an upstream connection failure, reset or termination, or served it from
-            another host after a retry (issue 15 item 13).
+        failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed, and
+            whether that is certain: Envoy flagged an upstream connection failure, reset or
+            termination (certain), or served it from another host after a retry (not certain: a
+            5xx answer is retried too) (issue 15 item 13).
 
     Returns:
         The number of HTTP entries matched to a cluster: by the logged cluster header, else by the
@@ -78,16 +79,16 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         counted += 1
         props = entry.common_properties
         if applied and pin is not None and failed is not None:
-            broken = False
+            certain = retried = False
             if props.HasField("response_flags"):  # absent on a clean request: no per-flag reads
                 flags = props.response_flags
-                broken = (flags.upstream_connection_failure or flags.upstream_remote_reset
-                          or flags.upstream_connection_termination)
-            if not broken and props.upstream_request_attempt_count > 1:
+                certain = (flags.upstream_connection_failure or flags.upstream_remote_reset
+                           or flags.upstream_connection_termination)
+            if not certain and props.upstream_request_attempt_count > 1:
                 upstream = props.upstream_remote_address.socket_address
-                broken = bool(upstream.address) and f"{upstream.address}:{upstream.port_value}" != pin
-            if broken:
-                failed(pin)
+                retried = bool(upstream.address) and f"{upstream.address}:{upstream.port_value}" != pin
+            if certain or retried:
+                failed(pin, certain)
         if pick is not None and costs is not None and pick[3] is not None and pick[4] is not None \
                 and props.HasField("time_to_last_downstream_tx_byte") and entry.response.response_code.value == 200:
             ttft = (props.time_to_first_upstream_rx_byte.ToNanoseconds() / 1e6

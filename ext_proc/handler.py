@@ -488,8 +488,8 @@ class PickerHandler:
         if self.admission is not None:
             self.admission.release(self._room)
 
-    def _failed(self, endpoint: str) -> None:
-        if self.inflight.failed_now(endpoint):
+    def _failed(self, endpoint: str, certain: bool = True) -> None:
+        if self.inflight.failed_now(endpoint, certain):
             self._count("endpoint-failed")
             log.warning("picker: connections to %s fail; not pinning to it for %g s", endpoint,
                         self.inflight._hold)

@@ -52,6 +52,13 @@ class InFlight:
         clock: monotonic seconds (tests pass a fake one).
         failure_hold_s: an endpoint whose connection failed (:meth:`failed_now`) is not picked for
             this long (s, > 0).
+        sample_slack_s: how unsure the time of a memory sample is, against the picks' and
+            completions' times (s, >= 0): the trip from picker to backend, the access-log flush, the
+            sample's age measured a little before the sample reaches the picker. Within it, a pick
+            counts as not yet in the sample and a completion as not yet freed in it (the estimate
+            errs low, never high).
+        done_keep_s: how long finished requests with memory are remembered for :meth:`set_samples`
+            (s, > 0; above the age of the oldest sample used, else the estimate errs low).
 
     Attributes:
         endpoints: ``{"HOST:PORT": requests in flight}`` for pinned requests (zero entries removed).
@@ -61,8 +68,8 @@ class InFlight:
         cluster_work: ``{cluster: work in flight}`` of the cluster's pinned requests.
         free: ``{"HOST:PORT": estimated free GPU memory, MiB}``: the last reported free memory
             minus the memory of requests picked since that sample and still in flight, plus the
-            memory of requests that finished since (only endpoints with a sample; see
-            :meth:`set_samples`).
+            memory of requests the sample saw running that have finished since (only endpoints
+            with a sample; see :meth:`set_samples`).
         failed: ``{"HOST:PORT": until (monotonic s)}``: endpoints not to pick (connect failures,
             resets), cleared by :meth:`expire` once the hold is over.
         streams: access-log streams open now; while none is open, completions cannot arrive,
@@ -71,15 +78,19 @@ class InFlight:
             in flight that carried an id, oldest first.
 
     Raises:
-        ValueError: ``expiry_s`` or ``failure_hold_s`` is not positive.
+        ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
+            ``sample_slack_s`` is negative.
     """
 
     __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests",
-                 "_pending_ep",
-                 "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled")
+                 "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled",
+                 "_done", "_slack", "_keep", "_doubts")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
-                 failure_hold_s: float = 5.0) -> None:
+                 failure_hold_s: float = 5.0, sample_slack_s: float = 0.05, done_keep_s: float = 10.0) -> None:
+        if sample_slack_s < 0 or done_keep_s <= 0:
+            raise ValueError(f"in-flight sample_slack_s must be >= 0 and done_keep_s > 0, got {sample_slack_s}, "
+                             f"{done_keep_s}")
         if expiry_s <= 0:
             raise ValueError(f"in-flight expiry_s must be > 0, got {expiry_s}")
         if failure_hold_s <= 0:
@@ -100,6 +111,11 @@ class InFlight:
         self._seen: set[str] = set()
         self._completions = [0, 0]  # unmatched, matched: flushed to the counter by expire()
         self._sampled: dict[str, float] = {}  # endpoint -> time of its memory sample (monotonic s)
+        # endpoint -> finished picks with memory, oldest first: (picked at, finished at, MiB)
+        self._done: dict[str, deque[tuple[float, float, float]]] = {}
+        self._slack = sample_slack_s
+        self._doubts: dict[str, float] = {}  # endpoint -> time of its last uncertain failure
+        self._keep = done_keep_s
 
     @property
     def live(self) -> bool:
@@ -151,7 +167,7 @@ class InFlight:
         if not picks:
             return None
         pick = picks.popleft()
-        self._release(endpoint, pick, len(picks))
+        self._release(endpoint, pick, len(picks), self._clock())
         if not picks:
             del self._pending_ep[endpoint]
         return pick
@@ -171,7 +187,9 @@ class InFlight:
         self._completions[matched] += 1
         return self.finish(endpoint) if endpoint is not None else None
 
-    def _release(self, endpoint: str, pick: Pick, left: int) -> None:
+    def _release(self, endpoint: str, pick: Pick, left: int, finished_at: float | None = None) -> None:
+        """Take ``pick`` off the loads; ``finished_at`` (a completion, not an expiry) remembers it
+        for :meth:`set_samples` (an expired pick's end is unknown: it is never credited)."""
         _, work, mib, _, _, _, cluster = pick
         if left:
             self.endpoints[endpoint] = left
@@ -186,21 +204,39 @@ class InFlight:
             self.cluster_work.pop(cluster, None)
         if mib and endpoint in self.free:
             self.free[endpoint] += mib
+            if finished_at is not None:
+                done = self._done.get(endpoint)
+                if done is None:
+                    done = self._done[endpoint] = deque()
+                done.append((pick[0], finished_at, mib))
 
     def set_samples(self, samples: Mapping[str, tuple[float, float]]) -> None:
         """Take fresh memory samples: ``{endpoint: (free GPU memory MiB, taken at, monotonic s)}``.
 
-        Each endpoint's estimate restarts from its sample minus the memory of its picks made after
-        the sample was taken and still in flight. Endpoints absent from ``samples`` lose their
-        estimate (unknown: admitted). Two dict copies of ``samples`` plus O(requests in flight); call
-        once per metrics round.
+        Each endpoint's estimate restarts from its sample, minus the memory of its picks made after
+        the sample was taken and still in flight, plus the memory of the picks the sample saw
+        running that have finished since (a sample is 0.5-1 s old when it arrives, longer than most
+        requests: without that credit every sample would still count the memory of requests long
+        gone). ``sample_slack_s`` on either side decides the doubtful ones against admission.
+        Endpoints absent from ``samples`` lose their estimate (unknown: admitted).
+        Two dict copies of ``samples`` (C-level loops: 60 000 in a few ms) plus O(requests in flight
+        + finished in ``done_keep_s``); call once per metrics round.
         """
-        free = dict(zip(samples, map(_FIRST, samples.values()), strict=True))  # C-level loops: 60 000 in a few ms
-        for endpoint, picks in self._pending_ep.items():  # only endpoints with picks in flight
+        free = dict(zip(samples, map(_FIRST, samples.values()), strict=True))
+        slack = self._slack
+        for endpoint in self._pending_ep.keys() | self._done.keys():  # only endpoints with recent picks
             sample = samples.get(endpoint)
-            if sample is not None:
-                taken_at = sample[1]
-                free[endpoint] -= sum(pick[2] for pick in picks if pick[0] > taken_at)
+            if sample is None:
+                continue
+            before, after = sample[1] - slack, sample[1] + slack
+            estimate = free[endpoint]
+            for pick in self._pending_ep.get(endpoint, ()):
+                if pick[0] > before:  # picked after the sample (or maybe): not in it yet
+                    estimate -= pick[2]
+            for picked_at, finished_at, used in self._done.get(endpoint, ()):
+                if picked_at <= before and finished_at > after:  # running in the sample, gone now
+                    estimate += used
+            free[endpoint] = estimate
         self.free = free
         self._sampled = dict(zip(samples, map(_SECOND, samples.values()), strict=True))
 
@@ -228,11 +264,24 @@ class InFlight:
         """The in-flight clock's time (monotonic s)."""
         return self._clock()
 
-    def failed_now(self, endpoint: str) -> bool:
-        """Mark ``endpoint`` as failing (a connect failure or reset); returns True when it was not
-        marked already. It is skipped for ``failure_hold_s``."""
+    def failed_now(self, endpoint: str, certain: bool = True) -> bool:
+        """Count one failure of ``endpoint``; returns True when that newly marks it failing (then it
+        is skipped for ``failure_hold_s``).
+
+        ``certain``: Envoy flagged a connect failure, reset or termination: marked at once. Not
+        certain: Envoy retried the request on another host, which a 5xx answer (an out-of-memory
+        500) causes as well as a broken connection; one such retry is a moment, not a failing
+        endpoint, so it is marked at the second within ``failure_hold_s``.
+        """
+        now = self._clock()
         fresh = endpoint not in self.failed
-        self.failed[endpoint] = self._clock() + self._hold
+        if not certain and fresh:
+            last = self._doubts.get(endpoint)
+            self._doubts[endpoint] = now
+            if last is None or now - last > self._hold:
+                return False
+        self._doubts.pop(endpoint, None)
+        self.failed[endpoint] = now + self._hold
         return fresh
 
     def expire(self) -> int:
@@ -260,9 +309,19 @@ class InFlight:
                 self._release(endpoint, pick, len(picks))
             if not picks:
                 del self._pending_ep[endpoint]
+        keep = now - self._keep
+        for endpoint in list(self._done):
+            done = self._done[endpoint]
+            while done and done[0][1] < keep:
+                done.popleft()
+            if not done:
+                del self._done[endpoint]
         if self.failed:
             for endpoint in [e for e, until in self.failed.items() if until <= now]:
                 del self.failed[endpoint]
+        if self._doubts:
+            for endpoint in [e for e, at in self._doubts.items() if at + self._hold <= now]:
+                del self._doubts[endpoint]
         if expired:
             EXPIRED.inc(expired)
         unmatched, matched = self._completions

@@ -174,16 +174,18 @@ NO_BODY = BodyFields()
 
 
 def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: BodyFields
-                 ) -> tuple[float, float | None, float | None]:
-    """A request's GPU memory need and tokens: ``(MiB, prompt tokens or None, output tokens or None)``.
+                 ) -> tuple[float, float | None, float | None, bool]:
+    """A request's GPU memory need and tokens: ``(MiB, prompt tokens or None, output tokens or None,
+    declared)``.
 
-    In order: the ``request_memory_header`` (MiB, when configured and a number >= 0); the body's
-    prompt length and ``max_tokens`` (``default_max_tokens`` when absent) x ``kv_mib_per_token``;
-    the class named by ``request_class_header`` (``request_classes``); else
-    ``default_request_mib``. Tokens come from the body, else the class. Never raises.
+    In order: the ``request_memory_header`` (MiB, when configured and a number >= 0; ``declared``
+    True: the client states its reservation, so memory admission adds no margin to it); the
+    body's prompt length and ``max_tokens`` (``default_max_tokens`` when absent) x
+    ``kv_mib_per_token``; the class named by ``request_class_header`` (``request_classes``); else
+    ``default_request_mib`` (these are estimates: admission adds ``memory_margin``). Tokens come
+    from the body, else the class. Never raises.
     """
     prompt = output = None
-    mib = None
     if body.prompt_tokens is not None:
         prompt = body.prompt_tokens
         output = float(body.max_tokens if body.max_tokens is not None else routing.default_max_tokens)
@@ -199,15 +201,14 @@ def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: Body
             except ValueError:
                 value = -1.0
             if 0.0 <= value < 1e9:
-                mib = value
-    if mib is None:
-        if body.prompt_tokens is not None:
-            mib = (prompt + output) * routing.kv_mib_per_token  # type: ignore[operator]
-        elif cls is not None:
-            mib = cls.memory_mib
-        else:
-            mib = routing.default_request_mib
-    return mib, prompt, output
+                return value, prompt, output, True
+    if body.prompt_tokens is not None:
+        mib = (prompt + output) * routing.kv_mib_per_token  # type: ignore[operator]
+    elif cls is not None:
+        mib = cls.memory_mib
+    else:
+        mib = routing.default_request_mib
+    return mib, prompt, output, False
 
 
 class _Live(Protocol):
@@ -257,8 +258,9 @@ def pick(
         session cookie (when configured), else the body's ``user``, else its
         ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
         request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
-        (affinity, weighted bounded loads, memory admission) among the endpoints of one tier
-        (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
+        (affinity, weighted bounded loads, memory admission; endpoints whose connections fail are
+        skipped, unless every endpoint with memory for the request fails) among the endpoints of one
+        tier (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
         ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
         when no endpoint can hold it. Without a healthy endpoint nothing is pinned. Before the
         first real view, nothing is decided (reason "not-ready") so Envoy's own routing applies.
@@ -314,9 +316,9 @@ def pick(
     if pool is None or not pool.endpoints:
         return Decision(cluster, None, None, b"", "no-healthy-endpoint")
     if body is NO_BODY and not routing.sized:  # nothing tells the size: the default (the common case)
-        mib, prompt, output = routing.default_request_mib, None, None
+        mib, prompt, output, declared = routing.default_request_mib, None, None, False
     else:
-        mib, prompt, output = request_need(headers, routing, body)
+        mib, prompt, output, declared = request_need(headers, routing, body)
     work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
     live = getattr(loads, "cluster_work", None)
     if live is not None:
@@ -346,14 +348,16 @@ def pick(
     if position is None:
         rid = headers.get("x-request-id")
         spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
+    margin = 0.0 if declared else routing.memory_margin  # a need the client declared is taken as it is
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                              routing.load_factor, routing.memory_margin, spin, routing.min_bound,
-                              routing.pinned_load_factor)
+                              routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor)
     if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                                  routing.load_factor, routing.memory_margin, spin, routing.min_bound,
-                                  routing.pinned_load_factor)
+                                  routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor)
+    if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
+        endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
+                                  routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

@@ -180,9 +180,12 @@ class InferLB:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
         request needing more than every endpoint has is refused). Read from the weights in a worker
-        thread (30 ms at 60 000 endpoints), handed over on the loop."""
+        thread (30 ms at 60 000 endpoints), handed over on the loop. Sample ages count from the fetch,
+        not from now: the round's computation in between would make every sample look younger."""
+        at = self.control.stats_at
+
         def read() -> tuple:
-            return (memory_samples(weights, self.control.spec, time.monotonic()),
+            return (memory_samples(weights, self.control.spec, time.monotonic() if at is None else at),
                     largest_memory(weights, self.control.spec))
 
         samples, largest = await asyncio.to_thread(read)

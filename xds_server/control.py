@@ -118,6 +118,8 @@ class ControlPlane:
         self.weights: list[EndpointWeight] = []
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
+        self.stats_at: float | None = None
+        """When the current stats were fetched (monotonic s): their ``sample_age_s`` count from here."""
         self.ready = asyncio.Event()
 
     @property
@@ -247,6 +249,7 @@ class ControlPlane:
             log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
         else:
             self._stats = stats
+            self.stats_at = time.monotonic()
             self._fit_staleness()
         await self._compute_and_publish(stats)
         return ok

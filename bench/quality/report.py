@@ -287,6 +287,7 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         if best and full is not None:
             ratios[s] = full / best
     worst_t = min(ratios.items(), key=lambda kv: kv[1], default=None)
+    rows += _comparisons(store)
     rows.append(("throughput within 5 % of the best baseline",
                  ", ".join(f"{s} {100 * r:.1f} %" for s, r in ratios.items()) or "–",
                  verdict(None if worst_t is None else worst_t[1] >= 0.95,
@@ -353,6 +354,74 @@ def tier_table(figures: Mapping[str, Mapping[str, Any]]) -> str:
         if p in figures:
             lines.append(f"| {p} | " + " | ".join(_cell(figures[p], k, fmt) for _, k, fmt in columns) + " |")
     return "\n".join(lines)
+
+
+#: The figures "at least as good" compares (lower is better for all three).
+_AS_GOOD = (("p95_ms", "p95"), ("ttft_p90_ms", "TTFT p90"), ("error_rate", "errors"))
+
+
+def _worse(store: Mapping[str, Any], scenario: str, policy: str, other: str, key: str) -> bool | None:
+    """Whether ``policy`` is worse than ``other`` on ``key`` beyond the spreads (None: not measured)."""
+    a, b = _spread(store, scenario, policy, key), _spread(store, scenario, other, key)
+    if a is None or b is None:
+        return None
+    return a[0] > b[1] + 1e-12
+
+
+def _comparisons(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The issue-13 rows that compare inferlb with the baselines, beyond the spreads over rounds."""
+    sc = store.get("scenarios", {})
+    rows: list[tuple[str, str, str]] = []
+
+    def listing(worse: list[str], measured: bool) -> tuple[str, str]:
+        if not measured:
+            return "–", "not measured"
+        return ("worse beyond the spread: " + ", ".join(worse) if worse else "never worse beyond the spread",
+                "missed" if worse else "met")
+
+    worse, measured = [], False
+    for s in sc:
+        for key, label in _AS_GOOD:
+            best = min((b for b in BASELINES if _get(store, s, b, key) is not None),
+                       key=lambda b: _get(store, s, b, key), default=None)
+            if best is None or _get(store, s, "inferlb_full", key) is None:
+                continue
+            measured = True
+            if _worse(store, s, "inferlb_full", best, key):
+                worse.append(f"{s} {label} ({_fmt(key, _get(store, s, 'inferlb_full', key))} vs "
+                             f"{_fmt(key, _get(store, s, best, key))} {best})")
+    rows.append(("as good as the best baseline on p95, TTFT p90 and errors, every scenario", *listing(worse, measured)))
+
+    full, lr = _get(store, "sessions", "inferlb_full", "p95_ms"), _get(store, "sessions", "least_request", "p95_ms")
+    bad = _worse(store, "sessions", "inferlb_full", "least_request", "p95_ms")
+    rows.append(("p95 ≤ least_request's (sessions)",
+                 "–" if full is None or lr is None else f"{_ms(full)} vs {_ms(lr)} ms",
+                 "not measured" if bad is None else "missed" if bad else
+                 ("met" if full <= lr else "not claimed (the spreads over rounds overlap)")))
+    for s in ("shared_prefix", "chat_resend"):
+        for key, label, factor, higher in (("prefix_hit_rate", "prefix hits ≥ 2 ×", 2.0, True),
+                                           ("ttft_p90_ms", "TTFT p90 ≤ 0.5 ×", 0.5, False)):
+            f, b = _get(store, s, "inferlb_full", key), _get(store, s, "least_request", key)
+            if f is None or not b:
+                rows.append((f"{label} least_request ({s})", "–", "not measured"))
+                continue
+            ok = f >= factor * b if higher else f <= factor * b
+            rows.append((f"{label} least_request ({s})", f"{_fmt(key, f)} vs {_fmt(key, b)} = {f / b:.2f} ×",
+                         "met" if ok else "missed"))
+    worse, measured = [], False
+    for s in sc:
+        for key, label in _AS_GOOD:
+            bad = _worse(store, s, "inferlb_eds", "least_request", key)
+            measured = measured or bad is not None
+            if bad:
+                worse.append(f"{s} {label} ({_fmt(key, _get(store, s, 'inferlb_eds', key))} vs "
+                             f"{_fmt(key, _get(store, s, 'least_request', key))})")
+    rows.append(("inferlb_eds never worse than least_request (p95, TTFT p90, errors)", *listing(worse, measured)))
+    return rows
+
+
+def _fmt(key: str, v: float | None) -> str:
+    return _pct(v) if key.endswith("rate") else f"{_ms(v)} ms"
 
 
 INTRO = f"""\

@@ -593,7 +593,8 @@ class Picker(_Strict):
     least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
     session's existing pin (its KV cache is there); ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
-    ``request_memory_header`` (MiB), the body (``kv_mib_per_token`` x (prompt tokens, estimated at
+    ``request_memory_header`` (MiB; declared, so admitted without the margin), the body
+    (``kv_mib_per_token`` x (prompt tokens, estimated at
     ``chars_per_token``, + ``max_tokens`` or ``default_max_tokens``)), ``request_class_header`` +
     ``request_classes``, else ``engine.request_memory_mib``. ``prefix_messages`` /
     ``prefix_max_bytes``: what the prefix key hashes. ``memory_queue``: a request no endpoint has

@@ -337,6 +337,26 @@ def test_figures_are_medians_over_rounds_with_their_spread():
     assert "| round_robin |" in table and "100<br><small>90.0–140</small>" in table
 
 
+def test_comparison_targets_count_only_differences_beyond_the_spreads():
+    both = report.aggregate
+    store = {"scenarios": {
+        "uneven": {"inferlb_full": both([_figs(p95_ms=200.0), _figs(p95_ms=210.0)]),
+                   "round_robin": both([_figs(p95_ms=100.0), _figs(p95_ms=120.0)]),
+                   "least_request": both([_figs(p95_ms=190.0), _figs(p95_ms=205.0)]),
+                   "inferlb_eds": both([_figs(p95_ms=150.0), _figs(p95_ms=195.0)])},
+        "shared_prefix": {"inferlb_full": _figs(prefix_hit_rate=0.8, ttft_p90_ms=40.0),
+                          "least_request": _figs(prefix_hit_rate=0.3, ttft_p90_ms=100.0)},
+    }}
+    rows = {t: (m, v) for t, m, v in report.targets(store)}
+    measured, verdict = rows["as good as the best baseline on p95, TTFT p90 and errors, every scenario"]
+    assert verdict == "missed" and "uneven p95 (205 ms vs 110 ms round_robin)" in measured
+    assert rows["inferlb_eds never worse than least_request (p95, TTFT p90, errors)"][1] == "met"  # overlap
+    assert rows["prefix hits ≥ 2 × least_request (shared_prefix)"] == ("80.0 % vs 30.0 % = 2.67 ×", "met")
+    assert rows["TTFT p90 ≤ 0.5 × least_request (shared_prefix)"] == ("40.0 ms vs 100 ms = 0.40 ×", "met")
+    assert rows["prefix hits ≥ 2 × least_request (chat_resend)"][1] == "not measured"
+    assert rows["p95 ≤ least_request's (sessions)"][1] == "not measured"
+
+
 def test_a_ratio_is_not_claimed_when_the_spreads_overlap():
     full = report.aggregate([_figs(p95_ms=50.0), _figs(p95_ms=120.0)])
     lr = report.aggregate([_figs(p95_ms=100.0), _figs(p95_ms=110.0)])

@@ -127,6 +127,93 @@ def test_estimated_free_subtracts_what_was_sent_since_the_sample_and_credits_com
     assert live.free[FOUR[0]] == 5900.0
 
 
+def test_a_sample_is_credited_with_the_requests_it_saw_that_finished_since():
+    clock = [100.0]
+    live = InFlight(clock=lambda: clock[0], sample_slack_s=0.05)
+    live.picked("c", FOUR[0], mib=8000.0)
+    live.picked("c", FOUR[0], mib=8000.0)
+    live.set_samples({FOUR[0]: (24000.0, 99.0)})
+    clock[0] = 100.5  # the sample (taken at 100.2, 8000 free) arrives after both requests ended
+    live.completed("c", FOUR[0])
+    live.completed("c", FOUR[0])
+    clock[0] = 101.0
+    live.set_samples({FOUR[0]: (8000.0, 100.2)})
+    assert live.free[FOUR[0]] == 24000.0  # not 8000: the memory it showed in use is free again
+
+
+def test_doubtful_requests_near_the_sample_time_count_against_admission():
+    clock = [100.0]
+    live = InFlight(clock=lambda: clock[0], sample_slack_s=0.05)
+    live.picked("c", FOUR[0], mib=8000.0)
+    clock[0] = 100.23  # finished 30 ms after the sample: maybe before it, as far as the picker knows
+    live.completed("c", FOUR[0])
+    clock[0] = 100.18  # picked 20 ms before the sample: maybe not at the backend yet
+    live.picked("c", FOUR[0], mib=4000.0)
+    clock[0] = 100.6
+    live.set_samples({FOUR[0]: (16000.0, 100.2)})
+    assert live.free[FOUR[0]] == 12000.0  # no credit for the first, the second subtracted
+
+
+def test_an_expired_pick_is_never_credited_to_a_sample():
+    clock = [0.0]
+    live = InFlight(expiry_s=10.0, clock=lambda: clock[0])
+    live.set_samples({FOUR[0]: (20000.0, 0.0)})
+    live.picked("c", FOUR[0], mib=8000.0)
+    clock[0] = 11.0
+    live.expire()  # its record was lost: when it ended is unknown
+    live.set_samples({FOUR[0]: (20000.0, 10.5)})
+    assert live.free[FOUR[0]] == 20000.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0.001, 3)), max_size=30),
+       st.sampled_from([2048.0, 8192.0]), st.floats(0.5, 10), st.floats(0, 2))
+def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, delay):
+    """Requests (picked at, lasting) of ``size`` MiB each on one endpoint; a true sample at
+    ``taken_at`` reaches the picker ``delay`` s later. The estimate then is at most the true free
+    memory, and equal to it when no request starts or ends within the slack of the sample.
+    (One size: Envoy's completions are matched to picks first in, first out per endpoint.)"""
+    requests = [(t, d, size) for t, d in spans]
+    total, slack = 30 * 8192.0, 0.05
+    now = taken_at + delay
+    events = sorted([(t, "pick", i) for i, (t, _, _) in enumerate(requests)]
+                    + [(t + d, "done", i) for i, (t, d, _) in enumerate(requests)])
+    clock = [0.0]
+    live = InFlight(expiry_s=1000.0, clock=lambda: clock[0], sample_slack_s=slack)
+    live.set_samples({FOUR[0]: (total, -1.0)})  # known from the start
+    order: list[int] = []  # picks in flight, oldest first (completions are matched first in, first out)
+    for t, kind, i in events:
+        if t > now:
+            break
+        clock[0] = t
+        if kind == "pick":
+            live.picked("c", FOUR[0], mib=requests[i][2])
+            order.append(i)
+        else:
+            live.completed("c", FOUR[0])
+            order.remove(i)
+    clock[0] = now
+    resident_at_sample = sum(m for t, d, m in requests if t <= taken_at < t + d)
+    live.set_samples({FOUR[0]: (total - resident_at_sample, taken_at)})
+    in_flight_now = sum(requests[i][2] for i in order)
+    truth = total - in_flight_now
+    assert live.free[FOUR[0]] <= truth + 1e-6
+    near = any(abs(t - taken_at) <= slack or abs(t + d - taken_at) <= slack for t, d, _ in requests)
+    if not near:
+        assert live.free[FOUR[0]] == pytest.approx(truth)
+
+
+def test_a_declared_need_gets_no_margin_an_estimated_one_does():
+    routing = RoutingTable(services=ROUTING.services, request_memory_header="x-sim-memory-mib")
+    v = view(routing=routing)
+    free = InFlight()
+    free.set_samples({e: (8192.0, 0.0) for e in FOUR})
+    declared = pick(headers(x_sim_memory_mib=b"8192"), v, free)
+    assert declared.endpoint is not None and declared.reason != "no-memory"
+    estimated = pick(headers(), v, free, body=BodyFields(prompt_tokens=16256.0, max_tokens=128))  # 8192 MiB
+    assert estimated.mib == 8192.0 and estimated.reason == "no-memory"
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0, 40_000), min_size=4, max_size=4), st.floats(0, 20_000))
 def test_a_chosen_endpoint_always_has_memory_for_the_request(frees, need):
@@ -149,11 +236,12 @@ def test_a_session_whose_endpoint_lacks_memory_spills_for_memory():
 def test_request_need_from_header_body_class_or_default():
     routing = RoutingTable(request_memory_header="x-sim-memory-mib", kv_mib_per_token=0.5,
                            request_classes={"big": RequestClass(18432.0, 2000, 512)})
-    assert request_need({"x-sim-memory-mib": b"8192"}, routing, BodyFields()) == (8192.0, None, None)
-    assert request_need({}, routing, BodyFields(prompt_tokens=1000.0, max_tokens=200)) == (600.0, 1000.0, 200.0)
-    assert request_need({}, routing, BodyFields(prompt_tokens=100.0)) == (114.0, 100.0, 128.0)
-    assert request_need({"x-inferlb-request-class": b"big"}, routing, BodyFields()) == (18432.0, 2000, 512)
-    assert request_need({"x-inferlb-request-class": b"nope"}, routing, BodyFields()) == (2048.0, None, None)
+    assert request_need({"x-sim-memory-mib": b"8192"}, routing, BodyFields()) == (8192.0, None, None, True)
+    assert request_need({}, routing, BodyFields(prompt_tokens=1000.0, max_tokens=200)) == (600.0, 1000.0, 200.0,
+                                                                                          False)
+    assert request_need({}, routing, BodyFields(prompt_tokens=100.0)) == (114.0, 100.0, 128.0, False)
+    assert request_need({"x-inferlb-request-class": b"big"}, routing, BodyFields()) == (18432.0, 2000, 512, False)
+    assert request_need({"x-inferlb-request-class": b"nope"}, routing, BodyFields()) == (2048.0, None, None, False)
     assert request_need({"x-sim-memory-mib": b"lots"}, routing, BodyFields())[0] == 2048.0  # bad value: ignored
 
 
@@ -368,7 +456,10 @@ def test_a_connect_failure_stops_pinning_there_and_re_pins_the_session_once():
     handler = PickerHandler(ViewHolder(v), inflight=InFlight(clock=lambda: clock[0], failure_hold_s=5.0))
     first = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
     survivor = next(e for e in FOUR if e != first)
-    handler.access_log(_log(first, served_by=survivor, attempts=2))  # Envoy retried elsewhere
+    handler.access_log(_log(first, served_by=survivor, attempts=2))  # Envoy retried elsewhere: a 5xx, or broken?
+    assert first not in handler.inflight.failed
+    clock[0] = 1.0
+    handler.access_log(_log(first, served_by=survivor, attempts=2))  # again within the hold: failing
     assert first in handler.inflight.failed
     seen = set()
     for _ in range(3):  # one after the other, each completed before the next
@@ -376,11 +467,30 @@ def test_a_connect_failure_stops_pinning_there_and_re_pins_the_session_once():
         handler.inflight.completed("c", e)
         seen.add(e)
     assert first not in seen and len(seen) == 1  # re-pinned once, and it stays there
-    clock[0] = 6.0
+    clock[0] = 7.0
     handler.tick()
     assert first not in handler.inflight.failed
     again = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
     assert again in seen  # the hold is over, but the session stays on its new endpoint
+
+
+def test_retries_elsewhere_far_apart_never_mark_an_endpoint_failing():
+    clock = [0.0]
+    handler = PickerHandler(ViewHolder(view()), inflight=InFlight(clock=lambda: clock[0], failure_hold_s=5.0))
+    for _ in range(4):
+        handler.access_log(_log(FOUR[0], served_by=FOUR[1], attempts=2))  # an OOM answer retried, say
+        clock[0] += 6.0
+        handler.tick()
+        assert not handler.inflight.failed
+
+
+def test_when_every_endpoint_is_failing_requests_are_still_pinned_not_refused():
+    handler = PickerHandler(ViewHolder(view()))
+    for e in FOUR:
+        handler.access_log(_log(e, flag="upstream_connection_failure", status=503))
+    assert set(handler.inflight.failed) == set(FOUR)
+    decision = pick(headers(x_session_id=b"s"), handler.holder.current, handler.inflight)
+    assert decision.endpoint in FOUR and decision.reason != "no-memory"
 
 
 def test_upstream_connection_failure_flag_marks_the_pin_failing():
