@@ -166,6 +166,8 @@ class SharedLoad:
 
     Attributes (what :func:`ext_proc.picker.pick` and the handler's admission read):
         work, cluster_work, clusters: own + others (mappings with ``get``).
+        endpoints: ``{"HOST:PORT": requests in flight}``, own + others (the edge tier's load:
+            :func:`ext_proc.tiers.tier_for`).
         free: estimated free GPU memory (MiB), see the module docstring.
         failed: the picker's own failing endpoints (not shared).
         others: the last :class:`Others` (:data:`NO_OTHERS` before the first view and after the
@@ -173,7 +175,8 @@ class SharedLoad:
         viewed_at: when ``others`` was set (the in-flight clock, s; None: never).
     """
 
-    __slots__ = ("inflight", "others", "work", "cluster_work", "clusters", "free", "failed", "viewed_at")
+    __slots__ = ("inflight", "others", "work", "cluster_work", "clusters", "endpoints", "free", "failed",
+                 "viewed_at")
 
     def __init__(self, inflight: InFlight) -> None:
         self.inflight = inflight
@@ -181,6 +184,7 @@ class SharedLoad:
         self.work = _Plus(inflight.work)
         self.cluster_work = _Plus(inflight.cluster_work)
         self.clusters = _Plus(inflight.clusters)  # type: ignore[arg-type]
+        self.endpoints = _Plus(inflight.endpoints)  # type: ignore[arg-type]
         self.free = _Free(inflight)
         self.failed = inflight.failed
         self.viewed_at: float | None = None
@@ -191,5 +195,6 @@ class SharedLoad:
         self.work.others = others.work
         self.cluster_work.others = others.cluster_work
         self.clusters.others = others.clusters
+        self.endpoints.others = others.in_flight
         self.free.others = others.memory_mib
         self.viewed_at = self.inflight.now() if at is None else at

@@ -10,6 +10,7 @@ from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight
 from ext_proc.picker import pick
 from ext_proc.settings import PickerSettings, from_wire, to_wire
+from ext_proc.shared_load import SharedLoad, others_of
 from ext_proc.tiers import tier_for, tier_load
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 
@@ -106,3 +107,17 @@ def test_a_request_no_edge_endpoint_has_memory_for_goes_to_the_cloud_under_the_t
     live.set_samples({e: (1000.0, 0.0) for e in EDGE + CLOUD})
     d = pick({":authority": b"x"}, view, live)
     assert d.endpoint is None and d.reason == "no-memory"
+
+
+def test_with_the_shared_view_the_other_pickers_edge_requests_count_toward_the_threshold():
+    """Three requests of another gateway's picker on the edge and three of this one's: 6 of 10 = the
+    threshold, so the next request goes to the cloud (alone, this picker would see 3 of 10)."""
+    view = EndpointView.build({"llm-v1": tiered()}, routing())
+    own = InFlight()
+    shared = SharedLoad(own)
+    for _ in range(3):
+        own.picked("llm-v1", EDGE[0], 1.0)
+    shared.set_others(others_of({("llm-v1", EDGE[1]): (3, 3.0, 0.0)}, {"llm-v1": (3, 3.0)}, {}, {}))
+    assert shared.endpoints.get(EDGE[0], 0) == 3 and shared.endpoints.get(EDGE[1], 0) == 3
+    assert pick({":authority": b"x", "x-request-id": b"r"}, view, shared).endpoint in CLOUD
+    assert pick({":authority": b"x", "x-request-id": b"r"}, view, own).endpoint in EDGE
