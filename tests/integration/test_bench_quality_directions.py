@@ -6,9 +6,11 @@ its size (the sizes are measured in full mode, BENCHMARKS.md):
 
 - ``uneven``: memory admission: inferlb_full runs out of GPU memory far less often than any
   memory-blind baseline;
-- ``sessions``: soft affinity keeps conversations on the node with their KV cache;
 - ``shared_prefix``: the prefix key sends a tenant's requests where its system prompt is cached;
-- ``chat_resend``: without a session header, the prefix key still follows the conversation.
+- ``chat_resend``: without a session header, the prefix key still follows the conversation (soft
+  affinity: its turns stay on the node with their KV cache; the ``sessions`` scenario, with a session
+  header, is left to full mode to keep CI short: pinning by header is tested on real Envoy in
+  tests/integration/test_picker_envoy.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from inferlb.devstack.stack import inferlb_argv
 
 pytestmark = pytest.mark.integration
 
-SCENARIOS = ("uneven", "sessions", "shared_prefix", "chat_resend")
+SCENARIOS = ("uneven", "shared_prefix", "chat_resend")
 
 
 def test_quick_runs_show_the_scheduler_targets_directions(tmp_path):
@@ -43,10 +45,6 @@ def check_directions(figures: dict) -> None:
     worst_blind = min(uneven[p]["oom_rate"] for p in BASELINES)
     assert worst_blind > 0.05, uneven  # the trap is there: blind policies run out of memory
     assert uneven["inferlb_full"]["oom_rate"] <= 0.25 * worst_blind, uneven
-
-    sessions = figures["sessions"]
-    assert sessions["inferlb_full"]["session_hit_rate"] >= 0.85, sessions
-    assert sessions["inferlb_full"]["session_hit_rate"] > sessions["least_request"]["session_hit_rate"] + 0.2
 
     shared = figures["shared_prefix"]
     assert shared["inferlb_full"]["prefix_hit_rate"] >= 2 * shared["least_request"]["prefix_hit_rate"], shared
