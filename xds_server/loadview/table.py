@@ -182,20 +182,8 @@ class LoadTable:
 
     def _apply(self, report: Report, sign: int) -> None:
         """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""
-        for key, load in report.endpoints.items():
-            have = self._endpoints.get(key, _NO_LOAD)
-            new = have + load if sign > 0 else have - load
-            if new.empty:
-                self._endpoints.pop(key, None)
-            else:
-                self._endpoints[key] = new
-        for cluster, cl in report.clusters.items():
-            have_c = self._clusters.get(cluster, _NO_CLUSTER_LOAD)
-            new_c = have_c + cl if sign > 0 else have_c - cl
-            if new_c.empty:
-                self._clusters.pop(cluster, None)
-            else:
-                self._clusters[cluster] = new_c
+        _accumulate(self._endpoints, report.endpoints, sign, _NO_LOAD)
+        _accumulate(self._clusters, report.clusters, sign, _NO_CLUSTER_LOAD)
 
     def totals(self, now: float) -> Totals:
         """The sum over the pickers alive at ``now`` (expired ones are dropped here). Its maps are
@@ -236,3 +224,15 @@ def _row(key: tuple[str, str], load: Load, total: Load | None = None) -> dict:
     if total is not None:
         row["share"] = round(load.in_flight / total.in_flight, 4) if total.in_flight > 0 else 0.0
     return row
+
+
+def _accumulate(sums: dict, loads: Mapping, sign: int, zero) -> None:
+    """``sums[key] += loads[key]`` (``sign`` 1) or ``-=`` (-1) for every key; a sum that becomes
+    empty is dropped (``zero``: the empty load of that kind)."""
+    for key, load in loads.items():
+        have = sums.get(key, zero)
+        new = have + load if sign > 0 else have - load
+        if new.empty:
+            sums.pop(key, None)
+        else:
+            sums[key] = new

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight
 from ext_proc.load_client import report_message, run_load_view, view_others
@@ -14,8 +12,9 @@ from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import ViewHolder
 from protos import load_view_pb2
+from tests.support.loadview import load_view_server
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
-from xds_server.loadview.service import add_load_view_servicer, report_from, view_message
+from xds_server.loadview.service import report_from, view_message
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]
@@ -147,30 +146,25 @@ def test_a_view_from_the_control_plane_gives_the_others_load():
 
 async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead_one_stops_counting():
     table = LoadTable(expiry_s=0.5)
-    server = grpc.aio.server()
-    add_load_view_servicer(table)(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
     for _ in range(4):
         one.inflight.picked("c", A)
-    target = f"127.0.0.1:{port}"
-    tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.02, 0.5)),
-             asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5))]
-    try:
-        async def until(cond) -> None:
-            for _ in range(300):
-                if cond():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("condition not reached in 3 s")
+    async with load_view_server(table) as target:
+        tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.02, 0.5)),
+                 asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5))]
+        try:
+            async def until(cond) -> None:
+                for _ in range(300):
+                    if cond():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("condition not reached in 3 s")
 
-        await until(lambda: two.work.get(A, 0.0) == 4.0)
-        assert two.clusters.get("c", 0) == 4 and one.work.get(A, 0.0) == 4.0, "own load is not counted twice"
-        tasks[0].cancel()  # picker one dies
-        await until(lambda: two.work.get(A, 0.0) == 0.0)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.stop(None)
+            await until(lambda: two.work.get(A, 0.0) == 4.0)
+            assert two.clusters.get("c", 0) == 4 and one.work.get(A, 0.0) == 4.0, "own load is not counted twice"
+            tasks[0].cancel()  # picker one dies
+            await until(lambda: two.work.get(A, 0.0) == 0.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from ext_proc.load_client import view_samples
 from protos import load_view_pb2, load_view_pb2_grpc
-from xds_server.loadview.service import add_load_view_servicer, report_from
+from tests.support.loadview import load_view_server
+from xds_server.loadview.service import report_from
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -113,57 +114,43 @@ def test_the_admin_document_gives_each_pickers_share():
 
 async def test_the_service_answers_each_report_with_the_sum_and_the_pickers_own_share():
     table = LoadTable(expiry_s=5.0)
-    server = grpc.aio.server()
-    add_load_view_servicer(table)(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = load_view_pb2_grpc.LoadViewServiceStub(channel)
-            one = stub.Share()
-            await one.write(load_view_pb2.LoadReport(picker="p1", seq=1, endpoints=[
-                load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=2, work=2, memory_mib=50)]))
-            v1 = await one.read()
-            assert v1.pickers == 1 and v1.seq == 1 and v1.endpoints[0].in_flight == 2
-            two = stub.Share()
-            await two.write(load_view_pb2.LoadReport(picker="p2", seq=1, endpoints=[
-                load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=3, work=3)]))
-            v2 = await two.read()
-            assert v2.pickers == 2 and v2.endpoints[0].in_flight == 5
-            assert [(e.endpoint, e.in_flight) for e in v2.own_endpoints] == [(A, 3)]
-            await two.write(load_view_pb2.LoadReport(picker="", seq=2))  # refused, the stream goes on
-            await two.write(load_view_pb2.LoadReport(picker="p2", seq=3))
-            assert (await two.read()).seq == 3
-            await one.done_writing()
-            assert await one.read() is grpc.aio.EOF
-            await two.write(load_view_pb2.LoadReport(picker="p2", seq=4))
-            v4 = await two.read()
-            assert v4.pickers == 1, "p1's stream ended: it no longer counts"
-            await two.done_writing()
-    finally:
-        await server.stop(None)
+    async with load_view_server(table) as target, grpc.aio.insecure_channel(target) as channel:
+        stub = load_view_pb2_grpc.LoadViewServiceStub(channel)
+        one = stub.Share()
+        await one.write(load_view_pb2.LoadReport(picker="p1", seq=1, endpoints=[
+            load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=2, work=2, memory_mib=50)]))
+        v1 = await one.read()
+        assert v1.pickers == 1 and v1.seq == 1 and v1.endpoints[0].in_flight == 2
+        two = stub.Share()
+        await two.write(load_view_pb2.LoadReport(picker="p2", seq=1, endpoints=[
+            load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=3, work=3)]))
+        v2 = await two.read()
+        assert v2.pickers == 2 and v2.endpoints[0].in_flight == 5
+        assert [(e.endpoint, e.in_flight) for e in v2.own_endpoints] == [(A, 3)]
+        await two.write(load_view_pb2.LoadReport(picker="", seq=2))  # refused, the stream goes on
+        await two.write(load_view_pb2.LoadReport(picker="p2", seq=3))
+        assert (await two.read()).seq == 3
+        await one.done_writing()
+        assert await one.read() is grpc.aio.EOF
+        await two.write(load_view_pb2.LoadReport(picker="p2", seq=4))
+        v4 = await two.read()
+        assert v4.pickers == 1, "p1's stream ended: it no longer counts"
+        await two.done_writing()
 
 
 async def test_the_slow_loops_memory_samples_travel_with_the_view_once_per_round():
     table = LoadTable(expiry_s=5.0)
-    server = grpc.aio.server()
-    add_load_view_servicer(table)(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share()
-            await call.write(load_view_pb2.LoadReport(picker="p", seq=1))
-            assert (await call.read()).memory_round == 0
-            table.set_memory({A: (20480.0, time.monotonic() - 0.5)})
-            await call.write(load_view_pb2.LoadReport(picker="p", seq=2))
-            view = await call.read()
-            assert view.memory_round == 1
-            [(endpoint, (free, taken))] = view_samples(view, now=100.0).items()
-            assert endpoint == A and free == 20480.0 and 99.0 < taken <= 99.5  # 0.5 s old (and the send)
-            await call.write(load_view_pb2.LoadReport(picker="p", seq=3))
-            again = await call.read()
-            assert again.memory_round == 0 and not again.memory, "the same round is not sent twice"
-            await call.done_writing()
-    finally:
-        await server.stop(None)
+    async with load_view_server(table) as target, grpc.aio.insecure_channel(target) as channel:
+        call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share()
+        await call.write(load_view_pb2.LoadReport(picker="p", seq=1))
+        assert (await call.read()).memory_round == 0
+        table.set_memory({A: (20480.0, time.monotonic() - 0.5)})
+        await call.write(load_view_pb2.LoadReport(picker="p", seq=2))
+        view = await call.read()
+        assert view.memory_round == 1
+        [(endpoint, (free, taken))] = view_samples(view, now=100.0).items()
+        assert endpoint == A and free == 20480.0 and 99.0 < taken <= 99.5  # 0.5 s old (and the send)
+        await call.write(load_view_pb2.LoadReport(picker="p", seq=3))
+        again = await call.read()
+        assert again.memory_round == 0 and not again.memory, "the same round is not sent twice"
+        await call.done_writing()
