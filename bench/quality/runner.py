@@ -153,7 +153,7 @@ class ScenarioRunner:
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.sims: list[stack.Proc | None] = [None] * len(scenario.nodes)
         self.prometheus: stack.Proc | None = None
-        self.prometheus_port = stack.free_port()
+        self.prometheus_port = 0  # chosen right before Prometheus starts (see _start_backends)
 
     # --- backends and Prometheus (once per scenario) ----------------------------------------------
 
@@ -170,6 +170,9 @@ class ScenarioRunner:
         with ThreadPoolExecutor(len(self.ports)) as pool:
             for i, proc in enumerate(pool.map(self._start_sim, range(len(self.ports)))):
                 self.sims[i] = proc
+        # A free port picked long before the bind can meanwhile be taken as the source port of an
+        # outgoing connection (one run failed so: "address already in use"): pick it just before.
+        self.prometheus_port = stack.free_port()
         self.prometheus = stack.start_prometheus(self.addresses, self.work / "prometheus", self.prometheus_port,
                                                  CONTROL["scrape_interval_s"])
 
