@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 
 
@@ -16,3 +17,11 @@ def replace_marked(path: Path, begin: str, end: str, block: str, heading: str = 
     else:
         text = text.rstrip("\n") + "\n\n" + (f"{heading}\n\n" if heading else "") + block.rstrip("\n") + "\n"
     path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def write_run_section(path: Path, name: str, heading: str, table: str, command: str, machine: str) -> None:
+    """Write one run's ``table`` into the section of bench ``name`` (markers ``<!-- NAME:start -->`` /
+    ``<!-- NAME:end -->``), headed by the command, the machine and today's date (see :func:`replace_marked`)."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    body = f"{start}\nCommand: `{command}` · machine: {machine} · date: {date.today().isoformat()}\n\n{table}\n{end}"
+    replace_marked(path, start, end, body, heading)

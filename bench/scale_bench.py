@@ -36,10 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-from bench.markdown import replace_marked
+from bench.markdown import write_run_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 60_000)
@@ -196,11 +195,8 @@ def report(results: list[dict]) -> str:
 def write_benchmarks(table: str, command: str) -> None:
     from bench.xds_bench import machine
 
-    path = ROOT / "BENCHMARKS.md"
-    start, end = "<!-- scale_bench:start -->", "<!-- scale_bench:end -->"
-    body = (f"{start}\nCommand: `{command}` · machine: {machine()} (shared with other jobs) · "
-            f"date: {date.today().isoformat()}\n\n{table}\n{end}")
-    replace_marked(path, start, end, body, "## Scale: one weight round at 1 000 .. 60 000 endpoints")
+    write_run_section(ROOT / "BENCHMARKS.md", "scale_bench", "## Scale: one weight round at 1 000 .. 60 000 endpoints",
+                      table, command, f"{machine()} (shared with other jobs)")
 
 
 def main() -> None:

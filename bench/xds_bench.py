@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from datetime import date
 from pathlib import Path
 
 import grpc
@@ -43,7 +42,7 @@ import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from bench.markdown import replace_marked
+from bench.markdown import write_run_section
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.push import Push
 from xds_server.ads.server import MAX_MESSAGE_BYTES, AdsServicer, start_ads_server
@@ -345,11 +344,8 @@ def report(results: list[dict]) -> str:
 
 
 def write_benchmarks(table: str, command: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    start, end = "<!-- xds_bench:start -->", "<!-- xds_bench:end -->"
-    body = (f"{start}\nCommand: `{command}` · machine: {machine()} · date: {date.today().isoformat()}\n\n"
-            f"{table}\n{end}")
-    replace_marked(path, start, end, body, "## xDS push: one weight round to 100 ADS streams")
+    write_run_section(ROOT / "BENCHMARKS.md", "xds_bench", "## xDS push: one weight round to 100 ADS streams",
+                      table, command, machine())
 
 
 def main() -> None:
