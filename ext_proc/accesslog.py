@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 
 from ext_proc.inflight import InFlight
@@ -24,8 +25,10 @@ class CompletionSink(Protocol):
     """Where finished requests go, one call each (Envoy's view of the endpoints)."""
 
     def record(self, endpoint: str, duration_ms: float, status: int) -> None:
-        """``endpoint``: the upstream ``HOST:PORT``; ``duration_ms``: until the last byte sent
-        downstream (ms); ``status``: the HTTP response code (0 when none was sent)."""
+        """``endpoint``: the upstream ``HOST:PORT``; ``duration_ms``: the upstream time, from the
+        first byte sent upstream to the last byte received from it (ms; the whole request's time
+        when Envoy logged no upstream timing); ``status``: the HTTP response code (0 when none was
+        sent)."""
         ...
 
 
@@ -45,7 +48,11 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         data: the message bytes.
         inflight: where completions are counted.
         cluster_header, override_host_header: lower-case header names the entries were logged with.
-        view: also record each entry's upstream host, status and total time there (Envoy's view).
+        view: also record each entry's upstream host, status and upstream time there (Envoy's
+            view). Upstream time, not the whole request's: the time the request waited in Envoy's
+            filters (this picker's own answer, or its timeout when Envoy failed open) is not the
+            endpoint's latency, and counted there it made a latency outlier of whichever endpoint
+            served the late requests.
         costs: each completion of a pick whose tokens were known, with its duration
             (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms.
         failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed, and
@@ -98,7 +105,16 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
         if view is not None:
             upstream = props.upstream_remote_address.socket_address
             if upstream.address and props.HasField("time_to_last_downstream_tx_byte"):
-                view.record(f"{upstream.address}:{upstream.port_value}",
-                            props.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e6,
+                view.record(f"{upstream.address}:{upstream.port_value}", _upstream_ms(props),
                             entry.response.response_code.value)
     return counted
+
+
+def _upstream_ms(props: accesslog_pb2.AccessLogCommon) -> float:
+    """From the first byte sent upstream to the last byte received from it (ms), else (no upstream
+    timing logged) the whole request's time. Both are offsets from the request's start (Envoy docs,
+    ``data.accesslog.v3.AccessLogCommon``)."""
+    if props.HasField("time_to_first_upstream_tx_byte") and props.HasField("time_to_last_upstream_rx_byte"):
+        return (props.time_to_last_upstream_rx_byte.ToNanoseconds()
+                - props.time_to_first_upstream_tx_byte.ToNanoseconds()) / 1e6
+    return props.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e6

@@ -73,6 +73,19 @@ def test_access_log_entries_feed_the_view():
     assert s["10.0.0.2:8000"].mean_ms == pytest.approx(7.5)
 
 
+def test_the_view_records_upstream_time_not_the_wait_in_envoys_filters():
+    """A request that waited 250 ms for the picker (Envoy's ext_proc timeout, then fail-open) and
+    took 20 ms upstream counts 20 ms for its endpoint: the wait was not the endpoint's."""
+    msg = als_pb2.StreamAccessLogsMessage.FromString(_log([("10.0.0.1", 8000, 200, 270.0)]))
+    props = msg.http_logs.log_entry[0].common_properties
+    props.time_to_first_upstream_tx_byte.FromNanoseconds(250_000_000)
+    props.time_to_last_upstream_rx_byte.FromNanoseconds(270_000_000)
+    view = ClientView(clock=Clock())
+    record_completions(msg.SerializeToString(), InFlight(), "x-inferlb-cluster", "x-gateway-destination-endpoint",
+                       view)
+    assert view.summary()["10.0.0.1:8000"].mean_ms == pytest.approx(20.0)
+
+
 def test_enrich_fills_only_client_inputs_and_never_the_age():
     view = ClientView(clock=Clock())
     for _ in range(MIN_REQUESTS):

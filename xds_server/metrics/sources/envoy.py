@@ -58,7 +58,9 @@ class ClientView:
         self._by_endpoint: dict[str, deque[tuple[float, float, bool]]] = {}
 
     def record(self, endpoint: str, duration_ms: float, status: int) -> None:
-        """One finished request: its total time (ms) and HTTP status as Envoy saw them."""
+        """One finished request: its upstream time (ms: first byte sent upstream to last byte
+        received from it, so not the time the request waited in Envoy's filters) and HTTP status as
+        Envoy saw them."""
         if not math.isfinite(duration_ms) or duration_ms < 0:
             return
         dq = self._by_endpoint.get(endpoint)
