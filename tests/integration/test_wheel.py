@@ -25,9 +25,12 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """``(bin folder of a fresh venv holding the built wheel, an environment that uses it)``."""
+    """``(bin folder of a fresh venv holding the built wheel, an environment that uses it)``.
+
+    Session-scoped: under xdist the worker may run another module's test between two of these,
+    and a module-scoped venv (50 s to install) would then be built again."""
     base = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(base / "dist"), str(ROOT)],
                    check=True, timeout=300, capture_output=True)

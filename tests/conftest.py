@@ -1,0 +1,40 @@
+"""How the suite is split over pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml).
+
+Each test module is one group, so a module-scoped stack (real Envoy, Prometheus, backends) starts
+once, on one worker. Two groups span modules:
+
+- ``faults``: every module of tests/faults shares one package-scoped fault stack;
+- ``heavy``: the runs of whole benchmarks and of the demo (quality bench, soak, the wheel's demo).
+  They burn both cores for minutes and the demo and soak bind the demo's fixed ports (10000,
+  18000, ...), so they run one after another on one worker while the other worker takes the
+  lighter modules.
+
+Without xdist (``-p no:xdist`` or ``-n 0``) the markers do nothing and the suite runs in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+HEAVY = frozenset({
+    "tests/integration/test_bench_quality_directions.py",
+    "tests/integration/test_bench_quality_smoke.py",
+    "tests/integration/test_bench_soak.py",
+    "tests/integration/test_wheel.py",
+})
+
+
+def group_of(path: str) -> str:
+    """The xdist group of the test module at ``path`` (relative, ``/``-separated)."""
+    if path.startswith("tests/faults/"):
+        return "faults"
+    if path in HEAVY:
+        return "heavy"
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group_of(path)))
