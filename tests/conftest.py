@@ -9,7 +9,8 @@ once, on one worker. Two groups span modules:
   18000, ...), so they run one after another on one worker while the other worker takes the
   lighter modules.
 
-Without xdist (``-p no:xdist`` or ``-n 0``) the markers do nothing and the suite runs in order.
+With ``-n 0`` (one process) the markers do nothing and the suite runs in order. (``-p no:xdist``
+would fail: the addopts pass ``-n``.)
 """
 
 from __future__ import annotations
