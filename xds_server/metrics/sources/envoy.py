@@ -88,8 +88,11 @@ class ClientView:
         return out
 
 
-#: Below this many requests in the window, the client-side figures are too noisy to use.
-MIN_REQUESTS = 3
+#: Below this many requests in the window, the client-side figures are not used. A p95 over fewer
+#: than 20 requests is the slowest of them, so one stalled request (a cold connection, a busy
+#: machine) would make its endpoint a latency outlier for the whole window. Envoy's own
+#: success-rate outlier detection has the same kind of floor (``success_rate_request_volume``).
+MIN_REQUESTS = 20
 
 
 class EnvoyView:
