@@ -125,6 +125,16 @@ def test_small_absolute_differences_and_quiet_endpoints_are_not_judged():
     assert len(healthy(Rounds(eps, quiet).run(seen))) == 3
 
 
+def test_a_pool_below_min_hosts_is_not_judged():
+    """Two endpoints: the busier one is not an outlier of a median of one (the versions scenario's trap)."""
+    eps = specs(2)
+    assert len(healthy(Rounds(eps).run(long_tail(eps, 0)))) == 2
+    two = with_plugins(latency_outlier=latency_outlier.Params(min_hosts=2))
+    assert healthy(Rounds(eps, two).run(long_tail(eps, 0))) == {eps[1].address}
+    eps = specs(3)
+    assert healthy(Rounds(eps).run(long_tail(eps, 0))) == {e.address for e in eps[1:]}  # 3 = the default floor
+
+
 def test_client_side_latency_is_preferred_when_a_source_gives_it():
     eps = specs(4)
     seen = same_stats(eps, **OK)

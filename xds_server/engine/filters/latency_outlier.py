@@ -5,7 +5,12 @@ view when a source provides it, else the backend's) is more than ``factor`` x th
 other judged endpoints and at least ``min_delta_ms`` above it. With ``normalize_by_capacity`` each
 latency is multiplied by the endpoint's GPU-class capacity first, so an A10 that is as slow as an
 A10 should be is not an outlier next to A100s. Endpoints with a known request rate below
-``min_request_rate`` (req/s) are not judged (too few samples). Ejection times, their growth with
+``min_request_rate`` (req/s) are not judged (too few samples). A pool with fewer than ``min_hosts``
+judged endpoints is not judged at all: next to one or two peers, "far above the peers' median" is
+"busier than the other one" (more sessions pinned there, a longer queue), not a slow node; Envoy's
+success-rate outlier detection has the same floor (``success_rate_minimum_hosts``, default 5, in
+https://www.envoyproxy.io/docs/envoy/latest/api-v3/config/cluster/v3/outlier_detection.proto).
+Ejection times, their growth with
 repeats and ``max_ejection_percent`` follow :mod:`..ejection` (Envoy's outlier-detection rules).
 """
 
@@ -30,6 +35,7 @@ class Params(EjectionParams):
     factor: float = Field(3.0, gt=1)
     min_delta_ms: float = Field(50.0, ge=0)
     min_request_rate: float = Field(0.0, ge=0)
+    min_hosts: int = Field(3, ge=2)
     normalize_by_capacity: bool = True
 
 
@@ -62,8 +68,8 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
     ordered = sorted(judged.values())
     rank = {a: bisect.bisect_left(ordered, v) for a, v in judged.items()}
     for address, v in judged.items():
-        if len(ordered) < 2:
-            continue
+        if len(ordered) < p.min_hosts:
+            break
         ref = median_without(ordered, rank[address])
         if ref > 0 and v > p.factor * ref and v - ref >= p.min_delta_ms:
             unit = " (capacity-normalised)" if p.normalize_by_capacity else ""
