@@ -23,7 +23,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,11 +226,17 @@ class InferLB:
             if enabled:
                 gc.enable()
 
-    def _live_load(self) -> tuple[dict[str, int], dict[str, int]]:
-        """The in-process picker's ``({cluster: requests in flight}, {cluster: requests waiting in its
-        queue})``, for the autoscaling signal (read on the event loop the picker runs on)."""
+    def _live_load(self) -> tuple[Mapping[str, float], dict[str, int]]:
+        """``({cluster: requests in flight}, {cluster: requests waiting in the picker's queue})`` for the
+        autoscaling signal (read on the event loop the picker and the load view run on). In flight:
+        the sum over every picker in the shared load view while any reports (each gateway's Envoy
+        sends a share of the traffic), else the in-process picker's own count. Waiting: the
+        in-process picker's queue (the load reports carry no queue)."""
         admission = self.picker.admission
         queued = {} if admission is None else {c: admission.queued(c) for c in self.view.current.clusters}
+        fleet = self.load_view.totals(time.monotonic())
+        if fleet.pickers:
+            return {c: load.in_flight for c, load in fleet.clusters.items()}, queued
         return self.picker.inflight.clusters, queued
 
     def _current_weights(self):

@@ -51,6 +51,14 @@ def pickers(s: Stack) -> dict[str, dict]:
     return {p["picker"]: p for p in doc["pickers"]}
 
 
+def saturation(s: Stack) -> float:
+    """The control plane's exported ``inferlb_cluster_saturation_ratio`` of chat-v1."""
+    text = requests.get(f"{s.admin}/metrics", timeout=5).text
+    [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("inferlb_cluster_saturation_ratio{") and 'cluster="chat-v1"' in line]
+    return value
+
+
 def send(listener: str, headers: dict[str, str] | None = None) -> requests.Response:
     return requests.post(f"{listener}/v1/chat/completions", json={"max_tokens": 8, "messages": []},
                          headers={"model-version": "v1", **(headers or {})}, timeout=30)
@@ -74,6 +82,9 @@ def test_the_second_picker_sees_the_first_pickers_requests_in_flight(two_gateway
         [row] = loaded["gw-1"]["endpoints"]
         busy = row["endpoint"]
         assert loaded["gw-1"]["share"] == 1.0 and loaded["gw-2"]["in_flight"] == 0
+        # The autoscaling signal counts the fleet's requests, not only the in-process picker's (0 here).
+        capacity = sum(e.max_concurrency for e in s.cfg.services[0].versions[0].endpoints)
+        assert saturation(s) == pytest.approx(HEAVY / capacity)
         seq = loaded["gw-2"]["seq"]
         wait_until(lambda: pickers(s)["gw-2"]["seq"] >= seq + 2, 5, what="gateway 2 got a view since")
         for b in s.backends:
