@@ -76,13 +76,14 @@ class InFlight:
             so admission control ignores these counts (see :attr:`live`).
         requests: ``{x-request-id: (picked at, cluster, pinned endpoint or None)}`` of the picks
             in flight that carried an id, oldest first.
+        changes: picks and completions counted so far (the shared load view reports when it moved).
 
     Raises:
         ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
             ``sample_slack_s`` is negative.
     """
 
-    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests",
+    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests", "changes",
                  "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled",
                  "_done", "_slack", "_keep", "_doubts")
 
@@ -103,6 +104,7 @@ class InFlight:
         self.failed: dict[str, float] = {}
         self.streams = 0
         self.requests: dict[bytes, tuple[float, str, str | None]] = {}
+        self.changes = 0
         self._pending_ep: dict[str, deque[Pick]] = {}
         self._pending_cl: dict[str, deque[float]] = {}
         self._expiry = expiry_s
@@ -130,6 +132,7 @@ class InFlight:
         cost model), the endpoint's GPU class and the request's ``x-request-id`` (an id already in
         flight is not remembered twice)."""
         now = self._clock()
+        self.changes += 1
         if request_id and request_id not in self.requests:
             self.requests[request_id] = (now, cluster, endpoint)
         counts = self.clusters
@@ -156,6 +159,7 @@ class InFlight:
         ``endpoint`` is the pin the request carried (None when it was not pinned).
         """
         matched = _remove(self.clusters, self._pending_cl, cluster)
+        self.changes += 1
         if endpoint is not None:
             self.finish(endpoint)
         self._completions[matched] += 1
@@ -184,6 +188,7 @@ class InFlight:
         if request_id:
             self.requests.pop(request_id, None)
         matched = _remove(self.clusters, self._pending_cl, cluster)
+        self.changes += 1
         self._completions[matched] += 1
         return self.finish(endpoint) if endpoint is not None else None
 

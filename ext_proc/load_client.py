@@ -1,10 +1,12 @@
 """The picker's side of the shared load view: the I/O shell around :mod:`ext_proc.shared_load`.
 
-Every ``interval_s`` (default 100 ms) the picker sends its whole live load (``LoadReport``,
-``protos/inferlb/v1/load_view.proto``) to the control plane and takes each ``LoadView`` it gets
-back into its :class:`~ext_proc.shared_load.SharedLoad`. When the stream breaks, or no view came
-for ``expiry_s``, the others' load is dropped (the picker decides on its own load, as without the
-view) and the stream is opened again with a growing back-off (0.25 s to 5 s).
+The picker sends its whole live load (``LoadReport``, ``protos/inferlb/v1/load_view.proto``) to the
+control plane when it changed (a pick or a completion), at most once per ``interval_s`` (default
+10 ms: changes in between travel together), and at least every quarter of ``expiry_s`` while idle
+(so it keeps counting). It takes each ``LoadView`` it gets back, answers to its own reports and
+views pushed when another picker reported, into its :class:`~ext_proc.shared_load.SharedLoad`.
+When the stream breaks, or no view came for ``expiry_s``, the others' load is dropped (the picker
+decides on its own load, as without the view) and the stream is opened again with a growing back-off (0.25 s to 5 s).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[fl
 Samples = dict[str, tuple[float, float]]
 
 
-async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.1,
+async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.01,
                         expiry_s: float = 1.0, on_samples: Callable[[Samples], None] | None = None,
                         backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
     """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
@@ -78,17 +80,23 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
         shared.set_others(NO_OTHERS)
         shared.viewed_at = None
 
+    keepalive_s = expiry_s / 4
+
     async def reports() -> AsyncIterator[load_view_pb2.LoadReport]:
         nonlocal seq
         since = inflight.now()
         while True:
             now = inflight.now()
             seq += 1
+            reported = inflight.changes
             yield report_message(inflight, picker, seq, since)
             since = now
-            await asyncio.sleep(interval_s)
-            if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
-                lost(f"no view for {expiry_s:g} s")
+            while True:
+                await asyncio.sleep(interval_s)
+                if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
+                    lost(f"no view for {expiry_s:g} s")
+                if inflight.changes != reported or inflight.now() - now >= keepalive_s:
+                    break
 
     while True:
         try:

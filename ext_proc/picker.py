@@ -126,7 +126,11 @@ def _authority_host(authority: bytes) -> str:
 
 
 def _known(service: ServiceRoute) -> str:
-    return ", ".join(sorted([*service.clusters, *service.mixes]))
+    known = ", ".join(sorted([*service.clusters, *service.mixes]))
+    if service.models:
+        models = ", ".join(sorted(m.decode() for m in service.models))
+        known += f" (model names for {service.default_version}: {models})"
+    return known
 
 
 def _bad_version(where: str, raw: bytes, service: ServiceRoute) -> Decision:
@@ -154,7 +158,7 @@ class BodyFields:
     """What the picker reads from an OpenAI-style JSON request body.
 
     Attributes:
-        model: the ``model`` field (a version or mix name), raw UTF-8 bytes, or None.
+        model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
         user: the ``user`` field (a session key), raw bytes, or None.
         prompt_cache_key: OpenAI's ``prompt_cache_key`` (a session key), raw bytes, or None.
         prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
@@ -251,7 +255,8 @@ def pick(
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
         400 when the version (header, else the body's ``model``) names an unknown version or
         is not a valid version string (not UTF-8, longer than :data:`MAX_VERSION_BYTES`).
-        Neither present means the service's default version. A version may be a mix (canary
+        Neither present, or a model name of the service (``ServiceRoute.models``), means the
+        service's default version. A version may be a mix (canary
         split): its share buckets are chosen by the session key's hash, so a session never
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
@@ -291,7 +296,7 @@ def pick(
     where = f"header '{routing.version_header}'"
     if not raw and body.model:
         raw, where = body.model, "body field 'model'"
-    if not raw:
+    if not raw or raw in service.models:
         version = service.default_version
     else:
         if len(raw) > MAX_VERSION_BYTES:

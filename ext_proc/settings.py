@@ -35,7 +35,7 @@ class PickerSettings:
             before its fit is used (:class:`ext_proc.costmodel.CostModel`).
         shared_view: decide on the sum of every picker's live load (:mod:`ext_proc.shared_load`);
             False: on this picker's load alone (it still reports and gets memory samples).
-        shared_view_interval_s: how often the load is reported (s).
+        shared_view_interval_s: a change of the load is reported at most this often (s).
         shared_view_expiry_s: a view older than this is dropped (s).
     """
 
@@ -65,6 +65,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "default_version": s.default_version,
             "clusters": dict(s.clusters),
             "mixes": {m: [[upto, cluster] for upto, cluster in buckets] for m, buckets in s.mixes.items()},
+            "models": sorted(m.decode() for m in s.models),
         }
         for s in routing.services
     ]
@@ -118,6 +119,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
             default_version=s["default_version"],
             clusters=dict(s["clusters"]),
             mixes={m: tuple((int(upto), cluster) for upto, cluster in buckets) for m, buckets in s["mixes"].items()},
+            models=frozenset(m.encode() for m in s.get("models", ())),
         )
         for s in r["services"]
     )

@@ -7,7 +7,7 @@ it, so the *others'* load at the view's time is ``total - own share`` (:func:`ot
 scheduler then reads, per endpoint and per cluster::
 
     own live load (now, from InFlight: includes every pick since the view)
-      + the others' load (at the view's time, until the next view, ~100 ms later)
+      + the others' load (at the view's time, until the next view: pushed when any picker reports)
 
 :class:`SharedLoad` presents that sum under the attribute names the scheduler reads from an
 :class:`~ext_proc.inflight.InFlight` (``work``, ``cluster_work``, ``clusters``, ``free``,

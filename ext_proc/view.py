@@ -55,6 +55,7 @@ class ServiceRoute:
         mixes: canary splits, mix name -> ``{version: percent}`` (percents sum to 100; a
             version of ``clusters``). Stored as ``((bucket_upto, cluster), ...)`` over
             :data:`MIX_BUCKETS` buckets, versions in name order.
+        models: model names (UTF-8 bytes, as requests carry them) that mean ``default_version``.
 
     Raises:
         ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
@@ -66,6 +67,7 @@ class ServiceRoute:
     default_version: str
     clusters: Mapping[str, str] = field(hash=False)
     mixes: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    models: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)

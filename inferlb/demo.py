@@ -28,7 +28,7 @@ import yaml
 
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
-from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, Traffic, drive, make_sessions
+from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, MODEL_NAME, Traffic, drive, make_sessions
 from inferlb.output import plot_history, weights_rich_table, weights_table
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
@@ -63,6 +63,7 @@ def demo_config(backends: list[tuple[str, str, int]], metrics_source: str = "pro
         "services": [{
             "name": "chat",
             "default_version": "v1",
+            "models": [MODEL_NAME],   # what OpenAI clients send in "model": the default version
             "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()],
         }],
     }

@@ -48,6 +48,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                 default_version=s.default,
                 clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
                 mixes=s.mixes,
+                models=frozenset(m.encode() for m in s.models),
             )
             for s in cfg.services
         ),

@@ -30,8 +30,8 @@ serve`` (:data:`GATEWAY_POLICIES`):
 - ``inferlb_shared_view``: the traffic split over ``gateways`` pairs, the pickers sharing one load
   view (``picker.shared_view``, the default);
 - ``inferlb_no_shared_view``: the same with ``picker.shared_view: false`` (each picker on its own load);
-- ``inferlb_shared_view_25ms``: the shared view with reports every 25 ms instead of 100 ms (how much
-  of what remains is the view's staleness).
+- ``inferlb_shared_view_100ms``: the shared view with a change reported at most every 100 ms instead
+  of 10 ms (what the view's staleness costs).
 """
 
 from __future__ import annotations
@@ -41,14 +41,15 @@ from typing import Any
 
 from bench.quality.scenarios import CONTROL, Node, Scenario
 from bench.quality.trace import MEMORY_HEADER
+from inferlb.devstack.loadgen import MODEL_NAME
 
 BASELINES: tuple[str, ...] = ("round_robin", "least_request", "ring_hash", "ring_hash_bounded")
 INFERLB: tuple[str, ...] = ("inferlb_eds", "inferlb_full")
 POLICIES: tuple[str, ...] = (*BASELINES, *INFERLB)
 GATEWAY_POLICIES: tuple[str, ...] = ("inferlb_one_gateway", "inferlb_shared_view", "inferlb_no_shared_view",
-                                     "inferlb_shared_view_25ms")
-#: ``picker.shared_view_interval_s`` of ``inferlb_shared_view_25ms`` (s).
-FAST_VIEW_INTERVAL_S = 0.025
+                                     "inferlb_shared_view_100ms")
+#: ``picker.shared_view_interval_s`` of ``inferlb_shared_view_100ms`` (s).
+SLOW_VIEW_INTERVAL_S = 0.1
 ALL_POLICIES: tuple[str, ...] = (*POLICIES, *GATEWAY_POLICIES)
 
 
@@ -138,9 +139,9 @@ def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_
 
 def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool, prometheus_url: str,
                    xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float,
-                   shared_view: bool = True, view_interval_s: float = 0.1) -> dict:
+                   shared_view: bool = True, view_interval_s: float = 0.01) -> dict:
     """inferlb's YAML config (as a dict) for ``scenario`` with node ``i`` at ``addresses[i]``;
-    ``shared_view``: the pickers' one load view (``picker.shared_view``), reported every
+    ``shared_view``: the pickers' one load view (``picker.shared_view``), a change reported at most every
     ``view_interval_s``.
 
     Every node is listed, including one that joins later: inferlb has no discovery source yet, so a
@@ -162,7 +163,7 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         # OpenAI body (prefix keys); a request no endpoint can hold waits, then gets a 429.
         "picker": {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
                    "body_max_bytes": 1 << 20, "shared_view": shared_view, "shared_view_interval_s": view_interval_s},
-        "services": [{"name": SERVICE, "default_version": scenario.default_version,
+        "services": [{"name": SERVICE, "default_version": scenario.default_version, "models": [MODEL_NAME],
                       "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
     }
 

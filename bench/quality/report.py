@@ -458,9 +458,10 @@ Policies:
   (`inferlb ext-proc`) pairs against one `inferlb serve`, each pair with its own listener and
   picker. `inferlb_one_gateway`: one pair takes all the traffic (the bound one gateway achieves);
   `inferlb_shared_view`: the traffic split over the pairs (a session always through the same one),
-  the pickers deciding on one load view (the sum of every picker's requests in flight, reported
-  every 100 ms); `inferlb_no_shared_view`: the same with `picker.shared_view: false`, each picker on
-  its own Envoy's load alone; `inferlb_shared_view_25ms`: the shared view reported every 25 ms.
+  the pickers deciding on one load view (the sum of every picker's requests in flight, a change
+  reported within 10 ms and pushed to every picker); `inferlb_no_shared_view`: the same with
+  `picker.shared_view: false`, each picker on its own Envoy's load alone;
+  `inferlb_shared_view_100ms`: the shared view with a change reported at most every 100 ms.
 
 inferlb's loop runs compressed like the backends: Prometheus scrapes every
 {CONTROL['scrape_interval_s']:g} s, `window_s` {CONTROL['window_s']:g}, `interval_s` {CONTROL['interval_s']:g},

@@ -33,9 +33,9 @@ from bench.progress import Progress
 from bench.quality import figures
 from bench.quality.policies import (
     BASELINES,
-    FAST_VIEW_INTERVAL_S,
     GATEWAY_POLICIES,
     SESSION_HEADER,
+    SLOW_VIEW_INTERVAL_S,
     VERSION_HEADER,
     baseline_bootstrap,
     eds_document,
@@ -255,8 +255,8 @@ class ScenarioRunner:
                                      xds_port=xds, admin_port=admin,
                                      listener_port=listener, route_timeout_s=route_timeout,
                                      shared_view=policy != "inferlb_no_shared_view",
-                                     view_interval_s=(FAST_VIEW_INTERVAL_S if policy == "inferlb_shared_view_25ms"
-                                                      else 0.1))
+                                     view_interval_s=(SLOW_VIEW_INTERVAL_S if policy == "inferlb_shared_view_100ms"
+                                                      else 0.01))
                 cfg_path = work / "inferlb.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                 cp = stack.start_control_plane(cfg_path, work, admin)

@@ -144,8 +144,12 @@ DEMO_SYSTEM_PROMPT = ("You are the inferlb demo assistant. Answer in one short s
                       "mention that you are simulated. ") * 4
 
 
+#: The ``model`` every generated request names: the simulator's served model name (``sim --model-name``).
+MODEL_NAME = "sim-7b"
+
+
 def _chat_body(max_tokens: int, messages: Sequence[Mapping[str, str]] | None = None, stream: bool = False) -> dict:
-    body: dict = {"model": "sim-7b", "max_tokens": max_tokens,
+    body: dict = {"model": MODEL_NAME, "max_tokens": max_tokens,
                   "messages": list(messages) if messages is not None else [{"role": "user", "content": "hello"}]}
     if stream:
         body["stream"] = True

@@ -492,6 +492,10 @@ class ServiceConfig(_Strict):
     ``no healthy upstream`` then).
     ``mixes``: canary splits usable like versions (in the version header, the body's ``model``,
     ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
+    ``models``: model names that mean the default version where a version is read (the body's
+    ``model``, the version header): the name OpenAI clients send, which the backends serve the
+    model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. Any other unknown name
+    gets a 400.
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -502,10 +506,16 @@ class ServiceConfig(_Strict):
     panic_threshold_percent: float = Field(1.0, ge=0, le=100)
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
     mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
+    models: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
         names = [v.name for v in self.versions]
+        for model in self.models:
+            if not model.strip() or len(model.encode()) > 256:
+                raise ValueError(f"models: {model!r} must be a non-empty name of at most 256 bytes")
+            if model in names or model in self.mixes:
+                raise ValueError(f"models: {model!r} is already a version or mix name")
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate version names in {names}")
         for mix, shares in self.mixes.items():
@@ -604,10 +614,12 @@ class Picker(_Strict):
     not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
-    plane every ``shared_view_interval_s`` and decides on the sum over all pickers (one load view
-    across many gateways); a picker whose last report is older than ``shared_view_expiry_s`` stops
-    counting. Off: each picker decides on its own Envoy's load alone (it still reports, and still gets
-    the slow loop's GPU memory samples over the same stream).
+    plane when it changed, at most once per ``shared_view_interval_s`` (s; at least every quarter of
+    ``shared_view_expiry_s`` while idle), the control plane pushes the sum to every picker, and each
+    decides on the sum over all pickers (one load view across many gateways); a picker whose last
+    report is older than ``shared_view_expiry_s`` stops counting. Off: each picker decides on its own
+    Envoy's load alone (it still reports, and still gets the slow loop's GPU memory samples over the
+    same stream).
     ``spill_threshold``: tiers (``services[].versions[].endpoints[].tier``): a request goes to its
     cluster's cloud tier when the edge tier's requests in flight are at least this share (0-1) of
     the edge tier's max concurrency, else to the edge tier.
@@ -639,7 +651,7 @@ class Picker(_Strict):
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
     body_mode: Literal["streamed", "buffered"] = "buffered"
     shared_view: bool = True
-    shared_view_interval_s: float = Field(0.1, gt=0, le=10)
+    shared_view_interval_s: float = Field(0.01, gt=0, le=10)
     shared_view_expiry_s: float = Field(1.0, gt=0, le=60)
     memory_queue: bool = False
     pin_move_after: int = Field(3, ge=1, le=1000)
@@ -677,6 +689,7 @@ class KubernetesService(_Strict):
     port: int | str = 8000
     hosts: tuple[str, ...] = ("*",)
     default_version: str | None = None
+    models: tuple[str, ...] = ()
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
     max_concurrency: int = Field(8, ge=1)
 
@@ -708,6 +721,7 @@ class EtcdService(_Strict):
     service: str | None = Field(None, pattern=NAME_RE)
     hosts: tuple[str, ...] = ("*",)
     default_version: str | None = None
+    models: tuple[str, ...] = ()
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
 
     @property

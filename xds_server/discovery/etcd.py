@@ -218,7 +218,7 @@ def endpoints_from(registrations: Iterable[Registration], spec: EtcdDiscovery,
 
 def _service(svc: EtcdService, versions: dict[str, list[dict]]) -> dict:
     default = svc.default_version if svc.default_version in versions else None
-    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy,
+    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy, "models": list(svc.models),
             **({"default_version": default} if default else {}),
             "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
 

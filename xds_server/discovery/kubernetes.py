@@ -90,7 +90,7 @@ def endpoints_from(slices: Iterable[Mapping], pod_labels: Mapping[str, Mapping[s
 
 def _service(svc: KubernetesService, versions: dict[str, list[dict]]) -> dict:
     default = svc.default_version if svc.default_version in versions else None
-    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy,
+    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy, "models": list(svc.models),
             **({"default_version": default} if default else {}),
             "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
 

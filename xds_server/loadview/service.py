@@ -1,5 +1,6 @@
-"""The ``inferlb.v1.LoadViewService`` server: pickers report their live load, each report is answered
-with the sum over every live picker (:class:`~xds_server.loadview.table.LoadTable`).
+"""The ``inferlb.v1.LoadViewService`` server: pickers report their live load; each report is answered,
+and pushed to every other picker's stream, as the sum over every live picker
+(:class:`~xds_server.loadview.table.LoadTable`).
 
 Served on the xDS gRPC server (a standalone picker already knows that address). Bad input (a
 negative or non-finite number, no picker name) is refused per report: counted, logged, the stream
@@ -9,6 +10,7 @@ ends or its last report is older than the table's expiry.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -97,46 +99,92 @@ def view_message(totals: Totals, own: Report | None, seq: int,
 
 
 class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
-    """Keeps the pickers' reports in ``table`` and answers each with the view of now.
+    """Keeps the pickers' reports in ``table`` and sends every picker the view of now whenever any
+    picker's report arrives (its own answers its report; the others' are pushed): a picker learns
+    another's picks one report and one push after they happened, not at its own next report.
 
-    ``clock``: monotonic seconds (tests pass a fake one).
+    Views to one stream are coalesced: reports arriving while a view is being sent make one more
+    view, not one each. ``clock``: monotonic seconds (tests pass a fake one).
     """
 
     def __init__(self, table: LoadTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self._clock = clock
+        self._wakes: set[asyncio.Event] = set()
 
     async def Share(self, request_iterator: AsyncIterator[load_view_pb2.LoadReport],  # noqa: N802 (gRPC name)
                     context: grpc.aio.ServicerContext) -> AsyncIterator[load_view_pb2.LoadView]:
         table = self.table
-        mine: Report | None = None
+        wake = asyncio.Event()
+        stream = _Stream()
+        reader = asyncio.ensure_future(self._read(request_iterator, context, stream, wake))
+        self._wakes.add(wake)
         sent_round = 0
         try:
-            async for msg in request_iterator:
-                try:
-                    report = report_from(msg)
-                except ValueError as err:
-                    REPORTS.labels("rejected").inc()
-                    log.warning("load view: refused a report from %s: %s", context.peer(), err)
-                    continue
-                now = self._clock()
-                table.record(report, now)
-                REPORTS.labels("accepted").inc()
-                own = table.report(report.picker)
-                if own is report:
-                    mine = report
-                totals = table.totals(now)
-                PICKERS.set(totals.pickers)
-                memory = None
-                if table.memory_round != sent_round:
-                    sent_round = table.memory_round
-                    memory = (sent_round, {e: (free, at, table.others_mib_at(report.picker, e, at))
-                                           for e, (free, at) in table.memory.items()}, now)
-                yield view_message(totals, own, own.seq if own is not None else report.seq, memory)
+            while True:
+                waiter = asyncio.ensure_future(wake.wait())
+                await asyncio.wait((reader, waiter), return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if wake.is_set():
+                    wake.clear()
+                    if stream.seq is None:
+                        continue   # others reported before this stream's first report: nothing to answer yet
+                    now = self._clock()
+                    totals = table.totals(now)
+                    own = table.report(stream.picker) if stream.picker is not None else None
+                    memory = None
+                    if table.memory_round != sent_round:
+                        sent_round = table.memory_round
+                        memory = (sent_round, {e: (free, at, table.others_mib_at(stream.picker, e, at))
+                                               for e, (free, at) in table.memory.items()}, now)
+                    yield view_message(totals, own, own.seq if own is not None else stream.seq, memory)
+                elif reader.done():
+                    reader.result()   # a broken stream raises here
+                    return
         finally:
+            self._wakes.discard(wake)
+            reader.cancel()
+            mine = stream.mine
             if mine is not None and table.report(mine.picker) is mine:  # not taken over by a new stream
                 table.forget(mine.picker)
                 PICKERS.set(table.totals(self._clock()).pickers)
+                self._wake_all()
+
+    async def _read(self, request_iterator: AsyncIterator[load_view_pb2.LoadReport],
+                    context: grpc.aio.ServicerContext, stream: _Stream, wake: asyncio.Event) -> None:
+        """Records every report of one stream; wakes this stream (its answer) and every other one."""
+        async for msg in request_iterator:
+            try:
+                report = report_from(msg)
+            except ValueError as err:
+                REPORTS.labels("rejected").inc()
+                log.warning("load view: refused a report from %s: %s", context.peer(), err)
+                continue
+            now = self._clock()
+            self.table.record(report, now)
+            REPORTS.labels("accepted").inc()
+            own = self.table.report(report.picker)
+            if own is report:
+                stream.mine = report
+            stream.picker, stream.seq = report.picker, report.seq
+            PICKERS.set(self.table.totals(now).pickers)
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        for w in self._wakes:
+            w.set()
+
+
+class _Stream:
+    """One Share stream's picker: its name and latest seq (None before its first good report) and
+    its report as kept in the table (``mine``)."""
+
+    __slots__ = ("mine", "picker", "seq")
+
+    def __init__(self) -> None:
+        self.mine: Report | None = None
+        self.picker: str | None = None
+        self.seq: int | None = None
 
 
 def add_load_view_servicer(table: LoadTable) -> Callable[[grpc.aio.Server], None]:

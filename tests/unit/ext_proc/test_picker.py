@@ -12,7 +12,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.picker import Decision, pick
+from ext_proc.picker import BodyFields, Decision, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, pinnable_endpoints
 
 HEALTHY = health_check_pb2.HEALTHY
@@ -81,6 +81,19 @@ def test_unknown_version_is_a_400_naming_bad_and_known_versions():
     assert d.cluster is None and d.endpoint is None
     message = json.loads(d.body)["error"]
     assert message == "unknown model version 'v9' in header 'model-version'; known versions: v1, v2"
+
+
+def test_a_model_name_of_the_service_means_its_default_version():
+    """OpenAI clients always send ``model``: the served model name routes like no version at all."""
+    llm = ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"},
+                       models=frozenset({b"llama-3-8b"}))
+    view = make_view(routing=RoutingTable(services=(llm, EMBED)))
+    assert pick(req(), view, body=BodyFields(model=b"llama-3-8b")).cluster == "llm-v1"
+    assert pick(req(model_version=b"llama-3-8b"), view).cluster == "llm-v1"
+    assert pick(req(), view, body=BodyFields(model=b"v2")).cluster == "llm-v2"
+    d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
+    assert d.status == 400 and json.loads(d.body)["error"] == (
+        "unknown model version 'gpt-4' in body field 'model'; known versions: v1, v2 (model names for v1: llama-3-8b)")
 
 
 def test_version_of_another_service_is_unknown_here():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
-from inferlb.picker_config import routing_table
+from ext_proc.settings import from_wire, to_wire
+from inferlb.picker_config import picker_settings, routing_table
 from tests.support.factories import config, service, version
 from xds_server.config import ConfigError
 from xds_server.resources.listener import build_listener
@@ -39,6 +40,21 @@ def test_bad_mixes_name_the_problem(mixes, needle):
 def test_default_version_may_not_be_an_unknown_mix():
     with pytest.raises(ConfigError, match="default_version"):
         config([two_versions(default_version="nope", mixes={"stable": {"v1": 100}})])
+
+
+def test_model_names_reach_the_picker_and_survive_the_wire():
+    """``services[].models`` reach the picker's route, and a standalone picker (fed over ADS) too."""
+    cfg = config([two_versions(models=["llama-3-8b"])])
+    routing = routing_table(cfg)
+    assert routing.services[0].models == frozenset({b"llama-3-8b"})
+    back, _ = from_wire(to_wire(routing, picker_settings(cfg)))
+    assert back.services[0].models == frozenset({b"llama-3-8b"})
+
+
+@pytest.mark.parametrize(("models", "needle"), [(["v1"], "already a version"), ([" "], "non-empty")])
+def test_bad_model_names_name_the_problem(models, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config([two_versions(models=models)])
 
 
 def hcm(cfg) -> dict:

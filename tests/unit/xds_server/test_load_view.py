@@ -1,8 +1,10 @@
 """The shared load view on the control plane: the sum of every picker's report, expiry, bad input, and
-the gRPC service answering each report with the view (a real grpc.aio server on a loopback port)."""
+the gRPC service answering each report and pushing it to the other pickers (a real grpc.aio server
+on a loopback port)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -112,7 +114,7 @@ def test_the_admin_document_gives_each_pickers_share():
                                  "tokens": 40, "picks": 4}]
 
 
-async def test_the_service_answers_each_report_with_the_sum_and_the_pickers_own_share():
+async def test_the_service_answers_each_report_and_pushes_the_sum_to_every_other_picker():
     table = LoadTable(expiry_s=5.0)
     async with load_view_server(table) as target, grpc.aio.insecure_channel(target) as channel:
         stub = load_view_pb2_grpc.LoadViewServiceStub(channel)
@@ -127,14 +129,17 @@ async def test_the_service_answers_each_report_with_the_sum_and_the_pickers_own_
         v2 = await two.read()
         assert v2.pickers == 2 and v2.endpoints[0].in_flight == 5
         assert [(e.endpoint, e.in_flight) for e in v2.own_endpoints] == [(A, 3)]
+        pushed = await asyncio.wait_for(one.read(), 2)   # p1 learns of p2's report without reporting again
+        assert pushed.pickers == 2 and pushed.endpoints[0].in_flight == 5 and pushed.seq == 1
+        assert [(e.endpoint, e.in_flight) for e in pushed.own_endpoints] == [(A, 2)]
         await two.write(load_view_pb2.LoadReport(picker="", seq=2))  # refused, the stream goes on
         await two.write(load_view_pb2.LoadReport(picker="p2", seq=3))
         assert (await two.read()).seq == 3
         await one.done_writing()
-        assert await one.read() is grpc.aio.EOF
-        await two.write(load_view_pb2.LoadReport(picker="p2", seq=4))
-        v4 = await two.read()
-        assert v4.pickers == 1, "p1's stream ended: it no longer counts"
+        while (v := await one.read()) is not grpc.aio.EOF:   # views pushed by p2's reports, then the end
+            assert v.pickers == 2
+        v4 = await asyncio.wait_for(two.read(), 2)
+        assert v4.pickers == 1, "p1's stream ended: it no longer counts, and p2 is told at once"
         await two.done_writing()
 
 
