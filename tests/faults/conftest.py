@@ -166,6 +166,7 @@ class Sample:
     metrics_ok: bool | None
     cp: dict[str, dict[str, tuple[int, str]]]   # cluster -> address -> (weight, health)
     envoy: dict[str, dict[str, tuple[int, str]]]
+    why: dict[str, list[str]] = field(default_factory=dict)  # address -> reasons, for those not HEALTHY
 
 
 @dataclass
@@ -194,7 +195,9 @@ class Sampler:
             cp = {c["name"]: {e["address"]: (e["weight"], e["health"]) for e in c["endpoints"]}
                   for c in doc["clusters"]}
             envoy = {c: {a: (h["weight"], h["health"]) for a, h in env.get(c, {}).items()} for c in cp}
-            self.samples.append(Sample(time.monotonic(), doc["metrics_source"]["ok"], cp, envoy))
+            why = {e["address"]: e["reasons"] for c in doc["clusters"] for e in c["endpoints"]
+                   if e["health"] != "HEALTHY"}
+            self.samples.append(Sample(time.monotonic(), doc["metrics_source"]["ok"], cp, envoy, why))
             time.sleep(self.period_s)
 
     def stop(self) -> list[Sample]:

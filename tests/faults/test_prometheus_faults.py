@@ -104,7 +104,8 @@ def test_prometheus_fault_keeps_the_last_good_weights(fault_stack: Stack, front:
     for x in samples:
         bad = {a for c in x.cp.values() for a, (_, h) in c.items() if h != "HEALTHY"}
         bad |= {a for c in x.envoy.values() for a, (_, h) in c.items() if h != "HEALTHY"}
-        assert not bad, f"{bad} excluded at t={x.at - started:+.1f} s (fault at 0, healed at {healed - started:.1f})"
+        assert not bad, (f"{bad} excluded at t={x.at - started:+.1f} s (fault at 0, healed at "
+                         f"{healed - started:.1f}): {x.why}")
 
     assert results and all(r.status == 200 for r in results), \
         sorted({r.status for r in results if r.status != 200})
