@@ -124,8 +124,10 @@ def backend_config(backends: list[Backend], prometheus_url: str, listener_port: 
         "listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
         "envoy": {"listener": f"127.0.0.1:{listener_port}"},
         "prometheus": {"url": prometheus_url, "window_s": 5, "interval_s": 0.5, "timeout_s": 1},
-        "engine": {"stale_after_s": 6, "hysteresis": 0.05,
-                   "filters": {"latency_outlier": {"base_ejection_s": 2, "max_ejection_s": 4}}, **engine},
+        # latency_outlier off: on a loaded 2-core CI machine one stalled sim request makes its
+        # endpoint a latency outlier, and the tests of other rules (stale, drain, picks) found it
+        # ejected. Its own tests (test_engine_scenarios.py) turn it on.
+        "engine": {"stale_after_s": 6, "hysteresis": 0.05, "filters": {"latency_outlier": False}, **engine},
         "services": [{"name": "chat", "default_version": "v1",
                       "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}],
     }

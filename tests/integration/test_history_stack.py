@@ -79,13 +79,19 @@ def test_metrics_and_decisions_after_traffic(stack: Stack):
     assert len(pinned) >= 6 and {d["endpoint"] for d in pinned[:6]} == set(served.values())
     assert all(d["version"] == "v1" and d["cluster"] == "chat-v1" and len(d["session"]) == 16 for d in pinned[:6])
 
-    text = requests.get(f"{s.admin}/metrics", timeout=5).text
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    def families() -> dict | None:
+        """The control plane's metric families once the backends' GPU memory is in (Prometheus
+        scraped them: on a loaded machine that can come after the first weight rounds)."""
+        text = requests.get(f"{s.admin}/metrics", timeout=5).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        gpu = fams.get("inferlb_endpoint_gpu_memory_free_bytes")
+        return fams if gpu is not None and any(x.value > 0 for x in gpu.samples) else None
+
+    fams = wait_until(families, 10, 0.2, "the backends' free GPU memory in /metrics")
     weights = {(x.labels["cluster"], x.labels["endpoint"]): x.value for x in fams["inferlb_endpoint_weight"].samples}
     assert set(weights) == {(f"chat-{b.version}", b.address) for b in s.backends} and min(weights.values()) >= 1
     health = {x.labels["status"] for x in fams["inferlb_endpoint_health"].samples if x.value == 1}
     assert health == {"HEALTHY"}
-    assert any(x.value > 0 for x in fams["inferlb_endpoint_gpu_memory_free_bytes"].samples)
     outcomes = {x.labels["outcome"] for x in fams["inferlb_ext_proc_decisions"].samples if x.value > 0}
     assert "affinity" in outcomes
 

@@ -38,11 +38,6 @@ CONFIG = {
     # requests must give the same pins (the shared view is tested in test_shared_load_view.py).
     "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.2,
                "shared_view": False},
-    # These tests are the picker's. One of them slows the backends down (fault injection): the
-    # engine's latency-outlier rule (tested in test_engine_scenarios.py) would then eject the endpoint
-    # that served most of those slow requests for the next tests (Envoy's 30 s latency window), and a
-    # test that kills the other one would find no endpoint left (503).
-    "engine": {"filters": {"latency_outlier": {"factor": 1000.0}}},
     "services": [{"mixes": {"canary": {"v1": 50, "v2": 50}},
                   "versions": [{}, {"endpoints": [{"max_concurrency": 1}]}]}],
 }
