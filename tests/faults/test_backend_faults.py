@@ -103,6 +103,7 @@ def test_a_backend_that_crashes_then_loops_on_oom_then_recovers(fault_stack: Sta
     target.proc.kill()
     target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
                                 name=f"sim-{target.port}-ok", extra=["--time-scale", "0.2"])
+    s.procs.append(target.proc)   # stopped with the stack
     wait_until(lambda: health(s, target.address) == "HEALTHY", 10, 0.2, "the healthy backend to be back")
     back_after = time.monotonic() - crashed_at
     results = bg.join()
