@@ -6,7 +6,8 @@ control plane when it changed (a pick or a completion), at most once per ``inter
 (so it keeps counting). It takes each ``LoadView`` it gets back, answers to its own reports and
 views pushed when another picker reported, into its :class:`~ext_proc.shared_load.SharedLoad`.
 When the stream breaks, or no view came for ``expiry_s``, the others' load is dropped (the picker
-decides on its own load, as without the view) and the stream is opened again with a growing back-off (0.25 s to 5 s).
+decides on its own load, as without the view) and the stream is opened again with a growing
+back-off (0.25 s to 5 s).
 """
 
 from __future__ import annotations

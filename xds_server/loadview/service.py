@@ -117,8 +117,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
         table = self.table
         wake = asyncio.Event()
         stream = _Stream()
-        reader = asyncio.ensure_future(self._read(request_iterator, context, stream, wake))
         self._wakes.add(wake)
+        reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
         sent_round = 0
         try:
             while True:
@@ -151,8 +151,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                 self._wake_all()
 
     async def _read(self, request_iterator: AsyncIterator[load_view_pb2.LoadReport],
-                    context: grpc.aio.ServicerContext, stream: _Stream, wake: asyncio.Event) -> None:
-        """Records every report of one stream; wakes this stream (its answer) and every other one."""
+                    context: grpc.aio.ServicerContext, stream: _Stream) -> None:
+        """Records every report of one stream; wakes every stream (this one's view is its answer)."""
         async for msg in request_iterator:
             try:
                 report = report_from(msg)
