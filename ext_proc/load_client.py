@@ -1,10 +1,12 @@
 """The picker's side of the shared load view: the I/O shell around :mod:`ext_proc.shared_load`.
 
 The picker sends its whole live load (``LoadReport``, ``protos/inferlb/v1/load_view.proto``) to the
-control plane when it changed (a pick or a completion), at most once per ``interval_s`` (default
-10 ms: changes in between travel together), and at least every quarter of ``expiry_s`` while idle
-(so it keeps counting). It takes each ``LoadView`` it gets back, answers to its own reports and
-views pushed when another picker reported, into its :class:`~ext_proc.shared_load.SharedLoad`.
+control plane when it changed (a pick or a completion) and the last view showed other pickers, at
+most once per ``interval_s`` (default 10 ms: changes in between travel together), and at least
+every quarter of ``expiry_s`` (so it keeps counting; the only reports of a picker alone in the
+view: a report costs CPU on both sides, and a change is news only to the others). It takes each
+``LoadView`` it gets back, answers to its own reports and views pushed when another picker
+reported, into its :class:`~ext_proc.shared_load.SharedLoad`.
 When the stream breaks, or no view came for ``expiry_s``, the others' load is dropped (the picker
 decides on its own load, as without the view) and the stream is opened again with a growing
 back-off (0.25 s to 5 s).
@@ -96,7 +98,9 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 await asyncio.sleep(interval_s)
                 if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
                     lost(f"no view for {expiry_s:g} s")
-                if inflight.changes != reported or inflight.now() - now >= keepalive_s:
+                # A change is news only to other pickers: alone in the view, keep-alives suffice.
+                alone = shared.others.pickers == 1
+                if (inflight.changes != reported and not alone) or inflight.now() - now >= keepalive_s:
                     break
 
     while True:

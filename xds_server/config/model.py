@@ -614,8 +614,8 @@ class Picker(_Strict):
     not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
-    plane when it changed, at most once per ``shared_view_interval_s`` (s; at least every quarter of
-    ``shared_view_expiry_s`` while idle), the control plane pushes the sum to every picker, and each
+    plane when it changed and other pickers are in the view, at most once per ``shared_view_interval_s``
+    (s; at least every quarter of ``shared_view_expiry_s``), the control plane pushes the sum to every picker, and each
     decides on the sum over all pickers (one load view across many gateways); a picker whose last
     report is older than ``shared_view_expiry_s`` stops counting. Off: each picker decides on its own
     Envoy's load alone (it still reports, and still gets the slow loop's GPU memory samples over the
