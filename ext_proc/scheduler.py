@@ -19,6 +19,17 @@ and why. The rules, each with its source:
   is kept while under its bound and admitted for memory, otherwise the request spills to the next
   candidate clockwise on the ring. Without a key, the least loaded (relative to its share)
   admitted endpoint wins.
+- **Affinity slack** (``affinity_slack``, typical requests; None: off). Bounded loads compare an
+  endpoint with the *average*, so at a few requests per endpoint a pin may hold two or three while
+  another endpoint is idle, and every request running beside them decodes slower. With a slack, an
+  endpoint is also a candidate only while its load after this request, per share, is within the
+  slack of the least loaded admitted endpoint's: ``(load_i + work) / s_i <= min_j (load_j + work) /
+  s_j + slack x n`` (``s_i`` its share, ``n`` endpoints; equal shares: at most ``slack`` more
+  requests than the least loaded). Keeping a conversation's KV cache is worth a prefill, joining
+  a busy batch costs every request in it a slower decode step; the slack says how many requests
+  of imbalance a cache hit is worth (the cost model behind Dynamo's KV router and llm-d's
+  scorers: prefix overlap against load). Applies to pools up to :data:`SCAN_MAX` endpoints (the
+  least load is a scan); larger pools keep the bounded loads alone.
 - Endpoints whose connections just failed (Envoy's access log: connect failure or reset, issue
   15 item 13) are skipped.
 
@@ -73,6 +84,7 @@ def choose(
     spin: int = 0,
     min_bound: float = 0.0,
     pinned_load_factor: float | None = None,
+    affinity_slack: float | None = None,
 ) -> tuple[str | None, str]:
     """Choose the endpoint of one request of ``pool`` (non-empty).
 
@@ -96,6 +108,8 @@ def choose(
         pinned_load_factor: ``c`` for a session's existing pin (None: ``load_factor``). Moving an
             established conversation costs its KV cache (its whole history prefilled again),
             placing a new one costs nothing, so the pin gets the looser bound.
+        affinity_slack: the affinity slack (typical requests, >= 0; None: off): an endpoint is a
+            candidate only within this many requests of the least loaded admitted one (per share).
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -104,22 +118,25 @@ def choose(
     need = need_mib * (1.0 + margin)
     free = free_mib if (free_mib and need > 0) else None
     scale = load_factor * (total + work)
+    cap = (_INF if affinity_slack is None or len(pool.endpoints) > SCAN_MAX
+           else _cap(pool, loads, work, free, need, failed, affinity_slack))
 
     if pinned is not None:
         if pinned in pool.members and pinned not in failed:
             pinned_scale = (pinned_load_factor or load_factor) * (total + work)
-            if loads.get(pinned, 0.0) < max(pinned_scale * shares[pinned], min_bound) and (
-                    free is None or free.get(pinned, _INF) >= need):
+            lp = loads.get(pinned, 0.0)
+            if lp < max(pinned_scale * shares[pinned], min_bound) and (
+                    free is None or free.get(pinned, _INF) >= need) and (lp + work) / shares[pinned] <= cap:
                 return pinned, "affinity"
-            endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned, min_bound)
+            endpoint, reason = _walk(pool, position, loads, scale, need, free, failed, pinned, min_bound, work, cap)
             if endpoint is not None and free is not None and free.get(pinned, _INF) < need:
                 reason = "memory"
             return endpoint, reason
-        walked = _walk(pool, position, loads, scale, need, free, failed, None, min_bound)
+        walked = _walk(pool, position, loads, scale, need, free, failed, None, min_bound, work, cap)
         return walked[0], ("repinned" if walked[0] is not None and walked[1] in ("affinity", "spilled")
                            else walked[1])
     if position is not None:
-        return _walk(pool, position, loads, scale, need, free, failed, None, min_bound)
+        return _walk(pool, position, loads, scale, need, free, failed, None, min_bound, work, cap)
     endpoints = pool.endpoints
     if len(endpoints) <= SCAN_MAX:
         # Small pool: the lowest load per share; ties (an idle pool) drawn by weight from the request id.
@@ -162,8 +179,8 @@ def choose(
 
 
 def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, float], scale: float, need: float,
-          free: Mapping[str, float] | None, failed: Container[str], skip: str | None, min_bound: float = 0.0
-          ) -> tuple[str | None, str]:
+          free: Mapping[str, float] | None, failed: Container[str], skip: str | None, min_bound: float = 0.0,
+          work: float = 1.0, cap: float = _INF) -> tuple[str | None, str]:
     """Clockwise from ``position`` (or the ring's start): the first endpoint under its bound and admitted."""
     ring = pool.ring
     owners = ring.owners
@@ -180,7 +197,7 @@ def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, floa
             if e != skip and e not in failed:
                 if free is not None and free.get(e, _INF) < need:
                     memory_skipped = True
-                elif loads.get(e, 0.0) < max(scale * shares[e], min_bound):
+                elif (le := loads.get(e, 0.0)) < max(scale * shares[e], min_bound) and (le + work) / shares[e] <= cap:
                     if first and skip is None:
                         return e, "affinity"
                     return e, "memory" if memory_skipped else "spilled"
@@ -199,6 +216,21 @@ def _walk(pool: ClusterEndpoints, position: int | None, loads: Mapping[str, floa
     if best is None:
         return None, "no-memory"
     return best, "memory"
+
+
+def _cap(pool: ClusterEndpoints, loads: Mapping[str, float], work: float, free: Mapping[str, float] | None,
+         need: float, failed: Container[str], slack: float) -> float:
+    """The affinity slack's cap on ``(load + work) / share``: the lowest over the admitted endpoints
+    (not failing, memory for the request), plus ``slack`` typical requests on an average endpoint."""
+    low = _INF
+    shares = pool.shares
+    for e in pool.endpoints:
+        if e in failed or (free is not None and free.get(e, _INF) < need):
+            continue
+        r = (loads.get(e, 0.0) + work) / shares[e]
+        if r < low:
+            low = r
+    return low + slack * len(pool.endpoints) + 1e-9
 
 
 def _least_relative(pool: ClusterEndpoints, loads: Mapping[str, float], free: Mapping[str, float] | None,

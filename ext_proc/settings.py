@@ -95,6 +95,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "body_mode": routing.body_mode,
             "min_bound": routing.min_bound,
             "pinned_load_factor": routing.pinned_load_factor,
+            "affinity_slack": routing.affinity_slack,
             "spill_threshold": routing.spill_threshold,
         },
         "settings": asdict(settings),
@@ -148,6 +149,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         body_mode=r.get("body_mode", "buffered"),
         min_bound=float(r.get("min_bound", 2.0)),
         pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
+        affinity_slack=_opt(r.get("affinity_slack")),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
     )
     raw = doc["settings"]

@@ -123,6 +123,28 @@ def largest_memory(weights: list[EndpointWeight], spec: Callable[[str, str], End
     return out
 
 
+
+def fleet_in_flight(fleet: Mapping[str, float], pickers: int, own: Mapping[str, float],
+                    own_in_view: bool) -> Mapping[str, float]:
+    """Requests in flight per cluster for the autoscaling signal (pure): the shared load view's sum
+    over its ``pickers`` reporting pickers (``fleet``: ``{cluster: requests}``) while any reports,
+    plus the in-process picker's ``own`` when it is not one of them (with TLS it does not report to
+    the view: its client would need a certificate of its own); no picker reporting: ``own`` alone.
+
+    >>> fleet_in_flight({"c": 3.0}, 1, {"c": 2}, False), fleet_in_flight({"c": 3.0}, 2, {"c": 2}, True)
+    ({'c': 5.0}, {'c': 3.0})
+    >>> fleet_in_flight({}, 0, {"c": 2}, True)
+    {'c': 2}
+    """
+    if not pickers:
+        return own
+    if own_in_view:
+        return fleet
+    out = dict(fleet)
+    for cluster, n in own.items():
+        out[cluster] = out.get(cluster, 0.0) + n
+    return out
+
 class InferLB:
     """One running inferlb: ADS server, ext_proc picker, admin API and the weight loop.
 
@@ -235,9 +257,9 @@ class InferLB:
         admission = self.picker.admission
         queued = {} if admission is None else {c: admission.queued(c) for c in self.view.current.clusters}
         fleet = self.load_view.totals(time.monotonic())
-        if fleet.pickers:
-            return {c: load.in_flight for c, load in fleet.clusters.items()}, queued
-        return self.picker.inflight.clusters, queued
+        own_in_view = self._share_task is not None
+        return fleet_in_flight({c: load.in_flight for c, load in fleet.clusters.items()}, fleet.pickers,
+                               self.picker.inflight.clusters, own_in_view), queued
 
     def _current_weights(self):
         snap = self.cache.snapshot

@@ -640,6 +640,7 @@ class Picker(_Strict):
     load_factor: float = Field(1.25, ge=1.0, le=100)
     min_bound: float = Field(2.0, ge=0, le=1_000_000)
     pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
+    affinity_slack: float | None = Field(None, ge=0, le=1_000_000)
     memory_margin: float | None = Field(None, ge=0, le=10)
     kv_mib_per_token: float = Field(0.5, ge=0)
     default_max_tokens: int = Field(128, ge=0)

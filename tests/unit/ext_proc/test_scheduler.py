@@ -598,7 +598,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
 
     from ext_proc.settings import PickerSettings, from_wire, to_wire
     routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
-                           pinned_load_factor=3.0,
+                           pinned_load_factor=3.0, affinity_slack=0.75,
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
                            chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
                            request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
@@ -610,7 +610,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_
-    for name in ("load_factor", "pinned_load_factor", "min_bound", "memory_margin", "default_request_mib",
+    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "min_bound", "memory_margin", "default_request_mib",
                  "kv_mib_per_token", "default_max_tokens", "chars_per_token", "request_memory_header",
                  "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):
         assert getattr(back_routing, name) == getattr(routing, name), name
@@ -625,3 +625,60 @@ def test_an_established_session_keeps_its_pin_up_to_the_looser_pinned_bound():
     assert choose(p, 5, home, loads, total)[1] == "spilled"
     assert choose(p, 5, home, loads, total, pinned_load_factor=2.0) == (home, "affinity")
     assert choose(p, 5, None, loads, total, pinned_load_factor=2.0)[1] == "spilled"  # a new session is placed
+
+
+# --- affinity slack ------------------------------------------------------------------------------
+
+
+def test_with_a_slack_a_pin_is_kept_only_within_slack_requests_of_the_least_loaded():
+    p = pool()
+    home, _ = choose(p, 5, None, {}, 0.0)
+    loads = {home: 2.0}  # the others idle; under the bounded-load bound max(1.25 x 3 / 4, 4) = 4
+    assert choose(p, 5, home, loads, 2.0, min_bound=4.0) == (home, "affinity")
+    chosen, reason = choose(p, 5, home, loads, 2.0, min_bound=4.0, affinity_slack=1.0)  # 3 > 1 + 1
+    assert reason == "spilled" and chosen != home and loads.get(chosen, 0.0) == 0.0
+    assert choose(p, 5, home, loads, 2.0, min_bound=4.0, affinity_slack=2.0) == (home, "affinity")  # 3 <= 1 + 2
+
+
+def test_the_slack_is_per_share_so_a_bigger_endpoint_holds_more():
+    eps = FOUR[:3]
+    p = pool(eps, {eps[0]: 2, eps[1]: 1, eps[2]: 1})  # shares 0.5, 0.25, 0.25
+    loads = {eps[0]: 2.0}
+    # (2 + 1) / 0.5 = 6 against the least (0 + 1) / 0.25 = 4: within 1 x 3 = 3 of it, not within 0.5 x 3
+    assert choose(p, 1, eps[0], loads, 2.0, min_bound=9.0, affinity_slack=1.0) == (eps[0], "affinity")
+    assert choose(p, 1, eps[0], loads, 2.0, min_bound=9.0, affinity_slack=0.5)[1] == "spilled"
+
+
+def test_a_spill_under_the_slack_goes_to_the_first_endpoint_clockwise_within_it():
+    p = pool()
+    owners, i = p.ring.owners, p.ring.start_index(7)
+    walk: list[str] = []
+    for k in range(len(owners)):
+        e = owners[(i + k) % len(owners)]
+        if e not in walk:
+            walk.append(e)
+    loads = {walk[0]: 3.0, walk[1]: 2.0, walk[2]: 1.0, walk[3]: 0.0}  # walk[2] is within 1 of the least
+    assert choose(p, 7, None, loads, 6.0, min_bound=10.0, affinity_slack=1.0) == (walk[2], "spilled")
+    assert choose(p, 7, None, loads, 6.0, min_bound=10.0) == (walk[0], "affinity")  # no slack: the bound alone
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10), min_size=2, max_size=8), st.lists(st.floats(0.0, 20.0), min_size=8, max_size=8),
+       st.floats(0.0, 3.0), st.floats(0.05, 4.0), st.integers(0, 2**64 - 1), st.booleans())
+def test_the_chosen_endpoint_is_always_within_the_slack_of_the_least_loaded(weights, loads, slack, work, key, pin):
+    endpoints = [f"10.0.0.{i}:8000" for i in range(len(weights))]
+    p = pool(endpoints, dict(zip(endpoints, weights, strict=True)))
+    load = dict(zip(endpoints, loads[:len(endpoints)], strict=True))
+    pinned = endpoints[key % len(endpoints)] if pin else None
+    chosen, _ = choose(p, key, pinned, load, sum(load.values()), work, pinned_load_factor=2.0, affinity_slack=slack)
+    least = min((load[e] + work) / p.shares[e] for e in endpoints)
+    assert (load[chosen] + work) / p.shares[chosen] <= least + slack * len(endpoints) + 1e-6
+
+
+def test_pools_above_the_scan_size_keep_the_bounded_loads_alone():
+    from ext_proc.scheduler import SCAN_MAX
+    eps = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(SCAN_MAX + 1)]
+    p = pool(eps)
+    home, _ = choose(p, 11, None, {}, 0.0)
+    loads = {home: 1.0}
+    assert choose(p, 11, home, loads, 1.0, min_bound=2.0, affinity_slack=0.0) == (home, "affinity")
