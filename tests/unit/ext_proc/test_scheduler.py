@@ -610,8 +610,9 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_
-    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "min_bound", "memory_margin", "default_request_mib",
-                 "kv_mib_per_token", "default_max_tokens", "chars_per_token", "request_memory_header",
+    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "min_bound", "memory_margin",
+                 "default_request_mib", "kv_mib_per_token", "default_max_tokens", "chars_per_token",
+                 "request_memory_header",
                  "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):
         assert getattr(back_routing, name) == getattr(routing, name), name
     assert dict(back_routing.request_classes) == dict(routing.request_classes)

@@ -168,3 +168,39 @@ async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_picker_alone_in_the_view_sends_only_keep_alives_and_reports_changes_once_another_joins():
+    table = LoadTable(expiry_s=1.0)
+    reports: list[str] = []
+    record = table.record
+
+    def counting(report, now):
+        reports.append(report.picker)
+        return record(report, now)
+
+    table.record = counting  # type: ignore[method-assign]
+    one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
+    async with load_view_server(table) as target:
+        tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.01, 1.0))]
+        try:
+            for _ in range(60):  # a change every 10 ms for 0.6 s: alone, none of them is news
+                one.inflight.picked("c", A)
+                await asyncio.sleep(0.01)
+            alone = reports.count("one")
+            assert 1 <= alone <= 5, f"{alone} reports in 0.6 s alone (keep-alive every 0.25 s)"
+            tasks.append(asyncio.create_task(run_load_view(target, "two", two, 0.01, 1.0)))
+            for _ in range(100):
+                if two.others.pickers == 2:
+                    break
+                await asyncio.sleep(0.01)
+            before = reports.count("one")
+            for _ in range(20):  # now every change is news to picker two: reported within ~10 ms
+                one.inflight.picked("c", A)
+                await asyncio.sleep(0.02)
+            assert reports.count("one") - before >= 10
+            assert two.work.get(A, 0.0) >= 70.0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
