@@ -156,6 +156,9 @@ class RoutingTable:
             up to Envoy's buffer limit, then the decision).
         min_bound: every endpoint's load bound is at least this much work (typical requests).
         pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
+        affinity_slack: a candidate endpoint's load after the request, per share, is within this many
+            typical requests of the least loaded admitted endpoint's (>= 0; None: no such limit; see
+            :func:`ext_proc.scheduler.choose`).
         spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
             there when its first tier's requests in flight are at least this share (0-1] of that
             tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
@@ -188,7 +191,7 @@ class RoutingTable:
     body_mode: str = "buffered"
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
-    affinity_slack: float | None = None
+    affinity_slack: float | None = 1.0
     spill_threshold: float = 0.6
     sized: bool = field(default=False, init=False, compare=False)
 
@@ -209,6 +212,8 @@ class RoutingTable:
                              f"{self.load_factor}, {self.pinned_load_factor}")
         if not 0 < self.spill_threshold <= 1:
             raise ValueError(f"routing: spill_threshold must be in (0, 1], got {self.spill_threshold}")
+        if self.affinity_slack is not None and not self.affinity_slack >= 0:
+            raise ValueError(f"routing: affinity_slack must be >= 0 or None, got {self.affinity_slack}")
         for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
