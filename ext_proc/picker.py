@@ -354,19 +354,18 @@ def pick(
         rid = headers.get("x-request-id")
         spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
     margin = 0.0 if declared else routing.memory_margin  # a need the client declared is taken as it is
-    slack = None if loads is None else routing.affinity_slack  # no live load: the ring and the pins alone
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              slack)
+                              routing.affinity_slack)
     if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              slack)
+                              routing.affinity_slack)
     if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              slack)
+                              routing.affinity_slack)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

@@ -149,7 +149,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         body_mode=r.get("body_mode", "buffered"),
         min_bound=float(r.get("min_bound", 2.0)),
         pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
-        affinity_slack=_opt(r["affinity_slack"]) if "affinity_slack" in r else 1.0,
+        affinity_slack=_opt(r.get("affinity_slack")),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
     )
     raw = doc["settings"]

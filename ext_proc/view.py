@@ -191,7 +191,7 @@ class RoutingTable:
     body_mode: str = "buffered"
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
-    affinity_slack: float | None = 1.0
+    affinity_slack: float | None = None
     spill_threshold: float = 0.6
     sized: bool = field(default=False, init=False, compare=False)
 

@@ -58,22 +58,12 @@ def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
 
 
 def engine_params(cfg: Config) -> EngineParams:
-    """Engine parameters from the config.
-
-    With the picker on (``envoy.picker``) and ``engine.filters.latency_outlier`` not configured, the
-    latency-outlier filter is off: the picker counts every request in flight until its completion,
-    so a slow endpoint's lingering requests already keep new ones away (as Envoy's
-    ``least_request`` does), while an ejection takes its whole capacity out and pushes its share
-    onto the others. Measured on the ``long_tail`` scenario (docs/engine.md).
-    """
+    """Engine parameters from the config."""
     e = cfg.engine
-    filters = e.filters
-    if cfg.envoy.picker and "latency_outlier" not in filters:
-        filters = {**filters, "latency_outlier": False}
     return settings.engine_params(
         stale_after_s=e.stale_after_s, request_memory_mib=e.request_memory_mib, memory_margin=e.memory_margin,
         max_weight=e.max_weight, hysteresis=e.hysteresis, quantum=e.quantum, max_change=e.max_change,
-        drain_timeout_s=e.drain_timeout_s, filters=filters, scorers=e.scorers, factors=e.factors,
+        drain_timeout_s=e.drain_timeout_s, filters=e.filters, scorers=e.scorers, factors=e.factors,
         health_rounds=e.health_rounds,
     )
 

@@ -55,8 +55,6 @@ def check_directions(figures: dict) -> None:
 
     chat = figures["chat_resend"]
     assert chat["inferlb_full"]["prefix_hit_rate"] > chat["least_request"]["prefix_hit_rate"] + 0.05, chat
-    # The affinity slack (picker.affinity_slack) trades session hits for an even load: full-mode runs
-    # of 2026-12-01 gave +0.09 over least_request, one quick run +0.20, so the direction is +0.05.
-    assert chat["inferlb_full"]["session_hit_rate"] > chat["least_request"]["session_hit_rate"] + 0.05, chat
+    assert chat["inferlb_full"]["session_hit_rate"] > chat["least_request"]["session_hit_rate"] + 0.15, chat
     for name in SCENARIOS[1:]:
         assert figures[name]["inferlb_full"]["error_rate"] <= 0.02, (name, figures[name]["inferlb_full"])

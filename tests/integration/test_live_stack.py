@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -169,13 +168,9 @@ def test_envoy_view_fills_client_side_latency(live_stack: Stack):
     sent = iter(range(10_000))
 
     def seen():
-        # Envoy's figures count from MIN_REQUESTS requests per endpoint in the window: keep sending,
-        # 4 at a time (one at a time, the affinity slack keeps every request off the A10 while an
-        # A100 is idle: one request is 2.5 x more of an A10's capacity).
-        with ThreadPoolExecutor(4) as pool:
-            codes = list(pool.map(lambda i: s.send({"x-session-id": f"view-{i}", "model-version": "v1"}).status_code,
-                                  itertools.islice(sent, 40)))
-        assert codes == [200] * len(codes), codes
+        # Envoy's figures count from MIN_REQUESTS requests per endpoint in the window: keep sending.
+        for i in itertools.islice(sent, 20):
+            assert s.send({"x-session-id": f"view-{i}", "model-version": "v1"}).status_code == 200
         eps = s.weights()["chat-v1"]
         return eps if all(e["inputs"]["client_latency_mean_ms"] for e in eps.values()) else None
 

@@ -25,10 +25,7 @@ HEAVY = 4  # slow requests of one session sent through gateway 1
 
 @pytest.fixture(scope="module")
 def two_gateways(tmp_path_factory) -> Iterator[tuple[Stack, list[str], list[stack.Proc]]]:
-    # No affinity slack and a bound of HEAVY requests: gateway 1's slow requests of one session stay on
-    # one endpoint, so the view has one busy endpoint for picker 2 to avoid.
-    s = start_stack(tmp_path_factory.mktemp("gateways"), [("v1", "a100"), ("v1", "a100")],
-                    config={"picker": {"affinity_slack": None, "min_bound": HEAVY}})
+    s = start_stack(tmp_path_factory.mktemp("gateways"), [("v1", "a100"), ("v1", "a100")])
     procs: list[stack.Proc] = []
     listeners = []
     try:

@@ -601,9 +601,9 @@ class Picker(_Strict):
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
     The scheduler (every request): ``load_factor`` is the bounded-loads ``c``; ``min_bound`` the
     least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
-    session's existing pin (its KV cache is there); ``affinity_slack`` (typical requests; null: off):
-    an endpoint is a candidate only while its load after the request, per share, is within this of
-    the least loaded admitted endpoint's; ``memory_margin``
+    session's existing pin (its KV cache is there); ``affinity_slack`` (typical requests; null, the
+    default: off): an endpoint is a candidate only while its load after the request, per share, is
+    within this of the least loaded admitted endpoint's (docs/picker.md); ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
     ``request_memory_header`` (MiB; declared, so admitted without the margin), the body
     (``kv_mib_per_token`` x (prompt tokens, estimated at
@@ -642,7 +642,7 @@ class Picker(_Strict):
     load_factor: float = Field(1.25, ge=1.0, le=100)
     min_bound: float = Field(2.0, ge=0, le=1_000_000)
     pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
-    affinity_slack: float | None = Field(1.0, ge=0, le=1_000_000)
+    affinity_slack: float | None = Field(None, ge=0, le=1_000_000)
     memory_margin: float | None = Field(None, ge=0, le=10)
     kv_mib_per_token: float = Field(0.5, ge=0)
     default_max_tokens: int = Field(128, ge=0)
