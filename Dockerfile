@@ -2,6 +2,8 @@
 # simulated backends of docker-compose.yml). The same commands run outside Docker in CI
 # (tests/integration/test_wheel.py): build the wheel, install it in a fresh venv, run it elsewhere.
 FROM python:3.11-slim AS wheel
+# gcc builds the picker's compiled decoder (ext_proc/_wire.c) into the wheel; the image itself needs none.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN pip wheel --no-cache-dir --no-deps -w /wheels .

@@ -379,7 +379,9 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
         picker_argv = stack.inferlb_argv(
             "ext-proc", "--xds", f"127.0.0.1:{ports['xds']}", "--listen", f"127.0.0.1:{ports['picker_before']}",
             "--transport", transport, "--workers", str(workers), "--log-level", "warning")
-        picker_before = stack.spawn(BEFORE, picker_argv, work, env={"PYTHONPATH": str(before)}) \
+        # PYTHONSAFEPATH (-P, inherited by --workers children): without it ``python -m`` puts the working
+        # directory (this checkout, when run from it) before PYTHONPATH, and "before" runs this code.
+        picker_before = stack.spawn(BEFORE, picker_argv, work, env={"PYTHONPATH": str(before), "PYTHONSAFEPATH": "1"}) \
             if before is not None else None
         if picker_before is not None:
             procs.append(picker_before)

@@ -32,6 +32,7 @@ from ext_proc.shared_load import SharedLoad
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
+from ext_proc.wire import request_headers
 
 __all__ = ["PickerHandler", "prefix_hash"]
 
@@ -271,6 +272,13 @@ class PickerHandler:
                 (INTERNAL); both counted and logged (rate limited). Envoy then applies its
                 failure mode.
         """
+        decoded = request_headers(data)  # Envoy's request headers without protobuf (ext_proc.wire)
+        if decoded is not None:
+            try:
+                return self._headers(stream, *decoded)
+            except Exception:
+                self.errors.report("pick-failed", "the picker raised", exc_info=True)
+                raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
         try:
             request = pb.ProcessingRequest.FromString(data)
         except DecodeError:
@@ -279,7 +287,8 @@ class PickerHandler:
         phase = request.WhichOneof("request")
         try:
             if phase == "request_headers":
-                return self._headers(stream, request.request_headers)
+                http_headers = request.request_headers
+                return self._headers(stream, headers_of(http_headers), http_headers.end_of_stream)
             if phase == "request_body":
                 chunk = request.request_body
                 if stream.held is not None:
@@ -310,10 +319,9 @@ class PickerHandler:
         )
         return EMPTY_ANSWERS[phase], False
 
-    def _headers(self, stream: StreamState, http_headers: pb.HttpHeaders) -> tuple[bytes, bool]:
-        headers = headers_of(http_headers)
+    def _headers(self, stream: StreamState, headers: dict[str, bytes], end_of_stream: bool) -> tuple[bytes, bool]:
         view = self.holder.current
-        if view.routing.body_max_bytes and not http_headers.end_of_stream and self._wants_body(headers, view):
+        if view.routing.body_max_bytes and not end_of_stream and self._wants_body(headers, view):
             stream.held = headers
             return _HOLD_FOR_BODY[view.routing.body_mode], False
         return self._route(headers, view, NO_BODY, "request_headers"), True

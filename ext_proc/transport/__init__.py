@@ -6,11 +6,15 @@ caller starts one through :func:`start`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from ext_proc import wire
 from ext_proc.transport.base import Server, Service, TlsFiles, ssl_context
 
 __all__ = ["KINDS", "start"]
+
+log = logging.getLogger(__name__)
 
 #: Transport names, as ``picker.transport`` and ``inferlb ext-proc --transport`` spell them.
 KINDS = ("fast", "grpcio")
@@ -30,6 +34,7 @@ async def start(kind: str, service: Service, listen: str, *, tls: TlsFiles | Non
         ValueError: unknown ``kind``, or a TLS setting that can't work.
         OSError / ssl.SSLError / RuntimeError: a TLS file can't be read, or the address can't be bound.
     """
+    log.info("ext_proc request-headers decoder: %s", wire.DECODER)
     if kind == "fast":
         from ext_proc.transport.h2.server import start_fast_server
 

@@ -57,6 +57,14 @@ def test_the_installed_package_is_not_the_checkout(installed, tmp_path):
     assert str(bin_dir.parent) in where and str(ROOT) not in where
 
 
+def test_the_wheel_carries_the_compiled_decoder(installed, tmp_path):
+    """`pip install .` compiles ext_proc/_wire.c where a C compiler is (this machine: gcc)."""
+    bin_dir, env = installed
+    decoder = subprocess.run([str(bin_dir / "python"), "-c", "import ext_proc.wire as w; print(w.DECODER)"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert decoder.startswith("compiled"), decoder
+
+
 def test_bootstrap_without_a_config_validates_in_envoy(installed, tmp_path):
     run = _run(installed, tmp_path, "bootstrap", "--node-id", "x")
     assert run.returncode == 0, run.stderr

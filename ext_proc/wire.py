@@ -1,0 +1,45 @@
+"""A request-headers ``ProcessingRequest`` decoded straight from its bytes: the picker's hot decode.
+
+:func:`request_headers` is the compiled decoder ``ext_proc._wire`` (``ext_proc/_wire.c``, built
+by ``pip install``; optional: without a C compiler the package installs without it) when it is
+there, else :func:`request_headers_py`, the reference it is tested against (protobuf's parse and
+:func:`~ext_proc.responses.headers_of`; ``tests/unit/ext_proc/test_wire.py`` compares the two on
+generated messages). The compiled one accepts only the fields Envoy sends with request headers
+and returns None for anything else (the caller then parses with protobuf); whatever it accepts,
+it decodes as the reference does. It saves ~11 µs per request (protobuf's parse and the
+``HeaderValue`` field reads, ~13 µs, against ~1.5 µs).
+
+:data:`DECODER` names the one in use (the transports log it when they start).
+"""
+
+from __future__ import annotations
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.message import DecodeError
+
+from ext_proc.responses import headers_of
+
+__all__ = ["DECODER", "request_headers", "request_headers_py"]
+
+
+def request_headers_py(data: bytes) -> tuple[dict[str, bytes], bool] | None:
+    """``(headers as headers_of gives them, HttpHeaders.end_of_stream)`` of a serialized
+    ``ProcessingRequest`` whose phase is ``request_headers``; None for another phase or bytes that
+    do not decode."""
+    try:
+        request = pb.ProcessingRequest.FromString(data)
+    except DecodeError:
+        return None
+    if request.WhichOneof("request") != "request_headers":
+        return None
+    http_headers = request.request_headers
+    return headers_of(http_headers), http_headers.end_of_stream
+
+
+try:
+    from ext_proc._wire import request_headers
+except ImportError as err:  # not built (no C compiler where the package was installed)
+    request_headers = request_headers_py
+    DECODER = f"pure Python (ext_proc._wire not built: {err})"
+else:
+    DECODER = "compiled (ext_proc._wire)"
