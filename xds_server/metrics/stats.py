@@ -57,7 +57,7 @@ class EndpointStats:
 
         Fast path (runs per endpoint per round): a finite float or an int passes without a call."""
         bad = None
-        for name, v in zip(_NAMES, _ALL(self), strict=True):
+        for name, v in zip(STAT_FIELDS, _ALL(self), strict=True):
             if v is None or (type(v) is float and v - v == 0.0) or type(v) is int:
                 continue
             if finite(v) is None:
@@ -66,8 +66,9 @@ class EndpointStats:
         return replace(self, **bad) if bad else self
 
 
-_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats))
-_ALL = operator.attrgetter(*_NAMES)
+#: Every field of :class:`EndpointStats`, in declaration order.
+STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats))
+_ALL = operator.attrgetter(*STAT_FIELDS)
 
 #: Every signal field (all but ``sample_age_s``), in declaration order.
 SIGNAL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats) if f.name != "sample_age_s")

@@ -1,0 +1,1 @@
+"""Factor plugins (weight multipliers: capacity, slow start, balance), one per module; listed in :mod:`..builtin`."""

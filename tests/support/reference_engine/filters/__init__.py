@@ -1,0 +1,1 @@
+"""Filter plugins, one per module; each module's ``PLUGIN`` is listed in :mod:`..builtin`."""
