@@ -394,23 +394,24 @@ def _cluster(
                bounded.astype(np.int64).tolist(), weights.tolist(), zip(*score_lists, strict=True) if score_lists else
                ((),) * m, zip(*factor_lists, strict=True) if factor_lists else ((),) * m, strict=True)
     for i, a, score, tgt, bnd, weight, row, mults in rows:
-        fkey = tuple(zip(factor_names, mults, strict=True))
-        hit = shared_factors.get(fkey)
+        hit = shared_factors.get(mults)
         if hit is None:
+            fkey = tuple(zip(factor_names, mults, strict=True))
             parts = "".join(f" x {fn} {fv:.3g}" for fn, fv in fkey if fv != 1.0)
-            hit = shared_factors[fkey] = (MappingProxyType(dict(fkey)), parts)
+            hit = shared_factors[mults] = (MappingProxyType(dict(fkey)), parts)
         factor_map, parts = hit
         reasons = [f"score {score:.2f} x max_weight {max_weight}{parts} -> {tgt}"]
         if bnd != tgt:
             reasons.append(f"bounded to {bnd}: at most x{growth} per round")
         if weight != bnd:
             reasons.append(f"held at {weight}: change under hysteresis {hysteresis}")
-        reasons.extend(extra)
-        if a in held:
+        if extra:
+            reasons.extend(extra)
+        if held and a in held:
             reasons.append(held[a])
         result[i] = EndpointWeight(cluster, a, weight, HEALTHY, score, seen[i],
                                    MappingProxyType(dict(zip(score_names, row, strict=True))), tuple(reasons),
-                                   verdicts(a), factor_map, tgt)
+                                   verdicts(a) if judged else passed, factor_map, tgt)
     for i in live.tolist():
         a = addresses[i]
         if a in excluded:

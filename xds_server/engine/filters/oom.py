@@ -61,21 +61,27 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
     oom, success = rnd.stat("oom_total"), rnd.stat("success_total")
     streak = np.where(_delta(success, old_success) > 0, 0.0, old_streak + _delta(oom, old_oom))
     changed = ~(_same(oom, old_oom) & _same(success, old_success) & (streak == old_streak))
-    for i in np.flatnonzero(changed).tolist():
-        counters[rnd.addresses[i]] = OomState(_none(float(oom[i])), _none(float(success[i])), float(streak[i]),
-                                              olds[i].ejection)
+    at = np.flatnonzero(changed).tolist()
+    counters.update(zip([rnd.addresses[i] for i in at], map(
+        OomState, map(_none, oom[changed].tolist()), map(_none, success[changed].tolist()), streak[changed].tolist(),
+        [olds[i].ejection for i in at]), strict=True))
     outliers = {rnd.addresses[i]: (s, f"{s:.0f} consecutive out-of-memory refusals")
                 for i, s in zip(np.flatnonzero(streak >= p.consecutive).tolist(),
                                 streak[streak >= p.consecutive].tolist(), strict=True)}
     ejections = {a: s.ejection for a, s in counters.items() if s.ejection is not None}
     reasons, new = eject(rnd, p, ejections, outliers, "oom")
-    out: dict[str, OomState] = {}
-    for address, s in counters.items():
+    # Kept: a record with a counter or an ejection. Only the ejected (before or now) change here.
+    out = {a: s for a, s in counters.items()
+           if s.oom_total is not None or s.success_total is not None or s.ejection is not None}
+    for address in {*new, *ejections, *(reasons.keys() & outliers.keys())}:
+        s = counters[address]
         e = new.get(address)
         streak_now = 0.0 if address in reasons and address in outliers else s.streak  # a fresh ejection restarts it
         if e is not None or s.oom_total is not None or s.success_total is not None:
             out[address] = s if (e is s.ejection and streak_now == s.streak) else OomState(
                 s.oom_total, s.success_total, streak_now, e)
+        else:
+            out.pop(address, None)
     return reasons, out
 
 
