@@ -1,1 +1,0 @@
-"""Filter plugins, one per module; each module's ``PLUGIN`` is listed in :mod:`..builtin`."""
