@@ -119,33 +119,27 @@ def compute_weights(
         ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order, and the state
         for the next round. Every weight is >= 1 and each cluster's sum is <= 2**32 - 1.
     """
-    by_cluster: dict[str, list[EndpointSpec]] = defaultdict(list)
-    for spec in specs:
-        by_cluster[spec.cluster].append(spec)
-    out: dict[Key, EndpointWeight] = {}
-    eligible: set[Key] = set()
+    by_cluster: dict[str, list[int]] = defaultdict(list)  # positions in specs
+    for i, spec in enumerate(specs):
+        by_cluster[spec.cluster].append(i)
+    ordered: list[EndpointWeight] = [None] * len(specs)  # type: ignore[list-item]
+    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
+    eligible: list[Key] = []
     new_state: dict[str, Mapping[str, Any]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
-    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
-    for cluster, members in by_cluster.items():
+    for cluster, at in by_cluster.items():
+        members = [specs[i] for i in at]
         with np.errstate(all="ignore"):  # inf and NaN are data here (no data, or clamped), not errors
             weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}),
                                                   params, now, plugins, scorer_weights)
-        for ew in weights:
-            decided[(ew.cluster, ew.address)] = ew.weight
-        for ew in fit_uint32(weights):
-            out[(ew.cluster, ew.address)] = ew
-        eligible |= {(cluster, a) for a in ok}
+        decided.update(zip([(cluster, s.address) for s in members], [ew.weight for ew in weights], strict=True))
+        for i, ew in zip(at, fit_uint32(weights), strict=True):
+            ordered[i] = ew
+        eligible.extend((cluster, a) for a in ok)
         kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
-    ordered = [out[(s.cluster, s.address)] for s in specs]
-    state = EngineState(
-        MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
-        frozenset(eligible),
-        MappingProxyType(new_state),
-    )
-    return ordered, state
+    return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state))
 
 
 def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tuple[int, int, bool]:

@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from xds_server.engine.types import EndpointSpec, EngineParams
-from xds_server.metrics.stats import STAT_FIELDS, EndpointStats
+from xds_server.metrics.stats import STAT_FIELDS, EndpointStats, finite
 
 
 class PluginParams(BaseModel):
@@ -71,20 +71,29 @@ class Columns:
         """The columns of ``specs`` with their ``stats`` (NaN, ±Inf and None all read as no data).
 
         A value that is not a number (a source bug) is read as ``EndpointStats.sanitized`` reads it."""
-        try:
-            cols = {name: np.array(list(map(getter, stats)), dtype=float) for name, getter in _GETTERS.items()}
-        except (TypeError, ValueError):
-            return Columns.of(specs, [s.sanitized() for s in stats])
-        dirty = np.zeros(len(stats), dtype=bool)
-        for name, col in cols.items():
-            unknown = ~np.isfinite(col)
-            if not unknown.any():
+        n = len(stats)
+        cols: dict[str, Array] = {}
+        dirty = np.zeros(n, dtype=bool)
+        for name, getter in _GETTERS.items():
+            values = list(map(getter, stats))
+            nones = values.count(None)
+            if nones == n:  # no source gives it (a whole column of None is common: Envoy's view, for one)
+                cols[name] = np.full(n, np.nan)
                 continue
-            values = list(map(_GETTERS[name], stats))
-            if values.count(None) != int(unknown.sum()):  # some are NaN or ±Inf, not None
+            try:
+                col = np.fromiter(values, dtype=float, count=n) if not nones else np.array(values, dtype=float)
+            except (TypeError, ValueError):  # not a number somewhere: read each as finite() does
+                text = [v is not None and type(v) not in (float, int) for v in values]
+                values = [None if v is None else finite(v) for v in values]
+                dirty |= np.array(text, dtype=bool)
+                nones = values.count(None)
+                col = np.array(values, dtype=float)
+            unknown = ~np.isfinite(col)
+            if int(unknown.sum()) != nones:  # some are NaN or ±Inf, not None
                 for i in np.flatnonzero(unknown).tolist():
                     dirty[i] |= values[i] is not None
-            col[unknown] = np.nan
+                col[unknown] = np.nan
+            cols[name] = col
         return Columns(cols, np.array(list(map(_CAPACITY, specs)), dtype=float),
                        np.array(list(map(_MAX_CONCURRENCY, specs)), dtype=float),
                        np.array(list(map(_MEMORY, specs)), dtype=float), dirty)

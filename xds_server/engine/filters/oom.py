@@ -11,7 +11,7 @@ Ejection times and ``max_ejection_percent`` follow :mod:`..ejection`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import Field
@@ -26,8 +26,7 @@ class Params(EjectionParams):
     consecutive: int = Field(3, ge=1)
 
 
-@dataclass(frozen=True, slots=True)
-class OomState:
+class OomState(NamedTuple):
     """Per endpoint: the counters seen last round, the current streak and the ejection record."""
 
     oom_total: float | None = None
@@ -62,9 +61,9 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
     streak = np.where(_delta(success, old_success) > 0, 0.0, old_streak + _delta(oom, old_oom))
     changed = ~(_same(oom, old_oom) & _same(success, old_success) & (streak == old_streak))
     at = np.flatnonzero(changed).tolist()
-    counters.update(zip([rnd.addresses[i] for i in at], map(
-        OomState, map(_none, oom[changed].tolist()), map(_none, success[changed].tolist()), streak[changed].tolist(),
-        [olds[i].ejection for i in at]), strict=True))
+    counters.update(zip([rnd.addresses[i] for i in at], map(OomState._make, zip(
+        map(_none, oom[changed].tolist()), map(_none, success[changed].tolist()), streak[changed].tolist(),
+        [olds[i].ejection for i in at], strict=True)), strict=True))
     outliers = {rnd.addresses[i]: (s, f"{s:.0f} consecutive out-of-memory refusals")
                 for i, s in zip(np.flatnonzero(streak >= p.consecutive).tolist(),
                                 streak[streak >= p.consecutive].tolist(), strict=True)}
