@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xds_server.engine.types import EndpointWeight
 from xds_server.history.types import CHANGE, KEYFRAME, HistoryRow
 from xds_server.metrics.stats import as_dicts, rounded
 
 
-@dataclass(frozen=True, slots=True)
-class Recorded:
+class Recorded(NamedTuple):
     """What was last recorded for one endpoint: its weight, health and when (Unix s)."""
 
     weight: int
@@ -53,7 +52,7 @@ def to_record(weights: Iterable[EndpointWeight], last: Mapping[Key, Recorded], n
     for w in weights:
         key = (w.cluster, w.address)
         prev = last.get(key)
-        if prev is None or (prev.weight, prev.health) != (w.weight, w.health):
+        if prev is None or prev.weight != w.weight or prev.health != w.health:
             if keyframes_only:
                 continue
             kind = CHANGE
