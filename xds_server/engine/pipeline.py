@@ -132,10 +132,11 @@ def compute_weights(
         with np.errstate(all="ignore"):  # inf and NaN are data here (no data, or clamped), not errors
             weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}),
                                                   params, now, plugins, scorer_weights)
-        decided.update(zip([(cluster, s.address) for s in members], [ew.weight for ew in weights], strict=True))
+        keys = [(cluster, s.address) for s in members]  # one tuple per endpoint, shared by both tables
+        decided.update(zip(keys, [ew.weight for ew in weights], strict=True))
         for i, ew in zip(at, fit_uint32(weights), strict=True):
             ordered[i] = ew
-        eligible.extend((cluster, a) for a in ok)
+        eligible.extend(k for k in keys if k[1] in ok)
         kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
