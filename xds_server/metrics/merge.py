@@ -37,9 +37,11 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
             merged[inst] = EndpointStats()
             origin[inst] = {}
             continue
-        seen.sort(key=lambda x: (x[0], x[1]))
-        youngest = seen[0][0]
-        usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
+        usable = seen  # one source saw it: nothing to rank (the common case)
+        if len(seen) > 1:
+            seen.sort(key=lambda x: (x[0], x[1]))
+            youngest = seen[0][0]
+            usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
         if len(usable) == 1:  # one source answers: its stats as they are (the common case, O(fields))
             name, st = usable[0][2], usable[0][3]
             merged[inst] = st
