@@ -11,7 +11,7 @@ from google.rpc import status_pb2
 
 from xds_server.config import Config, parse_config
 from xds_server.engine.builtin import BUILTIN
-from xds_server.engine.plugin import ClusterRound, Member
+from xds_server.engine.plugin import ClusterRound, Columns
 from xds_server.engine.types import HEALTHY, EndpointSpec, EndpointWeight, EngineParams
 from xds_server.metrics.stats import EndpointStats
 
@@ -94,9 +94,10 @@ def same_stats(endpoints: Iterable[EndpointSpec], **kw: float | None) -> dict[st
 def cluster_round(pairs: Sequence[tuple[EndpointSpec, EndpointStats]], params: EngineParams | None = None,
                   now: float = 0.0, first_round: bool = False, pool_size: int | None = None) -> ClusterRound:
     """A plugin's view of one cluster made of ``(spec, stats)`` pairs."""
-    members = tuple(Member(sp, st) for sp, st in pairs)
-    return ClusterRound(members[0].spec.cluster if members else "c", now, members,
-                        len(members) if pool_size is None else pool_size, first_round, params or EngineParams())
+    specs_, stats_ = [sp for sp, _ in pairs], [st.sanitized() for _, st in pairs]
+    return ClusterRound(specs_[0].cluster if specs_ else "c", now, tuple(sp.address for sp in specs_), tuple(specs_),
+                        Columns.of(specs_, stats_), len(specs_) if pool_size is None else pool_size, first_round,
+                        params or EngineParams())
 
 
 def filter_reason(name: str, sp: EndpointSpec, st: EndpointStats, params: EngineParams | None = None) -> str | None:
@@ -112,7 +113,8 @@ def score(name: str, sp: EndpointSpec, st: EndpointStats, peers: Sequence[Endpoi
     sc = BUILTIN.scorers[name]
     pairs = [(sp, st)] + [(spec(i + 1, sp.cluster), p) for i, p in enumerate(peers)]
     values, _ = sc.run(cluster_round(pairs), sc.params(**params), {})
-    return values[sp.address]
+    v = float(values[0])
+    return None if v != v else v
 
 
 def weight(cluster: str, address: str, w: int, health: str = HEALTHY) -> EndpointWeight:

@@ -55,6 +55,7 @@ from xds_server.history.query import QueryError, parse_query, run_query
 from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
 from xds_server.loadview.table import LoadTable
+from xds_server.metrics.stats import as_dicts
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -80,7 +81,8 @@ def weights_document(cp: ControlPlane) -> dict:
     """The ``/api/v1/weights`` document (shape in the module docstring)."""
     clusters: dict[str, list[dict]] = {}
     origin = getattr(cp.source, "origin", {})
-    for w in cp.weights:
+    weights, draining = cp.weights, cp.draining
+    for w, inputs in zip(weights, as_dicts([w.inputs for w in weights]), strict=True):  # inputs: one pass
         spec = cp.spec(w.cluster, w.address)
         clusters.setdefault(w.cluster, []).append({
             "address": w.address,
@@ -88,14 +90,14 @@ def weights_document(cp: ControlPlane) -> dict:
             "health": w.health,
             "score": None if w.score is None else round(w.score, 4),
             "scores": {k: (None if v is None else round(v, 4)) for k, v in w.scores.items()},
-            "inputs": w.inputs.as_dict(),
+            "inputs": inputs,
             "reasons": list(w.reasons),
             "filters": dict(w.filters),
             "factors": {k: round(v, 4) for k, v in w.factors.items()},
             "target": w.target,
             "removed": w.removed,
             "sources": origin.get(spec.instance, {}) if spec else {},
-            "draining": w.address in cp.draining,
+            "draining": w.address in draining,
         })
     snap = cp.cache.snapshot
     return {

@@ -47,27 +47,30 @@ def max_ejected(pool_size: int, percent: float) -> int:
 
 def eject(rnd: ClusterRound, p: EjectionParams, state: Mapping[str, Ejection],
           outliers: Mapping[str, tuple[float, str]], what: str) -> tuple[dict[str, str], dict[str, Ejection]]:
-    """One round of ejection decisions for ``rnd.members``.
+    """One round of ejection decisions for the round's members.
 
     ``outliers``: ``{address: (severity, why)}`` of members that misbehave this round (the most
     severe are ejected first when the budget is short). ``state``: the records from the last round.
     Returns ``({address: reason}`` for members out this round, the new records for every address
-    that has one). Records of endpoints not in ``rnd.members`` (excluded by an earlier stage) are kept.
+    that has one). Records of endpoints not in the round (excluded by an earlier stage) are kept.
     """
     now = rnd.now
     new: dict[str, Ejection] = dict(state)
     reasons: dict[str, str] = {}
     ejected_now = 0
-    for m in rnd.members:
-        e = state.get(m.address)
-        if e is None or e.until is None:
+    members = rnd.index()
+    # Records are few (endpoints ejected or still decaying): walk them, not every member.
+    recorded = sorted((members[a], a) for a in state if a in members)
+    for _, address in recorded:
+        e = state[address]
+        if e.until is None:
             continue
         if now < e.until:
             ejected_now += 1
-            reasons[m.address] = (f"{what}: ejected for {e.until - now:.0f} s more "
-                                  f"(ejection #{e.times}, {min(p.max_ejection_s, p.base_ejection_s * e.times):g} s)")
+            reasons[address] = (f"{what}: ejected for {e.until - now:.0f} s more "
+                                f"(ejection #{e.times}, {min(p.max_ejection_s, p.base_ejection_s * e.times):g} s)")
         else:
-            new[m.address] = replace(e, until=None, since=now)
+            new[address] = replace(e, until=None, since=now)
     budget = max_ejected(rnd.pool_size, p.max_ejection_percent) - ejected_now
     ranked = sorted((a for a in outliers if a not in reasons), key=lambda a: (-outliers[a][0], a))
     for address in ranked:
@@ -79,13 +82,13 @@ def eject(rnd: ClusterRound, p: EjectionParams, state: Mapping[str, Ejection],
         new[address] = Ejection(times, now + duration, now)
         reasons[address] = f"{what}: {outliers[address][1]}; ejected for {duration:g} s (ejection #{times})"
         budget -= 1
-    for m in rnd.members:
-        e = new.get(m.address)
-        if e is None or m.address in reasons or m.address in outliers:
+    for address in [a for a in new if a in members]:
+        e = new[address]
+        if address in reasons or address in outliers:
             continue
         if e.times > 0 and now - e.since >= p.base_ejection_s:
             e = Ejection(e.times - 1, None, now)
-        new[m.address] = e
+        new[address] = e
         if e.times == 0:
-            del new[m.address]
+            del new[address]
     return reasons, new

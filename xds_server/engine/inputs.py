@@ -1,17 +1,19 @@
-"""What several plugins read off one endpoint the same way: free GPU memory, a request's need, latency."""
+"""What several plugins read off the members the same way: free GPU memory, a request's need, latency.
+
+Each works on a whole round (float arrays, ``NaN`` = no data)."""
 
 from __future__ import annotations
 
-from xds_server.engine.plugin import ClusterRound, Member
+import numpy as np
+
+from xds_server.engine.plugin import Array, ClusterRound
 
 
-def free_mib(m: Member) -> float | None:
-    """Free GPU memory of ``m`` in MiB, or ``None`` when unknown."""
-    if m.stats.gpu_mem_free_mib is not None:
-        return m.stats.gpu_mem_free_mib
-    if m.stats.gpu_mem_used_mib is not None:
-        return max(0.0, m.spec.memory_mib - m.stats.gpu_mem_used_mib)
-    return None
+def free_mib(rnd: ClusterRound) -> Array:
+    """Free GPU memory of each member in MiB (``gpu_mem_free_mib``, else its GPU memory minus
+    ``gpu_mem_used_mib``, at least 0), ``NaN`` when unknown."""
+    free, used = rnd.stat("gpu_mem_free_mib"), rnd.stat("gpu_mem_used_mib")
+    return np.where(np.isnan(free), np.maximum(0.0, rnd.columns.memory_mib - used), free)
 
 
 def needed_mib(rnd: ClusterRound) -> float:
@@ -19,11 +21,12 @@ def needed_mib(rnd: ClusterRound) -> float:
     return rnd.engine.request_memory_mib * (1.0 + rnd.engine.memory_margin)
 
 
-def latency_of(m: Member, signal: str) -> float | None:
-    """The latency ``m`` is judged by (ms): Envoy's view when known, else the backend's; ``None`` = no data."""
-    s = m.stats
+def latency_of(rnd: ClusterRound, signal: str) -> Array:
+    """The latency each member is judged by (ms): Envoy's view when known, else the backend's;
+    ``NaN`` = no data (also for a latency <= 0)."""
     if signal == "p95":
-        v = s.client_latency_p95_ms if s.client_latency_p95_ms is not None else s.latency_p95_ms
+        client, backend = rnd.stat("client_latency_p95_ms"), rnd.stat("latency_p95_ms")
     else:
-        v = s.client_latency_mean_ms if s.client_latency_mean_ms is not None else s.latency_mean_ms
-    return v if v is not None and v > 0 else None
+        client, backend = rnd.stat("client_latency_mean_ms"), rnd.stat("latency_mean_ms")
+    v = np.where(np.isnan(client), backend, client)
+    return np.where(v > 0, v, np.nan)

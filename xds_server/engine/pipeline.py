@@ -35,8 +35,11 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+from numpy.typing import ArrayLike
+
 from xds_server.engine import stability
-from xds_server.engine.plugin import ClusterRound, Member, PluginSet
+from xds_server.engine.plugin import Array, ClusterRound, Columns, PluginSet
 from xds_server.engine.types import (
     DRAINING,
     HEALTHY,
@@ -61,15 +64,20 @@ _NO_STATS = EndpointStats()
 Key = tuple[str, str]
 
 
-def combine(scores: Mapping[str, float | None], weights: Mapping[str, float]) -> float:
-    """Weighted mean of the scores that have data; :data:`NEUTRAL_SCORE` when none has. Result in [0, 1]."""
-    num = den = 0.0
+def combine(scores: Mapping[str, ArrayLike], weights: Mapping[str, float]) -> np.ndarray:
+    """Weighted mean of the scores that have data (element-wise: each value an array, one per endpoint,
+    or a scalar; NaN or None = no data), accumulated scorer by scorer in ``scores`` order;
+    :data:`NEUTRAL_SCORE` where none has. Result in [0, 1]."""
+    num = den = np.float64(0.0)
     for name, value in scores.items():
         w = weights.get(name, 0.0)
-        if value is not None and w > 0:
-            num += w * value
-            den += w
-    return min(1.0, max(0.0, num / den)) if den else NEUTRAL_SCORE
+        if w > 0:
+            v = np.asarray(value, dtype=float)
+            known = ~np.isnan(v)
+            num = num + np.where(known, w * v, 0.0)
+            den = den + np.where(known, w, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 where no scorer has data
+        return np.where(den > 0, np.clip(num / den, 0.0, 1.0), NEUTRAL_SCORE)
 
 
 def is_stale(stats: EndpointStats, params: EngineParams) -> bool:
@@ -111,32 +119,28 @@ def compute_weights(
         ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order, and the state
         for the next round. Every weight is >= 1 and each cluster's sum is <= 2**32 - 1.
     """
-    by_cluster: dict[str, list[EndpointSpec]] = defaultdict(list)
-    for spec in specs:
-        by_cluster[spec.cluster].append(spec)
-    out: dict[Key, EndpointWeight] = {}
-    eligible: set[Key] = set()
+    by_cluster: dict[str, list[int]] = defaultdict(list)  # positions in specs
+    for i, spec in enumerate(specs):
+        by_cluster[spec.cluster].append(i)
+    ordered: list[EndpointWeight] = [None] * len(specs)  # type: ignore[list-item]
+    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
+    eligible: list[Key] = []
     new_state: dict[str, Mapping[str, Any]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
-    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
-    for cluster, members in by_cluster.items():
-        weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}), params,
-                                              now, plugins, scorer_weights)
-        for ew in weights:
-            decided[(ew.cluster, ew.address)] = ew.weight
-        for ew in fit_uint32(weights):
-            out[(ew.cluster, ew.address)] = ew
-        eligible |= {(cluster, a) for a in ok}
+    for cluster, at in by_cluster.items():
+        members = [specs[i] for i in at]
+        with np.errstate(all="ignore"):  # inf and NaN are data here (no data, or clamped), not errors
+            weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}),
+                                                  params, now, plugins, scorer_weights)
+        keys = [(cluster, s.address) for s in members]  # one tuple per endpoint, shared by both tables
+        decided.update(zip(keys, [ew.weight for ew in weights], strict=True))
+        for i, ew in zip(at, fit_uint32(weights), strict=True):
+            ordered[i] = ew
+        eligible.extend(k for k in keys if k[1] in ok)
         kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
-    ordered = [out[(s.cluster, s.address)] for s in specs]
-    state = EngineState(
-        MappingProxyType({(s.cluster, s.address): decided[(s.cluster, s.address)] for s in specs}),
-        frozenset(eligible),
-        MappingProxyType(new_state),
-    )
-    return ordered, state
+    return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state))
 
 
 def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tuple[int, int, bool]:
@@ -211,79 +215,120 @@ def _cluster(
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
     scorer_weights: Mapping[str, float],
 ) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
+    """One cluster, array-wise: each step is a few numpy operations over the cluster's members; Python
+    loops walk only the endpoints some rule singles out (draining, stale, filtered, ejected, ramping)
+    and build the per-endpoint verdicts at the end."""
     cap = MAX_WEIGHT_SUM  # one weight; the cluster's sum is fitted at the end (fit_uint32)
-    seen = {s.address: stats.get(s.instance, _NO_STATS).sanitized() for s in members}
-    live = [s for s in members if not s.draining]
-    first_round = not any((cluster, s.address) in prev.weights for s in members)
-    addresses = {s.address for s in members}
+    n = len(members)
+    addresses = tuple(s.address for s in members)
+    raw_stats = [stats.get(s.instance, _NO_STATS) for s in members]
+    columns = Columns.of(members, raw_stats)
+    seen = raw_stats
+    for i in np.flatnonzero(columns.dirty).tolist():
+        seen[i] = raw_stats[i].sanitized()
+    draining = np.fromiter((s.draining for s in members), dtype=bool, count=n)
+    live = np.flatnonzero(~draining)
+    first_round = not any((cluster, a) in prev.weights for a in addresses)
+    configured = set(addresses)
     state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten (C-level when none is)
-        name: dict(v) if v.keys() <= addresses else {a: x for a, x in v.items() if a in addresses}
+        name: dict(v) if v.keys() <= configured else {a: x for a, x in v.items() if a in configured}
         for name, v in prev_plugins.items()}
+    base = ClusterRound(cluster, now, addresses, tuple(members), columns, len(live), first_round, params)
 
-    def old_weight(s: EndpointSpec) -> int | None:
-        return prev.weights.get((cluster, s.address))
+    def old_weight(i: int) -> int | None:
+        return prev.weights.get((cluster, addresses[i]))
 
-    result: dict[str, EndpointWeight] = {}
+    result: list[EndpointWeight | None] = [None] * n
     drains = state.setdefault(DRAIN, {})
-    for s in members:
-        if not s.draining:
-            drains.pop(s.address, None)
-            continue
-        started, gone = drains.get(s.address, (now, None))
+    draining_at = np.flatnonzero(draining).tolist()
+    leaving = {addresses[i] for i in draining_at}
+    for a in [a for a in drains if a not in leaving]:
+        del drains[a]
+    for i in draining_at:
+        a, s = addresses[i], members[i]
+        started, gone = drains.get(a, (now, None))
         if gone is not None:  # removed once: stays removed until undrained or re-added (not recomputed)
             removed, reason = True, gone
         else:
-            removed, reason = _drain(s, seen[s.address], started, params, now)
-        drains[s.address] = (started, reason if removed else None)
-        result[s.address] = EndpointWeight(cluster, s.address, min(old_weight(s) or 1, cap), DRAINING, None,
-                                           seen[s.address], {}, (reason,), removed=removed)
+            removed, reason = _drain(s, seen[i], started, params, now)
+        drains[a] = (started, reason if removed else None)
+        result[i] = EndpointWeight(cluster, a, min(old_weight(i) or 1, cap), DRAINING, None, seen[i], {}, (reason,),
+                                   removed=removed)
 
-    all_stale = bool(live) and all(is_stale(seen[s.address], params) for s in live)
-    if all_stale:
-        ok = {s.address for s in live if (cluster, s.address) in prev.eligible}
-        for s in live:
-            old = old_weight(s)
-            weight = old if old is not None else max(1, round(params.max_weight * s.capacity * NEUTRAL_SCORE))
+    age = columns.stats["sample_age_s"]
+    stale = np.isnan(age) | (age > params.stale_after_s)
+    if len(live) and stale[live].all():
+        ok = {addresses[i] for i in live.tolist() if (cluster, addresses[i]) in prev.eligible}
+        for i in live.tolist():
+            old = old_weight(i)
+            weight = old if old is not None else max(1, round(params.max_weight * members[i].capacity * NEUTRAL_SCORE))
             reasons = ("metrics of every endpoint in the cluster are stale: last weights kept",)
-            result[s.address] = EndpointWeight(cluster, s.address, max(1, min(weight, cap)), HEALTHY, None,
-                                               seen[s.address], {}, reasons)
-        return [result[s.address] for s in members], ok, state
+            result[i] = EndpointWeight(cluster, addresses[i], max(1, min(weight, cap)), HEALTHY, None, seen[i], {},
+                                       reasons)
+        return result, ok, state  # type: ignore[return-value]
 
-    verdicts: dict[str, dict[str, str]] = {s.address: {} for s in live}
     excluded: dict[str, str] = {}
-    for s in live:
-        st = seen[s.address]
-        if is_stale(st, params):
-            age = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
-            excluded[s.address] = f"stale metrics ({age} > {params.stale_after_s:g} s)"
+    for i in live[stale[live]].tolist():
+        st = seen[i]
+        age_note = "never seen" if st.sample_age_s is None else f"last sample {st.sample_age_s:.0f} s ago"
+        excluded[addresses[i]] = f"stale metrics ({age_note} > {params.stale_after_s:g} s)"
+    stale_out = set(excluded)
+    pool = live[~stale[live]]  # live and fresh: what the filters judge
 
-    candidates = [Member(s, seen[s.address], s.address) for s in live if s.address not in excluded]
+    def round_of(index: Array) -> ClusterRound:
+        return base if len(index) == n else base.take(index)
+
+    # Filters, in order; each sees the endpoints no earlier filter flagged.
+    candidates = pool
     filtered: dict[str, str] = {}
+    judged: dict[str, list[tuple[str, str]]] = {}  # the verdicts of flagged endpoints, in run order
+    ran: list[str] = []
     for name, f in plugins.filters.items():
         if name in params.disabled:
             continue
-        rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
+        rnd = round_of(candidates)
         reasons, state[name] = f.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        for m in candidates:
-            verdicts[m.address][name] = reasons.get(m.address) or "pass"
+        ran.append(name)
+        inside = rnd.index() if reasons else {}
         for address, reason in reasons.items():
-            if address in verdicts and address not in filtered and address not in excluded:
+            if address in inside and address not in filtered:
                 filtered[address] = f"{name}: {reason}"
-        candidates = [m for m in candidates if m.address not in filtered]
-    for s in live:
+                judged[address] = [*((r, "pass") for r in ran[:-1]), (name, reason or "pass")]
+        if reasons:
+            gone = np.fromiter((a in filtered for a in rnd.addresses), dtype=bool, count=len(rnd.addresses))
+            candidates = candidates[~gone]
+
+    # Per filter: its reason or "pass" where it ran on the endpoint, else "off" or "not run". Most
+    # endpoints share their filter verdicts and factor multipliers ("pass" everywhere, x 1): one
+    # read-only mapping per distinct content, not one per endpoint (memory, allocations).
+    shared_verdicts: dict[tuple, Mapping[str, str]] = {}
+    shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
+
+    def verdict_map(given: list[tuple[str, str]]) -> Mapping[str, str]:
+        out = dict(given)
         for name in plugins.filters:
-            verdicts[s.address].setdefault(name, "off" if name in params.disabled else "not run")
+            out.setdefault(name, "off" if name in params.disabled else "not run")
+        return _shared(shared_verdicts, out)
+
+    passed, unjudged = verdict_map([(r, "pass") for r in ran]), verdict_map([])
+
+    def verdicts(address: str) -> Mapping[str, str]:
+        given = judged.get(address)
+        return verdict_map(given) if given is not None else unjudged if address in stale_out else passed
 
     # Health hysteresis: one round's verdict changes nothing (saturation and one odd window are not health).
+    # Only flagged or excluded endpoints keep a record: a record of passes alone acts as no record.
     health_prev = state.get(HEALTH, {})
     health: dict[str, tuple[int, int, bool]] = {}
     held: dict[str, str] = {}
-    for s in live:
-        a = s.address
-        if a in excluded:  # stale: time-based already; the hysteresis record starts again after it
+    index = base.index()
+    fresh = np.zeros(n, dtype=bool)
+    fresh[pool] = True
+    for a in sorted({*health_prev, *filtered}, key=index.__getitem__):
+        if not fresh[index[a]]:  # stale or draining: the hysteresis record starts again after it
             continue
         rec = health_step(health_prev.get(a, (0, 0, False)), a in filtered, params.health_rounds)
-        if rec != (0, 0, False):
+        if rec[0] or rec[2]:
             health[a] = rec
         if a in filtered and not rec[2]:
             note = f"{filtered.pop(a)} (flagged {rec[0]} of {params.health_rounds} rounds: not excluded yet)"
@@ -291,89 +336,81 @@ def _cluster(
         elif a not in filtered and rec[2]:
             filtered[a] = f"recovering: passed {rec[1]} of {params.health_rounds} rounds since its exclusion"
     state[HEALTH] = health
-    if held or any(a in filtered for a in (m.address for m in candidates)):
-        candidates = [Member(s, seen[s.address]) for s in live
-                      if s.address not in excluded and s.address not in filtered]
+    out_now = np.fromiter((a in filtered for a in (addresses[i] for i in pool.tolist())), dtype=bool,
+                          count=len(pool)) if filtered else np.zeros(len(pool), dtype=bool)
+    eligible = pool[~out_now]
 
     kept_note = None
-    if not candidates and filtered:
-        candidates = [Member(s, seen[s.address], s.address) for s in live if s.address in filtered]
+    if not len(eligible) and filtered:
+        eligible = pool[out_now]
         kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
     else:
         excluded.update(filtered)
 
-    rnd = ClusterRound(cluster, now, tuple(candidates), len(live), first_round, params)
-    runs: list[tuple[str, float, Mapping[str, float | None]]] = []
+    rnd = round_of(eligible)
+    m = len(eligible)
+    scores: dict[str, Array] = {}
     for name, sc in plugins.scorers.items():
-        w = scorer_weights.get(name, 0.0)
-        if w <= 0:  # off: not run (its score could not count anyway)
+        if scorer_weights.get(name, 0.0) <= 0:  # off: not run (its score could not count anyway)
             continue
         values, state[name] = sc.run(rnd, plugin_params(name, params, plugins), state.get(name, {}))
-        runs.append((name, w, values))
-    # The weighted mean of combine(), accumulated scorer by scorer (in run order), one endpoint at a time.
-    scores: dict[str, dict[str, float | None]] = {}
-    combined: dict[str, float] = {}
-    for m in candidates:
-        a = m.address
-        per: dict[str, float | None] = {}
-        num = den = 0.0
-        for name, w, values in runs:
-            v = values.get(a)
-            if v is None or v != v or v in _INF:  # no data, NaN, +-Inf
-                per[name] = None
-                continue
-            v = v if 0.0 <= v <= 1.0 else (0.0 if v < 0.0 else 1.0)
-            per[name] = v
-            num += w * v
-            den += w
-        scores[a] = per
-        combined[a] = min(1.0, max(0.0, num / den)) if den else NEUTRAL_SCORE
-    raw = {a: params.max_weight * c for a, c in combined.items()}
-    factors: dict[str, dict[str, float]] = {m.address: {} for m in candidates}
+        values = np.asarray(values, dtype=float)
+        scores[name] = np.where(np.isfinite(values), np.clip(values, 0.0, 1.0), np.nan)  # NaN, +-Inf: no data
+    combined = np.broadcast_to(combine(scores, scorer_weights), (m,))
+    score_names = list(scores)
+    score_lists = [[None if x != x else x for x in v.tolist()] for v in scores.values()]
+    raw = params.max_weight * combined
+    factor_names: list[str] = []
+    factor_lists: list[list[float]] = []
     for name, fa in plugins.factors.items():
         if name in params.disabled:
             continue
-        mults, state[name] = fa.run(rnd, plugin_params(name, params, plugins), state.get(name, {}),
-                                    MappingProxyType(raw))
-        for a in raw:
-            m = mults.get(a, 1.0)
-            m = m if math.isfinite(m) and m > 0 else 1.0
-            factors[a][name] = m
-            raw[a] *= m
+        so_far = raw.copy()
+        so_far.flags.writeable = False
+        mults, state[name] = fa.run(rnd, plugin_params(name, params, plugins), state.get(name, {}), so_far)
+        mults = np.asarray(mults, dtype=float)
+        mults = np.where(np.isfinite(mults) & (mults > 0), mults, 1.0)
+        raw = raw * mults
+        factor_names.append(name)
+        factor_lists.append(mults.tolist())
 
+    # Stability, element-wise: bounded change against the last weight (if eligible then), quantised, held.
     step = max(1, round(params.quantum * params.max_weight))
+    was = np.array([prev.weights.get((cluster, a), np.nan) if (cluster, a) in prev.eligible else np.nan
+                    for a in rnd.addresses], dtype=float)
+    target = np.minimum(cap, stability.quantize(raw, step))
+    bounded = np.minimum(cap, stability.quantize(stability.bound(was, raw, params.max_change), step))
+    weights = np.maximum(1.0, np.minimum(cap, stability.hold(was, bounded, params.hysteresis))).astype(np.int64)
+
     max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
-    # Most endpoints share their filter verdicts and factor multipliers ("pass" everywhere, x 1):
-    # one read-only mapping per distinct content, not one per endpoint (memory, allocations).
-    shared_verdicts: dict[tuple, Mapping[str, str]] = {}
-    shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
-    for m in candidates:
-        a, s = m.address, m.spec
-        key = (cluster, a)
-        was = old_weight(s) if key in prev.eligible else None
-        target = min(cap, stability.quantize(raw[a], step))
-        bounded = min(cap, stability.quantize(stability.bound(was, raw[a], params.max_change), step))
-        weight = max(1, min(cap, stability.hold(was, bounded, params.hysteresis)))
-        fkey = tuple(factors[a].items())
-        hit = shared_factors.get(fkey)
+    extra = [kept_note] if kept_note else []
+    hysteresis = f"{params.hysteresis:g}"
+    rows = zip(eligible.tolist(), rnd.addresses, combined.tolist(), target.astype(np.int64).tolist(),
+               bounded.astype(np.int64).tolist(), weights.tolist(), zip(*score_lists, strict=True) if score_lists else
+               ((),) * m, zip(*factor_lists, strict=True) if factor_lists else ((),) * m, strict=True)
+    for i, a, score, tgt, bnd, weight, row, mults in rows:
+        hit = shared_factors.get(mults)
         if hit is None:
-            parts = "".join(f" x {n} {v:.3g}" for n, v in fkey if v != 1.0)
-            hit = shared_factors[fkey] = (MappingProxyType(factors[a]), parts)
+            fkey = tuple(zip(factor_names, mults, strict=True))
+            parts = "".join(f" x {fn} {fv:.3g}" for fn, fv in fkey if fv != 1.0)
+            hit = shared_factors[mults] = (MappingProxyType(dict(fkey)), parts)
         factor_map, parts = hit
-        reasons = [f"score {combined[a]:.2f} x max_weight {max_weight}{parts} -> {target}"]
-        if bounded != target:
-            reasons.append(f"bounded to {bounded}: at most x{growth} per round")
-        if weight != bounded:
-            reasons.append(f"held at {weight}: change under hysteresis {params.hysteresis:g}")
-        if kept_note:
-            reasons.append(kept_note)
-        if a in held:
+        reasons = [f"score {score:.2f} x max_weight {max_weight}{parts} -> {tgt}"]
+        if bnd != tgt:
+            reasons.append(f"bounded to {bnd}: at most x{growth} per round")
+        if weight != bnd:
+            reasons.append(f"held at {weight}: change under hysteresis {hysteresis}")
+        if extra:
+            reasons.extend(extra)
+        if held and a in held:
             reasons.append(held[a])
-        result[a] = EndpointWeight(cluster, a, weight, HEALTHY, combined[a], m.stats, MappingProxyType(scores[a]),
-                                   tuple(reasons), _shared(shared_verdicts, verdicts[a]), factor_map, target)
-    for s in live:
-        if s.address in excluded:
-            result[s.address] = EndpointWeight(
-                cluster, s.address, max(1, min(old_weight(s) or 1, cap)), UNHEALTHY, None, seen[s.address], {},
-                (excluded[s.address],), _shared(shared_verdicts, verdicts[s.address]))
-    return [result[s.address] for s in members], {m.address for m in candidates}, state
+        result[i] = EndpointWeight(cluster, a, weight, HEALTHY, score, seen[i],
+                                   MappingProxyType(dict(zip(score_names, row, strict=True))), tuple(reasons),
+                                   verdicts(a) if judged else passed, factor_map, tgt)
+    for i in live.tolist():
+        a = addresses[i]
+        if a in excluded:
+            result[i] = EndpointWeight(cluster, a, max(1, min(old_weight(i) or 1, cap)), UNHEALTHY, None, seen[i], {},
+                                       (excluded[a],), verdicts(a))
+    return result, set(rnd.addresses), state  # type: ignore[return-value]
+

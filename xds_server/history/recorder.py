@@ -105,11 +105,13 @@ class HistoryRecorder:
                 continue
             if item is not None:
                 self._write(*item)
+            # Hold no round while waiting: a round's weights are ~30 MB at 60 000 endpoints, and this
+            # loop kept the last one (and the last keyframe check's) alive until the next arrived.
+            item = None
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 if self._current is not None:
-                    version, weights = self._current()
-                    self._write(self._clock(), version, weights, True)
+                    self._write(self._clock(), *self._current(), True)
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + self._prune_every_s
                 self._guard("prune", lambda: self.store.prune(self._clock()))

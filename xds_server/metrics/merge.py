@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
 
 _SIGNALS = operator.attrgetter(*SIGNAL_FIELDS)
+_NONES = (None,) * len(SIGNAL_FIELDS)
 
 
 def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterable[str], stale_after_s: float
@@ -23,10 +24,12 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
     """``({instance: merged stats}, {instance: {input: source name}})``.
 
     ``answers``: ``{source name: {instance: stats}}`` in priority order; an instance a source has no
-    answer for (or whose ``sample_age_s`` is ``None``) is not seen by that source.
+    answer for (or whose ``sample_age_s`` is ``None``) is not seen by that source. The ``{input:
+    source}`` mappings are shared between endpoints with the same origins: read them, never change them.
     """
     merged: dict[str, EndpointStats] = {}
     origin: dict[str, dict[str, str]] = {}
+    shared: dict[tuple, dict[str, str]] = {}
     for inst in instances:
         seen = [(st.sample_age_s, i, name, st) for i, (name, by_inst) in enumerate(answers.items())
                 if (st := by_inst.get(inst)) is not None and st.sample_age_s is not None]
@@ -34,14 +37,20 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
             merged[inst] = EndpointStats()
             origin[inst] = {}
             continue
-        seen.sort(key=lambda x: (x[0], x[1]))
-        youngest = seen[0][0]
-        usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
+        usable = seen  # one source saw it: nothing to rank (the common case)
+        if len(seen) > 1:
+            seen.sort(key=lambda x: (x[0], x[1]))
+            youngest = seen[0][0]
+            usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
         if len(usable) == 1:  # one source answers: its stats as they are (the common case, O(fields))
             name, st = usable[0][2], usable[0][3]
             merged[inst] = st
-            where = {f: name for f, v in zip(SIGNAL_FIELDS, _SIGNALS(st), strict=True) if v is not None}
-            where["sample_age_s"] = name
+            # One {input: source} per source and set of inputs it has, shared by the endpoints alike (read-only).
+            key = (name, tuple(map(operator.is_not, _SIGNALS(st), _NONES)))
+            where = shared.get(key)
+            if where is None:
+                where = shared[key] = {f: name for f, has in zip(SIGNAL_FIELDS, key[1], strict=True) if has}
+                where["sample_age_s"] = name
             origin[inst] = where
             continue
         values: dict[str, float | None] = {}

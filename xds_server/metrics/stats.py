@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,18 +49,15 @@ class EndpointStats:
     sample_age_s: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
-        """The fields as a JSON-ready dict, values rounded to 3 decimals."""
-        return {
-            name: (None if (v := getattr(self, name)) is None else round(v, 3))
-            for name in self.__slots__  # type: ignore[attr-defined]
-        }
+        """The fields as a JSON-ready dict, values rounded to 3 decimals (see :func:`as_dicts`)."""
+        return as_dicts([self])[0]
 
     def sanitized(self) -> EndpointStats:
         """The same stats with every NaN/±Inf/non-number replaced by ``None`` (no data, case C08).
 
         Fast path (runs per endpoint per round): a finite float or an int passes without a call."""
         bad = None
-        for name, v in zip(_NAMES, _ALL(self), strict=True):
+        for name, v in zip(STAT_FIELDS, _ALL(self), strict=True):
             if v is None or (type(v) is float and v - v == 0.0) or type(v) is int:
                 continue
             if finite(v) is None:
@@ -66,11 +66,31 @@ class EndpointStats:
         return replace(self, **bad) if bad else self
 
 
-_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats))
-_ALL = operator.attrgetter(*_NAMES)
+#: Every field of :class:`EndpointStats`, in declaration order.
+STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats))
+_ALL = operator.attrgetter(*STAT_FIELDS)
+_GETTERS = tuple(operator.attrgetter(name) for name in STAT_FIELDS)
 
 #: Every signal field (all but ``sample_age_s``), in declaration order.
 SIGNAL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(EndpointStats) if f.name != "sample_age_s")
+
+
+def rounded(values: Sequence[float | None], digits: int) -> list[float | None]:
+    """``values`` rounded to ``digits`` decimals in one numpy operation (``numpy.round``: x·10^digits
+    rounded half to even; Python's ``round`` costs ~0.5 µs a value, 20x more); None stays None."""
+    if not values:
+        return []
+    out = np.round(np.array(values, dtype=float), digits).tolist()
+    if None in values:
+        out = [None if v is None else r for v, r in zip(values, out, strict=True)]
+    return out
+
+
+def as_dicts(stats: Sequence[EndpointStats]) -> list[dict[str, float | None]]:
+    """:meth:`EndpointStats.as_dict` of each of ``stats``, field by field over all of them at once
+    (a round's history rows at 60 000 endpoints: ~1 M values)."""
+    columns = [rounded(list(map(getter, stats)), 3) for getter in _GETTERS]
+    return [dict(zip(STAT_FIELDS, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def finite(value: object) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tests.support.factories import config, same_stats, score, service, spec, specs, stats, version
@@ -12,7 +13,7 @@ from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine import stability
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import MAX_WEIGHT_SUM, NEUTRAL_SCORE, combine, compute_weights
-from xds_server.engine.plugin import NoParams, PluginSet, per_endpoint_filter
+from xds_server.engine.plugin import Filter, NoParams, PluginSet
 from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, EngineState
 from xds_server.metrics.stats import EndpointStats
 
@@ -294,13 +295,14 @@ def test_a_shortage_is_restored_after_as_many_calm_rounds():
     assert seen_factors == [1.0, 1.0, 0.5, 0.5, 0.5, 1.0]
 
 
-def _busy_filter(m, _p, _rnd):
-    return "busy" if (m.stats.running or 0.0) >= 8.0 else None
+def _busy_filter(rnd, _p, state):
+    busy = np.nan_to_num(rnd.stat("running"), nan=0.0) >= 8.0
+    return {a: "busy" for a, b in zip(rnd.addresses, busy.tolist(), strict=True) if b}, state
 
 
 #: The built-in plugins plus a filter that flags every endpoint running >= 8 (momentary load is no
 #: built-in filter any more: these tests are about the pipeline's "never all" rule).
-BUSY_FILTERED = PluginSet({**BUILTIN.filters, "busy": per_endpoint_filter("busy", NoParams, _busy_filter)},
+BUSY_FILTERED = PluginSet({**BUILTIN.filters, "busy": Filter("busy", NoParams, _busy_filter)},
                           BUILTIN.scorers, BUILTIN.factors)
 
 

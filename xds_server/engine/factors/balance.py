@@ -15,11 +15,11 @@ traffic (session pinning, Envoy's least-request choice).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import Array, ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):
@@ -32,20 +32,28 @@ class Params(PluginParams):
     tolerance: float = Field(0.1, ge=0)
 
 
-def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float]
-         ) -> tuple[Mapping[str, float], State]:
-    bias = {m.address: float(state.get(m.address, 0.0)) for m in rnd.members}
-    rates = {m.address: m.stats.request_rate for m in rnd.members}
-    total_w = sum(weights.get(a, 0.0) for a in bias)
-    known = [r for r in rates.values() if r is not None]
-    total_r = sum(max(0.0, r) for r in known)
+def _run(rnd: ClusterRound, p: Params, state: State, weights: Array) -> tuple[Array, State]:
+    n = len(rnd.addresses)
+    bias = np.zeros(n)
+    if state:
+        members = rnd.index()
+        for address, b in state.items():
+            if address in members:
+                bias[members[address]] = float(b)
+    rates = rnd.stat("request_rate")
+    known = ~np.isnan(rates)
+    # Sums in member order, one addition at a time (Python's ``sum``), as the shares were always computed.
+    total_w = sum(weights.tolist())
+    total_r = sum(np.maximum(0.0, rates[known]).tolist())
     usable = math.isfinite(total_r) and math.isfinite(total_w) and total_w > 0
-    if usable and len(known) == len(rates) and len(rates) > 1 and total_r >= max(p.min_rps, 1e-9):
+    if usable and known.all() and n > 1 and total_r >= max(p.min_rps, 1e-9):
         bound = math.log(p.max_factor)
-        for a in bias:
-            target = weights.get(a, 0.0) / total_w
-            actual = max(0.0, rates[a] or 0.0) / total_r
-            if abs(target - actual) > p.tolerance * target:
-                bias[a] = max(-bound, min(bound, bias[a] + p.step * math.copysign(1.0, target - actual)))
-    return {a: math.exp(b) for a, b in bias.items()}, {a: b for a, b in bias.items() if b != 0.0}
+        target = weights / total_w
+        actual = np.maximum(0.0, rates) / total_r
+        moves = np.abs(target - actual) > p.tolerance * target
+        bias = np.where(moves, np.clip(bias + p.step * np.copysign(1.0, target - actual), -bound, bound), bias)
+    kept = np.flatnonzero(bias != 0.0).tolist()
+    # math.exp, not np.exp: the multipliers stay bit-for-bit those of the C library's exp.
+    return (np.array(list(map(math.exp, bias.tolist()))),
+            {rnd.addresses[i]: b for i, b in zip(kept, bias[kept].tolist(), strict=True)})
 PLUGIN = Factor("balance", Params, _run)

@@ -11,13 +11,13 @@ configured capacity. Best measured under light, even warm-up load (latency grows
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import Array, ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):
@@ -37,39 +37,37 @@ class Warmup:
     done: bool = False
 
 
-def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float]
-         ) -> tuple[Mapping[str, float], State]:
-    configured = {m.address: m.spec.capacity for m in rnd.members}
+def _run(rnd: ClusterRound, p: Params, state: State, weights: Array) -> tuple[Array, State]:
+    configured = rnd.columns.capacity
     if p.mode == "configured":
         return configured, state
     new: dict[str, Warmup] = dict(state)
-    for m in rnd.members:
-        lat = m.stats.latency_mean_ms
-        w = new.get(m.address)
+    latencies = rnd.stat("latency_mean_ms").tolist()
+    for address, lat in zip(rnd.addresses, latencies, strict=True):
+        w = new.get(address)
         if w is not None and w.done:
             continue
         if w is None:
-            if lat is not None and lat > 0:
-                new[m.address] = Warmup(rnd.now, lat, 1)
+            if lat > 0:  # NaN (no data) is not
+                new[address] = Warmup(rnd.now, lat, 1)
             continue
         if rnd.now - w.started >= p.warmup_s:
-            new[m.address] = Warmup(w.started, w.total_ms, w.samples, done=True)
-        elif lat is not None and lat > 0:
-            new[m.address] = Warmup(w.started, w.total_ms + lat, w.samples + 1)
+            new[address] = Warmup(w.started, w.total_ms, w.samples, done=True)
+        elif lat > 0:
+            new[address] = Warmup(w.started, w.total_ms + lat, w.samples + 1)
     by_class: dict[str, list[float]] = {}
     class_cap: dict[str, float] = {}
-    for m in rnd.members:
-        class_cap[m.spec.gpu_class] = m.spec.capacity
-        w = new.get(m.address)
+    for address, s in zip(rnd.addresses, rnd.specs, strict=True):
+        class_cap[s.gpu_class] = s.capacity
+        w = new.get(address)
         if w is not None and w.done and w.samples:
-            by_class.setdefault(m.spec.gpu_class, []).append(w.total_ms / w.samples)
+            by_class.setdefault(s.gpu_class, []).append(w.total_ms / w.samples)
     if not by_class:
         return configured, new
     lat = {c: statistics.median(v) for c, v in by_class.items()}
     fastest = min(lat, key=lambda c: (lat[c], c))
-    out = {m.address: (class_cap[fastest] * lat[fastest] / lat[m.spec.gpu_class]
-                       if m.spec.gpu_class in lat else m.spec.capacity) for m in rnd.members}
-    return out, new
+    return np.array([class_cap[fastest] * lat[fastest] / lat[s.gpu_class] if s.gpu_class in lat else s.capacity
+                     for s in rnd.specs], dtype=float), new
 
 
 PLUGIN = Factor("capacity", Params, _run)

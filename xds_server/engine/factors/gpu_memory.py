@@ -8,14 +8,16 @@ the endpoint's GPU memory minus ``gpu_mem_used_mib``; no data: no change. Never 
 
 from __future__ import annotations
 
+import numpy as np
+
 from xds_server.engine.factors.shortage import shortage_factor
 from xds_server.engine.inputs import free_mib, needed_mib
-from xds_server.engine.plugin import ClusterRound, Member
+from xds_server.engine.plugin import Array, ClusterRound
 
 
-def _short(m: Member, rnd: ClusterRound) -> bool | None:
-    free = free_mib(m)
-    return None if free is None else free < needed_mib(rnd)
+def _short(rnd: ClusterRound) -> Array:
+    free = free_mib(rnd)
+    return np.where(np.isnan(free), np.nan, free < needed_mib(rnd))
 
 
 PLUGIN = shortage_factor("gpu_memory", _short)

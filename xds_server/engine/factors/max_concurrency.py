@@ -6,13 +6,15 @@ change. Never an exclusion (see :mod:`.shortage`): the picker bounds each endpoi
 
 from __future__ import annotations
 
+import numpy as np
+
 from xds_server.engine.factors.shortage import shortage_factor
-from xds_server.engine.plugin import ClusterRound, Member
+from xds_server.engine.plugin import Array, ClusterRound
 
 
-def _short(m: Member, rnd: ClusterRound) -> bool | None:
-    running = m.stats.running
-    return None if running is None else running >= m.spec.max_concurrency
+def _short(rnd: ClusterRound) -> Array:
+    running = rnd.stat("running")
+    return np.where(np.isnan(running), np.nan, running >= rnd.columns.max_concurrency)
 
 
 PLUGIN = shortage_factor("max_concurrency", _short)

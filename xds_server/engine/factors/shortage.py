@@ -12,12 +12,13 @@ Schmitt trigger: one odd sample changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Factor, Member, PluginParams, State
+from xds_server.engine.plugin import Array, ClusterRound, Factor, PluginParams, State
 
 
 class ShortageParams(PluginParams):
@@ -37,7 +38,7 @@ class Shortage:
     derated: bool = False
 
 
-_CALM = Shortage()  # a new endpoint's record, and the one not kept in the state
+_CALM = Shortage()  # a new endpoint's record; a record that is neither short nor derated acts as this one
 
 
 def step(record: Shortage, short: bool | None, rounds: int) -> Shortage:
@@ -57,18 +58,27 @@ def step(record: Shortage, short: bool | None, rounds: int) -> Shortage:
     return Shortage(0, n, record.derated and n < rounds)
 
 
-def shortage_factor(name: str, is_short: Callable[[Member, ClusterRound], bool | None]) -> Factor[ShortageParams]:
-    """A factor plugin ``name`` that derates endpoints for which ``is_short`` held ``rounds`` rounds in a row."""
+def shortage_factor(name: str, is_short: Callable[[ClusterRound], Array]) -> Factor[ShortageParams]:
+    """A factor plugin ``name`` that derates endpoints for which ``is_short`` held ``rounds`` rounds in a row.
 
-    def run(rnd: ClusterRound, p: ShortageParams, state: State, weights: Mapping[str, float]
-            ) -> tuple[Mapping[str, float], State]:
-        out: dict[str, float] = {}
+    ``is_short(round)``: per member 1.0 (short), 0.0 (not short) or NaN (no data). Only records that
+    are short or derated are kept (a calm count matters only to a derated endpoint): the members
+    without one and not short this round are walked as one array, not one by one."""
+
+    def run(rnd: ClusterRound, p: ShortageParams, state: State, weights: Array) -> tuple[Array, State]:
+        short = is_short(rnd)
+        out = np.ones(len(rnd.addresses))
         new: dict[str, Shortage] = {}
-        for m in rnd.members:
-            r = step(state.get(m.address, _CALM), is_short(m, rnd), p.rounds)
-            out[m.address] = p.penalty if r.derated else 1.0
-            if r != _CALM:
-                new[m.address] = r
+        members = rnd.index() if state else {}
+        todo = set(np.flatnonzero(short == 1.0).tolist())
+        todo.update(members[a] for a in state if a in members)
+        for i in sorted(todo):
+            address, flag = rnd.addresses[i], float(short[i])
+            r = step(state.get(address, _CALM), None if flag != flag else flag == 1.0, p.rounds)
+            if r.derated:
+                out[i] = p.penalty
+            if r.derated or r.short:
+                new[address] = r
         return out, new
 
     return Factor(name, ShortageParams, run)

@@ -10,12 +10,12 @@ ejected, filtered); the endpoints of the very first round start at full weight.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Factor, PluginParams, State
+from xds_server.engine.plugin import Array, ClusterRound, Factor, PluginParams, State
 
 
 class Params(PluginParams):
@@ -35,31 +35,26 @@ class Ramp:
     base_success: float | None = None
 
 
-def _run(rnd: ClusterRound, p: Params, state: State, weights: Mapping[str, float]
-         ) -> tuple[Mapping[str, float], State]:
-    out: dict[str, float] = {}
-    new: dict[str, Ramp] = {}
+def _run(rnd: ClusterRound, p: Params, state: State, weights: Array) -> tuple[Array, State]:
     done = _DONE
-    for m in rnd.members:
-        r = state.get(m.address)
+    out = np.ones(len(rnd.addresses))
+    new: dict[str, Ramp] = dict.fromkeys(rnd.addresses, done)  # at full weight: the common case
+    get = state.get
+    for i in [i for i, a in enumerate(rnd.addresses) if get(a) is not done]:
+        address = rnd.addresses[i]
+        success = rnd.value("success_total", i)
+        r = state.get(address)
         if r is None:
-            r = done if rnd.first_round or p.window_s == 0 else Ramp(rnd.now, m.stats.success_total)
-        if r.started is None:  # at full weight: the common case, one dict write each
-            out[m.address] = 1.0
-            new[m.address] = r
-            continue
+            r = done if rnd.first_round or p.window_s == 0 else Ramp(rnd.now, success)
         if r.started is not None:
             elapsed = max(0.0, rnd.now - r.started)
-            served = (None if r.base_success is None or m.stats.success_total is None
-                      else m.stats.success_total - r.base_success)
+            served = None if r.base_success is None or success is None else success - r.base_success
             if elapsed >= p.window_s or (p.requests > 0 and served is not None and served >= p.requests):
                 r = done
-        if r.started is None:
-            out[m.address] = 1.0
-        else:
+        if r.started is not None:
             t = max(0.0, rnd.now - r.started) / p.window_s
-            out[m.address] = max(p.min_weight_percent / 100.0, t ** (1.0 / p.aggression))
-        new[m.address] = r
+            out[i] = max(p.min_weight_percent / 100.0, t ** (1.0 / p.aggression))
+        new[address] = r
     return out, new
 
 

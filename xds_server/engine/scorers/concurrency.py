@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+import numpy as np
+
+from xds_server.engine.plugin import Array, ClusterRound, NoParams, score_where, stateless_scorer
 
 
-def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:
-    if m.stats.running is None:
-        return None
-    return clamp01(1.0 - (m.stats.running + (m.stats.queue or 0.0)) / m.spec.max_concurrency)
+def _score(rnd: ClusterRound, _: NoParams) -> Array:
+    running, queue = rnd.stat("running"), rnd.stat("queue")
+    return score_where(~np.isnan(running),
+                       1.0 - (running + np.nan_to_num(queue, nan=0.0)) / rnd.columns.max_concurrency)
 
 
-PLUGIN = per_endpoint_scorer("concurrency", NoParams, 1.0, _score)
+PLUGIN = stateless_scorer("concurrency", NoParams, 1.0, _score)

@@ -3,9 +3,10 @@ of requests answered 5xx (an OOM is one). The worse of the backend's and Envoy's
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import Array, ClusterRound, PluginParams, score_where, stateless_scorer
 
 
 class Params(PluginParams):
@@ -14,9 +15,9 @@ class Params(PluginParams):
     tolerance: float = Field(0.2, gt=0, le=1)
 
 
-def _score(m: Member, p: Params, rnd: ClusterRound) -> float | None:
-    rates = [r for r in (m.stats.error_rate, m.stats.client_error_rate) if r is not None]
-    return None if not rates else clamp01(1.0 - max(rates) / p.tolerance)
+def _score(rnd: ClusterRound, p: Params) -> Array:
+    worst = np.fmax(rnd.stat("error_rate"), rnd.stat("client_error_rate"))  # NaN only when both are
+    return score_where(~np.isnan(worst), 1.0 - worst / p.tolerance)
 
 
-PLUGIN = per_endpoint_scorer("errors", Params, 1.0, _score)
+PLUGIN = stateless_scorer("errors", Params, 1.0, _score)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+import numpy as np
+
+from xds_server.engine.plugin import Array, ClusterRound, NoParams, score_where, stateless_scorer
 
 
-def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:
-    return None if m.stats.gpu_util is None else clamp01(1.0 - m.stats.gpu_util)
+def _score(rnd: ClusterRound, _: NoParams) -> Array:
+    util = rnd.stat("gpu_util")
+    return score_where(~np.isnan(util), 1.0 - util)
 
 
-PLUGIN = per_endpoint_scorer("idle_compute", NoParams, 1.0, _score)
+PLUGIN = stateless_scorer("idle_compute", NoParams, 1.0, _score)

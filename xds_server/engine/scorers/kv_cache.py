@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+import numpy as np
+
+from xds_server.engine.plugin import Array, ClusterRound, NoParams, score_where, stateless_scorer
 
 
-def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:
-    return None if m.stats.kv_cache is None else clamp01(1.0 - m.stats.kv_cache)
+def _score(rnd: ClusterRound, _: NoParams) -> Array:
+    used = rnd.stat("kv_cache")
+    return score_where(~np.isnan(used), 1.0 - used)
 
 
-PLUGIN = per_endpoint_scorer("kv_cache", NoParams, 0.5, _score)
+PLUGIN = stateless_scorer("kv_cache", NoParams, 0.5, _score)

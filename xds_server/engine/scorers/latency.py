@@ -9,12 +9,12 @@ slowness must not be penalised twice. No data, or no peer with data: ``None``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import Literal
 
+import numpy as np
+
 from xds_server.engine.inputs import latency_of
-from xds_server.engine.plugin import ClusterRound, Member, PluginParams, Scorer, State, clamp01
+from xds_server.engine.plugin import Array, ClusterRound, PluginParams, Scorer, State, score_where
 
 
 class Params(PluginParams):
@@ -24,19 +24,15 @@ class Params(PluginParams):
     normalize_by_capacity: bool = True
 
 
-def _norm(m: Member, p: Params) -> float | None:
-    v = latency_of(m, p.signal)
-    v = None if v is None else v * (m.spec.capacity if p.normalize_by_capacity else 1.0)
-    return v if v is not None and v > 0 and math.isfinite(v) else None
-
-
-def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, float | None], State]:
+def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Array, State]:
     """O(n): the pool's best latency is found once per round, not once per endpoint."""
-    own = {m.address: _norm(m, p) for m in rnd.members}
-    best = min((v for v in own.values() if v is not None), default=None)
-    if best is None:
-        return dict.fromkeys(own), state
-    return {a: None if v is None else clamp01(best / v) for a, v in own.items()}, state
+    v = latency_of(rnd, p.signal)
+    if p.normalize_by_capacity:
+        v = v * rnd.columns.capacity
+    known = (v > 0) & np.isfinite(v)
+    if not known.any():
+        return np.full(len(v), np.nan), state
+    return score_where(known, np.min(v[known]) / np.where(known, v, 1.0)), state
 
 
 PLUGIN = Scorer("latency", Params, 1.0, _run)

@@ -7,16 +7,17 @@ score higher, which is why the default weight is small (0.25).
 
 from __future__ import annotations
 
+import numpy as np
+
 from xds_server.engine.inputs import free_mib, needed_mib
-from xds_server.engine.plugin import ClusterRound, Member, NoParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import Array, ClusterRound, NoParams, score_where, stateless_scorer
 
 
-def _score(m: Member, _: NoParams, rnd: ClusterRound) -> float | None:
-    free, need = free_mib(m), needed_mib(rnd)
-    if free is None:
-        return None
-    room = m.spec.memory_mib - need
-    return 0.0 if room <= 0 else clamp01((free - need) / room)
+def _score(rnd: ClusterRound, _: NoParams) -> Array:
+    free, need = free_mib(rnd), needed_mib(rnd)
+    room = rnd.columns.memory_mib - need
+    with np.errstate(divide="ignore", invalid="ignore"):  # room <= 0 scores 0 whatever the ratio
+        return score_where(~np.isnan(free), np.where(room > 0, (free - need) / room, 0.0))
 
 
-PLUGIN = per_endpoint_scorer("memory", NoParams, 0.25, _score)
+PLUGIN = stateless_scorer("memory", NoParams, 0.25, _score)

@@ -3,9 +3,10 @@ requests (default: the endpoint's ``max_concurrency``), towards 0 as the queue g
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import Field
 
-from xds_server.engine.plugin import ClusterRound, Member, PluginParams, clamp01, per_endpoint_scorer
+from xds_server.engine.plugin import Array, ClusterRound, PluginParams, score_where, stateless_scorer
 
 
 class Params(PluginParams):
@@ -14,12 +15,10 @@ class Params(PluginParams):
     half_at: float | None = Field(None, gt=0)
 
 
-def _score(m: Member, p: Params, rnd: ClusterRound) -> float | None:
-    q = m.stats.queue
-    if q is None:
-        return None
-    half = p.half_at if p.half_at is not None else float(m.spec.max_concurrency)
-    return clamp01(1.0 / (1.0 + max(0.0, q) / half))
+def _score(rnd: ClusterRound, p: Params) -> Array:
+    q = rnd.stat("queue")
+    half = p.half_at if p.half_at is not None else rnd.columns.max_concurrency
+    return score_where(~np.isnan(q), 1.0 / (1.0 + np.maximum(0.0, q) / half))
 
 
-PLUGIN = per_endpoint_scorer("queue", Params, 0.5, _score)
+PLUGIN = stateless_scorer("queue", Params, 0.5, _score)
