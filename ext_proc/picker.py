@@ -362,10 +362,10 @@ def pick(
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              routing.affinity_slack)
+                                  routing.affinity_slack)
     if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              routing.affinity_slack)
+                                  routing.affinity_slack)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")
