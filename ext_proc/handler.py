@@ -272,7 +272,8 @@ class PickerHandler:
                 (INTERNAL); both counted and logged (rate limited). Envoy then applies its
                 failure mode.
         """
-        decoded = request_headers(data)  # Envoy's request headers without protobuf (ext_proc.wire)
+        # Envoy's request headers without protobuf (ext_proc.wire; None when it is not built).
+        decoded = None if request_headers is None else request_headers(data)
         if decoded is not None:
             try:
                 return self._headers(stream, *decoded)

@@ -132,3 +132,20 @@ def test_corrupted_bytes_are_declined_or_decoded_as_the_reference(data):
 def test_random_bytes_are_declined_or_decoded_as_the_reference(data):
     got = compiled(data)
     assert got is None or got == reference(data)
+
+
+def test_without_the_compiled_decoder_the_picker_decides_the_same(monkeypatch):
+    """The fallback (no ``ext_proc._wire``): the handler parses with protobuf and answers byte for byte
+    as with the compiled decoder (the same view, the same requests)."""
+    from ext_proc import handler as handler_module
+    from ext_proc.handler import PickerHandler
+    from ext_proc.transport.base import StreamState
+    from ext_proc.view import ViewHolder
+    from tests.unit.ext_proc.test_scheduler import _headers_msg, view
+
+    messages = [_headers_msg(x_session_id=b"s%d" % i) for i in range(20)] + [_headers_msg()]
+    with_c = PickerHandler(ViewHolder(view()))
+    compiled_answers = [with_c.process(StreamState(), m)[0] for m in messages]
+    monkeypatch.setattr(handler_module, "request_headers", None)
+    fallback = PickerHandler(ViewHolder(view()))
+    assert [fallback.process(StreamState(), m)[0] for m in messages] == compiled_answers
