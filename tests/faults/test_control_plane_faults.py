@@ -76,6 +76,26 @@ class ProcStack:
         return bool(n) and len(n["types"]) == 4 and all(t["acked_version"] and not t["nacks"]
                                                         for t in n["types"].values())
 
+    def listener_in_effect(self, *, fail_open: bool) -> bool:
+        """Envoy serves new connections with the listener whose picker is fail-open (or fail-closed).
+
+        Envoy ACKs a listener when it accepts it, before the new listener has warmed and replaced
+        the old one on its workers, so an ACK alone does not say which one a request meets.
+        """
+        dump = requests.get(f"{self.envoy_admin}/config_dump?resource=dynamic_listeners", timeout=2).json()
+        states = [c for c in dump.get("configs", []) if c.get("name") == "inferlb"]
+        if len(states) != 1 or set(states[0]) & {"warming_state", "draining_state"} or "active_state" not in states[0]:
+            return False
+        hcm = states[0]["active_state"]["listener"]["filter_chains"][0]["filters"][0]["typed_config"]
+        filters = hcm["http_filters"]
+        ext_proc = next(f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_proc")
+        return ext_proc.get("failure_mode_allow", False) == fail_open
+
+    def ext_proc_stats(self) -> dict[str, int]:
+        """Envoy's ext_proc counters (timeouts, fail-open passes, stream errors) for a failure message."""
+        text = requests.get(f"{self.envoy_admin}/stats?filter=ext_proc", timeout=2).text
+        return {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v.isdigit()}
+
     def metric(self, name: str) -> float | None:
         for line in requests.get(f"{self.admin}/metrics", timeout=5).text.splitlines():
             key, _, value = line.rpartition(" ")
@@ -241,6 +261,7 @@ def test_good_config_change_is_picked_up_and_pushed(cps: ProcStack):
     wait_until(lambda: cps.metric("inferlb_config_last_reload_ok") == 1, 5, 0.1, "the reload")
     wait_until(lambda: cps.node()["types"]["Listener"]["acked_version"] != listener_before and cps.envoy_synced(),
                5, 0.1, "Envoy to ACK the new listener")
+    wait_until(lambda: cps.listener_in_effect(fail_open=False), 10, 0.1, "the fail-closed listener to serve")
     r = requests.post(f"{cps.listener}/v1/chat/completions", json={"max_tokens": 4}, timeout=5)
     assert r.status_code == 200
 
@@ -250,12 +271,15 @@ def test_fail_closed_hung_picker_gives_504_and_killed_gives_500(cps: ProcStack):
     def one() -> int:
         return requests.post(f"{cps.listener}/v1/chat/completions", json={"max_tokens": 4}, timeout=5).status_code
 
+    assert cps.listener_in_effect(fail_open=False)
+    before = cps.ext_proc_stats()
     os.kill(cps.cp.popen.pid, signal.SIGSTOP)
     try:
-        statuses = {one() for _ in range(3)}
+        statuses = [one() for _ in range(3)]
     finally:
         os.kill(cps.cp.popen.pid, signal.SIGCONT)
-    assert statuses == {504}
+    after = cps.ext_proc_stats()
+    assert statuses == [504] * 3, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     cps.cp.kill()
     assert {one() for _ in range(3)} == {500}
     cps.start_cp("inferlb-fail-closed")
