@@ -1,7 +1,8 @@
 """The picker's side of the shared load view: the I/O shell around :mod:`ext_proc.shared_load`.
 
 The picker sends its whole live load (``LoadReport``, ``protos/inferlb/v1/load_view.proto``) to the
-control plane when it changed (a pick or a completion) and the last view showed other pickers, at
+control plane when it changed (a pick or a completion) and the last view showed other pickers with
+traffic (picks or requests in flight in their last ``expiry_s``; an idle one decides nothing), at
 most once per ``interval_s`` (default 10 ms: changes in between travel together), and at least
 every quarter of ``expiry_s`` (so it keeps counting; the only reports of a picker alone in the
 view: a report costs CPU on both sides, and a change is news only to the others). It takes each
@@ -51,7 +52,7 @@ def view_others(view: load_view_pb2.LoadView) -> Others:
                      {c.cluster: (c.in_flight, c.work) for c in view.clusters},
                      {(e.cluster, e.endpoint): (e.in_flight, e.work, e.memory_mib) for e in view.own_endpoints},
                      {c.cluster: (c.in_flight, c.work) for c in view.own_clusters},
-                     view.pickers)
+                     view.pickers, view.idle_others)
 
 
 def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[float, float]]:
@@ -98,8 +99,9 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 await asyncio.sleep(interval_s)
                 if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
                     lost(f"no view for {expiry_s:g} s")
-                # A change is news only to other pickers: alone in the view, keep-alives suffice.
-                alone = shared.others.pickers == 1
+                # A change is news only to other pickers that decide (have traffic): without any,
+                # keep-alives suffice.
+                alone = shared.others.pickers - shared.others.idle <= 1
                 if (inflight.changes != reported and not alone) or inflight.now() - now >= keepalive_s:
                     break
 

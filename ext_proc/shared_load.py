@@ -47,6 +47,8 @@ class Others(NamedTuple):
         memory_mib: ``{"HOST:PORT": GPU memory of their requests in flight}`` (MiB).
         clusters: ``{cluster: requests in flight}``; ``cluster_work``: ``{cluster: work in flight}``.
         pickers: pickers in the control plane's sum (this one included when it is counted).
+        idle: of those, the others with no picks and nothing in flight lately (no Envoy sends them
+            traffic): ``pickers - idle <= 1`` means no other picker decides on this one's load.
     """
 
     work: Mapping[str, float] = _NONE
@@ -55,13 +57,14 @@ class Others(NamedTuple):
     clusters: Mapping[str, float] = _NONE
     cluster_work: Mapping[str, float] = _NONE
     pickers: int = 0
+    idle: int = 0
 
 
 NO_OTHERS = Others()
 
 
 def others_of(total_endpoints: EndpointRows, total_clusters: ClusterRows, own_endpoints: EndpointRows,
-              own_clusters: ClusterRows, pickers: int = 0) -> Others:
+              own_clusters: ClusterRows, pickers: int = 0, idle: int = 0) -> Others:
     """The others' load: the view's totals minus this picker's share of them, never below 0 (pure).
 
     >>> o = others_of({("c", "a:1"): (5, 5.5, 500.0)}, {"c": (6, 6.5)},
@@ -89,7 +92,7 @@ def others_of(total_endpoints: EndpointRows, total_clusters: ClusterRows, own_en
             clusters[cluster] = float(n - on)
         if w - ow > 1e-9:
             cluster_work[cluster] = w - ow
-    return Others(work, count, mib, clusters, cluster_work, pickers)
+    return Others(work, count, mib, clusters, cluster_work, pickers, idle)
 
 
 class _Plus(Mapping[str, float]):

@@ -78,14 +78,14 @@ def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
 
 
 def view_message(totals: Totals, own: Report | None, seq: int,
-                 memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None
-                 ) -> load_view_pb2.LoadView:
+                 memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None,
+                 idle_others: int = 0) -> load_view_pb2.LoadView:
     """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
     (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
     at, the others' MiB in flight then)}, now)`` to send the slow loop's samples with their age at
-    ``now`` (monotonic s)."""
+    ``now`` (monotonic s); ``idle_others``: :meth:`~xds_server.loadview.table.LoadTable.idle_others`."""
     msg = load_view_pb2.LoadView(seq=seq, pickers=totals.pickers, endpoints=_endpoints(totals.endpoints),
-                                 clusters=_clusters(totals.clusters))
+                                 clusters=_clusters(totals.clusters), idle_others=idle_others)
     if own is not None:
         msg.own_endpoints.extend(_endpoints(own.endpoints))
         msg.own_clusters.extend(_clusters(own.clusters))
@@ -137,7 +137,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                         sent_round = table.memory_round
                         memory = (sent_round, {e: (free, at, table.others_mib_at(stream.picker, e, at))
                                                for e, (free, at) in table.memory.items()}, now)
-                    yield view_message(totals, own, own.seq if own is not None else stream.seq, memory)
+                    yield view_message(totals, own, own.seq if own is not None else stream.seq, memory,
+                                       table.idle_others(stream.picker, now))
                 elif reader.done():
                     reader.result()   # a broken stream raises here
                     return

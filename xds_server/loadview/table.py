@@ -131,6 +131,7 @@ class LoadTable:
         self.memory_round = 0
         """Increases with every :meth:`set_memory` (0: none yet)."""
         self._mib: dict[str, deque[tuple[float, dict[str, float]]]] = {}  # picker -> (received, {endpoint: MiB})
+        self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
         """Take the slow loop's memory samples of one round (passed on to every picker with the view)."""
@@ -148,6 +149,9 @@ class LoadTable:
         self._apply(report, +1)
         self._reports[report.picker] = report
         self._received[report.picker] = now
+        if (any(cl.in_flight > 0 for cl in report.clusters.values())
+                or any(load.picks > 0 or load.in_flight > 0 for load in report.endpoints.values())):
+            self._busy[report.picker] = now
         mib: dict[str, float] = {}
         for (_, endpoint), load in report.endpoints.items():
             mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
@@ -162,7 +166,16 @@ class LoadTable:
         if kept is not None:
             del self._received[picker]
             self._mib.pop(picker, None)
+            self._busy.pop(picker, None)
             self._apply(kept, -1)
+
+    def idle_others(self, picker: str | None, now: float) -> int:
+        """Pickers in the sum other than ``picker`` that neither picked nor had a request in flight
+        in their reports of the last ``expiry_s`` (``now``: monotonic s): an Envoy sends them no
+        traffic (e.g. the control plane's own picker beside standalone ones), so they decide nothing
+        and another picker's changes are no news to them."""
+        limit = now - self.expiry_s
+        return sum(1 for p in self._reports if p != picker and self._busy.get(p, limit) <= limit)
 
     def others_mib_at(self, picker: str, endpoint: str, at: float) -> float:
         """GPU memory (MiB) the pickers other than ``picker`` had in flight on ``endpoint`` at ``at``

@@ -170,7 +170,7 @@ async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_a_picker_alone_in_the_view_sends_only_keep_alives_and_reports_changes_once_another_joins():
+async def test_a_picker_alone_or_beside_idle_ones_sends_only_keep_alives_and_reports_changes_once_another_picks():
     table = LoadTable(expiry_s=1.0)
     reports: list[str] = []
     record = table.record
@@ -181,25 +181,38 @@ async def test_a_picker_alone_in_the_view_sends_only_keep_alives_and_reports_cha
 
     table.record = counting  # type: ignore[method-assign]
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
+
+    async def until(cond) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached in 2 s")
+
+    async def changes(n: int, every_s: float) -> int:
+        """Reports picker one sent while it made ``n`` changes, one every ``every_s``."""
+        before = reports.count("one")
+        for _ in range(n):
+            one.inflight.picked("c", A)
+            await asyncio.sleep(every_s)
+        return reports.count("one") - before
+
     async with load_view_server(table) as target:
         tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.01, 1.0))]
         try:
-            for _ in range(60):  # a change every 10 ms for 0.6 s: alone, none of them is news
-                one.inflight.picked("c", A)
-                await asyncio.sleep(0.01)
-            alone = reports.count("one")
-            assert 1 <= alone <= 5, f"{alone} reports in 0.6 s alone (keep-alive every 0.25 s)"
+            sent = await changes(60, 0.01)  # a change every 10 ms for 0.6 s: alone, none of them is news
+            assert 1 <= sent <= 5, f"{sent} reports in 0.6 s alone (keep-alive every 0.25 s)"
+            # A second picker that no Envoy sends traffic to (the control plane's own, beside
+            # standalone ones) decides nothing: still only keep-alives.
             tasks.append(asyncio.create_task(run_load_view(target, "two", two, 0.01, 1.0)))
-            for _ in range(100):
-                if two.others.pickers == 2:
-                    break
-                await asyncio.sleep(0.01)
-            before = reports.count("one")
-            for _ in range(20):  # now every change is news to picker two: reported within ~10 ms
-                one.inflight.picked("c", A)
-                await asyncio.sleep(0.02)
-            assert reports.count("one") - before >= 10
-            assert two.work.get(A, 0.0) >= 70.0
+            await until(lambda: one.others.pickers == 2 and one.others.idle == 1)
+            sent = await changes(60, 0.01)
+            assert 1 <= sent <= 5, f"{sent} reports in 0.6 s beside an idle picker"
+            two.inflight.picked("c", A)  # picker two gets traffic: from now on every change is news
+            await until(lambda: one.others.idle == 0)
+            sent = await changes(20, 0.02)
+            assert sent >= 10, f"{sent} reports for 20 changes 20 ms apart with a busy picker beside"
+            assert two.work.get(A, 0.0) >= 130.0
         finally:
             for task in tasks:
                 task.cancel()

@@ -50,6 +50,21 @@ def test_a_picker_that_stops_reporting_stops_counting_after_the_expiry():
     assert t.report("dead") is None
 
 
+def test_a_picker_without_picks_or_requests_in_flight_for_the_expiry_is_idle_to_the_others():
+    t = LoadTable(expiry_s=1.0)
+    t.record(report("busy", 1, a=2), now=10.0)
+    t.record(report("idle", 1), now=10.0)  # no Envoy sends it traffic
+    assert t.idle_others("busy", 10.1) == 1 and t.idle_others("idle", 10.1) == 0
+    t.record(report("busy", 2), now=10.5)  # its requests ended: still busy within the expiry
+    t.record(report("idle", 2), now=10.5)
+    assert t.idle_others("idle", 10.9) == 0
+    assert t.idle_others("idle", 11.6) == 1 and t.totals(11.4).pickers == 2
+    t.record(report("idle", 3, b=1), now=11.7)  # it gets traffic
+    assert t.idle_others("busy", 11.7) == 0
+    t.forget("idle")
+    assert t.idle_others("busy", 11.7) == 0
+
+
 def test_a_forgotten_picker_leaves_the_sum_at_once_and_an_older_report_is_ignored():
     t = LoadTable(expiry_s=1.0)
     t.record(report("p1", 5, a=2), now=1.0)
