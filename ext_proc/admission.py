@@ -52,8 +52,7 @@ def admit(in_flight: int, capacity: int, queued: int, max_queue: int) -> Literal
 class _Waiter:
     __slots__ = ("future", "resume", "timer", "ready")
 
-    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes],
-                 ready: Callable[[], bool] | None = None) -> None:
+    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes], ready: Callable[[], bool]) -> None:
         self.future = future
         self.resume = resume
         self.ready = ready
@@ -87,15 +86,15 @@ class Admission:
         return len(queue) if queue else 0
 
     def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes],
-                ready: Callable[[], bool] | None = None) -> asyncio.Future:
+                ready: Callable[[], bool]) -> asyncio.Future:
         """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).
 
         Args:
             cluster: the full cluster.
-            resume: called when a slot frees; decides the request and returns the answer bytes.
+            resume: called once ``ready``; decides the request and returns the answer bytes.
             reject: called on timeout; returns the 429 answer bytes.
-            ready: when given, the request may go once this returns True (e.g. an endpoint has
-                memory for it now) instead of when the cluster has a free slot.
+            ready: whether the request may go now (its cluster has a slot and an endpoint the
+                memory for it), asked at every :meth:`release`.
 
         Returns:
             A future resolved with the answer bytes. Cancel it when the stream ends first.
@@ -125,17 +124,17 @@ class Admission:
                 pass
             QUEUED.labels(cluster).set(len(queue))
 
-    def release(self, room: Callable[[str], bool]) -> int:
-        """Admit waiting requests, oldest first, while ``room(cluster)`` says the cluster has a slot.
+    def release(self) -> int:
+        """Admit waiting requests, oldest first per cluster, while the oldest is ``ready``.
 
-        ``resume`` of each admitted request counts it in flight, so ``room`` sees it. Returns how
-        many were admitted.
+        ``resume`` of each admitted request counts it in flight, so the next ``ready`` sees it.
+        Returns how many were admitted.
         """
         admitted = 0
         for cluster, queue in self._queues.items():
             while queue:
                 head = queue[0]
-                if not head.future.done() and not (head.ready() if head.ready is not None else room(cluster)):
+                if not head.future.done() and not head.ready():
                     break
                 waiter = queue.popleft()
                 if waiter.timer is not None:

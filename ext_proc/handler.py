@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
@@ -418,12 +419,28 @@ class PickerHandler:
         if verdict == "reject":
             ADMISSION.labels(cluster, "rejected_full").inc()
             return refuse()
+        return self._enqueue(cluster, headers, body, phase, refuse)
 
-        def resume() -> bytes:  # a slot is free: decide again on the view and loads of now
+    def _enqueue(self, cluster: str, headers: dict[str, bytes], body: BodyFields, phase: str,
+                 refuse: Callable[[], bytes]) -> asyncio.Future[bytes]:
+        """Queue a request that must wait, for a slot or for memory: it goes once its cluster has a
+        slot (when its concurrency is limited) *and* an endpoint has memory for it, whichever it
+        waited for (a slot freed by a small request is no room for a large one: resumed on the slot
+        alone, a request without memory was forwarded unpinned and Envoy's choice ran out of
+        memory), decided again on the view and loads of then; else ``refuse`` at the timeout."""
+        assert self.admission is not None
+
+        def ready() -> bool:
+            now = self.holder.current
+            if self.limit_concurrency and self._capacity(now, cluster) > 0 and not self._room(cluster):
+                return False
+            return self._pick(headers, now, body).reason != "no-memory"
+
+        def resume() -> bytes:
             now = self.holder.current
             return self._commit(self._pick(headers, now, body), now, headers, phase)
 
-        return admission.enqueue(cluster, resume, refuse)
+        return self.admission.enqueue(cluster, resume, refuse, ready=ready)
 
     def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                    phase: str) -> bytes | asyncio.Future[bytes]:
@@ -453,15 +470,7 @@ class PickerHandler:
         if admission.queued(cluster) >= admission.max_queue:
             ADMISSION.labels(cluster, "rejected_full").inc()
             return refuse()
-
-        def fits() -> bool:
-            return self._pick(headers, self.holder.current, body).reason != "no-memory"
-
-        def resume() -> bytes:
-            now = self.holder.current
-            return self._commit(self._pick(headers, now, body), now, headers, phase)
-
-        return admission.enqueue(cluster, resume, refuse, ready=fits)
+        return self._enqueue(cluster, headers, body, phase, refuse)
 
     def set_largest_memory(self, largest: dict[str, float]) -> None:
         """``{cluster: the whole GPU memory of its largest endpoint, MiB}`` (from the config): a
@@ -483,7 +492,7 @@ class PickerHandler:
         (see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted."""
         self.inflight.set_samples(samples)
         if self.admission is not None:
-            self.admission.release(self._room)
+            self.admission.release()
 
     def access_log(self, data: bytes) -> None:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""
@@ -495,7 +504,7 @@ class PickerHandler:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
             return
         if self.admission is not None:
-            self.admission.release(self._room)
+            self.admission.release()
 
     def _failed(self, endpoint: str, certain: bool = True) -> None:
         if self.inflight.failed_now(endpoint, certain):
@@ -520,7 +529,7 @@ class PickerHandler:
         if self.spills and len(self.spills) > 100_000:
             self.spills.clear()
         if self.admission is not None:
-            self.admission.release(self._room)
+            self.admission.release()
 
     async def maintain(self, interval_s: float = 1.0) -> None:
         """Call :meth:`tick` every ``interval_s`` seconds until cancelled (a failing tick is logged)."""

@@ -77,6 +77,29 @@ async def test_a_full_cluster_queues_then_admits_on_a_completion():
     assert h.inflight.clusters == {"llm-v1": 2}
 
 
+async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_memory_for_it():
+    """A slot freed by a completion is no room when no endpoint has the memory: resumed on the slot
+    alone, the request was forwarded unpinned (Envoy's blind choice: an OOM in the uneven bench)."""
+    h = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)),
+                      admission=Admission(4, 1.0, retry_after_s=3), memory_queue=True)
+    h.inflight.streams = 1
+    endpoints = ["10.0.0.0:8000", "10.0.0.1:8000"]
+    h.set_samples({e: (20_000.0, h.inflight.now()) for e in endpoints})
+    for i in range(2):
+        answer, _ = h.process(StreamState(), headers_msg(f"s{i}"))
+        assert kind(answer) == ("request_headers", None)
+    waiting, _ = h.process(StreamState(), headers_msg("s2"))
+    assert isinstance(waiting, asyncio.Future) and not waiting.done()  # the cluster is full
+    h.set_samples({e: (50.0, h.inflight.now() + 1.0) for e in endpoints})  # both running: no room left
+    h.access_log(log_message(("llm-v1", None)))  # a slot frees, the memory does not
+    assert not waiting.done()
+    h.set_samples({e: (20_000.0, h.inflight.now() + 2.0) for e in endpoints})
+    assert waiting.done()
+    r = pb.ProcessingResponse.FromString(waiting.result())
+    pins = {o.header.key for o in r.request_headers.response.header_mutation.set_headers}
+    assert "x-gateway-destination-endpoint" in pins
+
+
 async def test_queue_bound_and_timeout_answer_429_with_retry_after():
     h = make_handler(max_queue=1, timeout_s=0.05)
     for i in range(2):
