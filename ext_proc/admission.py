@@ -2,10 +2,12 @@
 
 A cluster is full when the requests in flight the picker routed to it (picks minus access-log
 completions, :mod:`ext_proc.inflight`) reach the sum of its pinnable endpoints' max concurrency
-(from EDS endpoint metadata ``inferlb.max_concurrency``). A request for a full cluster waits in
-that cluster's FIFO queue — at most ``max_queue`` waiting, each at most ``timeout_s`` — and is
-decided when a completion frees a slot; otherwise it gets 429 with ``Retry-After``. The wait must
-end before Envoy's ext_proc ``message_timeout``, or Envoy gives up on the picker first.
+(from EDS endpoint metadata ``inferlb.max_concurrency``). A request for a full cluster, or one no
+endpoint has the GPU memory for, waits in that cluster's queue — at most ``max_queue`` waiting,
+each at most ``timeout_s`` — and is decided when a slot is free and an endpoint has the memory for
+it (oldest first, with backfill: see :meth:`Admission.release`); otherwise it gets 429 with
+``Retry-After``. The wait must end before Envoy's ext_proc ``message_timeout``, or Envoy gives up
+on the picker first.
 
 :func:`admit` is the pure rule; :class:`Admission` keeps the queues (event loop only, no locks).
 """
@@ -13,6 +15,7 @@ end before Envoy's ext_proc ``message_timeout``, or Envoy gives up on the picker
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Literal
@@ -27,6 +30,10 @@ ADMISSION = Counter(
     "rejected_full (queue full), rejected_timeout (waited too long), cancelled (stream ended).",
     ["cluster", "outcome"],
 )
+#: How deep :meth:`Admission.release` looks past waiters that do not fit yet for one that does (a
+#: bound on the pick it costs per waiter at each completion; EASY-style backfilling, Lifka 1995).
+BACKFILL = 32
+
 QUEUED = Gauge("inferlb_ext_proc_queued", "Requests waiting in the picker for a free slot, by cluster.", ["cluster"])
 
 
@@ -50,17 +57,17 @@ def admit(in_flight: int, capacity: int, queued: int, max_queue: int) -> Literal
 
 
 class _Waiter:
-    __slots__ = ("future", "resume", "timer", "ready")
+    __slots__ = ("future", "resume", "timer", "fits")
 
-    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes], ready: Callable[[], bool]) -> None:
+    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes], fits: Callable[[], bool]) -> None:
         self.future = future
         self.resume = resume
-        self.ready = ready
+        self.fits = fits
         self.timer: asyncio.TimerHandle | None = None
 
 
 class Admission:
-    """Per-cluster FIFO queues of requests waiting for a slot.
+    """Per-cluster queues of requests waiting for a slot or for GPU memory.
 
     Args:
         max_queue: waiting requests per cluster (0 = never queue: 429 at once).
@@ -86,21 +93,21 @@ class Admission:
         return len(queue) if queue else 0
 
     def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes],
-                ready: Callable[[], bool]) -> asyncio.Future:
+                fits: Callable[[], bool]) -> asyncio.Future:
         """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).
 
         Args:
             cluster: the full cluster.
-            resume: called once ``ready``; decides the request and returns the answer bytes.
+            resume: called once it may go; decides the request and returns the answer bytes.
             reject: called on timeout; returns the 429 answer bytes.
-            ready: whether the request may go now (its cluster has a slot and an endpoint the
-                memory for it), asked at every :meth:`release`.
+            fits: whether an endpoint has the memory for it now (asked by :meth:`release` when
+                the cluster has a slot).
 
         Returns:
             A future resolved with the answer bytes. Cancel it when the stream ends first.
         """
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), resume, ready)
+        waiter = _Waiter(loop.create_future(), resume, fits)
         queue = self._queues.setdefault(cluster, deque())
         queue.append(waiter)
         QUEUED.labels(cluster).set(len(queue))
@@ -124,28 +131,30 @@ class Admission:
                 pass
             QUEUED.labels(cluster).set(len(queue))
 
-    def release(self) -> int:
-        """Admit waiting requests, oldest first per cluster, while the oldest is ``ready``.
+    def release(self, room: Callable[[str], bool]) -> int:
+        """Admit waiting requests while their cluster has a slot (``room(cluster)``): per cluster the
+        oldest that ``fits`` goes first; one that does not fit yet (a large request) lets a later
+        one that does go by (backfill), looking at most :data:`BACKFILL` waiters deep.
 
-        ``resume`` of each admitted request counts it in flight, so the next ``ready`` sees it.
-        Returns how many were admitted.
+        ``resume`` of each admitted request counts it in flight, so the next ``room`` and ``fits``
+        see it. Returns how many were admitted.
         """
         admitted = 0
         for cluster, queue in self._queues.items():
-            while queue:
-                head = queue[0]
-                if not head.future.done() and not head.ready():
+            while queue and room(cluster):
+                chosen = next((w for w in itertools.islice(queue, BACKFILL) if w.future.done() or w.fits()), None)
+                if chosen is None:
                     break
-                waiter = queue.popleft()
-                if waiter.timer is not None:
-                    waiter.timer.cancel()
-                if waiter.future.done():  # cancelled: the stream went away
+                queue.remove(chosen)
+                if chosen.timer is not None:
+                    chosen.timer.cancel()
+                if chosen.future.done():  # cancelled: the stream went away
                     ADMISSION.labels(cluster, "cancelled").inc()
                     continue
                 try:
-                    waiter.future.set_result(waiter.resume())
+                    chosen.future.set_result(chosen.resume())
                 except Exception as err:  # the transport turns it into an error status
-                    waiter.future.set_exception(err)
+                    chosen.future.set_exception(err)
                 ADMISSION.labels(cluster, "admitted").inc()
                 admitted += 1
             QUEUED.labels(cluster).set(len(queue))

@@ -388,7 +388,9 @@ class PickerHandler:
         return pool.capacity + spill.capacity
 
     def _room(self, cluster: str) -> bool:
-        return self.loads.clusters.get(cluster, 0) < self._capacity(self.holder.current, cluster)
+        """A slot for one more request of ``cluster`` (always, when its concurrency is not limited)."""
+        capacity = self._capacity(self.holder.current, cluster)
+        return not self.limit_concurrency or capacity <= 0 or self.loads.clusters.get(cluster, 0) < capacity
 
     def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                phase: str) -> bytes | asyncio.Future[bytes]:
@@ -427,20 +429,18 @@ class PickerHandler:
         slot (when its concurrency is limited) *and* an endpoint has memory for it, whichever it
         waited for (a slot freed by a small request is no room for a large one: resumed on the slot
         alone, a request without memory was forwarded unpinned and Envoy's choice ran out of
-        memory), decided again on the view and loads of then; else ``refuse`` at the timeout."""
+        memory), decided again on the view and loads of then; else ``refuse`` at the timeout. A
+        waiter that does not fit yet lets a later one that does go by (:meth:`Admission.release`)."""
         assert self.admission is not None
 
-        def ready() -> bool:
-            now = self.holder.current
-            if self.limit_concurrency and self._capacity(now, cluster) > 0 and not self._room(cluster):
-                return False
-            return self._pick(headers, now, body).reason != "no-memory"
+        def fits() -> bool:
+            return self._pick(headers, self.holder.current, body).reason != "no-memory"
 
         def resume() -> bytes:
             now = self.holder.current
             return self._commit(self._pick(headers, now, body), now, headers, phase)
 
-        return self.admission.enqueue(cluster, resume, refuse, ready=ready)
+        return self.admission.enqueue(cluster, resume, refuse, fits)
 
     def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                    phase: str) -> bytes | asyncio.Future[bytes]:
@@ -492,7 +492,7 @@ class PickerHandler:
         (see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted."""
         self.inflight.set_samples(samples)
         if self.admission is not None:
-            self.admission.release()
+            self.admission.release(self._room)
 
     def access_log(self, data: bytes) -> None:
         """Count the completions in one serialized ``StreamAccessLogsMessage`` (bad input: counted, logged)."""
@@ -504,7 +504,7 @@ class PickerHandler:
             self.errors.report("access-log-decode", "a StreamAccessLogsMessage could not be decoded")
             return
         if self.admission is not None:
-            self.admission.release()
+            self.admission.release(self._room)
 
     def _failed(self, endpoint: str, certain: bool = True) -> None:
         if self.inflight.failed_now(endpoint, certain):
@@ -529,7 +529,7 @@ class PickerHandler:
         if self.spills and len(self.spills) > 100_000:
             self.spills.clear()
         if self.admission is not None:
-            self.admission.release()
+            self.admission.release(self._room)
 
     async def maintain(self, interval_s: float = 1.0) -> None:
         """Call :meth:`tick` every ``interval_s`` seconds until cancelled (a failing tick is logged)."""

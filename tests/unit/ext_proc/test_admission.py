@@ -100,6 +100,18 @@ async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_m
     assert "x-gateway-destination-endpoint" in pins
 
 
+async def test_a_waiter_that_fits_goes_by_an_older_one_that_does_not_but_only_with_a_slot():
+    a = Admission(8, 1.0)
+    fits = {"big": False, "small": True}
+    waiting = {n: a.enqueue("c", lambda n=n: n.encode(), lambda: b"429", lambda n=n: fits[n]) for n in fits}
+    assert a.release(lambda cluster: False) == 0  # no slot: nobody goes, however it fits
+    assert a.release(lambda cluster: True) == 1
+    assert waiting["small"].result() == b"small" and not waiting["big"].done()
+    fits["big"] = True
+    assert a.release(lambda cluster: True) == 1 and waiting["big"].result() == b"big"
+    assert a.queued("c") == 0
+
+
 async def test_queue_bound_and_timeout_answer_429_with_retry_after():
     h = make_handler(max_queue=1, timeout_s=0.05)
     for i in range(2):

@@ -345,7 +345,7 @@ async def test_grpc_timeout_ends_a_waiting_stream_with_deadline_exceeded():
     await asyncio.sleep(0.05)
     peer.pump()
     assert peer.result(sid)[1][b"grpc-status"] == b"4"
-    assert handler.admission.release() == 0  # the waiter was cancelled
+    assert handler.admission.release(lambda c: True) == 0  # the waiter was cancelled
 
 
 async def test_a_reset_stream_drops_its_waiting_answer():
@@ -356,7 +356,7 @@ async def test_a_reset_stream_drops_its_waiting_answer():
     peer.client.reset_stream(sid)
     peer.pump()
     assert peer.server.active_streams == 0
-    assert handler.admission.release() == 0
+    assert handler.admission.release(lambda c: True) == 0
 
 
 def test_an_answer_given_at_once_arms_no_deadline_timer():
