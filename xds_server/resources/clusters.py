@@ -98,7 +98,8 @@ def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
 
 
 def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
-    """Envoy outlier detection from the config (a per-try timeout counts as a gateway failure)."""
+    """Envoy outlier detection from the config (a per-try timeout counts as a gateway failure; a
+    backend's own 5xx ejects only with ``enforcing_consecutive_5xx`` above 0)."""
     def dur(s: float) -> duration_pb2.Duration:
         d = duration_pb2.Duration()
         d.FromNanoseconds(int(s * 1e9))
@@ -106,6 +107,7 @@ def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
 
     return outlier_detection_pb2.OutlierDetection(
         consecutive_5xx=wrappers_pb2.UInt32Value(value=o.consecutive_5xx),
+        enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=o.enforcing_consecutive_5xx),
         consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=o.consecutive_gateway_failure),
         enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
         interval=dur(o.interval_s),

@@ -47,6 +47,9 @@ def test_clusters_carry_outlier_detection_and_a_retry_budget():
     assert c.outlier_detection.consecutive_gateway_failure.value == 2
     assert c.outlier_detection.base_ejection_time.seconds == 3
     assert c.outlier_detection.max_ejection_percent.value == 50
+    # A backend's own 5xx (a GPU out of memory) does not eject it; gateway failures do.
+    assert c.outlier_detection.enforcing_consecutive_5xx.value == 0
+    assert c.outlier_detection.enforcing_consecutive_gateway_failure.value == 100
     budget = c.circuit_breakers.thresholds[0].retry_budget
     assert budget.min_retry_concurrency.value == 7 and budget.budget_percent.value == 25
 
