@@ -104,17 +104,20 @@ class OutlierDetection(_Strict):
     up to ``max_ejection_time_s``);
     ``max_ejection_percent``: most of a cluster ejected at once (Envoy always allows one host);
     ``enforcing_consecutive_5xx``: the chance (%, 0-100) that ``consecutive_5xx`` ejects a host it
-    flags. Envoy's default is 100; inferlb's is 0: a 5xx the backend answers (a GPU out of memory:
-    500) is the backend's answer about one request, not a host that is gone, and ejecting for it
-    takes capacity out exactly when memory is short. Gateway failures (502/503/504, resets,
-    connect failures, per-try timeouts) still eject; an endpoint that keeps failing requests is the
-    engine's to exclude (``oom`` filter, ``errors`` scorer). Measured: BENCHMARKS.md, "Envoy
-    ejections on a backend's 500".
+    flags; null (default) = 0 on a cluster with one tier, 100 on one with a cloud tier. Envoy's
+    default is 100. A 5xx the backend answers (a GPU out of memory: 500) is its answer about one
+    request, not a host that is gone, and ejecting for it takes capacity out exactly when memory is
+    short. Gateway failures (502/503/504, resets, connect failures, per-try timeouts) still eject;
+    an endpoint that keeps failing requests is the engine's to exclude (``oom`` filter, ``errors``
+    scorer). With tiers, though, Envoy moves its fallback traffic from the edge's priority to the
+    cloud's only as edge hosts turn unhealthy, so there an edge GPU out of memory is ejected and its
+    requests spill (what the picker does per request when it is up). Measured: BENCHMARKS.md,
+    "uneven: the picker's queue, and Envoy's ejections on a backend's 500".
     Source: Envoy docs, "Outlier detection" (config.cluster.v3.OutlierDetection).
     """
 
     consecutive_5xx: int = Field(5, ge=1)
-    enforcing_consecutive_5xx: int = Field(0, ge=0, le=100)
+    enforcing_consecutive_5xx: int | None = Field(None, ge=0, le=100)
     consecutive_gateway_failure: int = Field(3, ge=1)
     interval_s: float = Field(2.0, gt=0)
     base_ejection_time_s: float = Field(10.0, gt=0)

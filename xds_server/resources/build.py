@@ -82,10 +82,11 @@ class BuildMemo:
         for service in cfg.services:
             for version in service.versions:
                 name = cluster_name(service.name, version.name)
-                clusters[name] = resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy))
+                tiers[name] = {e.address: e.tier for e in version.endpoints if e.tier != "edge"}
+                clusters[name] = resource(name, build_cluster(name, service, cfg.headers.override_host, cfg.envoy,
+                                                              tiered=bool(tiers[name])))
                 limits[name] = {e.address: e.max_concurrency for e in version.endpoints}
                 classes[name] = {e.address: e.gpu_class for e in version.endpoints}
-                tiers[name] = {e.address: e.tier for e in version.endpoints if e.tier != "edge"}
         built = {
             CLUSTER_TYPE: clusters,
             LISTENER_TYPE: {LISTENER_NAME: resource(LISTENER_NAME, build_listener(cfg))},

@@ -97,9 +97,13 @@ def _policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
     )
 
 
-def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
+def _outlier(o: OutlierDetection, tiered: bool) -> outlier_detection_pb2.OutlierDetection:
     """Envoy outlier detection from the config (a per-try timeout counts as a gateway failure; a
-    backend's own 5xx ejects only with ``enforcing_consecutive_5xx`` above 0)."""
+    backend's own 5xx ejects by default only on a ``tiered`` cluster, see
+    :class:`~xds_server.config.model.OutlierDetection`)."""
+    enforcing_5xx = o.enforcing_consecutive_5xx
+    if enforcing_5xx is None:
+        enforcing_5xx = 100 if tiered else 0
     def dur(s: float) -> duration_pb2.Duration:
         d = duration_pb2.Duration()
         d.FromNanoseconds(int(s * 1e9))
@@ -107,7 +111,7 @@ def _outlier(o: OutlierDetection) -> outlier_detection_pb2.OutlierDetection:
 
     return outlier_detection_pb2.OutlierDetection(
         consecutive_5xx=wrappers_pb2.UInt32Value(value=o.consecutive_5xx),
-        enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=o.enforcing_consecutive_5xx),
+        enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=enforcing_5xx),
         consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=o.consecutive_gateway_failure),
         enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
         interval=dur(o.interval_s),
@@ -147,7 +151,7 @@ def picker_limits(envoy: EnvoySide, inference_clusters: int) -> CircuitBreakers:
 
 
 def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
-                  envoy: EnvoySide | None = None) -> cluster_pb2.Cluster:
+                  envoy: EnvoySide | None = None, tiered: bool = False) -> cluster_pb2.Cluster:
     """An EDS cluster over ADS whose LB policy is ``envoy.load_balancing_policies.override_host``.
 
     The picker pins a host through ``override_host_header``; unpinned requests (and hosts not in the
@@ -183,6 +187,6 @@ def build_cluster(name: str, service: ServiceConfig, override_host_header: str,
         ),
     )
     if envoy is not None:
-        cluster.outlier_detection.CopyFrom(_outlier(envoy.outlier_detection))
+        cluster.outlier_detection.CopyFrom(_outlier(envoy.outlier_detection, tiered))
         cluster.circuit_breakers.CopyFrom(circuit_breakers(envoy.circuit_breakers, envoy))
     return cluster

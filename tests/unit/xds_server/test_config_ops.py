@@ -54,6 +54,22 @@ def test_clusters_carry_outlier_detection_and_a_retry_budget():
     assert budget.min_retry_concurrency.value == 7 and budget.budget_percent.value == 25
 
 
+@pytest.mark.parametrize(("setting", "flat", "tiered"), [(None, 0, 100), (30, 30, 30), (0, 0, 0)])
+def test_a_backends_own_5xx_ejects_by_default_only_where_envoy_spills_between_tiers_by_health(setting, flat, tiered):
+    from envoy.config.cluster.v3 import cluster_pb2
+
+    edge_cloud = version("e1", [{"address": "10.9.0.1:8000"}, {"address": "10.9.0.2:8000", "tier": "cloud"}])
+    od = {} if setting is None else {"enforcing_consecutive_5xx": setting}
+    cfg = config([service("chat", [version("v1", 2)], hosts=["chat"]), service("edge", [edge_cloud], hosts=["edge"])],
+                 envoy={"outlier_detection": od})
+    got = {}
+    for name in ("chat-v1", "edge-e1"):
+        c = cluster_pb2.Cluster()
+        build_snapshot(cfg, [], "127.0.0.1:1").of(CLUSTER_TYPE)[name].packed.Unpack(c)
+        got[name] = c.outlier_detection.enforcing_consecutive_5xx.value
+    assert got == {"chat-v1": flat, "edge-e1": tiered}
+
+
 def test_ext_proc_cluster_dials_the_picker_over_tls_when_configured():
     cfg = config(SERVICES, tls={"cert": "c", "key": "k"}, envoy={"tls": {"ca": "/etc/ca.pem", "server_name": "lb"}})
     from envoy.config.cluster.v3 import cluster_pb2
