@@ -47,21 +47,12 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float) -> l
 
 
 def view_others(view: load_view_pb2.LoadView) -> Others:
-    """The others' load carried by one ``LoadView`` (its totals minus this picker's share), with the
-    GPU memory of their picks in their last reports per endpoint (picks x their MiB per request)."""
-    own = {(e.cluster, e.endpoint): e for e in view.own_endpoints}
-    picked: dict[str, float] = {}
-    for e in view.endpoints:
-        mine = own.get((e.cluster, e.endpoint))
-        picks, n, mib = ((e.picks - mine.picks, e.in_flight - mine.in_flight, e.memory_mib - mine.memory_mib)
-                         if mine is not None else (e.picks, e.in_flight, e.memory_mib))
-        if picks > 0 and n > 0 and mib > 1e-9:
-            picked[e.endpoint] = picked.get(e.endpoint, 0.0) + picks * mib / n
+    """The others' load carried by one ``LoadView`` (its totals minus this picker's share)."""
     return others_of({(e.cluster, e.endpoint): (e.in_flight, e.work, e.memory_mib) for e in view.endpoints},
                      {c.cluster: (c.in_flight, c.work) for c in view.clusters},
-                     {key: (e.in_flight, e.work, e.memory_mib) for key, e in own.items()},
+                     {(e.cluster, e.endpoint): (e.in_flight, e.work, e.memory_mib) for e in view.own_endpoints},
                      {c.cluster: (c.in_flight, c.work) for c in view.own_clusters},
-                     view.pickers, view.idle_others, picked)
+                     view.pickers, view.idle_others)
 
 
 def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[float, float]]:

@@ -17,11 +17,7 @@ swapped by the client (:mod:`ext_proc.load_client`) on the same event loop, one 
 Free GPU memory: an endpoint's estimate is the picker's own (last sample minus its own picks since)
 minus what the others added since that sample: their memory in flight now minus their memory in
 flight when the sample was taken (the baseline: sent with the sample by the control plane, from the
-others' reports at that time; else their memory in flight when this picker first reads the sample),
-minus what the others picked there in their last report's interval: they may pick as much again
-before this picker hears of it, and two pickers that both see the last room on a GPU both take it
-(the race one picker alone never has: in the ``multi_gateway`` bench, OOMs with three pickers, none
-with one).
+others' reports at that time; else their memory in flight when this picker first reads the sample).
 """
 
 from __future__ import annotations
@@ -53,8 +49,6 @@ class Others(NamedTuple):
         pickers: pickers in the control plane's sum (this one included when it is counted).
         idle: of those, the others with no picks and nothing in flight lately (no Envoy sends them
             traffic): ``pickers - idle <= 1`` means no other picker decides on this one's load.
-        picked_mib: ``{"HOST:PORT": GPU memory of the requests the others picked there in their last
-            report's interval}`` (MiB): what they are likely to add again before the next view.
     """
 
     work: Mapping[str, float] = _NONE
@@ -64,15 +58,13 @@ class Others(NamedTuple):
     cluster_work: Mapping[str, float] = _NONE
     pickers: int = 0
     idle: int = 0
-    picked_mib: Mapping[str, float] = _NONE
 
 
 NO_OTHERS = Others()
 
 
 def others_of(total_endpoints: EndpointRows, total_clusters: ClusterRows, own_endpoints: EndpointRows,
-              own_clusters: ClusterRows, pickers: int = 0, idle: int = 0,
-              picked_mib: Mapping[str, float] = _NONE) -> Others:
+              own_clusters: ClusterRows, pickers: int = 0, idle: int = 0) -> Others:
     """The others' load: the view's totals minus this picker's share of them, never below 0 (pure).
 
     >>> o = others_of({("c", "a:1"): (5, 5.5, 500.0)}, {"c": (6, 6.5)},
@@ -100,7 +92,7 @@ def others_of(total_endpoints: EndpointRows, total_clusters: ClusterRows, own_en
             clusters[cluster] = float(n - on)
         if w - ow > 1e-9:
             cluster_work[cluster] = w - ow
-    return Others(work, count, mib, clusters, cluster_work, pickers, idle, picked_mib)
+    return Others(work, count, mib, clusters, cluster_work, pickers, idle)
 
 
 class _Plus(Mapping[str, float]):
@@ -134,12 +126,11 @@ class _Plus(Mapping[str, float]):
 class _Free(Mapping[str, float]):
     """Estimated free GPU memory: the picker's own estimate minus what the others added since its sample."""
 
-    __slots__ = ("_inflight", "others", "picked", "_sample", "_baseline", "_next")
+    __slots__ = ("_inflight", "others", "_sample", "_baseline", "_next")
 
     def __init__(self, inflight: InFlight) -> None:
         self._inflight = inflight
         self.others: Mapping[str, float] = _NONE
-        self.picked: Mapping[str, float] = _NONE
         self._sample: Mapping[str, float] | None = None
         self._baseline: Mapping[str, float] = _NONE
         self._next: Mapping[str, float] | None = None
@@ -158,7 +149,7 @@ class _Free(Mapping[str, float]):
         if own is not self._sample:  # a new sample (InFlight.set_samples replaces the map): rebase
             self._baseline = self._next if self._next is not None else self.others
             self._sample, self._next = own, None
-        return value - (self.others.get(key, 0.0) - self._baseline.get(key, 0.0)) - self.picked.get(key, 0.0)
+        return value - (self.others.get(key, 0.0) - self._baseline.get(key, 0.0))
 
     def __getitem__(self, key: str) -> float:
         value = self.get(key)
@@ -209,5 +200,4 @@ class SharedLoad:
         self.clusters.others = others.clusters
         self.endpoints.others = others.in_flight
         self.free.others = others.memory_mib
-        self.free.picked = others.picked_mib
         self.viewed_at = self.inflight.now() if at is None else at

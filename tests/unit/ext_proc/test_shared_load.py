@@ -144,29 +144,6 @@ def test_a_view_from_the_control_plane_gives_the_others_load():
     assert o.in_flight == {A: 3.0} and o.clusters == {"c": 3.0} and o.pickers == 2
 
 
-def test_the_others_picks_of_their_last_report_are_held_back_from_free_memory():
-    """Two pickers that both see the last room on a GPU both take it: what the others just picked
-    there, they may pick again before this picker hears of it."""
-    t = LoadTable(expiry_s=1.0)
-    mine, theirs = InFlight(), InFlight()
-    mine.picked("c", A, mib=1000.0)
-    theirs.picked("c", A, mib=4000.0)  # picked since its previous report
-    theirs.picked("c", A, mib=4000.0)
-    theirs.picked("c", B, mib=2000.0)
-    t.record(report_from(report_message(theirs, "them", 1, 0.0)), now=1.0)
-    t.record(report_from(report_message(mine, "me", 1, 0.0)), now=1.0)
-    o = view_others(view_message(t.totals(1.0), t.report("me"), 1))
-    assert o.picked_mib == {A: 8000.0, B: 2000.0}, "the others' picks x their MiB per request; not mine"
-    shared = SharedLoad(mine)
-    shared.set_others(o)
-    shared.free.rebase({A: 8000.0})  # the sample already holds their 8000 MiB in flight
-    mine.set_samples({A: (20000.0, mine.now() + 1.0)})  # taken after my pick: it holds it
-    assert shared.free.get(A, None) == 20000.0 - 8000.0
-    t.record(report_from(report_message(theirs, "them", 2, mine.now() + 1)), now=1.1)  # no picks since
-    shared.set_others(view_others(view_message(t.totals(1.1), t.report("me"), 1)))
-    assert shared.free.get(A, None) == 20000.0
-
-
 async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead_one_stops_counting():
     table = LoadTable(expiry_s=0.5)
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
