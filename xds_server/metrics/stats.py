@@ -86,6 +86,12 @@ def rounded(values: Sequence[float | None], digits: int) -> list[float | None]:
     return out
 
 
+def stats_matrix(stats: Sequence[EndpointStats]) -> np.ndarray:
+    """``stats`` as one ``float64`` array of shape ``(len(stats), len(STAT_FIELDS))``: row ``i`` holds
+    ``stats[i]``'s fields in :data:`STAT_FIELDS` order, NaN where a field is None."""
+    return np.array([_ALL(s) for s in stats], dtype=float).reshape(len(stats), len(STAT_FIELDS))
+
+
 def as_dicts(stats: Sequence[EndpointStats]) -> list[dict[str, float | None]]:
     """:meth:`EndpointStats.as_dict` of each of ``stats``, field by field over all of them at once
     (a round's history rows at 60 000 endpoints: ~1 M values)."""
