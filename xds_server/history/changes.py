@@ -90,7 +90,11 @@ def _scores(chosen: Sequence[EndpointWeight]) -> list[str]:
         groups.setdefault(tuple(w.scores), []).append(i)
     out: list[str] = [""] * len(chosen)
     for names, at in groups.items():
-        values = np.array([tuple(chosen[i].scores.values()) for i in at], dtype=float).reshape(len(at), len(names))
+        values = np.empty((len(at), len(names)))
+        for start in range(0, len(at), CHUNK_ROWS):  # one short C call per piece (the GIL: see CHUNK_ROWS)
+            piece = at[start:start + CHUNK_ROWS]
+            values[start:start + len(piece)] = np.array([tuple(chosen[i].scores.values()) for i in piece],
+                                                        dtype=float).reshape(len(piece), len(names))
         for i, text in zip(at, json_objects(names, np.round(values, 4)), strict=True):
             out[i] = text
     return out

@@ -22,6 +22,7 @@ from prometheus_client import Counter
 from xds_server.engine.types import EndpointWeight
 from xds_server.history.changes import Key, Recorded, last_recorded, to_record
 from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.release import drop
 from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class HistoryRecorder:
     def record(self, snap: Snapshot, weights: Sequence[EndpointWeight]) -> None:
         """ControlPlane hook: enqueue this round (never blocks, never raises)."""
         try:
-            self._queue.put_nowait((self._clock(), snap.version, weights, False))
+            self._queue.put_nowait((self._clock(), snap.version, weights))
         except queue.Full:
             DROPPED.inc()
 
@@ -104,14 +105,20 @@ class HistoryRecorder:
                 item.set()
                 continue
             if item is not None:
-                self._write(*item)
-            # Hold no round while waiting: a round's weights are ~30 MB at 60 000 endpoints, and this
-            # loop kept the last one (and the last keyframe check's) alive until the next arrived.
-            item = None
+                now, version, weights = item
+                item = None
+                self._write(now, version, weights, False)
+                # Hold no round while waiting (a round's weights are ~30 MB at 60 000 endpoints); when
+                # this thread holds the last reference, free them in pieces (see xds_server.release).
+                drop(weights)
+                weights = None
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 if self._current is not None:
-                    self._write(self._clock(), *self._current(), True)
+                    version, weights = self._current()
+                    self._write(self._clock(), version, weights, True)
+                    drop(weights)
+                    weights = None
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + self._prune_every_s
                 self._guard("prune", lambda: self.store.prune(self._clock()))
