@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -179,7 +178,7 @@ def fit_uint32(weights: Sequence[EndpointWeight], limit: int = MAX_WEIGHT_SUM) -
         return list(weights)
     factor = (limit - len(weights)) / total
     note = f"scaled x{factor:.3g} with the whole cluster: its weights summed to {total}, past uint32"
-    return [replace(w, weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
+    return [w._replace(weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
 
 
 def _ew(weight: int) -> EndpointWeight:  # for the doctest
