@@ -199,3 +199,32 @@ def test_a_full_queue_drops_rounds_instead_of_blocking():
         rec.record(_snap(f"v{i}"), [verdict(A, i + 1)])
     assert time.monotonic() - started < 0.5
     assert DROPPED._value.get() == before + 3
+
+
+def test_rows_hold_what_the_verdicts_say_across_encoding_pieces():
+    """Inputs as EndpointStats.as_dict() gives them, scores rounded to 4 (None kept), scorer names in
+    order, reasons: for more rows than one encoding piece, endpoints without scores among them."""
+    from xds_server.engine.types import EndpointWeight
+    from xds_server.history.changes import CHUNK_ROWS
+    from xds_server.metrics.stats import EndpointStats, rounded
+
+    n = CHUNK_ROWS + 7
+    weights = [EndpointWeight("chat-v1", f"10.0.{i // 256}.{i % 256}:8000", i + 1,
+                              UNHEALTHY if i % 5 == 0 else "HEALTHY", None if i % 5 == 0 else i / 3000,
+                              EndpointStats(latency_mean_ms=i * 1.23456, queue=None if i % 2 else 0.5,
+                                            sample_age_s=1.0),
+                              {} if i % 5 == 0 else {"queue": i / 7, "latency": None, 'odd "name" 100%': 0.123456},
+                              (f"reason {i}", 'a "quoted" one'))
+               for i in range(n)]
+    rows, _ = to_record(weights, {}, 50.0, "v1", keyframe_s=600)
+    s = store(max_rows=10 * n)
+    s.append(rows)
+    got = s.rows(0, 100, limit=n)
+    assert len(got) == n
+    for w, r in zip(weights, got, strict=True):
+        assert (r.endpoint, r.weight, r.health, r.kind) == (w.address, w.weight, w.health, CHANGE)
+        assert r.score == rounded([w.score], 4)[0]
+        assert r.inputs == w.inputs.as_dict()
+        assert list(r.scores) == list(w.scores)
+        assert r.scores == dict(zip(w.scores, rounded(list(w.scores.values()), 4), strict=True))
+        assert r.reasons == w.reasons
