@@ -302,6 +302,8 @@ def _cluster(
     # read-only mapping per distinct content, not one per endpoint (memory, allocations).
     shared_verdicts: dict[tuple, Mapping[str, str]] = {}
     shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
+    # Reasons too: 60 000 endpoints had 510 distinct reason tuples of 109 distinct strings (8 MB a round).
+    shared_reasons: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def verdict_map(given: list[tuple[str, str]]) -> Mapping[str, str]:
         out = dict(given)
@@ -403,8 +405,10 @@ def _cluster(
             reasons.extend(extra)
         if held and a in held:
             reasons.append(held[a])
+        why = tuple(reasons)
         result[i] = EndpointWeight(cluster, a, weight, HEALTHY, score, seen[i],
-                                   MappingProxyType(dict(zip(score_names, row, strict=True))), tuple(reasons),
+                                   MappingProxyType(dict(zip(score_names, row, strict=True))),
+                                   shared_reasons.setdefault(why, why),
                                    verdicts(a) if judged else passed, factor_map, tgt)
     for i in live.tolist():
         a = addresses[i]
