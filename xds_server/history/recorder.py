@@ -33,7 +33,7 @@ DROPPED = Counter("inferlb_history_dropped_rounds_total",
                   "Rounds not recorded because the history writer's queue was full")
 
 _STOP = object()
-Current = Callable[[], tuple[str | None, Sequence[EndpointWeight]]]
+Current = Callable[[], tuple[str | None, list[EndpointWeight]]]
 
 
 class HistoryRecorder:
@@ -66,7 +66,7 @@ class HistoryRecorder:
         """Start the writer thread (it first reads what was recorded last, so a restart continues)."""
         self._thread.start()
 
-    def record(self, snap: Snapshot, weights: Sequence[EndpointWeight]) -> None:
+    def record(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         """ControlPlane hook: enqueue this round (never blocks, never raises)."""
         try:
             self._queue.put_nowait((self._clock(), snap.version, weights))
