@@ -16,9 +16,10 @@ per size:
   round (which builds the picker's rings from scratch);
 - **RSS** of the process after the rounds (MB).
 
-The history is an SQLite file in a temporary folder (as ``inferlb serve`` writes one); every weight
-changes every round, so every round writes a row per endpoint, and a round counts until its rows are
-written.
+The history is an SQLite file in a temporary folder (as ``inferlb serve`` writes one). The history
+writes a row for each endpoint whose weight or health changed: with these answers 34 949 of 60 000
+weights change every steady round (58 %; the engine alone on the same answers), so a round writes
+that many rows; a round counts until its rows are written.
 
 Not included: Prometheus itself and the wire (the ADS push to many streams is ``bench.xds_bench``).
 

@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -94,7 +93,7 @@ def changed_weights(weights: list[EndpointWeight], change: str, rng: random.Rand
     idx = rng.sample(range(len(weights)), k) if change == "random" else range(k)
     out = list(weights)
     for i in idx:
-        out[i] = replace(out[i], weight=out[i].weight % 100 + 1)
+        out[i] = out[i]._replace(weight=out[i].weight % 100 + 1)
     return out
 
 

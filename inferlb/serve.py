@@ -211,8 +211,9 @@ class InferLB:
                     largest_memory(weights, self.control.spec))
 
         samples, largest = await asyncio.to_thread(read)
-        self.picker.set_samples(samples)
+        self.picker.set_samples(samples)  # ~20 ms at 60 000 endpoints, on the loop the picker runs on
         self.picker.set_largest_memory(largest)
+        await asyncio.sleep(0)  # the loop runs its other callbacks between the two: not one ~30 ms step
         self.load_view.set_memory(samples)  # and, with the load view, to every standalone picker
 
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:

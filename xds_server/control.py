@@ -26,6 +26,7 @@ from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
 from xds_server.metrics.source import MetricsSource, MetricsUnavailable
 from xds_server.metrics.stats import EndpointStats
+from xds_server.release import drop
 from xds_server.resources.build import BuildMemo, build_snapshot
 from xds_server.snapshot import Snapshot
 
@@ -189,14 +190,17 @@ class ControlPlane:
                 configured, params, state, cfg = self._specs, self._params, self._state, self.cfg
                 draining, now = frozenset(self._draining), time.monotonic()
 
-                def decide() -> tuple[list[EndpointWeight], EngineState]:
+                def decide() -> list[EndpointWeight]:
                     specs = [replace(s, draining=True) if s.address in draining else s for s in configured]
-                    out = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
-                    self._log_changes(out[0])
-                    return out
+                    weights, new_state = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
+                    self._log_changes(weights)
+                    # Swapped here, not on the loop: freeing the previous round's verdicts (31 ms at 60 000
+                    # endpoints in one go) and state holds the GIL; drop() frees the verdicts in pieces.
+                    previous, self.weights, self._state = self.weights, weights, new_state
+                    drop(previous)
+                    return weights
 
-                weights, self._state = await asyncio.to_thread(decide)
-                self.weights = weights
+                weights = await asyncio.to_thread(decide)
                 for hook in self._round_hooks:
                     done = hook(weights)
                     if inspect.isawaitable(done):

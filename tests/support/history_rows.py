@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xds_server.engine.types import HEALTHY, EndpointWeight
-from xds_server.history.types import CHANGE, HistoryRow
+from xds_server.history.types import CHANGE, HistoryRow, RowBatch
 from xds_server.metrics.stats import EndpointStats
 
 
@@ -13,6 +13,15 @@ def row(t: float, endpoint: str = "10.0.0.1:8000", weight: int = 50, health: str
     return HistoryRow(t=t, cluster=cluster, endpoint=endpoint, weight=weight, health=health, score=0.5,
                       inputs={"latency_mean_ms": 120.0, "running": 2.0}, scores={"latency": 0.5},
                       reasons=(f"weight {weight}",), kind=kind, snapshot_version="v-test")
+
+
+def stored(rows: RowBatch) -> list[HistoryRow]:
+    """``rows`` as a store reads them back (written to a fresh in-memory store), oldest first."""
+    from xds_server.history.sqlite import SqliteHistory
+
+    store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
+    store.append(rows)
+    return store.rows(float("-inf"), float("inf"))
 
 
 def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "chat-v1",
@@ -41,7 +50,7 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     if ready:
         cp.ready.set()
     store = SqliteHistory(":memory:", retention_s=30 * 86400, max_rows=100_000)
-    store.append(sorted(rows, key=lambda r: r.t))
+    store.append(RowBatch.of(sorted(rows, key=lambda r: r.t)))
     return make_admin_app(cp, AdsServicer(cache), store, sampler, cost_model=cost_model,
                           load_view=load_view), store
 

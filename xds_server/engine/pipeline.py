@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -179,7 +178,7 @@ def fit_uint32(weights: Sequence[EndpointWeight], limit: int = MAX_WEIGHT_SUM) -
         return list(weights)
     factor = (limit - len(weights)) / total
     note = f"scaled x{factor:.3g} with the whole cluster: its weights summed to {total}, past uint32"
-    return [replace(w, weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
+    return [w._replace(weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
 
 
 def _ew(weight: int) -> EndpointWeight:  # for the doctest
@@ -303,6 +302,8 @@ def _cluster(
     # read-only mapping per distinct content, not one per endpoint (memory, allocations).
     shared_verdicts: dict[tuple, Mapping[str, str]] = {}
     shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
+    # Reasons too: 60 000 endpoints had 510 distinct reason tuples of 109 distinct strings (8 MB a round).
+    shared_reasons: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def verdict_map(given: list[tuple[str, str]]) -> Mapping[str, str]:
         out = dict(given)
@@ -404,8 +405,10 @@ def _cluster(
             reasons.extend(extra)
         if held and a in held:
             reasons.append(held[a])
+        why = tuple(reasons)
         result[i] = EndpointWeight(cluster, a, weight, HEALTHY, score, seen[i],
-                                   MappingProxyType(dict(zip(score_names, row, strict=True))), tuple(reasons),
+                                   MappingProxyType(dict(zip(score_names, row, strict=True))),
+                                   shared_reasons.setdefault(why, why),
                                    verdicts(a) if judged else passed, factor_map, tgt)
     for i in live.tolist():
         a = addresses[i]

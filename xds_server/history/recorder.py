@@ -22,6 +22,7 @@ from prometheus_client import Counter
 from xds_server.engine.types import EndpointWeight
 from xds_server.history.changes import Key, Recorded, last_recorded, to_record
 from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.release import drop
 from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ DROPPED = Counter("inferlb_history_dropped_rounds_total",
                   "Rounds not recorded because the history writer's queue was full")
 
 _STOP = object()
-Current = Callable[[], tuple[str | None, Sequence[EndpointWeight]]]
+Current = Callable[[], tuple[str | None, list[EndpointWeight]]]
 
 
 class HistoryRecorder:
@@ -65,10 +66,10 @@ class HistoryRecorder:
         """Start the writer thread (it first reads what was recorded last, so a restart continues)."""
         self._thread.start()
 
-    def record(self, snap: Snapshot, weights: Sequence[EndpointWeight]) -> None:
+    def record(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
         """ControlPlane hook: enqueue this round (never blocks, never raises)."""
         try:
-            self._queue.put_nowait((self._clock(), snap.version, weights, False))
+            self._queue.put_nowait((self._clock(), snap.version, weights))
         except queue.Full:
             DROPPED.inc()
 
@@ -104,14 +105,20 @@ class HistoryRecorder:
                 item.set()
                 continue
             if item is not None:
-                self._write(*item)
-            # Hold no round while waiting: a round's weights are ~30 MB at 60 000 endpoints, and this
-            # loop kept the last one (and the last keyframe check's) alive until the next arrived.
-            item = None
+                now, version, weights = item
+                item = None
+                self._write(now, version, weights, False)
+                # Hold no round while waiting (a round's weights are ~30 MB at 60 000 endpoints); when
+                # this thread holds the last reference, free them in pieces (see xds_server.release).
+                drop(weights)
+                weights = None
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 if self._current is not None:
-                    self._write(self._clock(), *self._current(), True)
+                    version, weights = self._current()
+                    self._write(self._clock(), version, weights, True)
+                    drop(weights)
+                    weights = None
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + self._prune_every_s
                 self._guard("prune", lambda: self.store.prune(self._clock()))
@@ -127,7 +134,7 @@ class HistoryRecorder:
             self._failed("write", err)  # _last stays: the change is written with a later round
             return
         self._last = last
-        for kind, count in collections.Counter(r.kind for r in rows).items():  # one update per kind, not per row
+        for kind, count in collections.Counter(rows.kind).items():  # one update per kind, not per row
             ROWS_WRITTEN.labels(kind).inc(count)
 
     def _guard(self, op: str, fn: Callable):

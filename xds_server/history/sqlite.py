@@ -14,13 +14,10 @@ import math
 import os
 import sqlite3
 import threading
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import orjson
-
 from xds_server.config import History
-from xds_server.history.types import HistoryError, HistoryRow
+from xds_server.history.types import HistoryError, HistoryRow, RowBatch
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -54,11 +51,6 @@ def _row(r: tuple) -> HistoryRow:
     return HistoryRow(t=r[0], cluster=r[1], endpoint=r[2], weight=r[3], health=r[4], score=r[5],
                       inputs=json.loads(r[6]), scores=json.loads(r[7]), reasons=tuple(json.loads(r[8])),
                       kind=r[9], snapshot_version=r[10])
-
-
-def _plain(values: Mapping) -> dict:
-    """``values`` as a dict for orjson (which takes no other mapping); a dict as it is, without a copy."""
-    return values if type(values) is dict else dict(values)
 
 
 def _where(clauses: list[str], args: list, cluster: str | None, endpoint: str | None) -> str:
@@ -109,18 +101,13 @@ class SqliteHistory:
             raise HistoryError(f"history store {self.path} is closed")
         return self._conn
 
-    def append(self, rows: Sequence[HistoryRow]) -> None:
+    def append(self, rows: RowBatch) -> None:
         """Insert ``rows`` in one transaction. Raises :class:`HistoryError` on a database error."""
-        # orjson: JSON that reads back the same for these plain values (str keys, finite floats, None;
-        # compact, no spaces), ~6x faster than json.dumps; at 60 000 changed endpoints a round writes 60 000 rows.
-        data = [(r.t, r.cluster, r.endpoint, r.weight, r.health, r.score, orjson.dumps(_plain(r.inputs)).decode(),
-                 orjson.dumps(_plain(r.scores)).decode(), orjson.dumps(list(r.reasons)).decode(), r.kind,
-                 r.snapshot_version) for r in rows]
         with self._lock:
             try:
-                with self._db() as db:
+                with self._db() as db:  # straight from the columns: no tuple per row is kept
                     db.executemany(f"INSERT INTO weight_history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                                   data)
+                                   zip(*rows.columns(), strict=True))
             except sqlite3.Error as err:
                 raise HistoryError(f"history: cannot write to {self.path}: {err}") from err
 

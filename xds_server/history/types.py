@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import orjson
+
 #: A row written because weight or health changed vs the endpoint's previous row.
 CHANGE = "change"
 #: A row written because the endpoint had no row for ``history.keyframe_s`` (nothing changed).
@@ -41,13 +43,56 @@ class HistoryRow:
     snapshot_version: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class RowBatch:
+    """Rows to store, column by column: entry ``i`` of every column is row ``i`` (meanings and units as in
+    :class:`HistoryRow`); ``inputs``, ``scores`` and ``reasons`` hold each row's value already as JSON
+    text (an object, an object, an array). A round at 60 000 endpoints can write 60 000 rows: the
+    recorder builds its batch array-wise from the engine's verdicts
+    (:func:`~xds_server.history.changes.to_record`), without a Python object per row; :meth:`of`
+    makes one from :class:`HistoryRow` s.
+    """
+
+    t: Sequence[float]
+    cluster: Sequence[str]
+    endpoint: Sequence[str]
+    weight: Sequence[int]
+    health: Sequence[str]
+    score: Sequence[float | None]
+    inputs: Sequence[str]
+    scores: Sequence[str]
+    reasons: Sequence[str]
+    kind: Sequence[str]
+    snapshot_version: Sequence[str | None]
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def columns(self) -> tuple[Sequence, ...]:
+        """The columns in field order (``t`` .. ``snapshot_version``)."""
+        return (self.t, self.cluster, self.endpoint, self.weight, self.health, self.score, self.inputs, self.scores,
+                self.reasons, self.kind, self.snapshot_version)
+
+    @classmethod
+    def of(cls, rows: Sequence[HistoryRow]) -> RowBatch:
+        """The batch holding ``rows``, in order (their mappings encoded with orjson: str keys, finite
+        floats or None)."""
+        def text(value: object) -> str:
+            return orjson.dumps(value).decode()
+
+        return cls([r.t for r in rows], [r.cluster for r in rows], [r.endpoint for r in rows],
+                   [r.weight for r in rows], [r.health for r in rows], [r.score for r in rows],
+                   [text(dict(r.inputs)) for r in rows], [text(dict(r.scores)) for r in rows],
+                   [text(list(r.reasons)) for r in rows], [r.kind for r in rows], [r.snapshot_version for r in rows])
+
+
 class HistoryStore(Protocol):
     """A place to keep :class:`HistoryRow` s. Implementations must be safe to call from any thread.
 
     Every method may raise :class:`HistoryError` when the backend fails.
     """
 
-    def append(self, rows: Sequence[HistoryRow]) -> None:
+    def append(self, rows: RowBatch) -> None:
         """Store ``rows`` (in time order) atomically: all or none."""
 
     def prune(self, now: float) -> int:

@@ -102,7 +102,8 @@ class CombinedSource:
         for src in self.held:
             answers[src.name] = src.fetch(instances)
         merged, self.origin = merge(answers, instances, self.stale_after_s)
-        used = {src for where in self.origin.values() for src in where.values()}
+        distinct = {id(where): where for where in self.origin.values()}.values()  # shared mappings: each once
+        used = {src for where in distinct for src in where.values()}
         self._name = "+".join(n for n in answers if n in used) or "+".join(answers)
         return self.envoy.enrich(merged) if self.envoy is not None else merged
 

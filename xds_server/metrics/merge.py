@@ -30,28 +30,30 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
     merged: dict[str, EndpointStats] = {}
     origin: dict[str, dict[str, str]] = {}
     shared: dict[tuple, dict[str, str]] = {}
+    sources = list(answers.items())
+    only = sources[0] if len(sources) == 1 else None  # one source (the common case): no list per endpoint
     for inst in instances:
-        seen = [(st.sample_age_s, i, name, st) for i, (name, by_inst) in enumerate(answers.items())
-                if (st := by_inst.get(inst)) is not None and st.sample_age_s is not None]
+        if only is not None:
+            st = only[1].get(inst)
+            if st is not None and st.sample_age_s is not None:
+                merged[inst], origin[inst] = st, _origin(shared, only[0], st)
+                continue
+            seen = []
+        else:
+            seen = [(st.sample_age_s, i, name, st) for i, (name, by_inst) in enumerate(sources)
+                    if (st := by_inst.get(inst)) is not None and st.sample_age_s is not None]
         if not seen:
             merged[inst] = EndpointStats()
             origin[inst] = {}
             continue
-        usable = seen  # one source saw it: nothing to rank (the common case)
+        usable = seen  # one source saw it: nothing to rank
         if len(seen) > 1:
             seen.sort(key=lambda x: (x[0], x[1]))
             youngest = seen[0][0]
             usable = seen if youngest > stale_after_s else [x for x in seen if x[0] <= stale_after_s]
-        if len(usable) == 1:  # one source answers: its stats as they are (the common case, O(fields))
+        if len(usable) == 1:  # one source answers: its stats as they are (O(fields))
             name, st = usable[0][2], usable[0][3]
-            merged[inst] = st
-            # One {input: source} per source and set of inputs it has, shared by the endpoints alike (read-only).
-            key = (name, tuple(map(operator.is_not, _SIGNALS(st), _NONES)))
-            where = shared.get(key)
-            if where is None:
-                where = shared[key] = {f: name for f, has in zip(SIGNAL_FIELDS, key[1], strict=True) if has}
-                where["sample_age_s"] = name
-            origin[inst] = where
+            merged[inst], origin[inst] = st, _origin(shared, name, st)
             continue
         values: dict[str, float | None] = {}
         where: dict[str, str] = {}
@@ -65,3 +67,14 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
         where["sample_age_s"] = seen[0][2]
         origin[inst] = where
     return merged, origin
+
+
+def _origin(shared: dict[tuple, dict[str, str]], name: str, st: EndpointStats) -> dict[str, str]:
+    """``{input: name}`` for the inputs ``st`` has: one mapping per source and set of inputs, shared
+    (through ``shared``) by the endpoints alike (read-only)."""
+    key = (name, tuple(map(operator.is_not, _SIGNALS(st), _NONES)))
+    where = shared.get(key)
+    if where is None:
+        where = shared[key] = {f: name for f, has in zip(SIGNAL_FIELDS, key[1], strict=True) if has}
+        where["sample_age_s"] = name
+    return where

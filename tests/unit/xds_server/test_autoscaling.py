@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,8 +62,8 @@ def test_loads_from_the_config_the_verdicts_and_the_picker():
     eps = [{"address": f"10.0.0.{i}:8000", "max_concurrency": 4 * i} for i in (1, 2, 3)]
     cfg = config([service("llm", [version("v1", eps), version("v2", 1)])])
     verdicts = [
-        dataclasses.replace(weight("llm-v1", "10.0.0.1:8000", 10), inputs=EndpointStats(queue=2.0, request_rate=1.5)),
-        dataclasses.replace(weight("llm-v1", "10.0.0.2:8000", 10), inputs=EndpointStats(queue=1.0, request_rate=0.5)),
+        weight("llm-v1", "10.0.0.1:8000", 10)._replace(inputs=EndpointStats(queue=2.0, request_rate=1.5)),
+        weight("llm-v1", "10.0.0.2:8000", 10)._replace(inputs=EndpointStats(queue=1.0, request_rate=0.5)),
         weight("llm-v1", "10.0.0.3:8000", 10, UNHEALTHY),
     ]
     loads = cluster_loads(cfg, verdicts, {"llm-v1": 5}, {"llm-v1": 2})

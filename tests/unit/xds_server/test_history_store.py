@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.history_rows import row, verdict
+from tests.support.history_rows import row, stored, verdict
 from xds_server.config import History
 from xds_server.engine.types import DRAINING, UNHEALTHY
 from xds_server.history.changes import Recorded, to_record
 from xds_server.history.recorder import ERRORS, HistoryRecorder
 from xds_server.history.sqlite import SqliteHistory, default_path, open_store
-from xds_server.history.types import CHANGE, KEYFRAME, HistoryError
+from xds_server.history.types import CHANGE, KEYFRAME, HistoryError, RowBatch
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -25,7 +25,8 @@ def store(path=":memory:", retention_s: float = 3600.0, max_rows: int = 1000) ->
 
 def test_rows_round_trip_with_filters():
     s = store()
-    s.append([row(100, A, 10), row(101, B, 20), row(102, A, 30, UNHEALTHY, cluster="chat-v2"), row(103, A, 40)])
+    s.append(RowBatch.of([row(100, A, 10), row(101, B, 20), row(102, A, 30, UNHEALTHY, cluster="chat-v2"),
+                          row(103, A, 40)]))
     got = s.rows(100, 103)
     assert [(r.t, r.endpoint, r.weight) for r in got] == [(100, A, 10), (101, B, 20), (102, A, 30), (103, A, 40)]
     assert got[2].health == UNHEALTHY and got[2].cluster == "chat-v2"
@@ -38,7 +39,7 @@ def test_rows_round_trip_with_filters():
 
 def test_last_before_gives_each_endpoints_newest_older_row():
     s = store()
-    s.append([row(100, A, 10), row(101, B, 20), row(105, A, 30), row(110, B, 40)])
+    s.append(RowBatch.of([row(100, A, 10), row(101, B, 20), row(105, A, 30), row(110, B, 40)]))
     assert {(r.endpoint, r.weight) for r in s.last_before(106)} == {(A, 30), (B, 20)}
     assert {(r.endpoint, r.weight) for r in s.last_before(105)} == {(A, 10), (B, 20)}
     assert [r.weight for r in s.last_before(106, endpoint=B)] == [20]
@@ -48,17 +49,17 @@ def test_last_before_gives_each_endpoints_newest_older_row():
 
 def test_retention_drops_rows_older_than_the_period():
     s = store(retention_s=60)
-    s.append([row(t, A, t) for t in (100, 130, 170, 200)])
+    s.append(RowBatch.of([row(t, A, t) for t in (100, 130, 170, 200)]))
     assert s.prune(now=200) == 2  # 100 and 130 are older than 200 - 60
     assert [r.t for r in s.rows(0, 1000)] == [170, 200]
 
 
 def test_row_cap_keeps_the_newest_rows():
     s = store(max_rows=3)
-    s.append([row(t, A if t % 2 else B, t) for t in range(100, 110)])
+    s.append(RowBatch.of([row(t, A if t % 2 else B, t) for t in range(100, 110)]))
     assert s.prune(now=110) == 7
     assert [r.t for r in s.rows(0, 1000)] == [107, 108, 109]
-    s.append([row(110, A, 1)])
+    s.append(RowBatch.of([row(110, A, 1)]))
     assert s.prune(now=110) == 1
     assert [r.t for r in s.rows(0, 1000)] == [108, 109, 110]
 
@@ -66,7 +67,7 @@ def test_row_cap_keeps_the_newest_rows():
 def test_file_store_uses_wal_and_survives_reopening(tmp_path):
     path = tmp_path / "sub" / "history.sqlite3"
     s = store(path)
-    s.append([row(100, A, 10), row(101, B, 20)])
+    s.append(RowBatch.of([row(100, A, 10), row(101, B, 20)]))
     s.close()
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -97,20 +98,21 @@ def test_default_path_follows_xdg_state_home(monkeypatch, tmp_path):
     s = open_store(History(path=None, retention_days=2, max_rows=5))
     assert s.path == str(tmp_path / "state" / "inferlb" / "history.sqlite3")
     assert (s.retention_s, s.max_rows) == (2 * 86400, 5)
-    s.append([row(1.0)])
+    s.append(RowBatch.of([row(1.0)]))
     s.close()
     assert (tmp_path / "state" / "inferlb" / "history.sqlite3").exists()
 
 
 def test_only_weight_or_health_changes_make_rows():
     rows, last = to_record([verdict(A, 10), verdict(B, 20)], {}, 100.0, "v1", keyframe_s=600)
+    rows = stored(rows)
     assert [(r.endpoint, r.weight, r.kind) for r in rows] == [(A, 10, CHANGE), (B, 20, CHANGE)]
     assert rows[0].inputs["latency_mean_ms"] == 100.0 and rows[0].scores == {"latency": 0.5, "concurrency": None}
     # inputs alone moved: nothing recorded
     rows, last = to_record([verdict(A, 10, latency_ms=900), verdict(B, 20)], last, 101.0, "v2", 600)
-    assert rows == []
+    assert len(rows) == 0
     rows, last = to_record([verdict(A, 11), verdict(B, 20, DRAINING)], last, 102.0, "v3", 600)
-    assert [(r.endpoint, r.weight, r.health, r.snapshot_version) for r in rows] == \
+    assert [(r.endpoint, r.weight, r.health, r.snapshot_version) for r in stored(rows)] == \
         [(A, 11, "HEALTHY", "v3"), (B, 20, DRAINING, "v3")]
     assert last[("chat-v1", A)] == Recorded(11, "HEALTHY", 102.0)
 
@@ -118,9 +120,9 @@ def test_only_weight_or_health_changes_make_rows():
 def test_unchanged_endpoints_get_keyframes():
     last = {("chat-v1", A): Recorded(10, "HEALTHY", 100.0), ("chat-v1", B): Recorded(20, "HEALTHY", 150.0)}
     rows, last = to_record([verdict(A, 10), verdict(B, 20)], last, 700.0, "v1", keyframe_s=600)
-    assert [(r.endpoint, r.kind) for r in rows] == [(A, KEYFRAME)]
+    assert [(r.endpoint, r.kind) for r in stored(rows)] == [(A, KEYFRAME)]
     rows, _ = to_record([verdict(A, 10), verdict(B, 21)], last, 701.0, "v1", 600, keyframes_only=True)
-    assert rows == []  # a change is left to the snapshot hook
+    assert len(rows) == 0  # a change is left to the snapshot hook
 
 
 def _snap(version: str):
@@ -197,3 +199,32 @@ def test_a_full_queue_drops_rounds_instead_of_blocking():
         rec.record(_snap(f"v{i}"), [verdict(A, i + 1)])
     assert time.monotonic() - started < 0.5
     assert DROPPED._value.get() == before + 3
+
+
+def test_rows_hold_what_the_verdicts_say_across_encoding_pieces():
+    """Inputs as EndpointStats.as_dict() gives them, scores rounded to 4 (None kept), scorer names in
+    order, reasons: for more rows than one encoding piece, endpoints without scores among them."""
+    from xds_server.engine.types import EndpointWeight
+    from xds_server.history.changes import CHUNK_ROWS
+    from xds_server.metrics.stats import EndpointStats, rounded
+
+    n = CHUNK_ROWS + 7
+    weights = [EndpointWeight("chat-v1", f"10.0.{i // 256}.{i % 256}:8000", i + 1,
+                              UNHEALTHY if i % 5 == 0 else "HEALTHY", None if i % 5 == 0 else i / 3000,
+                              EndpointStats(latency_mean_ms=i * 1.23456, queue=None if i % 2 else 0.5,
+                                            sample_age_s=1.0),
+                              {} if i % 5 == 0 else {"queue": i / 7, "latency": None, 'odd "name" 100%': 0.123456},
+                              (f"reason {i}", 'a "quoted" one'))
+               for i in range(n)]
+    rows, _ = to_record(weights, {}, 50.0, "v1", keyframe_s=600)
+    s = store(max_rows=10 * n)
+    s.append(rows)
+    got = s.rows(0, 100, limit=n)
+    assert len(got) == n
+    for w, r in zip(weights, got, strict=True):
+        assert (r.endpoint, r.weight, r.health, r.kind) == (w.address, w.weight, w.health, CHANGE)
+        assert r.score == rounded([w.score], 4)[0]
+        assert r.inputs == w.inputs.as_dict()
+        assert list(r.scores) == list(w.scores)
+        assert r.scores == dict(zip(w.scores, rounded(list(w.scores.values()), 4), strict=True))
+        assert r.reasons == w.reasons
