@@ -411,14 +411,18 @@ def test_every_host_unhealthy_gives_503_with_panic_threshold_0_and_panic_routing
 
 
 def test_engine_exclusion_plus_envoy_ejection_never_leave_a_cluster_with_no_host(harness: Harness):
-    """Issue 15 item 4: two endpoints; the engine marks one UNHEALTHY, the other answers only 500s,
-    so Envoy's outlier detection ejects it. With panic threshold 0 every request without a session
-    then got 503 "no healthy upstream". With the default threshold (1 %) Envoy panics when no host
-    is left and spreads requests over both: the excluded-but-working one answers."""
+    """Issue 15 item 4: two endpoints; the engine marks one UNHEALTHY, the other fails every request.
+    A backend's own 500 (a GPU out of memory) no longer makes Envoy eject it (one tier:
+    ``enforcing_consecutive_5xx`` 0); gateway failures (here 503s) do. With panic threshold 0 every
+    request without a session then got 503 "no healthy upstream". With the default threshold (1 %)
+    Envoy panics when no host is left and spreads requests over both: the excluded-but-working one
+    answers."""
     from aiohttp import web
 
+    status = {"code": 500}
+
     async def failing(_: web.Request) -> web.Response:
-        return web.Response(status=500, text="CUDA out of memory", headers={"x-served-by": "failing"})
+        return web.Response(status=status["code"], text="CUDA out of memory", headers={"x-served-by": "failing"})
 
     async def start() -> tuple[web.AppRunner, int]:
         app = web.Application()
@@ -437,7 +441,11 @@ def test_engine_exclusion_plus_envoy_ejection_never_leave_a_cluster_with_no_host
         harness.settle("sotw")
         wait_until(lambda: node.hosts().get(excluded, {}).get("health") == "UNHEALTHY" and bad in node.hosts(),
                    5, 0.05, "the engine's exclusion in Envoy")
-        blast(node.url, 20, 1)  # 500s: consecutive_5xx ejects the failing host
+        blast(node.url, 20, 1)  # 500s: consecutive_5xx flags the failing host, but does not eject it
+        assert (node.stat("cluster.chat-v1.outlier_detection.ejections_detected_consecutive_5xx") or 0) >= 1
+        assert (node.stat("cluster.chat-v1.outlier_detection.ejections_active") or 0) == 0
+        status["code"] = 503
+        blast(node.url, 20, 1)  # gateway failures: consecutive_gateway_failure ejects it
         wait_until(lambda: (node.stat("cluster.chat-v1.outlier_detection.ejections_active") or 0) >= 1, 5, 0.05,
                    "Envoy to eject the failing host")
         counts = blast(node.url, 40, 4)
