@@ -52,11 +52,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef const unsigned char *ptr;
 
 /* A varint of at most 10 bytes whose value fits 64 bits; 0 when malformed. */
-static int varint(ptr *p, ptr end, uint64_t *out)
+static int varint_long(ptr *p, ptr end, uint64_t *out)
 {
     uint64_t v = 0;
     for (int shift = 0; shift < 70 && *p < end; shift += 7) {
@@ -72,8 +73,17 @@ static int varint(ptr *p, ptr end, uint64_t *out)
     return 0;
 }
 
+static inline int varint(ptr *p, ptr end, uint64_t *out)
+{
+    if (*p < end && !(**p & 0x80)) { /* one byte: most tags and lengths */
+        *out = *(*p)++;
+        return 1;
+    }
+    return varint_long(p, end, out);
+}
+
 /* A tag: field number (1 .. 2^29-1) and wire type; 0 when malformed. */
-static int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
+static inline int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
 {
     uint64_t t;
     if (!varint(p, end, &t) || t > 0xFFFFFFFFu || (t >> 3) == 0)
@@ -84,7 +94,7 @@ static int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
 }
 
 /* A length-delimited payload: [*start, *start + *len) within end; 0 when malformed. */
-static int delimited(ptr *p, ptr end, ptr *start, Py_ssize_t *len)
+static inline int delimited(ptr *p, ptr end, ptr *start, Py_ssize_t *len)
 {
     uint64_t n;
     if (!varint(p, end, &n) || n > (uint64_t)(end - *p))
@@ -373,11 +383,18 @@ typedef struct {
     message_t *messages;
 } schema_t;
 
+/* UTF-8 as protobuf checks it: ASCII 8 bytes at a time, the rest by CPython's strict decoder. */
 static int valid_utf8_fast(ptr s, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++)
+    Py_ssize_t i = 0;
+    for (uint64_t w; i + 8 <= n; i += 8) {
+        memcpy(&w, s + i, 8);
+        if (w & 0x8080808080808080u)
+            break;
+    }
+    for (; i < n; i++)
         if (s[i] & 0x80)
-            return valid_utf8(s + i, n - i); /* a valid prefix of ASCII keeps the rest's validity */
+            return valid_utf8(s + i, n - i); /* after ASCII, a character starts here */
     return 1;
 }
 
