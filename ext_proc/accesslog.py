@@ -6,6 +6,13 @@ Envoy's ``envoy.access_loggers.http_grpc`` logger streams ``StreamAccessLogsMess
 override-host headers to each entry (``additional_request_headers_to_log``), so each entry names
 exactly what the picker counted; an entry without the cluster header is a request the picker's
 answer did not reach in time (Envoy failed open), matched to its pick by ``x-request-id``.
+
+Each batch is decoded into one flat tuple per HTTP entry (:data:`ext_proc.wire.Completion`) by the
+compiled decoder (``ext_proc._wire``) or, where it is not built or declines the bytes, by protobuf
+(:func:`ext_proc.wire.access_log_py`); :func:`record_completions` has one path after that. A
+captured batch of 16 Envoy entries (7.7 KB, upstream requests; ``timeit``, BENCHMARKS.md, issue 14
+third pass): record_completions 211 µs through protobuf, 67 µs on the compiled decoder, of which the
+decode is 14.5 µs (protobuf's parse and these field reads: 126 µs).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ made before, is the decoder): per HTTP entry, the flat :data:`Completion` tuple 
 reads. The compiled one checks every field of the message as protobuf does, by a schema built here
 from the installed descriptors (:func:`_schema`), returns None for what it does not decode exactly as
 protobuf would (the caller then parses with protobuf, which also raises on invalid bytes), and
-otherwise returns what :func:`access_log_py` does: ``tests/unit/ext_proc/test_wire.py`` compares
-the two on generated, captured and corrupted messages. The field numbers it reads are listed in
+otherwise returns what :func:`access_log_py` does: ``tests/unit/ext_proc/test_wire_access_log.py``
+compares the two on generated, captured and corrupted messages. The field numbers it reads are listed in
 ``ext_proc/_wire.c`` (``ACCESS_LOG_FIELDS``, checked against the descriptors by the tests).
 
 :data:`DECODER` names the one in use (the transports log it when they start).
@@ -100,27 +100,26 @@ _DURATIONS = ("time_to_first_upstream_tx_byte", "time_to_last_upstream_rx_byte",
               "time_to_first_upstream_rx_byte")
 
 
-def _schema(roots: tuple[str, ...]) -> list[list[tuple[int, int, int]]]:
-    """What the compiled access-log decoder checks each message against, from the installed descriptors:
-    the messages named in ``roots`` (the ones it reads itself, in its order), then every message
-    reachable from them; per message, ``(field number, kind, index of the field's message or 0)``."""
-    from ext_proc import _wire
-
-    kinds = {FieldDescriptor.TYPE_DOUBLE: _wire.K_FIXED64, FieldDescriptor.TYPE_FIXED64: _wire.K_FIXED64,
-             FieldDescriptor.TYPE_SFIXED64: _wire.K_FIXED64, FieldDescriptor.TYPE_FLOAT: _wire.K_FIXED32,
-             FieldDescriptor.TYPE_FIXED32: _wire.K_FIXED32, FieldDescriptor.TYPE_SFIXED32: _wire.K_FIXED32,
-             FieldDescriptor.TYPE_STRING: _wire.K_STRING, FieldDescriptor.TYPE_BYTES: _wire.K_BYTES,
-             FieldDescriptor.TYPE_MESSAGE: _wire.K_MESSAGE, FieldDescriptor.TYPE_GROUP: _wire.K_DECLINE}
+def _schema(compiled) -> list[list[tuple[int, int, int]]]:
+    """What the compiled access-log decoder (the module ``compiled``) checks each message against, from
+    the installed descriptors: the messages it reads itself (``ACCESS_LOG_MESSAGES``, in its order),
+    then every message reachable from them; per message, ``(field number, kind, index of the field's
+    message or 0)``, kinds as the module names them."""
+    kinds = {FieldDescriptor.TYPE_DOUBLE: compiled.K_FIXED64, FieldDescriptor.TYPE_FIXED64: compiled.K_FIXED64,
+             FieldDescriptor.TYPE_SFIXED64: compiled.K_FIXED64, FieldDescriptor.TYPE_FLOAT: compiled.K_FIXED32,
+             FieldDescriptor.TYPE_FIXED32: compiled.K_FIXED32, FieldDescriptor.TYPE_SFIXED32: compiled.K_FIXED32,
+             FieldDescriptor.TYPE_STRING: compiled.K_STRING, FieldDescriptor.TYPE_BYTES: compiled.K_BYTES,
+             FieldDescriptor.TYPE_MESSAGE: compiled.K_MESSAGE, FieldDescriptor.TYPE_GROUP: compiled.K_DECLINE}
     pool = descriptor_pool.Default()
-    order = [pool.FindMessageTypeByName(name) for name in roots]
+    order = [pool.FindMessageTypeByName(name) for name in compiled.ACCESS_LOG_MESSAGES]
     index = {d.full_name: i for i, d in enumerate(order)}
     schema = []
     for d in order:  # grows while walked
         fields = []
         for f in d.fields:
-            kind = kinds.get(f.type, _wire.K_VARINT)  # the rest are varints: (s/u)int32/64, bool, enum
+            kind = kinds.get(f.type, compiled.K_VARINT)  # the rest are varints: (s/u)int32/64, bool, enum
             sub = 0
-            if kind == _wire.K_MESSAGE:
+            if kind == compiled.K_MESSAGE:
                 sub = index.setdefault(f.message_type.full_name, len(order))
                 if sub == len(order):
                     order.append(f.message_type)
@@ -136,5 +135,5 @@ except ImportError as err:  # not built (no C compiler where the package was ins
     DECODER = f"pure Python (ext_proc._wire not built: {err})"
 else:
     request_headers = _wire.request_headers
-    access_log = partial(_wire.access_log, _wire.access_log_schema(_schema(_wire.ACCESS_LOG_MESSAGES)))
+    access_log = partial(_wire.access_log, _wire.access_log_schema(_schema(_wire)))
     DECODER = "compiled (ext_proc._wire)"
