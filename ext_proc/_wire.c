@@ -30,8 +30,9 @@
  * fields in a header map entry, a read uint32 above 2^32-1 or bool above 1, Duration nanos outside
  * int32 or seconds beyond +-9e9, nesting deeper than MAX_DEPTH. The fields it reads (numbers from
  * envoy/service/accesslog/v3/als.proto, envoy/data/accesslog/v3/accesslog.proto,
- * envoy/config/core/v3/address.proto, google/protobuf/duration.proto and wrappers.proto; exported as
- * ACCESS_LOG_FIELDS, which tests/unit/ext_proc/test_wire.py compares with the descriptors):
+ * envoy/config/core/v3/address.proto, google/protobuf/duration.proto and wrappers.proto, as the
+ * descriptors of xds-protos 1.85.0 give them; exported as ACCESS_LOG_FIELDS, which
+ * tests/unit/ext_proc/test_wire_access_log.py compares with the installed descriptors):
  *   StreamAccessLogsMessage  2 http_logs (oneof log_entries; repeated: entries add up),
  *                            3 tcp_logs (oneof: drops the HTTP entries before it);
  *   HTTPAccessLogEntries     1 log_entry (repeated);
