@@ -1,6 +1,6 @@
 """The compiled part of inferlb (everything else is in pyproject.toml): ``ext_proc._wire``, the
-request-headers decoder (see ext_proc/wire.py). Optional: where it cannot be compiled (no C
-compiler or Python headers) the package installs without it and uses the pure-Python decoder."""
+decoders of Envoy's request headers and access log (see ext_proc/wire.py). Optional: where it cannot
+be compiled (no C compiler or Python headers) the package installs without it and protobuf decodes."""
 
 from setuptools import Extension, setup
 

@@ -1,4 +1,5 @@
-/* ext_proc._wire: the compiled request-headers decoder (see ext_proc/wire.py, the reference).
+/* ext_proc._wire: the compiled decoders of the picker's two hot messages (see ext_proc/wire.py, where
+ * the references are).
  *
  * request_headers(data: bytes) -> (dict[str, bytes], bool) | None
  *
@@ -15,15 +16,49 @@
  *   HttpHeaders        1 headers (once), 3 end_of_stream;
  *   HeaderMap          1 headers (repeated);
  *   HeaderValue        1 key (ASCII: lower-cased as str.lower does), 2 value, 3 raw_value (each once).
+ *
+ * access_log(schema, data: bytes, cluster_header: str, override_host_header: str) -> list[tuple] | None
+ *
+ * Walks a serialized envoy.service.accesslog.v3.StreamAccessLogsMessage and returns, per HTTP entry,
+ * the tuple ext_proc.wire.access_log_py gives for it (see there), or None when it declines: the
+ * caller then parses with protobuf, which also reports what is invalid. Every field of every message
+ * is checked as protobuf checks it (tags, wire types, lengths, varints, UTF-8 of string fields, down
+ * to the deepest Struct of the Node), by the schema access_log_schema() builds from the installed
+ * descriptors (ext_proc.wire); unknown fields are skipped as protobuf skips them. It declines what
+ * it does not decode exactly as protobuf would: groups, a known field in another wire type (packed
+ * or mismatched), a message it reads appearing twice in one parent (protobuf merges them), unknown
+ * fields in a header map entry, a read uint32 above 2^32-1 or bool above 1, Duration nanos outside
+ * int32 or seconds beyond +-9e9, nesting deeper than MAX_DEPTH. The fields it reads (numbers from
+ * envoy/service/accesslog/v3/als.proto, envoy/data/accesslog/v3/accesslog.proto,
+ * envoy/config/core/v3/address.proto, google/protobuf/duration.proto and wrappers.proto, as the
+ * descriptors of xds-protos 1.85.0 give them; exported as ACCESS_LOG_FIELDS, which
+ * tests/unit/ext_proc/test_wire_access_log.py compares with the installed descriptors):
+ *   StreamAccessLogsMessage  2 http_logs (oneof log_entries; repeated: entries add up),
+ *                            3 tcp_logs (oneof: drops the HTTP entries before it);
+ *   HTTPAccessLogEntries     1 log_entry (repeated);
+ *   HTTPAccessLogEntry       1 common_properties, 3 request, 4 response;
+ *   AccessLogCommon          7 time_to_first_upstream_tx_byte, 9 time_to_first_upstream_rx_byte,
+ *                            10 time_to_last_upstream_rx_byte, 12 time_to_last_downstream_tx_byte
+ *                            (Durations), 13 upstream_remote_address, 16 response_flags,
+ *                            24 upstream_request_attempt_count (uint32);
+ *   ResponseFlags            5 upstream_remote_reset, 6 upstream_connection_failure,
+ *                            7 upstream_connection_termination (bool);
+ *   Address                  1 socket_address (oneof address with 2 pipe, 3 envoy_internal_address);
+ *   SocketAddress            2 address, 3 port_value (uint32; oneof port_specifier with 4 named_port);
+ *   Duration                 1 seconds (int64), 2 nanos (int32);
+ *   HTTPRequestProperties    9 request_id, 13 request_headers (map<string, string>: entry 1 key,
+ *                            2 value; the last entry of a key wins);
+ *   HTTPResponseProperties   1 response_code (UInt32Value: 1 value).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef const unsigned char *ptr;
 
 /* A varint of at most 10 bytes whose value fits 64 bits; 0 when malformed. */
-static int varint(ptr *p, ptr end, uint64_t *out)
+static int varint_long(ptr *p, ptr end, uint64_t *out)
 {
     uint64_t v = 0;
     for (int shift = 0; shift < 70 && *p < end; shift += 7) {
@@ -39,8 +74,17 @@ static int varint(ptr *p, ptr end, uint64_t *out)
     return 0;
 }
 
+static inline int varint(ptr *p, ptr end, uint64_t *out)
+{
+    if (*p < end && !(**p & 0x80)) { /* one byte: most tags and lengths */
+        *out = *(*p)++;
+        return 1;
+    }
+    return varint_long(p, end, out);
+}
+
 /* A tag: field number (1 .. 2^29-1) and wire type; 0 when malformed. */
-static int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
+static inline int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
 {
     uint64_t t;
     if (!varint(p, end, &t) || t > 0xFFFFFFFFu || (t >> 3) == 0)
@@ -51,7 +95,7 @@ static int tag(ptr *p, ptr end, uint32_t *field, unsigned *wire)
 }
 
 /* A length-delimited payload: [*start, *start + *len) within end; 0 when malformed. */
-static int delimited(ptr *p, ptr end, ptr *start, Py_ssize_t *len)
+static inline int delimited(ptr *p, ptr end, ptr *start, Py_ssize_t *len)
 {
     uint64_t n;
     if (!varint(p, end, &n) || n > (uint64_t)(end - *p))
@@ -237,15 +281,669 @@ static PyObject *request_headers(PyObject *self, PyObject *arg)
     return result;
 }
 
+/* ---- The access-log decoder ---- */
+
+/* What the schema says of a field: how to check it (the wire type it must come in follows). */
+enum kind { K_UNKNOWN, K_VARINT, K_FIXED64, K_FIXED32, K_BYTES, K_STRING, K_MESSAGE, K_DECLINE, K_KINDS };
+static const unsigned wire_of[K_KINDS] = {0, 0, 1, 5, 2, 2, 2, 0};
+
+/* The messages the decoder reads itself: the first entries of every schema, in this order
+ * (ACCESS_LOG_MESSAGES); the schema appends every other message reachable from them. */
+enum {
+    M_MESSAGE, M_ENTRIES, M_ENTRY, M_COMMON, M_FLAGS, M_ADDRESS, M_SOCKET_ADDRESS, M_DURATION, M_REQUEST,
+    M_HEADER_ENTRY, M_RESPONSE, M_UINT32, M_READ
+};
+static const char *const read_messages[M_READ] = {
+    "envoy.service.accesslog.v3.StreamAccessLogsMessage",
+    "envoy.service.accesslog.v3.StreamAccessLogsMessage.HTTPAccessLogEntries",
+    "envoy.data.accesslog.v3.HTTPAccessLogEntry",
+    "envoy.data.accesslog.v3.AccessLogCommon",
+    "envoy.data.accesslog.v3.ResponseFlags",
+    "envoy.config.core.v3.Address",
+    "envoy.config.core.v3.SocketAddress",
+    "google.protobuf.Duration",
+    "envoy.data.accesslog.v3.HTTPRequestProperties",
+    "envoy.data.accesslog.v3.HTTPRequestProperties.RequestHeadersEntry",
+    "envoy.data.accesslog.v3.HTTPResponseProperties",
+    "google.protobuf.UInt32Value",
+};
+
+/* The field numbers read (the wire format facts: see the top of this file). */
+#define F_HTTP_LOGS 2
+#define F_TCP_LOGS 3
+#define F_LOG_ENTRY 1
+#define F_COMMON_PROPERTIES 1
+#define F_REQUEST 3
+#define F_RESPONSE 4
+#define F_FIRST_UPSTREAM_TX 7
+#define F_FIRST_UPSTREAM_RX 9
+#define F_LAST_UPSTREAM_RX 10
+#define F_LAST_DOWNSTREAM_TX 12
+#define F_UPSTREAM_REMOTE_ADDRESS 13
+#define F_RESPONSE_FLAGS 16
+#define F_ATTEMPT_COUNT 24
+#define F_UPSTREAM_REMOTE_RESET 5
+#define F_UPSTREAM_CONNECTION_FAILURE 6
+#define F_UPSTREAM_CONNECTION_TERMINATION 7
+#define F_SOCKET_ADDRESS 1
+#define F_PIPE 2
+#define F_ENVOY_INTERNAL_ADDRESS 3
+#define F_ADDRESS 2
+#define F_PORT_VALUE 3
+#define F_NAMED_PORT 4
+#define F_SECONDS 1
+#define F_NANOS 2
+#define F_REQUEST_ID 9
+#define F_REQUEST_HEADERS 13
+#define F_KEY 1
+#define F_VALUE 2
+#define F_RESPONSE_CODE 1
+#define F_UINT32_VALUE 1
+
+static const struct { int message; const char *name; int number; } read_fields[] = {
+    {M_MESSAGE, "http_logs", F_HTTP_LOGS}, {M_MESSAGE, "tcp_logs", F_TCP_LOGS},
+    {M_ENTRIES, "log_entry", F_LOG_ENTRY},
+    {M_ENTRY, "common_properties", F_COMMON_PROPERTIES}, {M_ENTRY, "request", F_REQUEST},
+    {M_ENTRY, "response", F_RESPONSE},
+    {M_COMMON, "time_to_first_upstream_tx_byte", F_FIRST_UPSTREAM_TX},
+    {M_COMMON, "time_to_first_upstream_rx_byte", F_FIRST_UPSTREAM_RX},
+    {M_COMMON, "time_to_last_upstream_rx_byte", F_LAST_UPSTREAM_RX},
+    {M_COMMON, "time_to_last_downstream_tx_byte", F_LAST_DOWNSTREAM_TX},
+    {M_COMMON, "upstream_remote_address", F_UPSTREAM_REMOTE_ADDRESS},
+    {M_COMMON, "response_flags", F_RESPONSE_FLAGS},
+    {M_COMMON, "upstream_request_attempt_count", F_ATTEMPT_COUNT},
+    {M_FLAGS, "upstream_remote_reset", F_UPSTREAM_REMOTE_RESET},
+    {M_FLAGS, "upstream_connection_failure", F_UPSTREAM_CONNECTION_FAILURE},
+    {M_FLAGS, "upstream_connection_termination", F_UPSTREAM_CONNECTION_TERMINATION},
+    {M_ADDRESS, "socket_address", F_SOCKET_ADDRESS}, {M_ADDRESS, "pipe", F_PIPE},
+    {M_ADDRESS, "envoy_internal_address", F_ENVOY_INTERNAL_ADDRESS},
+    {M_SOCKET_ADDRESS, "address", F_ADDRESS}, {M_SOCKET_ADDRESS, "port_value", F_PORT_VALUE},
+    {M_SOCKET_ADDRESS, "named_port", F_NAMED_PORT},
+    {M_DURATION, "seconds", F_SECONDS}, {M_DURATION, "nanos", F_NANOS},
+    {M_REQUEST, "request_id", F_REQUEST_ID}, {M_REQUEST, "request_headers", F_REQUEST_HEADERS},
+    {M_HEADER_ENTRY, "key", F_KEY}, {M_HEADER_ENTRY, "value", F_VALUE},
+    {M_RESPONSE, "response_code", F_RESPONSE_CODE},
+    {M_UINT32, "value", F_UINT32_VALUE},
+};
+
+#define MAX_DEPTH 64 /* protobuf's own limit is 100: deeper is left to it */
+#define DURATIONS 4  /* in the tuple's order: first upstream tx, last upstream rx, last downstream tx, first upstream rx */
+
+typedef struct {
+    unsigned char kind;
+    unsigned short sub; /* K_MESSAGE: the message's index in the schema */
+} field_t;
+
+typedef struct {
+    Py_ssize_t n; /* fields[number] for number < n; K_UNKNOWN beyond */
+    field_t *fields;
+} message_t;
+
+typedef struct {
+    Py_ssize_t n;
+    message_t *messages;
+} schema_t;
+
+/* UTF-8 as protobuf checks it: ASCII 8 bytes at a time, the rest by CPython's strict decoder. */
+static int valid_utf8_fast(ptr s, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    for (uint64_t w; i + 8 <= n; i += 8) {
+        memcpy(&w, s + i, 8);
+        if (w & 0x8080808080808080u)
+            break;
+    }
+    for (; i < n; i++)
+        if (s[i] & 0x80)
+            return valid_utf8(s + i, n - i); /* after ASCII, a character starts here */
+    return 1;
+}
+
+static int check_field(const schema_t *schema, int m, uint32_t field, unsigned wire, ptr *p, ptr end, int depth);
+
+/* Message m over [p, end): 1 when protobuf parses it, 0 when unsure (decline). */
+static int check_message(const schema_t *schema, int m, ptr p, ptr end, int depth)
+{
+    if (depth > MAX_DEPTH)
+        return 0;
+    while (p < end) {
+        uint32_t field;
+        unsigned wire;
+        if (!tag(&p, end, &field, &wire) || !check_field(schema, m, field, wire, &p, end, depth))
+            return 0;
+    }
+    return 1;
+}
+
+/* One field of message m after its tag, as protobuf would take it: skips it, 0 when unsure. */
+static int check_field(const schema_t *schema, int m, uint32_t field, unsigned wire, ptr *p, ptr end, int depth)
+{
+    const message_t *msg = &schema->messages[m];
+    field_t f = (Py_ssize_t)field < msg->n ? msg->fields[field] : (field_t){K_UNKNOWN, 0};
+    if (f.kind == K_DECLINE || (f.kind != K_UNKNOWN && wire != wire_of[f.kind]))
+        return 0;
+    ptr s;
+    Py_ssize_t n;
+    uint64_t v;
+    switch (wire) {
+    case 0:
+        return varint(p, end, &v);
+    case 1:
+    case 5: {
+        Py_ssize_t size = wire == 1 ? 8 : 4;
+        if (end - *p < size)
+            return 0;
+        *p += size;
+        return 1;
+    }
+    case 2:
+        if (!delimited(p, end, &s, &n))
+            return 0;
+        if (f.kind == K_STRING)
+            return valid_utf8_fast(s, n);
+        if (f.kind == K_MESSAGE)
+            return check_message(schema, f.sub, s, s + n, depth + 1);
+        return 1;
+    default: /* groups (3, 4) and the invalid wire types 6, 7 */
+        return 0;
+    }
+}
+
+/* What one HTTP entry's tuple is made of (pointers into the message). */
+typedef struct {
+    ptr cluster, pin, request_id, address;
+    Py_ssize_t cluster_n, pin_n, request_id_n, address_n;
+    int has_cluster, has_pin, remote_reset, connection_failure, termination, has_ns[DURATIONS];
+    uint64_t attempts, port, code;
+    long long ns[DURATIONS];
+    const char *cluster_header, *override_host_header;
+    Py_ssize_t cluster_header_n, override_host_header_n;
+} entry_t;
+
+/* Shared shape of the readers: 1 = read, 0 = decline. */
+#define NEXT_TAG()                                                                                             \
+    uint32_t field;                                                                                            \
+    unsigned wire;                                                                                             \
+    ptr s;                                                                                                     \
+    Py_ssize_t n;                                                                                              \
+    uint64_t v;                                                                                                \
+    (void)s, (void)n, (void)v;                                                                                 \
+    if (!tag(&p, end, &field, &wire))                                                                          \
+        return 0;
+#define ONCE(bit)                                                                                              \
+    do {                                                                                                       \
+        if (seen & (1u << (bit)))                                                                              \
+            return 0;                                                                                          \
+        seen |= 1u << (bit);                                                                                   \
+    } while (0)
+#define CHECK(m)                                                                                               \
+    do {                                                                                                       \
+        if (!check_field(schema, (m), field, wire, &p, end, depth))                                            \
+            return 0;                                                                                          \
+    } while (0)
+
+static int uint32_value(const schema_t *schema, ptr p, ptr end, int depth, uint64_t *out)
+{
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_UINT32_VALUE && wire == 0) {
+            if (!varint(&p, end, &v) || v > 0xFFFFFFFFu)
+                return 0;
+            *out = v;
+        } else {
+            CHECK(M_UINT32);
+        }
+    }
+    return 1;
+}
+
+static int duration(const schema_t *schema, ptr p, ptr end, int depth, long long *ns)
+{
+    int64_t seconds = 0, nanos = 0;
+    while (p < end) {
+        NEXT_TAG();
+        if ((field == F_SECONDS || field == F_NANOS) && wire == 0) {
+            if (!varint(&p, end, &v))
+                return 0;
+            if (field == F_SECONDS)
+                seconds = (int64_t)v;
+            else if ((int64_t)v < INT32_MIN || (int64_t)v > INT32_MAX)
+                return 0;
+            else
+                nanos = (int64_t)v;
+        } else {
+            CHECK(M_DURATION);
+        }
+    }
+    if (seconds > 9000000000LL || seconds < -9000000000LL)
+        return 0;
+    *ns = seconds * 1000000000LL + nanos;
+    return 1;
+}
+
+static int socket_address(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_ADDRESS && wire == 2) {
+            if (!delimited(&p, end, &s, &n) || !valid_utf8_fast(s, n))
+                return 0;
+            e->address = s;
+            e->address_n = n;
+        } else if (field == F_PORT_VALUE && wire == 0) {
+            if (!varint(&p, end, &v) || v > 0xFFFFFFFFu)
+                return 0;
+            e->port = v;
+        } else {
+            CHECK(M_SOCKET_ADDRESS);
+            if (field == F_NAMED_PORT) /* the other member of the port_specifier oneof */
+                e->port = 0;
+        }
+    }
+    return 1;
+}
+
+static int address(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_SOCKET_ADDRESS && wire == 2) {
+            ONCE(0);
+            if (!delimited(&p, end, &s, &n) || !socket_address(schema, s, s + n, depth + 1, e))
+                return 0;
+        } else {
+            CHECK(M_ADDRESS);
+            if (field == F_PIPE || field == F_ENVOY_INTERNAL_ADDRESS) { /* the address oneof's others */
+                e->address_n = 0;
+                e->port = 0;
+            }
+        }
+    }
+    return 1;
+}
+
+static int response_flags(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    while (p < end) {
+        NEXT_TAG();
+        if (field >= F_UPSTREAM_REMOTE_RESET && field <= F_UPSTREAM_CONNECTION_TERMINATION && wire == 0) {
+            if (!varint(&p, end, &v) || v > 1)
+                return 0;
+            if (field == F_UPSTREAM_REMOTE_RESET)
+                e->remote_reset = (int)v;
+            else if (field == F_UPSTREAM_CONNECTION_FAILURE)
+                e->connection_failure = (int)v;
+            else
+                e->termination = (int)v;
+        } else {
+            CHECK(M_FLAGS);
+        }
+    }
+    return 1;
+}
+
+static int common_properties(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        NEXT_TAG();
+        int slot = field == F_FIRST_UPSTREAM_TX    ? 0
+                   : field == F_LAST_UPSTREAM_RX   ? 1
+                   : field == F_LAST_DOWNSTREAM_TX ? 2
+                   : field == F_FIRST_UPSTREAM_RX  ? 3
+                                                   : -1;
+        if (slot >= 0 && wire == 2) {
+            ONCE(slot);
+            if (!delimited(&p, end, &s, &n) || !duration(schema, s, s + n, depth + 1, &e->ns[slot]))
+                return 0;
+            e->has_ns[slot] = 1;
+        } else if (field == F_UPSTREAM_REMOTE_ADDRESS && wire == 2) {
+            ONCE(DURATIONS);
+            if (!delimited(&p, end, &s, &n) || !address(schema, s, s + n, depth + 1, e))
+                return 0;
+        } else if (field == F_RESPONSE_FLAGS && wire == 2) {
+            ONCE(DURATIONS + 1);
+            if (!delimited(&p, end, &s, &n) || !response_flags(schema, s, s + n, depth + 1, e))
+                return 0;
+        } else if (field == F_ATTEMPT_COUNT && wire == 0) {
+            if (!varint(&p, end, &v) || v > 0xFFFFFFFFu)
+                return 0;
+            e->attempts = v;
+        } else {
+            CHECK(M_COMMON);
+        }
+    }
+    return 1;
+}
+
+static int header_entry(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    ptr key = NULL, value = NULL;
+    Py_ssize_t key_n = 0, value_n = 0;
+    while (p < end) {
+        NEXT_TAG();
+        if ((field != F_KEY && field != F_VALUE) || wire != 2) /* unknown fields in a map entry: unsure */
+            return 0;
+        if (!delimited(&p, end, &s, &n) || !valid_utf8_fast(s, n))
+            return 0;
+        if (field == F_KEY) {
+            key = s;
+            key_n = n;
+        } else {
+            value = s;
+            value_n = n;
+        }
+    }
+    (void)schema, (void)depth;
+    if (key_n == e->cluster_header_n && (key_n == 0 || memcmp(key, e->cluster_header, key_n) == 0)) {
+        e->has_cluster = 1;
+        e->cluster = value;
+        e->cluster_n = value_n;
+    }
+    if (key_n == e->override_host_header_n && (key_n == 0 || memcmp(key, e->override_host_header, key_n) == 0)) {
+        e->has_pin = 1;
+        e->pin = value;
+        e->pin_n = value_n;
+    }
+    return 1;
+}
+
+static int request(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_REQUEST_ID && wire == 2) {
+            if (!delimited(&p, end, &s, &n) || !valid_utf8_fast(s, n))
+                return 0;
+            e->request_id = s;
+            e->request_id_n = n;
+        } else if (field == F_REQUEST_HEADERS && wire == 2) {
+            if (!delimited(&p, end, &s, &n) || !header_entry(schema, s, s + n, depth + 1, e))
+                return 0;
+        } else {
+            CHECK(M_REQUEST);
+        }
+    }
+    return 1;
+}
+
+static int response(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_RESPONSE_CODE && wire == 2) {
+            ONCE(0);
+            if (!delimited(&p, end, &s, &n) || !uint32_value(schema, s, s + n, depth + 1, &e->code))
+                return 0;
+        } else {
+            CHECK(M_RESPONSE);
+        }
+    }
+    return 1;
+}
+
+static int entry(const schema_t *schema, ptr p, ptr end, int depth, entry_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        NEXT_TAG();
+        if ((field == F_COMMON_PROPERTIES || field == F_REQUEST || field == F_RESPONSE) && wire == 2) {
+            ONCE(field);
+            if (!delimited(&p, end, &s, &n))
+                return 0;
+            int ok = field == F_COMMON_PROPERTIES ? common_properties(schema, s, s + n, depth + 1, e)
+                     : field == F_REQUEST         ? request(schema, s, s + n, depth + 1, e)
+                                                  : response(schema, s, s + n, depth + 1, e);
+            if (!ok)
+                return 0;
+        } else {
+            CHECK(M_ENTRY);
+        }
+    }
+    return 1;
+}
+
+static PyObject *str_or_none(int present, ptr s, Py_ssize_t n)
+{
+    return present ? PyUnicode_DecodeUTF8((const char *)s, n, "strict") : Py_NewRef(Py_None);
+}
+
+/* The entry's tuple (see ext_proc.wire.access_log_py); NULL with an exception set. */
+static PyObject *entry_tuple(const entry_t *e)
+{
+    PyObject *t = PyTuple_New(8 + DURATIONS);
+    if (t == NULL)
+        return NULL;
+    PyTuple_SET_ITEM(t, 0, str_or_none(e->has_cluster, e->cluster, e->cluster_n));
+    PyTuple_SET_ITEM(t, 1, str_or_none(e->has_pin, e->pin, e->pin_n));
+    PyTuple_SET_ITEM(t, 2, PyBytes_FromStringAndSize((const char *)e->request_id, e->request_id_n));
+    PyTuple_SET_ITEM(t, 3, PyBool_FromLong(e->remote_reset || e->connection_failure || e->termination));
+    PyTuple_SET_ITEM(t, 4, PyLong_FromUnsignedLongLong(e->attempts));
+    PyTuple_SET_ITEM(t, 5, PyUnicode_DecodeUTF8((const char *)e->address, e->address_n, "strict"));
+    PyTuple_SET_ITEM(t, 6, PyLong_FromUnsignedLongLong(e->port));
+    for (int i = 0; i < DURATIONS; i++)
+        PyTuple_SET_ITEM(t, 7 + i, e->has_ns[i] ? PyLong_FromLongLong(e->ns[i]) : Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(t, 7 + DURATIONS, PyLong_FromUnsignedLongLong(e->code));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        if (PyTuple_GET_ITEM(t, i) == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+
+/* HTTPAccessLogEntries: appends one tuple per entry; 1 = read, 0 = decline, -1 = Python error. */
+static int entries(const schema_t *schema, ptr p, ptr end, int depth, const entry_t *names, PyObject *out)
+{
+    while (p < end) {
+        NEXT_TAG();
+        if (field == F_LOG_ENTRY && wire == 2) {
+            entry_t e = *names;
+            if (!delimited(&p, end, &s, &n) || !entry(schema, s, s + n, depth + 1, &e))
+                return 0;
+            PyObject *t = entry_tuple(&e);
+            if (t == NULL)
+                return -1;
+            int rc = PyList_Append(out, t);
+            Py_DECREF(t);
+            if (rc < 0)
+                return -1;
+        } else {
+            CHECK(M_ENTRIES);
+        }
+    }
+    return 1;
+}
+
+#define SCHEMA_CAPSULE "ext_proc._wire.access_log_schema"
+
+static PyObject *access_log(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "access_log(schema, data, cluster_header, override_host_header)");
+        return NULL;
+    }
+    const schema_t *schema = PyCapsule_GetPointer(args[0], SCHEMA_CAPSULE);
+    if (schema == NULL)
+        return NULL;
+    entry_t names = {0};
+    names.cluster_header = PyUnicode_AsUTF8AndSize(args[2], &names.cluster_header_n);
+    names.override_host_header = PyUnicode_AsUTF8AndSize(args[3], &names.override_host_header_n);
+    if (names.cluster_header == NULL || names.override_host_header == NULL)
+        return NULL;
+    names.address = names.request_id = (ptr) "";
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    int rc = out == NULL ? -1 : 1;
+    ptr p = view.buf, end = p + view.len;
+    const int depth = 0;
+    while (rc == 1 && p < end) {
+        uint32_t field;
+        unsigned wire;
+        ptr s;
+        Py_ssize_t n;
+        if (!tag(&p, end, &field, &wire)) {
+            rc = 0;
+        } else if (field == F_HTTP_LOGS && wire == 2) {
+            rc = delimited(&p, end, &s, &n) ? entries(schema, s, s + n, depth + 1, &names, out) : 0;
+        } else {
+            rc = check_field(schema, M_MESSAGE, field, wire, &p, end, depth);
+            if (rc == 1 && field == F_TCP_LOGS) /* the other member of the log_entries oneof */
+                rc = PyList_SetSlice(out, 0, PyList_GET_SIZE(out), NULL) < 0 ? -1 : 1;
+        }
+    }
+    PyBuffer_Release(&view);
+    if (rc == 1)
+        return out;
+    Py_XDECREF(out);
+    return rc == 0 ? Py_NewRef(Py_None) : NULL;
+}
+
+static void schema_free(PyObject *capsule)
+{
+    schema_t *schema = PyCapsule_GetPointer(capsule, SCHEMA_CAPSULE);
+    if (schema == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < schema->n; i++)
+        PyMem_Free(schema->messages[i].fields);
+    PyMem_Free(schema->messages);
+    PyMem_Free(schema);
+}
+
+/* access_log_schema(messages) -> capsule: messages[i] = the fields of message i, each
+ * (number, kind, index of its message type or 0); the first ones are ACCESS_LOG_MESSAGES. */
+static PyObject *access_log_schema(PyObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "access_log_schema: a sequence of messages");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    schema_t *schema = PyMem_Calloc(1, sizeof *schema);
+    message_t *messages = PyMem_Calloc(count ? count : 1, sizeof *messages);
+    PyObject *capsule = NULL;
+    if (schema == NULL || messages == NULL) {
+        PyErr_NoMemory();
+        PyMem_Free(schema);
+        PyMem_Free(messages);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    schema->messages = messages;
+    schema->n = count;
+    capsule = PyCapsule_New(schema, SCHEMA_CAPSULE, schema_free); /* frees what is built so far */
+    if (capsule == NULL) {
+        PyMem_Free(messages);
+        PyMem_Free(schema);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (count < M_READ) {
+        PyErr_Format(PyExc_ValueError, "access_log_schema: %d messages needed, got %zd", M_READ, count);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *fields = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "access_log_schema: fields");
+        if (fields == NULL)
+            goto fail;
+        Py_ssize_t nf = PySequence_Fast_GET_SIZE(fields), max = 0;
+        long number, kind, sub;
+        for (Py_ssize_t j = 0; j < nf; j++) {
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fields, j), "lll", &number, &kind, &sub)
+                || number <= 0 || number >= (1L << 29) || kind <= K_UNKNOWN || kind >= K_KINDS || sub < 0
+                || sub >= count || (kind != K_MESSAGE && sub != 0)) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "access_log_schema: bad field in message %zd", i);
+                Py_DECREF(fields);
+                goto fail;
+            }
+            if (number + 1 > max)
+                max = number + 1;
+        }
+        if (max > 4096) { /* dense tables: Envoy's messages number their fields from 1 up */
+            PyErr_Format(PyExc_ValueError, "access_log_schema: field numbers up to %zd in message %zd", max - 1, i);
+            Py_DECREF(fields);
+            goto fail;
+        }
+        messages[i].fields = PyMem_Calloc(max ? max : 1, sizeof(field_t));
+        if (messages[i].fields == NULL) {
+            PyErr_NoMemory();
+            Py_DECREF(fields);
+            goto fail;
+        }
+        messages[i].n = max;
+        for (Py_ssize_t j = 0; j < nf; j++) {
+            PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fields, j), "lll", &number, &kind, &sub);
+            messages[i].fields[number] = (field_t){(unsigned char)kind, (unsigned short)sub};
+        }
+        Py_DECREF(fields);
+    }
+    Py_DECREF(seq);
+    return capsule;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(capsule);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"request_headers", request_headers, METH_O,
      "request_headers(data) -> (headers, end_of_stream) | None: see ext_proc.wire."},
+    {"access_log", (PyCFunction)(void (*)(void))access_log, METH_FASTCALL,
+     "access_log(schema, data, cluster_header, override_host_header) -> list[tuple] | None: see ext_proc.wire."},
+    {"access_log_schema", access_log_schema, METH_O,
+     "access_log_schema(messages) -> the schema access_log checks messages with: see ext_proc.wire."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ext_proc._wire", "The compiled request-headers decoder (see ext_proc.wire).", -1,
-    methods,
+    PyModuleDef_HEAD_INIT, "ext_proc._wire", "The compiled decoders of the picker's hot messages (see ext_proc.wire).",
+    -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__wire(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__wire(void)
+{
+    PyObject *m = PyModule_Create(&module), *names = NULL, *fields = NULL;
+    if (m == NULL)
+        return NULL;
+    names = PyTuple_New(M_READ);
+    fields = PyDict_New();
+    if (names == NULL || fields == NULL)
+        goto fail;
+    for (int i = 0; i < M_READ; i++) {
+        PyObject *name = PyUnicode_FromString(read_messages[i]);
+        if (name == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    for (size_t i = 0; i < sizeof read_fields / sizeof read_fields[0]; i++) {
+        PyObject *number = PyLong_FromLong(read_fields[i].number);
+        PyObject *key = PyUnicode_FromFormat("%s.%s", read_messages[read_fields[i].message], read_fields[i].name);
+        int rc = number == NULL || key == NULL ? -1 : PyDict_SetItem(fields, key, number);
+        Py_XDECREF(number);
+        Py_XDECREF(key);
+        if (rc < 0)
+            goto fail;
+    }
+    if (PyModule_AddObject(m, "ACCESS_LOG_MESSAGES", names) < 0)
+        goto fail;
+    names = NULL;
+    if (PyModule_AddObject(m, "ACCESS_LOG_FIELDS", fields) < 0)
+        goto fail;
+    fields = NULL;
+    if (PyModule_AddIntConstant(m, "K_VARINT", K_VARINT) < 0 || PyModule_AddIntConstant(m, "K_FIXED64", K_FIXED64) < 0
+        || PyModule_AddIntConstant(m, "K_FIXED32", K_FIXED32) < 0 || PyModule_AddIntConstant(m, "K_BYTES", K_BYTES) < 0
+        || PyModule_AddIntConstant(m, "K_STRING", K_STRING) < 0 || PyModule_AddIntConstant(m, "K_MESSAGE", K_MESSAGE) < 0
+        || PyModule_AddIntConstant(m, "K_DECLINE", K_DECLINE) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_XDECREF(names);
+    Py_XDECREF(fields);
+    Py_DECREF(m);
+    return NULL;
+}

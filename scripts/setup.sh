@@ -17,6 +17,6 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v chromium >/dev/null 2
   $SUDO apt-get install -y -qq prometheus chromium wrk etcd-server gcc python3-dev >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'   # every extra: demo, bench, k8s, test (docs build too)
-python3 -c "import ext_proc.wire as w; print('ext_proc request-headers decoder:', w.DECODER)"
+python3 -c "import ext_proc.wire as w; print('ext_proc decoders:', w.DECODER)"
 # pyenv installs need a rehash before a new console script is on PATH.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi

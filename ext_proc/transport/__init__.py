@@ -34,7 +34,7 @@ async def start(kind: str, service: Service, listen: str, *, tls: TlsFiles | Non
         ValueError: unknown ``kind``, or a TLS setting that can't work.
         OSError / ssl.SSLError / RuntimeError: a TLS file can't be read, or the address can't be bound.
     """
-    log.info("ext_proc request-headers decoder: %s", wire.DECODER)
+    log.info("ext_proc decoders (request headers, access log): %s", wire.DECODER)
     if kind == "fast":
         from ext_proc.transport.h2.server import start_fast_server
 
