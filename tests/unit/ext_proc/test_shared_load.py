@@ -144,6 +144,15 @@ def test_a_view_from_the_control_plane_gives_the_others_load():
     assert o.in_flight == {A: 3.0} and o.clusters == {"c": 3.0} and o.pickers == 2
 
 
+async def until(cond, seconds: float = 3.0) -> None:
+    """Poll ``cond`` every 10 ms until it holds; AssertionError after ``seconds``."""
+    for _ in range(int(seconds / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"condition not reached in {seconds:g} s")
+
+
 async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead_one_stops_counting():
     table = LoadTable(expiry_s=0.5)
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
@@ -153,13 +162,6 @@ async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead
         tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.02, 0.5)),
                  asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5))]
         try:
-            async def until(cond) -> None:
-                for _ in range(300):
-                    if cond():
-                        return
-                    await asyncio.sleep(0.01)
-                raise AssertionError("condition not reached in 3 s")
-
             await until(lambda: two.work.get(A, 0.0) == 4.0)
             assert two.clusters.get("c", 0) == 4 and one.work.get(A, 0.0) == 4.0, "own load is not counted twice"
             tasks[0].cancel()  # picker one dies
@@ -181,13 +183,6 @@ async def test_a_picker_alone_or_beside_idle_ones_sends_only_keep_alives_and_rep
 
     table.record = counting  # type: ignore[method-assign]
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
-
-    async def until(cond) -> None:
-        for _ in range(200):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("condition not reached in 2 s")
 
     async def changes(n: int, every_s: float) -> int:
         """Reports picker one sent while it made ``n`` changes, one every ``every_s``."""

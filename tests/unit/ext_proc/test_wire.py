@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ext_proc import _wire, wire  # _wire: built by pip install / scripts/setup.sh
 from ext_proc.wire import request_headers_py as reference
+from tests.support.corruption import corrupt
 
 compiled = _wire.request_headers
 
@@ -110,18 +111,7 @@ def test_corrupted_bytes_are_declined_or_decoded_as_the_reference(data):
         base = data.draw(st.one_of(st.just(ENVOY_MESSAGE), st.builds(
             _message, st.lists(st.tuples(any_names, st.text(max_size=3), values), max_size=4), st.booleans(),
             envoy_extras)))
-        edits = data.draw(st.lists(st.tuples(st.integers(0, max(0, len(base) - 1)), st.integers(0, 255),
-                                             st.sampled_from(["set", "insert", "cut"])), min_size=1, max_size=3))
-        buf = bytearray(base)
-        for pos, byte, how in edits:
-            pos = min(pos, len(buf))
-            if how == "set" and pos < len(buf):
-                buf[pos] = byte
-            elif how == "insert":
-                buf.insert(pos, byte)
-            else:
-                del buf[pos:]
-        candidates = [bytes(buf)]
+        candidates = [corrupt(data, base)]
     for candidate in candidates:
         got = compiled(candidate)
         assert got is None or got == reference(candidate), candidate.hex()

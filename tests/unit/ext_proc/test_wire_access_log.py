@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ext_proc import _wire, wire  # _wire: built by pip install / scripts/setup.sh
 from ext_proc.accesslog import record_completions
 from ext_proc.inflight import InFlight
+from tests.support.corruption import corrupt
 
 CLUSTER, PIN = "x-inferlb-cluster", "x-gateway-destination-endpoint"
 
@@ -278,19 +279,6 @@ def test_fields_in_another_wire_type_or_out_of_range_are_declined_or_as_the_refe
         assert agree(base.SerializeToString() + case) is None, case.hex()
 
 
-def _corrupt(data, base: bytes) -> bytes:
-    edits = data.draw(st.lists(st.tuples(st.integers(0, max(0, len(base) - 1)), st.integers(0, 255),
-                                         st.sampled_from(["set", "insert", "cut"])), min_size=1, max_size=3))
-    buf = bytearray(base)
-    for pos, byte, how in edits:
-        pos = min(pos, len(buf))
-        if how == "set" and pos < len(buf):
-            buf[pos] = byte
-        elif how == "insert":
-            buf.insert(pos, byte)
-        else:
-            del buf[pos:]
-    return bytes(buf)
 
 
 @settings(max_examples=2000, deadline=None)
@@ -303,7 +291,7 @@ def test_corrupted_bytes_are_declined_or_decoded_as_the_reference(data):
         candidates = [ENVOY_BATCH[:n] for n in range(len(ENVOY_BATCH))]
     else:
         base = data.draw(st.one_of(st.just(ENVOY_BATCH), messages().map(lambda m: m.SerializeToString())))
-        candidates = [_corrupt(data, base)]
+        candidates = [corrupt(data, base)]
     for candidate in candidates:
         agree(candidate)
 
