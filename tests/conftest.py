@@ -34,6 +34,7 @@ def group_of(path: str) -> str:
     return path
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the markers into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
     for item in items:
