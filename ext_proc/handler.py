@@ -432,13 +432,16 @@ class PickerHandler:
         memory), decided again on the view and loads of then; else ``refuse`` at the timeout. A
         waiter that does not fit yet lets a later one that does go by (:meth:`Admission.release`)."""
         assert self.admission is not None
+        decided: Decision | None = None
 
         def fits() -> bool:
-            return self._pick(headers, self.holder.current, body).reason != "no-memory"
+            nonlocal decided
+            decided = self._pick(headers, self.holder.current, body)
+            return decided.reason != "no-memory"
 
-        def resume() -> bytes:
-            now = self.holder.current
-            return self._commit(self._pick(headers, now, body), now, headers, phase)
+        def resume() -> bytes:  # called right after fits() said yes, in the same release: its decision
+            assert decided is not None
+            return self._commit(decided, self.holder.current, headers, phase)
 
         return self.admission.enqueue(cluster, resume, refuse, fits)
 
