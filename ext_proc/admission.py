@@ -98,7 +98,8 @@ class Admission:
 
         Args:
             cluster: the full cluster.
-            resume: called once it may go; decides the request and returns the answer bytes.
+            resume: called right after ``fits`` said yes (in the same :meth:`release`); commits the
+                request and returns the answer bytes.
             reject: called on timeout; returns the 429 answer bytes.
             fits: whether an endpoint has the memory for it now (asked by :meth:`release` when
                 the cluster has a slot).
