@@ -49,8 +49,18 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
+        """Cancel what still runs there (the servers' stream tasks), then stop and close the loop."""
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        if self.loop.is_running():
+            self.run(cancel_the_rest(), timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        self.loop.close()
 
 
 @dataclass
