@@ -77,6 +77,8 @@ class InFlight:
         requests: ``{x-request-id: (picked at, cluster, pinned endpoint or None)}`` of the picks
             in flight that carried an id, oldest first.
         changes: picks and completions counted so far (the shared load view reports when it moved).
+        finished: ``[("HOST:PORT", picked at, MiB)]`` of the picks with memory finished or expired
+            since the shared load view's last report took them (:func:`ext_proc.load_client.report_message`).
 
     Raises:
         ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
@@ -85,7 +87,7 @@ class InFlight:
 
     __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests", "changes",
                  "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled",
-                 "_done", "_slack", "_keep", "_doubts")
+                 "_done", "_slack", "_keep", "_doubts", "finished")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
                  failure_hold_s: float = 5.0, sample_slack_s: float = 0.05, done_keep_s: float = 10.0) -> None:
@@ -101,6 +103,7 @@ class InFlight:
         self.work: dict[str, float] = {}
         self.cluster_work: dict[str, float] = {}
         self.free: dict[str, float] = {}
+        self.finished: list[tuple[str, float, float]] = []
         self.failed: dict[str, float] = {}
         self.streams = 0
         self.requests: dict[bytes, tuple[float, str, str | None]] = {}
@@ -207,6 +210,8 @@ class InFlight:
             self.cluster_work[cluster] = cw
         else:
             self.cluster_work.pop(cluster, None)
+        if mib:
+            self.finished.append((endpoint, pick[0], mib))
         if mib and endpoint in self.free:
             self.free[endpoint] += mib
             if finished_at is not None:

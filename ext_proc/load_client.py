@@ -35,7 +35,8 @@ VIEWS = Counter("inferlb_ext_proc_load_views_total", "Shared load views received
 
 
 def report_message(inflight: InFlight, picker: str, seq: int, since: float) -> load_view_pb2.LoadReport:
-    """The ``LoadReport`` of ``inflight`` now (picks counted since ``since``, the in-flight clock's s)."""
+    """The ``LoadReport`` of ``inflight`` now (picks counted since ``since``, the in-flight clock's s),
+    with the memory of the requests finished since the previous report (taken out of ``inflight``)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
     for (cluster, endpoint), (n, work, mib, tokens, picks) in inflight.by_endpoint(since).items():
         msg.endpoints.add(cluster=cluster, endpoint=endpoint, in_flight=n, work=work, memory_mib=mib,
@@ -43,6 +44,10 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float) -> l
     cluster_work = inflight.cluster_work
     for cluster, n in inflight.clusters.items():
         msg.clusters.add(cluster=cluster, in_flight=n, work=cluster_work.get(cluster, 0.0))
+    finished, inflight.finished = inflight.finished, []
+    now = inflight.now()
+    for endpoint, picked_at, mib in finished:
+        msg.finished.add(endpoint=endpoint, memory_mib=mib, picked_age_s=max(0.0, now - picked_at))
     return msg
 
 

@@ -64,7 +64,14 @@ def report_from(msg: load_view_pb2.LoadReport) -> Report:
                          _number(c.work, f"LoadReport.clusters[{c.cluster}].work"))
         have_c = clusters.get(c.cluster)
         clusters[c.cluster] = cl if have_c is None else have_c + cl
-    return Report(msg.picker, msg.seq, endpoints, clusters)
+    finished = []
+    for f in msg.finished:
+        if not f.endpoint:
+            raise ValueError("LoadReport.finished[].endpoint must be set")
+        where = f"LoadReport.finished[{f.endpoint}]"
+        finished.append((f.endpoint, _number(f.picked_age_s, f"{where}.picked_age_s"),
+                         _number(f.memory_mib, f"{where}.memory_mib")))
+    return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished))
 
 
 def _endpoints(loads) -> list[load_view_pb2.EndpointLoad]:

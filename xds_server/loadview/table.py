@@ -71,13 +71,16 @@ _NO_CLUSTERS: Mapping[str, ClusterLoad] = MappingProxyType({})
 class Report:
     """One picker's whole live load: ``endpoints[(cluster, "HOST:PORT")]`` and ``clusters[cluster]``.
 
-    ``picker``: who reports (unique per picker process); ``seq``: increases with every report.
+    ``picker``: who reports (unique per picker process); ``seq``: increases with every report;
+    ``finished``: ``("HOST:PORT", picked how long before the report (s), MiB)`` of each of the
+    picker's requests with memory finished since its previous report.
     """
 
     picker: str
     seq: int = 0
     endpoints: Mapping[tuple[str, str], Load] = field(default_factory=lambda: _NO_ENDPOINTS)
     clusters: Mapping[str, ClusterLoad] = field(default_factory=lambda: _NO_CLUSTERS)
+    finished: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,13 @@ class Totals:
 _NO_LOAD = Load()
 #: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
 HISTORY_S = 10.0
+#: A request another picker reported in flight this long before a memory sample was taken had
+#: reached its endpoint by then (s): Envoy forwards a pick in milliseconds.
+PICK_SLACK_S = 0.05
+#: A request that finished before a memory sample was taken has been reported finished by this
+#: long after it (s): Envoy's access-log flush (5 ms), the picker's report interval (10 ms) and
+#: the stream, with room for a loaded machine.
+FINISH_LAG_S = 0.1
 _NO_CLUSTER_LOAD = ClusterLoad()
 
 
@@ -130,7 +140,8 @@ class LoadTable:
         """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
         self.memory_round = 0
         """Increases with every :meth:`set_memory` (0: none yet)."""
-        self._mib: dict[str, deque[tuple[float, dict[str, float]]]] = {}  # picker -> (received, {endpoint: MiB})
+        # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before])
+        self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]]]]] = {}
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
@@ -156,7 +167,7 @@ class LoadTable:
         for (_, endpoint), load in report.endpoints.items():
             mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
         history = self._mib.setdefault(report.picker, deque())
-        history.append((now, mib))
+        history.append((now, mib, [(e, now - age, m) for e, age, m in report.finished]))
         while len(history) > 1 and history[1][0] < now - HISTORY_S:
             history.popleft()
 
@@ -178,19 +189,32 @@ class LoadTable:
         return sum(1 for p in self._reports if p != picker and self._busy.get(p, limit) <= limit)
 
     def others_mib_at(self, picker: str, endpoint: str, at: float) -> float:
-        """GPU memory (MiB) the pickers other than ``picker`` had in flight on ``endpoint`` at ``at``
-        (monotonic s), from each one's last report received by then (none yet: 0; older than the
-        kept history, :data:`HISTORY_S`: its oldest kept report)."""
+        """GPU memory (MiB) of the requests of the pickers other than ``picker`` that a memory sample
+        of ``endpoint`` taken at ``at`` (monotonic s) holds, never below 0.
+
+        Per other picker: its memory in flight on ``endpoint`` in its last report received by
+        ``at - PICK_SLACK_S`` (a pick reported later may not have reached the endpoint: it counts
+        as added after the sample), less the requests of that report it reported finished there
+        in its reports received up to ``at + FINISH_LAG_S`` (one that ended just before the sample
+        is free in it although reported after it; without this the picker would credit it a
+        second time). No report by then: its oldest kept report (:data:`HISTORY_S`). What this
+        leaves wrong errs on the side of less free memory, for one sample's life (a pick in flight
+        at the sample but reported after ``at - PICK_SLACK_S`` is subtracted again).
+        """
+        before, after = at - PICK_SLACK_S, at + FINISH_LAG_S
         total = 0.0
         for name, history in self._mib.items():
             if name == picker:
                 continue
-            value = history[0][1].get(endpoint, 0.0)
-            for received, mib in history:
-                if received > at:
+            base, value = history[0][0], history[0][1].get(endpoint, 0.0)
+            for received, mib, finished in history:
+                if received > after:
                     break
-                value = mib.get(endpoint, 0.0)
-            total += value
+                if received <= before:
+                    base, value = received, mib.get(endpoint, 0.0)
+                elif received > base:
+                    value -= sum(m for e, picked_at, m in finished if e == endpoint and picked_at <= base)
+            total += max(0.0, value)
         return total
 
     def _apply(self, report: Report, sign: int) -> None:

@@ -15,7 +15,7 @@ from protos import load_view_pb2
 from tests.support.loadview import load_view_server
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
 from xds_server.loadview.service import report_from, view_message
-from xds_server.loadview.table import LoadTable
+from xds_server.loadview.table import FINISH_LAG_S, PICK_SLACK_S, LoadTable
 
 A, B = FOUR[0], FOUR[1]
 
@@ -87,9 +87,52 @@ def test_the_table_gives_the_others_memory_at_a_past_time():
     assert t.others_mib_at("me", A, 9.0) == 700.0 and t.others_mib_at("them", A, 9.0) == 5000.0
 
 
-def _mib_report(picker: str, seq: int, mib: float):
+def test_the_baseline_leaves_out_what_finished_just_before_the_sample_and_was_reported_after_it():
+    """The multi_gateway OOMs: another picker's 8 GiB request ended 20 ms before the sample (free in
+    it) and was reported 30 ms after: in the baseline it would be credited again once the others'
+    memory in flight drops, and the picker would see 8 GiB that are not there."""
+    t = LoadTable(expiry_s=5.0)
+    t.record(report_from(_mib_report("them", 1, 8192.0)), now=1.0)
+    t.record(report_from(_mib_report("them", 2, 0.0, finished=((8192.0, 1.13),))), now=2.03)  # picked at 0.9
+    assert t.others_mib_at("me", A, 2.0) == 0.0
+    # Finished later than the lag after the sample: it was running in the sample, so it stays.
+    assert t.others_mib_at("me", A, 2.03 - FINISH_LAG_S - 0.01) == 8192.0
+    # A pick reported within the slack before the sample may not have reached the endpoint yet.
+    t.record(report_from(_mib_report("them", 3, 4096.0)), now=3.0)
+    assert t.others_mib_at("me", A, 3.0 + PICK_SLACK_S / 2) == 0.0
+    assert t.others_mib_at("me", A, 3.0 + PICK_SLACK_S * 2) == 4096.0
+
+
+def test_the_baseline_subtracts_only_finished_requests_it_counted():
+    """Two of the others' requests X, Y in flight before the sample; Y ends before it, and Z, picked
+    after, starts and ends around it: the sample holds X alone (Z's end takes nothing off)."""
+    t = LoadTable(expiry_s=5.0)
+    t.record(report_from(_mib_report("them", 1, 16384.0)), now=10.0)                               # X, Y
+    t.record(report_from(_mib_report("them", 2, 8192.0, finished=((8192.0, 0.22),))), now=10.12)    # Y
+    t.record(report_from(_mib_report("them", 3, 8192.0, finished=((8192.0, 0.05),))), now=10.18)    # Z
+    assert t.others_mib_at("me", A, 10.1) == 8192.0
+
+
+def test_a_picker_does_not_credit_twice_what_another_finished_before_the_sample():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    shared = SharedLoad(f)
+    t = LoadTable(expiry_s=5.0)
+    t.record(report_from(_mib_report("them", 1, 8192.0)), now=clock.now - 0.5)
+    shared.set_others(others_of({("c", A): (1, 1.0, 8192.0)}, {}, {}, {}))
+    t.record(report_from(_mib_report("them", 2, 0.0, finished=((8192.0, 0.6),))), now=clock.now + 0.03)
+    shared.set_others(others_of({}, {}, {}, {}))   # the others' request is reported finished
+    shared.free.rebase({A: t.others_mib_at("me", A, clock.now)})
+    f.set_samples({A: (24576.0, clock.now)})       # taken after it ended: the GPU is empty
+    assert shared.free.get(A, None) == 24576.0, "not 24 GiB + 8 GiB"
+
+
+def _mib_report(picker: str, seq: int, mib: float, finished: tuple[tuple[float, float], ...] = ()):
+    """A report of ``mib`` in flight on A, and ``finished`` requests as (MiB, picked how long before)."""
     return load_view_pb2.LoadReport(picker=picker, seq=seq, endpoints=[
-        load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=1, work=1, memory_mib=mib)])
+        load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=1 if mib else 0, work=1 if mib else 0,
+                                   memory_mib=mib)],
+        finished=[load_view_pb2.FinishedRequest(endpoint=A, memory_mib=m, picked_age_s=age) for m, age in finished])
 
 
 def test_the_second_picker_bounds_on_the_first_pickers_load():
@@ -130,6 +173,17 @@ def test_a_report_carries_the_live_load_and_picks_since_the_last_report():
     load = r.endpoints[("c", A)]
     assert (load.in_flight, load.work, load.memory_mib, load.tokens, load.picks) == (2, 3.0, 150.0, 40.0, 1)
     assert r.clusters["c"].in_flight == 3 and r.clusters["c"].work == 3.0
+
+
+def test_a_report_carries_the_memory_finished_since_the_last_report_once():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    f.picked("c", A, mib=8192.0)
+    f.picked("c", A, mib=4096.0)
+    clock.now += 0.25
+    f.finish(A)
+    assert report_from(report_message(f, "p1", 1, 0.0)).finished == ((A, 0.25, 8192.0),)
+    assert report_from(report_message(f, "p1", 2, 0.0)).finished == ()
 
 
 def test_a_view_from_the_control_plane_gives_the_others_load():
