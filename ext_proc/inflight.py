@@ -28,7 +28,7 @@ from operator import itemgetter
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["InFlight", "Pick"]
+__all__ = ["FINISHED_KEEP", "InFlight", "Pick"]
 
 COMPLETIONS = Counter(
     "inferlb_ext_proc_completions_total",
@@ -42,6 +42,10 @@ EXPIRED = Counter(
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 IN_FLIGHT = Gauge("inferlb_ext_proc_in_flight", "Requests in flight (picks - completions), by cluster.", ["cluster"])
 
+
+#: Finished requests kept for the load view's next report at most (older ones are dropped by
+#: :meth:`InFlight.expire` when no report took them).
+FINISHED_KEEP = 10_000
 
 class InFlight:
     """Counts requests in flight from picks and access-log completions, with their work and memory.
@@ -78,7 +82,9 @@ class InFlight:
             in flight that carried an id, oldest first.
         changes: picks and completions counted so far (the shared load view reports when it moved).
         finished: ``[("HOST:PORT", picked at, MiB)]`` of the picks with memory finished or expired
-            since the shared load view's last report took them (:func:`ext_proc.load_client.report_message`).
+            since the shared load view's last report took them (:func:`ext_proc.load_client.report_message`);
+            :meth:`expire` keeps the newest :data:`FINISHED_KEEP` when no report takes them (no
+            load view, or the control plane unreachable).
 
     Raises:
         ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
@@ -326,6 +332,8 @@ class InFlight:
                 done.popleft()
             if not done:
                 del self._done[endpoint]
+        if len(self.finished) > FINISHED_KEEP:
+            del self.finished[:-FINISHED_KEEP]
         if self.failed:
             for endpoint in [e for e, until in self.failed.items() if until <= now]:
                 del self.failed[endpoint]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ext_proc.handler import PickerHandler
-from ext_proc.inflight import InFlight
+from ext_proc.inflight import FINISHED_KEEP, InFlight
 from ext_proc.load_client import report_message, run_load_view, view_others
 from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
@@ -184,6 +184,15 @@ def test_a_report_carries_the_memory_finished_since_the_last_report_once():
     f.finish(A)
     assert report_from(report_message(f, "p1", 1, 0.0)).finished == ((A, 0.25, 8192.0),)
     assert report_from(report_message(f, "p1", 2, 0.0)).finished == ()
+
+
+def test_finished_requests_no_report_takes_are_bounded():
+    f = InFlight(expiry_s=10, clock=Clock())
+    for _ in range(FINISHED_KEEP + 5):
+        f.picked("c", A, mib=1.0)
+        f.finish(A)
+    f.expire()
+    assert len(f.finished) == FINISHED_KEEP
 
 
 def test_a_view_from_the_control_plane_gives_the_others_load():
