@@ -14,12 +14,15 @@ import math
 import os
 import sqlite3
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from xds_server.config import History
-from xds_server.history.types import HistoryError, HistoryRow, RowBatch
+from xds_server.history.types import HistoryError, HistoryRow, Layout, RowBatch
 
-SCHEMA_VERSION = 1
+#: 1: ``inputs`` and ``scores`` as JSON objects. 2: as JSON arrays named by a row's ``layout`` (a
+#: ``history_layouts`` row); version-1 rows are kept as they are (``layout`` NULL) and read as before.
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS weight_history (
     id INTEGER PRIMARY KEY,
@@ -33,12 +36,19 @@ CREATE TABLE IF NOT EXISTS weight_history (
     scores TEXT NOT NULL,
     reasons TEXT NOT NULL,
     kind TEXT NOT NULL,
-    snapshot_version TEXT
+    snapshot_version TEXT,
+    layout INTEGER
 );
 CREATE INDEX IF NOT EXISTS weight_history_endpoint_t ON weight_history (cluster, endpoint, t);
 CREATE INDEX IF NOT EXISTS weight_history_t ON weight_history (t);
+CREATE TABLE IF NOT EXISTS history_layouts (
+    id INTEGER PRIMARY KEY,
+    inputs TEXT NOT NULL,
+    scores TEXT NOT NULL,
+    UNIQUE (inputs, scores)
+);
 """
-_COLUMNS = "t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind, snapshot_version"
+_COLUMNS = "t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind, snapshot_version, layout"
 
 
 def default_path() -> Path:
@@ -47,10 +57,13 @@ def default_path() -> Path:
     return Path(base) / "inferlb" / "history.sqlite3"
 
 
-def _row(r: tuple) -> HistoryRow:
+def _row(r: tuple, layouts: Mapping[int, Layout]) -> HistoryRow:
+    inputs, scores = json.loads(r[6]), json.loads(r[7])
+    if r[11] is not None:  # schema 2: arrays, named by the layout
+        names = layouts[r[11]]
+        inputs, scores = dict(zip(names.inputs, inputs, strict=True)), dict(zip(names.scores, scores, strict=True))
     return HistoryRow(t=r[0], cluster=r[1], endpoint=r[2], weight=r[3], health=r[4], score=r[5],
-                      inputs=json.loads(r[6]), scores=json.loads(r[7]), reasons=tuple(json.loads(r[8])),
-                      kind=r[9], snapshot_version=r[10])
+                      inputs=inputs, scores=scores, reasons=tuple(json.loads(r[8])), kind=r[9], snapshot_version=r[10])
 
 
 def _where(clauses: list[str], args: list, cluster: str | None, endpoint: str | None) -> str:
@@ -91,8 +104,14 @@ class SqliteHistory:
                 raise HistoryError(f"history.path: {self.path} was written by a newer inferlb "
                                    f"(schema {version} > {SCHEMA_VERSION})")
             with self._conn:
+                if version == 1:  # rows stay as they are; new rows name their arrays' values by layout
+                    self._conn.execute("ALTER TABLE weight_history ADD COLUMN layout INTEGER")
                 self._conn.executescript(_SCHEMA)
                 self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._layouts: dict[int, Layout] = {
+                i: Layout(tuple(json.loads(a)), tuple(json.loads(b)))
+                for i, a, b in self._conn.execute("SELECT id, inputs, scores FROM history_layouts")}
+            self._layout_ids = {v: k for k, v in self._layouts.items()}
         except (sqlite3.Error, OSError) as err:
             raise HistoryError(f"history.path: cannot open {self.path}: {err}") from err
 
@@ -106,10 +125,23 @@ class SqliteHistory:
         with self._lock:
             try:
                 with self._db() as db:  # straight from the columns: no tuple per row is kept
-                    db.executemany(f"INSERT INTO weight_history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                                   zip(*rows.columns(), strict=True))
+                    ids = [self._layout_id(db, layout) for layout in rows.layouts]
+                    db.executemany(f"INSERT INTO weight_history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                                   zip(rows.t, rows.cluster, rows.endpoint, rows.weight, rows.health, rows.score,
+                                       rows.inputs, rows.scores, rows.reasons, rows.kind, rows.snapshot_version,
+                                       map(ids.__getitem__, rows.layout), strict=True))
             except sqlite3.Error as err:
                 raise HistoryError(f"history: cannot write to {self.path}: {err}") from err
+
+    def _layout_id(self, db: sqlite3.Connection, layout: Layout) -> int:
+        """The id of ``layout``, stored on first use (inside the caller's transaction)."""
+        known = self._layout_ids.get(layout)
+        if known is None:
+            known = db.execute("INSERT INTO history_layouts (inputs, scores) VALUES (?, ?)",
+                               (json.dumps(layout.inputs), json.dumps(layout.scores))).lastrowid
+            self._layouts[known] = layout
+            self._layout_ids[layout] = known
+        return known
 
     def prune(self, now: float) -> int:
         """Delete rows older than ``now - retention_s`` and past ``max_rows``; returns the count deleted."""
@@ -147,7 +179,7 @@ class SqliteHistory:
     def _select(self, sql: str, args: list) -> list[HistoryRow]:
         with self._lock:
             try:
-                return [_row(r) for r in self._db().execute(sql, args).fetchall()]
+                return [_row(r, self._layouts) for r in self._db().execute(sql, args).fetchall()]
             except sqlite3.Error as err:
                 raise HistoryError(f"history: cannot read {self.path}: {err}") from err
 

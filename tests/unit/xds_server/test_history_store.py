@@ -78,6 +78,36 @@ def test_file_store_uses_wal_and_survives_reopening(tmp_path):
         again.rows(0, 1)
 
 
+#: A version-1 file as earlier inferlb releases wrote it (inputs and scores as JSON objects).
+V1_SCHEMA = """
+CREATE TABLE weight_history (id INTEGER PRIMARY KEY, t REAL NOT NULL, cluster TEXT NOT NULL,
+    endpoint TEXT NOT NULL, weight INTEGER NOT NULL, health TEXT NOT NULL, score REAL, inputs TEXT NOT NULL,
+    scores TEXT NOT NULL, reasons TEXT NOT NULL, kind TEXT NOT NULL, snapshot_version TEXT);
+CREATE INDEX weight_history_endpoint_t ON weight_history (cluster, endpoint, t);
+CREATE INDEX weight_history_t ON weight_history (t);
+INSERT INTO weight_history (t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind,
+    snapshot_version) VALUES (100, 'chat-v1', '10.0.0.1:8000', 10, 'HEALTHY', 0.5,
+    '{"latency_mean_ms":120.0,"running":2.0}', '{"latency":0.5}', '["weight 10"]', 'change', 'v-test');
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_file_keeps_its_rows_and_takes_new_ones(tmp_path):
+    path = tmp_path / "v1.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_SCHEMA)
+    s = store(path)
+    s.append(RowBatch.of([row(101, B, 20)]))
+    s.close()
+    again = store(path)  # the layouts are read back from the file
+    assert again.rows(0, 1000) == [row(100, A, 10), row(101, B, 20)]
+    again.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        new = db.execute("SELECT inputs, scores FROM weight_history WHERE t = 101").fetchone()
+    assert new == ("[120.0,2.0]", "[0.5]")
+
+
 def test_newer_schema_and_unopenable_paths_are_refused(tmp_path):
     newer = tmp_path / "newer.sqlite3"
     with sqlite3.connect(newer) as db:
