@@ -56,7 +56,7 @@ class CombinedSource:
         self.fallback_active = False
         self.errors: dict[str, str] = {}
         self.failures: dict[str, int] = {}
-        self.origin: dict[str, dict[str, str]] = {}
+        self.origin: Mapping[str, Mapping[str, str]] = {}
 
     @property
     def name(self) -> str:
@@ -102,8 +102,7 @@ class CombinedSource:
         for src in self.held:
             answers[src.name] = src.fetch(instances)
         merged, self.origin = merge(answers, instances, self.stale_after_s)
-        distinct = {id(where): where for where in self.origin.values()}.values()  # shared mappings: each once
-        used = {src for where in distinct for src in where.values()}
+        used = self.origin.sources()
         self._name = "+".join(n for n in answers if n in used) or "+".join(answers)
         return self.envoy.enrich(merged) if self.envoy is not None else merged
 

@@ -166,6 +166,15 @@ def test_all_stale_keeps_the_freshest_values_and_its_age():
     assert st[B] == EndpointStats()  # never seen by anyone
 
 
+def test_one_source_gives_each_instance_the_inputs_it_has():
+    prom = {A: EndpointStats(queue=2.0, running=1.0, sample_age_s=1.0)}
+    merged, origin = merge({"prometheus": prom}, [A, B], stale_after_s=15)
+    assert merged[A] is prom[A] and merged[B] == EndpointStats()
+    assert dict(origin) == {A: {"queue": "prometheus", "running": "prometheus", "sample_age_s": "prometheus"}, B: {}}
+    assert origin.sources() == {"prometheus"}
+    assert merge({"prometheus": {}}, [B], stale_after_s=15)[1].sources() == set()
+
+
 def test_ties_go_to_the_earlier_source():
     a = {A: EndpointStats(queue=1.0, sample_age_s=1.0)}
     b = {A: EndpointStats(queue=2.0, sample_age_s=1.0)}
