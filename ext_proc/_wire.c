@@ -49,6 +49,22 @@
  *   HTTPRequestProperties    9 request_id, 13 request_headers (map<string, string>: entry 1 key,
  *                            2 value; the last entry of a key wins);
  *   HTTPResponseProperties   1 response_code (UInt32Value: 1 value).
+ *
+ * assignment_endpoints(data: bytes) -> list[tuple] | None
+ *
+ * Walks a serialized envoy.config.endpoint.v3.ClusterLoadAssignment (one the picker's view has as a
+ * message and serialises: ext_proc/eds_wire.py) and returns, per LocalityLbEndpoints, the tuple
+ * ext_proc.eds_wire.assignment_endpoints_py gives for it, metadata as its bytes; None when it
+ * declines (malformed bytes, groups, a read field in another wire type, a singular message field
+ * twice, or a oneof member clearing a read one after it). Fields read (numbers from
+ * envoy/config/endpoint/v3/endpoint.proto, endpoint_components.proto, envoy/config/core/v3/address.proto):
+ *   ClusterLoadAssignment  2 endpoints (repeated);
+ *   LocalityLbEndpoints    2 lb_endpoints (repeated), 5 priority, 9 metadata;
+ *   LbEndpoint             1 endpoint (oneof with 5 endpoint_name), 2 health_status, 3 metadata,
+ *                          4 load_balancing_weight (UInt32Value: 1 value);
+ *   Endpoint 1 address; Address 1 socket_address (oneof with 2 pipe, 3 envoy_internal_address);
+ *   SocketAddress          2 address, 3 port_value (oneof with 4 named_port).
+ * Every other field is skipped by its wire type.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
