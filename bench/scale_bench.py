@@ -97,7 +97,7 @@ async def _measure(n: int, history_path: str) -> dict:
     from xds_server.history.changes import to_record
     from xds_server.history.sqlite import open_store
     from xds_server.metrics.combined import CombinedSource
-    from xds_server.resources.build import BuildMemo, build_snapshot
+    from xds_server.resources.build import build_snapshot
 
     proc = psutil.Process()
     cfg = Config.model_validate(fleet(n, history_path))
@@ -142,7 +142,8 @@ async def _measure(n: int, history_path: str) -> dict:
     weights, _ = compute_weights(specs, sets[0], state, params, now=1e6, plugins=BUILTIN)
     engine = time.process_time() - t
     t = time.process_time()
-    snap = build_snapshot(cfg, weights, "127.0.0.1:18080", BuildMemo())
+    # With the rounds' memo, as a steady round builds (the endpoints' encodings cached, new weights).
+    snap = build_snapshot(cfg, weights, "127.0.0.1:18080", app.control._memo)
     build = time.process_time() - t
     t = time.process_time()
     app.view.update(snap.assignments(), app.routing)

@@ -49,6 +49,22 @@
  *   HTTPRequestProperties    9 request_id, 13 request_headers (map<string, string>: entry 1 key,
  *                            2 value; the last entry of a key wins);
  *   HTTPResponseProperties   1 response_code (UInt32Value: 1 value).
+ *
+ * assignment_endpoints(data: bytes) -> list[tuple] | None
+ *
+ * Walks a serialized envoy.config.endpoint.v3.ClusterLoadAssignment (one the picker's view has as a
+ * message and serialises: ext_proc/eds_wire.py) and returns, per LocalityLbEndpoints, the tuple
+ * ext_proc.eds_wire.assignment_endpoints_py gives for it, metadata as its bytes; None when it
+ * declines (malformed bytes, groups, a read field in another wire type, a singular message field
+ * twice, or a oneof member clearing a read one after it). Fields read (numbers from
+ * envoy/config/endpoint/v3/endpoint.proto, endpoint_components.proto, envoy/config/core/v3/address.proto):
+ *   ClusterLoadAssignment  2 endpoints (repeated);
+ *   LocalityLbEndpoints    2 lb_endpoints (repeated), 5 priority, 9 metadata;
+ *   LbEndpoint             1 endpoint (oneof with 5 endpoint_name), 2 health_status, 3 metadata,
+ *                          4 load_balancing_weight (UInt32Value: 1 value);
+ *   Endpoint 1 address; Address 1 socket_address (oneof with 2 pipe, 3 envoy_internal_address);
+ *   SocketAddress          2 address, 3 port_value (oneof with 4 named_port).
+ * Every other field is skipped by its wire type.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -890,6 +906,306 @@ fail:
     return NULL;
 }
 
+/* ---- assignment_endpoints: a serialized ClusterLoadAssignment's endpoints, flat (ext_proc/eds_wire.py) ---- */
+
+/* Skips one field of wire type `wire` after its tag; 0 when malformed or a group (declined). */
+static int skip_field(ptr *p, ptr end, unsigned wire)
+{
+    uint64_t v;
+    ptr s;
+    Py_ssize_t n;
+    switch (wire) {
+    case 0:
+        return varint(p, end, &v);
+    case 1:
+        if (end - *p < 8)
+            return 0;
+        *p += 8;
+        return 1;
+    case 2:
+        return delimited(p, end, &s, &n);
+    case 5:
+        if (end - *p < 4)
+            return 0;
+        *p += 4;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* What one LbEndpoint gives: its socket address (host bytes, port, whether port_value is the set
+ * member of its oneof), health, weight (0: unset) and metadata bytes (NULL: unset). */
+typedef struct {
+    ptr host;
+    Py_ssize_t host_n;
+    uint64_t port;
+    int has_port;
+    int32_t health;
+    uint64_t weight;
+    ptr meta;
+    Py_ssize_t meta_n;
+} eds_endpoint_t;
+
+#define EDS_NEXT()                                                                                             \
+    uint32_t field;                                                                                            \
+    unsigned wire;                                                                                             \
+    ptr s;                                                                                                     \
+    Py_ssize_t n;                                                                                              \
+    uint64_t v;                                                                                                \
+    if (!tag(&p, end, &field, &wire))                                                                          \
+        return 0;                                                                                              \
+    (void)s;                                                                                                   \
+    (void)n;                                                                                                   \
+    (void)v
+
+/* A singular message field seen twice is merged by protobuf: declined here. */
+#define EDS_ONCE(bit)                                                                                          \
+    do {                                                                                                       \
+        if (seen & (1u << (bit)))                                                                              \
+            return 0;                                                                                          \
+        seen |= 1u << (bit);                                                                                   \
+    } while (0)
+
+/* SocketAddress: 2 address, 3 port_value (oneof port_specifier with 4 named_port). */
+static int eds_socket(ptr p, ptr end, eds_endpoint_t *e)
+{
+    while (p < end) {
+        EDS_NEXT();
+        if (field == 2 && wire == 2) {
+            if (!delimited(&p, end, &s, &n) || !valid_utf8_fast(s, n))
+                return 0;
+            e->host = s;
+            e->host_n = n;
+        } else if (field == 3 && wire == 0) {
+            if (!varint(&p, end, &v) || v > 0xFFFFFFFFu)
+                return 0;
+            e->port = v;
+            e->has_port = 1;
+        } else if (field == 2 || field == 3 || !skip_field(&p, end, wire)) {
+            return 0;
+        } else if (field == 4) {
+            e->port = 0;
+            e->has_port = 0;
+        }
+    }
+    return 1;
+}
+
+/* Address: 1 socket_address (oneof address with 2 pipe, 3 envoy_internal_address). */
+static int eds_address(ptr p, ptr end, eds_endpoint_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        EDS_NEXT();
+        if (field == 1 && wire == 2) {
+            EDS_ONCE(0);
+            if (!delimited(&p, end, &s, &n) || !eds_socket(s, s + n, e))
+                return 0;
+        } else if (field == 1 || !skip_field(&p, end, wire)) {
+            return 0;
+        } else if (field == 2 || field == 3) {
+            if (seen)
+                return 0; /* a socket address cleared by another member: left to protobuf */
+            e->host_n = 0;
+        }
+    }
+    return 1;
+}
+
+/* Endpoint: 1 address. */
+static int eds_endpoint(ptr p, ptr end, eds_endpoint_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        EDS_NEXT();
+        if (field == 1 && wire == 2) {
+            EDS_ONCE(0);
+            if (!delimited(&p, end, &s, &n) || !eds_address(s, s + n, e))
+                return 0;
+        } else if (field == 1 || !skip_field(&p, end, wire)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* LbEndpoint: 1 endpoint (oneof host_identifier with 5 endpoint_name), 2 health_status, 3 metadata,
+ * 4 load_balancing_weight (UInt32Value: 1 value). */
+static int eds_lb_endpoint(ptr p, ptr end, eds_endpoint_t *e)
+{
+    unsigned seen = 0;
+    while (p < end) {
+        EDS_NEXT();
+        if (field == 1 && wire == 2) {
+            EDS_ONCE(0);
+            if (!delimited(&p, end, &s, &n) || !eds_endpoint(s, s + n, e))
+                return 0;
+        } else if (field == 2 && wire == 0) {
+            if (!varint(&p, end, &v))
+                return 0;
+            e->health = (int32_t)(uint32_t)v; /* an int32 enum: protobuf keeps the low 32 bits */
+        } else if (field == 3 && wire == 2) {
+            EDS_ONCE(1);
+            if (!delimited(&p, end, &s, &n))
+                return 0;
+            e->meta = s;
+            e->meta_n = n;
+        } else if (field == 4 && wire == 2) {
+            EDS_ONCE(2);
+            if (!delimited(&p, end, &s, &n))
+                return 0;
+            for (ptr q = s, qend = s + n; q < qend;) {
+                uint32_t f2;
+                unsigned w2;
+                if (!tag(&q, qend, &f2, &w2))
+                    return 0;
+                if (f2 == 1 && w2 == 0) {
+                    if (!varint(&q, qend, &v) || v > 0xFFFFFFFFu)
+                        return 0;
+                    e->weight = v;
+                } else if (f2 == 1 || !skip_field(&q, qend, w2)) {
+                    return 0;
+                }
+            }
+        } else if (field <= 4 || !skip_field(&p, end, wire)) {
+            return 0;
+        } else if (field == 5) {
+            if (seen & 1u)
+                return 0; /* an endpoint cleared by endpoint_name: left to protobuf */
+        }
+    }
+    return 1;
+}
+
+/* The "HOST:PORT" the picker names an endpoint by (an IPv6 host in brackets), or None when it has
+ * no host or no port_value (ext_proc.eds_wire.assignment_endpoints_py). */
+static PyObject *eds_name(const eds_endpoint_t *e)
+{
+    if (e->host_n == 0 || (e->port == 0 && !e->has_port))
+        Py_RETURN_NONE;
+    int colon = memchr(e->host, ':', (size_t)e->host_n) != NULL && e->host[0] != '[';
+    char port[16];
+    int port_n = snprintf(port, sizeof port, ":%llu", (unsigned long long)e->port);
+    Py_ssize_t total = e->host_n + 2 * colon + port_n;
+    char stack[512], *buf = total <= (Py_ssize_t)sizeof stack ? stack : PyMem_Malloc((size_t)total);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    char *q = buf;
+    if (colon)
+        *q++ = '[';
+    memcpy(q, e->host, (size_t)e->host_n);
+    q += e->host_n;
+    if (colon)
+        *q++ = ']';
+    memcpy(q, port, (size_t)port_n);
+    PyObject *out = PyUnicode_DecodeUTF8(buf, total, "strict");
+    if (buf != stack)
+        PyMem_Free(buf);
+    return out;
+}
+
+static PyObject *bytes_or_none(ptr s, Py_ssize_t n)
+{
+    if (s == NULL)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)s, n);
+}
+
+/* LocalityLbEndpoints: 2 lb_endpoints (repeated), 5 priority, 9 metadata. Appends its tuple to out:
+ * 1 done, 0 declined, -1 Python error. */
+static int eds_locality(ptr p, ptr end, PyObject *out)
+{
+    uint64_t priority = 0;
+    ptr meta = NULL;
+    Py_ssize_t meta_n = 0;
+    unsigned seen = 0;
+    PyObject *names = PyList_New(0), *health = PyList_New(0), *weights = PyList_New(0), *metas = PyList_New(0);
+    int rc = -1;
+    if (names == NULL || health == NULL || weights == NULL || metas == NULL)
+        goto done;
+    while (p < end) {
+        uint32_t field;
+        unsigned wire;
+        ptr s;
+        Py_ssize_t n;
+        rc = 0;
+        if (!tag(&p, end, &field, &wire))
+            goto done;
+        if (field == 2 && wire == 2) {
+            eds_endpoint_t e = {0};
+            if (!delimited(&p, end, &s, &n) || !eds_lb_endpoint(s, s + n, &e))
+                goto done;
+            rc = -1;
+            PyObject *items[4] = {eds_name(&e), PyLong_FromLong(e.health), PyLong_FromUnsignedLongLong(e.weight),
+                                  bytes_or_none(e.meta, e.meta_n)};
+            PyObject *lists[4] = {names, health, weights, metas};
+            int failed = 0;
+            for (int i = 0; i < 4; i++) {
+                failed |= items[i] == NULL || PyList_Append(lists[i], items[i]) < 0;
+                Py_XDECREF(items[i]);
+            }
+            if (failed)
+                goto done;
+        } else if (field == 5 && wire == 0) {
+            if (!varint(&p, end, &priority) || priority > 0xFFFFFFFFu)
+                goto done;
+        } else if (field == 9 && wire == 2) {
+            if (seen || !delimited(&p, end, &meta, &meta_n))
+                goto done;
+            seen = 1;
+        } else if (field == 2 || field == 5 || field == 9 || !skip_field(&p, end, wire)) {
+            goto done;
+        }
+    }
+    rc = -1;
+    PyObject *m = bytes_or_none(meta, meta_n);
+    PyObject *t = m == NULL ? NULL : Py_BuildValue("(KNOOOO)", (unsigned long long)priority, m, names, health,
+                                                   weights, metas);
+    if (t != NULL) {
+        rc = PyList_Append(out, t) < 0 ? -1 : 1;
+        Py_DECREF(t);
+    }
+done:
+    if (rc == 0 && PyErr_Occurred())
+        rc = -1;
+    Py_XDECREF(names);
+    Py_XDECREF(health);
+    Py_XDECREF(weights);
+    Py_XDECREF(metas);
+    return rc;
+}
+
+/* ClusterLoadAssignment: 2 endpoints (repeated); every other field skipped. */
+static PyObject *assignment_endpoints(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    ptr p = view.buf, end = p + view.len;
+    PyObject *out = PyList_New(0);
+    int rc = out == NULL ? -1 : 1;
+    while (rc == 1 && p < end) {
+        uint32_t field;
+        unsigned wire;
+        ptr s;
+        Py_ssize_t n;
+        if (!tag(&p, end, &field, &wire))
+            rc = 0;
+        else if (field == 2 && wire == 2)
+            rc = delimited(&p, end, &s, &n) ? eds_locality(s, s + n, out) : 0;
+        else if (field == 2 || !skip_field(&p, end, wire))
+            rc = 0;
+    }
+    PyBuffer_Release(&view);
+    if (rc == 1)
+        return out;
+    Py_XDECREF(out);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"request_headers", request_headers, METH_O,
      "request_headers(data) -> (headers, end_of_stream) | None: see ext_proc.wire."},
@@ -897,6 +1213,8 @@ static PyMethodDef methods[] = {
      "access_log(schema, data, cluster_header, override_host_header) -> list[tuple] | None: see ext_proc.wire."},
     {"access_log_schema", access_log_schema, METH_O,
      "access_log_schema(messages) -> the schema access_log checks messages with: see ext_proc.wire."},
+    {"assignment_endpoints", assignment_endpoints, METH_O,
+     "assignment_endpoints(data) -> list[tuple] | None: see ext_proc.eds_wire."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,8 +30,8 @@ TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 class Resource:
     """One xDS resource: ``version`` is a 16-hex digest of ``packed`` (the Any-wrapped message);
     ``message`` is that message itself, read only: the validation and the picker's endpoint view
-    read it instead of parsing ``packed`` again (at 60 000 endpoints one parse of an assignment
-    holds the GIL, and so stalls the event loop, for ~0.1 s)."""
+    read it instead of parsing ``packed`` again (an assignment is parsed once, from the bytes it
+    is built as: 5 ms at 60 000 endpoints, one C call holding the GIL)."""
 
     name: str
     version: str
@@ -69,8 +69,11 @@ def _digest(parts: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
-def resource(name: str, msg: Message) -> Resource:
-    data = msg.SerializeToString(deterministic=True)  # once: the digest and the Any share it
+def resource(name: str, msg: Message, data: bytes | None = None) -> Resource:
+    """The :class:`Resource` of ``msg`` served as ``name``; ``data``: ``msg``'s deterministic
+    serialisation when the caller already has it (the assignments are built as bytes)."""
+    if data is None:
+        data = msg.SerializeToString(deterministic=True)  # once: the digest and the Any share it
     packed = any_pb2.Any(type_url=f"type.googleapis.com/{msg.DESCRIPTOR.full_name}", value=data)
     return Resource(name, _digest([data]), packed, msg)
 

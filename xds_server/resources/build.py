@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
 from typing import Any
+
+from envoy.config.endpoint.v3 import endpoint_pb2
 
 from xds_server.config import Config, cluster_name
 from xds_server.engine.types import EndpointWeight
 from xds_server.resources.clusters import build_cluster, build_ext_proc_cluster, picker_limits
-from xds_server.resources.endpoints import build_assignment
+from xds_server.resources.endpoints import AssignmentLayout
 from xds_server.resources.listener import build_listener
 from xds_server.resources.names import EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME
 from xds_server.resources.routes import build_route_config
@@ -23,13 +26,17 @@ from xds_server.snapshot import (
     snapshot_of,
 )
 
+_ADDRESS, _WEIGHT, _HEALTH = attrgetter("address"), attrgetter("weight"), attrgetter("health")
+
 
 class BuildMemo:
     """What one build can reuse from the previous ones (an optimisation: output is unchanged).
 
-    - per cluster, its assignment Resource, keyed by its endpoints' ``(address, weight, health,
-      max_concurrency)``: a round that changes a few weights rebuilds and re-digests only those
-      clusters' assignments;
+    - per cluster, its :class:`~xds_server.resources.endpoints.AssignmentLayout` (the encoded
+      addresses and metadata: rebuilt only when the endpoints or their config change) and its last
+      assignment Resource with the weights and health it was built from: a round encodes only the
+      weights and health of each cluster, and a cluster whose weights and health did not change
+      keeps its Resource (not rebuilt, not re-digested);
     - per config object and picker address, the config-derived resources (clusters, listener,
       routes) and per-cluster endpoint limits: they change only when the config does.
 
@@ -44,23 +51,35 @@ class BuildMemo:
 
     def __init__(self, picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None) -> None:
         self._picker_metadata = picker_metadata
-        self._assignments: dict[str, tuple[tuple, Resource]] = {}
+        self._layouts: dict[str, AssignmentLayout] = {}
+        self._assignments: dict[str, tuple[AssignmentLayout, list[int], list[str], Resource]] = {}
         self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict, dict, dict]] = {}
 
     def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int],
                    classes: Mapping[str, str] | None = None, tiers: Mapping[str, str] | None = None) -> Resource:
         """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ);
         ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge)."""
-        classes = classes or {}
-        tiers = tiers or {}
-        key = tuple((w.address, w.weight, w.health, limits.get(w.address), classes.get(w.address),
-                     tiers.get(w.address)) for w in weights)
+        layout = self._layout(cluster, list(map(_ADDRESS, weights)), limits, classes or {}, tiers or {})
+        values, health = list(map(_WEIGHT, weights)), list(map(_HEALTH, weights))
         hit = self._assignments.get(cluster)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        res = resource(cluster, build_assignment(cluster, weights, limits, classes, tiers))
-        self._assignments[cluster] = (key, res)
+        if hit is not None and hit[0] is layout and hit[1] == values and hit[2] == health:
+            return hit[3]
+        data = layout.encode(values, health)
+        res = resource(cluster, endpoint_pb2.ClusterLoadAssignment.FromString(data), data)
+        self._assignments[cluster] = (layout, values, health, res)
         return res
+
+    def _layout(self, cluster: str, addresses: list[str], limits: Mapping[str, int], classes: Mapping[str, str],
+                tiers: Mapping[str, str]) -> AssignmentLayout:
+        """The cluster's layout, the last one when its addresses and their config are the same (the
+        config's maps are compared by identity first: the same config object gives the same maps)."""
+        inputs = (limits, classes, tiers)
+        old = self._layouts.get(cluster)
+        if old is not None and old.addresses == tuple(addresses) and all(
+                a is b or a == b for a, b in zip(old.inputs, inputs, strict=True)):
+            return old
+        layout = self._layouts[cluster] = AssignmentLayout(cluster, addresses, limits, classes, tiers, previous=old)
+        return layout
 
     def static(self, cfg: Config, ext_proc_address: str
                ) -> tuple[dict[str, dict[str, Resource]], dict, dict, dict]:
