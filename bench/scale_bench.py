@@ -9,8 +9,8 @@ per size:
 
 - **round CPU**: process CPU time (all threads) of one steady round (``ControlPlane.run_round``:
   engine, snapshot build, cache, picker view, history rows written), median of the rounds after the first;
-  and, alone, the engine (``compute_weights``), the snapshot build, the picker's view build, and
-  writing one history row per endpoint;
+  and, alone (the cyclic GC off, as in a round), the engine (``compute_weights``), the snapshot build,
+  the picker's view build, and writing one history row per endpoint;
 - **loop blocked**: the longest time the asyncio event loop (the one the ADS server, the picker and
   the admin API share) did not run a 5 ms timer during the steady rounds, and during the first
   round (which builds the picker's rings from scratch);
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -135,7 +136,10 @@ async def _measure(n: int, history_path: str) -> dict:
     stop.set()
     await task
     rss = proc.memory_info().rss / 2**20
-    # The stages alone, on the same inputs (single-threaded, so process_time is theirs).
+    # The stages alone, on the same inputs (single-threaded, so process_time is theirs), with the cyclic
+    # GC off as in a round of `inferlb serve` (InferLB._round_heap): a collection inside one stage
+    # would be charged to it alone.
+    gc.disable()
     specs, params = endpoint_specs(cfg), app.control._params
     state = app.control._state
     t = time.process_time()
@@ -155,6 +159,7 @@ async def _measure(n: int, history_path: str) -> dict:
     store.append(rows)
     history = time.process_time() - t
     store.close()
+    gc.enable()
     steady = rounds[1:]
     return {"endpoints": n, "round_cpu_s": round(statistics.median(steady), 3),
             "round_cpu_range_s": [round(min(steady), 3), round(max(steady), 3)],
