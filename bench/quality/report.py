@@ -509,8 +509,7 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
         if any(figures[p].get("edge_peak_load") is not None for p in figures):
             out += ["", "Tiers (client-side: edge in flight from each request's send to its answer; edge peak "
                     "load = the most in flight on the edge over its max concurrency; \"under the threshold\" = at "
-                    f"most threshold x capacity - {1 + CALM_SLACK} in flight on the edge at the send: room for the "
-                    f"request under the threshold, {CALM_SLACK} to spare):", "",
+                    f"most threshold x capacity - {CALM_SLACK} in flight on the edge at the send):", "",
                     tier_table(figures)]
         shares = meta.get("served_share", {})
         if shares:

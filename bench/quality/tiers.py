@@ -7,12 +7,10 @@ node that served it:
   window, over the edge tier's max concurrency (0-1 at or under it; the picker's threshold is
   ``picker.spill_threshold``, 0.6 by default);
 - ``cloud_share``: share of the measured successful requests the cloud nodes served;
-- ``cloud_share_calm``: the same among those sent while the edge had room for them under the
-  threshold with some to spare: at most ``threshold x capacity - 1 - CALM_SLACK`` requests in flight
-  on the edge at the send (the picker sends a request to the edge while it fits under the threshold:
-  in flight + 1 <= threshold x capacity, :func:`ext_proc.tiers.tier_for`). The slack covers what the
-  client sees and the picker does not yet: Envoy reports a completion to the picker a few ms after
-  the client has the answer (its access-log flush);
+- ``cloud_share_calm``: the same among those sent while the edge was under the threshold with room
+  to spare: at most ``threshold x capacity - CALM_SLACK`` requests in flight on the edge at the
+  send. The slack covers what the client sees and the picker does not yet: Envoy reports a
+  completion to the picker a few ms after the client has the answer (its access-log flush);
 - ``edge_oom_rate``: share of the measured requests answered by an edge node that were an OOM.
 """
 
@@ -61,7 +59,7 @@ def tier_figures(trace: Sequence[TraceRequest], results: Sequence[Result], warmu
             peak = max(peak, edge_in_flight(t) + 1)
     measured = [r for r in results if trace[r.index].at_s >= warmup_s]  # type: ignore[index]
     ok = [r for r in measured if 200 <= r.status < 300 and (r.served_by in edge or r.served_by in cloud)]
-    calm_limit = threshold * edge_capacity - 1 - CALM_SLACK
+    calm_limit = threshold * edge_capacity - CALM_SLACK
     calm = [r for r in ok if edge_in_flight(r.at - r.latency_ms / 1000.0) <= calm_limit]
     edge_answers = [r for r in measured if r.served_by in edge]
     return {

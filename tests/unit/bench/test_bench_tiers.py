@@ -33,15 +33,14 @@ def test_the_edge_peak_is_the_most_requests_in_flight_there_at_once():
 
 
 def test_cloud_requests_count_as_calm_only_when_the_edge_was_well_under_the_threshold():
-    # Threshold 0.6 x 10 = 6: calm = room for the request with CALM_SLACK to spare, at most
-    # 6 - 1 - CALM_SLACK = 3 edge requests in flight at the send.
+    # Threshold 0.6 x 10 = 6: calm = at most 6 - CALM_SLACK = 4 edge requests in flight at the send.
     assert CALM_SLACK == 2
     busy = [(0.0 + 0.01 * i, 5.0, "e1", None) for i in range(6)]   # 6 in flight from 0.05 s
     f = figures([*busy, (1.0, 0.1, "c1", None), (6.0, 0.1, "c1", None)])
     # The cloud request at 1 s (6 on the edge) is not calm; the one at 6 s (edge idle) is.
     assert f["cloud_share"] == pytest.approx(2 / 8)
-    # Calm: the first four edge requests (0-3 in flight at their sends) and the cloud request at 6 s.
-    assert f["cloud_share_calm"] == pytest.approx(1 / 5)
+    # Calm: the first five edge requests (0-4 in flight at their sends) and the cloud request at 6 s.
+    assert f["cloud_share_calm"] == pytest.approx(1 / 6)
 
 
 def test_edge_ooms_and_the_warm_up():
