@@ -265,11 +265,10 @@ def pick(
         request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
         (affinity, weighted bounded loads, memory admission; endpoints whose connections fail are
         skipped, unless every endpoint with memory for the request fails) among the endpoints of one
-        tier (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud when the request would take
-        the edge past its ``spill_threshold``, or when no edge endpoint has the memory); reason
-        "no-memory" (endpoint None) when no endpoint can hold it. Without a healthy endpoint nothing
-        is pinned. Before the first real view, nothing is decided (reason "not-ready") so Envoy's own
-        routing applies.
+        tier (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
+        ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
+        when no endpoint can hold it. Without a healthy endpoint nothing is pinned. Before the
+        first real view, nothing is decided (reason "not-ready") so Envoy's own routing applies.
 
     Never raises for any header or body content.
     """

@@ -164,8 +164,8 @@ class RoutingTable:
             typical requests of the least loaded admitted endpoint's (>= 0; None: no such limit; see
             :func:`ext_proc.scheduler.choose`).
         spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
-            there when its first tier's requests in flight with this one would be more than this
-            share (0-1] of that tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
+            there when its first tier's requests in flight are at least this share (0-1] of that
+            tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
         sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:

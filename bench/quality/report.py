@@ -328,13 +328,10 @@ def verdict_of(ok: bool | None, yes: str = "met") -> str:
 
 
 def _tier_targets(store: Mapping[str, Any], verdict) -> list[tuple[str, str, str]]:
-    """The ``edge_cloud`` targets: no edge OOM, the edge's peak load within the threshold (the most the
-    picker sends there, ``floor(threshold x capacity)``, plus one request of slack: the client counts a
-    request until its answer arrives, a few ms after Envoy's access log ended it for the picker),
-    cloud share ~0 while calm."""
+    """The ``edge_cloud`` targets: no edge OOM, the edge's peak load within the threshold (one request of
+    slack: the picker counts a completion a few ms after the client has it), cloud share ~0 while calm."""
     edge = sum(1 for n in SCENARIOS["edge_cloud"].nodes if n.tier == "edge")
-    capacity = EDGE_MAX_CONCURRENCY * edge
-    bound = (max(1, math.floor(SPILL_THRESHOLD * capacity + 1e-9)) + 1) / capacity
+    bound = (math.ceil(SPILL_THRESHOLD * EDGE_MAX_CONCURRENCY * edge) + 1) / (EDGE_MAX_CONCURRENCY * edge)
     oom = _get(store, "edge_cloud", "inferlb_full", "edge_oom_rate")
     peak = _get(store, "edge_cloud", "inferlb_full", "edge_peak_load")
     calm = _get(store, "edge_cloud", "inferlb_full", "cloud_share_calm")

@@ -3,7 +3,7 @@ without the picker Envoy's priority levels send the cloud tier traffic only when
 healthy enough.
 
 Layout (both stacks): v1 = two edge backends (max_concurrency 2 each: capacity 4, so at the default
-threshold of 60 % the edge holds 2 requests: a third would make 75 %) and one cloud backend.
+threshold of 60 % the edge holds 3 requests) and one cloud backend.
 """
 
 from __future__ import annotations
@@ -59,18 +59,18 @@ def test_the_picker_keeps_requests_on_the_edge_under_the_threshold_and_spills_at
     # One at a time the edge is never above 1/4 of its capacity: the cloud gets nothing.
     seen = served_by(s, 20) + served_by(s, 10, {"x-session-id": "tiers-one"})
     assert seen[cloud] == 0 and sum(seen.values()) == 30
-    # Hold requests on the edge: the first 2 (2/4 = 50 %; a third would be 75 % > 60 %) stay there, the rest spill.
+    # Hold requests on the edge: the first 3 (3/4 >= 60 % after the third) stay there, the rest spill.
     for b in s.backends[:2]:
         b.fault(hang=True)
     held = [threading.Thread(target=lambda: requests.post(f"{s.listener}/v1/chat/completions", json={
-        "max_tokens": 8, "messages": []}, timeout=30), daemon=True) for _ in range(2)]
+        "max_tokens": 8, "messages": []}, timeout=30), daemon=True) for _ in range(3)]
     try:
         for n, t in enumerate(held, start=1):
             t.start()
             wait_until(lambda n=n: on_edge() == n, 10, 0.02, "the held request to be counted on the edge")
         spilled = served_by(s, 6) + served_by(s, 4, {"x-session-id": "tiers-two"})
         assert spilled == Counter({cloud: 10})
-        assert on_edge() == 2
+        assert on_edge() == 3
     finally:
         for b in s.backends[:2]:
             b.fault(reset=True)
