@@ -14,7 +14,9 @@ per size:
 - **loop blocked**: the longest time the asyncio event loop (the one the ADS server, the picker and
   the admin API share) did not run a 5 ms timer during the steady rounds, and during the first
   round (which builds the picker's rings from scratch);
-- **RSS** of the process after the rounds (MB).
+- **RSS** of the process after a steady round (its history rows written; the largest of the steady
+  rounds, MB) and its **peak RSS** over the whole run (``ru_maxrss``: mid-round, two rounds' objects are
+  alive).
 
 The history is an SQLite file in a temporary folder (as ``inferlb serve`` writes one). The history
 writes a row for each endpoint whose weight or health changed: with these answers 34 949 of 60 000
@@ -33,6 +35,7 @@ import asyncio
 import gc
 import json
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -124,7 +127,7 @@ async def _measure(n: int, history_path: str) -> dict:
 
     task = asyncio.create_task(probe())
     await asyncio.sleep(0.05)
-    rounds, lags = [], []
+    rounds, lags, rss = [], [], []  # RSS (MB) after each round's history rows are written
     for _ in range(ROUNDS):
         before = cpu()
         lag["max"] = 0.0
@@ -132,10 +135,11 @@ async def _measure(n: int, history_path: str) -> dict:
         await asyncio.to_thread(app.recorder.flush, 60.0)  # its history rows are written: part of the round
         rounds.append(cpu() - before)
         lags.append(lag["max"])
+        rss.append(proc.memory_info().rss / 2**20)
         assert ok and len(app.control.weights) == n
     stop.set()
     await task
-    rss = proc.memory_info().rss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     # The stages alone, on the same inputs (single-threaded, so process_time is theirs), with the cyclic
     # GC off as in a round of `inferlb serve` (InferLB._round_heap): a collection inside one stage
     # would be charged to it alone.
@@ -166,7 +170,8 @@ async def _measure(n: int, history_path: str) -> dict:
             "first_round_cpu_s": round(rounds[0], 3), "engine_cpu_s": round(engine, 3),
             "build_cpu_s": round(build, 3), "view_cpu_s": round(view, 3), "history_cpu_s": round(history, 3),
             "loop_blocked_ms": round(max(lags[1:]) * 1000, 1),
-            "first_round_loop_blocked_ms": round(lags[0] * 1000, 1), "rss_mb": round(rss, 1)}
+            "first_round_loop_blocked_ms": round(lags[0] * 1000, 1), "rss_mb": round(max(rss[1:]), 1),
+            "peak_rss_mb": round(peak, 1)}
 
 
 def run_size(n: int) -> dict:
@@ -182,14 +187,14 @@ def report(results: list[dict]) -> str:
     base = results[0]
     lines = ["| endpoints | round CPU (s), median (min–max) | per 1k endpoints (s) | engine (s) | snapshot build (s) "
              "| picker view (s) | history rows (s) | loop blocked, max (ms) | first round CPU (s) "
-             "| first round: loop blocked (ms) | RSS (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| first round: loop blocked (ms) | RSS (MB) | peak RSS (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lo, hi = r["round_cpu_range_s"]
         lines.append(f"| {r['endpoints']:,} | {r['round_cpu_s']} ({lo}–{hi}) "
                      f"| {r['round_cpu_s'] / r['endpoints'] * 1000:.3f} | {r['engine_cpu_s']} | {r['build_cpu_s']} "
                      f"| {r['view_cpu_s']} | {r['history_cpu_s']} | {r['loop_blocked_ms']} | {r['first_round_cpu_s']} "
-                     f"| {r['first_round_loop_blocked_ms']} | {r['rss_mb']} |")
+                     f"| {r['first_round_loop_blocked_ms']} | {r['rss_mb']} | {r['peak_rss_mb']} |")
     last = results[-1]
     lines.append("")
     lines.append(f"Linearity: CPU per 1 000 endpoints {base['round_cpu_s'] / base['endpoints'] * 1000:.3f} s at "

@@ -2,8 +2,8 @@
 
 The slow loop builds a new :class:`EndpointView` whenever EDS or the routing rules change and
 swaps it into a :class:`ViewHolder`; the request path reads ``holder.current`` once per request
-and never waits on a lock. Endpoints come in as Envoy ``ClusterLoadAssignment`` protos (the
-same objects Envoy receives), so this module needs nothing from the control plane.
+and never waits on a lock. Endpoints come in as Envoy ``ClusterLoadAssignment`` protos or their bytes
+(what Envoy receives), so this module needs nothing from the control plane.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from envoy.config.core.v3 import base_pb2, health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
 
-from ext_proc.eds_wire import assignment_endpoints
+from ext_proc.eds_wire import Assignment, assignment_endpoints
 from ext_proc.ring import HashRing, key_hash
 
 __all__ = [
@@ -312,7 +311,7 @@ def _inferlb(metadata: base_pb2.Metadata) -> Mapping[str, Any] | None:
     return struct.fields if struct is not None else None
 
 
-def cluster_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[ClusterDetails]:
+def cluster_levels(assignment: Assignment) -> list[ClusterDetails]:
     """Read ``assignment`` once: per priority level that has a pinnable endpoint (lowest priority
     number first), its pinnable endpoints and their capacity, weights and GPU classes.
 
@@ -364,20 +363,20 @@ def cluster_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[Clust
     return out
 
 
-def cluster_details(assignment: endpoint_pb2.ClusterLoadAssignment) -> ClusterDetails:
+def cluster_details(assignment: Assignment) -> ClusterDetails:
     """The first level of :func:`cluster_levels` (the pinnable endpoints of the lowest priority that
     has one, and their capacity, weights and GPU classes); empty when no endpoint is pinnable."""
     levels = cluster_levels(assignment)
     return levels[0] if levels else ClusterDetails((), 0, {}, {})
 
 
-def pinnable_endpoints(assignment: endpoint_pb2.ClusterLoadAssignment) -> tuple[str, ...]:
+def pinnable_endpoints(assignment: Assignment) -> tuple[str, ...]:
     """The endpoints of ``assignment`` the picker may pin, as sorted ``"HOST:PORT"``
     (:attr:`ClusterDetails.endpoints` of :func:`cluster_details`)."""
     return cluster_details(assignment).endpoints
 
 
-def pinnable_levels(assignment: endpoint_pb2.ClusterLoadAssignment) -> list[tuple[str, ...]]:
+def pinnable_levels(assignment: Assignment) -> list[tuple[str, ...]]:
     """The pinnable endpoints of each priority level that has one, lowest priority number first
     (:attr:`ClusterDetails.endpoints` of each of :func:`cluster_levels`)."""
     return [level.endpoints for level in cluster_levels(assignment)]
@@ -430,15 +429,16 @@ class EndpointView:
     @classmethod
     def build(
         cls,
-        assignments: Mapping[str, endpoint_pb2.ClusterLoadAssignment],
+        assignments: Mapping[str, Assignment],
         routing: RoutingTable,
         previous: EndpointView | None = None,
     ) -> EndpointView:
         """Build a view from EDS assignments and routing rules.
 
         Args:
-            assignments: cluster name -> its ``ClusterLoadAssignment``. A cluster named by the
-                routing table but missing here is routed to without pinning.
+            assignments: cluster name -> its ``ClusterLoadAssignment`` (message or bytes:
+                :data:`~ext_proc.eds_wire.Assignment`). A cluster named by the routing table but
+                missing here is routed to without pinning.
             routing: the routing rules.
             previous: an earlier view; rings of clusters whose pinnable endpoints and
                 ``vnodes`` are unchanged are reused, other rings of its clusters lend their
@@ -491,7 +491,7 @@ class ViewHolder:
 
     def update(
         self,
-        assignments: Mapping[str, endpoint_pb2.ClusterLoadAssignment],
+        assignments: Mapping[str, Assignment],
         routing: RoutingTable,
     ) -> EndpointView:
         """Build a new view (reusing unchanged rings), make it current and return it.

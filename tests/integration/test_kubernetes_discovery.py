@@ -20,6 +20,7 @@ from aiohttp import web
 
 from inferlb.serve import InferLB
 from tests.integration.conftest import LoopThread, wait_until
+from tests.support.snapshots import assignments_of
 from xds_server.config import parse_config
 from xds_server.discovery.kubernetes import KubernetesWatcher, compose_config, endpoints_from
 
@@ -196,7 +197,7 @@ def test_inferlb_pushes_nothing_before_discovery_then_the_discovered_clusters(ap
         assert app.cache.snapshot is None and not app.control.ready.is_set()
         api.list_gate.set()
         wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot after discovery")
-        assignments = app.cache.snapshot.assignments()
+        assignments = assignments_of(app.cache.snapshot)
         assert sorted(assignments) == ["chat-v1", "chat-v2"]
         hosts = {c: [e.endpoint.address.socket_address.address for loc in a.endpoints for e in loc.lb_endpoints]
                  for c, a in assignments.items()}

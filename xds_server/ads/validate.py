@@ -107,7 +107,7 @@ def check_resource(type_url: str, res: Resource) -> list[str]:
     if spec is None:
         return []
     cls, name_field = spec
-    msg = res.message  # what ``packed`` holds, already parsed (see Resource)
+    msg = res.message()
     if msg.DESCRIPTOR.full_name != cls.DESCRIPTOR.full_name:
         return [f"message type {msg.DESCRIPTOR.full_name} is not {cls.DESCRIPTOR.full_name}"]
     problems = []

@@ -22,6 +22,7 @@ from xds_server.snapshot import (
     ROUTE_TYPE,
     Resource,
     Snapshot,
+    encoded_resource,
     resource,
     snapshot_of,
 )
@@ -65,7 +66,7 @@ class BuildMemo:
         if hit is not None and hit[0] is layout and hit[1] == values and hit[2] == health:
             return hit[3]
         data = layout.encode(values, health)
-        res = resource(cluster, endpoint_pb2.ClusterLoadAssignment.FromString(data), data)
+        res = encoded_resource(cluster, endpoint_pb2.ClusterLoadAssignment, data)
         self._assignments[cluster] = (layout, values, health, res)
         return res
 

@@ -114,7 +114,7 @@ class AssignmentLayout:
     Immutable once built; :meth:`encode` may be called from any thread.
     """
 
-    __slots__ = ("cluster", "addresses", "inputs", "_name", "_levels", "_encoded")
+    __slots__ = ("cluster", "addresses", "inputs", "_name", "_levels")
 
     def __init__(self, cluster: str, addresses: Sequence[str], max_concurrency: Mapping[str, int] | None = None,
                  gpu_class: Mapping[str, str] | None = None, tier: Mapping[str, str] | None = None,
@@ -123,8 +123,8 @@ class AssignmentLayout:
         self.addresses = tuple(addresses)
         self.inputs = (max_concurrency, gpu_class, tier)
         self._name = _delimited(_CLA_CLUSTER_NAME, cluster.encode()) if cluster else b""
-        reuse = previous._encoded if previous is not None else {}
-        self._encoded = {a: reuse.get(a) or _endpoint_field(a) for a in self.addresses}
+        reuse = previous._encoded() if previous is not None else {}
+        encoded = {a: reuse.get(a) or _endpoint_field(a) for a in self.addresses}
         tiers = [TIER_PRIORITY[tier.get(a, "edge")] if tier else 0 for a in self.addresses]
         used = sorted(set(tiers))
         metas: dict[tuple, bytes] = {}  # one encoding per distinct difference
@@ -132,9 +132,19 @@ class AssignmentLayout:
         for level, priority in enumerate(used):
             order = None if len(used) == 1 else [i for i, t in enumerate(tiers) if t == priority]
             members = self.addresses if order is None else [self.addresses[i] for i in order]
-            self._levels.append(self._level(level, members, max_concurrency, gpu_class, metas, order))
+            self._levels.append(self._level(level, members, encoded, max_concurrency, gpu_class, metas, order))
 
-    def _level(self, priority: int, members: Sequence[str], max_concurrency: Mapping[str, int] | None,
+    def _encoded(self) -> dict[str, bytes]:
+        """``{address: its encoded endpoint field}``, made when asked (a later layout reuses them): kept,
+        it would be a second reference table of every endpoint (~5 MB at 60 000)."""
+        out: dict[str, bytes] = {}
+        for level in self._levels:
+            members = self.addresses if level.order is None else map(self.addresses.__getitem__, level.order)
+            out.update(zip(members, level.heads, strict=True))
+        return out
+
+    def _level(self, priority: int, members: Sequence[str], encoded: Mapping[str, bytes],
+               max_concurrency: Mapping[str, int] | None,
                gpu_class: Mapping[str, str] | None, metas: dict[tuple, bytes], order: list[int] | None) -> _Level:
         own: list[dict] = []
         counts: dict[tuple, int] = {}
@@ -161,7 +171,7 @@ class AssignmentLayout:
         # LocalityLbEndpoints in field-number order: lb_endpoints (2), priority (5), metadata (9).
         tail = (_BYTE[_LOCALITY_PRIORITY] + _varint(priority) if priority else b"") + (
             _metadata(_LOCALITY_METADATA, shared) if shared else b"")
-        return _Level(order, [self._encoded[a] for a in members], endpoint_metas, tail)
+        return _Level(order, [encoded[a] for a in members], endpoint_metas, tail)
 
     def encode(self, weights: Sequence[int], health: Sequence[str]) -> bytes:
         """The serialized ClusterLoadAssignment with ``weights[i]`` (``load_balancing_weight``, >= 1)

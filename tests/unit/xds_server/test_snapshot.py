@@ -13,6 +13,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 
 from tests.support.factories import config, service, version, weight
+from tests.support.snapshots import assignments_of
 from xds_server.control import endpoint_specs, engine_params
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
@@ -136,7 +137,7 @@ def test_snapshot_builds_one_cluster_and_one_assignment_per_version():
     assert list(snap.of(ENDPOINT_TYPE)) == CLUSTERS
     for name in CLUSTERS:
         assert cluster_of(snap, name).name == name
-    assignments = snap.assignments()
+    assignments = assignments_of(snap)
     assert set(assignments) == set(CLUSTERS)
     assert [e.load_balancing_weight.value for e in assignments["llm-v1"].endpoints[0].lb_endpoints] == [10, 11, 12]
     assert [e.load_balancing_weight.value for e in assignments["embed-e1"].endpoints[0].lb_endpoints] == [15, 16]
@@ -160,14 +161,14 @@ def test_ext_proc_cluster_points_at_the_picker():
 
 def test_cluster_without_weights_gets_an_empty_assignment():
     snap = snapshot(CFG, [w for w in weights_of(CFG) if w.cluster != "llm-v2"])
-    assert len(snap.assignments()["llm-v2"].endpoints) == 0
+    assert len(assignments_of(snap)["llm-v2"].endpoints) == 0
 
 
 def test_snapshot_from_the_engine_is_valid_for_envoy():
     # A first round with no metrics: neutral weights, every one >= 1.
     weights, _ = compute_weights(endpoint_specs(CFG), {}, EngineState(), engine_params(CFG), plugins=BUILTIN)
     snap = snapshot(CFG, weights)
-    for cla in snap.assignments().values():
+    for cla in assignments_of(snap).values():
         for e in cla.endpoints[0].lb_endpoints:
             assert e.load_balancing_weight.value >= 1
 

@@ -6,6 +6,7 @@ import pytest
 
 from inferlb.picker_config import routing_table
 from tests.support.factories import config, service, version, weight, yaml_text
+from tests.support.snapshots import assignments_of
 from xds_server.config import ConfigError, parse_config
 from xds_server.engine.types import UNHEALTHY
 from xds_server.resources.build import build_snapshot
@@ -31,7 +32,7 @@ def test_edge_endpoints_are_priority_0_and_cloud_endpoints_priority_1():
     assert [e.tier for e in cfg.services[0].versions[0].endpoints] == ["edge", "edge", "cloud"]
     weights = [weight("llm-v1", a, 10) for a in EDGE + CLOUD]
     snap = build_snapshot(cfg, weights, "127.0.0.1:18080")
-    assert priorities(snap.assignments()["llm-v1"]) == {0: EDGE, 1: CLOUD}
+    assert priorities(assignments_of(snap)["llm-v1"]) == {0: EDGE, 1: CLOUD}
 
 
 def test_without_a_tier_everything_is_one_locality_at_priority_0():
