@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit
 from ext_proc.costmodel import CostModel
-from ext_proc.inflight import InFlight
+from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_large
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
@@ -490,9 +490,9 @@ class PickerHandler:
             self.loads = SharedLoad(self.inflight)
         return self.loads
 
-    def set_samples(self, samples: dict[str, tuple[float, float]]) -> None:
-        """Fresh GPU memory samples from the slow loop: ``{"HOST:PORT": (free MiB, taken at, monotonic s)}``
-        (see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted."""
+    def set_samples(self, samples: MemorySamples) -> None:
+        """Fresh GPU memory samples from the slow loop (:class:`~ext_proc.inflight.MemorySamples`,
+        see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted."""
         self.inflight.set_samples(samples)
         if self.admission is not None:
             self.admission.release(self._room)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from prometheus_client import Counter
 
-from ext_proc.inflight import InFlight
+from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
 from protos import load_view_pb2, load_view_pb2_grpc
 
@@ -66,11 +66,8 @@ def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[fl
     return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
 
 
-Samples = dict[str, tuple[float, float]]
-
-
 async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.01,
-                        expiry_s: float = 1.0, on_samples: Callable[[Samples], None] | None = None,
+                        expiry_s: float = 1.0, on_samples: Callable[[MemorySamples], None] | None = None,
                         backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
     """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
 
@@ -118,7 +115,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                     shared.set_others(view_others(view))
                     if on_samples is not None and view.memory_round:
                         shared.free.rebase({m.endpoint: m.others_mib for m in view.memory})
-                        on_samples(view_samples(view, inflight.now()))
+                        on_samples(MemorySamples.of(view_samples(view, inflight.now())))
                     VIEWS.labels("received").inc()
                     delay = backoff_s
             lost("the control plane ended the stream")

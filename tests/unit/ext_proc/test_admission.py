@@ -11,6 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission, admit
 from ext_proc.handler import PickerHandler, StreamState
+from ext_proc.inflight import MemorySamples
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, cluster_details
 from tests.unit.ext_proc.test_inflight import log_message
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
@@ -84,16 +85,17 @@ async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_m
                       admission=Admission(4, 1.0, retry_after_s=3), memory_queue=True)
     h.inflight.streams = 1
     endpoints = ["10.0.0.0:8000", "10.0.0.1:8000"]
-    h.set_samples({e: (20_000.0, h.inflight.now()) for e in endpoints})
+    h.set_samples(MemorySamples.of({e: (20_000.0, h.inflight.now()) for e in endpoints}))
     for i in range(2):
         answer, _ = h.process(StreamState(), headers_msg(f"s{i}"))
         assert kind(answer) == ("request_headers", None)
     waiting, _ = h.process(StreamState(), headers_msg("s2"))
     assert isinstance(waiting, asyncio.Future) and not waiting.done()  # the cluster is full
-    h.set_samples({e: (50.0, h.inflight.now() + 1.0) for e in endpoints})  # both running: no room left
+    # both running: no room left
+    h.set_samples(MemorySamples.of({e: (50.0, h.inflight.now() + 1.0) for e in endpoints}))
     h.access_log(log_message(("llm-v1", None)))  # a slot frees, the memory does not
     assert not waiting.done()
-    h.set_samples({e: (20_000.0, h.inflight.now() + 2.0) for e in endpoints})
+    h.set_samples(MemorySamples.of({e: (20_000.0, h.inflight.now() + 2.0) for e in endpoints}))
     assert waiting.done()
     r = pb.ProcessingResponse.FromString(waiting.result())
     pins = {o.header.key for o in r.request_headers.response.header_mutation.set_headers}

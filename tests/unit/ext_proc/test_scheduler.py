@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ext_proc.costmodel import CostModel
 from ext_proc.handler import PickerHandler, _body_fields, prefix_hash
-from ext_proc.inflight import InFlight
+from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import BodyFields, pick, request_need
 from ext_proc.ring import HashRing
 from ext_proc.scheduler import choose, pin_after, under_bound
@@ -117,11 +117,12 @@ def test_estimated_free_subtracts_what_was_sent_since_the_sample_and_credits_com
     live = InFlight(clock=lambda: clock[0])
     live.picked("c", FOUR[0], mib=1000.0)  # before the sample: the sample already counts it
     clock[0] = 101.0
-    live.set_samples({FOUR[0]: (8000.0, 100.5)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (8000.0, 100.5)}))
     assert live.free[FOUR[0]] == 8000.0
     live.picked("c", FOUR[0], mib=3000.0)  # after the sample
     assert live.free[FOUR[0]] == 5000.0
-    live.set_samples({FOUR[0]: (7900.0, 100.5)})  # a new sample from before that pick: still subtracted
+    # a new sample from before that pick: still subtracted
+    live.set_samples(MemorySamples.of({FOUR[0]: (7900.0, 100.5)}))
     assert live.free[FOUR[0]] == 4900.0
     live.completed("c", FOUR[0])  # the first (pre-sample) request ends: its memory is free again
     assert live.free[FOUR[0]] == 5900.0
@@ -132,12 +133,12 @@ def test_a_sample_is_credited_with_the_requests_it_saw_that_finished_since():
     live = InFlight(clock=lambda: clock[0], sample_slack_s=0.05)
     live.picked("c", FOUR[0], mib=8000.0)
     live.picked("c", FOUR[0], mib=8000.0)
-    live.set_samples({FOUR[0]: (24000.0, 99.0)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (24000.0, 99.0)}))
     clock[0] = 100.5  # the sample (taken at 100.2, 8000 free) arrives after both requests ended
     live.completed("c", FOUR[0])
     live.completed("c", FOUR[0])
     clock[0] = 101.0
-    live.set_samples({FOUR[0]: (8000.0, 100.2)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (8000.0, 100.2)}))
     assert live.free[FOUR[0]] == 24000.0  # not 8000: the memory it showed in use is free again
 
 
@@ -150,18 +151,18 @@ def test_doubtful_requests_near_the_sample_time_count_against_admission():
     clock[0] = 100.18  # picked 20 ms before the sample: maybe not at the backend yet
     live.picked("c", FOUR[0], mib=4000.0)
     clock[0] = 100.6
-    live.set_samples({FOUR[0]: (16000.0, 100.2)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (16000.0, 100.2)}))
     assert live.free[FOUR[0]] == 12000.0  # no credit for the first, the second subtracted
 
 
 def test_an_expired_pick_is_never_credited_to_a_sample():
     clock = [0.0]
     live = InFlight(expiry_s=10.0, clock=lambda: clock[0])
-    live.set_samples({FOUR[0]: (20000.0, 0.0)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (20000.0, 0.0)}))
     live.picked("c", FOUR[0], mib=8000.0)
     clock[0] = 11.0
     live.expire()  # its record was lost: when it ended is unknown
-    live.set_samples({FOUR[0]: (20000.0, 10.5)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (20000.0, 10.5)}))
     assert live.free[FOUR[0]] == 20000.0
 
 
@@ -180,7 +181,7 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
                     + [(t + d, "done", i) for i, (t, d, _) in enumerate(requests)])
     clock = [0.0]
     live = InFlight(expiry_s=1000.0, clock=lambda: clock[0], sample_slack_s=slack)
-    live.set_samples({FOUR[0]: (total, -1.0)})  # known from the start
+    live.set_samples(MemorySamples.of({FOUR[0]: (total, -1.0)}))  # known from the start
     order: list[int] = []  # picks in flight, oldest first (completions are matched first in, first out)
     for t, kind, i in events:
         if t > now:
@@ -194,7 +195,7 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
             order.remove(i)
     clock[0] = now
     resident_at_sample = sum(m for t, d, m in requests if t <= taken_at < t + d)
-    live.set_samples({FOUR[0]: (total - resident_at_sample, taken_at)})
+    live.set_samples(MemorySamples.of({FOUR[0]: (total - resident_at_sample, taken_at)}))
     in_flight_now = sum(requests[i][2] for i in order)
     truth = total - in_flight_now
     assert live.free[FOUR[0]] <= truth + 1e-6
@@ -207,7 +208,7 @@ def test_a_declared_need_gets_no_margin_an_estimated_one_does():
     routing = RoutingTable(services=ROUTING.services, request_memory_header="x-sim-memory-mib")
     v = view(routing=routing)
     free = InFlight()
-    free.set_samples({e: (8192.0, 0.0) for e in FOUR})
+    free.set_samples(MemorySamples.of({e: (8192.0, 0.0) for e in FOUR}))
     declared = pick(headers(x_sim_memory_mib=b"8192"), v, free)
     assert declared.endpoint is not None and declared.reason != "no-memory"
     estimated = pick(headers(), v, free, body=BodyFields(prompt_tokens=16256.0, max_tokens=128))  # 8192 MiB
@@ -249,7 +250,7 @@ async def test_a_request_nothing_can_hold_waits_then_gets_429_saying_why():
     from ext_proc.admission import Admission
     v = view({FOUR[0]: 1})
     handler = PickerHandler(ViewHolder(v), admission=Admission(4, 0.05, 2), limit_concurrency=False)
-    handler.set_samples({FOUR[0]: (1000.0, 0.0)})
+    handler.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
     answer, end = handler.process(StreamState(), _headers_msg())  # needs 2048 MiB + 20 %
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     response = pb.ProcessingResponse.FromString(await answer)
@@ -261,10 +262,10 @@ async def test_a_waiting_request_goes_once_a_sample_shows_memory():
     from ext_proc.admission import Admission
     v = view({FOUR[0]: 1})
     handler = PickerHandler(ViewHolder(v), admission=Admission(4, 2.0, 1), limit_concurrency=False)
-    handler.set_samples({FOUR[0]: (1000.0, 0.0)})
+    handler.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
     answer, _ = handler.process(StreamState(), _headers_msg())
     assert not answer.done()
-    handler.set_samples({FOUR[0]: (30_000.0, 0.0)})
+    handler.set_samples(MemorySamples.of({FOUR[0]: (30_000.0, 0.0)}))
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     response = pb.ProcessingResponse.FromString(await answer)
     assert response.WhichOneof("response") == "request_headers"
@@ -548,7 +549,8 @@ def _log(pin: str, served_by: str | None = None, attempts: int = 1, flag: str | 
 
 def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_free_endpoint():
     handler = PickerHandler(ViewHolder(view()))
-    handler.set_samples({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0), FOUR[3]: (10.0, 0.0)})
+    handler.set_samples(MemorySamples.of({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0),
+                                          FOUR[3]: (10.0, 0.0)}))
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]
 
 
@@ -577,7 +579,7 @@ def test_a_request_larger_than_every_endpoints_whole_memory_gets_a_503_that_says
 
 def test_a_request_that_fits_the_largest_endpoint_or_an_unknown_cluster_is_not_refused_as_too_large():
     handler = PickerHandler(ViewHolder(view()))
-    handler.set_samples({e: (10.0, 0.0) for e in FOUR})  # no room now: best effort, not a refusal
+    handler.set_samples(MemorySamples.of({e: (10.0, 0.0) for e in FOUR}))  # no room now: best effort, not a refusal
     handler.set_largest_memory({"c": 4096.0})
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) in FOUR
     handler.set_largest_memory({"other": 1.0})

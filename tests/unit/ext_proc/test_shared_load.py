@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ext_proc.handler import PickerHandler
-from ext_proc.inflight import FINISHED_KEEP, InFlight
+from ext_proc.inflight import FINISHED_KEEP, InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view, view_others
 from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
@@ -57,7 +57,7 @@ def test_free_memory_subtracts_what_the_others_added_since_the_sample():
     shared = SharedLoad(f)
     others = {("c", A): (2, 2.0, 4000.0)}
     shared.set_others(others_of(others, {}, {}, {}))
-    f.set_samples({A: (20000.0, clock.now)})  # the sample already holds the others' 4000 MiB
+    f.set_samples(MemorySamples.of({A: (20000.0, clock.now)}))  # the sample already holds the others' 4000 MiB
     assert shared.free.get(A, None) == 20000.0
     shared.set_others(others_of({("c", A): (3, 3.0, 10000.0)}, {}, {}, {}))
     assert shared.free.get(A, None) == 14000.0, "6000 MiB sent by the others since the sample"
@@ -72,9 +72,10 @@ def test_the_control_planes_baseline_counts_what_the_others_sent_between_the_sam
     shared = SharedLoad(f)
     shared.set_others(others_of({("c", A): (3, 3.0, 9000.0)}, {}, {}, {}))  # the others now
     shared.free.rebase({A: 3000.0})  # ... but only 3000 MiB when the sample was taken
-    f.set_samples({A: (20000.0, clock.now - 0.5)})
+    f.set_samples(MemorySamples.of({A: (20000.0, clock.now - 0.5)}))
     assert shared.free.get(A, None) == 14000.0, "6000 MiB sent by the others after the sample was taken"
-    f.set_samples({A: (15000.0, clock.now)})  # a later sample without a baseline: taken at its first read
+    # a later sample without a baseline: taken at its first read
+    f.set_samples(MemorySamples.of({A: (15000.0, clock.now)}))
     assert shared.free.get(A, None) == 15000.0
 
 
@@ -123,7 +124,7 @@ def test_a_picker_does_not_credit_twice_what_another_finished_before_the_sample(
     t.record(report_from(_mib_report("them", 2, 0.0, finished=((8192.0, 0.6),))), now=clock.now + 0.03)
     shared.set_others(others_of({}, {}, {}, {}))   # the others' request is reported finished
     shared.free.rebase({A: t.others_mib_at("me", A, clock.now)})
-    f.set_samples({A: (24576.0, clock.now)})       # taken after it ended: the GPU is empty
+    f.set_samples(MemorySamples.of({A: (24576.0, clock.now)}))       # taken after it ended: the GPU is empty
     assert shared.free.get(A, None) == 24576.0, "not 24 GiB + 8 GiB"
 
 

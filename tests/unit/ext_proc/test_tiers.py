@@ -7,7 +7,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf import json_format, struct_pb2
 
 from ext_proc.handler import PickerHandler
-from ext_proc.inflight import InFlight
+from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import pick
 from ext_proc.settings import PickerSettings, from_wire, to_wire
 from ext_proc.shared_load import SharedLoad, others_of
@@ -101,10 +101,10 @@ def test_the_threshold_travels_over_xds():
 def test_a_request_no_edge_endpoint_has_memory_for_goes_to_the_cloud_under_the_threshold():
     view = EndpointView.build({"llm-v1": tiered()}, routing())
     live = InFlight()
-    live.set_samples({e: (1000.0, 0.0) for e in EDGE} | {e: (50000.0, 0.0) for e in CLOUD})
+    live.set_samples(MemorySamples.of({e: (1000.0, 0.0) for e in EDGE} | {e: (50000.0, 0.0) for e in CLOUD}))
     d = pick({":authority": b"x"}, view, live)   # the default need, 2 GiB x 1.2: no edge endpoint has it
     assert d.endpoint in CLOUD and d.reason == "least-loaded"
-    live.set_samples({e: (1000.0, 0.0) for e in EDGE + CLOUD})
+    live.set_samples(MemorySamples.of({e: (1000.0, 0.0) for e in EDGE + CLOUD}))
     d = pick({":authority": b"x"}, view, live)
     assert d.endpoint is None and d.reason == "no-memory"
 
