@@ -125,12 +125,14 @@ def compute_weights(
     decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
     eligible: list[Key] = []
     new_state: dict[str, Mapping[str, Any]] = {}
+    addresses: dict[str, tuple[str, ...]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
     for cluster, at in by_cluster.items():
         members = [specs[i] for i in at]
+        addresses[cluster] = tuple(s.address for s in members)
         with np.errstate(all="ignore"):  # inf and NaN are data here (no data, or clamped), not errors
-            weights, ok, cluster_state = _cluster(cluster, members, stats, prev, prev.plugins.get(cluster, {}),
-                                                  params, now, plugins, scorer_weights)
+            weights, ok, cluster_state = _cluster(cluster, members, addresses[cluster], stats, prev,
+                                                  prev.plugins.get(cluster, {}), params, now, plugins, scorer_weights)
         keys = [(cluster, s.address) for s in members]  # one tuple per endpoint, shared by both tables
         decided.update(zip(keys, [ew.weight for ew in weights], strict=True))
         for i, ew in zip(at, fit_uint32(weights), strict=True):
@@ -139,7 +141,8 @@ def compute_weights(
         kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
-    return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state))
+    return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state),
+                                MappingProxyType(addresses))
 
 
 def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tuple[int, int, bool]:
@@ -210,7 +213,8 @@ def _shared(table: dict[tuple, Mapping[str, str]], values: dict[str, str]) -> Ma
 
 
 def _cluster(
-    cluster: str, members: list[EndpointSpec], stats: Mapping[str, EndpointStats], prev: EngineState,
+    cluster: str, members: list[EndpointSpec], addresses: tuple[str, ...], stats: Mapping[str, EndpointStats],
+    prev: EngineState,
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
     scorer_weights: Mapping[str, float],
 ) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
@@ -219,7 +223,6 @@ def _cluster(
     and build the per-endpoint verdicts at the end."""
     cap = MAX_WEIGHT_SUM  # one weight; the cluster's sum is fitted at the end (fit_uint32)
     n = len(members)
-    addresses = tuple(s.address for s in members)
     raw_stats = [stats.get(s.instance, _NO_STATS) for s in members]
     columns = Columns.of(members, raw_stats)
     seen = raw_stats
@@ -228,17 +231,23 @@ def _cluster(
     draining = np.fromiter((s.draining for s in members), dtype=bool, count=n)
     live = np.flatnonzero(~draining)
     first_round = not any((cluster, a) in prev.weights for a in addresses)
-    configured = set(addresses)
-    state: dict[str, dict[str, Any]] = {  # endpoints no longer configured are forgotten (C-level when none is)
-        name: dict(v) if v.keys() <= configured else {a: x for a, x in v.items() if a in configured}
-        for name, v in prev_plugins.items()}
+    # Endpoints no longer configured are forgotten. The states are read-only mappings (plugins return
+    # new ones), passed on as they are when no address can be missing: the same addresses as last
+    # round (compared in ~0.5 ms at 60 000; checking every key of every state took ~10 ms each, in one
+    # C call holding the GIL).
+    if prev.addresses.get(cluster) == addresses:
+        state: dict[str, Mapping[str, Any]] = dict(prev_plugins)
+    else:
+        configured = set(addresses)
+        state = {name: v if v.keys() <= configured else {a: x for a, x in v.items() if a in configured}
+                 for name, v in prev_plugins.items()}
     base = ClusterRound(cluster, now, addresses, tuple(members), columns, len(live), first_round, params)
 
     def old_weight(i: int) -> int | None:
         return prev.weights.get((cluster, addresses[i]))
 
     result: list[EndpointWeight | None] = [None] * n
-    drains = state.setdefault(DRAIN, {})
+    drains = state[DRAIN] = dict(state.get(DRAIN, {}))  # changed below: a copy (the previous state is read-only)
     draining_at = np.flatnonzero(draining).tolist()
     leaving = {addresses[i] for i in draining_at}
     for a in [a for a in drains if a not in leaving]:

@@ -97,3 +97,6 @@ class EngineState:
     weights: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     eligible: frozenset[tuple[str, str]] = frozenset()
     plugins: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=lambda: MappingProxyType({}))
+    #: ``{cluster: its endpoints' addresses, in the round's order}``: a plugin's state holds only
+    #: addresses of its cluster's last round, so with the same addresses none needs forgetting.
+    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
