@@ -166,6 +166,28 @@ def test_consecutive_ooms_eject_and_a_success_resets_the_streak():
     assert r.run(seen(7, 11), at=14)[eps[0].address].health == HEALTHY
 
 
+def test_an_endpoint_removed_from_the_config_forgets_its_state_and_the_others_keep_theirs():
+    eps = specs(4)
+    params = with_plugins(oom=oom.Params(consecutive=3, base_ejection_s=10))
+    r = Rounds(eps, params)
+
+    def seen(ooms):
+        s = same_stats(r.eps, **OK, oom_total=0.0, success_total=100.0)
+        for e in r.eps[:2]:  # eps[0] and eps[1] refuse requests (no success)
+            s[e.instance] = stats(**OK, oom_total=ooms, success_total=100.0)
+        return s
+
+    r.run(seen(0), at=0)
+    r.run(seen(2), at=1)  # streak 2 on both
+    r.eps = [eps[0], *eps[2:]]  # eps[1] leaves the config
+    r.run(seen(2), at=2)  # same addresses as the next round: their states are passed on as they are
+    assert eps[1].address not in r.state.plugins["c"]["oom"]
+    r.eps = eps  # and comes back: it starts over
+    out = r.run(seen(3), at=3)
+    assert out[eps[0].address].health == UNHEALTHY, "its streak reached 3"
+    assert out[eps[1].address].health == HEALTHY, "its old streak was forgotten"
+
+
 def test_a_counter_reset_is_a_restart_not_a_negative_count():
     eps = specs(3)
     r = Rounds(eps, with_plugins(oom=oom.Params(consecutive=2)))
