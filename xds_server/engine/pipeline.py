@@ -138,7 +138,10 @@ def compute_weights(
         for i, ew in zip(at, fit_uint32(weights), strict=True):
             ordered[i] = ew
         eligible.extend(k for k in keys if k[1] in ok)
-        kept = {name: MappingProxyType(entries) for name, entries in cluster_state.items() if entries}
+        # Each plugin's state as the plugin returned it, read-only by contract (State is a Mapping): a
+        # MappingProxyType around it would make every copy a plugin makes of it a generic walk (19-35 ms
+        # for 60 000 entries, against 1-3 ms for a dict's copy).
+        kept = {name: entries for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
     return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state),

@@ -92,7 +92,8 @@ class EngineState:
     """What the engine remembers between rounds, per ``(cluster, address)``: the last weight, whether
     it was eligible (HEALTHY and scored), and each stateful plugin's state
     (``plugins[cluster][name]``: that plugin's state for the cluster, usually ``{address: value}``;
-    kept per cluster so a round hands each cluster its own without regrouping every entry)."""
+    kept per cluster so a round hands each cluster its own without regrouping every entry). A
+    plugin's state is the mapping the plugin returned: read-only by contract, never changed in place."""
 
     weights: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
     eligible: frozenset[tuple[str, str]] = frozenset()
