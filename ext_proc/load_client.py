@@ -66,6 +66,11 @@ def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[fl
     return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
 
 
+def _memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
+    """``(the others' memory in flight per endpoint at the samples, MiB; the samples)`` of ``view`` (pure)."""
+    return {m.endpoint: m.others_mib for m in view.memory}, MemorySamples.of(view_samples(view, now))
+
+
 async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.01,
                         expiry_s: float = 1.0, on_samples: Callable[[MemorySamples], None] | None = None,
                         backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
@@ -114,8 +119,11 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 async for view in call:
                     shared.set_others(view_others(view))
                     if on_samples is not None and view.memory_round:
-                        shared.free.rebase({m.endpoint: m.others_mib for m in view.memory})
-                        on_samples(MemorySamples.of(view_samples(view, inflight.now())))
+                        # Read in a worker thread: 183-193 ms of Python steps at 60 000 endpoints (timed alone),
+                        # which would stall this picker's event loop (its requests) meanwhile.
+                        baseline, samples = await asyncio.to_thread(_memory_of, view, inflight.now())
+                        shared.free.rebase(baseline)
+                        on_samples(samples)
                     VIEWS.labels("received").inc()
                     delay = backoff_s
             lost("the control plane ended the stream")

@@ -4,6 +4,7 @@ stream against a real control-plane service (grpc.aio on a loopback port)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import FINISHED_KEEP, InFlight, MemorySamples
@@ -276,3 +277,28 @@ async def test_a_picker_alone_or_beside_idle_ones_sends_only_keep_alives_and_rep
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_standalone_picker_gets_the_control_planes_memory_samples_once_per_round():
+    table = LoadTable(expiry_s=1.0)
+    shared = SharedLoad(InFlight())
+    got: list[MemorySamples] = []
+
+    def on_samples(samples: MemorySamples) -> None:
+        got.append(samples)
+        shared.inflight.set_samples(samples)
+
+    async with load_view_server(table) as target:
+        task = asyncio.create_task(run_load_view(target, "one", shared, 0.01, 1.0, on_samples=on_samples))
+        try:
+            table.set_memory({A: (20480.0, time.monotonic() - 0.5)})
+            await until(lambda: len(got) == 1)
+            [(endpoint, free)] = got[0].free.items()
+            assert endpoint == A and free == 20480.0
+            assert shared.inflight.now() - 1.0 < got[0].taken_at[A] <= shared.inflight.now() - 0.5
+            assert shared.free.get(A) == 20480.0, "no other picker: nothing of theirs to subtract"
+            await asyncio.sleep(0.3)
+            assert len(got) == 1, "the same round is not taken twice"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
