@@ -37,7 +37,7 @@ class Resource:
     kind: type[Message]
 
     def message(self) -> Message:
-        """The message, parsed from ``packed`` at each call (5 ms for 60 000 endpoints)."""
+        """The message, parsed from ``packed`` at each call (12-24 ms for 60 000 endpoints, 2 ms for 10 000)."""
         return self.kind.FromString(self.packed.value)
 
 

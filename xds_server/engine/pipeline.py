@@ -236,7 +236,7 @@ def _cluster(
     first_round = not any((cluster, a) in prev.weights for a in addresses)
     # Endpoints no longer configured are forgotten. The states are read-only mappings (plugins return
     # new ones), passed on as they are when no address can be missing: the same addresses as last
-    # round (compared in ~0.5 ms at 60 000; checking every key of every state took ~10 ms each, in one
+    # round (compared in ~0.4 ms at 60 000; checking every key of every state took ~10 ms each, in one
     # C call holding the GIL).
     if prev.addresses.get(cluster) == addresses:
         state: dict[str, Mapping[str, Any]] = dict(prev_plugins)

@@ -34,7 +34,7 @@ class Params(EjectionParams):
 #: endpoints, 26–40 ms with these (GC off as in a round of ``inferlb serve``; 3 interleaved runs, medians
 #: of 7 rounds).
 _BLANK: tuple[float, float, float, Ejection | None] = (float("nan"), float("nan"), 0.0, None)
-#: Endpoints whose state is written per C call (~2 ms of the GIL each).
+#: Endpoints whose state is written per C call (2-4 ms of the GIL each, timed alone with the GC off).
 PIECE = 4096
 
 
@@ -57,7 +57,7 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
         streak[rnd.index()[a]] = 0.0
     out = dict(state)  # endpoints not in this round (an earlier filter took them) keep theirs
     # (their ejection records too: ``eject`` changes members' records only)
-    # In pieces: one C call over 60 000 endpoints holds the GIL for ~30 ms (the event loop waits);
+    # In pieces: one C call over 60 000 endpoints holds the GIL for ~20 ms, GC off (the event loop waits);
     # between pieces other threads can take it.
     addresses, columns = rnd.addresses, (oom.tolist(), success.tolist(), streak.tolist())
     for start in range(0, n, PIECE):
