@@ -31,13 +31,16 @@ from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_header
 pytestmark = pytest.mark.integration
 
 
-# Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s; v2's one endpoint
+# Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.6 s (6x a request's
+# ~100 ms, so a loaded machine does not time the queued request out; it must stay below Envoy's
+# ext_proc timeout, 0.8 s here); v2's one endpoint
 # (the second version in the layout) at max_concurrency 1.
 CONFIG = {
     # shared_view off: each picker decides on its own picks alone, so two pickers given the same
     # requests must give the same pins (the shared view is tested in test_shared_load_view.py).
-    "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.2,
+    "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.6,
                "shared_view": False},
+    "envoy": {"ext_proc_timeout_s": 0.8},
     "services": [{"mixes": {"canary": {"v1": 50, "v2": 50}},
                   "versions": [{}, {"endpoints": [{"max_concurrency": 1}]}]}],
 }
@@ -46,7 +49,7 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def picker_stack(tmp_path_factory) -> Iterator[Stack]:
     """v1: two A100-class backends; v2: one with max_concurrency 1. Body routing on; mix ``canary``
-    = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s."""
+    = v1 50 % / v2 50 %; admission queue of 1 for 0.6 s; Envoy's ext_proc timeout 0.8 s."""
     s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
                     config=CONFIG)
     yield s
@@ -194,7 +197,7 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
         assert refused.headers["retry-after"] == "1"
         assert "chat-v2" in refused.json()["error"]
         # A queued request that waits past queue_timeout_s is refused too.
-        v2.fault(slow_factor=40)  # ~400 ms
+        v2.fault(slow_factor=100)  # ~1 s: longer than the queue's 0.6 s, however slow the machine
         threads = [threading.Thread(target=go, args=(i,)) for i in (10, 11)]
         for t in threads:
             t.start()
@@ -384,7 +387,7 @@ def _decisions(s: Stack, outcome: str) -> float:
 
 
 def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):
-    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.25 s);
+    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.8 s here);
     fail-closed -> 504 after the same wait. Forged routing headers stay ignored (C06)."""
     s = picker_stack
     timeout = s.cfg.envoy.ext_proc_timeout_s

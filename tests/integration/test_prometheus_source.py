@@ -2,7 +2,8 @@
 so no "Connection pool is full" lines while Prometheus answers or while it is down (issue 15 item
 9); the scrape interval read from Prometheus's own targets API (issue 15 item 11); DCGM's pod and
 namespace labels renamed by Prometheus to exported_pod / exported_namespace still join, and an
-endpoint no GPU series joins to is logged once with the query (issue 15 item 8)."""
+endpoint no GPU series joins to is logged once with the query (issue 15 item 8); the time
+Prometheus itself did not scrape an endpoint (a stall, a restart) does not make it stale."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import pytest
 import yaml
@@ -162,3 +164,69 @@ def test_dcgm_labels_renamed_to_exported_pod_and_namespace_still_join(kubernetes
     warned = [m for r in caplog.records if "match no series" in (m := r.getMessage()) and "llm-9" in m]
     assert len(warned) == 1 and instance in warned[0] and "'ai/llm-9'" in warned[0]
     assert "DCGM_FI_DEV_GPU_UTIL" in warned[0]
+
+
+class _Backend(http.server.BaseHTTPRequestHandler):
+    """A vLLM-like /metrics page whose answer can be delayed (``server.delay_s``) or refused
+    (``server.down``: 503, so Prometheus's scrape fails and writes ``up`` 0)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        time.sleep(self.server.delay_s)  # type: ignore[attr-defined]
+        if self.server.down:  # type: ignore[attr-defined]
+            self.send_error(503)
+            return
+        body = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 1\n'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def paused_prometheus(tmp_path):
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend)
+    backend.delay_s, backend.down = 0.0, False  # type: ignore[attr-defined]
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    instance, prom_port = f"127.0.0.1:{backend.server_port}", stack.free_port()
+    prom = stack.start_prometheus([instance], tmp_path, prom_port, 1.0)
+    src = PrometheusSource(f"http://127.0.0.1:{prom_port}", window_s=10, timeout_s=2)
+    wait_until(lambda: src.fetch([instance])[instance].sample_age_s < 1.5 and src.sample_interval_s, 20, 0.2,
+               "a first scrape and the scrape interval")
+    yield src, instance, backend, prom
+    os.kill(prom.popen.pid, signal.SIGCONT)
+    prom.stop()
+    backend.shutdown()
+
+
+def test_a_prometheus_stall_does_not_age_the_endpoints(paused_prometheus, caplog):
+    """Prometheus stopped 4 s (scrape every 1 s), then resumed: until it scrapes the endpoint again
+    (held 0.8 s by a slow answer), the newest sample is 4 s old, but only one scrape interval of that
+    counts; Prometheus's lag is logged once."""
+    src, instance, backend, prom = paused_prometheus
+    assert src.sample_interval_s == 1.0
+    backend.delay_s = 0.8
+    os.kill(prom.popen.pid, signal.SIGSTOP)
+    time.sleep(4.0)
+    os.kill(prom.popen.pid, signal.SIGCONT)
+    with caplog.at_level(logging.WARNING, logger="xds_server.metrics.sources.prometheus"):
+        age = src.fetch([instance])[instance].sample_age_s
+    wall_age = time.time() - src._last_seen[instance]
+    assert wall_age >= 3.5, "the sample should be from before the stall"
+    assert age <= 1.5, (age, wall_age)
+    assert [r for r in caplog.records if "has not scraped 1 of 1 endpoints" in r.getMessage()]
+    backend.delay_s = 0.0
+    wait_until(lambda: src.fetch([instance])[instance].sample_age_s < 1.5, 10, 0.2, "fresh samples again")
+
+
+def test_an_endpoint_prometheus_cannot_scrape_ages_by_the_wall_clock(paused_prometheus):
+    """Prometheus keeps scraping (``up`` 0 each time) an endpoint that answers 503: its age grows."""
+    src, instance, backend, _ = paused_prometheus
+    backend.down = True
+    started = time.time()
+    time.sleep(3.5)
+    age = src.fetch([instance])[instance].sample_age_s
+    assert age >= time.time() - started - 1.0, age

@@ -121,7 +121,7 @@ class FakeProm:
 
 def source(window_s: float = 60.0, timeout_s: float = 2.0) -> tuple[PrometheusSource, FakeProm]:
     src = PrometheusSource("http://127.0.0.1:1", window_s=window_s, timeout_s=timeout_s)
-    fake = FakeProm({f: q.replace("{w}", f"{round(window_s)}s") for f, (q, *_) in VLLM_DCGM.items()})
+    fake = FakeProm({f: q for f, (q, *_) in src._queries.items()})
     src._prom = fake
     return src, fake
 
@@ -133,7 +133,7 @@ def test_fetch_runs_every_query_with_the_window_and_timeout():
     src, fake = source(window_s=30.0, timeout_s=1.5)
     src.fetch([A], now=1000.0)
     assert {q for q, _ in fake.calls} == set(fake.by_query)
-    assert len(fake.calls) == len(VLLM_DCGM)
+    assert len(fake.calls) == len(VLLM_DCGM) + 1  # and when Prometheus last scraped each target
     assert all("{w}" not in q for q, _ in fake.calls)
     assert any("[30s]" in q for q, _ in fake.calls)
     assert all(p == {"timeout": "1500ms"} for _, p in fake.calls)
@@ -176,6 +176,21 @@ def test_stale_age_grows_from_the_last_seen_sample_when_a_series_disappears():
     assert later[B].sample_age_s == pytest.approx(1.0)
     even_later = src.fetch([A, B], now=1060.0)
     assert even_later[A].sample_age_s == pytest.approx(60.0)
+
+
+def test_time_prometheus_did_not_scrape_an_endpoint_does_not_age_it():
+    """Prometheus stalled 20 s (scrape interval 2 s): A, not scraped since, ages by one interval of
+    it; B, scraped again without a sample (``up`` written), ages by the wall clock."""
+    src, fake = source()
+    src.sample_interval_s = 2.0
+    src._interval_read_at = 1000.0  # read: the targets API is not asked again
+    fake.answers = {"last_sample_ts": [series(A, "1000"), series(B, "1000")],
+                    "last_scrape_ts": [series(A, "1000"), series(B, "1019")]}
+    out = src.fetch([A, B], now=1020.0)
+    assert out[A].sample_age_s == pytest.approx(2.0)
+    assert out[B].sample_age_s == pytest.approx(20.0)
+    src.sample_interval_s = None  # interval unknown: the whole silence of Prometheus is taken off
+    assert src.fetch([A], now=1020.0)[A].sample_age_s == 0.0
 
 
 def test_an_older_timestamp_does_not_make_the_age_younger_or_older():

@@ -6,6 +6,11 @@ time seen, so an endpoint whose series went stale (Prometheus drops them from in
 keeps an honest, growing age (case C04); and when it was first asked for, so an endpoint never seen
 yet ages from then (a new endpoint, or every endpoint at start-up before Prometheus's first scrape,
 is not stale at once).
+
+An endpoint's age does not count the time Prometheus itself did not scrape it: each round also reads
+when Prometheus last scraped each target (``timestamp(up)``, written at every scrape, failed or not).
+After a Prometheus stall, restart or slow scrape loop, the targets it has not scraped again yet are
+not made stale by Prometheus's silence (see :func:`sample_age_s`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ def _window(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
 
+#: Field of the round's answers with when Prometheus last scraped each target (Unix s).
+SCRAPE_TIME = "last_scrape_ts"
+#: When Prometheus last scraped each target, failed scrapes included (Prometheus writes ``up`` at each).
+SCRAPE_TIME_QUERY = "max by (instance) (timestamp(up))"
 #: Rounds in a row an endpoint's GPU inputs must match nothing before it is logged.
 GPU_MISSING_ROUNDS = 3
 #: How often the targets' scrape interval is read again from ``/api/v1/targets`` (s).
@@ -74,6 +83,25 @@ def scrape_interval(targets_answer: object, instances: Iterable[str]) -> float |
         return None
     found = [f for f in found if f]
     return max(found) if found else None
+
+
+def sample_age_s(now: float, seen: float, scraped: float | None, interval_s: float | None) -> float:
+    """An endpoint's sample age (s) for the staleness rule: ``now - seen``, less the time Prometheus
+    did not scrape the endpoint beyond one scrape interval.
+
+    ``seen``: the newest sample's time (or when the endpoint was first asked for), Unix s;
+    ``scraped``: when Prometheus last scraped the target (``timestamp(up)``, None when unknown);
+    ``interval_s``: the scrape interval (None: unknown, taken as 0). A target Prometheus keeps scraping
+    without getting samples ages by the wall clock; while Prometheus is stalled, the endpoint ages at
+    most by one interval.
+
+    >>> sample_age_s(100.0, 90.0, 99.5, 1.0)   # scraped, no sample for 10 s: stale by the wall clock
+    10.0
+    >>> sample_age_s(100.0, 94.0, 94.0, 1.0)   # Prometheus silent 6 s: 5 s of it do not count
+    1.0
+    """
+    lag = 0.0 if scraped is None else max(0.0, now - scraped - (interval_s or 0.0))
+    return max(0.0, now - seen - lag)
 
 
 def join_key(labels: Mapping[str, str], by: tuple[str, ...]) -> str:
@@ -134,6 +162,7 @@ class PrometheusSource:
                          for f, q in queries.items()}
         if SAMPLE_TIME not in self._queries:
             raise ValueError(f"queries must include {SAMPLE_TIME!r} (the newest sample's time)")
+        self._queries.setdefault(SCRAPE_TIME, (SCRAPE_TIME_QUERY, 1.0, ("instance",)))
         workers = min(MAX_PARALLEL_QUERIES, len(self._queries))
         # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
         # next round is the retry. One pooled connection per query thread: with urllib3's default of
@@ -149,6 +178,7 @@ class PrometheusSource:
         self._gpu_missing: dict[str, int] = {}  # rounds in a row with own series but no GPU series
         self._last_seen: dict[str, float] = {}
         self._first_asked: dict[str, float] = {}
+        self._behind_logged = False  # a Prometheus scrape lag is logged once per episode
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="promql")
         self._url, self._session = url, session
         #: Prometheus's scrape interval for the configured endpoints (s), read from its targets API;
@@ -191,7 +221,7 @@ class PrometheusSource:
         """One round: ``{instance: EndpointStats}`` for every instance asked for (no data -> fields ``None``).
 
         ``sample_age_s`` is the age of the newest sample seen, or, never seen, the time since the
-        instance was first asked for.
+        instance was first asked for, less the time Prometheus did not scrape it (:func:`sample_age_s`).
 
         Blocking (run it in a thread). Raises:
             MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
@@ -207,6 +237,7 @@ class PrometheusSource:
         instances = list(instances)
         self._read_interval(instances, now)
         out: dict[str, EndpointStats] = {}
+        scraped, behind = values.pop(SCRAPE_TIME), []
         for inst in instances:
             ts = values[SAMPLE_TIME].get(inst)
             if ts is not None:
@@ -217,12 +248,31 @@ class PrometheusSource:
                 if f != SAMPLE_TIME:
                     by = self._queries[f][2]
                     fields[f] = v.get(inst if by == ("instance",) else self._gpu_keys.get(inst, ""))
-            out[inst] = replace(EndpointStats(**fields), sample_age_s=max(0.0, now - seen))
+            age = sample_age_s(now, seen, scraped.get(inst), self.sample_interval_s)
+            if age < now - seen - 1e-9:
+                behind.append(inst)
+            out[inst] = replace(EndpointStats(**fields), sample_age_s=age)
             if ts is not None and self._gpu_fields and all(fields[f] is None for f in self._gpu_fields):
                 self._warn_no_gpu(inst)
             else:
                 self._gpu_missing.pop(inst, None)
+        self._log_behind(behind, instances, scraped, now)
         return out
+
+    def _log_behind(self, behind: list[str], instances: list[str], scraped: Mapping[str, float | None],
+                    now: float) -> None:
+        """Once per episode: Prometheus has not scraped some endpoints for longer than its interval."""
+        if not behind:
+            if self._behind_logged:
+                log.info("Prometheus scrapes every endpoint on time again")
+            self._behind_logged = False
+            return
+        if not self._behind_logged:
+            oldest = max(now - (scraped.get(i) or now) for i in behind)
+            log.warning("Prometheus has not scraped %d of %d endpoints for up to %.1f s (its scrape loop is "
+                        "behind, e.g. after a stall or restart): that time is not counted as their metrics' "
+                        "staleness", len(behind), len(instances), oldest)
+        self._behind_logged = True
 
     def _warn_no_gpu(self, inst: str) -> None:
         """Once per endpoint: its own metrics answer, but no GPU series joins to it (in
