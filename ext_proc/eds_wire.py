@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+from google.protobuf.message import DecodeError
 
-__all__ = ["DECODER", "Assignment", "Locality", "assignment_endpoints", "assignment_endpoints_py"]
+__all__ = ["DECODER", "Assignment", "Locality", "assignment_endpoints", "assignment_endpoints_py", "cluster_name"]
 
 Assignment = endpoint_pb2.ClusterLoadAssignment | bytes
 """A ClusterLoadAssignment, as the message or as its serialised bytes (what the control plane's
@@ -28,6 +29,61 @@ Locality = tuple[int, base_pb2.Metadata | None, list[str | None], list[int], lis
 ``metadata`` None when unset; per ``LbEndpoint``: its name ``"HOST:PORT"`` (an IPv6 host in
 brackets; None when it has no host or no ``port_value``), its ``health_status`` (enum number), its
 ``load_balancing_weight.value`` (0 when unset) and its metadata (None when unset)."""
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    """The base-128 varint at ``data[i:]`` and the index after it (protobuf's encoding guide)."""
+    value = shift = 0
+    for _ in range(10):
+        if i >= len(data):
+            break
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+    raise DecodeError("truncated or overlong varint")
+
+
+def cluster_name(data: bytes) -> str:
+    """The ``cluster_name`` (field 1) of a serialised ClusterLoadAssignment, read without parsing the
+    rest: its top-level fields are skipped by their wire type (a few: one per locality), so an EDS
+    response's resource can stay bytes (:data:`Assignment`). The last occurrence wins, as protobuf
+    merges a repeated singular field; "" when absent.
+
+    >>> cluster_name(endpoint_pb2.ClusterLoadAssignment(cluster_name="chat-v1").SerializeToString())
+    'chat-v1'
+
+    Raises:
+        google.protobuf.message.DecodeError: ``data`` is not a well-formed message at its top level,
+            or the name is not UTF-8.
+    """
+    name, i, n = b"", 0, len(data)
+    while i < n:
+        key, i = _varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            size, i = _varint(data, i)
+            if field == 1:
+                name = data[i:i + size]
+            i += size
+        else:
+            raise DecodeError(f"wire type {wire} at the top level of a ClusterLoadAssignment")
+        if field == 0:
+            raise DecodeError("field number 0")
+    if i > n:
+        raise DecodeError("truncated ClusterLoadAssignment")
+    try:
+        return name.decode()
+    except UnicodeDecodeError as err:
+        raise DecodeError(f"cluster_name is not UTF-8: {err}") from None
 
 
 def _name(lb: endpoint_pb2.LbEndpoint) -> str | None:

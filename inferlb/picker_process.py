@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
@@ -80,26 +80,27 @@ async def run_picker(
     holder = ViewHolder()
     first: asyncio.Future[PickerSettings] = loop.create_future()
 
-    def on_update(clusters: dict[str, cluster_pb2.Cluster],
-                  assignments: dict[str, endpoint_pb2.ClusterLoadAssignment]) -> None:
+    def on_update(clusters: dict[str, cluster_pb2.Cluster], assignments: dict[str, bytes]) -> bool:
+        """Build the view from the subscription; False (the update is refused) when it cannot be."""
         try:
             config = picker_config(clusters)
         except (ValueError, KeyError, TypeError) as err:
             log.error("invalid picker metadata from the control plane (%s); keeping the last good view", err)
-            return
+            return False
         if config is None:
             log.warning("no cluster carries %r metadata yet; not serving", METADATA_KEY)
-            return
+            return True
         routing, settings = config
         try:
             holder.update(assignments, routing)
-        except ValueError as err:
+        except (ValueError, DecodeError) as err:
             log.error("cannot build the endpoint view (%s); keeping the last good one", err)
-            return
+            return False
         if not first.done():
             first.set_result(settings)
         elif settings != first.result():
             log.warning("picker settings changed in the control plane; restart the picker to apply them")
+        return True
 
     subscriber = XdsSubscriber(xds, node_id, on_update)
     subscription = asyncio.create_task(subscriber.run())

@@ -134,3 +134,46 @@ def test_the_bytes_read_as_the_message(localities, policy, with_decoder):
         assert eds_wire.assignment_endpoints(cla.SerializeToString()) == eds_wire.assignment_endpoints(cla)
     finally:
         eds_wire._wire = saved
+
+
+# --- cluster_name: the name alone, from the bytes ------------------------------------------------
+
+
+@given(name=st.text(max_size=40), localities=st.integers(0, 3), policy=st.booleans(), named=st.booleans())
+def test_cluster_name_reads_what_protobuf_reads(name, localities, policy, named):
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    for i in range(localities):
+        loc = cla.endpoints.add(priority=i)
+        loc.lb_endpoints.add().endpoint.address.socket_address.address = f"10.0.0.{i}"
+    if policy:
+        cla.policy.overprovisioning_factor.value = 140
+    if named:
+        cla.named_endpoints["x"].address.socket_address.port_value = 80
+    data = cla.SerializeToString()
+    assert eds_wire.cluster_name(data) == endpoint_pb2.ClusterLoadAssignment.FromString(data).cluster_name == name
+
+
+def test_cluster_name_anywhere_and_the_last_one_wins():
+    """Serialisers write field 1 first, but a parser must not rely on it; a repeated singular field
+    merges to its last value (protobuf's encoding guide)."""
+    locality = endpoint_pb2.ClusterLoadAssignment()
+    locality.endpoints.add(priority=1)
+    data = (locality.SerializeToString() + endpoint_pb2.ClusterLoadAssignment(cluster_name="a").SerializeToString()
+            + endpoint_pb2.ClusterLoadAssignment(cluster_name="b").SerializeToString())
+    assert endpoint_pb2.ClusterLoadAssignment.FromString(data).cluster_name == "b"
+    assert eds_wire.cluster_name(data) == "b"
+    assert eds_wire.cluster_name(b"") == ""
+
+
+@pytest.mark.parametrize("data", [
+    b"\x0a\x05abc",        # the name's length runs past the end
+    b"\x0a",               # a key without its length
+    b"\x0b\x00",           # wire type 3 (groups) at the top level
+    b"\x0a\x02\xff\xfe",   # a name that is not UTF-8
+    b"\x08" + b"\xff" * 11,  # an overlong varint
+    b"\x00\x01",           # field number 0
+])
+def test_cluster_name_refuses_malformed_bytes(data):
+    from google.protobuf.message import DecodeError
+    with pytest.raises(DecodeError):
+        eds_wire.cluster_name(data)
