@@ -66,7 +66,9 @@ log = logging.getLogger(__name__)
 UNFREEZE_EVERY = 60
 
 RELOADS = Counter("inferlb_config_reloads_total", "Config reloads, by outcome", ["outcome"])
-RELOAD_OK = Gauge("inferlb_config_last_reload_ok", "1 when the last config reload was applied, 0 when refused")
+RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
+                  "1 when the config in use is the file's last version (loaded at start, or the last reload "
+                  "applied or found nothing to change), 0 when the last reload was refused")
 TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
 #: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
 RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
@@ -313,6 +315,7 @@ class InferLB:
                 f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
                 f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
                 p.shared_view_interval_s, p.shared_view_expiry_s))
+        RELOAD_OK.set(1)  # the config in use is the file's, loaded and valid
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")
 
@@ -365,6 +368,9 @@ class InferLB:
             return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")
         except ValidationError as err:
             return self._refused("invalid", f"config reload refused (with the discovered endpoints): {err}")
+        except Exception as err:  # a loader bug must not end the file watcher or answer 500: refuse, with the trace
+            log.exception("config reload failed")
+            return self._refused("invalid", f"config reload refused, the last good config keeps serving: {err!r}")
         if base.discovery != self.base_cfg.discovery:
             return self._refused("refused", "config reload refused: discovery cannot change without a restart")
         applied, message = await self.apply_config(new)
@@ -385,6 +391,8 @@ class InferLB:
                                                 "without a restart; the last good config keeps serving")
             if new == self.cfg:
                 RELOADS.labels("unchanged").inc()
+                RELOAD_OK.set(1)
+                self.last_reload_error = None
                 return True, "config unchanged"
             self.cfg = new
             self.routing = routing_table(new)

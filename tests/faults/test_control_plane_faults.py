@@ -242,6 +242,7 @@ def test_bad_config_reload_is_refused_and_the_last_good_config_keeps_serving(cps
     # Not the snapshot's version: EDS weights move with the live metrics (after the earlier tests'
     # traffic) whatever the config does.
     endpoints, clusters = served(), cps.node()["types"]["Cluster"]["acked_version"]
+    assert cps.metric("inferlb_config_last_reload_ok") == 1, "a clean start is a good config"
     bad = merge(good, {"services": [{**good["services"][0], "versions": [
         {"name": "v1", "endpoints": [{"address": "127.0.0.1:1", "gpu_class": "b200"}]}]}]})
     cps.cfg_path.write_text(yaml.safe_dump(bad))
@@ -260,6 +261,16 @@ def test_bad_config_reload_is_refused_and_the_last_good_config_keeps_serving(cps
     # Through the admin API too: refused with the reason, 422.
     r = requests.post(f"{cps.admin}/api/v1/reload", timeout=5)
     assert r.status_code == 422 and "b200" in r.json()["message"]
+    # A file that is not UTF-8 text is refused the same way, by the file watcher and the admin API;
+    # the watcher keeps watching (the next test's change reaches it).
+    refused = cps.metric('inferlb_config_reloads_total{outcome="invalid"}')
+    cps.cfg_path.write_bytes(b'services:\n  - name: "\xff\xfe"\n')
+    wait_until(lambda: cps.metric('inferlb_config_reloads_total{outcome="invalid"}') > refused, 5, 0.1,
+               "the watcher's refusal")
+    r = requests.post(f"{cps.admin}/api/v1/reload", timeout=5)
+    assert r.status_code == 422 and "not UTF-8" in r.json()["message"], r.text
+    assert "Traceback" not in cps.cp.log_tail(60)
+    assert served() == endpoints
 
 
 def test_good_config_change_is_picked_up_and_pushed(cps: ProcStack):

@@ -3,7 +3,9 @@
 Every error names the field (a dotted path such as ``services[0].versions[1].endpoints[2].address``)
 and, when the config came from a file, the line of that field, so an operator can find it at once.
 A bad config is refused at startup; nothing is half-applied. Deprecated spellings are rewritten
-here, each with one warning line that names the old and the new field.
+here, each with one warning line that names the old and the new field. A key given twice in one
+mapping is refused (YAML 1.2 says keys are unique; PyYAML would keep the last one silently), as are
+a file that is not UTF-8 text and one nested too deeply to read.
 """
 
 from __future__ import annotations
@@ -75,11 +77,41 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+_TOO_DEEP = "the config nests too deeply to read"
+
+
+def duplicate_keys(node: yaml.Node | None) -> list[tuple[int, str]]:
+    """``(line, key)`` of every key that repeats an earlier key of the same mapping, anywhere under
+    ``node`` (a composed YAML document); merge keys (``<<``) are not keys. Each node is visited once,
+    so aliases of one anchor cost nothing more ("billion laughs")."""
+    found: list[tuple[int, str]] = []
+    seen: set[int] = set()
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            keys: set[str] = set()
+            for k, v in n.value:
+                if k.tag != _MERGE and isinstance(k, yaml.ScalarNode):
+                    if k.value in keys:
+                        found.append((k.start_mark.line + 1, k.value))
+                    keys.add(k.value)
+                stack.extend((k, v))
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+    return sorted(found)
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate YAML ``text``.
 
     Raises:
-        ConfigError: listing each problem as ``SOURCE:LINE: FIELD: message``.
+        ConfigError: listing each problem as ``SOURCE:LINE: FIELD: message`` (a key given twice:
+            ``SOURCE:LINE: KEY: given twice``).
     """
     try:
         node = yaml.compose(text)
@@ -89,10 +121,18 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         where = f"{source}:{mark.line + 1}" if mark else source
         problem = " ".join(str(getattr(err, "problem", None) or err).split())  # one line per problem
         raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: {_TOO_DEEP}") from None
+    twice = duplicate_keys(node)
+    if twice:
+        raise ConfigError("\n".join(f"{source}:{line}: {key}: given twice in one mapping (YAML keys are unique)"
+                                     for line, key in twice))
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(data).__name__}")
     try:
         return Config.model_validate(_deprecated(data, source))
+    except RecursionError:
+        raise ConfigError(f"{source}: {_TOO_DEEP}") from None
     except ValidationError as err:
         errors = []
         for e in err.errors():
@@ -122,7 +162,13 @@ def load_config(path: str | Path) -> Config:
         ConfigError: the file is missing, unreadable or invalid (each problem names field and line).
     """
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); "
+                          "a YAML config must be UTF-8") from None
     return parse_config(text, str(path))

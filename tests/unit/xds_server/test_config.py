@@ -437,6 +437,30 @@ def test_invalid_yaml_names_the_line():
     assert int(err.split(":")[1]) >= 3
 
 
+def test_a_key_given_twice_is_refused_with_both_lines():
+    """PyYAML keeps the last of two equal keys silently; the config names each repeat instead."""
+    text = MINIMAL + "loop:\n  interval_s: 1\nloop:\n  interval_s: 2\n"
+    twice = MINIMAL.replace("  - name: llm\n", "  - name: llm\n    name: llm2\n")
+    err = one_error(text, "file.yaml")
+    assert err == f"file.yaml:{text.count(chr(10)) - 1}: loop: given twice in one mapping (YAML keys are unique)"
+    assert one_error(twice).endswith("name: given twice in one mapping (YAML keys are unique)")
+    merged = MINIMAL + "x-base: &base {interval_s: 2}\nloop:\n  <<: *base\n  interval_s: 3\n"
+    assert "given twice" not in one_error(merged)  # a merge key is not a key (x-base is refused as unknown)
+
+
+def test_a_config_nested_too_deeply_is_a_config_error():
+    assert one_error("services: " + "[" * 5000 + "]" * 5000, "file.yaml") == \
+        "file.yaml: the config nests too deeply to read"
+
+
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b'services:\n  - name: "\xff\xfe"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}:2: not UTF-8 text (byte 0xff); a YAML config must be UTF-8"
+
+
 def test_load_config_missing_file(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:
