@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -37,8 +38,34 @@ class FieldProblem(ValueError):
         self.loc = loc
 
 
+#: Upper bounds that catch a typo (an extra zero run) rather than any real node: concurrent requests
+#: per endpoint (vLLM's max_num_seqs defaults to 256), and GPU memory per endpoint (16 TiB).
+MAX_CONCURRENCY = 1_000_000
+MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024
+
+
+def _scalar_types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (``float | None`` -> {float, NoneType})."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _scalar_types(args[0])
+    return {t for a in args for t in _scalar_types(a)} if args else {annotation}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number_mixup(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field refuses ``true``/``false`` and a yes/no field refuses text (pydantic's lax
+        mode would read ``true`` as 1 and ``"yes"`` as true: a typo would pass as a setting)."""
+        types = _scalar_types(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and bool not in types and types & {int, float}:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        if isinstance(value, str) and types and types <= {bool, type(None)}:
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
 
 
 def _check_hostport(value: str, ip_only: bool = False) -> str:
@@ -430,7 +457,7 @@ class GpuClass(_Strict):
     """``capacity``: throughput relative to an A100 (> 0); ``memory_mib``: GPU memory (MiB)."""
 
     capacity: float = Field(gt=0)
-    memory_mib: float = Field(gt=0)
+    memory_mib: float = Field(gt=0, le=MAX_GPU_MEMORY_MIB)
 
 
 class EndpointConfig(_Strict):
@@ -450,8 +477,8 @@ class EndpointConfig(_Strict):
     address: str
     gpu_class: str = "a100"
     tier: Literal["edge", "cloud"] = "edge"
-    max_concurrency: int = Field(8, ge=1)
-    gpu_memory_mib: float | None = Field(None, gt=0)
+    max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
+    gpu_memory_mib: float | None = Field(None, gt=0, le=MAX_GPU_MEMORY_MIB)
     metrics_instance: str | None = None
     drain: bool = False
     pod: str | None = None
@@ -584,7 +611,7 @@ class RequestClassConfig(_Strict):
     """A request class named by the picker's ``request_class_header``: its GPU memory need (MiB) and,
     optionally, its typical prompt and output tokens (for the cost model)."""
 
-    memory_mib: float = Field(ge=0)
+    memory_mib: float = Field(ge=0, le=MAX_GPU_MEMORY_MIB)
     prompt_tokens: float | None = Field(None, ge=0)
     output_tokens: float | None = Field(None, ge=0)
 
@@ -705,7 +732,7 @@ class KubernetesService(_Strict):
     default_version: str | None = None
     models: tuple[str, ...] = ()
     lb_policy: Literal["round_robin", "least_request"] = "least_request"
-    max_concurrency: int = Field(8, ge=1)
+    max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
 
 
 class KubernetesDiscovery(_Strict):
@@ -779,7 +806,7 @@ class EtcdDiscovery(_Strict):
     endpoints: tuple[str, ...] = Field(("http://127.0.0.1:2379",), min_length=1)
     prefix: str = Field("/inferlb/endpoints/", min_length=1)
     default_gpu_class: str = "a100"
-    default_max_concurrency: int = Field(8, ge=1)
+    default_max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
     timeout_s: float = Field(5.0, gt=0)
     watch_timeout_s: float = Field(300.0, gt=0)
     tls: EtcdTls | None = None
@@ -934,6 +961,11 @@ class Config(_Strict):
         for name, interval in intervals:
             if stale < STALE_INTERVALS * interval:
                 raise FieldProblem(("engine", "stale_after_s"), stale_message(stale, name, interval))
+            window = self.prometheus.window_s  # the window of every source's rates and averages
+            if window < WINDOW_INTERVALS * interval:
+                raise FieldProblem(("prometheus", "window_s"), (
+                    f"prometheus.window_s ({window:g} s) is shorter than {WINDOW_INTERVALS:g} x {name} "
+                    f"({interval:g} s): a rate needs two samples in its window; raise window_s"))
         return self
 
     @model_validator(mode="after")
@@ -955,6 +987,8 @@ class Config(_Strict):
 #: ``engine.stale_after_s`` must be at least this many of a source's sample interval: between two
 #: scrapes a sample ages up to one interval, and one late or failed scrape must not make it stale.
 STALE_INTERVALS = 2.0
+#: ``prometheus.window_s`` must cover this many sample intervals of each source (a rate needs two samples).
+WINDOW_INTERVALS = 2.0
 
 
 def stale_message(stale_after_s: float, source: str, interval_s: float) -> str:

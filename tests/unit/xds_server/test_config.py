@@ -510,3 +510,37 @@ def test_staleness_of_two_sample_intervals_is_accepted():
     cfg = parse_config(MINIMAL + "engine:\n  stale_after_s: 40\nprometheus:\n  scrape_interval_s: 20\n"
                        "metrics:\n  sources: [prometheus, scrape]\n  scrape: {interval_s: 20}\n")
     assert cfg.engine.stale_after_s == 40 and cfg.prometheus.scrape_interval_s == 20
+
+
+def test_a_window_shorter_than_two_sample_intervals_is_refused_with_field_and_line():
+    text = MINIMAL + "engine:\n  stale_after_s: 40\nprometheus:\n  window_s: 15\n  scrape_interval_s: 15\n"
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, 'window_s')}: prometheus.window_s: "), err
+    assert "2 x prometheus.scrape_interval_s (15 s)" in err
+    assert parse_config(text.replace("window_s: 15", "window_s: 30")).prometheus.window_s == 30
+
+
+def with_endpoint_keys(*lines: str) -> str:
+    """MINIMAL with ``lines`` (YAML ``key: value``) added to its one endpoint."""
+    first = "- address: 10.0.0.1:8000\n"
+    indent = " " * (MINIMAL.split(first)[0].rsplit("\n", 1)[1].__len__() + 2)
+    return MINIMAL.replace(first, first + "".join(f"{indent}{line}\n" for line in lines))
+
+
+@pytest.mark.parametrize(("endpoint", "problem"), [
+    ("max_concurrency: true", "max_concurrency: Value error, expected a number, got true"),
+    ("gpu_memory_mib: false", "gpu_memory_mib: Value error, expected a number, got false"),
+    ('drain: "yes"', "drain: Value error, expected true or false, got 'yes'"),
+    ("max_concurrency: 99999999999999999999", "max_concurrency: Input should be less than or equal to 1000000"),
+    ("gpu_memory_mib: 1.0e+30", "gpu_memory_mib: Input should be less than or equal to 16777216"),
+])
+def test_a_typo_in_a_number_or_a_switch_is_refused(endpoint, problem):
+    """pydantic's lax mode would read true as 1 and "yes" as true; a value past any real node is a typo."""
+    text = with_endpoint_keys(endpoint)
+    assert one_error(text) == f"cfg.yaml:{text.count(chr(10))}: services[0].versions[0].endpoints[0].{problem}"
+
+
+def test_a_real_switch_and_number_still_read():
+    text = with_endpoint_keys("drain: true", "max_concurrency: 256", "gpu_memory_mib: 81920")
+    e = parse_config(text).services[0].versions[0].endpoints[0]
+    assert (e.drain, e.max_concurrency, e.gpu_memory_mib) == (True, 256, 81920.0)
