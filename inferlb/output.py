@@ -11,8 +11,23 @@ def _fmt(v: float | None, unit: str = "", digits: int = 0) -> str:
     return "-" if v is None else f"{v:.{digits}f}{unit}"
 
 
+#: Characters of the reasons a table row shows.
+REASON_WIDTH = 90
+
+
+def reasons_text(reasons: list[str] | None, width: int = REASON_WIDTH) -> str:
+    """Every reason of a weight, in order, joined with "; " and cut to ``width`` with an ellipsis:
+    the first alone would show "score 0.74 ... -> 74" beside a weight of 80 that a later step held.
+
+    >>> reasons_text(["score 0.74 x max_weight 100 -> 74", "held at 80: change under hysteresis 0.05"], 60)
+    'score 0.74 x max_weight 100 -> 74; held at 80: change under…'
+    """
+    text = "; ".join(reasons or ())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def weights_table(doc: dict) -> str:
-    """A fixed-width table: cluster, endpoint, weight, health, score, key inputs, first reason."""
+    """A fixed-width table: cluster, endpoint, weight, health, score, key inputs, its reasons."""
     head = f"{'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
            f"{'lat ms':>7} {'p95 ms':>7} {'run':>5} {'gpu%':>5} {'age s':>5}  reason"
     rows = [head, "-" * len(head)]
@@ -20,12 +35,12 @@ def weights_table(doc: dict) -> str:
         for e in c["endpoints"]:
             i = e.get("inputs", {})
             gpu = None if i.get("gpu_util") is None else i["gpu_util"] * 100
-            reason = (e.get("reasons") or [""])[0]
+            reason = reasons_text(e.get("reasons"))
             rows.append(
                 f"{c['name']:<12} {e['address']:<21} {e['weight']:>6} {e['health']:<9} "
                 f"{_fmt(e.get('score'), digits=2):>5} {_fmt(i.get('latency_mean_ms')):>7} "
                 f"{_fmt(i.get('latency_p95_ms')):>7} {_fmt(i.get('running'), digits=1):>5} "
-                f"{_fmt(gpu):>5} {_fmt(i.get('sample_age_s'), digits=1):>5}  {reason[:70]}"
+                f"{_fmt(gpu):>5} {_fmt(i.get('sample_age_s'), digits=1):>5}  {reason}"
             )
     src = doc.get("metrics_source") or {}
     rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
@@ -53,7 +68,7 @@ def weights_rich_table(doc: dict, title: str = ""):
                           f"[{colour.get(health, 'white')}]{health}[/]", _fmt(e.get("score"), digits=2),
                           _fmt(i.get("latency_mean_ms")), _fmt(i.get("latency_p95_ms")),
                           _fmt(i.get("running"), digits=1), _fmt(gpu), _fmt(i.get("sample_age_s"), digits=1),
-                          (e.get("reasons") or [""])[0][:70])
+                          reasons_text(e.get("reasons")))
     src = doc.get("metrics_source") or {}
     table.caption = (f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
                      f"snapshot {doc.get('snapshot_version')}")
@@ -62,7 +77,7 @@ def weights_rich_table(doc: dict, title: str = ""):
 
 def history_table(doc: dict) -> str:
     """The ``/api/v1/history`` document as a fixed-width table, oldest first: time (UTC), cluster,
-    endpoint, weight, health, score, kind and the first reason."""
+    endpoint, weight, health, score, kind and its reasons."""
     from datetime import UTC, datetime
 
     head = f"{'time (UTC)':<19} {'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
@@ -71,10 +86,10 @@ def history_table(doc: dict) -> str:
                     key=lambda x: x[:3])
     rows = [head, "-" * len(head)]
     for t, cluster, endpoint, p in points:
-        reason = (p.get("reasons") or [""])[0]
+        reason = reasons_text(p.get("reasons"))
         rows.append(f"{datetime.fromtimestamp(t, UTC).strftime('%Y-%m-%d %H:%M:%S'):<19} {cluster:<12} {endpoint:<21} "
                     f"{p['weight']:>6} {p['health']:<9} {_fmt(p.get('score'), digits=2):>5} {p['kind']:<8}  "
-                    f"{reason[:70]}")
+                    f"{reason}")
     rows.append(f"{len(points)} points in {len(doc.get('series', []))} series"
                 + (" (truncated: narrow the range)" if doc.get("truncated") else ""))
     return "\n".join(rows)

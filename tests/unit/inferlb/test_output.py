@@ -33,3 +33,18 @@ def test_rich_table_has_every_row_of_the_plain_one():
         assert needle in text
         assert needle in plain or needle.startswith("inferlb demo")
     assert "FAILING" in _render(weights_rich_table({**DOC, "metrics_source": {"name": "prometheus", "ok": False}}))
+
+
+def test_a_weight_shows_every_reason_not_only_the_first():
+    """A weight the hysteresis held beside a score's "-> 74" would read as a contradiction (found by a
+    new-user trial); the row shows each step, and a long list is cut with an ellipsis."""
+    held = ["score 0.74 x max_weight 100 -> 74", "held at 80: change under hysteresis 0.05"]
+    doc = {**DOC, "clusters": [{"name": "chat-v1", "endpoints": [
+        {"address": "127.0.0.1:8001", "weight": 80, "health": "HEALTHY", "score": 0.74, "inputs": {},
+         "reasons": held},
+        {"address": "127.0.0.1:8002", "weight": 9, "health": "HEALTHY", "score": 0.1, "inputs": {},
+         "reasons": ["x" * 200]}]}]}
+    plain, rich = weights_table(doc), _render(weights_rich_table(doc))
+    assert "-> 74; held at 80: change under hysteresis 0.05" in plain
+    assert "held at 80" in rich
+    assert "x" * 89 + "…" in plain and "x" * 90 not in plain
