@@ -91,16 +91,17 @@ def sample_age_s(now: float, seen: float, scraped: float | None, interval_s: flo
 
     ``seen``: the newest sample's time (or when the endpoint was first asked for), Unix s;
     ``scraped``: when Prometheus last scraped the target (``timestamp(up)``, None when unknown);
-    ``interval_s``: the scrape interval (None: unknown, taken as 0). A target Prometheus keeps scraping
-    without getting samples ages by the wall clock; while Prometheus is stalled, the endpoint ages at
-    most by one interval.
+    ``interval_s``: the scrape interval (None: unknown; then nothing is taken off, since the normal
+    lag of a scrape cannot be told from a stall). A target Prometheus keeps scraping without getting
+    samples ages by the wall clock; while Prometheus is stalled, the endpoint ages at most by one
+    interval.
 
     >>> sample_age_s(100.0, 90.0, 99.5, 1.0)   # scraped, no sample for 10 s: stale by the wall clock
     10.0
     >>> sample_age_s(100.0, 94.0, 94.0, 1.0)   # Prometheus silent 6 s: 5 s of it do not count
     1.0
     """
-    lag = 0.0 if scraped is None else max(0.0, now - scraped - (interval_s or 0.0))
+    lag = 0.0 if scraped is None or interval_s is None else max(0.0, now - scraped - interval_s)
     return max(0.0, now - seen - lag)
 
 
