@@ -99,9 +99,14 @@ DCGM_PAGE = ("# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n"
              'DCGM_FI_DEV_FB_FREE{gpu="1",pod="llm-1",namespace="ai"} 1000\n')
 
 
-class _Exporter(http.server.BaseHTTPRequestHandler):
+class _MetricsPage(http.server.BaseHTTPRequestHandler):
+    """Serves ``page()`` as a Prometheus text exposition, quietly."""
+
+    def page(self) -> bytes:
+        raise NotImplementedError
+
     def do_GET(self):  # noqa: N802 (http.server's name)
-        body = DCGM_PAGE.encode()
+        body = self.page()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -110,6 +115,11 @@ class _Exporter(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _Exporter(_MetricsPage):
+    def page(self) -> bytes:
+        return DCGM_PAGE.encode()
 
 
 @pytest.fixture(scope="module")
@@ -166,24 +176,19 @@ def test_dcgm_labels_renamed_to_exported_pod_and_namespace_still_join(kubernetes
     assert "DCGM_FI_DEV_GPU_UTIL" in warned[0]
 
 
-class _Backend(http.server.BaseHTTPRequestHandler):
+class _Backend(_MetricsPage):
     """A vLLM-like /metrics page whose answer can be delayed (``server.delay_s``) or refused
     (``server.down``: 503, so Prometheus's scrape fails and writes ``up`` 0)."""
+
+    def page(self) -> bytes:
+        return b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 1\n'
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         time.sleep(self.server.delay_s)  # type: ignore[attr-defined]
         if self.server.down:  # type: ignore[attr-defined]
             self.send_error(503)
             return
-        body = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 1\n'
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        super().do_GET()
 
 
 @pytest.fixture()
