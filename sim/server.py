@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -33,6 +32,7 @@ from sim.protocol import (
     chunk_body,
     completion_body,
     error_body,
+    load_json,
     parse_request,
     sse,
     usage_body,
@@ -162,13 +162,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _set_fault(request: web.Request) -> web.Response:
     node = get_node(request.app)
+    raw = await request.read()
     try:
-        raw = await request.read()
-        patch = parse_fault_patch(json.loads(raw) if raw.strip() else None)
-    except ValueError as exc:  # includes JSONDecodeError and FaultError
-        field = exc.field if isinstance(exc, FaultError) else "body"
-        msg = str(exc) if isinstance(exc, FaultError) else "fault body is not valid JSON"
-        return _json_error(400, msg, "invalid_request_error", field)
+        patch = parse_fault_patch(load_json(raw) if raw.strip() else None)
+    except (RequestError, FaultError) as exc:
+        return _json_error(400, str(exc), "invalid_request_error", exc.field)
     node.faults.apply(patch)
     log.info("%s faults now %s", node.served_by, node.faults.as_dict())
     return web.json_response({"faults": node.faults.as_dict()})

@@ -111,6 +111,20 @@ async def test_bad_requests_get_400_naming_the_field(backends, http):
     assert (await _state(http, base))["counters"]["bad_requests"] == 4
 
 
+async def test_deeply_nested_bodies_get_400_not_500(backends, http):
+    """Python's JSON parser gives up on deep nesting with RecursionError: a client error, answered
+    400 like any other bad body (a 500 is retried by Envoy, so the backend would see it twice)."""
+    base = await backends()
+    deep = b"[" * 5000 + b"]" * 5000
+    for path in ("/v1/chat/completions", "/v1/completions", "/sim/fault"):
+        async with http.post(f"{base}{path}", data=deep) as resp:
+            assert resp.status == 400, await resp.text()
+            err = (await resp.json())["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == "body"
+            assert "nested too deeply" in err["message"]
+    assert (await _state(http, base))["counters"]["bad_requests"] == 2
+
+
 async def test_oom_returns_500_at_once_and_is_counted(backends, http):
     base = await backends(gpu_class="a10", time_scale=2.0)  # the first request runs 450 ms
     big = asyncio.create_task(
