@@ -175,9 +175,19 @@ def parse_request(kind: Kind, raw: bytes, headers: Mapping[str, str]) -> Inferen
     )
 
 
-def error_body(message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def model_body(model_name: str, created: int) -> dict[str, Any]:
+    """One entry of ``GET /v1/models``: an OpenAI ``model`` object (``created``: Unix seconds)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "inferlb-sim"}
+
+
+def model_list_body(model_name: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the OpenAI list of the models served, here the one model of a node."""
+    return {"object": "list", "data": [model_body(model_name, created)]}
 
 
 def completion_body(

@@ -5,6 +5,7 @@ import json
 import time
 
 import aiohttp
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,6 +74,19 @@ async def test_chat_and_completion_responses_are_openai_shaped(backends, http):
     assert body["object"] == "text_completion" and body["choices"][0]["text"]
     assert 1 <= body["usage"]["completion_tokens"] <= 128  # no max_tokens: a seeded length
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_models_list_and_retrieve_with_the_openai_client(backends):
+    base = await backends(model_name="sim-13b")
+    before = int(time.time())
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=0, timeout=5) as client:
+        models = [m async for m in client.models.list()]
+        assert [(m.id, m.object, m.owned_by) for m in models] == [("sim-13b", "model", "inferlb-sim")]
+        assert before - 5 <= models[0].created <= time.time()
+        assert (await client.models.retrieve("sim-13b")).id == "sim-13b"
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.models.retrieve("gpt-nope")
+    assert err.value.code == "model_not_found" and "gpt-nope" in err.value.message
 
 
 async def test_every_response_carries_identity_headers(backends, http):
