@@ -23,6 +23,10 @@
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
 
+Every route takes only the query parameters the OpenAPI document declares for it (none where it
+declares none), each at most once: anything else is a 400 naming the parameter
+(:func:`check_query`), as the history API's own parser answers.
+
 Write operations (need the bearer token, see :class:`WriteAuth`):
 - ``POST /api/v1/endpoints/{address}/drain`` DRAINING at once: no new requests (Envoy's load
   balancer and the picker skip it), in-flight ones finish (case C11); ``DELETE`` undoes it.
@@ -75,6 +79,24 @@ def openapi_document() -> dict:
         if param["name"] in patterns:
             param["schema"]["pattern"] = f"^{patterns[param['name']]}$"
     return doc
+
+
+def declared_parameters(doc: dict) -> dict[tuple[str, str], tuple[str, ...]]:
+    """``{(METHOD, path): names of its query parameters}`` for every operation of an OpenAPI document
+    (``path`` as written there, e.g. ``/api/v1/history``)."""
+    return {(method.upper(), path): tuple(p["name"] for p in op.get("parameters", ()) if p["in"] == "query")
+            for path, item in doc["paths"].items() for method, op in item.items()}
+
+
+def check_query(request: web.Request, known: Sequence[str]) -> None:
+    """Raise :class:`QueryError` naming the first query parameter of ``request`` that is not in
+    ``known`` or is given more than once (the answer the history API's parser gives)."""
+    for name in request.query:
+        if name not in known:
+            raise QueryError(name, f"unknown parameter; known: {', '.join(known)}" if known
+                             else "unknown parameter; this endpoint takes none")
+        if len(request.query.getall(name)) > 1:
+            raise QueryError(name, "given more than once")
 
 
 def weights_document(cp: ControlPlane) -> dict:
@@ -207,7 +229,23 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
                                         lambda: cp.cfg.autoscaling))
     local.register(NodeCollector(ads.describe_nodes, lambda: {
         short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
-    spec = json.dumps(openapi_document())
+    document = openapi_document()
+    spec = json.dumps(document)
+    declared = declared_parameters(document)
+
+    @web.middleware
+    async def strict_query(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        """400 for a query parameter the route does not declare, or one given twice (:func:`check_query`)."""
+        resource = request.match_info.route.resource
+        if resource is not None and request.query:  # None: no route matched (aiohttp's 404/405)
+            method = "GET" if request.method == "HEAD" else request.method
+            try:
+                check_query(request, declared.get((method, resource.canonical), ()))
+            except QueryError as err:
+                return _error(400, str(err), err.param)
+        return await handler(request)
+
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -292,7 +330,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    app = web.Application()
+    app = web.Application(middlewares=[strict_query])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from urllib.parse import parse_qsl
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from jsonschema import Draft202012Validator
+from multidict import MultiDict
 from openapi_spec_validator import validate
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
@@ -17,8 +19,9 @@ from ext_proc.costmodel import CostModel
 from ext_proc.sampler import DecisionSampler
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
-from xds_server.admin.app import openapi_document
+from xds_server.admin.app import check_query, declared_parameters, openapi_document
 from xds_server.engine.types import DRAINING
+from xds_server.history.query import QueryError, parse_query
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"
 NOW = time.time()
@@ -131,6 +134,39 @@ async def test_every_bad_parameter_is_a_400_never_a_500(client, query, param):
     doc = await get(client, f"/api/v1/history?{query}", 400)
     conforms(doc, "Error")
     assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ") and len(doc["error"]) < 400
+
+
+@pytest.mark.parametrize("path", sorted(SPEC["paths"]))
+async def test_every_route_refuses_an_unknown_or_repeated_parameter_as_history_does(client, path):
+    """One rule for every route, from the OpenAPI document: only the parameters it declares, once."""
+    declared = [p["name"] for p in SPEC["paths"][path]["get"].get("parameters", ())]
+    doc = await get(client, f"{path}?foo=1", 400)
+    conforms(doc, "Error")
+    known = f"known: {', '.join(declared)}" if declared else "this endpoint takes none"
+    assert doc == {"error": f"foo: unknown parameter; {known}", "parameter": "foo"}
+    for name in declared:
+        value = {"since": "2h", "until": "1h", "step": "10m"}.get(name, "1")
+        doc = await get(client, f"{path}?{name}={value}&{name}={value}", 400)
+        assert doc == {"error": f"{name}: given more than once", "parameter": name}
+    assert "400" in SPEC["paths"][path]["get"]["responses"]
+
+
+@pytest.mark.parametrize("query", ["foo=1", "since=1h&since=2h"])
+def test_every_routes_check_answers_as_the_history_parser_does(query):
+    with pytest.raises(QueryError) as want:
+        parse_query(MultiDict(parse_qsl(query)))
+    with pytest.raises(QueryError) as got:
+        check_query(make_mocked_request("GET", f"/api/v1/history?{query}"),
+                    declared_parameters(SPEC)[("GET", "/api/v1/history")])
+    assert (got.value.param, str(got.value)) == (want.value.param, str(want.value))
+
+
+async def test_routes_outside_the_document_take_no_parameters(client):
+    for method, path in (("GET", "/static/app.js"), ("POST", f"/api/v1/endpoints/{A}/drain")):
+        r = await client.request(method, f"{path}?v=2")
+        assert r.status == 400 and (await r.json())["parameter"] == "v"
+    assert (await client.head("/api/v1/weights?x=1")).status == 400
+    assert (await client.get("/nowhere?x=1")).status == 404
 
 
 @pytest.mark.parametrize("limit", ["%C2%B2", "9" * 5000, "0", "-1", "x"])
