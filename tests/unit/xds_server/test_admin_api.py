@@ -209,6 +209,7 @@ async def test_page_and_its_chart_library_are_served_locally(client):
     r = await client.get("/")
     html = await r.text()
     assert r.status == 200 and r.content_type == "text/html"
+    assert (await client.get("/?since=30m&cluster=chat-v2")).status == 200  # the page's own parameters (app.js)
     assert "http://" not in html and "https://" not in html  # nothing from elsewhere at run time
     for path in ("/static/vendor/uplot/uPlot.iife.min.js", "/static/vendor/uplot/uPlot.min.css", "/static/app.js"):
         assert f'"{path}"' in html
