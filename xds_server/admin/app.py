@@ -13,7 +13,8 @@
   "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
-- ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
+- ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter,
+  404 a ``cluster`` or ``endpoint`` known neither to the config nor to the history (:func:`check_target`).
 - ``GET /api/v1/decisions`` a sample of recent picker decisions (any :class:`DecisionLog`; the app
   passes the picker's sampler).
 - ``GET /api/v1/cost-model`` the picker's request cost model per GPU class (any :class:`CostModelView`;
@@ -40,6 +41,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -53,9 +55,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from xds_server.admin.exposition import AutoscalingCollector, EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
 from xds_server.autoscaling import cluster_loads
-from xds_server.config.model import normalize_endpoint_address
+from xds_server.config.model import cluster_name, normalize_endpoint_address
 from xds_server.control import ControlPlane
-from xds_server.history.query import QueryError, parse_query, run_query
+from xds_server.history.query import HistoryQuery, QueryError, parse_query, run_query
 from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
 from xds_server.loadview.table import LoadTable
@@ -97,6 +99,35 @@ def check_query(request: web.Request, known: Sequence[str]) -> None:
                              else "unknown parameter; this endpoint takes none")
         if len(request.query.getall(name)) > 1:
             raise QueryError(name, "given more than once")
+
+
+class UnknownTarget(QueryError):
+    """A history filter (``cluster`` or ``endpoint``) that names nothing: an HTTP 404 naming it."""
+
+
+def check_target(cp: ControlPlane, store: HistoryStore, q: HistoryQuery) -> None:
+    """Raise :class:`UnknownTarget` when ``q.cluster`` (or ``q.endpoint``, in ``q.cluster`` when given)
+    is neither in the current config nor anywhere in the history (blocking: call it off the event loop).
+
+    The history keeps clusters and endpoints since removed from the config, and a configured one may
+    have no rows yet: either is a 200, empty or not; only a name known to neither is a typo to report.
+    """
+    if q.cluster is not None and q.cluster not in {cluster_name(s.name, v.name) for s in cp.cfg.services
+                                                   for v in s.versions}:
+        if not store.rows(0.0, math.inf, q.cluster, None, 1):
+            raise UnknownTarget("cluster", f"no cluster {q.cluster!r} in the config or in the history")
+    if q.endpoint is not None:
+        configured = cp.spec(q.cluster, q.endpoint) is not None if q.cluster else q.endpoint in cp.addresses
+        if not configured and not store.rows(0.0, math.inf, q.cluster, q.endpoint, 1):
+            where = f" in cluster {q.cluster!r}" if q.cluster else ""
+            raise UnknownTarget("endpoint", f"no endpoint {q.endpoint!r}{where} in the config or in the history")
+
+
+def history_document(cp: ControlPlane, store: HistoryStore, q: HistoryQuery) -> dict:
+    """The ``/api/v1/history`` document (:func:`~xds_server.history.query.run_query`) after
+    :func:`check_target` (blocking: call it off the event loop)."""
+    check_target(cp, store, q)
+    return run_query(store, q)
 
 
 def weights_document(cp: ControlPlane) -> dict:
@@ -297,7 +328,9 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         if history is None:
             return _error(503, "history: this process keeps no history")
         try:
-            doc = await asyncio.to_thread(run_query, history, query)
+            doc = await asyncio.to_thread(history_document, cp, history, query)
+        except UnknownTarget as err:
+            return _error(404, str(err), err.param)
         except HistoryError as err:
             return _error(503, str(err))
         return web.json_response(doc)

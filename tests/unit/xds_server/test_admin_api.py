@@ -17,6 +17,7 @@ from referencing.jsonschema import DRAFT202012
 
 from ext_proc.costmodel import CostModel
 from ext_proc.sampler import DecisionSampler
+from tests.support.factories import config, service, version
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
 from xds_server.admin.app import check_query, declared_parameters, openapi_document
@@ -24,6 +25,7 @@ from xds_server.engine.types import DRAINING
 from xds_server.history.query import QueryError, parse_query
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"
+CONFIGURED = "10.7.0.1:8000"
 NOW = time.time()
 ROWS = [row(NOW - 7200, A, 10), row(NOW - 1200, A, 20), row(NOW - 500, B, 30), row(NOW - 300, A, 25),
         row(NOW - 200, B, 30, DRAINING), row(NOW - 100, C, 40, cluster="chat-v2")]
@@ -52,7 +54,8 @@ async def client():
         costs.observe("a100", 100.0 * p, 64.0, 50.0 + 0.1 * p * 100, 20.0)
     costs.refit()
     app, store = admin_app(ROWS, [verdict(A, 25), verdict(B, 30, DRAINING), verdict(C, 40, cluster="chat-v2")],
-                           sampler, cost_model=costs)
+                           sampler, cost_model=costs,
+                           cfg=config([service("llm", [version("v1", [{"address": CONFIGURED}])])]))
     async with TestClient(TestServer(app)) as c:
         c.store = store
         yield c
@@ -86,7 +89,32 @@ async def test_history_filters_by_cluster_and_endpoint(client):
     doc = await get(client, "/api/v1/history?since=3h&cluster=chat-v1&endpoint=" + B)
     assert [(p["weight"], p["health"]) for p in doc["series"][0]["points"]] == [(30, "HEALTHY"), (30, "DRAINING")]
     assert len(doc["series"]) == 1
-    assert (await get(client, "/api/v1/history?since=3h&cluster=nope"))["series"] == []
+    assert (await get(client, f"/api/v1/history?since=3h&cluster=chat-v2&endpoint={A}", 404))["parameter"] == "endpoint"
+
+
+@pytest.mark.parametrize("query,param,message", [
+    ("cluster=nope", "cluster", "cluster: no cluster 'nope' in the config or in the history"),
+    ("endpoint=10.9.9.9:1", "endpoint", "endpoint: no endpoint '10.9.9.9:1' in the config or in the history"),
+    (f"cluster=llm-v1&endpoint={A}", "endpoint",
+     f"endpoint: no endpoint '{A}' in cluster 'llm-v1' in the config or in the history"),
+    ("cluster=nope&endpoint=10.9.9.9:1", "cluster", "cluster: no cluster 'nope' in the config or in the history"),
+])
+async def test_a_cluster_or_endpoint_known_to_neither_config_nor_history_is_a_404(client, query, param, message):
+    doc = await get(client, f"/api/v1/history?{query}", 404)
+    conforms(doc, "Error")
+    assert doc == {"error": message, "parameter": param}
+
+
+async def test_a_cluster_in_only_the_config_or_only_the_history_is_a_200(client):
+    """The config has llm-v1 and CONFIGURED, with no rows yet; the history has chat-v1 and chat-v2,
+    not in the config (removed from it, as far as the API can tell)."""
+    assert (await get(client, "/api/v1/history?cluster=llm-v1"))["series"] == []
+    assert (await get(client, f"/api/v1/history?cluster=llm-v1&endpoint={CONFIGURED}"))["series"] == []
+    assert (await get(client, f"/api/v1/history?endpoint={CONFIGURED}"))["series"] == []
+    # older than since..until: known to the history, so an empty answer, not a 404
+    doc = await get(client, "/api/v1/history?cluster=chat-v2&since=3h&until=2h")
+    assert doc["series"] == []
+    assert len((await get(client, "/api/v1/history?cluster=chat-v2&since=3h"))["series"]) == 1
 
 
 async def test_since_as_duration_carries_the_value_in_force(client):
