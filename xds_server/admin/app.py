@@ -50,6 +50,8 @@ from typing import Any, Protocol
 
 import yaml
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.log import server_logger
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
 from xds_server.admin.exposition import AutoscalingCollector, EndpointCollector, NodeCollector
@@ -177,6 +179,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class RequestLog(logging.LoggerAdapter):
+    """The logger of the admin app's aiohttp request handlers (``aiohttp.server``, passed in the app's
+    ``handler_args``): a request aiohttp refuses before any handler runs (an over-long request line or
+    header, a malformed request; it answers 400) is one short debug line, without the traceback that
+    aiohttp logs at ERROR with the request's bytes in it, so whoever reaches the port cannot fill the
+    log. Every other error is logged as aiohttp logs it."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        """``Logger.exception``, but a refused request (:class:`HttpProcessingError`) is a debug line."""
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug(f"{msg}: %s %.120r", *args, type(exc_info).__name__, exc_info.message, **kwargs)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class DecisionLog(Protocol):
@@ -363,7 +380,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    app = web.Application(middlewares=[strict_query])
+    app = web.Application(middlewares=[strict_query], handler_args={"logger": RequestLog(server_logger)})
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -3,6 +3,8 @@ OpenAPI document (validated) and every JSON answer checked against its schema in
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from datetime import UTC, datetime
 from urllib.parse import parse_qsl
@@ -252,3 +254,38 @@ async def test_a_failing_store_is_a_503(client):
     doc = await get(client, "/api/v1/history", 503)
     conforms(doc, "Error")
     assert "closed" in doc["error"] and doc["parameter"] is None
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",          # an over-long request line
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",  # an over-long header
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",           # a malformed request
+], ids=["long-request-line", "long-header", "malformed"])
+async def test_a_request_aiohttp_refuses_is_a_400_and_one_short_debug_line(client, caplog, request_bytes):
+    """Anyone who reaches the port can send these: no traceback, nothing above debug, at most one line."""
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(request_bytes)
+    await writer.drain()
+    status = await reader.readline()
+    writer.close()
+    assert status.split()[1:2] == [b"400"], status
+    await asyncio.sleep(0.05)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) <= 1 and all(r.levelno == logging.DEBUG and not r.exc_info for r in records), [
+        (r.levelname, r.getMessage()[:200], bool(r.exc_info)) for r in records]
+    assert all(len(r.getMessage()) < 300 for r in records)
+
+
+class _BrokenCostModel:
+    def describe(self) -> dict:
+        raise ZeroDivisionError("a bug")
+
+
+async def test_a_handler_bug_is_still_logged_with_its_traceback(caplog):
+    app, store = admin_app([], [], cost_model=_BrokenCostModel())
+    async with TestClient(TestServer(app)) as c:
+        assert (await c.get("/api/v1/cost-model")).status == 500
+    store.close()
+    errors = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno == logging.ERROR]
+    assert errors and errors[0].exc_info[0] is ZeroDivisionError
