@@ -114,14 +114,23 @@ def resolve_session_key(headers: Mapping[str, str], body_user: str | None) -> st
     return body_user or None
 
 
+def load_json(raw: bytes, field: str = "body") -> Any:
+    """Parse a JSON request body; raises RequestError naming ``field`` when it is not valid JSON or
+    nests deeper than the parser can follow (Python's JSON parser raises RecursionError there, a few
+    hundred to a few thousand levels deep, which is a client error, not a server one)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(field, f"request {field} is not valid JSON") from None
+    except RecursionError:
+        raise RequestError(field, f"request {field} is nested too deeply") from None
+
+
 def parse_request(kind: Kind, raw: bytes, headers: Mapping[str, str]) -> InferenceRequest:
     """Validate a raw JSON body plus headers into an :class:`InferenceRequest` (or RequestError)."""
     if not raw or not raw.strip():
         raise RequestError("body", "request body is missing; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError("body", "request body is not valid JSON") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise RequestError("body", "request body must be a JSON object")
     key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
@@ -166,9 +175,19 @@ def parse_request(kind: Kind, raw: bytes, headers: Mapping[str, str]) -> Inferen
     )
 
 
-def error_body(message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI-style error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": None}}
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def model_body(model_name: str, created: int) -> dict[str, Any]:
+    """One entry of ``GET /v1/models``: an OpenAI ``model`` object (``created``: Unix seconds)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "inferlb-sim"}
+
+
+def model_list_body(model_name: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the OpenAI list of the models served, here the one model of a node."""
+    return {"object": "list", "data": [model_body(model_name, created)]}
 
 
 def completion_body(

@@ -1,7 +1,8 @@
 """aiohttp HTTP front of a simulated backend.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health``,
-``GET /metrics``, ``POST /sim/fault`` (see :mod:`sim.faults`), ``GET /sim/state``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``GET /v1/models/{model}``), ``GET /health``, ``GET /metrics``, ``POST /sim/fault`` (see
+:mod:`sim.faults`), ``GET /sim/state``.
 Every response carries ``x-served-by: HOST:PORT`` and ``x-backend-version: VERSION``.
 ``"stream": true`` answers Server-Sent Events (``text/event-stream``): the response starts with the
 first token (so a request refused for memory still gets its HTTP 500), then one chunk per token as
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -33,6 +33,9 @@ from sim.protocol import (
     chunk_body,
     completion_body,
     error_body,
+    load_json,
+    model_body,
+    model_list_body,
     parse_request,
     sse,
     usage_body,
@@ -43,6 +46,7 @@ from sim.push import push_status
 log = logging.getLogger("inferlb.sim")
 
 NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
+STARTED_KEY = web.AppKey("inferlb_sim_started", int)
 TASKS_KEY = web.AppKey("inferlb_sim_tasks", list)
 ETCD_KEY = web.AppKey("inferlb_sim_etcd", EtcdRegistration)
 
@@ -59,8 +63,9 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _json_error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, err_type, param), status=status)
+def _json_error(status: int, message: str, err_type: str, param: str | None = None,
+                code: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, err_type, param, code), status=status)
 
 
 @web.middleware
@@ -147,6 +152,18 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _inference(request, "completion")
 
 
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response(model_list_body(get_node(request.app).cfg.model_name, request.app[STARTED_KEY]))
+
+
+async def _model(request: web.Request) -> web.Response:
+    name, wanted = get_node(request.app).cfg.model_name, request.match_info["model"]
+    if wanted != name:
+        return _json_error(404, f"The model '{wanted}' does not exist; this backend serves '{name}'",
+                           "invalid_request_error", "model", code="model_not_found")
+    return web.json_response(model_body(name, request.app[STARTED_KEY]))
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -162,13 +179,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _set_fault(request: web.Request) -> web.Response:
     node = get_node(request.app)
+    raw = await request.read()
     try:
-        raw = await request.read()
-        patch = parse_fault_patch(json.loads(raw) if raw.strip() else None)
-    except ValueError as exc:  # includes JSONDecodeError and FaultError
-        field = exc.field if isinstance(exc, FaultError) else "body"
-        msg = str(exc) if isinstance(exc, FaultError) else "fault body is not valid JSON"
-        return _json_error(400, msg, "invalid_request_error", field)
+        patch = parse_fault_patch(load_json(raw) if raw.strip() else None)
+    except (RequestError, FaultError) as exc:
+        return _json_error(400, str(exc), "invalid_request_error", exc.field)
     node.faults.apply(patch)
     log.info("%s faults now %s", node.served_by, node.faults.as_dict())
     return web.json_response({"faults": node.faults.as_dict()})
@@ -196,11 +211,14 @@ def make_app(cfg: BackendConfig) -> web.Application:
             task.cancel()
 
     app[TASKS_KEY] = []
+    app[STARTED_KEY] = int(time.time())
     app.on_response_prepare.append(add_identity_headers)
     app.on_shutdown.append(release_held_requests)
     app.on_cleanup.append(stop_tasks)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/sim/fault", _set_fault)

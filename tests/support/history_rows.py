@@ -33,10 +33,11 @@ def verdict(endpoint: str, weight: int, health: str = HEALTHY, cluster: str = "c
 
 
 def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=None, cost_model=None,
-              ready: bool = False, load_view=None):
+              ready: bool = False, load_view=None, cfg=None):
     """A real admin application over an in-memory store holding ``rows`` and a control plane whose last
     round gave ``weights`` (its metrics source is never called); ``ready``: as if its first snapshot
-    was published (``/readyz`` 200); ``load_view``: the pickers' load table. Returns ``(app, store)``."""
+    was published (``/readyz`` 200); ``load_view``: the pickers' load table; ``cfg``: the control
+    plane's config (default: ``factories.config()``). Returns ``(app, store)``."""
 
     from tests.support.factories import config, metrics_source
     from xds_server.admin.app import make_admin_app
@@ -45,7 +46,8 @@ def admin_app(rows: list[HistoryRow], weights: list[EndpointWeight], sampler=Non
     from xds_server.history.sqlite import SqliteHistory
 
     cache = SnapshotCache()
-    cp = ControlPlane(config(), metrics_source(lambda instances: {}, "prometheus"), cache, [], lambda: "127.0.0.1:1")
+    cp = ControlPlane(cfg or config(), metrics_source(lambda instances: {}, "prometheus"), cache, [],
+                      lambda: "127.0.0.1:1")
     cp.weights = list(weights)
     if ready:
         cp.ready.set()

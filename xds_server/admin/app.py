@@ -13,7 +13,8 @@
   "pending_nonces", "last_nack", "last_nack_at", "acks", "nacks", "wildcard", "subscribed",
   ("resources_known" in delta)}, ...}}], "rejected_resources": [{"type", "name", "version",
   "problems", "kept"}]}`` (one entry per ADS stream; rejected = failed validation, not sent).
-- ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter.
+- ``GET /api/v1/history`` weight history (:mod:`xds_server.history.query`); 400 names a bad parameter,
+  404 a ``cluster`` or ``endpoint`` known neither to the config nor to the history (:func:`check_target`).
 - ``GET /api/v1/decisions`` a sample of recent picker decisions (any :class:`DecisionLog`; the app
   passes the picker's sampler).
 - ``GET /api/v1/cost-model`` the picker's request cost model per GPU class (any :class:`CostModelView`;
@@ -22,6 +23,10 @@
   (:meth:`xds_server.loadview.table.LoadTable.shares`).
 - ``GET /openapi.json`` the OpenAPI 3.1 document of all of the above (``openapi.yaml``, as data).
 - ``GET /`` the built-in page (``static/``): live weights table and weight-history chart.
+
+Every route takes only the query parameters the OpenAPI document declares for it (none where it
+declares none), each at most once: anything else is a 400 naming the parameter
+(:func:`check_query`), as the history API's own parser answers.
 
 Write operations (need the bearer token, see :class:`WriteAuth`):
 - ``POST /api/v1/endpoints/{address}/drain`` DRAINING at once: no new requests (Envoy's load
@@ -36,6 +41,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -44,14 +50,16 @@ from typing import Any, Protocol
 
 import yaml
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.log import server_logger
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 
 from xds_server.admin.exposition import AutoscalingCollector, EndpointCollector, NodeCollector
 from xds_server.ads.server import AdsServicer, short_type
 from xds_server.autoscaling import cluster_loads
-from xds_server.config.model import normalize_endpoint_address
+from xds_server.config.model import cluster_name, normalize_endpoint_address
 from xds_server.control import ControlPlane
-from xds_server.history.query import QueryError, parse_query, run_query
+from xds_server.history.query import HistoryQuery, QueryError, parse_query, run_query
 from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
 from xds_server.loadview.table import LoadTable
@@ -75,6 +83,53 @@ def openapi_document() -> dict:
         if param["name"] in patterns:
             param["schema"]["pattern"] = f"^{patterns[param['name']]}$"
     return doc
+
+
+def declared_parameters(doc: dict) -> dict[tuple[str, str], tuple[str, ...]]:
+    """``{(METHOD, path): names of its query parameters}`` for every operation of an OpenAPI document
+    (``path`` as written there, e.g. ``/api/v1/history``)."""
+    return {(method.upper(), path): tuple(p["name"] for p in op.get("parameters", ()) if p["in"] == "query")
+            for path, item in doc["paths"].items() for method, op in item.items()}
+
+
+def check_query(request: web.Request, known: Sequence[str]) -> None:
+    """Raise :class:`QueryError` naming the first query parameter of ``request`` that is not in
+    ``known`` or is given more than once (the answer the history API's parser gives)."""
+    for name in request.query:
+        if name not in known:
+            raise QueryError(name, f"unknown parameter; known: {', '.join(known)}" if known
+                             else "unknown parameter; this endpoint takes none")
+        if len(request.query.getall(name)) > 1:
+            raise QueryError(name, "given more than once")
+
+
+class UnknownTarget(QueryError):
+    """A history filter (``cluster`` or ``endpoint``) that names nothing: an HTTP 404 naming it."""
+
+
+def check_target(cp: ControlPlane, store: HistoryStore, q: HistoryQuery) -> None:
+    """Raise :class:`UnknownTarget` when ``q.cluster`` (or ``q.endpoint``, in ``q.cluster`` when given)
+    is neither in the current config nor anywhere in the history (blocking: call it off the event loop).
+
+    The history keeps clusters and endpoints since removed from the config, and a configured one may
+    have no rows yet: either is a 200, empty or not; only a name known to neither is a typo to report.
+    """
+    if q.cluster is not None and q.cluster not in {cluster_name(s.name, v.name) for s in cp.cfg.services
+                                                   for v in s.versions}:
+        if not store.rows(0.0, math.inf, q.cluster, None, 1):
+            raise UnknownTarget("cluster", f"no cluster {q.cluster!r} in the config or in the history")
+    if q.endpoint is not None:
+        configured = cp.spec(q.cluster, q.endpoint) is not None if q.cluster else q.endpoint in cp.addresses
+        if not configured and not store.rows(0.0, math.inf, q.cluster, q.endpoint, 1):
+            where = f" in cluster {q.cluster!r}" if q.cluster else ""
+            raise UnknownTarget("endpoint", f"no endpoint {q.endpoint!r}{where} in the config or in the history")
+
+
+def history_document(cp: ControlPlane, store: HistoryStore, q: HistoryQuery) -> dict:
+    """The ``/api/v1/history`` document (:func:`~xds_server.history.query.run_query`) after
+    :func:`check_target` (blocking: call it off the event loop)."""
+    check_target(cp, store, q)
+    return run_query(store, q)
 
 
 def weights_document(cp: ControlPlane) -> dict:
@@ -124,6 +179,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class RequestLog(logging.LoggerAdapter):
+    """The logger of the admin app's aiohttp request handlers (``aiohttp.server``, passed in the app's
+    ``handler_args``): a request aiohttp refuses before any handler runs (an over-long request line or
+    header, a malformed request; it answers 400) is one short debug line, without the traceback that
+    aiohttp logs at ERROR with the request's bytes in it, so whoever reaches the port cannot fill the
+    log. Every other error is logged as aiohttp logs it."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        """``Logger.exception``, but a refused request (:class:`HttpProcessingError`) is a debug line."""
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug(f"{msg}: %s %.120r", *args, type(exc_info).__name__, exc_info.message, **kwargs)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class DecisionLog(Protocol):
@@ -207,7 +277,23 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
                                         lambda: cp.cfg.autoscaling))
     local.register(NodeCollector(ads.describe_nodes, lambda: {
         short_type(t): v for t, v in (cp.cache.snapshot.versions.items() if cp.cache.snapshot else ())}))
-    spec = json.dumps(openapi_document())
+    document = openapi_document()
+    spec = json.dumps(document)
+    declared = declared_parameters(document)
+
+    @web.middleware
+    async def strict_query(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+        """400 for a query parameter the route does not declare, or one given twice (:func:`check_query`)."""
+        resource = request.match_info.route.resource
+        if resource is not None and request.query:  # None: no route matched (aiohttp's 404/405)
+            method = "GET" if request.method == "HEAD" else request.method
+            try:
+                check_query(request, declared.get((method, resource.canonical), ()))
+            except QueryError as err:
+                return _error(400, str(err), err.param)
+        return await handler(request)
+
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -259,7 +345,9 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         if history is None:
             return _error(503, "history: this process keeps no history")
         try:
-            doc = await asyncio.to_thread(run_query, history, query)
+            doc = await asyncio.to_thread(history_document, cp, history, query)
+        except UnknownTarget as err:
+            return _error(404, str(err), err.param)
         except HistoryError as err:
             return _error(503, str(err))
         return web.json_response(doc)
@@ -292,7 +380,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    app = web.Application()
+    app = web.Application(middlewares=[strict_query], handler_args={"logger": RequestLog(server_logger)})
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

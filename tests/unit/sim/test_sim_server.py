@@ -5,6 +5,7 @@ import json
 import time
 
 import aiohttp
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,6 +76,19 @@ async def test_chat_and_completion_responses_are_openai_shaped(backends, http):
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_models_list_and_retrieve_with_the_openai_client(backends):
+    base = await backends(model_name="sim-13b")
+    before = int(time.time())
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=0, timeout=5) as client:
+        models = [m async for m in client.models.list()]
+        assert [(m.id, m.object, m.owned_by) for m in models] == [("sim-13b", "model", "inferlb-sim")]
+        assert before - 5 <= models[0].created <= time.time()
+        assert (await client.models.retrieve("sim-13b")).id == "sim-13b"
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.models.retrieve("gpt-nope")
+    assert err.value.code == "model_not_found" and "gpt-nope" in err.value.message
+
+
 async def test_every_response_carries_identity_headers(backends, http):
     base = await backends(version="v2")
     calls = [
@@ -109,6 +123,20 @@ async def test_bad_requests_get_400_naming_the_field(backends, http):
     async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers=headers) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "x-sim-memory-mib"
     assert (await _state(http, base))["counters"]["bad_requests"] == 4
+
+
+async def test_deeply_nested_bodies_get_400_not_500(backends, http):
+    """Python's JSON parser gives up on deep nesting with RecursionError: a client error, answered
+    400 like any other bad body (a 500 is retried by Envoy, so the backend would see it twice)."""
+    base = await backends()
+    deep = b"[" * 5000 + b"]" * 5000
+    for path in ("/v1/chat/completions", "/v1/completions", "/sim/fault"):
+        async with http.post(f"{base}{path}", data=deep) as resp:
+            assert resp.status == 400, await resp.text()
+            err = (await resp.json())["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == "body"
+            assert "nested too deeply" in err["message"]
+    assert (await _state(http, base))["counters"]["bad_requests"] == 2
 
 
 async def test_oom_returns_500_at_once_and_is_counted(backends, http):

@@ -3,24 +3,31 @@ OpenAPI document (validated) and every JSON answer checked against its schema in
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from datetime import UTC, datetime
+from urllib.parse import parse_qsl
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from jsonschema import Draft202012Validator
+from multidict import MultiDict
 from openapi_spec_validator import validate
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from ext_proc.costmodel import CostModel
 from ext_proc.sampler import DecisionSampler
+from tests.support.factories import config, service, version
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
-from xds_server.admin.app import openapi_document
+from xds_server.admin.app import check_query, declared_parameters, openapi_document
 from xds_server.engine.types import DRAINING
+from xds_server.history.query import QueryError, parse_query
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"
+CONFIGURED = "10.7.0.1:8000"
 NOW = time.time()
 ROWS = [row(NOW - 7200, A, 10), row(NOW - 1200, A, 20), row(NOW - 500, B, 30), row(NOW - 300, A, 25),
         row(NOW - 200, B, 30, DRAINING), row(NOW - 100, C, 40, cluster="chat-v2")]
@@ -49,7 +56,8 @@ async def client():
         costs.observe("a100", 100.0 * p, 64.0, 50.0 + 0.1 * p * 100, 20.0)
     costs.refit()
     app, store = admin_app(ROWS, [verdict(A, 25), verdict(B, 30, DRAINING), verdict(C, 40, cluster="chat-v2")],
-                           sampler, cost_model=costs)
+                           sampler, cost_model=costs,
+                           cfg=config([service("llm", [version("v1", [{"address": CONFIGURED}])])]))
     async with TestClient(TestServer(app)) as c:
         c.store = store
         yield c
@@ -83,7 +91,32 @@ async def test_history_filters_by_cluster_and_endpoint(client):
     doc = await get(client, "/api/v1/history?since=3h&cluster=chat-v1&endpoint=" + B)
     assert [(p["weight"], p["health"]) for p in doc["series"][0]["points"]] == [(30, "HEALTHY"), (30, "DRAINING")]
     assert len(doc["series"]) == 1
-    assert (await get(client, "/api/v1/history?since=3h&cluster=nope"))["series"] == []
+    assert (await get(client, f"/api/v1/history?since=3h&cluster=chat-v2&endpoint={A}", 404))["parameter"] == "endpoint"
+
+
+@pytest.mark.parametrize("query,param,message", [
+    ("cluster=nope", "cluster", "cluster: no cluster 'nope' in the config or in the history"),
+    ("endpoint=10.9.9.9:1", "endpoint", "endpoint: no endpoint '10.9.9.9:1' in the config or in the history"),
+    (f"cluster=llm-v1&endpoint={A}", "endpoint",
+     f"endpoint: no endpoint '{A}' in cluster 'llm-v1' in the config or in the history"),
+    ("cluster=nope&endpoint=10.9.9.9:1", "cluster", "cluster: no cluster 'nope' in the config or in the history"),
+])
+async def test_a_cluster_or_endpoint_known_to_neither_config_nor_history_is_a_404(client, query, param, message):
+    doc = await get(client, f"/api/v1/history?{query}", 404)
+    conforms(doc, "Error")
+    assert doc == {"error": message, "parameter": param}
+
+
+async def test_a_cluster_in_only_the_config_or_only_the_history_is_a_200(client):
+    """The config has llm-v1 and CONFIGURED, with no rows yet; the history has chat-v1 and chat-v2,
+    not in the config (removed from it, as far as the API can tell)."""
+    assert (await get(client, "/api/v1/history?cluster=llm-v1"))["series"] == []
+    assert (await get(client, f"/api/v1/history?cluster=llm-v1&endpoint={CONFIGURED}"))["series"] == []
+    assert (await get(client, f"/api/v1/history?endpoint={CONFIGURED}"))["series"] == []
+    # older than since..until: known to the history, so an empty answer, not a 404
+    doc = await get(client, "/api/v1/history?cluster=chat-v2&since=3h&until=2h")
+    assert doc["series"] == []
+    assert len((await get(client, "/api/v1/history?cluster=chat-v2&since=3h"))["series"]) == 1
 
 
 async def test_since_as_duration_carries_the_value_in_force(client):
@@ -133,6 +166,39 @@ async def test_every_bad_parameter_is_a_400_never_a_500(client, query, param):
     assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ") and len(doc["error"]) < 400
 
 
+@pytest.mark.parametrize("path", sorted(SPEC["paths"]))
+async def test_every_route_refuses_an_unknown_or_repeated_parameter_as_history_does(client, path):
+    """One rule for every route, from the OpenAPI document: only the parameters it declares, once."""
+    declared = [p["name"] for p in SPEC["paths"][path]["get"].get("parameters", ())]
+    doc = await get(client, f"{path}?foo=1", 400)
+    conforms(doc, "Error")
+    known = f"known: {', '.join(declared)}" if declared else "this endpoint takes none"
+    assert doc == {"error": f"foo: unknown parameter; {known}", "parameter": "foo"}
+    for name in declared:
+        value = {"since": "2h", "until": "1h", "step": "10m"}.get(name, "1")
+        doc = await get(client, f"{path}?{name}={value}&{name}={value}", 400)
+        assert doc == {"error": f"{name}: given more than once", "parameter": name}
+    assert "400" in SPEC["paths"][path]["get"]["responses"]
+
+
+@pytest.mark.parametrize("query", ["foo=1", "since=1h&since=2h"])
+def test_every_routes_check_answers_as_the_history_parser_does(query):
+    with pytest.raises(QueryError) as want:
+        parse_query(MultiDict(parse_qsl(query)))
+    with pytest.raises(QueryError) as got:
+        check_query(make_mocked_request("GET", f"/api/v1/history?{query}"),
+                    declared_parameters(SPEC)[("GET", "/api/v1/history")])
+    assert (got.value.param, str(got.value)) == (want.value.param, str(want.value))
+
+
+async def test_routes_outside_the_document_take_no_parameters(client):
+    for method, path in (("GET", "/static/app.js"), ("POST", f"/api/v1/endpoints/{A}/drain")):
+        r = await client.request(method, f"{path}?v=2")
+        assert r.status == 400 and (await r.json())["parameter"] == "v"
+    assert (await client.head("/api/v1/weights?x=1")).status == 400
+    assert (await client.get("/nowhere?x=1")).status == 404
+
+
 @pytest.mark.parametrize("limit", ["%C2%B2", "9" * 5000, "0", "-1", "x"])
 async def test_a_bad_decisions_limit_is_a_400(client, limit):
     doc = await get(client, f"/api/v1/decisions?limit={limit}", 400)
@@ -173,6 +239,7 @@ async def test_page_and_its_chart_library_are_served_locally(client):
     r = await client.get("/")
     html = await r.text()
     assert r.status == 200 and r.content_type == "text/html"
+    assert (await client.get("/?since=30m&cluster=chat-v2")).status == 200  # the page's own parameters (app.js)
     assert "http://" not in html and "https://" not in html  # nothing from elsewhere at run time
     for path in ("/static/vendor/uplot/uPlot.iife.min.js", "/static/vendor/uplot/uPlot.min.css", "/static/app.js"):
         assert f'"{path}"' in html
@@ -187,3 +254,38 @@ async def test_a_failing_store_is_a_503(client):
     doc = await get(client, "/api/v1/history", 503)
     conforms(doc, "Error")
     assert "closed" in doc["error"] and doc["parameter"] is None
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",          # an over-long request line
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",  # an over-long header
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",           # a malformed request
+], ids=["long-request-line", "long-header", "malformed"])
+async def test_a_request_aiohttp_refuses_is_a_400_and_one_short_debug_line(client, caplog, request_bytes):
+    """Anyone who reaches the port can send these: no traceback, nothing above debug, at most one line."""
+    caplog.set_level(logging.DEBUG)
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(request_bytes)
+    await writer.drain()
+    status = await reader.readline()
+    writer.close()
+    assert status.split()[1:2] == [b"400"], status
+    await asyncio.sleep(0.05)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) <= 1 and all(r.levelno == logging.DEBUG and not r.exc_info for r in records), [
+        (r.levelname, r.getMessage()[:200], bool(r.exc_info)) for r in records]
+    assert all(len(r.getMessage()) < 300 for r in records)
+
+
+class _BrokenCostModel:
+    def describe(self) -> dict:
+        raise ZeroDivisionError("a bug")
+
+
+async def test_a_handler_bug_is_still_logged_with_its_traceback(caplog):
+    app, store = admin_app([], [], cost_model=_BrokenCostModel())
+    async with TestClient(TestServer(app)) as c:
+        assert (await c.get("/api/v1/cost-model")).status == 500
+    store.close()
+    errors = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno == logging.ERROR]
+    assert errors and errors[0].exc_info[0] is ZeroDivisionError
