@@ -7,12 +7,10 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from urllib.parse import parse_qsl
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from aiohttp.test_utils import TestClient, TestServer
 from jsonschema import Draft202012Validator
-from multidict import MultiDict
 from openapi_spec_validator import validate
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
@@ -22,9 +20,8 @@ from ext_proc.sampler import DecisionSampler
 from tests.support.factories import config, service, version
 from tests.support.history_rows import admin_app, pin_history_clock, row, verdict
 from tests.unit.ext_proc.test_decision_sampler import Picker, holder, http_headers
-from xds_server.admin.app import check_query, declared_parameters, openapi_document
+from xds_server.admin.app import openapi_document
 from xds_server.engine.types import DRAINING
-from xds_server.history.query import QueryError, parse_query
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000"
 CONFIGURED = "10.7.0.1:8000"
@@ -179,16 +176,6 @@ async def test_every_route_refuses_an_unknown_or_repeated_parameter_as_history_d
         doc = await get(client, f"{path}?{name}={value}&{name}={value}", 400)
         assert doc == {"error": f"{name}: given more than once", "parameter": name}
     assert "400" in SPEC["paths"][path]["get"]["responses"]
-
-
-@pytest.mark.parametrize("query", ["foo=1", "since=1h&since=2h"])
-def test_every_routes_check_answers_as_the_history_parser_does(query):
-    with pytest.raises(QueryError) as want:
-        parse_query(MultiDict(parse_qsl(query)))
-    with pytest.raises(QueryError) as got:
-        check_query(make_mocked_request("GET", f"/api/v1/history?{query}"),
-                    declared_parameters(SPEC)[("GET", "/api/v1/history")])
-    assert (got.value.param, str(got.value)) == (want.value.param, str(want.value))
 
 
 async def test_routes_outside_the_document_take_no_parameters(client):

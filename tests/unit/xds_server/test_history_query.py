@@ -69,7 +69,6 @@ def test_query_defaults_and_values():
     ({"limit": "0"}, "limit", "1..100000"),
     ({"limit": "lots"}, "limit", "integer"),
     ({"cluster": ""}, "cluster", "empty"),
-    ({"sinc": "10m"}, "sinc", "unknown parameter"),
 ])
 def test_bad_parameters_are_named(params, param, message):
     with pytest.raises(QueryError, match=message) as err:
