@@ -89,14 +89,16 @@ def validate(config_path: str) -> None:
               help="Seconds open streams get to finish on SIGTERM.")
 def serve(config_path: str, log_level: str, log_format: str, watch_s: float, grace_s: float) -> None:
     """Run the xDS server, the ext_proc picker and the admin API. SIGHUP reloads the config."""
+    from inferlb.serve import BindError
     from inferlb.serve import serve as run
+    from xds_server.config import ConfigError
     from xds_server.history.types import HistoryError
 
     cfg = _load(config_path)
     _setup_logging(log_level, log_format)
     try:
         asyncio.run(run(cfg, config_path=config_path, watch_interval_s=watch_s, grace_s=grace_s))
-    except HistoryError as err:
+    except (BindError, ConfigError, HistoryError) as err:
         click.echo(f"inferlb serve: {err}", err=True)
         sys.exit(2)
 
