@@ -18,6 +18,36 @@ import click
 DEFAULT_ADMIN = "http://127.0.0.1:18090"
 
 
+class HostPort(click.ParamType):
+    """A ``HOST:PORT`` option, checked as the config checks its addresses
+    (:func:`xds_server.config.model._check_hostport`). ``dial``: an address to connect to, so port 0
+    (any free port, for a listener) is refused."""
+
+    name = "HOST:PORT"
+
+    def __init__(self, dial: bool = False) -> None:
+        self.dial = dial
+
+    def convert(self, value, param, ctx) -> str:
+        from xds_server.config import split_hostport
+        from xds_server.config.model import _check_hostport
+
+        try:
+            _check_hostport(value)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+        if self.dial and split_hostport(value)[1] == 0:
+            self.fail(f"port 0 cannot be dialled, got {value!r}", param, ctx)
+        return value
+
+
+def _not_empty(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Option callback: refuse an empty (or blank) value."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty")
+    return value
+
+
 def _setup_logging(level: str, fmt: str = "text") -> None:
     """Log to stderr as text lines, or (``fmt="json"``) one JSON object per line (python-json-logger:
     ``time``, ``level``, ``logger``, ``message`` and, on errors, ``exc_info``)."""
@@ -63,6 +93,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, lazy={"sim-backend": "sim.cli:sim_backend"})
+@click.version_option(package_name="inferlb", prog_name="inferlb")
 def main() -> None:
     """inferlb: an inference-aware control plane for Envoy (xDS weights + ext_proc picker)."""
 
@@ -89,14 +120,16 @@ def validate(config_path: str) -> None:
               help="Seconds open streams get to finish on SIGTERM.")
 def serve(config_path: str, log_level: str, log_format: str, watch_s: float, grace_s: float) -> None:
     """Run the xDS server, the ext_proc picker and the admin API. SIGHUP reloads the config."""
+    from inferlb.serve import BindError
     from inferlb.serve import serve as run
+    from xds_server.config import ConfigError
     from xds_server.history.types import HistoryError
 
     cfg = _load(config_path)
     _setup_logging(log_level, log_format)
     try:
         asyncio.run(run(cfg, config_path=config_path, watch_interval_s=watch_s, grace_s=grace_s))
-    except HistoryError as err:
+    except (BindError, ConfigError, HistoryError) as err:
         click.echo(f"inferlb serve: {err}", err=True)
         sys.exit(2)
 
@@ -104,9 +137,11 @@ def serve(config_path: str, log_level: str, log_format: str, watch_s: float, gra
 @main.command()
 @click.option("-c", "--config", "config_path", type=click.Path(),
               help="YAML config file (default: every listen address at its default).")
-@click.option("--node-id", required=True, help="Envoy node.id (the control plane keys its state by it).")
-@click.option("--node-cluster", default="inferlb", show_default=True, help="Envoy node.cluster.")
-@click.option("--admin-port", default=9901, show_default=True, type=int, help="Envoy's admin port (127.0.0.1).")
+@click.option("--node-id", required=True, callback=_not_empty,
+              help="Envoy node.id (the control plane keys its state by it).")
+@click.option("--node-cluster", default="inferlb", show_default=True, callback=_not_empty, help="Envoy node.cluster.")
+@click.option("--admin-port", default=9901, show_default=True, type=click.IntRange(1, 65535),
+              help="Envoy's admin port (127.0.0.1).")
 @click.option("--delta", is_flag=True, help="Delta (incremental) ADS instead of State-of-the-World.")
 @click.option("--tls-ca", type=click.Path(), help="CA bundle Envoy trusts for the xDS server (turns TLS on).")
 @click.option("--tls-cert", type=click.Path(), help="Envoy's client certificate (mTLS; with --tls-key).")
@@ -185,17 +220,25 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
     if plot_path:
         from inferlb.output import plot_history
 
-        n = plot_history(doc, plot_path, title=f"inferlb: EDS weight per endpoint, {cluster}")
+        try:
+            n = plot_history(doc, plot_path, title=f"inferlb: EDS weight per endpoint, {cluster}")
+        except ModuleNotFoundError as err:
+            raise click.ClickException(f"--plot needs {err.name}: pip install 'inferlb[demo]'") from None
+        except OSError as err:
+            raise click.BadParameter(f"cannot write {plot_path}: {err.strerror or err}",
+                                     param_hint="'--plot'") from None
         click.echo(f"{plot_path}: {n} endpoints")
     else:
         click.echo(json.dumps(doc, indent=2) if as_json else history_table(doc))
 
 
 @main.command()
-@click.option("--duration", default=60.0, show_default=True, type=float, help="Seconds of traffic.")
+@click.option("--duration", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds of traffic.")
 @click.option("--json", "json_path", type=click.Path(), help="Write the run summary here.")
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
-@click.option("--concurrency", default=8, show_default=True, type=int, help="Concurrent client requests.")
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Concurrent client requests.")
 @click.option("--quiet", is_flag=True, help="No live table.")
 @click.option("--xds-protocol", type=click.Choice(["sotw", "delta"]), default="sotw", show_default=True,
               help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
@@ -213,12 +256,14 @@ def demo(duration: float, json_path: str | None, workdir: str | None, concurrenc
 
 
 @main.command("ext-proc")
-@click.option("--xds", required=True, help="The control plane's ADS address, HOST:PORT.")
-@click.option("--listen", default="127.0.0.1:18080", show_default=True, help="Serve ext_proc here (HOST:PORT).")
+@click.option("--xds", required=True, type=HostPort(dial=True), help="The control plane's ADS address.")
+@click.option("--listen", default="127.0.0.1:18080", show_default=True, type=HostPort(),
+              help="Serve ext_proc here (port 0 = any free port).")
 @click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Picker processes sharing the port (SO_REUSEPORT); one per Envoy worker.")
-@click.option("--node-id", default=None, help="xDS node id (default: inferlb-picker-HOSTNAME-PID).")
+@click.option("--node-id", default=None, callback=_not_empty,
+              help="xDS node id (default: inferlb-picker-HOSTNAME-PID).")
 @click.option("--tls-cert", type=click.Path(exists=True), help="Serve TLS (ALPN h2) with this certificate (PEM).")
 @click.option("--tls-key", type=click.Path(exists=True), help="The certificate's private key (PEM).")
 @click.option("--tls-ca", type=click.Path(exists=True), help="CA bundle client certificates are checked against.")

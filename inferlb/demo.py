@@ -208,21 +208,48 @@ async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: floa
             live.stop()
 
 
-async def _traffic(duration: float, concurrency: int, admin: str, live: bool) -> Traffic:
+class Terminated(BaseException):
+    """SIGTERM arrived outside the traffic phase (a ``BaseException``, like ``KeyboardInterrupt`` for
+    SIGINT, so no ``except Exception`` on the way swallows it)."""
+
+
+def _raise_terminated(*_) -> None:
+    raise Terminated
+
+
+async def _traffic(duration: float, concurrency: int, admin: str, live: bool, traffic: Traffic) -> int | None:
+    """Drive the demo's traffic for ``duration`` s, recording into ``traffic``, with the live table if
+    ``live``. SIGINT or SIGTERM stops it early (the requests in flight are dropped, what was answered
+    stays in ``traffic``); returns that signal's number, or None when the traffic ran its course."""
     sessions = make_sessions(48, ["v1", "v2", None], unsessioned_share=0.25, seed=7)
-    traffic = Traffic()
     stop = asyncio.Event()
     started = time.monotonic()
+    driving = asyncio.create_task(drive(
+        f"http://127.0.0.1:{ENVOY_LISTENER}/v1/chat/completions", sessions, duration_s=duration,
+        concurrency=concurrency, traffic=traffic, stream_share=0.8, system_prompt=DEMO_SYSTEM_PROMPT))
+    stopped_by: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        stopped_by.append(sig)
+        driving.cancel()
+
+    loop = asyncio.get_running_loop()
+    # signal.signal, not loop.add_signal_handler: the handlers before are put back exactly (removing a
+    # loop's handler leaves SIGTERM at its default, which would kill the demo with its processes running)
+    previous = {sig: signal.signal(sig, lambda sig, _frame: loop.call_soon_threadsafe(on_signal, sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     shower = asyncio.create_task(_live(admin, stop, traffic, started)) if live else None
     try:
-        await drive(f"http://127.0.0.1:{ENVOY_LISTENER}/v1/chat/completions", sessions,
-                    duration_s=duration, concurrency=concurrency, traffic=traffic, stream_share=0.8,
-                    system_prompt=DEMO_SYSTEM_PROMPT)
+        await asyncio.wait([driving])
+        if not driving.cancelled():
+            driving.result()   # drive records request errors; anything it raises is a bug to show
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         stop.set()
         if shower:
             await shower
-    return traffic
+    return stopped_by[0] if stopped_by else None
 
 
 def choose_metrics_source(requested: str, prometheus_installed: bool) -> str:
@@ -260,11 +287,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="inferlb-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     procs: list[stack.Proc] = []
-
-    def on_term(*_):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         print(f"inferlb demo: work dir {work}", flush=True)
         demo_started = time.time()
@@ -274,9 +297,16 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         backends, cfg, admin, envoy_admin = demo.backends, demo.cfg, demo.admin, demo.envoy_admin
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
               f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
-        traffic = asyncio.run(_traffic(duration, concurrency, admin, live))
+        traffic = Traffic()
+        traffic_started = time.monotonic()
+        stopped_by = asyncio.run(_traffic(duration, concurrency, admin, live, traffic))
+        if stopped_by is not None:
+            print(f"inferlb demo: {signal.Signals(stopped_by).name}; traffic stopped, summarising what was "
+                  "measured, then stopping everything", file=sys.stderr, flush=True)
         summary = {
             "duration_s": duration,
+            "traffic_s": round(time.monotonic() - traffic_started, 3),
+            "stopped_by": None if stopped_by is None else signal.Signals(stopped_by).name,
             "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
             "envoy_version": stack.envoy_version(),
             "xds_protocol": _xds_protocol(admin, "inferlb-demo"),
@@ -296,13 +326,16 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             Path(json_path).write_text(json.dumps(summary, indent=2))
             print(f"inferlb demo: summary written to {json_path}")
         print(f"inferlb demo: weight history plotted to {plot_path}")
-        return 0
+        return 0 if stopped_by is None else 128 + stopped_by
     except stack.StackError as err:
         print(f"inferlb demo: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("inferlb demo: interrupted; stopping everything", file=sys.stderr)
-        return 130
+        print("inferlb demo: interrupted (SIGINT); stopping everything", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print("inferlb demo: terminated (SIGTERM); stopping everything", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         for p in reversed(procs):
             p.stop()

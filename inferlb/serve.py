@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -72,6 +73,37 @@ RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
 TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
 #: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
 RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
+
+
+class BindError(Exception):
+    """A listener cannot bind its address; ``str(err)`` names its config field, the address and why
+    (``listen.admin 127.0.0.1:18090: address already in use``)."""
+
+
+def _bind_reason(err: OSError | RuntimeError, address: str) -> str:
+    """Why binding ``address`` failed, in the OS's words. grpc's ``RuntimeError`` gives no reason,
+    so the address is bound once more here to find it (as grpc does: ``SO_REUSEADDR``)."""
+    if isinstance(err, OSError) and err.errno in errno.errorcode:
+        return os.strerror(err.errno).lower()   # asyncio's strerror repeats the address
+    host, port = split_hostport(address)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as probe_err:
+        return (probe_err.strerror or str(probe_err)).lower()
+    return f"cannot bind ({err})"
+
+
+@contextlib.contextmanager
+def _binding(field: str, address: str) -> Iterator[None]:
+    """Turn a failure to bind ``address`` (the config's ``field``) inside the block into :class:`BindError`."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        raise BindError(f"{field} {address}: {_bind_reason(err, address)}") from err
 
 
 def picker_tls(tls: TlsConfig) -> TlsFiles:
@@ -279,17 +311,21 @@ class InferLB:
     async def start(self) -> None:
         """Bind every server and start the weight loop.
 
-        Raises ``RuntimeError``/``OSError`` on bind failure, ``ConfigError`` on unreadable TLS files.
+        Raises :class:`BindError` when a listener cannot bind its address, ``ConfigError`` on
+        unreadable TLS files. What started before the error is left running: :meth:`stop` ends it.
         """
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
-        self.ads_server, self.ads, self.xds_port = await start_ads_server(
-            self.cache, self.cfg.listen.xds, max_streams=self.cfg.listen.max_xds_streams, credentials=creds,
-            services=[add_load_view_servicer(self.load_view)])
+        listen = self.cfg.listen
+        with _binding("listen.xds", listen.xds):
+            self.ads_server, self.ads, self.xds_port = await start_ads_server(
+                self.cache, listen.xds, max_streams=listen.max_xds_streams, credentials=creds,
+                services=[add_load_view_servicer(self.load_view)])
         files = picker_tls(tls) if tls else None
-        self.ext_server, self.ext_proc_port = await transport.start(
-            self.cfg.picker.transport, self.picker, self.cfg.listen.ext_proc, tls=files)
-        host, port = split_hostport(self.cfg.listen.admin)
+        with _binding("listen.ext_proc", listen.ext_proc):
+            self.ext_server, self.ext_proc_port = await transport.start(
+                self.cfg.picker.transport, self.picker, listen.ext_proc, tls=files)
+        host, port = split_hostport(listen.admin)
         auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
                              reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
@@ -297,13 +333,14 @@ class InferLB:
                              live_load=self._live_load)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
+        with _binding("listen.admin", listen.admin):
+            await web.TCPSite(self._runner, host, port).start()
         self.admin_port = self._runner.addresses[0][1]
         self.recorder.start()
         if self.sources.push is not None:
-            self.push_server, self.push_port = await start_push_server(self.sources.push,
-                                                                       self.cfg.metrics.push.listen)
+            with _binding("metrics.push.listen", self.cfg.metrics.push.listen):
+                self.push_server, self.push_port = await start_push_server(self.sources.push,
+                                                                           self.cfg.metrics.push.listen)
         if self.sources.scrape is not None:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
@@ -470,7 +507,11 @@ async def serve(cfg: Config, stop: asyncio.Event | None = None, *, config_path: 
             loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(NotImplementedError, RuntimeError):
         loop.add_signal_handler(signal.SIGHUP, reload_soon)
-    await app.start()
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop(0)   # what did start (a gRPC server left to the GC logs "Event loop is closed")
+        raise
     watcher = (asyncio.create_task(_watch_file(Path(config_path), watch_interval_s, app.reload))
                if config_path and watch_interval_s > 0 else None)
     try:

@@ -104,6 +104,38 @@ def normalize_endpoint_address(value: str) -> str:
     return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip.compressed}:{int(port)}"
 
 
+#: Hosts that bind every address of the machine.
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _socket_address(value: str) -> tuple[str, int]:
+    """A valid ``HOST:PORT`` as ``(host, port)`` for comparison: an IP address in its canonical
+    spelling (``::`` for ``[0:0::0]``), a host name in lower case."""
+    host, port = split_hostport(value)
+    try:
+        return ipaddress.ip_address(host).compressed, port
+    except ValueError:
+        return host.lower(), port
+
+
+def _canonical(value: str) -> str:
+    """A valid ``HOST:PORT`` spelled as :func:`normalize_endpoint_address` spells an IP address."""
+    host, port = _socket_address(value)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _clash(a: str, b: str, wildcard: bool) -> bool:
+    """Whether listeners on ``a`` and ``b`` (valid ``HOST:PORT``) would collide: the same port, not 0,
+    on the same host or, with ``wildcard``, a wildcard host on either side (on one machine)."""
+    (host_a, port_a), (host_b, port_b) = _socket_address(a), _socket_address(b)
+    return port_a == port_b != 0 and (host_a == host_b or wildcard and bool({host_a, host_b} & _WILDCARDS))
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    """A config location as a dotted field name (``listen.xds``)."""
+    return ".".join(map(str, loc))
+
+
 def split_hostport(value: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(host, port)``; IPv6 brackets removed."""
     host, _, port = value.rpartition(":")
@@ -930,6 +962,44 @@ class Config(_Strict):
             if unknown:
                 raise FieldProblem(("node_groups", group, "services"),
                                    f"unknown services {unknown}; known: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _distinct_addresses(self) -> Config:
+        """No two listeners on one address. inferlb's own (``listen.*``, and ``metrics.push.listen``
+        with the push source) share neither an address nor a port where one binds a wildcard; Envoy's
+        listeners (``envoy.listener``, ``node_groups.*.listener``) and the endpoints are on none of
+        their addresses, and the endpoints on no Envoy listener's. Port 0 (any free port) never clashes."""
+        ours = [(("listen", "xds"), self.listen.xds), (("listen", "ext_proc"), self.listen.ext_proc),
+                (("listen", "admin"), self.listen.admin)]
+        if "push" in self.metrics.sources:
+            ours.append((("metrics", "push", "listen"), self.metrics.push.listen))
+        envoys = [(("envoy", "listener"), self.envoy.listener),
+                  *((("node_groups", name, "listener"), g.listener) for name, g in self.node_groups.items()
+                    if g.listener is not None)]
+        for n, (loc, address) in enumerate(ours):
+            for other_loc, other in ours[:n]:
+                if _clash(address, other, wildcard=True):
+                    same = _socket_address(address) == _socket_address(other)
+                    raise FieldProblem(loc, f"{address} is also the address of {_dotted(other_loc)}: each "
+                                            "listener needs its own" if same else
+                                            f"{address} and {_dotted(other_loc)} ({other}) share a port and one "
+                                            "of them binds every address of the host: each listener needs its own")
+        for loc, address in envoys:
+            for other_loc, other in ours:
+                if _clash(address, other, wildcard=False):
+                    raise FieldProblem(loc, f"{address} is also the address of {_dotted(other_loc)}: each "
+                                            "listener needs its own")
+        # endpoint addresses are canonical IP:PORT (normalize_endpoint_address): one lookup each
+        listeners = {_canonical(address): loc for loc, address in reversed([*ours, *envoys])
+                     if split_hostport(address)[1] != 0}
+        for i, s in enumerate(self.services):
+            for j, v in enumerate(s.versions):
+                for k, e in enumerate(v.endpoints):
+                    if e.address in listeners:
+                        raise FieldProblem(("services", i, "versions", j, "endpoints", k, "address"),
+                                           f"{e.address} is the address of {_dotted(listeners[e.address])}, not "
+                                           "of an inference server")
         return self
 
     def for_node_group(self, group: str) -> Config:

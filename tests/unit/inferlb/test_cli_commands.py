@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from inferlb.cli import main
@@ -78,3 +80,48 @@ def test_validate_names_the_discovery_sources(tmp_path):
     result = CliRunner().invoke(main, ["validate", "-c", str(path)])
     assert result.exit_code == 0, result.output
     assert "OK (0 services, 0 endpoints, plus discovery from etcd)" in result.output
+
+
+def test_version_is_the_package_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.output == f"inferlb, version {importlib.metadata.version('inferlb')}\n"
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["bootstrap", "--node-id", "x", "--admin-port", "99999"],
+     "Invalid value for '--admin-port': 99999 is not in the range 1<=x<=65535."),
+    (["bootstrap", "--node-id", "x", "--admin-port", "0"], "Invalid value for '--admin-port': 0 is not in the range"),
+    (["bootstrap", "--node-id", ""], "Invalid value for '--node-id': must not be empty"),
+    (["bootstrap", "--node-id", "x", "--node-cluster", " "], "Invalid value for '--node-cluster': must not be empty"),
+    (["ext-proc", "--xds", "nonsense"],
+     "Invalid value for '--xds': expected HOST:PORT with a port 0-65535, got 'nonsense'"),
+    (["ext-proc", "--xds", "127.0.0.1:0"], "Invalid value for '--xds': port 0 cannot be dialled"),
+    (["ext-proc", "--xds", "127.0.0.1:18000", "--listen", "127.0.0.1:99999"], "Invalid value for '--listen': "),
+    (["ext-proc", "--xds", "127.0.0.1:18000", "--listen", "bad host:1"], "Invalid value for '--listen': "),
+    (["ext-proc", "--xds", "127.0.0.1:18000", "--node-id", ""], "Invalid value for '--node-id': must not be empty"),
+    (["demo", "--duration", "-5"], "Invalid value for '--duration': -5.0 is not in the range x>0."),
+    (["demo", "--duration", "0"], "Invalid value for '--duration': 0.0 is not in the range x>0."),
+    (["demo", "--concurrency", "0"], "Invalid value for '--concurrency': 0 is not in the range x>=1."),
+])
+def test_bad_options_are_refused_before_anything_runs(args, error):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert error in result.output
+    assert isinstance(result.exception, SystemExit)   # click's usage error, not a traceback
+
+
+def test_ext_proc_takes_host_names_and_ipv6(monkeypatch):
+    import inferlb.cli
+    import inferlb.picker_process
+
+    seen = []
+    monkeypatch.setattr(inferlb.cli, "_setup_logging", lambda *_: None)   # the root logger stays pytest's
+
+    async def run_picker(xds, listen, **_):
+        seen.append((xds, listen))
+
+    monkeypatch.setattr(inferlb.picker_process, "run_picker", run_picker)
+    result = CliRunner().invoke(main, ["ext-proc", "--xds", "inferlb.example:18000", "--listen", "[::1]:0"])
+    assert result.exit_code == 0, result.output
+    assert seen == [("inferlb.example:18000", "[::1]:0")]

@@ -71,6 +71,15 @@ def test_history_plot_writes_a_png(admin, tmp_path):
     assert width == 1100 and height > 300
 
 
+def test_history_plot_into_a_missing_folder_names_the_option(admin, tmp_path):
+    out = tmp_path / "missing" / "weights.png"
+    result = CliRunner().invoke(main, ["history", "--admin", admin, "--cluster", "chat-v1", "--since", "10m",
+                                       "--plot", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert f"Invalid value for '--plot': cannot write {out}: No such file or directory" in result.output
+
+
 def test_plot_draws_one_line_per_endpoint_and_a_panel_per_cluster(tmp_path):
     doc = {"until": NOW, "series": [
         {"cluster": "chat-v1", "endpoint": A, "points": [{"t": NOW - 60, "weight": 5, "health": "HEALTHY"}]},

@@ -421,6 +421,50 @@ def test_lb_policy_must_be_known():
     assert one_error(text).startswith(f"cfg.yaml:{line_of(text, 'random')}: services[0].lb_policy: ")
 
 
+# --- two listeners on one address ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "message", "at"),
+    [("listen:\n  xds: 127.0.0.1:18080\n", "listen.ext_proc",   # at its default: the line of listen's first key
+      "127.0.0.1:18080 is also the address of listen.xds: each listener needs its own", "xds:"),
+     ("listen:\n  admin: 127.0.0.1:018000\n", "listen.admin",
+      "127.0.0.1:018000 is also the address of listen.xds: each listener needs its own", "admin:"),
+     ("listen:\n  admin: 0.0.0.0:18080\n", "listen.admin",
+      "0.0.0.0:18080 and listen.ext_proc (127.0.0.1:18080) share a port and one of them binds every address",
+      "admin:"),
+     ("metrics:\n  sources: [push]\n  push:\n    listen: 127.0.0.1:18090\n", "metrics.push.listen",
+      "127.0.0.1:18090 is also the address of listen.admin", "listen:"),
+     ("envoy:\n  listener: 127.0.0.1:18000\n", "envoy.listener",
+      "127.0.0.1:18000 is also the address of listen.xds", "listener:"),
+     ("node_groups:\n  edge:\n    listener: 127.0.0.1:18090\n", "node_groups.edge.listener",
+      "127.0.0.1:18090 is also the address of listen.admin", "listener:")],
+)
+def test_two_listeners_on_one_address_are_refused(extra, field, message, at):
+    text = MINIMAL + extra
+    err = one_error(text)
+    assert err.startswith(f"cfg.yaml:{line_of(text, at)}: {field}: {message}"), err
+
+
+@pytest.mark.parametrize("listener", ["listen:\n  xds: 10.0.0.1:8000\n", "envoy:\n  listener: 10.0.0.1:8000\n"])
+def test_an_endpoint_on_a_listener_of_inferlb_or_envoy_is_refused(listener):
+    err = one_error(MINIMAL + listener)
+    assert err.startswith(f"cfg.yaml:{line_of(MINIMAL, '10.0.0.1')}: services[0].versions[0].endpoints[0].address: "
+                          "10.0.0.1:8000 is the address of "), err
+    assert "not of an inference server" in err
+
+
+@pytest.mark.parametrize("extra", [
+    "listen:\n  xds: 127.0.0.1:0\n  ext_proc: 127.0.0.1:0\n  admin: 127.0.0.1:0\n",   # any free port, each
+    "listen:\n  admin: 127.0.0.2:18000\n",                                   # another address, same port
+    "metrics:\n  push:\n    listen: 127.0.0.1:18090\n",                      # no push source: never bound
+    "envoy:\n  listener: 0.0.0.0:18000\nlisten:\n  xds: 10.1.0.1:18000\n",   # Envoy may run on another host
+    "node_groups:\n  edge:\n    listener: 127.0.0.1:10000\n",                # the same as envoy.listener
+])
+def test_listeners_that_do_not_collide_are_accepted(extra):
+    parse_config(MINIMAL + extra)
+
+
 # --- not a config at all --------------------------------------------------------------------------
 
 
