@@ -20,7 +20,7 @@ DEFAULT_ADMIN = "http://127.0.0.1:18090"
 
 class HostPort(click.ParamType):
     """A ``HOST:PORT`` option, checked as the config checks its addresses
-    (:func:`xds_server.config.model._check_hostport`). ``dial``: an address to connect to, so port 0
+    (:func:`xds_server.config.model.check_hostport`). ``dial``: an address to connect to, so port 0
     (any free port, for a listener) is refused."""
 
     name = "HOST:PORT"
@@ -30,10 +30,10 @@ class HostPort(click.ParamType):
 
     def convert(self, value, param, ctx) -> str:
         from xds_server.config import split_hostport
-        from xds_server.config.model import _check_hostport
+        from xds_server.config.model import check_hostport
 
         try:
-            _check_hostport(value)
+            check_hostport(value)
         except ValueError as err:
             self.fail(str(err), param, ctx)
         if self.dial and split_hostport(value)[1] == 0:
@@ -120,7 +120,7 @@ def validate(config_path: str) -> None:
               help="Seconds open streams get to finish on SIGTERM.")
 def serve(config_path: str, log_level: str, log_format: str, watch_s: float, grace_s: float) -> None:
     """Run the xDS server, the ext_proc picker and the admin API. SIGHUP reloads the config."""
-    from inferlb.serve import BindError
+    from inferlb.listeners import BindError
     from inferlb.serve import serve as run
     from xds_server.config import ConfigError
     from xds_server.history.types import HistoryError
@@ -213,7 +213,7 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
         except ValueError:
             message = err.reason
         click.echo(f"inferlb history: {message}", err=True)
-        sys.exit(2 if err.code == 400 else 1)
+        sys.exit(2 if err.code in (400, 404) else 1)  # a bad parameter or an unknown cluster: usage
     except (urllib.error.URLError, OSError, ValueError) as err:
         click.echo(f"cannot read {url}: {err}", err=True)
         sys.exit(1)
@@ -297,7 +297,13 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
 
     tls = TlsFiles(tls_cert, tls_key, tls_ca, require_client_cert) if tls_cert and tls_key else None
     node = node_id or f"inferlb-picker-{socket.gethostname()}-{os.getpid()}"
-    uvloop.run(run_picker(xds, listen, kind=transport, node_id=node, reuse_port=reuse_port, tls=tls))
+    from inferlb.listeners import BindError
+
+    try:
+        uvloop.run(run_picker(xds, listen, kind=transport, node_id=node, reuse_port=reuse_port, tls=tls))
+    except BindError as err:
+        click.echo(f"inferlb ext-proc: {err}", err=True)
+        sys.exit(2)
 
 
 _BENCHES = {"picker": "bench.picker_cli:picker", "ext-proc-config": "bench.picker_cli:ext_proc_config",

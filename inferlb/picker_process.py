@@ -31,6 +31,7 @@ from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import TlsFiles
 from ext_proc.view import RoutingTable, ViewHolder
 from ext_proc.xds_client import XdsSubscriber
+from inferlb.listeners import binding
 
 __all__ = ["picker_config", "run_picker", "run_workers"]
 
@@ -110,7 +111,8 @@ async def run_picker(
         if not first.done():
             return
         handler = PickerHandler.from_settings(holder, first.result())
-        server, port = await transport.start(kind, handler, listen, tls=tls, reuse_port=reuse_port)
+        with binding("--listen", listen):
+            server, port = await transport.start(kind, handler, listen, tls=tls, reuse_port=reuse_port)
         log.info("picker serving on port %d (%s transport), fed by %s", port, kind, xds)
         if ready is not None:
             ready(port)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import logging
 import os
@@ -41,6 +40,7 @@ from ext_proc.sampler import DecisionSampler
 from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import Server, TlsFiles, ssl_context
 from ext_proc.view import ViewHolder
+from inferlb.listeners import binding
 from inferlb.picker_config import picker_metadata, picker_settings, routing_table
 from xds_server.admin.app import WriteAuth, make_admin_app
 from xds_server.ads.cache import SnapshotCache
@@ -73,37 +73,6 @@ RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
 TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
 #: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
 RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
-
-
-class BindError(Exception):
-    """A listener cannot bind its address; ``str(err)`` names its config field, the address and why
-    (``listen.admin 127.0.0.1:18090: address already in use``)."""
-
-
-def _bind_reason(err: OSError | RuntimeError, address: str) -> str:
-    """Why binding ``address`` failed, in the OS's words. grpc's ``RuntimeError`` gives no reason,
-    so the address is bound once more here to find it (as grpc does: ``SO_REUSEADDR``)."""
-    if isinstance(err, OSError) and err.errno in errno.errorcode:
-        return os.strerror(err.errno).lower()   # asyncio's strerror repeats the address
-    host, port = split_hostport(address)
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(sockaddr)
-    except OSError as probe_err:
-        return (probe_err.strerror or str(probe_err)).lower()
-    return f"cannot bind ({err})"
-
-
-@contextlib.contextmanager
-def _binding(field: str, address: str) -> Iterator[None]:
-    """Turn a failure to bind ``address`` (the config's ``field``) inside the block into :class:`BindError`."""
-    try:
-        yield
-    except (OSError, RuntimeError) as err:
-        raise BindError(f"{field} {address}: {_bind_reason(err, address)}") from err
 
 
 def picker_tls(tls: TlsConfig) -> TlsFiles:
@@ -317,12 +286,12 @@ class InferLB:
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
         listen = self.cfg.listen
-        with _binding("listen.xds", listen.xds):
+        with binding("listen.xds", listen.xds):
             self.ads_server, self.ads, self.xds_port = await start_ads_server(
                 self.cache, listen.xds, max_streams=listen.max_xds_streams, credentials=creds,
                 services=[add_load_view_servicer(self.load_view)])
         files = picker_tls(tls) if tls else None
-        with _binding("listen.ext_proc", listen.ext_proc):
+        with binding("listen.ext_proc", listen.ext_proc):
             self.ext_server, self.ext_proc_port = await transport.start(
                 self.cfg.picker.transport, self.picker, listen.ext_proc, tls=files)
         host, port = split_hostport(listen.admin)
@@ -333,12 +302,12 @@ class InferLB:
                              live_load=self._live_load)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        with _binding("listen.admin", listen.admin):
+        with binding("listen.admin", listen.admin):
             await web.TCPSite(self._runner, host, port).start()
         self.admin_port = self._runner.addresses[0][1]
         self.recorder.start()
         if self.sources.push is not None:
-            with _binding("metrics.push.listen", self.cfg.metrics.push.listen):
+            with binding("metrics.push.listen", self.cfg.metrics.push.listen):
                 self.push_server, self.push_port = await start_push_server(self.sources.push,
                                                                            self.cfg.metrics.push.listen)
         if self.sources.scrape is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import click
 
@@ -190,4 +191,8 @@ def sim_backend(
         raise click.UsageError(str(exc)) from exc
     from sim.server import run_backend
 
-    run_backend(cfg)
+    try:
+        run_backend(cfg)
+    except OSError as exc:  # the port is taken, or the host is not one of this machine's
+        why = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's strerror repeats the address
+        raise click.ClickException(f"--host/--port {host}:{port}: {why.lower()}") from exc

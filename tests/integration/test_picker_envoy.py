@@ -209,6 +209,20 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
         v2.fault(reset=True)
 
 
+def test_a_standalone_pickers_listen_address_in_use_is_one_line_and_exit_2(picker_stack: Stack):
+    """`inferlb ext-proc --listen` on a taken port (it binds once the control plane sent its settings):
+    one line naming --listen, exit 2, no traceback (found by a new-user trial)."""
+    s = picker_stack
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        proc = spawn("picker-taken", inferlb_argv("ext-proc", "--xds", f"127.0.0.1:{s.app.xds_port}",
+                                                  "--listen", address), s.workdir)
+        assert proc.popen.wait(30) == 2
+    lines = proc.log_tail(20).strip().splitlines()
+    assert lines[-1] == f"inferlb ext-proc: --listen {address}: address already in use", lines
+    assert not any("Traceback" in line for line in lines)
+
+
 def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: Stack):
     """`inferlb ext-proc --xds`: two picker processes subscribe to the control plane and agree,
     with each other and with the ring over the control plane's healthy endpoints."""

@@ -68,7 +68,9 @@ class _Strict(BaseModel):
         return value
 
 
-def _check_hostport(value: str, ip_only: bool = False) -> str:
+def check_hostport(value: str, ip_only: bool = False) -> str:
+    """``value`` when it is ``HOST:PORT`` with a port 0-65535 (``ip_only``: an IP address, IPv6 in
+    brackets), else ``ValueError`` saying what was expected."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT with a port 0-65535, got {value!r}")
@@ -92,11 +94,11 @@ def normalize_endpoint_address(value: str) -> str:
     ('127.0.0.1:8701', '[fd00::1]:80')
 
     Raises:
-        ValueError: not ``IP:PORT`` (see :func:`_check_hostport`); an IPv6 address without brackets
+        ValueError: not ``IP:PORT`` (see :func:`check_hostport`); an IPv6 address without brackets
             (``fd00::1:8000`` is ambiguous); IPv4 octets with leading zeros
             (``010.0.0.1``) are refused by :mod:`ipaddress` (ambiguous: octal or decimal).
     """
-    _check_hostport(value, ip_only=True)
+    check_hostport(value, ip_only=True)
     host, _, port = value.rpartition(":")
     ip = ipaddress.ip_address(host.strip("[]"))
     if ip.version == 6 and not (host.startswith("[") and host.endswith("]")):
@@ -151,7 +153,7 @@ class Listen(_Strict):
     #: ADS streams served at once; more are refused with RESOURCE_EXHAUSTED (bounded memory).
     max_xds_streams: int = Field(1024, ge=1, le=1_000_000)
 
-    _hp = field_validator("xds", "ext_proc", "admin")(_check_hostport)
+    _hp = field_validator("xds", "ext_proc", "admin")(check_hostport)
 
 
 class OutlierDetection(_Strict):
@@ -295,7 +297,7 @@ class EnvoySide(_Strict):
     @field_validator("listener", "ext_proc_address")
     @classmethod
     def _hp(cls, v: str | None) -> str | None:
-        return None if v is None else _check_hostport(v)
+        return None if v is None else check_hostport(v)
 
 
 class Loop(_Strict):
@@ -422,7 +424,7 @@ class PushSettings(_Strict):
 
     listen: str = "127.0.0.1:18070"
 
-    _hp = field_validator("listen")(_check_hostport)
+    _hp = field_validator("listen")(check_hostport)
 
 
 class MetricsSettings(_Strict):
@@ -636,7 +638,7 @@ class NodeGroup(_Strict):
     @field_validator("listener")
     @classmethod
     def _hp(cls, v: str | None) -> str | None:
-        return None if v is None else _check_hostport(v)
+        return None if v is None else check_hostport(v)
 
 
 class RequestClassConfig(_Strict):

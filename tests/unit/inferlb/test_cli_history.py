@@ -95,3 +95,9 @@ def test_bad_since_is_reported_with_its_name(admin):
     result = CliRunner().invoke(main, ["history", "--admin", admin, "--cluster", "chat-v1", "--since", "lately"])
     assert result.exit_code == 2
     assert "since: expected a duration ago" in result.output
+
+
+def test_an_unknown_cluster_is_a_usage_error_that_names_it(admin):
+    result = CliRunner().invoke(main, ["history", "--admin", admin, "--cluster", "nope", "--since", "10m"])
+    assert result.exit_code == 2
+    assert "no cluster 'nope' in the config or in the history" in result.output

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferlb.serve import BindError, serve
+from inferlb.listeners import BindError
+from inferlb.serve import serve
 from xds_server.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,3 +55,4 @@ def test_serve_exits_2_with_one_line(taken, tmp_path, field):
     assert lines[-1] == f"inferlb serve: listen.{field} {taken}: address already in use"
     # before it, at most grpc's own log line about the xDS port ("E... add_port.cc ... Address already in use")
     assert len(lines) == (2 if field == "xds" else 1), run.stderr
+

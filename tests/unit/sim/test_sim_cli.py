@@ -71,3 +71,16 @@ def test_the_registration_value_carries_identity_capacity_and_status():
     status = value["status"]
     assert (status["running"], status["waiting"], status["kv_cache_usage"], status["gpu_utilization"]) == (0, 0, 0, 0)
     assert 0 < status["gpu_memory_free_mib"] < 24576
+
+
+def test_a_port_in_use_is_one_error_line_not_a_traceback():
+    """Found by a new-user trial: the bind's OSError came out as a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(sim_backend, ["--port", str(port)])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == f"Error: --host/--port 127.0.0.1:{port}: address already in use"
