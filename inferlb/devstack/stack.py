@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import re
 import shutil
 import signal
@@ -36,11 +37,42 @@ class StackError(RuntimeError):
     """A process of the stack could not be started or did not become ready."""
 
 
+#: Where :func:`free_port` looks: below the kernel's ephemeral range (Linux's default starts at 32768),
+#: which a server binding port 0 draws from, so a port handed out here is not taken by one meanwhile.
+FREE_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+_draw = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ephemeral() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return range(32768, 61000)
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (racy by nature; good enough for tests and the demo)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """An unused TCP port on 127.0.0.1, outside the kernel's ephemeral range and not handed out
+    before by this process. Still racy between processes (two may draw the same port), but no
+    server binding port 0 can take it between this call and its bind: one run failed so (Envoy's
+    admin port answered with another server's HTTP/2 preface).
+
+    Raises:
+        StackError: no port of :data:`FREE_PORTS` binds.
+    """
+    ephemeral = _ephemeral()
+    candidates = [p for p in FREE_PORTS if p not in ephemeral and p not in _handed_out]
+    _draw.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise StackError(f"no free TCP port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} on 127.0.0.1")
 
 
 @dataclass

@@ -31,16 +31,13 @@ from tests.unit.ext_proc.test_ext_proc_server import headers_request, set_header
 pytestmark = pytest.mark.integration
 
 
-# Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.6 s (6x a request's
-# ~100 ms, so a loaded machine does not time the queued request out; it must stay below Envoy's
-# ext_proc timeout, 0.8 s here); v2's one endpoint
+# Body routing on; mix "canary" = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s; v2's one endpoint
 # (the second version in the layout) at max_concurrency 1.
 CONFIG = {
     # shared_view off: each picker decides on its own picks alone, so two pickers given the same
     # requests must give the same pins (the shared view is tested in test_shared_load_view.py).
-    "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.6,
+    "picker": {"body_max_bytes": 65536, "admission": True, "max_queue": 1, "queue_timeout_s": 0.2,
                "shared_view": False},
-    "envoy": {"ext_proc_timeout_s": 0.8},
     "services": [{"mixes": {"canary": {"v1": 50, "v2": 50}},
                   "versions": [{}, {"endpoints": [{"max_concurrency": 1}]}]}],
 }
@@ -49,7 +46,7 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def picker_stack(tmp_path_factory) -> Iterator[Stack]:
     """v1: two A100-class backends; v2: one with max_concurrency 1. Body routing on; mix ``canary``
-    = v1 50 % / v2 50 %; admission queue of 1 for 0.6 s; Envoy's ext_proc timeout 0.8 s."""
+    = v1 50 % / v2 50 %; admission queue of 1 for 0.2 s."""
     s = start_stack(tmp_path_factory.mktemp("picker"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
                     config=CONFIG)
     yield s
@@ -177,18 +174,23 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
     s = picker_stack
     v2 = next(b for b in s.backends if b.version == "v2")
     wait_until(lambda: s.app.view.current.clusters["chat-v2"].capacity == 1, 5, what="v2's capacity in the view")
-    v2.fault(slow_factor=10)  # ~100 ms per request at time scale 0.2
+    v2.fault(slow_factor=6)  # ~60 ms per request at time scale 0.2
+    admission, inflight = s.app.picker.admission, s.app.picker.inflight
     try:
         results: dict[int, requests.Response] = {}
 
         def go(i: int) -> None:
             results[i] = s.send({"model-version": "v2", "x-session-id": f"adm-{i}"})
 
-        threads = []
-        for i in range(3):  # one runs, one waits in the picker, one is refused at once
-            threads.append(threading.Thread(target=go, args=(i,)))
-            threads[-1].start()
-            time.sleep(0.02)
+        # One runs, one waits in the picker, one is refused at once. Each is sent once the one before
+        # is where it should be (not after a fixed sleep), so the queued one waits only for the
+        # running one's ~60 ms (the fixed sleeps before cost 20 ms of the 0.2 s queue each).
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+        threads[0].start()
+        wait_until(lambda: inflight.clusters.get("chat-v2") == 1, 5, 0.001, "the first request running")
+        threads[1].start()
+        wait_until(lambda: admission.queued("chat-v2") == 1, 5, 0.001, "the second request queued")
+        threads[2].start()
         for t in threads:
             t.join()
         codes = sorted(r.status_code for r in results.values())
@@ -197,7 +199,7 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
         assert refused.headers["retry-after"] == "1"
         assert "chat-v2" in refused.json()["error"]
         # A queued request that waits past queue_timeout_s is refused too.
-        v2.fault(slow_factor=100)  # ~1 s: longer than the queue's 0.6 s, however slow the machine
+        v2.fault(slow_factor=40)  # ~400 ms: longer than the queue's 0.2 s, however slow the machine
         threads = [threading.Thread(target=go, args=(i,)) for i in (10, 11)]
         for t in threads:
             t.start()
@@ -358,7 +360,11 @@ def test_a_dead_pinned_endpoint_costs_one_connect_failure_then_its_session_re_pi
             wait_until(lambda: not inflight.clusters.get("chat-v1"), 5, 0.005, "the completion")
         fails = (envoy_stat(s.envoy_admin, "cluster.chat-v1.upstream_cx_connect_fail") or 0) - before
         assert victim.address in inflight.failed and time.monotonic() - start < 5
-        assert 1 <= fails <= 2, fails  # not one per request (193 of 193 before)
+        # Not one per request (193 of 193 before). A request to the dead endpoint costs at most two
+        # (the pick and Envoy's retry); when its access-log entry shows only a retry on another host
+        # (URX, not UF), the failure is the uncertain kind and marks the endpoint at the second such
+        # request (InFlight.failed_now): so at most two requests, four failures (3 seen under load).
+        assert 1 <= fails <= 4, fails
         assert victim.address not in served and len(set(served)) == 1, served  # re-pinned once
     finally:
         s.start_backend(victim)
@@ -401,7 +407,7 @@ def _decisions(s: Stack, outcome: str) -> float:
 
 
 def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):
-    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.8 s here);
+    """C07: fail-open -> 200 through the weighted fallback after message_timeout (0.25 s);
     fail-closed -> 504 after the same wait. Forged routing headers stay ignored (C06)."""
     s = picker_stack
     timeout = s.cfg.envoy.ext_proc_timeout_s
