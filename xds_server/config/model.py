@@ -60,12 +60,28 @@ class _Strict(BaseModel):
     def _no_bool_number_mixup(cls, value: Any, info: ValidationInfo) -> Any:
         """A number field refuses ``true``/``false`` and a yes/no field refuses text (pydantic's lax
         mode would read ``true`` as 1 and ``"yes"`` as true: a typo would pass as a setting)."""
-        types = _scalar_types(cls.model_fields[info.field_name].annotation)
-        if isinstance(value, bool) and bool not in types and types & {int, float}:
+        if isinstance(value, bool) and (cls, info.field_name) in _NUMBER_FIELDS:
             raise ValueError(f"expected a number, got {str(value).lower()}")
-        if isinstance(value, str) and types and types <= {bool, type(None)}:
+        if isinstance(value, str) and (cls, info.field_name) in _SWITCH_FIELDS:
             raise ValueError(f"expected true or false, got {value!r}")
         return value
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Note which fields are numbers and which yes/no switches, once per class (working it out per
+        value from the annotation took ~0.8 s of validating a 60 000-endpoint config)."""
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, info in cls.model_fields.items():
+            types = _scalar_types(info.annotation)
+            if bool not in types and types & {int, float}:
+                _NUMBER_FIELDS.add((cls, name))
+            elif types and types <= {bool, type(None)}:
+                _SWITCH_FIELDS.add((cls, name))
+
+
+#: ``(model class, field)`` of the number fields and of the yes/no fields (see ``_Strict``).
+_NUMBER_FIELDS: set[tuple[type, str]] = set()
+_SWITCH_FIELDS: set[tuple[type, str]] = set()
 
 
 def check_hostport(value: str, ip_only: bool = False) -> str:
