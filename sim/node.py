@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,9 @@ from sim.protocol import InferenceRequest
 
 #: Shortest wall-clock time between two wake-ups of one request's decode loop, s.
 TICK_S = 0.004
+
+#: Requests whose time on the node :attr:`SimNode.spans` keeps (the most recent ones).
+SPANS_KEPT = 200_000
 
 #: Words the simulated replies are made of (one token each).
 _WORDS = ("Simulated", "reply", "from")
@@ -162,6 +167,11 @@ class SimNode:
             "prefix_hit_tokens": 0,
         }
         self.hung = 0  # requests currently held by the hang fault
+        self.spans: deque[tuple[float, float]] = deque(maxlen=SPANS_KEPT)
+        """``(arrived, left)`` wall-clock times (s, ``time.time()``) of every request that held the node:
+        from its arrival (a hang fault's wait included) to the release of its slot and memory, however
+        it ended; a request refused at once (out of memory, shutting down) has none. Oldest first; the
+        last :data:`SPANS_KEPT`."""
         self._seq = 0
         self._running: list[Job] = []  # jobs holding KV, oldest start first
         self._freed = asyncio.Event()
@@ -317,6 +327,7 @@ class SimNode:
         yield is the first token, at TTFT). Raises :class:`OutOfMemory` (before any token) when its
         memory cannot fit, :class:`NodeClosing` on shutdown. Memory and the running slot are
         released however it ends (also when the consumer stops early)."""
+        arrived = time.time()
         self.hung += 1
         try:
             await self.faults.wait_while(lambda: self.faults.hang)
@@ -385,6 +396,7 @@ class SimNode:
             if job.reserved_mib:
                 self.memory.release(job.reserved_mib)
                 self._wake()
+            self.spans.append((arrived, time.time()))
         job.finished_s = loop.time() - job.arrived
         self._finish(job)
 
@@ -415,6 +427,10 @@ class SimNode:
             fb_used_mib=self.memory.used_mib,
             fb_free_mib=self.memory.free_mib,
         )
+
+    def spans_since(self, since: float) -> list[tuple[float, float]]:
+        """The :attr:`spans` of the requests that left at or after ``since`` (wall s), oldest first."""
+        return [s for s in self.spans if s[1] >= since]
 
     def state(self) -> dict[str, Any]:
         """JSON-able view of the node for ``GET /sim/state`` (memory in MiB, kv_usage 0-1)."""

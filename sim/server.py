@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
 ``GET /v1/models/{model}``), ``GET /health``, ``GET /metrics``, ``POST /sim/fault`` (see
-:mod:`sim.faults`), ``GET /sim/state``.
+:mod:`sim.faults`), ``GET /sim/state``, ``GET /sim/spans?since=T`` (:meth:`sim.node.SimNode.spans_since`).
 Every response carries ``x-served-by: HOST:PORT`` and ``x-backend-version: VERSION``.
 ``"stream": true`` answers Server-Sent Events (``text/event-stream``): the response starts with the
 first token (so a request refused for memory still gets its HTTP 500), then one chunk per token as
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -193,6 +194,18 @@ async def _state(request: web.Request) -> web.Response:
     return web.json_response(get_node(request.app).state())
 
 
+async def _spans(request: web.Request) -> web.Response:
+    raw = request.query.get("since", "0")
+    try:
+        since = float(raw)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        return _json_error(400, f"query parameter 'since' must be a finite number of seconds, got '{raw[:40]}'",
+                           "invalid_request_error", "since")
+    return web.json_response({"spans": get_node(request.app).spans_since(since)})
+
+
 def make_app(cfg: BackendConfig) -> web.Application:
     """Build the aiohttp application of one simulated backend (not yet listening)."""
     node = SimNode(cfg)
@@ -223,6 +236,7 @@ def make_app(cfg: BackendConfig) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/sim/fault", _set_fault)
     app.router.add_get("/sim/state", _state)
+    app.router.add_get("/sim/spans", _spans)
     return app
 
 

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import yaml
 
 from bench.progress import Progress
@@ -43,6 +42,7 @@ from bench.quality.policies import (
     inferlb_config,
 )
 from bench.quality.scenarios import CONTROL, SIM_ARGS, Event, Scenario
+from bench.quality.spans import peak_in_flight
 from bench.quality.tiers import tier_figures
 from bench.quality.trace import TraceRequest, build_trace, to_planned
 from inferlb.devstack import stack
@@ -59,9 +59,6 @@ log = logging.getLogger(__name__)
 WEIGHT_POLL_S = 0.5
 #: Envoy's route timeout is the client's plus this (s), so the client's timeout decides.
 ROUTE_TIMEOUT_SLACK_S = 1.0
-#: How often each backend's requests in flight (running + waiting) are sampled for the peak, in
-#: scenarios with several gateways (s).
-PEAK_POLL_S = 0.05
 #: Each node's max concurrency and the edge's spill threshold as inferlb is configured here (its defaults).
 EDGE_MAX_CONCURRENCY: int = EndpointConfig.model_fields["max_concurrency"].default
 SPILL_THRESHOLD: float = Picker.model_fields["spill_threshold"].default
@@ -197,6 +194,15 @@ class ScenarioRunner:
             return None
         return {k: int(c.get(k, 0)) for k in _COUNTERS}
 
+    def _spans(self, i: int, since: float) -> list[tuple[float, float]] | None:
+        """Node ``i``'s request spans that ended at or after ``since`` (wall s), or None when it does not
+        answer (:mod:`bench.quality.spans`)."""
+        try:
+            return [(float(a), float(b)) for a, b in _get_json(f"http://{self.addresses[i]}/sim/spans?since={since!r}",
+                                                              5.0)["spans"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _stop_all(self) -> None:
         for p in [*self.sims, self.prometheus]:
             if p is not None:
@@ -274,7 +280,8 @@ class ScenarioRunner:
                 stack.wait_http(f"http://127.0.0.1:{envoy_admin_port}/ready", envoy, timeout=20)
             envoy_admin = f"http://127.0.0.1:{envoy_admin_port}"
             self._last: dict[int, dict[str, int]] = {}
-            traffic, weights, events, started, before, peaks = asyncio.run(
+            self._last_spans: dict[int, list[tuple[float, float]]] = {}
+            traffic, weights, events, started, before = asyncio.run(
                 self._drive(f"{policy}-r{round_}", listeners, envoy_admin, eds, present))
         finally:
             for p in reversed(procs):
@@ -282,9 +289,12 @@ class ScenarioRunner:
         after = {i: c for i in range(len(self.addresses)) if (c := self._counters(i) or self._last.get(i))}
         backends = figures.BackendCounters(**{k: sum(after[i][k] - before.get(i, {}).get(k, 0) for i in after)
                                               for k in _COUNTERS})
-        pr = self._summarise(policy, round_, traffic, weights, events, started, backends)
+        since = started + self.warmup_s
+        spans = {i: s for i in range(len(self.addresses))
+                 if (s := self._spans(i, since) or self._last_spans.get(i)) is not None}
+        pr = self._summarise(policy, round_, traffic, weights, events, started, backends, spans)
         if self.sc.gateways > 1:
-            pr.figures["peak_in_flight"] = max(peaks.values(), default=None)
+            pr.figures["peak_in_flight"] = max((peak_in_flight(s, since) for s in spans.values()), default=None)
         return pr
 
     def _start_gateways(self, n: int, cfg_path: Path, xds: int, admin: int, work: Path,
@@ -330,29 +340,6 @@ class ScenarioRunner:
             out.results += [dataclasses.replace(r, index=idx[r.index]) for r in t.results]
         return out
 
-    async def _peaks(self, t0: float, done: asyncio.Event) -> dict[str, int]:
-        """Each backend's most requests in flight (running + waiting + held), sampled every
-        :data:`PEAK_POLL_S` over the measured window."""
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(max(0.0, t0 + self.warmup_s - loop.time()))
-        peaks: dict[str, int] = {}
-        timeout = aiohttp.ClientTimeout(total=1.0)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            async def one(address: str) -> None:
-                try:
-                    async with http.get(f"http://{address}/sim/state") as r:
-                        s = await r.json()
-                except (aiohttp.ClientError, TimeoutError, ValueError):
-                    return
-                peaks[address] = max(peaks.get(address, 0), s["running"] + s["waiting"] + s["hung"])
-            while not done.is_set():
-                await asyncio.gather(*(one(a) for a in self.addresses))
-                try:
-                    await asyncio.wait_for(done.wait(), PEAK_POLL_S)
-                except TimeoutError:
-                    pass
-        return peaks
-
     async def _drive(self, run_key: str, listeners: list[int], envoy_admin: str, eds: _EdsFile | None,
                      present: set[int]):
         planned = to_planned(self.trace, f"{run_key}-{self.seed}", self.sc.traffic)
@@ -392,15 +379,13 @@ class ScenarioRunner:
                     before[i] = c
 
         tasks = [asyncio.create_task(poll()), asyncio.create_task(fire()), asyncio.create_task(mark_warmup_end())]
-        peak_task = asyncio.create_task(self._peaks(t0, done)) if self.sc.gateways > 1 else None
         try:
             traffic = await self._replay(listeners, planned)
         finally:
             done.set()
             tasks[1].cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        peaks = await peak_task if peak_task is not None else {}
-        return traffic, weights, events, started, before, peaks
+        return traffic, weights, events, started, before
 
     def _apply(self, e: Event, eds: _EdsFile | None, present: set[int]) -> None:
         """Apply one event (blocking): a fault, a node joining, or a node leaving."""
@@ -420,10 +405,13 @@ class ScenarioRunner:
                 last = self._counters(e.node)
                 if last is not None:
                     self._last[e.node] = last
+                spans = self._spans(e.node, 0.0)
+                if spans is not None:
+                    self._last_spans[e.node] = spans
                 proc.stop()
 
     def _summarise(self, policy: str, round_: int, traffic: Traffic, weights, events, started: float,
-                   backends: figures.BackendCounters) -> PolicyRun:
+                   backends: figures.BackendCounters, spans: dict[int, list[tuple[float, float]]]) -> PolicyRun:
         results: list[Result] = traffic.results
         adds = sorted(e.at for e in self.sc.events if e.kind == "add")
         later = sorted(e.at for e in self.sc.events if adds and e.at > adds[0])
@@ -437,8 +425,9 @@ class ScenarioRunner:
         cloud = {a for a, n in zip(self.addresses, self.sc.nodes, strict=True) if n.tier == "cloud"}
         if cloud:
             edge = set(self.addresses) - cloud
+            edge_spans = [s for i, a in enumerate(self.addresses) if a in edge for s in spans.get(i, ())]
             figs.update(tier_figures(self.trace, results, self.warmup_s, started, edge, cloud,
-                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD))
+                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD, edge_spans))
         measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
         served: dict[str, int] = {}
         for r in measured_ok:

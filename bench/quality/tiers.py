@@ -1,24 +1,25 @@
 """Edge -> cloud figures of one run (pure), for scenarios with cloud nodes (``edge_cloud``).
 
-From the client's side of every request (sent at ``at - latency``, answered at ``at``) and the
-node that served it:
-
 - ``edge_peak_load``: the most requests in flight on the edge nodes at once during the measured
   window, over the edge tier's max concurrency (0-1 at or under it; the picker's threshold is
-  ``picker.spill_threshold``, 0.6 by default);
+  ``picker.spill_threshold``, 0.6 by default). Counted from the edge nodes' own request spans
+  (:mod:`bench.quality.spans`: from a request's arrival at the node to the release of its slot), so
+  it is what the edge ran and queued, not requests still on their way to it;
 - ``cloud_share``: share of the measured successful requests the cloud nodes served;
 - ``cloud_share_calm``: the same among those sent while the edge was under the threshold with room
-  to spare: at most ``threshold x capacity - CALM_SLACK`` requests in flight on the edge at the
-  send. The slack covers what the client sees and the picker does not yet: Envoy reports a
-  completion to the picker a few ms after the client has the answer (its access-log flush);
+  to spare, seen from the client (every request sent at ``at - latency``, answered at ``at``): at
+  most ``threshold x capacity - CALM_SLACK`` requests in flight on the edge at the send. The slack
+  covers what the client sees and the picker does not yet: Envoy reports a completion to the
+  picker a few ms after the client has the answer (its access-log flush);
 - ``edge_oom_rate``: share of the measured requests answered by an edge node that were an OOM.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
+from bench.quality.spans import peak_in_flight
 from bench.quality.trace import TraceRequest
 from inferlb.devstack.loadgen import Result
 
@@ -33,9 +34,10 @@ def _rate(n: int, d: int) -> float | None:
 
 def tier_figures(trace: Sequence[TraceRequest], results: Sequence[Result], warmup_s: float, started: float,
                  edge: Collection[str], cloud: Collection[str], edge_capacity: int,
-                 threshold: float) -> dict[str, float | None]:
+                 threshold: float, edge_spans: Iterable[tuple[float, float]]) -> dict[str, float | None]:
     """The figures of the module docstring. ``started``: wall time (s) the replay began (trace time 0);
-    ``edge`` / ``cloud``: node addresses; ``edge_capacity``: the edge's max concurrency (> 0).
+    ``edge`` / ``cloud``: node addresses; ``edge_capacity``: the edge's max concurrency (> 0);
+    ``edge_spans``: every edge node's request spans (wall s), together.
 
     Raises:
         ValueError: ``edge_capacity`` <= 0 or a result without its trace index.
@@ -52,11 +54,7 @@ def tier_figures(trace: Sequence[TraceRequest], results: Sequence[Result], warmu
         """Edge requests sent before ``t`` and not answered by then."""
         return bisect_left(starts, t) - bisect_right(ends, t)
 
-    window_start = started + warmup_s
-    peak = 0
-    for t in starts:   # the in-flight count peaks right after a send
-        if t >= window_start:
-            peak = max(peak, edge_in_flight(t) + 1)
+    peak = peak_in_flight(edge_spans, started + warmup_s)
     measured = [r for r in results if trace[r.index].at_s >= warmup_s]  # type: ignore[index]
     ok = [r for r in measured if 200 <= r.status < 300 and (r.served_by in edge or r.served_by in cloud)]
     calm_limit = threshold * edge_capacity - CALM_SLACK

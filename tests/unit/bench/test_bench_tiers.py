@@ -1,4 +1,5 @@
-"""The edge -> cloud figures of a run (bench/quality/tiers.py), from client-side intervals."""
+"""The edge -> cloud figures of a run (bench/quality/tiers.py): client-side intervals, and the edge
+nodes' own request spans for the peak (bench/quality/spans.py)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,22 @@ def run(requests: list[tuple[float, float, str, str | None]]):
     return trace, results
 
 
-def figures(requests, warmup_s=0.0, capacity=10, threshold=0.6):
+def figures(requests, warmup_s=0.0, capacity=10, threshold=0.6, edge_spans=()):
     trace, results = run(requests)
-    return tier_figures(trace, results, warmup_s, 100.0, EDGE, CLOUD, capacity, threshold)
+    return tier_figures(trace, results, warmup_s, 100.0, EDGE, CLOUD, capacity, threshold, edge_spans)
 
 
-def test_the_edge_peak_is_the_most_requests_in_flight_there_at_once():
-    # Three overlapping edge requests, then two more after they ended; the cloud's don't count.
-    f = figures([(0.0, 1.0, "e1", None), (0.1, 1.0, "e2", None), (0.2, 1.0, "e1", None),
-                 (0.3, 1.0, "c1", None), (2.0, 0.5, "e1", None), (2.1, 0.5, "e2", None)])
+def test_the_edge_peak_is_the_most_requests_the_edge_nodes_held_at_once_in_the_window():
+    requests = [(0.0, 1.0, "e1", None), (0.1, 1.0, "e2", None), (0.3, 1.0, "c1", None)]
+    # Node-side spans (wall s; the replay started at 100): three overlap at 100.25-100.3, one of them
+    # before the 0.2 s warm-up ended; the four after it overlap two at a time.
+    spans = [(100.0, 100.3), (100.1, 100.9), (100.25, 101.0), (102.0, 102.5), (102.4, 102.6), (102.55, 103.0)]
+    f = figures(requests, edge_spans=spans)
     assert f["edge_peak_load"] == pytest.approx(0.3)
-    assert f["cloud_share"] == pytest.approx(1 / 6) and f["edge_oom_rate"] == 0.0
+    assert figures(requests, warmup_s=0.35, edge_spans=spans)["edge_peak_load"] == pytest.approx(0.2)
+    # The client saw two edge requests in flight; the peak is the nodes' count, not the client's.
+    assert figures(requests)["edge_peak_load"] == 0.0
+    assert f["cloud_share"] == pytest.approx(1 / 3) and f["edge_oom_rate"] == 0.0
 
 
 def test_cloud_requests_count_as_calm_only_when_the_edge_was_well_under_the_threshold():

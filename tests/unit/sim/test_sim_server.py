@@ -419,3 +419,40 @@ async def test_lone_surrogates_in_the_prompt_are_tokens_not_errors(backends, htt
     raw = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
     async with http.post(f"{base}/v1/chat/completions", data=raw, headers={"content-type": "application/json"}) as r:
         assert r.status == 200, await r.text()
+
+
+async def _spans(http, base, since=None):
+    url = f"{base}/sim/spans" + ("" if since is None else f"?since={since}")
+    async with http.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_spans_give_each_request_its_time_on_the_node_but_not_an_oom(backends, http):
+    base = await backends(gpu_class="a10", time_scale=1.0)  # a request runs ~225 ms
+    t0 = time.time()
+    first = asyncio.create_task(
+        http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-sim-memory-mib": "8192"}))
+    await _poll_state(http, base, lambda s: s["running"] == 1)
+    second = asyncio.create_task(http.post(f"{base}/v1/completions", json={"max_tokens": 16}))
+    await _poll_state(http, base, lambda s: s["running"] == 2)
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16},
+                         headers={"x-sim-memory-mib": "8192"}) as resp:
+        assert resp.status == 500  # refused at once: no time on the node
+    for task in (first, second):
+        (await task).release()
+    t1 = time.time()
+    status, body = await _spans(http, base)
+    assert status == 200
+    spans = body["spans"]
+    assert len(spans) == 2
+    (a0, l0), (a1, l1) = sorted(spans)
+    assert t0 <= a0 < a1 < l0 <= l1 <= t1  # the two overlapped, as they ran side by side
+    assert (await _spans(http, base, since=l1 + 1))[1] == {"spans": []}
+    assert (await _spans(http, base, since=l0 + 1e-6))[1]["spans"] == [[a1, l1]]
+
+
+async def test_spans_refuse_a_bad_since(backends, http):
+    base = await backends()
+    for bad in ("abc", "nan", "inf"):
+        status, body = await _spans(http, base, since=bad)
+        assert status == 400 and body["error"]["param"] == "since"
