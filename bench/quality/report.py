@@ -506,10 +506,11 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
         if any(p in figures for p in ("inferlb_eds", "inferlb_full", *GATEWAY_POLICIES)):
             out.append(f"![{name} weights over time]({plots_dir}/{name}-weights.png)")
         if any(figures[p].get("edge_peak_load") is not None for p in figures):
-            out += ["", "Tiers (edge peak load = the most requests the edge nodes held at once, from their arrival "
-                    "at the node to the release of its slot, over the edge's max concurrency; \"under the threshold\" "
-                    f"= at most threshold x capacity - {CALM_SLACK} in flight on the edge at the send, client-side: "
-                    "from each request's send to its answer):", "",
+            out += ["", "Tiers, from the nodes' own request spans (a request's arrival at its node to the release of "
+                    "its slot): edge peak load = the most requests the edge nodes held at once over the edge's max "
+                    "concurrency; \"while the edge is under the threshold\" = among the requests that arrived at a "
+                    f"node while the edge held at most threshold x capacity - {CALM_SLACK}; cloud share = of the "
+                    "measured successful requests (client-side):", "",
                     tier_table(figures)]
         shares = meta.get("served_share", {})
         if shares:

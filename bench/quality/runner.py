@@ -426,8 +426,9 @@ class ScenarioRunner:
         if cloud:
             edge = set(self.addresses) - cloud
             edge_spans = [s for i, a in enumerate(self.addresses) if a in edge for s in spans.get(i, ())]
+            cloud_spans = [s for i, a in enumerate(self.addresses) if a in cloud for s in spans.get(i, ())]
             figs.update(tier_figures(self.trace, results, self.warmup_s, started, edge, cloud,
-                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD, edge_spans))
+                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD, edge_spans, cloud_spans))
         measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
         served: dict[str, int] = {}
         for r in measured_ok:

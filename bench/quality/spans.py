@@ -8,9 +8,10 @@ instant, so no sampling interval can miss it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable
 
-__all__ = ["peak_in_flight"]
+__all__ = ["in_flight_at", "peak_in_flight"]
 
 
 def peak_in_flight(spans: Iterable[tuple[float, float]], since: float) -> int:
@@ -33,3 +34,17 @@ def peak_in_flight(spans: Iterable[tuple[float, float]], since: float) -> int:
         if now > peak:
             peak = now
     return peak
+
+
+def in_flight_at(spans: Iterable[tuple[float, float]]) -> Callable[[float], int]:
+    """A function of ``t`` (wall s): how many of ``spans`` arrived before ``t`` and had not left by
+    then (a span arriving at ``t`` itself is not counted).
+
+    >>> f = in_flight_at([(0, 3), (1, 2)])
+    >>> f(0), f(1), f(1.5), f(2), f(3)
+    (0, 1, 2, 1, 0)
+    """
+    listed = list(spans)
+    arrivals = sorted(a for a, _ in listed)
+    departures = sorted(b for _, b in listed)
+    return lambda t: bisect_left(arrivals, t) - bisect_right(departures, t)

@@ -20,9 +20,9 @@ def run(requests: list[tuple[float, float, str, str | None]]):
     return trace, results
 
 
-def figures(requests, warmup_s=0.0, capacity=10, threshold=0.6, edge_spans=()):
+def figures(requests, warmup_s=0.0, capacity=10, threshold=0.6, edge_spans=(), cloud_spans=()):
     trace, results = run(requests)
-    return tier_figures(trace, results, warmup_s, 100.0, EDGE, CLOUD, capacity, threshold, edge_spans)
+    return tier_figures(trace, results, warmup_s, 100.0, EDGE, CLOUD, capacity, threshold, edge_spans, cloud_spans)
 
 
 def test_the_edge_peak_is_the_most_requests_the_edge_nodes_held_at_once_in_the_window():
@@ -38,15 +38,19 @@ def test_the_edge_peak_is_the_most_requests_the_edge_nodes_held_at_once_in_the_w
     assert f["cloud_share"] == pytest.approx(1 / 3) and f["edge_oom_rate"] == 0.0
 
 
-def test_cloud_requests_count_as_calm_only_when_the_edge_was_well_under_the_threshold():
-    # Threshold 0.6 x 10 = 6: calm = at most 6 - CALM_SLACK = 4 edge requests in flight at the send.
+def test_cloud_requests_count_as_calm_only_when_the_edge_nodes_were_well_under_the_threshold():
+    # Threshold 0.6 x 10 = 6: calm = at most 6 - CALM_SLACK = 4 requests held by the edge nodes at
+    # a request's arrival at its node (node-side spans, wall s; the replay started at 100).
     assert CALM_SLACK == 2
-    busy = [(0.0 + 0.01 * i, 5.0, "e1", None) for i in range(6)]   # 6 in flight from 0.05 s
-    f = figures([*busy, (1.0, 0.1, "c1", None), (6.0, 0.1, "c1", None)])
-    # The cloud request at 1 s (6 on the edge) is not calm; the one at 6 s (edge idle) is.
-    assert f["cloud_share"] == pytest.approx(2 / 8)
-    # Calm: the first five edge requests (0-4 in flight at their sends) and the cloud request at 6 s.
+    busy = [(100.0 + 0.01 * i, 105.0) for i in range(6)]   # 6 held from 100.05 s to 105 s
+    cloud = [(101.0, 101.1), (106.0, 106.1)]                 # arrived with 6 held, then with none
+    f = figures([(0.0, 0.1, "e1", None)], edge_spans=busy, cloud_spans=cloud)
+    # Calm: the first five edge arrivals (0-4 held before each) and the cloud one at 106 s.
     assert f["cloud_share_calm"] == pytest.approx(1 / 6)
+    # The warm-up's arrivals are not counted: from 100.03 s, two edge arrivals (3 and 4 held) and 106 s.
+    assert figures([(0.0, 0.1, "e1", None)], warmup_s=0.03, edge_spans=busy,
+                   cloud_spans=cloud)["cloud_share_calm"] == pytest.approx(1 / 3)
+    assert figures([(0.0, 0.1, "e1", None)])["cloud_share_calm"] is None   # nothing arrived
 
 
 def test_edge_ooms_and_the_warm_up():
