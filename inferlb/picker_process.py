@@ -111,7 +111,7 @@ async def run_picker(
         if not first.done():
             return
         handler = PickerHandler.from_settings(holder, first.result())
-        with binding("--listen", listen):
+        with binding("--listen", listen, reuse_port=reuse_port):
             server, port = await transport.start(kind, handler, listen, tls=tls, reuse_port=reuse_port)
         log.info("picker serving on port %d (%s transport), fed by %s", port, kind, xds)
         if ready is not None:

@@ -230,6 +230,7 @@ async def start_ads_server(cache: SnapshotCache, address: str, servicer_cls: typ
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),  # grpc's default 1 lets a second control plane share the port silently
     ])
     servicer = servicer_cls(cache, max_streams)
     add_ads_servicer(servicer, server)

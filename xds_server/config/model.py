@@ -321,7 +321,10 @@ class Loop(_Strict):
 
     ``interval_s``: how often the control plane reads its metrics sources and recomputes weights (s).
     ``timeout_s``: per-query timeout (s); a round waits at most 3x this for its sources, then counts
-    as failed (the last good weights stay).
+    as failed (the last good weights stay). It may exceed ``interval_s``: rounds never overlap (each
+    starts when the one before has ended), and a round that runs past ``interval_s`` is followed by the
+    next at once, so while a source is slow rounds come as often as they end (Prometheus: within about
+    ``timeout_s`` + 0.5 s), back every ``interval_s`` once it answers quickly.
     ``first_round_wait_s``: the first snapshot waits this long (s) for a successful metrics round;
     then it goes out with neutral weights (flagged), so a dead source can't keep Envoy unconfigured.
     """

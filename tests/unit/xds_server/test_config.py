@@ -535,6 +535,15 @@ def test_loop_section_and_its_deprecated_prometheus_spelling(caplog):
         parse_config("loop: {interval_s: 1}\nprometheus: {interval_s: 2}\nservices: []\n")
 
 
+@pytest.mark.parametrize("loop", ["loop: {interval_s: 1}\n", "loop: {interval_s: 0.5, timeout_s: 1}\n",
+                                  "prometheus: {interval_s: 1}\n"])
+def test_a_loop_timeout_longer_than_its_interval_is_accepted(loop):
+    # rounds never overlap (tests/unit/xds_server/test_control_loop.py): lowering interval_s below the
+    # default timeout_s (2 s) needs no timeout_s
+    cfg = parse_config(MINIMAL + loop)
+    assert cfg.loop.timeout_s > cfg.loop.interval_s
+
+
 # --- staleness against the sources' own intervals (issue 15 item 11) -------------------------------
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
+import time
 
 import pytest
 
@@ -121,3 +123,35 @@ async def test_the_round_context_is_left_when_a_round_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="engine bug"):
         await cp.run_round()
     assert left == [True]
+
+
+async def test_rounds_never_overlap_when_a_source_is_slower_than_the_interval():
+    """``loop.timeout_s`` above ``loop.interval_s`` is allowed: a slow round delays the next one, which
+    then starts at once (no sleep), never while the round before is still fetching."""
+    cfg = config([service("chat", [version("v1", 1)])], loop={"interval_s": 0.3, "timeout_s": 0.5})
+    running, most, spans = 0, 0, []
+
+    def slow(instances):  # 0.4 s: past interval_s, well inside 3 x timeout_s
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        started = time.monotonic()
+        try:
+            time.sleep(0.4)
+            return {i: EndpointStats(sample_age_s=1.0) for i in instances}
+        finally:
+            spans.append((started, time.monotonic()))
+            running -= 1
+
+    cp = ControlPlane(cfg, metrics_source(slow), SnapshotCache(), [], lambda: "127.0.0.1:1")
+    task = asyncio.create_task(cp.run())
+    while len(spans) < 3:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert most == 1  # no round fetched while the one before was still fetching
+    assert cp.metrics_ok  # a slow answer within the timeout is a good round
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end  # one after the other
+        assert start - end < 0.15  # and at once: no interval_s (0.3 s) sleep after a round that ran past it

@@ -133,7 +133,7 @@ async def start_push_server(source: PushSource, address: str) -> tuple[grpc.aio.
     Raises:
         RuntimeError: the address cannot be bound.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails, not shared silently
     node_status_pb2_grpc.add_NodeStatusServiceServicer_to_server(source, server)
     bound = server.add_insecure_port(address)
     if bound == 0:
