@@ -51,6 +51,7 @@ def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
             max_concurrency=e.max_concurrency,
             memory_mib=cfg.memory_mib(e),
             draining=e.drain,
+            tier=e.tier,
         )
         for s in cfg.services
         for v in s.versions

@@ -68,11 +68,12 @@ def spec(
     max_concurrency: int = 8,
     memory_mib: float = 81920.0,
     draining: bool = False,
+    tier: str = "edge",
 ) -> EndpointSpec:
     """Endpoint ``i`` of ``cluster``: address ``10.0.X.Y:8000`` and the same Prometheus instance."""
     net = _CLUSTER_NET.setdefault(cluster, len(_CLUSTER_NET))
     address = f"172.{16 + net % 16}.{net // 16 * 4 + i // 250}.{i % 250 + 1}:8000"
-    return EndpointSpec(cluster, address, address, gpu_class, capacity, max_concurrency, memory_mib, draining)
+    return EndpointSpec(cluster, address, address, gpu_class, capacity, max_concurrency, memory_mib, draining, tier)
 
 
 def specs(n: int, cluster: str = "c", **kw: object) -> list[EndpointSpec]:

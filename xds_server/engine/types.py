@@ -14,7 +14,8 @@ HEALTHY, UNHEALTHY, DRAINING = "HEALTHY", "UNHEALTHY", "DRAINING"
 
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
-    """An endpoint as configured. ``capacity``: relative to an A100 (> 0); ``memory_mib``: GPU memory."""
+    """An endpoint as configured. ``capacity``: relative to an A100 (> 0); ``memory_mib``: GPU memory;
+    ``tier``: ``edge`` or ``cloud`` (EDS priority 0 or 1)."""
 
     cluster: str
     address: str
@@ -24,6 +25,7 @@ class EndpointSpec:
     max_concurrency: int
     memory_mib: float
     draining: bool = False
+    tier: str = "edge"
 
 
 @dataclass(frozen=True, slots=True)

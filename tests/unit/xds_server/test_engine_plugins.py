@@ -135,6 +135,26 @@ def test_a_pool_below_min_hosts_is_not_judged():
     assert healthy(Rounds(eps).run(long_tail(eps, 0))) == {e.address for e in eps[1:]}  # 3 = the default floor
 
 
+def test_with_tiers_an_endpoint_is_judged_among_its_own_tier():
+    """A loaded edge next to an idle cloud is not an outlier (the edge_cloud trap: the picker keeps the
+    edge near its spill threshold by design); a slow node is still one among its own tier."""
+    edge = [spec(i, gpu_class="a10", capacity=0.4) for i in range(3)]
+    cloud = [spec(i, tier="cloud") for i in range(3, 6)]
+    eps = edge + cloud
+    seen = same_stats(eps, **OK)
+    for e in edge:  # 2.5x an A100 for the class, x4 again for the batch the edge runs: 800 ms
+        seen[e.instance] = stats(**{**OK, "latency_p95_ms": 800.0})
+    assert healthy(Rounds(eps).run(seen)) == {e.address for e in eps}
+    flat = [replace(e, tier="edge") for e in eps]   # the same six in one tier: the edge is ejected
+    assert healthy(Rounds(flat).run(seen)) < {e.address for e in eps}
+    seen[edge[0].instance] = stats(**{**OK, "latency_p95_ms": 4000.0})
+    out = Rounds(eps).run(seen)
+    assert healthy(out) == {e.address for e in eps[1:]}
+    assert out[edge[0].address].reasons[0].startswith(
+        "latency_outlier: latency outlier: p95 latency 1600 ms > 3 x peers' median 320 ms (capacity-normalised) "
+        "among the edge tier")
+
+
 def test_client_side_latency_is_preferred_when_a_source_gives_it():
     eps = specs(4)
     seen = same_stats(eps, **OK)

@@ -12,6 +12,11 @@ success-rate outlier detection has the same floor (``success_rate_minimum_hosts`
 https://www.envoyproxy.io/docs/envoy/latest/api-v3/config/cluster/v3/outlier_detection.proto).
 Ejection times, their growth with
 repeats and ``max_ejection_percent`` follow :mod:`..ejection` (Envoy's outlier-detection rules).
+
+In a cluster with edge and cloud tiers an endpoint's peers are the endpoints of its own tier (and
+``min_hosts`` counts per tier): the picker keeps the edge near its spill threshold and the cloud
+mostly idle by design, so an edge node is always slower than the cloud's median without being
+slow (seen in the ``edge_cloud`` benchmark: a loaded edge A10 ejected next to idle A100s).
 """
 
 from __future__ import annotations
@@ -63,17 +68,30 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
         v = v * rnd.columns.capacity
     judged = ~np.isnan(v) & ~(rate < p.min_request_rate) & (v > 0) & np.isfinite(v)  # NaN rate: unknown, judged
     outliers: dict[str, tuple[float, str]] = {}
-    values = v[judged]
-    if len(values) >= p.min_hosts:
-        ordered = np.sort(values)
-        ref = peers_median(ordered, np.searchsorted(ordered, values, side="left"))
-        out = (ref > 0) & (values > p.factor * ref) & (values - ref >= p.min_delta_ms)
-        unit = " (capacity-normalised)" if p.normalize_by_capacity else ""
-        where = np.flatnonzero(judged)[out].tolist()
-        for i, lat, peers in zip(where, values[out].tolist(), ref[out].tolist(), strict=True):
-            outliers[rnd.addresses[i]] = (lat / peers, f"{p.signal} latency {lat:.0f} ms > {p.factor:g} x peers' "
-                                                       f"median {peers:.0f} ms{unit}")
+    specs = rnd.specs
+    if any(s.tier != "edge" for s in specs):  # tiers: each judged among its own tier's endpoints
+        tiers = np.array([s.tier for s in specs])
+        for tier in np.unique(tiers).tolist():
+            _judge(rnd, p, v, judged & (tiers == tier), outliers, f" among the {tier} tier")
+    else:
+        _judge(rnd, p, v, judged, outliers, "")
     return eject(rnd, p, state, outliers, "latency outlier")
+
+
+def _judge(rnd: ClusterRound, p: Params, v: Array, judged: Array, outliers: dict[str, tuple[float, str]],
+           among: str) -> None:
+    """Add to ``outliers`` the ``judged`` members far above their judged peers' median."""
+    values = v[judged]
+    if len(values) < p.min_hosts:
+        return
+    ordered = np.sort(values)
+    ref = peers_median(ordered, np.searchsorted(ordered, values, side="left"))
+    out = (ref > 0) & (values > p.factor * ref) & (values - ref >= p.min_delta_ms)
+    unit = " (capacity-normalised)" if p.normalize_by_capacity else ""
+    where = np.flatnonzero(judged)[out].tolist()
+    for i, lat, peers in zip(where, values[out].tolist(), ref[out].tolist(), strict=True):
+        outliers[rnd.addresses[i]] = (lat / peers, f"{p.signal} latency {lat:.0f} ms > {p.factor:g} x peers' "
+                                                   f"median {peers:.0f} ms{unit}{among}")
 
 
 PLUGIN = Filter("latency_outlier", Params, _run)
