@@ -6,6 +6,7 @@ canned vectors per query; the real Prometheus is covered by the integration test
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -191,6 +192,24 @@ def test_time_prometheus_did_not_scrape_an_endpoint_does_not_age_it():
     assert out[B].sample_age_s == pytest.approx(20.0)
     src.sample_interval_s = None  # interval unknown: a stall cannot be told from a scrape's normal lag
     assert src.fetch([A], now=1020.0)[A].sample_age_s == pytest.approx(20.0)
+
+
+def test_a_missed_scrape_is_logged_once_per_episode_and_a_late_one_not_at_all(caplog):
+    src, fake = source()
+    src.sample_interval_s = 0.5
+    src._interval_read_at = 1000.0
+
+    def behind(now: float, scraped: str) -> list[str]:
+        caplog.clear()
+        fake.answers = {"last_sample_ts": [series(A, scraped)], "last_scrape_ts": [series(A, scraped)]}
+        with caplog.at_level(logging.INFO, logger="xds_server.metrics.sources.prometheus"):
+            src.fetch([A], now=now)
+        return [r.getMessage()[:30] for r in caplog.records if "scrape" in r.getMessage()]
+
+    assert behind(1000.6, "1000") == []   # 0.1 s late: jitter, its 0.1 s is not counted as age either
+    assert behind(1002.0, "1000") == ["Prometheus has not scraped 1 o"]
+    assert behind(1003.0, "1000") == []   # the same episode
+    assert behind(1003.2, "1003") == ["Prometheus scrapes every endpo"]
 
 
 def test_an_older_timestamp_does_not_make_the_age_younger_or_older():

@@ -105,6 +105,18 @@ def sample_age_s(now: float, seen: float, scraped: float | None, interval_s: flo
     return max(0.0, now - seen - lag)
 
 
+def scrape_missed(now: float, scraped: float | None, interval_s: float | None) -> bool:
+    """Prometheus missed at least one whole scrape of a target: its last scrape (Unix s) is more than
+    two intervals old. (Beyond one interval, the time is already left out of the sample's age by
+    :func:`sample_age_s`; a scrape a few ms late is the scrape loop's normal jitter, not worth a
+    warning: at a 0.5 s interval a one-interval rule warned every 1-5 s of a benchmark run.)
+
+    >>> scrape_missed(100.0, 99.3, 0.5), scrape_missed(100.0, 98.9, 0.5), scrape_missed(100.0, None, 0.5)
+    (False, True, False)
+    """
+    return scraped is not None and interval_s is not None and now - scraped > 2 * interval_s
+
+
 def join_key(labels: Mapping[str, str], by: tuple[str, ...]) -> str:
     """The join key of a series: its ``by`` label values joined with ``/`` (``instance`` -> the instance)."""
     return "/".join(str(labels[k]) for k in by)
@@ -249,8 +261,9 @@ class PrometheusSource:
                 if f != SAMPLE_TIME:
                     by = self._queries[f][2]
                     fields[f] = v.get(inst if by == ("instance",) else self._gpu_keys.get(inst, ""))
-            age = sample_age_s(now, seen, scraped.get(inst), self.sample_interval_s)
-            if age < now - seen - 1e-9:
+            last_scrape = scraped.get(inst)
+            age = sample_age_s(now, seen, last_scrape, self.sample_interval_s)
+            if scrape_missed(now, last_scrape, self.sample_interval_s):
                 behind.append(inst)
             out[inst] = replace(EndpointStats(**fields), sample_age_s=age)
             if ts is not None and self._gpu_fields and all(fields[f] is None for f in self._gpu_fields):
@@ -262,7 +275,7 @@ class PrometheusSource:
 
     def _log_behind(self, behind: list[str], instances: list[str], scraped: Mapping[str, float | None],
                     now: float) -> None:
-        """Once per episode: Prometheus has not scraped some endpoints for longer than its interval."""
+        """Once per episode: Prometheus missed whole scrapes of some endpoints (:func:`scrape_missed`)."""
         if not behind:
             if self._behind_logged:
                 log.info("Prometheus scrapes every endpoint on time again")
