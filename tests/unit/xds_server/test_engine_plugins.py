@@ -373,6 +373,19 @@ def test_a_draining_endpoint_is_draining_at_once_and_removed_when_nothing_is_in_
     assert d.removed and d.health == DRAINING and "no request in flight after 4 s" in d.reasons[0]
 
 
+def test_only_a_sample_taken_after_the_drain_began_can_show_it_idle():
+    """The sample of the drain's first round predates it: requests sent until Envoy had the drain are
+    not in it (a user trial: removed at 0.2 s with 14 running)."""
+    eps = specs(2)
+    r = Rounds(eps, replace(BASE, drain_timeout_s=60))
+    r.run(same_stats(eps, **OK, in_flight=0.0), at=0)
+    r.eps = [eps[0], replace(eps[1], draining=True)]
+    idle = same_stats(eps, **OK, in_flight=0.0)   # sample_age_s 1: taken 1 s before each round
+    assert not r.run(idle, at=10)[eps[1].address].removed      # taken at 9, the drain began at 10
+    assert not r.run(idle, at=11)[eps[1].address].removed      # taken at 10: not after it
+    assert r.run(idle, at=11.5)[eps[1].address].removed         # taken at 10.5
+
+
 def test_a_drain_ends_at_the_timeout_even_with_requests_in_flight():
     eps = specs(2)
     r = Rounds([eps[0], replace(eps[1], draining=True)], replace(BASE, drain_timeout_s=30))
@@ -504,26 +517,28 @@ def test_a_drained_and_removed_endpoint_stays_removed_until_undrained():
     drained = [eps[0], replace(eps[1], draining=True)]
     r = Rounds(drained, replace(BASE, drain_timeout_s=60))
     seen = same_stats(eps, **OK, in_flight=0.0)
-    assert r.run(seen, at=0)[eps[1].address].removed
+    assert not r.run(seen, at=0)[eps[1].address].removed  # its sample predates the drain
+    assert r.run(seen, at=2)[eps[1].address].removed
     seen[eps[1].instance] = stats(**OK, in_flight=2.0)
-    d = r.run(seen, at=1)[eps[1].address]
+    d = r.run(seen, at=3)[eps[1].address]
     assert d.removed and d.health == DRAINING and "no request in flight" in d.reasons[0]
     seen[eps[1].instance] = stats(**OK, in_flight=0.0)
-    assert r.run(seen, at=2)[eps[1].address].removed
+    assert r.run(seen, at=4)[eps[1].address].removed
     seen[eps[1].instance] = stats(in_flight=3.0, sample_age_s=99.0)
-    assert r.run(seen, at=3)[eps[1].address].removed
+    assert r.run(seen, at=5)[eps[1].address].removed
     r.eps = eps  # undrained: back, HEALTHY
-    assert r.run(same_stats(eps, **OK, in_flight=3.0), at=4)[eps[1].address].health == HEALTHY
+    assert r.run(same_stats(eps, **OK, in_flight=3.0), at=6)[eps[1].address].health == HEALTHY
     r.eps = drained  # a new drain is decided afresh
-    assert not r.run(same_stats(eps, **OK, in_flight=3.0), at=5)[eps[1].address].removed
+    assert not r.run(same_stats(eps, **OK, in_flight=3.0), at=7)[eps[1].address].removed
 
 
 def test_a_removed_endpoint_dropped_from_the_config_and_re_added_is_decided_afresh():
     eps = specs(2)
     drained = [eps[0], replace(eps[1], draining=True)]
     r = Rounds(drained, replace(BASE, drain_timeout_s=60))
-    assert r.run(same_stats(eps, **OK, in_flight=0.0), at=0)[eps[1].address].removed
+    r.run(same_stats(eps, **OK, in_flight=0.0), at=0)
+    assert r.run(same_stats(eps, **OK, in_flight=0.0), at=2)[eps[1].address].removed
     r.eps = [eps[0]]
-    r.run(same_stats(eps, **OK), at=1)
+    r.run(same_stats(eps, **OK), at=3)
     r.eps = drained
-    assert not r.run(same_stats(eps, **OK, in_flight=2.0), at=2)[eps[1].address].removed
+    assert not r.run(same_stats(eps, **OK, in_flight=2.0), at=4)[eps[1].address].removed
