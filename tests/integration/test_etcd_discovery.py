@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -219,6 +220,27 @@ def test_a_compacted_revision_lists_again(etcd: Etcd):
         wait_until(lambda: w.watcher.lists == 2, 5, 0.05, "a second list")
         wait_until(lambda: set(w.endpoints()) == {"127.0.0.32:9000"}, 5, 0.05, "the listed state")
         assert w.watcher.revision >= rev
+    finally:
+        w.close()
+
+
+def test_a_registration_no_service_takes_is_logged_once_as_left_out(etcd: Etcd, caplog):
+    prefix = "/t/unknown/"
+    etcd.put(prefix + "127.0.0.41:9000", {"service": "sim-7b", "version": "v1"})   # listed
+    w = Watching(etcd, prefix)
+    try:
+        with caplog.at_level(logging.WARNING, logger="xds_server.discovery.etcd"):
+            etcd.put(prefix + "127.0.0.42:9000", {"service": "chat", "version": "v1"})
+            wait_until(lambda: "127.0.0.42:9000" in w.endpoints(), 5, 0.05, "the known service's node")
+            etcd.put(prefix + "127.0.0.43:9000", {"service": "sim-7b", "version": "v1"})  # watched
+            etcd.put(prefix + "127.0.0.43:9000", {"service": "sim-7b", "version": "v2"})  # again: no new line
+            wait_until(lambda: sum("127.0.0.43:9000" in r.getMessage() for r in caplog.records) >= 1, 5, 0.05,
+                       "the watched one's warning")
+            time.sleep(0.3)
+        left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert sorted(m.split()[1] for m in left_out) == ["127.0.0.41:9000", "127.0.0.43:9000"]
+        assert "registered as service 'sim-7b', which no discovery.etcd.services entry takes" in left_out[0]
+        assert "127.0.0.41:9000" not in w.endpoints() and "127.0.0.43:9000" not in w.endpoints()
     finally:
         w.close()
 

@@ -306,6 +306,7 @@ class EtcdWatcher:
         self._key = _b64(spec.prefix)
         self._end = _b64(prefix_end(spec.prefix))
         self.registrations: dict[str, Registration] = {}
+        self._unknown_logged: set[tuple[str, str]] = set()  # (address, service) warned about once
         self.revision: int | None = None
         self.lists = 0
         self.watches = 0
@@ -398,6 +399,7 @@ class EtcdWatcher:
                 reg = read_registration(name, _unb64(kv.get("value")), self.spec.prefix, self.status)
                 if reg is not None:
                     found[name] = reg
+                    self._warn_unknown(reg)
             if not doc.get("more") or not kvs:
                 break
             key = _b64(_unb64(kvs[-1]["key"]) + b"\0")   # the next key after the last one read
@@ -494,10 +496,22 @@ class EtcdWatcher:
             if not reg.same_endpoint(old):
                 log.info("etcd: %s %s (%s %s%s)", reg.address, "registered" if old is None else "updated",
                          reg.service, reg.version, ", draining" if reg.draining else "")
+                self._warn_unknown(reg)
                 changed = True
         REVISION.set(self.revision or 0)
         if changed:
             await self._emit()
+
+    def _warn_unknown(self, reg: Registration) -> None:
+        """Once per address and service: a registration no ``discovery.etcd.services`` entry takes is
+        left out (counted as ``unknown-service`` by :func:`endpoints_from`); say so, with the names
+        that would take it."""
+        known = [s.registered_as for s in self.spec.services]
+        if reg.service in known or (reg.address, reg.service) in self._unknown_logged:
+            return
+        self._unknown_logged.add((reg.address, reg.service))
+        log.warning("etcd: %s registered as service '%s', which no discovery.etcd.services entry takes "
+                    "(registered_as: %s): left out", reg.address, reg.service, ", ".join(known) or "none")
 
     def _status(self, reg: Registration) -> None:
         if self.status is not None and reg.status is not None:
