@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from xds_server.config.model import normalize_endpoint_address
 from xds_server.history.timeparse import parse_duration, parse_time
 from xds_server.history.types import HistoryRow, HistoryStore
 
@@ -48,7 +49,8 @@ def parse_query(params: Mapping[str, str], now: float | None = None) -> HistoryQ
     """Validate ``cluster``, ``endpoint``, ``since`` (default 1h), ``until`` (default now), ``step``, ``limit``.
 
     ``since``/``until``: a duration ago (``10m``) or an RFC 3339 time; ``step``: a duration;
-    ``limit``: 1..100000 rows read (default 10000). Raises :class:`QueryError` naming the first bad
+    ``limit``: 1..100000 rows read (default 10000); ``endpoint`` in the config's spelling
+    (``127.0.0.1:08002`` is ``127.0.0.1:8002``, as for a drain). Raises :class:`QueryError` naming the first bad
     parameter. Other keys are not read here: the admin API refuses an unknown or repeated parameter
     on every route before (``xds_server.admin.app.check_query``, from the OpenAPI document).
     """
@@ -81,7 +83,13 @@ def parse_query(params: Mapping[str, str], now: float | None = None) -> HistoryQ
     for name in ("cluster", "endpoint"):
         if name in params and not params[name]:
             raise QueryError(name, "must not be empty (leave it out to match all)")
-    return HistoryQuery(since, until, params.get("cluster"), params.get("endpoint"), step, limit)
+    endpoint = params.get("endpoint")
+    if endpoint is not None:
+        try:  # the config and the history keep one spelling per socket address (as drain reads it)
+            endpoint = normalize_endpoint_address(endpoint)
+        except ValueError:
+            pass  # not IP:PORT: matched as written (a 404 if nothing has that name)
+    return HistoryQuery(since, until, params.get("cluster"), endpoint, step, limit)
 
 
 def _point(row: HistoryRow, t: float, kind: str) -> dict:

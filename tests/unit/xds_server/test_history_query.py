@@ -60,6 +60,12 @@ def test_query_defaults_and_values():
     assert q == HistoryQuery(NOW - 600, NOW - 300, "chat-v1", A, 30.0, 50)
 
 
+def test_an_endpoint_is_matched_in_the_config_s_spelling_as_a_drain_reads_it():
+    assert parse_query({"endpoint": "127.0.0.1:08002"}, NOW).endpoint == "127.0.0.1:8002"
+    assert parse_query({"endpoint": "[FD00:0::1]:080"}, NOW).endpoint == "[fd00::1]:80"
+    assert parse_query({"endpoint": "not-an-address"}, NOW).endpoint == "not-an-address"  # as written
+
+
 @pytest.mark.parametrize("params,param,message", [
     ({"since": "ten minutes"}, "since", "duration ago"),
     ({"until": "2026-02-30T00:00:00Z"}, "until", "RFC 3339"),
