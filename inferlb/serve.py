@@ -49,7 +49,7 @@ from xds_server.config import Config, ConfigError, TlsConfig, load_config, split
 from xds_server.control import ControlPlane
 from xds_server.discovery import etcd as etcd_discovery
 from xds_server.discovery.etcd import EtcdWatcher
-from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
+from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config, require_client
 from xds_server.engine.types import EndpointSpec, EndpointWeight
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
@@ -281,8 +281,11 @@ class InferLB:
         """Bind every server and start the weight loop.
 
         Raises :class:`BindError` when a listener cannot bind its address, ``ConfigError`` on
-        unreadable TLS files. What started before the error is left running: :meth:`stop` ends it.
+        unreadable TLS files or with ``discovery.kubernetes`` and no ``kubernetes`` package. What
+        started before the error is left running: :meth:`stop` ends it.
         """
+        if self.cfg.discovery.kubernetes is not None:
+            require_client()   # else the watcher's import fails in the loop task and /readyz stays 503
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
         listen = self.cfg.listen

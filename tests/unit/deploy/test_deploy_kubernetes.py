@@ -76,3 +76,11 @@ def test_real_envoy_accepts_the_bootstrap_naming_both_replicas(tmp_path):
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
+
+
+def test_the_image_has_the_k8s_extra_the_configmap_needs():
+    cm = one("ConfigMap", "inferlb-config")
+    assert parse_config(cm["data"]["inferlb.yaml"]).discovery.kubernetes is not None
+    [install] = [line for line in (DEPLOY.parents[1] / "Dockerfile").read_text().splitlines()
+                 if line.startswith("RUN pip install") and "/wheels/*.whl" in line]
+    assert '"$(ls /wheels/*.whl)[k8s]"' in install
