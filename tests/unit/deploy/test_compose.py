@@ -72,6 +72,16 @@ def test_inferlb_config_is_valid_and_points_at_the_compose_services():
     assert split_hostport(cfg.envoy.ext_proc_address)[0] == ip_of("inferlb")
 
 
+def test_inferlb_takes_the_admin_token_from_the_environment_optionally():
+    # the admin API binds 0.0.0.0 in the stack: drain and reload need INFERLB_ADMIN_TOKEN; ${VAR:-} is
+    # empty when unset (inferlb: no token) so `docker compose up` works without one
+    from inferlb.serve import TOKEN_ENV
+
+    cfg = load_config(mounts("inferlb")["/etc/inferlb/inferlb.yaml"])
+    assert split_hostport(cfg.listen.admin)[0] == "0.0.0.0" and cfg.admin.token is None
+    assert COMPOSE["services"]["inferlb"]["environment"] == {TOKEN_ENV: "${INFERLB_ADMIN_TOKEN:-}"}
+
+
 def test_envoy_bootstrap_is_what_inferlb_bootstrap_prints_and_envoy_accepts_it(tmp_path):
     path = mounts("envoy")["/etc/envoy/envoy.yaml"]
     cfg = load_config(mounts("inferlb")["/etc/inferlb/inferlb.yaml"])
