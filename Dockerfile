@@ -10,6 +10,7 @@ RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 
 FROM python:3.11-slim
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/*.whl)" && rm -rf /wheels
+# The k8s extra: deploy/kubernetes runs this image with discovery.kubernetes.
+RUN pip install --no-cache-dir "$(ls /wheels/*.whl)[k8s]" && rm -rf /wheels
 WORKDIR /var/lib/inferlb
 CMD ["inferlb", "--help"]

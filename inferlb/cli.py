@@ -102,7 +102,16 @@ def main() -> None:
 @click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
 def validate(config_path: str) -> None:
     """Check a config file; print each problem with its field and line."""
+    from xds_server.config import ConfigError
+    from xds_server.discovery.kubernetes import require_client
+
     cfg = _load(config_path)
+    if cfg.discovery.kubernetes is not None:
+        try:
+            require_client()
+        except ConfigError as err:
+            click.echo(f"invalid config:\n{config_path}: {err}", err=True)
+            sys.exit(2)
     n = sum(len(v.endpoints) for s in cfg.services for v in s.versions)
     found = [name for name in ("kubernetes", "etcd") if getattr(cfg.discovery, name) is not None]
     more = f", plus discovery from {' and '.join(found)}" if found else ""
@@ -143,23 +152,26 @@ def serve(config_path: str, log_level: str, log_format: str, watch_s: float, gra
 @click.option("--admin-port", default=9901, show_default=True, type=click.IntRange(1, 65535),
               help="Envoy's admin port (127.0.0.1).")
 @click.option("--delta", is_flag=True, help="Delta (incremental) ADS instead of State-of-the-World.")
+@click.option("--xds-address", type=HostPort(dial=True),
+              help="The xDS address Envoy dials (default: the config's listen.xds, a wildcard host there "
+                   "becoming 127.0.0.1); a host name makes the xDS cluster STRICT_DNS.")
 @click.option("--tls-ca", type=click.Path(), help="CA bundle Envoy trusts for the xDS server (turns TLS on).")
 @click.option("--tls-cert", type=click.Path(), help="Envoy's client certificate (mTLS; with --tls-key).")
 @click.option("--tls-key", type=click.Path(), help="Envoy's client key (mTLS; with --tls-cert).")
 @click.option("--tls-server-name", help="SNI and subject alt name the xDS server certificate must carry.")
 def bootstrap(config_path: str | None, node_id: str, node_cluster: str, admin_port: int, delta: bool,
-              tls_ca: str | None,
+              xds_address: str | None, tls_ca: str | None,
               tls_cert: str | None, tls_key: str | None, tls_server_name: str | None) -> None:
     """Print the Envoy bootstrap YAML (everything else comes over xDS).
 
-    It needs only the xDS address: the config's listen.xds, or its default without -c. Paths are as
-    Envoy's host sees them. Without --tls-ca the config's envoy.tls is used, if any.
+    It needs only the xDS address: --xds-address, else the config's listen.xds, or its default
+    without -c. Paths are as Envoy's host sees them. Without --tls-ca the config's envoy.tls is used, if any.
     """
     from xds_server.config import EnvoyTls, Listen
     from xds_server.resources.bootstrap import render_bootstrap
 
     cfg = _load(config_path) if config_path else None
-    xds = cfg.listen.xds if cfg else Listen().xds
+    xds = xds_address or (cfg.listen.xds if cfg else Listen().xds)
     tls = cfg.envoy.tls if cfg else None
     if tls_ca or tls_cert or tls_key:
         if not tls_ca or bool(tls_cert) != bool(tls_key):

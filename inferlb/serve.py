@@ -46,10 +46,11 @@ from xds_server.admin.app import WriteAuth, make_admin_app
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import AdsServicer, start_ads_server
 from xds_server.config import Config, ConfigError, TlsConfig, load_config, split_hostport
+from xds_server.config.model import TOKEN_MIN_LENGTH
 from xds_server.control import ControlPlane
 from xds_server.discovery import etcd as etcd_discovery
 from xds_server.discovery.etcd import EtcdWatcher
-from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config
+from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config, require_client
 from xds_server.engine.types import EndpointSpec, EndpointWeight
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
@@ -73,6 +74,21 @@ RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
 TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
 #: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
 RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
+
+
+def admin_token(cfg: Config) -> str | None:
+    """The admin API's bearer token: ``admin.token``, else ``INFERLB_ADMIN_TOKEN`` (empty = unset).
+
+    Raises:
+        ConfigError: the environment variable is in use and shorter than ``admin.token`` may be.
+    """
+    if cfg.admin.token:
+        return cfg.admin.token
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is not None and len(token) < TOKEN_MIN_LENGTH:
+        raise ConfigError(f"{TOKEN_ENV} must be at least {TOKEN_MIN_LENGTH} characters, like admin.token "
+                          f"(it has {len(token)})")
+    return token
 
 
 def picker_tls(tls: TlsConfig) -> TlsFiles:
@@ -281,8 +297,12 @@ class InferLB:
         """Bind every server and start the weight loop.
 
         Raises :class:`BindError` when a listener cannot bind its address, ``ConfigError`` on
-        unreadable TLS files. What started before the error is left running: :meth:`stop` ends it.
+        unreadable TLS files, a short ``INFERLB_ADMIN_TOKEN``, or ``discovery.kubernetes`` and no
+        ``kubernetes`` package. What started before the error is left running: :meth:`stop` ends it.
         """
+        if self.cfg.discovery.kubernetes is not None:
+            require_client()   # else the watcher's import fails in the loop task and /readyz stays 503
+        token = admin_token(self.cfg)
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
         listen = self.cfg.listen
@@ -295,7 +315,7 @@ class InferLB:
             self.ext_server, self.ext_proc_port = await transport.start(
                 self.cfg.picker.transport, self.picker, listen.ext_proc, tls=files)
         host, port = split_hostport(listen.admin)
-        auth = WriteAuth(self.cfg.admin.token or os.environ.get(TOKEN_ENV) or None, host)
+        auth = WriteAuth(token, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
                              reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
                              cost_model=self.picker.costs, load_view=self.load_view,

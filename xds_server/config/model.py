@@ -262,13 +262,17 @@ class TlsConfig(_Strict):
         return self
 
 
+#: The shortest admin token accepted (``admin.token``, and ``INFERLB_ADMIN_TOKEN`` at ``inferlb serve``).
+TOKEN_MIN_LENGTH = 16
+
+
 class AdminConfig(_Strict):
     """Admin API access. ``token``: bearer token for write operations (drain, reload); the env var
     ``INFERLB_ADMIN_TOKEN`` is used when unset. Without a token, write operations are allowed only
     when the admin API binds a loopback address.
     """
 
-    token: str | None = Field(None, min_length=16, repr=False)
+    token: str | None = Field(None, min_length=TOKEN_MIN_LENGTH, repr=False)
 
 
 class EnvoySide(_Strict):

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from xds_server.config import Config, KubernetesDiscovery, KubernetesService
+from xds_server.config import Config, ConfigError, KubernetesDiscovery, KubernetesService
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,19 @@ SERVICE_LABEL = "kubernetes.io/service-name"
 
 #: ``{service name: {version: [endpoint mapping as in the config]}}``
 Discovered = dict[str, dict[str, list[dict]]]
+
+
+def require_client() -> None:
+    """Check that the ``kubernetes`` package (the ``k8s`` extra) can be imported.
+
+    Raises:
+        ConfigError: it cannot; one line naming ``discovery.kubernetes`` and the fix.
+    """
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"discovery.kubernetes needs the kubernetes package, which cannot be imported ({err}): "
+                          "pip install 'inferlb[k8s]'") from None
 
 
 def _get(obj: Any, *path: str, default: Any = None) -> Any:

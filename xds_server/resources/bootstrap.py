@@ -7,6 +7,7 @@ values (YAML is a superset of JSON), so names go in quoted and escaped.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from importlib import resources
 from string import Template
@@ -23,7 +24,8 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
                      delta: bool = False, tls: EnvoyTls | None = None) -> str:
     """The bootstrap YAML text for one Envoy.
 
-    ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1); ``node_cluster``:
+    ``xds_address``: the ADS server as ``HOST:PORT`` (0.0.0.0 becomes 127.0.0.1; an IP makes the xDS
+    cluster ``STATIC``, a host name ``STRICT_DNS``, one host per address it resolves to); ``node_cluster``:
     picks the node group (``node_groups`` in the config); ``delta``: incremental ADS
     (``DELTA_GRPC``) instead of State-of-the-World (``GRPC``).
     ``tls``: dial the ADS server over TLS (CA to trust; client cert/key for mTLS): the xDS cluster
@@ -31,15 +33,22 @@ def render_bootstrap(*, xds_address: str, node_id: str, admin_port: int, node_cl
 
     """
     host, port = split_hostport(xds_address)
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    try:
+        ipaddress.ip_address(host)
+        cluster_type = "STATIC"
+    except ValueError:   # a host name: a STATIC cluster takes IP addresses only
+        cluster_type = "STRICT_DNS"
     fields = {
         "node_id": node_id,
         "node_cluster": node_cluster,
         "admin_port": admin_port,
-        "xds_host": "127.0.0.1" if host in ("0.0.0.0", "", "::") else host,
+        "xds_host": host,
         "xds_port": port,
         "api_type": "DELTA_GRPC" if delta else "GRPC",
         "max_message_bytes": MAX_MESSAGE_BYTES,
     }
     values = {k: json.dumps(v) for k, v in fields.items()}
+    values["xds_cluster_type"] = cluster_type
     values["xds_transport_socket"] = f"\n      transport_socket: {json.dumps(upstream_tls(tls))}" if tls else ""
     return Template(TEMPLATE.read_text()).substitute(values)

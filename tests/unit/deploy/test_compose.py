@@ -15,7 +15,6 @@ import yaml
 
 from inferlb.devstack.stack import envoy_binary, prometheus_binary
 from xds_server.config import load_config, split_hostport
-from xds_server.resources.bootstrap import render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -72,12 +71,32 @@ def test_inferlb_config_is_valid_and_points_at_the_compose_services():
     assert split_hostport(cfg.envoy.ext_proc_address)[0] == ip_of("inferlb")
 
 
+def test_inferlb_takes_the_admin_token_from_the_environment_optionally():
+    # the admin API binds 0.0.0.0 in the stack: drain and reload need INFERLB_ADMIN_TOKEN; ${VAR:-} is
+    # empty when unset (inferlb: no token) so `docker compose up` works without one
+    from inferlb.serve import TOKEN_ENV
+
+    cfg = load_config(mounts("inferlb")["/etc/inferlb/inferlb.yaml"])
+    assert split_hostport(cfg.listen.admin)[0] == "0.0.0.0" and cfg.admin.token is None
+    assert COMPOSE["services"]["inferlb"]["environment"] == {TOKEN_ENV: "${INFERLB_ADMIN_TOKEN:-}"}
+
+
 def test_envoy_bootstrap_is_what_inferlb_bootstrap_prints_and_envoy_accepts_it(tmp_path):
+    from click.testing import CliRunner
+
+    from inferlb.cli import main
+
     path = mounts("envoy")["/etc/envoy/envoy.yaml"]
     cfg = load_config(mounts("inferlb")["/etc/inferlb/inferlb.yaml"])
     port = split_hostport(cfg.listen.xds)[1]
-    assert path.read_text() == render_bootstrap(xds_address=f"{ip_of('inferlb')}:{port}", node_id="compose-envoy",
-                                                admin_port=9901)
+    # the command docker-compose.yml and docs/operations.md give, run from the repository
+    command = ["bootstrap", "-c", "deploy/compose/inferlb.yaml", "--node-id", "compose-envoy",
+               "--xds-address", f"{ip_of('inferlb')}:{port}"]
+    assert f"inferlb {' '.join(command)} > deploy/compose/envoy.yaml" in (ROOT / "docker-compose.yml").read_text()
+    assert f"inferlb {' '.join(command)}" in " ".join((ROOT / "docs" / "operations.md").read_text().split())
+    run = CliRunner().invoke(main, [*command[:2], str(ROOT / command[2]), *command[3:]])
+    assert run.exit_code == 0, run.output
+    assert path.read_text() + "\n" == run.output
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]

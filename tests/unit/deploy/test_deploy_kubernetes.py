@@ -11,6 +11,7 @@ import yaml
 
 from inferlb.devstack.stack import envoy_binary
 from xds_server.config import parse_config, split_hostport
+from xds_server.resources.bootstrap import render_bootstrap
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 
@@ -64,6 +65,18 @@ def test_the_configmap_is_a_valid_config_that_matches_the_manifests():
     assert split_hostport(cfg.listen.admin)[1] == 18090
 
 
+def test_the_bootstrap_is_what_inferlb_bootstrap_renders():
+    """With the settings docs/xds.md asks of a hand-written bootstrap (max_receive_message_length,
+    retry_back_off); a host name makes the xDS cluster STRICT_DNS."""
+    bootstrap = yaml.safe_load(one("ConfigMap", "envoy-bootstrap")["data"]["envoy.yaml"])
+    rendered = yaml.safe_load(render_bootstrap(xds_address="inferlb-headless.inference.svc.cluster.local:18000",
+                                               node_id="envoy", admin_port=9901))
+    assert bootstrap == rendered
+    grpc = bootstrap["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]
+    assert grpc["max_receive_message_length"] == 64 * 1024 * 1024
+    assert grpc["retry_policy"]["retry_back_off"] == {"base_interval": "0.25s", "max_interval": "2s"}
+
+
 @pytest.mark.integration
 def test_real_envoy_accepts_the_bootstrap_naming_both_replicas(tmp_path):
     bootstrap = yaml.safe_load(one("ConfigMap", "envoy-bootstrap")["data"]["envoy.yaml"])
@@ -76,3 +89,11 @@ def test_real_envoy_accepts_the_bootstrap_naming_both_replicas(tmp_path):
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
+
+
+def test_the_image_has_the_k8s_extra_the_configmap_needs():
+    cm = one("ConfigMap", "inferlb-config")
+    assert parse_config(cm["data"]["inferlb.yaml"]).discovery.kubernetes is not None
+    [install] = [line for line in (DEPLOY.parents[1] / "Dockerfile").read_text().splitlines()
+                 if line.startswith("RUN pip install") and "/wheels/*.whl" in line]
+    assert '"$(ls /wheels/*.whl)[k8s]"' in install

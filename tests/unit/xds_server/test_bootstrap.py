@@ -88,6 +88,34 @@ def test_wildcard_xds_host_is_dialled_on_loopback(wildcard):
     assert sa["address"] == "127.0.0.1"
 
 
+@pytest.mark.parametrize(("address", "host", "kind"), [("inferlb.svc:18000", "inferlb.svc", "STRICT_DNS"),
+                                                      ("[fd00::1]:18000", "fd00::1", "STATIC")])
+def test_a_host_name_makes_the_xds_cluster_strict_dns(address, host, kind):
+    [xds] = render(xds_address=address)["static_resources"]["clusters"]
+    assert xds["type"] == kind   # Envoy refuses a host name in a STATIC cluster
+    sa = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert sa == {"address": host, "port_value": 18000}
+
+
+def test_cli_xds_address_overrides_the_config_listen_address(tmp_path):
+    from click.testing import CliRunner
+
+    from inferlb.cli import main
+
+    cfg_path = tmp_path / "inferlb.yaml"
+    cfg_path.write_text(yaml.safe_dump({"listen": {"xds": "0.0.0.0:18000"}, "services": [{"name": "chat", "versions": [
+        {"name": "v1", "endpoints": [{"address": "10.0.0.1:8000"}]}]}]}))
+    args = ["bootstrap", "-c", str(cfg_path), "--node-id", "edge-1"]
+    plain = CliRunner().invoke(main, args)
+    assert plain.exit_code == 0 and plain.output == render_bootstrap(xds_address="127.0.0.1:18000", node_id="edge-1",
+                                                                      admin_port=9901) + "\n"
+    out = CliRunner().invoke(main, [*args, "--xds-address", "10.9.8.7:18001"])
+    assert out.exit_code == 0, out.output
+    assert out.output == render_bootstrap(xds_address="10.9.8.7:18001", node_id="edge-1", admin_port=9901) + "\n"
+    named = CliRunner().invoke(main, ["bootstrap", "--node-id", "e", "--xds-address", "inferlb.example:18000"])
+    assert yaml.safe_load(named.output)["static_resources"]["clusters"][0]["type"] == "STRICT_DNS"
+
+
 def test_names_are_escaped_not_injected():
     nasty = 'a"b: c\n  evil: {x: 1}'
     b = render(node_id=nasty, node_cluster="#not-a-comment")
