@@ -3,7 +3,8 @@ so no "Connection pool is full" lines while Prometheus answers or while it is do
 9); the scrape interval read from Prometheus's own targets API (issue 15 item 11); DCGM's pod and
 namespace labels renamed by Prometheus to exported_pod / exported_namespace still join, and an
 endpoint no GPU series joins to is logged once with the query (issue 15 item 8); the time
-Prometheus itself did not scrape an endpoint (a stall, a restart) does not make it stale."""
+Prometheus itself did not scrape an endpoint (a stall, a restart) does not make it stale; a restarted
+control plane finds a down endpoint as old as its last good scrape."""
 
 from __future__ import annotations
 
@@ -235,3 +236,22 @@ def test_an_endpoint_prometheus_cannot_scrape_ages_by_the_wall_clock(paused_prom
     time.sleep(3.5)
     age = src.fetch([instance])[instance].sample_age_s
     assert age >= time.time() - started - 1.0, age
+
+
+def test_a_restarted_control_plane_finds_a_down_endpoint_as_old_as_its_last_good_scrape(paused_prometheus):
+    """The endpoint answers 503 (Prometheus scrapes it, ``up`` 0, and marks its series stale); then a
+    fresh source, as a restarted control plane builds it: its first fetch is at least as old as the
+    time the endpoint has been down, not 0 (it would stay HEALTHY for another stale_after_s); with a
+    short threshold, the range (2 x stale_after_s) is all failed scrapes and the age is over it."""
+    src, instance, backend, _ = paused_prometheus
+    backend.down = True
+    started = time.time()
+    wait_until(lambda: not src._prom.custom_query(f'vllm:num_requests_running{{instance="{instance}"}}'), 10, 0.2,
+               "Prometheus to mark the endpoint's series stale")
+    time.sleep(max(0.0, 4.0 - (time.time() - started)))
+    down_for = time.time() - started
+    restarted = PrometheusSource(src._url, window_s=10, timeout_s=2)
+    assert restarted.fetch([instance])[instance].sample_age_s >= down_for
+    short = PrometheusSource(src._url, window_s=10, timeout_s=2, stale_after_s=1.5)  # range 3 s: all failed
+    assert short.fetch([instance])[instance].sample_age_s > 1.5
+    assert PrometheusSource(src._url, window_s=10, timeout_s=2).fetch(["127.0.0.1:1"])["127.0.0.1:1"].sample_age_s == 0

@@ -57,7 +57,7 @@ def build_sources(cfg: Config, client_view: ClientView | None = None) -> Sources
             gpu_keys = {e.instance: f"{e.namespace}/{e.pod}" for e in endpoints} if pod_join else None
             gpu_fields = [f for f, spec in specs.items() if spec.gpu]
             pulls.append(PrometheusSource(cfg.prometheus.url, window, cfg.loop.timeout_s, queries, gpu_keys,
-                                          gpu_fields))
+                                          gpu_fields, stale_after_s=stale))
         elif name == "scrape":
             assert scrape is not None
             pulls.append(scrape)

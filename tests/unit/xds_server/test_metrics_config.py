@@ -27,6 +27,13 @@ def test_default_is_prometheus_alone_without_fallback():
     assert s.combined.name == "prometheus"
 
 
+def test_the_prometheus_source_gets_the_staleness_threshold():
+    """It sets the range of the last-good-scrape query (2 x engine.stale_after_s)."""
+    c = config([service("llm", [version("v1", EPS)])], engine={"stale_after_s": 40})
+    prom = build_sources(c).combined.pulls[0]
+    assert "[80s:" in prom._queries["last_good_scrape_ts"][0]
+
+
 def test_all_three_sources_and_the_scrape_urls():
     s = build_sources(cfg(sources=["prometheus", "scrape", "push"], scrape={"path": "/stats", "interval_s": 2}))
     assert [p.name for p in s.combined.pulls] == ["prometheus", "scrape"]

@@ -120,8 +120,9 @@ class FakeProm:
         return self.answers.get(self.by_query[query], [])
 
 
-def source(window_s: float = 60.0, timeout_s: float = 2.0) -> tuple[PrometheusSource, FakeProm]:
-    src = PrometheusSource("http://127.0.0.1:1", window_s=window_s, timeout_s=timeout_s)
+def source(window_s: float = 60.0, timeout_s: float = 2.0, stale_after_s: float = 15.0
+           ) -> tuple[PrometheusSource, FakeProm]:
+    src = PrometheusSource("http://127.0.0.1:1", window_s=window_s, timeout_s=timeout_s, stale_after_s=stale_after_s)
     fake = FakeProm({f: q for f, (q, *_) in src._queries.items()})
     src._prom = fake
     return src, fake
@@ -134,7 +135,7 @@ def test_fetch_runs_every_query_with_the_window_and_timeout():
     src, fake = source(window_s=30.0, timeout_s=1.5)
     src.fetch([A], now=1000.0)
     assert {q for q, _ in fake.calls} == set(fake.by_query)
-    assert len(fake.calls) == len(VLLM_DCGM) + 1  # and when Prometheus last scraped each target
+    assert len(fake.calls) == len(VLLM_DCGM) + 2  # and when Prometheus last scraped each target, and last well
     assert all("{w}" not in q for q, _ in fake.calls)
     assert any("[30s]" in q for q, _ in fake.calls)
     assert all(p == {"timeout": "1500ms"} for _, p in fake.calls)
@@ -297,3 +298,52 @@ def test_fetched_stale_endpoint_is_excluded_by_the_engine():
     fake.answers = {"last_sample_ts": [series(b, "130")], "queue": [series(b, "3")]}
     weights, _ = compute_weights(eps, src.fetch([a, b], now=130.0), EngineState(), EngineParams(), plugins=BUILTIN)
     assert [w.health for w in weights] == [UNHEALTHY, HEALTHY]
+
+
+def test_a_restarted_control_plane_ages_a_dead_backend_from_its_last_good_scrape():
+    """The control plane restarts (a fresh source) while backend a has been down 20 s: its series are
+    stale in Prometheus, but Prometheus scraped it (``up`` 0) and its last good scrape was 20 s ago,
+    so it is 20 s old and UNHEALTHY in the first round, not HEALTHY for another stale_after_s. b is
+    new (Prometheus has not scraped it) and c is up (its last good scrape is now) though its own
+    series are missing: both age from the first round, as before."""
+    src, fake = source()
+    eps = [spec(0, "restart"), spec(1, "restart"), spec(2, "restart")]
+    a, b, c = (e.instance for e in eps)
+    fake.answers = {"last_scrape_ts": [series(a, "999.5"), series(c, "999.5")],
+                    "last_good_scrape_ts": [series(a, "980"), series(c, "1000")]}
+    first = src.fetch([a, b, c], now=1000.0)
+    assert [first[i].sample_age_s for i in (a, b, c)] == pytest.approx([20.0, 0.0, 0.0])
+    weights, _ = compute_weights(eps, first, EngineState(), EngineParams(stale_after_s=15.0), plugins=BUILTIN)
+    assert weights[0].health == UNHEALTHY and any("stale metrics" in r for r in weights[0].reasons)
+    fake.answers["last_good_scrape_ts"] = [series(a, "981"), series(c, "1009.5")]  # later range: never younger
+    later = src.fetch([a, b, c], now=1010.0)
+    assert [later[i].sample_age_s for i in (a, b, c)] == pytest.approx([30.0, 10.0, 10.0])
+
+
+def test_a_backend_down_throughout_the_range_is_stale_at_once():
+    """Every scrape in the range failed: the answer is the earliest of them (range 2 x stale_after_s
+    ago), older than the threshold."""
+    src, fake = source(stale_after_s=15.0)
+    fake.answers = {"last_scrape_ts": [series(A, "999.5")], "last_good_scrape_ts": [series(A, "970")]}
+    age = src.fetch([A], now=1000.0)[A].sample_age_s
+    assert age == pytest.approx(30.0) and age > 15.0
+
+
+class _Targets:
+    def __init__(self, interval: str):
+        self.answer = {"data": {"activeTargets": [{"labels": {"instance": A}, "scrapeInterval": interval}]}}
+
+    def get(self, *args, **kwargs):
+        return self
+
+    def json(self):
+        return self.answer
+
+
+def test_the_good_scrape_range_covers_the_staleness_threshold_in_use():
+    src, _ = source(stale_after_s=60.0)
+    assert "[120s:2s]" in src._queries["last_good_scrape_ts"][0]
+    src._session = _Targets("45s")  # the control plane then uses stale_after_s 90 s
+    src._read_interval([A], now=1000.0)
+    assert src.sample_interval_s == 45.0
+    assert "[180s:3s]" in src._queries["last_good_scrape_ts"][0]

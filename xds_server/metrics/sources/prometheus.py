@@ -5,7 +5,11 @@ one deadline) and parses the vectors. It keeps two pieces of state per instance:
 time seen, so an endpoint whose series went stale (Prometheus drops them from instant queries)
 keeps an honest, growing age (case C04); and when it was first asked for, so an endpoint never seen
 yet ages from then (a new endpoint, or every endpoint at start-up before Prometheus's first scrape,
-is not stale at once).
+is not stale at once) -- unless Prometheus's own scrapes say its newest sample is older: each round
+also reads each target's last successful scrape within a range longer than the staleness threshold
+(or, failed throughout, its earliest failed scrape there), so a control plane restarted while a
+backend is down finds that backend as old as its last good scrape, not as new as the restart (see
+:func:`unsampled_since`).
 
 An endpoint's age does not count the time Prometheus itself did not scrape it: each round also reads
 when Prometheus last scraped each target (``timestamp(up)``, written at every scrape, failed or not).
@@ -49,6 +53,12 @@ def _window(seconds: float) -> str:
 SCRAPE_TIME = "last_scrape_ts"
 #: When Prometheus last scraped each target, failed scrapes included (Prometheus writes ``up`` at each).
 SCRAPE_TIME_QUERY = "max by (instance) (timestamp(up))"
+#: Field of the round's answers with each target's last successful scrape within a range (Unix s), or,
+#: every scrape in it failed, the earliest of them: no sample of the target is newer (see
+#: :func:`good_scrape_query`).
+GOOD_SCRAPE_TIME = "last_good_scrape_ts"
+#: Steps of the :func:`good_scrape_query` subqueries at most (their resolution: range / this).
+GOOD_SCRAPE_STEPS = 60
 #: Rounds in a row an endpoint's GPU inputs must match nothing before it is logged.
 GPU_MISSING_ROUNDS = 3
 #: How often the targets' scrape interval is read again from ``/api/v1/targets`` (s).
@@ -103,6 +113,56 @@ def sample_age_s(now: float, seen: float, scraped: float | None, interval_s: flo
     """
     lag = 0.0 if scraped is None or interval_s is None else max(0.0, now - scraped - interval_s)
     return max(0.0, now - seen - lag)
+
+
+def good_scrape_range_s(stale_after_s: float, interval_s: float | None) -> float:
+    """The range (s) of :func:`good_scrape_query`: twice the staleness threshold in use, which the
+    control plane raises to 2 x the scrape interval when shorter (``engine.stale_after_s``, s;
+    ``interval_s``: Prometheus's scrape interval, s, None while unknown: the first round, as the
+    targets API is read after the round's queries). Longer than the threshold, so a target down
+    throughout the range is stale at once (in the first round only if ``engine.stale_after_s`` is
+    already >= 2 x the interval; else within the difference).
+
+    >>> good_scrape_range_s(15.0, None), good_scrape_range_s(15.0, 1.0), good_scrape_range_s(15.0, 15.0)
+    (30.0, 30.0, 60.0)
+    """
+    return max(2.0 * stale_after_s, 4.0 * (interval_s or 0.0))
+
+
+def good_scrape_query(range_s: float) -> str:
+    """PromQL: per target, its last successful scrape within the last ``range_s`` seconds (Unix s), or,
+    when every scrape in the range failed, its earliest scrape in the range. Either way, no sample of
+    the target is newer: Prometheus writes ``up`` 1 with the samples of a good scrape and ``up`` 0 at a
+    failed one. Absent: Prometheus did not scrape the target in the range (a new or unknown target).
+
+    ``timestamp(up) * up`` is the scrape's own time when it succeeded, 0 when it failed
+    (``timestamp`` of a plain selector is the sample's time, not the evaluation step's). The
+    subqueries take :data:`GOOD_SCRAPE_STEPS` steps at most (at least 1 s apart), so the answer is
+    within a step and a scrape interval of the truth. One query (checked on Prometheus 2.42).
+
+    >>> print(good_scrape_query(30.0).replace(" or ", "\\nor "))
+    (max by (instance) (max_over_time((timestamp(up) * up)[30s:1s])) > 0)
+    or min by (instance) (min_over_time(timestamp(up)[30s:1s]))
+    """
+    r, step = _window(range_s), _window(max(1.0, range_s / GOOD_SCRAPE_STEPS))
+    return (f"(max by (instance) (max_over_time((timestamp(up) * up)[{r}:{step}])) > 0)"
+            f" or min by (instance) (min_over_time(timestamp(up)[{r}:{step}]))")
+
+
+def unsampled_since(first_asked: float, good_scrape: float | None) -> float:
+    """The time (Unix s) an endpoint with no sample seen by this process is aged from: when this
+    process first asked for it (``first_asked``), or, earlier, ``good_scrape``: its last successful
+    Prometheus scrape within :func:`good_scrape_range_s`, or its earliest failed one there when all
+    failed (:func:`good_scrape_query`; None when Prometheus did not scrape it in the range).
+
+    A backend killed before the control plane (re)started is as old as its last good scrape, so the
+    staleness rule applies in the first round; a target that is new (not scraped yet) or up (its
+    last good scrape is now) ages from when it was first asked for, as before.
+
+    >>> unsampled_since(1000.0, None), unsampled_since(1000.0, 980.0), unsampled_since(1000.0, 1001.0)
+    (1000.0, 980.0, 1000.0)
+    """
+    return first_asked if good_scrape is None else min(first_asked, good_scrape)
 
 
 def scrape_missed(now: float, scraped: float | None, interval_s: float | None) -> bool:
@@ -163,19 +223,23 @@ class PrometheusSource:
     ``queries``: see :data:`Queries` (default: vLLM + DCGM joined by instance); ``gpu_keys``:
     ``{instance: join key}`` for fields joined by other labels than ``instance`` (e.g. ``ns/pod``);
     ``gpu_fields``: the GPU inputs: an endpoint whose own series answer but that none of them joins
-    to is logged once, with the query (a renamed label or a wrong pod name).
+    to is logged once, with the query (a renamed label or a wrong pod name); ``stale_after_s``: the
+    engine's staleness threshold (s), which sets the range of :func:`good_scrape_query`.
     """
 
     name = "prometheus"
 
     def __init__(self, url: str, window_s: float, timeout_s: float, queries: Queries = VLLM_DCGM,
-                 gpu_keys: Mapping[str, str] | None = None, gpu_fields: Iterable[str] = ()) -> None:
+                 gpu_keys: Mapping[str, str] | None = None, gpu_fields: Iterable[str] = (),
+                 stale_after_s: float = 15.0) -> None:
         self._timeout_s = timeout_s
+        self._stale_after_s = stale_after_s
         self._queries = {f: (q[0].replace("{w}", _window(window_s)), q[1], tuple(q[2]) if len(q) > 2 else ("instance",))
                          for f, q in queries.items()}
         if SAMPLE_TIME not in self._queries:
             raise ValueError(f"queries must include {SAMPLE_TIME!r} (the newest sample's time)")
         self._queries.setdefault(SCRAPE_TIME, (SCRAPE_TIME_QUERY, 1.0, ("instance",)))
+        self._set_good_scrape_range(None)
         workers = min(MAX_PARALLEL_QUERIES, len(self._queries))
         # No client-side retries: a hung Prometheus would cost (retries + 1) x timeout per query; the
         # next round is the retry. One pooled connection per query thread: with urllib3's default of
@@ -199,6 +263,10 @@ class PrometheusSource:
         self.sample_interval_s: float | None = None
         self._interval_read_at: float | None = None
 
+    def _set_good_scrape_range(self, interval_s: float | None) -> None:
+        query = good_scrape_query(good_scrape_range_s(self._stale_after_s, interval_s))
+        self._queries[GOOD_SCRAPE_TIME] = (query, 1.0, ("instance",))
+
     def _read_interval(self, instances: list[str], now: float) -> None:
         if self._interval_read_at is not None and now - self._interval_read_at < INTERVAL_REFRESH_S:
             return
@@ -214,6 +282,7 @@ class PrometheusSource:
         self._interval_read_at = now
         if interval != self.sample_interval_s:
             log.info("Prometheus scrapes the endpoints every %g s (from %s/api/v1/targets)", interval, self._url)
+            self._set_good_scrape_range(interval)
         self.sample_interval_s = interval
 
     def describe(self) -> dict:
@@ -234,7 +303,8 @@ class PrometheusSource:
         """One round: ``{instance: EndpointStats}`` for every instance asked for (no data -> fields ``None``).
 
         ``sample_age_s`` is the age of the newest sample seen, or, never seen, the time since the
-        instance was first asked for, less the time Prometheus did not scrape it (:func:`sample_age_s`).
+        instance was first asked for or since its last good Prometheus scrape, whichever is older
+        (:func:`unsampled_since`), less the time Prometheus did not scrape it (:func:`sample_age_s`).
 
         Blocking (run it in a thread). Raises:
             MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
@@ -248,14 +318,16 @@ class PrometheusSource:
         values = {f: fut.result() for f, fut in futures.items()}  # re-raises MetricsUnavailable
         now = time.time() if now is None else now
         instances = list(instances)
-        self._read_interval(instances, now)
+        self._read_interval(instances, now)  # after the queries: a hung Prometheus costs one timeout a round
         out: dict[str, EndpointStats] = {}
-        scraped, behind = values.pop(SCRAPE_TIME), []
+        scraped, good, behind = values.pop(SCRAPE_TIME), values.pop(GOOD_SCRAPE_TIME), []
         for inst in instances:
             ts = values[SAMPLE_TIME].get(inst)
             if ts is not None:
                 self._last_seen[inst] = max(ts, self._last_seen.get(inst, ts))
-            seen = self._last_seen.get(inst) or self._first_asked.setdefault(inst, now)
+            seen = self._last_seen.get(inst)
+            if seen is None:
+                seen = self._first_asked[inst] = unsampled_since(self._first_asked.get(inst, now), good.get(inst))
             fields = {}
             for f, v in values.items():
                 if f != SAMPLE_TIME:
