@@ -136,6 +136,13 @@ def test_fetch_runs_every_query_with_the_window_and_timeout():
     src.fetch([A], now=1000.0)
     assert {q for q, _ in fake.calls} == set(fake.by_query)
     assert len(fake.calls) == len(VLLM_DCGM) + 2  # and when Prometheus last scraped each target, and last well
+    fake.answers = {"last_sample_ts": [series(A, "999")]}
+    src.fetch([A], now=1001.0)
+    fake.calls.clear()
+    src.fetch([A], now=1002.0)   # A had a sample: the last-good-scrape range query is not needed
+    assert len(fake.calls) == len(VLLM_DCGM) + 1
+    src.fetch([A, B], now=1003.0)   # B has none yet: asked again
+    assert len(fake.calls) == 2 * len(VLLM_DCGM) + 3
     assert all("{w}" not in q for q, _ in fake.calls)
     assert any("[30s]" in q for q, _ in fake.calls)
     assert all(p == {"timeout": "1500ms"} for _, p in fake.calls)

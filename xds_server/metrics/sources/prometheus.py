@@ -309,7 +309,10 @@ class PrometheusSource:
         Blocking (run it in a thread). Raises:
             MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
         """
-        futures = {f: self._pool.submit(self._query, f) for f in self._queries}
+        instances = list(instances)
+        seen_all = all(i in self._last_seen for i in instances)  # the range query only helps the unseen:
+        futures = {f: self._pool.submit(self._query, f) for f in self._queries  # a steady round skips it
+                   if not (seen_all and f == GOOD_SCRAPE_TIME)}
         done, pending = wait(futures.values(), timeout=self._timeout_s + 0.5)
         if pending:
             for fut in pending:
@@ -317,10 +320,9 @@ class PrometheusSource:
             raise MetricsUnavailable(f"{len(pending)} queries did not answer within {self._timeout_s:g} s")
         values = {f: fut.result() for f, fut in futures.items()}  # re-raises MetricsUnavailable
         now = time.time() if now is None else now
-        instances = list(instances)
         self._read_interval(instances, now)  # after the queries: a hung Prometheus costs one timeout a round
         out: dict[str, EndpointStats] = {}
-        scraped, good, behind = values.pop(SCRAPE_TIME), values.pop(GOOD_SCRAPE_TIME), []
+        scraped, good, behind = values.pop(SCRAPE_TIME), values.pop(GOOD_SCRAPE_TIME, {}), []
         for inst in instances:
             ts = values[SAMPLE_TIME].get(inst)
             if ts is not None:
