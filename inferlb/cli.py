@@ -106,12 +106,11 @@ def validate(config_path: str) -> None:
     from xds_server.discovery.kubernetes import require_client
 
     cfg = _load(config_path)
-    if cfg.discovery.kubernetes is not None:
-        try:
-            require_client()
-        except ConfigError as err:
-            click.echo(f"invalid config:\n{config_path}: {err}", err=True)
-            sys.exit(2)
+    try:
+        require_client(cfg)
+    except ConfigError as err:
+        click.echo(f"invalid config:\n{config_path}: {err}", err=True)
+        sys.exit(2)
     n = sum(len(v.endpoints) for s in cfg.services for v in s.versions)
     found = [name for name in ("kubernetes", "etcd") if getattr(cfg.discovery, name) is not None]
     more = f", plus discovery from {' and '.join(found)}" if found else ""

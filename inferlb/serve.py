@@ -300,8 +300,7 @@ class InferLB:
         unreadable TLS files, a short ``INFERLB_ADMIN_TOKEN``, or ``discovery.kubernetes`` and no
         ``kubernetes`` package. What started before the error is left running: :meth:`stop` ends it.
         """
-        if self.cfg.discovery.kubernetes is not None:
-            require_client()   # else the watcher's import fails in the loop task and /readyz stays 503
+        require_client(self.cfg)
         token = admin_token(self.cfg)
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None

@@ -32,12 +32,15 @@ SERVICE_LABEL = "kubernetes.io/service-name"
 Discovered = dict[str, dict[str, list[dict]]]
 
 
-def require_client() -> None:
-    """Check that the ``kubernetes`` package (the ``k8s`` extra) can be imported.
+def require_client(cfg: Config) -> None:
+    """With ``discovery.kubernetes`` configured, check that the ``kubernetes`` package (the ``k8s``
+    extra) can be imported (else the watcher's import fails in its loop task and /readyz stays 503).
 
     Raises:
         ConfigError: it cannot; one line naming ``discovery.kubernetes`` and the fix.
     """
+    if cfg.discovery.kubernetes is None:
+        return
     try:
         import kubernetes  # noqa: F401
     except ImportError as err:
