@@ -47,8 +47,8 @@ class Decision(NamedTuple):
         reason: why, a short stable label (a metrics label value): the scheduler's reasons
             ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
             :mod:`ext_proc.scheduler`), the handler's "pin-moved", and "no-healthy-endpoint",
-            "unknown-service", "unknown-version", "invalid-version", "not-ready", "overloaded",
-            "too-large".
+            "unknown-service", "unknown-version", "invalid-version", "version-unavailable",
+            "not-ready", "overloaded", "too-large".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
         retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
@@ -307,6 +307,9 @@ def pick(
             return _bad_version(where, raw, service)
     cluster = service.clusters.get(version)
     if cluster is None:
+        if version in service.unavailable:
+            return _reject(503, "version-unavailable",
+                           f"model version '{version}' of service '{service.name}' has no endpoints now")
         mix = service.mixes.get(version)
         if mix is None:
             return _reject(

@@ -66,6 +66,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "clusters": dict(s.clusters),
             "mixes": {m: [[upto, cluster] for upto, cluster in buckets] for m, buckets in s.mixes.items()},
             "models": sorted(m.decode() for m in s.models),
+            "unavailable": sorted(s.unavailable),
         }
         for s in routing.services
     ]
@@ -121,6 +122,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
             clusters=dict(s["clusters"]),
             mixes={m: tuple((int(upto), cluster) for upto, cluster in buckets) for m, buckets in s["mixes"].items()},
             models=frozenset(m.encode() for m in s.get("models", ())),
+            unavailable=frozenset(s.get("unavailable", ())),
         )
         for s in r["services"]
     )

@@ -53,12 +53,14 @@ class ServiceRoute:
         hosts: authority host names without port (IPv6 in brackets: ``"[::1]"``), compared
             case-insensitively, trailing dot ignored; ``("*",)`` takes any host.
         default_version: the version used when the request names none; a key of
-            ``clusters`` or of ``mixes``.
+            ``clusters`` or of ``mixes``, or one of ``unavailable``.
         clusters: model version -> Envoy cluster name.
         mixes: canary splits, mix name -> ``{version: percent}`` (percents sum to 100; a
             version of ``clusters``). Stored as ``((bucket_upto, cluster), ...)`` over
             :data:`MIX_BUCKETS` buckets, versions in name order.
         models: model names (UTF-8 bytes, as requests carry them) that mean ``default_version``.
+        unavailable: versions with no endpoints now (every node of them left): a request for one
+            gets 503, never another version.
 
     Raises:
         ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
@@ -71,6 +73,7 @@ class ServiceRoute:
     clusters: Mapping[str, str] = field(hash=False)
     mixes: Mapping[str, Any] = field(default_factory=dict, hash=False)
     models: frozenset[bytes] = frozenset()
+    unavailable: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
@@ -79,10 +82,11 @@ class ServiceRoute:
         if not self.clusters:
             raise ValueError(f"service {self.name!r}: clusters must map at least one version")
         mixes = {name: self._buckets(name, shares) for name, shares in self.mixes.items()}
-        if self.default_version not in self.clusters and self.default_version not in mixes:
+        known = {*self.clusters, *mixes, *self.unavailable}
+        if self.default_version not in known:
             raise ValueError(
                 f"service {self.name!r}: default_version {self.default_version!r} is not one of "
-                f"the versions or mixes ({', '.join(sorted([*self.clusters, *mixes]))})"
+                f"the versions or mixes ({', '.join(sorted(known))})"
             )
         object.__setattr__(self, "hosts", hosts)
         object.__setattr__(self, "clusters", MappingProxyType(dict(self.clusters)))

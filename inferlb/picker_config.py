@@ -50,6 +50,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                 clusters=MappingProxyType({v.name: cluster_name(s.name, v.name) for v in s.versions}),
                 mixes=s.mixes,
                 models=frozenset(m.encode() for m in s.models),
+                unavailable=frozenset(s.unavailable_versions),
             )
             for s in cfg.services
         ),

@@ -327,6 +327,52 @@ def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
             loop.close()
 
 
+def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_another_model(etcd: Etcd, tmp_path):
+    """chat's default is v1. While a v1 node is registered, requests naming no version go to it; when its
+    lease expires, with a v2 node still there, they get the picker's 503 naming v1 (not v2's model, which
+    may answer in another format), and requests naming v2 still get 200 from v2."""
+    prefix = "/t/gone/"
+    loop = LoopThread()
+    procs: list[stack.Proc] = []
+    try:
+        listener, envoy_admin_port = stack.free_port(), stack.free_port()
+        cfg = spec_for(etcd, prefix).model_dump(mode="json", exclude_none=True)
+        cfg.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                    "envoy": {"listener": f"127.0.0.1:{listener}"},
+                    "loop": {"interval_s": 0.5, "timeout_s": 0.5}, "history": {"path": ":memory:"}})
+        app = InferLB(parse_config(yaml.safe_dump(cfg)))
+        loop.run(app.start())
+        a, addr_a = sim(tmp_path, etcd, prefix, version="v1")
+        b, addr_b = sim(tmp_path, etcd, prefix, version="v2")
+        procs += [a, b]
+        wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot")
+        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="gone-envoy",
+                                                   admin_port=envoy_admin_port), tmp_path, envoy_admin_port)
+        procs.append(envoy)
+
+        def ask(**headers) -> requests.Response:
+            return requests.post(f"http://127.0.0.1:{listener}/v1/chat/completions", timeout=5, headers=headers,
+                                 json={"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+
+        wait_until(lambda: ask().headers.get("x-served-by") == addr_a, 15, 0.1, "v1 serving the default")
+        assert ask(**{"model-version": "v2"}).headers.get("x-served-by") == addr_b
+        fault(addr_a, etcd="stop")   # a still serves, but its lease (2 s) expires
+        [gone] = wait_until(lambda: (r := ask()).status_code == 503 and [r], 10, 0.1, "the default version's 503")
+        assert gone.json() == {"error": "model version 'v1' of service 'chat' has no endpoints now"}
+        answers = [ask() for _ in range(10)] + [ask(**{"model-version": "v1"}) for _ in range(5)]
+        assert {r.status_code for r in answers} == {503}
+        assert not any(r.headers.get("x-served-by") for r in answers)   # never v2's model
+        assert {ask(**{"model-version": "v2"}).headers.get("x-served-by") for _ in range(5)} == {addr_b}
+        assert requests.get(f"http://{addr_a}/health", timeout=5).ok   # it was the lease, not the backend
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        try:
+            loop.run(app.stop(grace_s=0.2))
+        finally:
+            loop.close()
+
+
 def server_cert(path: Path, ca, write) -> tuple[str, str]:
     """etcd's server certificate: server and client auth (etcd's gRPC gateway dials etcd itself with
     it, as a client, when ``--client-cert-auth`` is on), for 127.0.0.1."""

@@ -591,6 +591,10 @@ class ServiceConfig(_Strict):
     ``model``, the version header): the name OpenAI clients send, which the backends serve the
     model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. Any other unknown name
     gets a 400.
+    ``unavailable_versions``: versions the service has but that have no endpoints now (discovery
+    sets it when every node of the configured ``default_version`` has left; ``default_version`` may
+    name one). A request for one, by name or as the default, gets a 503 that names the version (from
+    the picker, or from Envoy's route without it), never another version's model.
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -602,10 +606,15 @@ class ServiceConfig(_Strict):
     versions: tuple[VersionConfig, ...] = Field(min_length=1)
     mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
     models: tuple[str, ...] = ()
+    unavailable_versions: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
         names = [v.name for v in self.versions]
+        for gone in self.unavailable_versions:
+            if not re.fullmatch(VERSION_RE, gone) or gone in names or gone in self.mixes:
+                raise ValueError(f"unavailable_versions: {gone!r} must be a version name ({VERSION_RE}) that is "
+                                 f"neither a version with endpoints nor a mix")
         for model in self.models:
             if not model.strip() or len(model.encode()) > 256:
                 raise ValueError(f"models: {model!r} must be a non-empty name of at most 256 bytes")
@@ -620,8 +629,9 @@ class ServiceConfig(_Strict):
                 raise ValueError(f"mix {mix!r}: shares must name versions of {names}, got {sorted(shares)}")
             if any(p < 0 for p in shares.values()) or abs(sum(shares.values()) - 100) > 1e-6:
                 raise ValueError(f"mix {mix!r}: shares are percents >= 0 summing to 100, got {shares}")
-        if self.default_version is not None and self.default_version not in [*names, *self.mixes]:
-            raise ValueError(f"default_version {self.default_version!r} is not one of {names + list(self.mixes)}")
+        known = [*names, *self.mixes, *self.unavailable_versions]
+        if self.default_version is not None and self.default_version not in known:
+            raise ValueError(f"default_version {self.default_version!r} is not one of {known}")
         return self
 
     @property

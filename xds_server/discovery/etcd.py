@@ -41,9 +41,9 @@ import aiohttp
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
-from xds_server.config import Config, EndpointConfig, EtcdDiscovery, EtcdService
+from xds_server.config import Config, EndpointConfig, EtcdDiscovery
 from xds_server.config.model import NAME_RE, VERSION_RE
-from xds_server.discovery.kubernetes import Discovered
+from xds_server.discovery.services import Discovered, service_entry
 from xds_server.metrics.sources.status import BadSnapshot, StatusSource, snapshot_stats
 from xds_server.metrics.stats import EndpointStats
 
@@ -216,13 +216,6 @@ def endpoints_from(registrations: Iterable[Registration], spec: EtcdDiscovery,
             for name, versions in out.items()}
 
 
-def _service(svc: EtcdService, versions: dict[str, list[dict]]) -> dict:
-    default = svc.default_version if svc.default_version in versions else None
-    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy, "models": list(svc.models),
-            **({"default_version": default} if default else {}),
-            "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
-
-
 def compose_config(base: Config, discovered: Discovered) -> Config:
     """``base`` with one service per configured etcd service that has registered endpoints.
 
@@ -246,7 +239,7 @@ def compose_config(base: Config, discovered: Discovered) -> Config:
             if free:
                 kept[name][version] = free
     discovered = kept
-    extra = [_service(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
+    extra = [service_entry(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
     data = base.model_dump(mode="json", exclude_none=True)
     data["services"] = [*data["services"], *extra]
     return Config.model_validate(data)

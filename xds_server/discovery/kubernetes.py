@@ -19,7 +19,8 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from xds_server.config import Config, ConfigError, KubernetesDiscovery, KubernetesService
+from xds_server.config import Config, ConfigError, KubernetesDiscovery
+from xds_server.discovery.services import Discovered, service_entry
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,6 @@ SKIPPED = Counter("inferlb_discovery_endpoints_skipped_total", "Discovered endpo
                   ["reason"])
 RELISTS = Counter("inferlb_discovery_relists_total", "Full lists of EndpointSlices (start and 410 Gone)")
 SERVICE_LABEL = "kubernetes.io/service-name"
-
-#: ``{service name: {version: [endpoint mapping as in the config]}}``
-Discovered = dict[str, dict[str, list[dict]]]
-
 
 def require_client(cfg: Config) -> None:
     """With ``discovery.kubernetes`` configured, check that the ``kubernetes`` package (the ``k8s``
@@ -104,13 +101,6 @@ def endpoints_from(slices: Iterable[Mapping], pod_labels: Mapping[str, Mapping[s
             for name, versions in out.items()}
 
 
-def _service(svc: KubernetesService, versions: dict[str, list[dict]]) -> dict:
-    default = svc.default_version if svc.default_version in versions else None
-    return {"name": svc.name, "hosts": list(svc.hosts), "lb_policy": svc.lb_policy, "models": list(svc.models),
-            **({"default_version": default} if default else {}),
-            "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
-
-
 def compose_config(base: Config, discovered: Discovered) -> Config:
     """``base`` with one service per discovered Kubernetes service that has endpoints (a version
     without ready endpoints has no cluster until it has some).
@@ -121,7 +111,7 @@ def compose_config(base: Config, discovered: Discovered) -> Config:
     spec = base.discovery.kubernetes
     if spec is None:
         return base
-    extra = [_service(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
+    extra = [service_entry(s, discovered.get(s.name, {})) for s in spec.services if discovered.get(s.name)]
     data = base.model_dump(mode="json", exclude_none=True)
     data["services"] = [*data["services"], *extra]
     return Config.model_validate(data)

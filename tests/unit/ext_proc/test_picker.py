@@ -83,6 +83,20 @@ def test_unknown_version_is_a_400_naming_bad_and_known_versions():
     assert message == "unknown model version 'v9' in header 'model-version'; known versions: v1, v2"
 
 
+def test_a_version_with_no_endpoints_is_a_503_naming_it_never_another_version():
+    """Every node of the default version v2 left: a request naming none (or its model name, or v2)
+    gets 503 "version-unavailable"; one naming v1 is routed as before."""
+    llm = ServiceRoute("llm", ("api.example.com",), "v2", {"v1": "llm-v1"}, models=frozenset({b"m"}),
+                       unavailable=frozenset({"v2"}))
+    view = make_view(routing=RoutingTable(services=(llm, EMBED)))
+    for headers in (req(), req(model_version=b"v2", x_session_id=b"s1"), req(model_version=b"m")):
+        d = pick(headers, view)
+        assert (d.status, d.reason, d.cluster, d.endpoint) == (503, "version-unavailable", None, None)
+        assert json.loads(d.body)["error"] == "model version 'v2' of service 'llm' has no endpoints now"
+    assert pick(req(model_version=b"v1"), view).cluster == "llm-v1"
+    assert pick(req(model_version=b"v9"), view).reason == "unknown-version"
+
+
 def test_a_model_name_of_the_service_means_its_default_version():
     """OpenAI clients always send ``model``: the served model name routes like no version at all."""
     llm = ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"},

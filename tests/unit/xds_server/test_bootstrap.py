@@ -190,6 +190,27 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
     assert vhosts[1]["domains"] == ["*"]
 
 
+GONE = config(
+    [service("llm", [version("v1", 2)], default_version="v2", unavailable_versions=["v2", "v3"])],
+    headers={"cluster": "x-test-cluster"},
+)
+
+
+def test_a_version_with_no_endpoints_is_a_503_from_envoy_never_another_version():
+    """Every node of the default version v2 left (discovery): without the picker, a request naming v2 or
+    none gets Envoy's own 503 naming the version, not v1's model."""
+    routes = as_dict(build_route_config(GONE))["virtual_hosts"][0]["routes"]
+    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[1:-1]}
+    assert by_version["v1"]["route"]["cluster"] == "llm-v1"
+    for v in ("v2", "v3"):
+        assert "route" not in by_version[v] and by_version[v]["direct_response"]["status"] == 503
+        assert json.loads(by_version[v]["direct_response"]["body"]["inline_string"]) == {
+            "error": f"model version '{v}' of service 'llm' has no endpoints now"}
+    last = routes[-1]
+    assert "headers" not in last["match"] and "route" not in last
+    assert last["direct_response"]["status"] == 503 and "'v2'" in last["direct_response"]["body"]["inline_string"]
+
+
 # --- the real Envoy -------------------------------------------------------------------------------
 
 
@@ -256,6 +277,12 @@ def test_real_envoy_accepts_the_listener_routes_and_clusters(tmp_path):
     doc = with_xds_resources_inline(CFG, render())
     assert len(doc["static_resources"]["clusters"]) == 1 + 1 + 3  # xds, ext_proc, three versions
     result = envoy_validate(doc, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_real_envoy_accepts_the_routes_of_a_version_with_no_endpoints(tmp_path):
+    result = envoy_validate(with_xds_resources_inline(GONE, render()), tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 

@@ -232,6 +232,15 @@ def test_default_version_must_be_a_version():
     assert "'v9'" in err and "v1" in err
 
 
+def test_unavailable_versions_may_be_the_default_but_not_a_version_with_endpoints():
+    text = MINIMAL.replace("  - name: llm\n",
+                           "  - name: llm\n    default_version: v2\n    unavailable_versions: [v2]\n")
+    svc = parse_config(text).services[0]
+    assert svc.default == "v2" and svc.unavailable_versions == ("v2",) and [v.name for v in svc.versions] == ["v1"]
+    err = one_error(MINIMAL.replace("  - name: llm\n", "  - name: llm\n    unavailable_versions: [v1]\n"))
+    assert "unavailable_versions" in err and "'v1'" in err, err
+
+
 def test_duplicate_version_names_are_refused():
     text = yaml_text(
         """

@@ -120,6 +120,15 @@ def test_compose_config_adds_the_registered_services():
             {"address": "10.1.0.1:8000"}]}]}]), discovered)
 
 
+def test_a_default_version_whose_nodes_all_left_stays_the_default_and_unavailable():
+    """chat's default is v1; only v2 nodes are registered: requests for v1 or none must not go to v2."""
+    out = compose_config(cfg(), {"chat": {"v2": [{"address": "10.0.0.9:8000"}]}})
+    [chat] = out.services
+    assert (chat.default, chat.unavailable_versions, [v.name for v in chat.versions]) == ("v1", ("v1",), ["v2"])
+    back = compose_config(cfg(), {"chat": {"v1": [{"address": "10.0.0.1:8000"}], "v2": [{"address": "10.0.0.9:8000"}]}})
+    assert back.services[0].unavailable_versions == ()
+
+
 def test_the_config_section_and_its_checks():
     spec = cfg().discovery.etcd
     assert (spec.prefix, spec.endpoints, spec.timeout_s, spec.watch_timeout_s, spec.default_gpu_class,
@@ -220,3 +229,7 @@ def test_kubernetes_and_etcd_discovery_compose_together():
     out = compose_config(kubernetes.compose_config(base, k8s), etcd)   # as inferlb serve does
     assert {s.name: [e.address for v in s.versions for e in v.endpoints] for s in out.services} == {
         "k8s": ["10.3.0.1:8000"], "chat": ["10.3.0.2:8000"]}   # the address Kubernetes has stays its own
+    # Kubernetes, too: a default version with no ready endpoint stays the default, unavailable.
+    base = cfg(discovery={"kubernetes": {"services": [{"name": "k8s", "service": "vllm", "default_version": "v2"}]}})
+    [svc] = kubernetes.compose_config(base, k8s).services
+    assert (svc.default, svc.unavailable_versions) == ("v2", ("v2",))
