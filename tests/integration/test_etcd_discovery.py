@@ -245,28 +245,49 @@ def test_a_registration_no_service_takes_is_logged_once_as_left_out(etcd: Etcd, 
         w.close()
 
 
+class Served:
+    """inferlb serving the etcd spec of ``prefix`` behind a real Envoy; ``procs`` are stopped by :meth:`close`."""
+
+    def __init__(self, etcd: Etcd, prefix: str, workdir: Path, node_id: str) -> None:
+        self.loop = LoopThread()
+        self.procs: list[stack.Proc] = []
+        self.listener, self.envoy_admin_port = stack.free_port(), stack.free_port()
+        cfg = spec_for(etcd, prefix).model_dump(mode="json", exclude_none=True)
+        cfg.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                    "envoy": {"listener": f"127.0.0.1:{self.listener}"},
+                    "loop": {"interval_s": 0.5, "timeout_s": 0.5}, "history": {"path": ":memory:"}})
+        self.app = InferLB(parse_config(yaml.safe_dump(cfg)))
+        self.loop.run(self.app.start())
+        self.workdir, self.node_id = workdir, node_id
+
+    def start_envoy(self) -> None:
+        """Envoy on the control plane, once its first snapshot is ready."""
+        wait_until(self.app.control.ready.is_set, 10, 0.05, "the first snapshot")
+        self.procs.append(stack.start_envoy(render_bootstrap(
+            xds_address=f"127.0.0.1:{self.app.xds_port}", node_id=self.node_id, admin_port=self.envoy_admin_port),
+            self.workdir, self.envoy_admin_port))
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        try:
+            self.loop.run(self.app.stop(grace_s=0.2))
+        finally:
+            self.loop.close()
+
+
 def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
     """A backend that registers gets traffic; one whose lease expires leaves Envoy's cluster and gets none;
     one that leaves gracefully under traffic gets no new request while still draining, and no request fails."""
     prefix = "/t/envoy/"
-    loop = LoopThread()
-    procs: list[stack.Proc] = []
+    served_stack = Served(etcd, prefix, tmp_path, "etcd-envoy")
+    app, procs = served_stack.app, served_stack.procs
+    listener, envoy_admin_port = served_stack.listener, served_stack.envoy_admin_port
     try:
-        listener, envoy_admin_port = stack.free_port(), stack.free_port()
-        cfg = spec_for(etcd, prefix).model_dump(mode="json", exclude_none=True)
-        cfg.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-                    "envoy": {"listener": f"127.0.0.1:{listener}"},
-                    "loop": {"interval_s": 0.5, "timeout_s": 0.5},
-                    "history": {"path": ":memory:"}})
-        app = InferLB(parse_config(yaml.safe_dump(cfg)))
-        loop.run(app.start())
         a, addr_a = sim(tmp_path, etcd, prefix, extra=["--etcd-drain-s", "3"])   # a leaves gracefully later
         b, addr_b = sim(tmp_path, etcd, prefix)
         procs += [a, b]
-        wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot")
-        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="etcd-envoy",
-                                                   admin_port=envoy_admin_port), tmp_path, envoy_admin_port)
-        procs.append(envoy)
+        served_stack.start_envoy()
 
         def hosts() -> set[str]:
             text = requests.get(f"http://127.0.0.1:{envoy_admin_port}/clusters", timeout=5).text
@@ -319,12 +340,7 @@ def test_traffic_through_envoy_follows_the_registrations(etcd: Etcd, tmp_path):
         assert len(statuses) > 50 and set(statuses) == {200}, sorted(set(statuses))
         assert set(late) == {addr_c}   # the second half of the run: only the backend that stays
     finally:
-        for p in reversed(procs):
-            p.stop()
-        try:
-            loop.run(app.stop(grace_s=0.2))
-        finally:
-            loop.close()
+        served_stack.close()
 
 
 def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_another_model(etcd: Etcd, tmp_path):
@@ -332,29 +348,25 @@ def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_
     lease expires, with a v2 node still there, they get the picker's 503 naming v1 (not v2's model, which
     may answer in another format), and requests naming v2 still get 200 from v2."""
     prefix = "/t/gone/"
-    loop = LoopThread()
-    procs: list[stack.Proc] = []
+    served_stack = Served(etcd, prefix, tmp_path, "gone-envoy")
+    listener = served_stack.listener
     try:
-        listener, envoy_admin_port = stack.free_port(), stack.free_port()
-        cfg = spec_for(etcd, prefix).model_dump(mode="json", exclude_none=True)
-        cfg.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-                    "envoy": {"listener": f"127.0.0.1:{listener}"},
-                    "loop": {"interval_s": 0.5, "timeout_s": 0.5}, "history": {"path": ":memory:"}})
-        app = InferLB(parse_config(yaml.safe_dump(cfg)))
-        loop.run(app.start())
         a, addr_a = sim(tmp_path, etcd, prefix, version="v1")
         b, addr_b = sim(tmp_path, etcd, prefix, version="v2")
-        procs += [a, b]
-        wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot")
-        envoy = stack.start_envoy(render_bootstrap(xds_address=f"127.0.0.1:{app.xds_port}", node_id="gone-envoy",
-                                                   admin_port=envoy_admin_port), tmp_path, envoy_admin_port)
-        procs.append(envoy)
+        served_stack.procs += [a, b]
+        served_stack.start_envoy()
 
         def ask(**headers) -> requests.Response:
             return requests.post(f"http://127.0.0.1:{listener}/v1/chat/completions", timeout=5, headers=headers,
                                  json={"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
 
-        wait_until(lambda: ask().headers.get("x-served-by") == addr_a, 15, 0.1, "v1 serving the default")
+        def default_served_by() -> str | None:
+            try:
+                return ask().headers.get("x-served-by")
+            except requests.ConnectionError:   # Envoy's listener is not there yet
+                return None
+
+        wait_until(lambda: default_served_by() == addr_a, 15, 0.1, "v1 serving the default")
         assert ask(**{"model-version": "v2"}).headers.get("x-served-by") == addr_b
         fault(addr_a, etcd="stop")   # a still serves, but its lease (2 s) expires
         [gone] = wait_until(lambda: (r := ask()).status_code == 503 and [r], 10, 0.1, "the default version's 503")
@@ -365,12 +377,7 @@ def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_
         assert {ask(**{"model-version": "v2"}).headers.get("x-served-by") for _ in range(5)} == {addr_b}
         assert requests.get(f"http://{addr_a}/health", timeout=5).ok   # it was the lease, not the backend
     finally:
-        for p in reversed(procs):
-            p.stop()
-        try:
-            loop.run(app.stop(grace_s=0.2))
-        finally:
-            loop.close()
+        served_stack.close()
 
 
 def server_cert(path: Path, ca, write) -> tuple[str, str]:
