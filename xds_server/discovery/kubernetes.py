@@ -29,6 +29,7 @@ SKIPPED = Counter("inferlb_discovery_endpoints_skipped_total", "Discovered endpo
 RELISTS = Counter("inferlb_discovery_relists_total", "Full lists of EndpointSlices (start and 410 Gone)")
 SERVICE_LABEL = "kubernetes.io/service-name"
 
+
 def require_client(cfg: Config) -> None:
     """With ``discovery.kubernetes`` configured, check that the ``kubernetes`` package (the ``k8s``
     extra) can be imported (else the watcher's import fails in its loop task and /readyz stays 503).
