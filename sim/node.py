@@ -9,6 +9,13 @@ prompt blocks, plus the whole output in ``oom_mode: error``) -> prefill of the u
 (the first token comes out at its end) -> decode, one step per token at the speed of the running
 batch. Tokens come out in ticks of at least :data:`TICK_S` of wall time (several tokens per tick
 when steps are shorter), so a time-compressed node does not wake up for every token.
+
+Times follow a schedule, as a GPU's do: the end of a request's prefill and of each decode tick is
+due at a point in time (the previous one plus the model's duration), and the node sleeps until that
+point (:func:`sleep_until`). A wake-up that comes late because the host's CPU was busy (the
+simulated nodes share their machine with the load balancer under test, a real GPU does not) is
+made up at the next tick instead of delaying every later token: the node's speed is the model's,
+not the host's.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ from sim.protocol import InferenceRequest
 
 #: Shortest wall-clock time between two wake-ups of one request's decode loop, s.
 TICK_S = 0.004
+
+async def sleep_until(loop: asyncio.AbstractEventLoop, due: float) -> None:
+    """Sleep until ``loop.time()`` reaches ``due`` (s); when it already has, only yield to the loop."""
+    await asyncio.sleep(max(0.0, due - loop.time()))
+
 
 #: Requests whose time on the node :attr:`SimNode.spans` keeps (the most recent ones).
 SPANS_KEPT = 200_000
@@ -358,8 +370,9 @@ class SimNode:
                         uncached = self._recompute_tokens(job)
                     first_run = False
                     p = prefill_ms(uncached, job.factor) / 1000.0
+                    due = loop.time() + p
                     if p > 0:
-                        await asyncio.sleep(p)
+                        await sleep_until(loop, due)
                     if job.preempted:
                         await self._requeue(job)
                         continue
@@ -375,12 +388,12 @@ class SimNode:
                                 else job.output_tokens)
                         if self.cfg.oom_mode == "preempt" and not job.reserved_mib and not await self._grow(job, k):
                             break
-                        tick = loop.time()
-                        await asyncio.sleep(k * step)
+                        due += k * step
+                        await sleep_until(loop, due)
                         if job.preempted:
                             break
                         job.produced += k
-                        self.metrics.observe_inter_token((loop.time() - tick) / k, k)
+                        self.metrics.observe_inter_token(step, k)
                         yield k
                     if job.preempted:
                         await self._requeue(job)

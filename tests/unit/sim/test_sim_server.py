@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sim.config import BackendConfig
 from sim.metrics import LATENCY_BUCKETS_S
+from sim.model import request_latency_ms
 from sim.server import start_backend
 
 CHAT = {"messages": [{"role": "user", "content": "Hello, GPU"}], "max_tokens": 16}
@@ -299,9 +300,29 @@ async def test_slow_factor_and_long_tail_faults(backends, http):
     started = time.monotonic()
     async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}, headers={"x-session-id": "s"}) as resp:
         assert resp.status == 200
-    assert time.monotonic() - started >= 4.0 * 0.09  # (50 + 40) ms x 4
+    # One prompt token and 16 output tokens alone on an A100, 4x slower: the model's own time (194 ms;
+    # 48.5 ms without the fault). The node keeps to its schedule, so it takes that, not more.
+    assert time.monotonic() - started >= request_latency_ms(1, 16, 1, scale=4.0) / 1000.0
     await _fault(http, base, reset=True)
     assert (await _state(http, base))["faults"]["slow_factor"] == 1.0
+
+
+async def test_a_busy_host_does_not_slow_the_simulated_gpu_down(backends, http):
+    """The host's event loop stalls 3 x 30 ms during a request (as when the load balancer under test
+    takes the CPU): the node makes the time up, so the request still takes about the model's time."""
+    base = await backends(time_scale=1.0)
+    await _fault(http, base, slow_factor=4.0)
+    model_s = request_latency_ms(1, 16, 1, scale=4.0) / 1000.0  # 194 ms
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}) as resp:
+        assert resp.status == 200  # warm: the first request also pays the connection's set-up
+    loop = asyncio.get_running_loop()
+    for at in (0.04, 0.09, 0.14):
+        loop.call_later(at, time.sleep, 0.03)
+    started = time.monotonic()
+    async with http.post(f"{base}/v1/completions", json={"max_tokens": 16}) as resp:
+        assert resp.status == 200
+    elapsed = time.monotonic() - started
+    assert model_s <= elapsed < model_s + 0.06  # every stall added to the later tokens: >= model + 90 ms
 
 
 async def test_client_disconnect_releases_memory_and_slot(backends, http):
