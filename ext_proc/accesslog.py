@@ -42,7 +42,7 @@ class CostSink(Protocol):
     """Where finished requests with known tokens go (the request cost model)."""
 
     def observe(self, gpu_class: str, prompt_tokens: float, output_tokens: float, duration_ms: float,
-                ttft_ms: float | None = None, /) -> None: ...
+                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True, /) -> None: ...
 
 
 def record_completions(data: bytes, inflight: InFlight, cluster_header: str, override_host_header: str,
@@ -60,7 +60,8 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             endpoint's latency, and counted there it made a latency outlier of whichever endpoint
             served the late requests.
         costs: each completion of a pick whose tokens were known, with its duration
-            (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms.
+            (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms,
+            and the pick's load and miss (:data:`ext_proc.inflight.Pick`).
         failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed, and
             whether that is certain: Envoy flagged an upstream connection failure, reset or
             termination (certain), or served it from another host after a retry (not certain: a
@@ -99,7 +100,7 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             continue
         if pick is not None and costs is not None and pick[3] is not None and pick[4] is not None and status == 200:
             costs.observe(pick[5], pick[3], pick[4], last_downstream_tx / 1e6,
-                          None if first_upstream_rx is None else first_upstream_rx / 1e6)
+                          None if first_upstream_rx is None else first_upstream_rx / 1e6, pick[7], pick[8])
         if view is not None and address:
             if first_upstream_tx is not None and last_upstream_rx is not None:
                 upstream_ms = (last_upstream_rx - first_upstream_tx) / 1e6

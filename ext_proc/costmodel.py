@@ -7,18 +7,28 @@ Söderström, *Theory and Practice of Recursive Identification*, 1983): each obs
 decays by ``forget`` per later observation of its class, so the fit follows a GPU class whose speed
 changes (another model, a hot node) and old data fades out.
 
-- duration (ms) ~ a + b x prompt_ktokens + c x output_ktokens
-- TTFT (ms)     ~ a + b x prompt_ktokens
+- duration (ms) ~ a + b x prompt_ktokens + c x output_ktokens + d x load
+- TTFT (ms)     ~ a + b x prompt_ktokens + m x miss + e x miss x prompt_ktokens
+
+``load`` is the work already in flight on the chosen endpoint when the request was picked (units
+of a typical request), so ``d`` is what one more request running beside it costs a request (ms);
+``miss`` is 1 when the request did not go to the endpoint its affinity key pointed at (a new
+session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms).
+Together they give the **cost-aware affinity slack** (:meth:`CostModel.affinity_slack`): how many
+requests of imbalance keeping a request on its cached endpoint is worth, the trade behind NVIDIA
+Dynamo's KV router (prefill blocks against active blocks) and llm-d's prefix and load scorers,
+here learned from the backends' own times instead of weighed by hand.
 
 Learned from Envoy's access log: each completion of a pick whose tokens the picker knew (read from
 the OpenAI body or the request class) adds one observation: the features recorded at pick time
 and the times Envoy reports (``time_to_last_downstream_tx_byte``, ``time_to_first_upstream_rx_byte``).
 
-The request path only reads :meth:`CostModel.relative_work`: two dictionary reads and a few
-multiplications. Observations are summed in plain floats (``observe``, once per completion);
-the 3x3 systems are solved once a second (:meth:`refit`, from the picker's housekeeping) with
-numpy. A class is *ready* after ``min_samples`` observations; until then every request weighs 1
-(request counting, the classic bounded loads).
+The request path only reads :meth:`CostModel.relative_work` and :meth:`CostModel.affinity_slack`:
+a dictionary read and a few multiplications each. Observations are summed in plain floats
+(``observe``, once per completion); the small systems are solved once a second (:meth:`refit`,
+from the picker's housekeeping) with numpy. A class is *ready* after ``min_samples`` observations;
+until then every request weighs 1 (request counting, the classic bounded loads) and the slack is
+the configured one.
 """
 
 from __future__ import annotations
@@ -33,6 +43,10 @@ __all__ = ["CostModel", "Fit"]
 _RIDGE = 1e-6
 #: Relative work is clamped to this range (a request is at most 50x or 1/50 of a typical one).
 _MIN_WORK, _MAX_WORK = 0.02, 50.0
+#: Below this many ms per request in flight, load is taken to cost nothing measurable (no slack cap).
+_MIN_LOAD_MS = 0.01
+#: Observations with and without a miss each needed before the TTFT fit tells a miss's cost.
+_MIN_EACH = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,61 +54,77 @@ class Fit:
     """The solved model of one GPU class.
 
     Attributes:
-        duration: ``(a ms, b ms per 1000 prompt tokens, c ms per 1000 output tokens)``.
-        ttft: ``(a ms, b ms per 1000 prompt tokens)``, or None without TTFT data.
+        duration: ``(a ms, b ms per 1000 prompt tokens, c ms per 1000 output tokens, d ms per
+            typical request in flight on the endpoint at pick time)``.
+        ttft: ``(a ms, b ms per 1000 prompt tokens, m ms for a miss, e ms per 1000 prompt tokens of
+            a miss)``, or None without enough TTFT data (hits and misses).
         mean_ms: the forgetting-weighted mean duration (ms): the cost of a "typical" request.
+        mean_load: the forgetting-weighted mean load at pick time (typical requests).
         samples: observations seen (not decayed).
     """
 
-    duration: tuple[float, float, float]
-    ttft: tuple[float, float] | None
+    duration: tuple[float, float, float, float]
+    ttft: tuple[float, float, float, float] | None
     mean_ms: float
+    mean_load: float
     samples: int
 
-    def predict_ms(self, prompt_tokens: float, output_tokens: float) -> float:
-        """Predicted duration (ms) of a request (never below 1 ms)."""
-        a, b, c = self.duration
-        return max(1.0, a + b * prompt_tokens / 1000.0 + c * output_tokens / 1000.0)
+    def predict_ms(self, prompt_tokens: float, output_tokens: float, load: float | None = None) -> float:
+        """Predicted duration (ms) of a request picked beside ``load`` work in flight (None: the
+        mean load); never below 1 ms."""
+        a, b, c, d = self.duration
+        x = self.mean_load if load is None else load
+        return max(1.0, a + b * prompt_tokens / 1000.0 + c * output_tokens / 1000.0 + d * x)
 
-    def predict_ttft_ms(self, prompt_tokens: float) -> float | None:
-        """Predicted TTFT (ms), None without TTFT data."""
+    def predict_ttft_ms(self, prompt_tokens: float, miss: bool = False) -> float | None:
+        """Predicted TTFT (ms) on a KV-cache hit (``miss`` False) or a miss; None without TTFT data."""
         if self.ttft is None:
             return None
-        a, b = self.ttft
-        return max(0.0, a + b * prompt_tokens / 1000.0)
+        a, b, m, e = self.ttft
+        k = prompt_tokens / 1000.0
+        return max(0.0, a + b * k + (m + e * k if miss else 0.0))
+
+    def hit_saving_ms(self, prompt_tokens: float) -> float | None:
+        """The prefill a KV-cache hit saves a request of ``prompt_tokens`` (ms, >= 0); None without
+        TTFT data."""
+        if self.ttft is None:
+            return None
+        _, _, m, e = self.ttft
+        return max(0.0, m + e * prompt_tokens / 1000.0)
 
 
 class _Sums:
-    """Forgetting-weighted sufficient statistics of one class: X'X, X'y for both fits, and the mean."""
+    """Forgetting-weighted sufficient statistics of one class: X'X, X'y for both fits, and the means."""
 
-    __slots__ = ("xx", "xy", "tt", "ty", "w", "wy", "n", "nt")
+    __slots__ = ("xx", "xy", "tt", "ty", "w", "wy", "wl", "n", "nt", "misses")
 
     def __init__(self) -> None:
-        self.xx = [0.0] * 9
-        self.xy = [0.0] * 3
-        self.tt = [0.0] * 4
-        self.ty = [0.0] * 2
-        self.w = self.wy = 0.0
-        self.n = self.nt = 0
+        self.xx = [0.0] * 16
+        self.xy = [0.0] * 4
+        self.tt = [0.0] * 16
+        self.ty = [0.0] * 4
+        self.w = self.wy = self.wl = 0.0
+        self.n = self.nt = self.misses = 0
 
-    def add(self, p: float, o: float, y: float, ttft: float | None, forget: float) -> None:
-        x = (1.0, p, o)
-        xx, xy = self.xx, self.xy
-        for i in range(3):
-            xy[i] = xy[i] * forget + x[i] * y
-            for j in range(3):
-                xx[3 * i + j] = xx[3 * i + j] * forget + x[i] * x[j]
+    def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float) -> None:
+        _accumulate(self.xx, self.xy, (1.0, p, o, load), y, forget)
         self.w = self.w * forget + 1.0
         self.wy = self.wy * forget + y
+        self.wl = self.wl * forget + load
         self.n += 1
         if ttft is not None:
-            t = (1.0, p)
-            tt, ty = self.tt, self.ty
-            for i in range(2):
-                ty[i] = ty[i] * forget + t[i] * ttft
-                for j in range(2):
-                    tt[2 * i + j] = tt[2 * i + j] * forget + t[i] * t[j]
+            f = 1.0 if miss else 0.0
+            _accumulate(self.tt, self.ty, (1.0, p, f, f * p), ttft, forget)
             self.nt += 1
+            self.misses += miss
+
+
+def _accumulate(xx: list[float], xy: list[float], x: tuple[float, ...], y: float, forget: float) -> None:
+    k = len(x)
+    for i in range(k):
+        xy[i] = xy[i] * forget + x[i] * y
+        for j in range(k):
+            xx[k * i + j] = xx[k * i + j] * forget + x[i] * x[j]
 
 
 def _solve(xx: list[float], xy: list[float], k: int) -> tuple[float, ...] | None:
@@ -110,7 +140,8 @@ def _solve(xx: list[float], xy: list[float], k: int) -> tuple[float, ...] | None
 
 
 class CostModel:
-    """Per-GPU-class online fits of request duration and TTFT from prompt and output tokens.
+    """Per-GPU-class online fits of request duration and TTFT from prompt and output tokens, the
+    load a request was picked beside, and whether it missed its KV cache.
 
     Args:
         forget: per-observation forgetting factor in (0, 1] (1 = plain least squares; 0.999: an
@@ -131,33 +162,41 @@ class CostModel:
         """GPU class -> its solved fit (ready classes only); replaced whole by :meth:`refit`."""
 
     def observe(self, gpu_class: str, prompt_tokens: float, output_tokens: float, duration_ms: float,
-                ttft_ms: float | None = None) -> None:
-        """Add one finished request (tokens as known at pick time; times in ms). Bad values are ignored."""
-        if not (duration_ms > 0 and math.isfinite(duration_ms) and prompt_tokens >= 0 and output_tokens >= 0):
+                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True) -> None:
+        """Add one finished request (tokens as known at pick time; times in ms; ``load``: the work in
+        flight on its endpoint when it was picked; ``miss``: it did not go where its affinity key
+        pointed). Bad values are ignored."""
+        if not (duration_ms > 0 and math.isfinite(duration_ms) and prompt_tokens >= 0 and output_tokens >= 0
+                and load >= 0 and math.isfinite(load)):
             return
         if ttft_ms is not None and not (ttft_ms >= 0 and math.isfinite(ttft_ms)):
             ttft_ms = None
         sums = self._sums.get(gpu_class)
         if sums is None:
             sums = self._sums[gpu_class] = _Sums()
-        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, duration_ms, ttft_ms, self.forget)
+        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, load, duration_ms, ttft_ms, miss, self.forget)
 
     def refit(self) -> dict[str, Fit]:
-        """Solve every class with at least ``min_samples`` observations; returns (and keeps) the fits."""
+        """Solve every class with at least ``min_samples`` observations; returns (and keeps) the fits.
+
+        The TTFT fit also needs :data:`_MIN_EACH` observations with a miss and as many without."""
         fits: dict[str, Fit] = {}
         for gpu_class, s in self._sums.items():
             if s.n < self.min_samples or s.w <= 0:
                 continue
-            duration = _solve(s.xx, s.xy, 3)
+            duration = _solve(s.xx, s.xy, 4)
             if duration is None:
                 continue
-            ttft = _solve(s.tt, s.ty, 2) if s.nt >= self.min_samples else None
-            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.n)  # type: ignore[arg-type]
+            ttft = None
+            if s.nt >= self.min_samples and min(s.misses, s.nt - s.misses) >= _MIN_EACH:
+                ttft = _solve(s.tt, s.ty, 4)
+            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n)  # type: ignore[arg-type]
         self.fits = fits
         return fits
 
     def relative_work(self, gpu_class: str | None, prompt_tokens: float | None, output_tokens: float | None) -> float:
-        """A request's predicted cost in units of a typical request of that class (1.0 = typical).
+        """A request's predicted cost in units of a typical request of that class (1.0 = typical),
+        at the class's mean load.
 
         1.0 when the class has no ready fit or the tokens are unknown (then loads are request counts).
         """
@@ -169,8 +208,32 @@ class CostModel:
         work = fit.predict_ms(prompt_tokens, output_tokens) / fit.mean_ms
         return _MIN_WORK if work < _MIN_WORK else _MAX_WORK if work > _MAX_WORK else work
 
+    def affinity_slack(self, gpu_class: str | None, prompt_tokens: float | None) -> float | None:
+        """The cost-aware affinity slack of a request (typical requests, >= 0; ``inf`` when load
+        costs nothing measurable), None when the class's fit cannot tell (not ready, no TTFT data,
+        unknown prompt).
+
+        Keeping a request on the endpoint with its KV cache saves ``s`` ms of prefill
+        (:meth:`Fit.hit_saving_ms`); each request of imbalance there costs it ``d`` ms (the
+        duration's load coefficient) and costs each request running beside it about as much, so
+        the slack is ``s / (2 d)``: beyond that many requests more than the least loaded endpoint,
+        the cache hit is worth less than the slower batch.
+        """
+        if prompt_tokens is None or gpu_class is None:
+            return None
+        fit = self.fits.get(gpu_class)
+        if fit is None:
+            return None
+        saving = fit.hit_saving_ms(prompt_tokens)
+        if saving is None:
+            return None
+        d = fit.duration[3]
+        if d < _MIN_LOAD_MS:
+            return math.inf
+        return saving / (2.0 * d)
+
     def describe(self) -> dict:
-        """JSON-ready: per class the coefficients, mean, samples and readiness (for the admin API)."""
+        """JSON-ready: per class the coefficients, means, samples and readiness (for the admin API)."""
         out = {}
         for gpu_class, s in sorted(self._sums.items()):
             fit = self.fits.get(gpu_class)
@@ -179,9 +242,12 @@ class CostModel:
                 "ready": fit is not None,
                 "duration_ms": None if fit is None else {
                     "intercept": fit.duration[0], "per_1k_prompt_tokens": fit.duration[1],
-                    "per_1k_output_tokens": fit.duration[2]},
+                    "per_1k_output_tokens": fit.duration[2], "per_request_in_flight": fit.duration[3]},
                 "ttft_ms": None if fit is None or fit.ttft is None else {
-                    "intercept": fit.ttft[0], "per_1k_prompt_tokens": fit.ttft[1]},
+                    "intercept": fit.ttft[0], "per_1k_prompt_tokens": fit.ttft[1],
+                    "miss": fit.ttft[2], "per_1k_prompt_tokens_of_a_miss": fit.ttft[3]},
                 "mean_duration_ms": None if fit is None else fit.mean_ms,
+                "mean_load": None if fit is None else fit.mean_load,
+                "ttft_misses": s.misses,
             }
         return {"forget": self.forget, "min_samples": self.min_samples, "classes": out}

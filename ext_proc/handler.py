@@ -357,8 +357,10 @@ class PickerHandler:
         """Count the pick in flight, move or refresh the session's pin, and encode the answer."""
         endpoint = decision.endpoint
         if decision.cluster is not None:
+            # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
+            hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)
             self.inflight.picked(decision.cluster, endpoint, decision.work, decision.mib, decision.prompt_tokens,
-                                 decision.output_tokens, decision.gpu_class, headers.get("x-request-id"))
+                                 decision.output_tokens, decision.gpu_class, headers.get("x-request-id"), not hit)
             slot = decision.session
             if slot is not None and endpoint is not None:
                 spills = self.spills.pop(slot, 0) if self.spills else 0

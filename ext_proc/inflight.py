@@ -151,11 +151,12 @@ class InFlight:
 
     def picked(self, cluster: str, endpoint: str | None, work: float = 1.0, mib: float = 0.0,
                prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "",
-               request_id: bytes | None = None) -> None:
+               request_id: bytes | None = None, miss: bool = True) -> None:
         """Count one routed request: to ``cluster``, pinned to ``endpoint`` (None = Envoy chooses),
         with its predicted ``work``, GPU memory need (MiB) and, when known, its tokens (for the
-        cost model), the endpoint's GPU class and the request's ``x-request-id`` (an id already in
-        flight is not remembered twice)."""
+        cost model, with the endpoint's work in flight before this pick and ``miss``: the request
+        did not go where its affinity key pointed), the endpoint's GPU class and the request's
+        ``x-request-id`` (an id already in flight is not remembered twice)."""
         now = self._clock()
         self.changes += 1
         if request_id and request_id not in self.requests:
@@ -169,14 +170,15 @@ class InFlight:
         if endpoint is None:
             return
         self.endpoints[endpoint] = self.endpoints.get(endpoint, 0) + 1
-        self.work[endpoint] = self.work.get(endpoint, 0.0) + work
+        before = self.work.get(endpoint, 0.0)
+        self.work[endpoint] = before + work
         self.cluster_work[cluster] = self.cluster_work.get(cluster, 0.0) + work
         if mib and endpoint in self.free:
             self.free[endpoint] -= mib
         picks = self._pending_ep.get(endpoint)
         if picks is None:
             picks = self._pending_ep[endpoint] = deque()
-        picks.append((now, work, mib, prompt_tokens, output_tokens, gpu_class, cluster))
+        picks.append((now, work, mib, prompt_tokens, output_tokens, gpu_class, cluster, before, miss, request_id))
 
     def completed(self, cluster: str, endpoint: str | None) -> bool:
         """Count one finished request; returns False when no pick was waiting for it (ignored).
@@ -190,12 +192,23 @@ class InFlight:
         self._completions[matched] += 1
         return matched
 
-    def finish(self, endpoint: str) -> Pick | None:
-        """Take the oldest pick of ``endpoint`` off its load and return it (None: none waiting)."""
+    def finish(self, endpoint: str, request_id: bytes | None = None) -> Pick | None:
+        """Take the pick of ``endpoint`` with this ``x-request-id`` (else its oldest) off its load and
+        return it (None: none waiting). Matching by id gives the cost model each request's own
+        features when requests on one endpoint finish out of order."""
         picks = self._pending_ep.get(endpoint)
         if not picks:
             return None
-        pick = picks.popleft()
+        if request_id:
+            for i, candidate in enumerate(picks):  # the endpoint's picks in flight: a handful
+                if candidate[9] == request_id:
+                    pick = candidate
+                    del picks[i]
+                    break
+            else:
+                pick = picks.popleft()
+        else:
+            pick = picks.popleft()
         self._release(endpoint, pick, len(picks), self._clock())
         if not picks:
             del self._pending_ep[endpoint]
@@ -215,12 +228,12 @@ class InFlight:
         matched = _remove(self.clusters, self._pending_cl, cluster)
         self.changes += 1
         self._completions[matched] += 1
-        return self.finish(endpoint) if endpoint is not None else None
+        return self.finish(endpoint, request_id) if endpoint is not None else None
 
     def _release(self, endpoint: str, pick: Pick, left: int, finished_at: float | None = None) -> None:
         """Take ``pick`` off the loads; ``finished_at`` (a completion, not an expiry) remembers it
         for :meth:`set_samples` (an expired pick's end is unknown: it is never credited)."""
-        _, work, mib, _, _, _, cluster = pick
+        _, work, mib, _, _, _, cluster, _, _, _ = pick
         if left:
             self.endpoints[endpoint] = left
             self.work[endpoint] -= work
@@ -282,7 +295,7 @@ class InFlight:
         """
         out: dict[tuple[str, str], list] = {}
         for endpoint, picks in self._pending_ep.items():
-            for at, work, mib, prompt, output, _, cluster in picks:
+            for at, work, mib, prompt, output, _, cluster, _, _, _ in picks:
                 row = out.get((cluster, endpoint))
                 if row is None:
                     row = out[(cluster, endpoint)] = [0, 0.0, 0.0, 0.0, 0]
@@ -370,8 +383,10 @@ class InFlight:
         return expired
 
 
-#: One pick in flight: ``(time, work, mib, prompt_tokens, output_tokens, gpu_class, cluster)``.
-Pick = tuple[float, float, float, "float | None", "float | None", str, str]
+#: One pick in flight: ``(time, work, mib, prompt_tokens, output_tokens, gpu_class, cluster, load
+#: before, miss, x-request-id or None)``: ``load before`` is the endpoint's work in flight when it
+#: was picked.
+Pick = tuple[float, float, float, "float | None", "float | None", str, str, float, bool, "bytes | None"]
 
 
 def _remove(counts: dict[str, int], pending: dict[str, deque[float]], key: str) -> bool:

@@ -226,6 +226,8 @@ class _Costs(Protocol):
     def relative_work(self, gpu_class: str | None, prompt_tokens: float | None,
                       output_tokens: float | None, /) -> float: ...
 
+    def affinity_slack(self, gpu_class: str | None, prompt_tokens: float | None, /) -> float | None: ...
+
 
 _NO_LOADS: Mapping[str, float] = {}
 
@@ -249,7 +251,10 @@ def pick(
             load yet).
         pins: the session table (read only: ``pins.get(slot)`` -> endpoint or None).
         body: fields of the JSON body, when body routing read it.
-        costs: the request cost model (None: every request weighs 1).
+        costs: the request cost model (None: every request weighs 1). With
+            ``routing.cost_aware_affinity`` and a known prompt, its learned affinity slack
+            (:meth:`ext_proc.costmodel.CostModel.affinity_slack`) replaces ``routing.affinity_slack``
+            once the GPU class's fit can tell it.
 
     Returns:
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
@@ -357,18 +362,23 @@ def pick(
         rid = headers.get("x-request-id")
         spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
     margin = 0.0 if declared else routing.memory_margin  # a need the client declared is taken as it is
+    slack = routing.affinity_slack
+    if routing.cost_aware_affinity and costs is not None and prompt is not None:
+        learned = costs.affinity_slack(pool.main_class, prompt)
+        if learned is not None:
+            slack = learned
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              routing.affinity_slack)
+                              slack)
     if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  routing.affinity_slack)
+                                  slack)
     if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  routing.affinity_slack)
+                                  slack)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "")

@@ -97,6 +97,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "min_bound": routing.min_bound,
             "pinned_load_factor": routing.pinned_load_factor,
             "affinity_slack": routing.affinity_slack,
+            "cost_aware_affinity": routing.cost_aware_affinity,
             "spill_threshold": routing.spill_threshold,
         },
         "settings": asdict(settings),
@@ -152,6 +153,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         min_bound=float(r.get("min_bound", 2.0)),
         pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
         affinity_slack=_opt(r.get("affinity_slack")),
+        cost_aware_affinity=bool(r.get("cost_aware_affinity", False)),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
     )
     raw = doc["settings"]

@@ -166,6 +166,10 @@ class RoutingTable:
         affinity_slack: a candidate endpoint's load after the request, per share, is within this many
             typical requests of the least loaded admitted endpoint's (>= 0; None: no such limit; see
             :func:`ext_proc.scheduler.choose`).
+        cost_aware_affinity: a request whose prompt is known gets the slack the cost model learned
+            for its cluster's GPU class (:meth:`ext_proc.costmodel.CostModel.affinity_slack`: the
+            prefill a KV-cache hit saves against what a request of imbalance costs) instead of
+            ``affinity_slack``, once that class's fit can tell it.
         spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
             there when its first tier's requests in flight are at least this share (0-1] of that
             tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
@@ -199,6 +203,7 @@ class RoutingTable:
     min_bound: float = 2.0
     pinned_load_factor: float = 2.0
     affinity_slack: float | None = None
+    cost_aware_affinity: bool = False
     spill_threshold: float = 0.6
     sized: bool = field(default=False, init=False, compare=False)
 

@@ -28,6 +28,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         min_bound=cfg.picker.min_bound,
         pinned_load_factor=cfg.picker.pinned_load_factor,
         affinity_slack=cfg.picker.affinity_slack,
+        cost_aware_affinity=cfg.picker.cost_aware_affinity,
         spill_threshold=cfg.picker.spill_threshold,
         memory_margin=(cfg.picker.memory_margin if cfg.picker.memory_margin is not None
                        else cfg.engine.memory_margin),

@@ -708,7 +708,10 @@ class Picker(_Strict):
     least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
     session's existing pin (its KV cache is there); ``affinity_slack`` (typical requests; null, the
     default: off): an endpoint is a candidate only while its load after the request, per share, is
-    within this of the least loaded admitted endpoint's (docs/picker.md); ``memory_margin``
+    within this of the least loaded admitted endpoint's (docs/picker.md); ``cost_aware_affinity``
+    (off by default): a request whose prompt is known gets the slack the cost model learned for its
+    GPU class instead (the prefill a KV-cache hit saves over twice what one more request in flight
+    costs; docs/picker.md), once that class has enough completions; ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
     ``request_memory_header`` (MiB; declared, so admitted without the margin), the body
     (``kv_mib_per_token`` x (prompt tokens, estimated at
@@ -748,6 +751,7 @@ class Picker(_Strict):
     min_bound: float = Field(2.0, ge=0, le=1_000_000)
     pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
     affinity_slack: float | None = Field(None, ge=0, le=1_000_000)
+    cost_aware_affinity: bool = False
     memory_margin: float | None = Field(None, ge=0, le=10)
     kv_mib_per_token: float = Field(0.5, ge=0)
     default_max_tokens: int = Field(128, ge=0)

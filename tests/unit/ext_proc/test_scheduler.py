@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ext_proc.costmodel import CostModel
 from ext_proc.handler import PickerHandler, _body_fields, prefix_hash
 from ext_proc.inflight import InFlight, MemorySamples
+from ext_proc.picker import NO_BODY as NO_BODY_FIELDS
 from ext_proc.picker import BodyFields, pick, request_need
 from ext_proc.ring import HashRing
 from ext_proc.scheduler import choose, pin_after, under_bound
@@ -430,6 +431,120 @@ def test_completions_teach_the_cost_model_through_the_access_log():
     assert fit.samples == 5 and fit.mean_ms == pytest.approx(102.0, rel=0.01)
 
 
+# --- cost-aware affinity: the slack learned from what a miss and a request in flight cost -----------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(5, 100), st.floats(1, 80), st.floats(0, 60), st.floats(5, 120), st.integers(0, 2**32))
+def test_the_cost_model_learns_what_load_and_a_cache_miss_cost(d, m, e, a, seed):
+    """duration = a + 20 p_k + 900 o_k + d x load, TTFT = 3 + 2 p_k + miss x (m + e p_k) (2 % noise):
+    the fit finds d and the miss's cost, and the slack is their ratio."""
+    rng = random.Random(seed)
+    model = CostModel(forget=1.0, min_samples=20)
+    for _ in range(600):
+        p, o, load, miss = rng.uniform(0, 4000), rng.uniform(1, 100), rng.randint(0, 6), rng.random() < 0.3
+        y = a + 20 * p / 1000 + 900 * o / 1000 + d * load
+        ttft = 3 + 2 * p / 1000 + (m + e * p / 1000 if miss else 0.0)
+        model.observe("a100", p, o, y * (1 + rng.uniform(-0.02, 0.02)), ttft * (1 + rng.uniform(-0.02, 0.02)),
+                      load, miss)
+    fit = model.refit()["a100"]
+    assert fit.duration[3] == pytest.approx(d, rel=0.1, abs=1.0)
+    for p in (100, 1000, 3000):
+        truth = m + e * p / 1000
+        assert fit.hit_saving_ms(p) == pytest.approx(truth, rel=0.1, abs=1.5)
+        assert model.affinity_slack("a100", p) == pytest.approx(fit.hit_saving_ms(p) / (2 * fit.duration[3]))
+
+
+def test_the_affinity_slack_is_unknown_until_hits_and_misses_were_both_seen():
+    model = CostModel(min_samples=20)
+    assert model.affinity_slack("a100", 1000) is None  # not ready
+    for i in range(40):
+        model.observe("a100", 1000, 16, 50.0 + 10 * (i % 3), 10.0, i % 3, False)  # every request a hit
+    model.refit()
+    assert model.fits["a100"].ttft is None and model.affinity_slack("a100", 1000) is None
+    for i in range(10):
+        model.observe("a100", 1000, 16, 50.0 + 10 * (i % 3), 40.0, i % 3, True)
+    model.refit()
+    assert model.affinity_slack("a100", 1000) == pytest.approx(30.0 / 20.0, rel=0.05)  # 30 ms saved, 10 ms a request
+    assert model.affinity_slack("a100", None) is None and model.affinity_slack("h100", 1000) is None
+
+
+def test_load_that_costs_nothing_leaves_the_slack_unbounded():
+    model = CostModel(min_samples=20)
+    for i in range(40):
+        model.observe("a100", 1000, 16, 50.0, 40.0 if i % 2 else 10.0, i % 4, bool(i % 2))
+    model.refit()
+    assert model.affinity_slack("a100", 1000) == float("inf")
+
+
+class _Slack(CostModel):
+    """A cost model whose learned slack is 1 typical request per 500 prompt tokens."""
+
+    def affinity_slack(self, gpu_class, prompt_tokens):
+        return None if prompt_tokens is None else prompt_tokens / 500.0
+
+
+class _Pinned:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def get(self, slot: int) -> str:
+        return self.endpoint
+
+
+def test_cost_aware_affinity_keeps_a_long_prompt_on_its_pin_and_spreads_a_short_one():
+    from dataclasses import replace
+    routing = replace(ROUTING, cost_aware_affinity=True)
+    v = view(routing=routing)
+    home = v.clusters["c"].ring.lookup(b"s")
+    loads = {home: 1.0}  # the pin has one request in flight, the others none: under its bound of 2
+    long_, short = BodyFields(prompt_tokens=2000.0), BodyFields(prompt_tokens=100.0)
+    d = pick(headers(x_session_id=b"s"), v, loads, _Pinned(home), long_, _Slack())
+    assert (d.endpoint, d.reason) == (home, "affinity")  # slack 4: within 4 requests of the least loaded
+    d = pick(headers(x_session_id=b"s"), v, loads, _Pinned(home), short, _Slack())
+    assert d.endpoint != home and d.reason == "spilled"  # slack 0.2: one more request than an idle one is too many
+    plain = view()  # the knob off: the bounded loads alone keep both
+    assert pick(headers(x_session_id=b"s"), plain, loads, _Pinned(home), short, _Slack()).endpoint == home
+    assert pick(headers(x_session_id=b"s"), v, loads, _Pinned(home), NO_BODY_FIELDS, _Slack()).endpoint == home
+
+
+def test_a_pick_records_its_endpoint_load_and_whether_it_missed():
+    flight = InFlight()
+    flight.picked("c", FOUR[0], 1.5, prompt_tokens=10.0, output_tokens=5.0, miss=True)
+    flight.picked("c", FOUR[0], 0.5, prompt_tokens=10.0, output_tokens=5.0, miss=False)
+    first, second = flight.finish(FOUR[0]), flight.finish(FOUR[0])
+    assert (first[7], first[8]) == (0.0, True) and (second[7], second[8]) == (1.5, False)
+
+
+def test_a_completion_takes_its_own_pick_when_requests_finish_out_of_order():
+    flight = InFlight()
+    flight.picked("c", FOUR[0], 1.0, prompt_tokens=4000.0, output_tokens=5.0, request_id=b"long")
+    flight.picked("c", FOUR[0], 1.0, prompt_tokens=10.0, output_tokens=5.0, request_id=b"short")
+    assert flight.pop("c", FOUR[0], b"short")[3] == 10.0  # the younger one finished first
+    assert flight.pop("c", FOUR[0], b"long")[3] == 4000.0
+    flight.picked("c", FOUR[0], 1.0, request_id=b"a")
+    flight.picked("c", FOUR[0], 1.0, request_id=b"b")
+    assert flight.pop("c", FOUR[0], b"unknown")[9] == b"a"  # an id it does not know: the oldest
+    assert flight.endpoints == {FOUR[0]: 1}
+
+
+def test_a_session_kept_on_its_pin_teaches_the_cost_model_a_hit():
+    seen: list[tuple[float, bool]] = []
+
+    class Recorder(CostModel):
+        def observe(self, gpu_class, prompt_tokens, output_tokens, duration_ms, ttft_ms=None, load=0.0, miss=True):
+            seen.append((load, miss))
+
+    handler = PickerHandler(ViewHolder(view(classes={e: "a10" for e in FOUR})), costs=Recorder())
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}).encode()
+    for _ in range(2):
+        stream = StreamState()
+        handler.process(stream, _headers_msg(end=False, content_type=b"application/json", x_session_id=b"s"))
+        endpoint = _endpoint(handler.process(stream, _body_msg(body))[0], body=True)
+        handler.access_log(_log(endpoint, duration_ms=100.0, ttft_ms=20.0))
+    assert seen == [(0.0, True), (0.0, False)]  # a new session misses; its next turn, kept on its pin, hits
+
+
 # --- issue 15 item 1: the first burst is load-bounded from the first request ---------------------
 
 
@@ -600,7 +715,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
 
     from ext_proc.settings import PickerSettings, from_wire, to_wire
     routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
-                           pinned_load_factor=3.0, affinity_slack=0.75,
+                           pinned_load_factor=3.0, affinity_slack=0.75, cost_aware_affinity=True,
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
                            chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
                            request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
@@ -612,7 +727,8 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_
-    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "min_bound", "memory_margin",
+    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "cost_aware_affinity", "min_bound",
+                 "memory_margin",
                  "default_request_mib", "kv_mib_per_token", "default_max_tokens", "chars_per_token",
                  "request_memory_header",
                  "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):

@@ -82,3 +82,12 @@ def test_body_routing_lets_the_picker_ask_for_bodies():
     assert ext(on)["allowModeOverride"] is True
     assert ext(on)["processingMode"].get("requestBodyMode", "NONE") == "NONE"
     assert routing_table(on).body_max_bytes == 65536
+
+
+def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
+    assert routing_table(config()).cost_aware_affinity is False
+    routing = routing_table(config(picker={"cost_aware_affinity": True}))
+    assert routing.cost_aware_affinity is True
+    assert from_wire(to_wire(routing, picker_settings(config())))[0].cost_aware_affinity is True
+    with pytest.raises(ConfigError, match="cost_aware_affinity"):
+        config(picker={"cost_aware_affinity": "yes"})
