@@ -9,8 +9,10 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ext_proc.handler import PickerHandler, StreamState
+from ext_proc.handler import PickerHandler, StreamState, read_json
 from ext_proc.picker import BodyFields, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
@@ -184,3 +186,64 @@ def test_partial_and_whole_bodies_give_the_same_prefix_key():
     partial = _partial_fields(raw[:400], len(raw), routing)
     assert partial.prefix == whole.prefix is not None and partial.model == b"v1"
     assert partial.prompt_tokens == len(raw) / routing.chars_per_token
+
+
+# --- the body is parsed by orjson; the picker reads the same fields as with json ------------------
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]) | _JSON_VALUES,
+                                  "content": st.text() | st.lists(st.fixed_dictionaries(
+                                      {"type": st.just("text"), "text": st.text() | _JSON_VALUES})) | _JSON_VALUES})
+_BODY = st.fixed_dictionaries({}, optional={
+    "model": st.text(max_size=12) | _JSON_VALUES, "user": st.text(max_size=12) | _JSON_VALUES,
+    "prompt_cache_key": st.text(max_size=12) | _JSON_VALUES,
+    "max_tokens": st.integers(-(2**70), 2**70) | _JSON_VALUES, "max_completion_tokens": st.integers(0, 2**70),
+    "messages": st.lists(_MESSAGE, max_size=4) | _JSON_VALUES, "prompt": st.text() | st.lists(st.text()),
+    "seed": st.integers(-(2**90), 2**90), "temperature": st.floats(allow_nan=True, allow_infinity=True),
+    "extra": _JSON_VALUES})
+
+
+@settings(max_examples=400, deadline=None)
+@given(_BODY)
+def test_the_picker_reads_the_same_body_fields_as_with_json(body):
+    import ext_proc.handler as handler
+    data = json.dumps(body).encode("utf-8", "surrogatepass")
+    routing = RoutingTable(body_max_bytes=1 << 20)
+    fast = handler._body_fields(data, routing)
+    original, handler.read_json = handler.read_json, json.loads
+    try:
+        assert fast == handler._body_fields(data, routing)
+    finally:
+        handler.read_json = original
+
+
+@pytest.mark.parametrize("data", [
+    b'{"temperature": NaN, "model": "v2"}', b'{"x": Infinity}',  # orjson refuses these: json reads them
+    b'{"user": "\\ud800", "model": "v2"}',  # a lone surrogate escape
+    b'{"model": "v1", "model": "v2"}',  # a repeated key: the last one
+    b'{"a": -0, "b": -0.0, "c": 1e400, "d": "\\u00e9"}',
+])
+def test_read_json_reads_what_json_reads(data):
+    assert json.dumps(read_json(data)) == json.dumps(json.loads(data))
+
+
+def test_read_json_differs_from_json_only_where_the_picker_does_not_look():
+    assert read_json(b'{"seed": 123456789012345678901234567890}') == {"seed": 1.2345678901234568e29}
+    deep = b'{"model": "v2", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    assert read_json(deep)["model"] == "v2"
+
+
+@pytest.mark.parametrize("data", [b'{"model": "v2"', b'\xff{}', b"", b"{} {}"],
+                         ids=["truncated", "not-utf-8", "empty", "two-documents"])
+def test_read_json_refuses_what_json_refuses(data):
+    with pytest.raises(ValueError):
+        json.loads(data)
+    with pytest.raises(ValueError):
+        read_json(data)
