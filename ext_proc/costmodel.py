@@ -76,14 +76,6 @@ class Fit:
         x = self.mean_load if load is None else load
         return max(1.0, a + b * prompt_tokens / 1000.0 + c * output_tokens / 1000.0 + d * x)
 
-    def predict_ttft_ms(self, prompt_tokens: float, miss: bool = False) -> float | None:
-        """Predicted TTFT (ms) on a KV-cache hit (``miss`` False) or a miss; None without TTFT data."""
-        if self.ttft is None:
-            return None
-        a, b, m, e = self.ttft
-        k = prompt_tokens / 1000.0
-        return max(0.0, a + b * k + (m + e * k if miss else 0.0))
-
     def hit_saving_ms(self, prompt_tokens: float) -> float | None:
         """The prefill a KV-cache hit saves a request of ``prompt_tokens`` (ms, >= 0); None without
         TTFT data."""
