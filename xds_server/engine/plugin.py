@@ -20,6 +20,7 @@ operation per step, not 60 000 Python calls).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,17 +88,10 @@ class Columns:
         matrix = np.empty((n, width))
         dirty = np.zeros(n, dtype=bool)
         for start in range(0, n, PIECE):
-            flat = list(chain.from_iterable(map(_ALL, stats[start:start + PIECE])))
-            try:
-                piece = np.array(flat, dtype=float)
-            except (TypeError, ValueError, OverflowError):  # not a number somewhere: read each as finite() does
-                piece = np.array([v if v is None or type(v) is float else finite(v) for v in flat], dtype=float)
-            unknown = ~np.isfinite(piece)
-            if int(unknown.sum()) != flat.count(None):  # some are NaN, ±Inf or unreadable, not None
-                for k in np.flatnonzero(unknown).tolist():
-                    dirty[start + k // width] |= flat[k] is not None
-            piece[unknown] = np.nan
-            matrix[start:start + len(flat) // width] = piece.reshape(-1, width)
+            piece = stats[start:start + PIECE]
+            rows = slice(start, start + len(piece))
+            if not _fill_numbers(matrix[rows], dirty[rows], piece):
+                _fill_any(matrix[rows], dirty[rows], piece)
         return Columns(matrix, np.array(list(map(_CAPACITY, specs)), dtype=float),
                        np.array(list(map(_MAX_CONCURRENCY, specs)), dtype=float),
                        np.array(list(map(_MEMORY, specs)), dtype=float), dirty)
@@ -108,6 +102,58 @@ class Columns:
                        self.dirty[index])
 
 
+
+
+def _fill_numbers(out: Array, dirty: Array, stats: Sequence[EndpointStats]) -> bool:
+    """Fill ``out`` (rows x fields) and ``dirty`` from ``stats`` when every field is a number in every
+    row or None in every row, as in the first row (the common case: a source gives an input for every
+    endpoint or for none); False, with nothing promised, otherwise. One ``numpy.fromiter`` over the
+    fields present: no list of every value, no value by value check for None."""
+    present = tuple(k for k, v in enumerate(_ALL(stats[0])) if v is not None)
+    absent = [k for k in range(len(STAT_FIELDS)) if k not in present]
+    if any(list(map(_FIELD[k], stats)).count(None) != len(stats) for k in absent):
+        return False
+    out[:, absent] = np.nan
+    if not present:
+        return True
+    getter = _getter(present)
+    try:
+        values = np.fromiter(chain.from_iterable(map(getter, stats)) if len(present) > 1 else map(getter, stats),
+                             dtype=float, count=len(stats) * len(present))
+    except (TypeError, ValueError, OverflowError):  # None somewhere, or not a number
+        return False
+    values = values.reshape(len(stats), len(present))
+    bad = ~np.isfinite(values)
+    if bad.any():
+        dirty |= bad.any(axis=1)
+        values[bad] = np.nan
+    out[:, list(present)] = values
+    return True
+
+
+def _fill_any(out: Array, dirty: Array, stats: Sequence[EndpointStats]) -> None:
+    """:func:`_fill_numbers` for any values: None, NaN, ±Inf and what is not a number read as no data (NaN),
+    each read as ``EndpointStats.sanitized`` reads it; ``dirty`` where a value was not None but no data."""
+    width = len(STAT_FIELDS)
+    flat = list(chain.from_iterable(map(_ALL, stats)))
+    try:
+        values = np.array(flat, dtype=float)
+    except (TypeError, ValueError, OverflowError):  # not a number somewhere: read each as finite() does
+        values = np.array([v if v is None or type(v) is float else finite(v) for v in flat], dtype=float)
+    unknown = ~np.isfinite(values)
+    if int(unknown.sum()) != flat.count(None):  # some are NaN, ±Inf or unreadable, not None
+        for k in np.flatnonzero(unknown).tolist():
+            dirty[k // width] |= flat[k] is not None
+    values[unknown] = np.nan
+    out[:] = values.reshape(-1, width)
+
+
+_FIELD = tuple(operator.attrgetter(name) for name in STAT_FIELDS)
+
+
+@functools.lru_cache(maxsize=64)
+def _getter(fields: tuple[int, ...]) -> Callable[[EndpointStats], Any]:
+    return operator.attrgetter(*(STAT_FIELDS[k] for k in fields))
 
 
 @dataclass(frozen=True, slots=True)

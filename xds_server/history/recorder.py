@@ -10,7 +10,6 @@ rows, prunes retention now and then, and writes keyframes for endpoints that hav
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -21,7 +20,7 @@ from prometheus_client import Counter
 
 from xds_server.engine.types import EndpointWeight
 from xds_server.history.changes import LastRecorded, last_recorded, to_record
-from xds_server.history.types import HistoryError, HistoryStore
+from xds_server.history.types import CHANGE, KEYFRAME, HistoryError, HistoryStore
 from xds_server.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -130,8 +129,10 @@ class HistoryRecorder:
             self._failed("write", err)  # _last stays: the change is written with a later round
             return
         self._last = last
-        for kind, count in collections.Counter(rows.kind).items():  # one update per kind, not per row
-            ROWS_WRITTEN.labels(kind).inc(count)
+        changes = rows.kind.count(CHANGE)  # one C-level count (a Counter walks 35 000 rows in Python)
+        for kind, count in ((CHANGE, changes), (KEYFRAME, len(rows) - changes)):
+            if count:
+                ROWS_WRITTEN.labels(kind).inc(count)
 
     def _guard(self, op: str, fn: Callable):
         try:
