@@ -109,6 +109,9 @@ def picker_tls(tls: TlsConfig) -> TlsFiles:
 
 
 _FREE, _USED, _AGE = (STAT_FIELDS.index(f) for f in ("gpu_mem_free_mib", "gpu_mem_used_mib", "sample_age_s"))
+#: Endpoints per C-level dict update in :func:`memory_samples` (one update of 60 000 held the GIL, which
+#: the event loop shares, for tens of ms: caught by a faulthandler watchdog at 35 ms).
+PIECE = 4096
 
 
 def memory_samples(weights: Sequence[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None], now: float
@@ -127,8 +130,12 @@ def memory_samples(weights: Sequence[EndpointWeight], spec: Callable[[str, str],
             s = spec(part.cluster, part.addresses[i])
             free[i] = np.nan if s is None else max(0.0, s.memory_mib - used[i])
         at = np.flatnonzero(~np.isnan(free) & ~np.isnan(age))
-        out.update(zip(np.array(part.addresses, dtype=object)[at].tolist(),
-                       zip(free[at].tolist(), (now - age[at]).tolist(), strict=True), strict=True))
+        addresses, taken = np.array(part.addresses, dtype=object)[at].tolist(), (now - age[at]).tolist()
+        free_now = free[at].tolist()
+        for start in range(0, len(at), PIECE):  # one C-level update per piece: the GIL changes hands between
+            end = start + PIECE
+            out.update(zip(addresses[start:end], zip(free_now[start:end], taken[start:end], strict=True),
+                           strict=True))
     return out
 
 
