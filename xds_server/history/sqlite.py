@@ -74,6 +74,9 @@ DROP TABLE weight_history_old;
 PRAGMA user_version = 3;
 COMMIT;
 """
+#: Rows per C-level step in :meth:`SqliteHistory._endpoints` (one over a round's 35 000 rows held the
+#: GIL, which the event loop shares, long enough for a 25 ms watchdog to catch it).
+_PIECE = 4096
 _INSERT = ("INSERT INTO weight_history (t, endpoint_id, weight, health, score, inputs, scores, reasons, kind, "
            "snapshot_version, layout) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 _SELECT = ("SELECT w.t, e.cluster, e.endpoint, w.weight, w.health, w.score, w.inputs, w.scores, w.reasons, w.kind, "
@@ -169,8 +172,12 @@ class SqliteHistory:
     def _endpoints(self, db: sqlite3.Connection, rows: RowBatch, added: dict[tuple[str, str], int]) -> list[int]:
         """Each row's endpoint id; an endpoint seen for the first time is stored (inside the caller's
         transaction) and put in ``added``."""
-        keys = list(zip(rows.cluster, rows.endpoint, strict=True))
-        ids = list(map(self._endpoint_ids.get, keys))
+        keys: list[tuple[str, str]] = []
+        ids: list[int | None] = []
+        for start in range(0, len(rows), _PIECE):  # one C call per piece: the GIL changes hands between
+            piece = list(zip(rows.cluster[start:start + _PIECE], rows.endpoint[start:start + _PIECE], strict=True))
+            keys += piece
+            ids += map(self._endpoint_ids.get, piece)
         if None in ids:
             for i in [i for i, known in enumerate(ids) if known is None]:
                 new = added.get(keys[i])
