@@ -49,6 +49,7 @@ from xds_server.ads.sotw import SotwStream
 from xds_server.config import Config, parse_config
 from xds_server.control import endpoint_specs
 from xds_server.engine.types import HEALTHY, EndpointWeight
+from xds_server.engine.verdicts import Verdicts
 from xds_server.metrics.stats import EndpointStats
 from xds_server.resources.build import BuildMemo, build_snapshot
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Snapshot
@@ -146,7 +147,7 @@ async def control_plane(mode: str, change: str, port_file: Path) -> dict:
     weights = initial_weights(cfg, rng)
     memo = BuildMemo()
     cache = SnapshotCache(debounce_s=0, debounce_max_s=0)
-    first = build_snapshot(cfg, weights, EXT_PROC, memo)
+    first = build_snapshot(cfg, Verdicts.of(weights), EXT_PROC, memo)
     await cache.set(first)
     server, servicer, port = await start_ads_server(
         cache, "127.0.0.1:0", BaselineServicer if mode == "baseline" else AdsServicer)
@@ -167,7 +168,7 @@ async def control_plane(mode: str, change: str, port_file: Path) -> dict:
     await asyncio.sleep(1.0)
     bytes_before = sum(n.sent_bytes for n in servicer.nodes.values())
 
-    new_weights = changed_weights(weights, change, rng)
+    new_weights = Verdicts.of(changed_weights(weights, change, rng))  # columns, as the engine hands them
     cpu0, t0 = time.process_time(), time.monotonic()
     snap = build_snapshot(cfg, new_weights, EXT_PROC, memo)
     cpu_build = time.process_time() - cpu0

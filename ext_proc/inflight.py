@@ -44,6 +44,8 @@ _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 IN_FLIGHT = Gauge("inferlb_ext_proc_in_flight", "Requests in flight (picks - completions), by cluster.", ["cluster"])
 
 
+#: Endpoints per C-level dict update in :meth:`MemorySamples.of`.
+SAMPLES_PIECE = 4096
 #: Finished requests kept for the load view's next report at most (older ones are dropped by
 #: :meth:`InFlight.expire` when no report took them).
 FINISHED_KEEP = 10_000
@@ -58,9 +60,17 @@ class MemorySamples(NamedTuple):
 
     @classmethod
     def of(cls, samples: Mapping[str, tuple[float, float]]) -> MemorySamples:
-        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}`` (pure; two C-level dict builds)."""
-        return cls(dict(zip(samples, map(_FIRST, samples.values()), strict=True)),
-                   dict(zip(samples, map(_SECOND, samples.values()), strict=True)))
+        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}`` (pure; C-level dict updates of
+        :data:`SAMPLES_PIECE` endpoints each: one update of 60 000 held the GIL, which the event loop
+        shares, for tens of ms under load)."""
+        free: dict[str, float] = {}
+        taken_at: dict[str, float] = {}
+        keys, values = list(samples), list(samples.values())
+        for start in range(0, len(keys), SAMPLES_PIECE):
+            piece, got = keys[start:start + SAMPLES_PIECE], values[start:start + SAMPLES_PIECE]
+            free.update(zip(piece, map(_FIRST, got), strict=True))
+            taken_at.update(zip(piece, map(_SECOND, got), strict=True))
+        return cls(free, taken_at)
 
 
 class InFlight:

@@ -23,11 +23,12 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
@@ -52,6 +53,7 @@ from xds_server.discovery import etcd as etcd_discovery
 from xds_server.discovery.etcd import EtcdWatcher
 from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compose_config, require_client
 from xds_server.engine.types import EndpointSpec, EndpointWeight
+from xds_server.engine.verdicts import Verdicts
 from xds_server.history.recorder import HistoryRecorder
 from xds_server.history.sqlite import open_store
 from xds_server.loadview.service import add_load_view_servicer
@@ -59,6 +61,7 @@ from xds_server.loadview.table import LoadTable
 from xds_server.metrics.build import build_sources
 from xds_server.metrics.sources.envoy import ClientView
 from xds_server.metrics.sources.push import start_push_server
+from xds_server.metrics.stats import STAT_FIELDS
 from xds_server.release import trim_heap
 from xds_server.tls import server_credentials
 
@@ -105,44 +108,44 @@ def picker_tls(tls: TlsConfig) -> TlsFiles:
     return files
 
 
-def memory_samples(weights: list[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None], now: float
+_FREE, _USED, _AGE = (STAT_FIELDS.index(f) for f in ("gpu_mem_free_mib", "gpu_mem_used_mib", "sample_age_s"))
+#: Endpoints per C-level dict update in :func:`memory_samples` (one update of 60 000 held the GIL, which
+#: the event loop shares, for tens of ms: caught by a faulthandler watchdog at 35 ms).
+PIECE = 4096
+
+
+def memory_samples(weights: Sequence[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None], now: float
                    ) -> dict[str, tuple[float, float]]:
-    """``{"HOST:PORT": (free GPU memory MiB, sampled at)}`` from one round's weights (pure).
+    """``{"HOST:PORT": (free GPU memory MiB, sampled at)}`` from one round's weights (pure; read from
+    their columns: :class:`~xds_server.engine.verdicts.Verdicts`).
 
     Free memory is ``gpu_mem_free_mib``, else the endpoint's GPU memory minus ``gpu_mem_used_mib``;
     an endpoint with neither, or with no sample age, is left out (unknown: the picker admits).
     ``sampled at`` = ``now`` - the sample's age (monotonic s).
     """
     out: dict[str, tuple[float, float]] = {}
-    for w in weights:
-        st = w.inputs
-        if st.sample_age_s is None:
-            continue
-        free = st.gpu_mem_free_mib
-        if free is None and st.gpu_mem_used_mib is not None:
-            s = spec(w.cluster, w.address)
-            free = None if s is None else max(0.0, s.memory_mib - st.gpu_mem_used_mib)
-        if free is not None:
-            out[w.address] = (free, now - st.sample_age_s)
+    for part in Verdicts.of(weights).parts:
+        free, used, age = part.stats[:, _FREE].copy(), part.stats[:, _USED], part.stats[:, _AGE]
+        for i in np.flatnonzero(np.isnan(free) & ~np.isnan(used) & ~np.isnan(age)).tolist():
+            s = spec(part.cluster, part.addresses[i])
+            free[i] = np.nan if s is None else max(0.0, s.memory_mib - used[i])
+        at = np.flatnonzero(~np.isnan(free) & ~np.isnan(age))
+        addresses, taken = np.array(part.addresses, dtype=object)[at].tolist(), (now - age[at]).tolist()
+        free_now = free[at].tolist()
+        for start in range(0, len(at), PIECE):  # one C-level update per piece: the GIL changes hands between
+            end = start + PIECE
+            out.update(zip(addresses[start:end], zip(free_now[start:end], taken[start:end], strict=True),
+                           strict=True))
     return out
 
 
-def largest_memory(weights: list[EndpointWeight], spec: Callable[[str, str], EndpointSpec | None]
-                   ) -> dict[str, float]:
-    """``{cluster: the largest whole GPU memory of its endpoints, MiB}`` over one round's endpoints,
-    from their specs (pure; a cluster with an endpoint without a spec is left out: unknown)."""
+def largest_memory(specs: Iterable[EndpointSpec]) -> dict[str, float]:
+    """``{cluster: the largest whole GPU memory of its endpoints, MiB}`` (pure)."""
     out: dict[str, float] = {}
-    unknown: set[str] = set()
-    for w in weights:
-        s = spec(w.cluster, w.address)
-        if s is None:
-            unknown.add(w.cluster)
-        elif s.memory_mib > out.get(w.cluster, 0.0):
-            out[w.cluster] = s.memory_mib
-    for cluster in unknown:
-        out.pop(cluster, None)
+    for s in specs:
+        if s.memory_mib > out.get(s.cluster, 0.0):
+            out[s.cluster] = s.memory_mib
     return out
-
 
 
 def fleet_in_flight(fleet: Mapping[str, float], pickers: int, own: Mapping[str, float],
@@ -193,6 +196,7 @@ class InferLB:
         self.view = ViewHolder()
         self._view_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picker-view")
         self._rounds_frozen = 0
+        self._largest: tuple[Sequence[EndpointSpec] | None, dict[str, float]] = (None, {})
         self.sampler = DecisionSampler()
         self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler,
                                                   completions=self.client_view)
@@ -219,17 +223,19 @@ class InferLB:
         self.last_reload_error: str | None = None
         self.xds_port = self.ext_proc_port = self.admin_port = self.push_port = 0
 
-    async def _feed_picker(self, weights: list[EndpointWeight]) -> None:
+    async def _feed_picker(self, weights: Verdicts) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
         request needing more than every endpoint has is refused). Read from the weights in a worker
         thread (30 ms at 60 000 endpoints), handed over on the loop. Sample ages count from the fetch,
         not from now: the round's computation in between would make every sample look younger."""
-        at = self.control.stats_at
+        at, specs = self.control.stats_at, self.control.specs
 
         def read() -> tuple:
             samples = memory_samples(weights, self.control.spec, time.monotonic() if at is None else at)
-            return samples, MemorySamples.of(samples), largest_memory(weights, self.control.spec)
+            if self._largest[0] is not specs:  # the config's: computed again when it changes
+                self._largest = (specs, largest_memory(specs))
+            return samples, MemorySamples.of(samples), self._largest[1]
 
         samples, split, largest = await asyncio.to_thread(read)
         self.picker.set_samples(split)  # on the loop the picker runs on: O(requests in flight)

@@ -10,7 +10,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
@@ -23,10 +23,10 @@ from xds_server.config.model import STALE_INTERVALS, stale_message
 from xds_server.engine import settings
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
-from xds_server.engine.types import EndpointSpec, EndpointWeight, EngineParams, EngineState
+from xds_server.engine.types import EndpointSpec, EngineParams, EngineState
+from xds_server.engine.verdicts import Verdicts
 from xds_server.metrics.source import MetricsSource, MetricsUnavailable
 from xds_server.metrics.stats import EndpointStats
-from xds_server.release import drop
 from xds_server.resources.build import BuildMemo, build_snapshot
 from xds_server.snapshot import Snapshot
 
@@ -73,7 +73,7 @@ def engine_params(cfg: Config) -> EngineParams:
 class ControlPlane:
     """Runs weight rounds and publishes each new snapshot to ``cache`` and to ``on_snapshot`` hooks.
 
-    A hook is called as ``hook(snapshot, weights)`` (weights: the round's ``EndpointWeight`` list)
+    A hook is called as ``hook(snapshot, weights)`` (weights: the round's :class:`~xds_server.engine.verdicts.Verdicts`)
     on the event loop, once per new snapshot; it must not block: slow work goes to a thread, and a
     hook may return an awaitable (e.g. ``run_in_executor``'s future), which is awaited in order.
 
@@ -95,10 +95,10 @@ class ControlPlane:
     """
 
     def __init__(self, cfg: Config, source: MetricsSource, cache: SnapshotCache,
-                 on_snapshot: list[Callable[[Snapshot, list[EndpointWeight]], None]],
+                 on_snapshot: list[Callable[[Snapshot, Verdicts], None]],
                  ext_proc_address: Callable[[], str],
                  picker_metadata: Callable[[Config], Mapping[str, Any]] | None = None,
-                 on_round: list[Callable[[list[EndpointWeight]], Any]] | None = None,
+                 on_round: list[Callable[[Verdicts], Any]] | None = None,
                  round_context: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.cfg = cfg
         self._round_hooks = on_round or []
@@ -117,7 +117,8 @@ class ControlPlane:
         self._draining: set[str] = set()
         self._created = time.monotonic()
         self._lock = asyncio.Lock()
-        self.weights: list[EndpointWeight] = []
+        self.weights = Verdicts([])
+        """The last round's verdicts (a ``Sequence[EndpointWeight]``)."""
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
         self.stats_at: float | None = None
@@ -128,6 +129,11 @@ class ControlPlane:
     def source_name(self) -> str:
         """The metrics source(s) the last round used, e.g. ``prometheus``, ``scrape``, ``prometheus+push``."""
         return self.source.name
+
+    @property
+    def specs(self) -> Sequence[EndpointSpec]:
+        """The engine's view of every configured endpoint (a new object after each reconfiguration)."""
+        return self._specs
 
     def spec(self, cluster: str, address: str) -> EndpointSpec | None:
         """The engine's view of one configured endpoint."""
@@ -191,14 +197,12 @@ class ControlPlane:
                 configured, params, state, cfg = self._specs, self._params, self._state, self.cfg
                 draining, now = frozenset(self._draining), time.monotonic()
 
-                def decide() -> list[EndpointWeight]:
+                def decide() -> Verdicts:
                     specs = [replace(s, draining=True) if s.address in draining else s for s in configured]
                     weights, new_state = compute_weights(specs, stats, state, params, now=now, plugins=BUILTIN)
                     self._log_changes(weights)
-                    # Swapped here, not on the loop: freeing the previous round's verdicts (31 ms at 60 000
-                    # endpoints in one go) and state holds the GIL; drop() frees the verdicts in pieces.
-                    previous, self.weights, self._state = self.weights, weights, new_state
-                    drop(previous)
+                    # Swapped here, not on the loop: freeing the previous round's state holds the GIL.
+                    self.weights, self._state = weights, new_state
                     return weights
 
                 weights = await asyncio.to_thread(decide)
@@ -210,7 +214,7 @@ class ControlPlane:
                 groups = self._group_cfgs
 
                 def build() -> tuple[Snapshot, dict[str, Snapshot]]:
-                    served = [w for w in weights if not w.removed]
+                    served = weights.served()
                     return (build_snapshot(cfg, served, ext_proc, self._memo),
                             {g: build_snapshot(gc, served, ext_proc, self._memo) for g, gc in groups.items()})
 
@@ -283,12 +287,11 @@ class ControlPlane:
         """The staleness threshold in use (s): ``engine.stale_after_s``, or longer (see :meth:`_fit_staleness`)."""
         return self._params.stale_after_s
 
-    def _log_changes(self, weights: list[EndpointWeight]) -> None:
+    def _log_changes(self, weights: Verdicts) -> None:
         """One INFO line per changed weight or health, at most :data:`MAX_CHANGE_LINES` per round
         (then one line counting the rest: a 60 000-endpoint first round is not 60 000 lines)."""
-        before = {(w.cluster, w.address): (w.weight, w.health) for w in self.weights}
-        changed = [w for w in weights if before.get((w.cluster, w.address)) != (w.weight, w.health)]
-        for w in changed[:MAX_CHANGE_LINES]:
+        changed = weights.changed(self.weights)
+        for w in map(weights.__getitem__, changed[:MAX_CHANGE_LINES].tolist()):
             scores = " ".join(f"{k}={v:.2f}" for k, v in w.scores.items() if v is not None)
             log.info("weight %s %s -> %d %s: %s%s", w.cluster, w.address, w.weight, w.health,
                      "; ".join(w.reasons), f" [{scores}]" if scores else "")
@@ -296,7 +299,7 @@ class ControlPlane:
             log.info("... and %d more weight or health changes this round (all in GET /api/v1/weights and the "
                      "history)", len(changed) - MAX_CHANGE_LINES)
 
-    async def _publish(self, snap: Snapshot, weights: list[EndpointWeight]) -> None:
+    async def _publish(self, snap: Snapshot, weights: Verdicts) -> None:
         current = self.cache.latest()
         if current is not None and current.version == snap.version:
             return

@@ -65,15 +65,18 @@ def check_assignment(cla: endpoint_pb2.ClusterLoadAssignment) -> list[str]:
             locality_sums[loc.priority] = locality_sums.get(loc.priority, 0) + loc.load_balancing_weight.value
         else:
             locality_sums.setdefault(loc.priority, 0)
-        total = 0
-        for j, lb in enumerate(loc.lb_endpoints):
-            if lb.HasField("load_balancing_weight"):
-                w = lb.load_balancing_weight.value
-                if w < 1:
-                    problems.append(f"{where}.lb_endpoints[{j}].load_balancing_weight must be >= 1, got {w}")
-                total += w
-            else:
-                total += 1
+        # Each weight read once (an absent one reads 0); presence asked only of those below 1 (60 000
+        # endpoints: ~20 ms, against ~31 ms asking every endpoint first).
+        weights = [lb.load_balancing_weight.value for lb in loc.lb_endpoints]
+        if weights and min(weights) < 1:
+            for j, lb in enumerate(loc.lb_endpoints):
+                if weights[j] < 1:
+                    if lb.HasField("load_balancing_weight"):
+                        problems.append(f"{where}.lb_endpoints[{j}].load_balancing_weight must be >= 1, "
+                                        f"got {weights[j]}")
+                    else:
+                        weights[j] = 1
+        total = sum(weights)
         if total > UINT32_MAX:
             problems.append(f"{where}: sum of endpoint weights {total} > {UINT32_MAX}")
     for priority, total in sorted(locality_sums.items()):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -43,11 +44,12 @@ from xds_server.engine.types import (
     DRAINING,
     HEALTHY,
     UNHEALTHY,
+    ClusterMemory,
     EndpointSpec,
-    EndpointWeight,
     EngineParams,
     EngineState,
 )
+from xds_server.engine.verdicts import ClusterBuilder, ClusterVerdicts, Verdicts, group_rows
 from xds_server.metrics.stats import EndpointStats
 
 #: Envoy rejects a locality whose weights sum past uint32 (case C02).
@@ -60,7 +62,6 @@ DRAIN = "drain"
 #: State key of the health hysteresis: ``(flagged rounds in a row, passed rounds in a row, excluded)``.
 HEALTH = "health"
 _NO_STATS = EndpointStats()
-Key = tuple[str, str]
 
 
 def combine(scores: Mapping[str, ArrayLike], weights: Mapping[str, float]) -> np.ndarray:
@@ -102,7 +103,7 @@ def compute_weights(
     now: float = 0.0,
     *,
     plugins: PluginSet,
-) -> tuple[list[EndpointWeight], EngineState]:
+) -> tuple[Verdicts, EngineState]:
     """Decide every endpoint's weight and health.
 
     Args:
@@ -115,37 +116,37 @@ def compute_weights(
             start and drain timeouts are measured on it).
         plugins: the filters, scorers and factors to run (``xds_server.engine.builtin.BUILTIN``).
     Returns:
-        ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order, and the state
+        ``(weights, state)``: one :class:`EndpointWeight` per spec, in ``specs`` order (read from
+        columns: one :class:`~xds_server.engine.verdicts.ClusterVerdicts` per cluster), and the state
         for the next round. Every weight is >= 1 and each cluster's sum is <= 2**32 - 1.
     """
     by_cluster: dict[str, list[int]] = defaultdict(list)  # positions in specs
     for i, spec in enumerate(specs):
         by_cluster[spec.cluster].append(i)
-    ordered: list[EndpointWeight] = [None] * len(specs)  # type: ignore[list-item]
-    decided: dict[Key, int] = {}  # the weights before fit_uint32: what the next round compares with
-    eligible: list[Key] = []
+    parts: list[ClusterVerdicts] = []
+    memory: dict[str, ClusterMemory] = {}
     new_state: dict[str, Mapping[str, Any]] = {}
-    addresses: dict[str, tuple[str, ...]] = {}
     scorer_weights = plugins.scorer_weights(params.scorer_weights)
     for cluster, at in by_cluster.items():
         members = [specs[i] for i in at]
-        addresses[cluster] = tuple(s.address for s in members)
+        addresses = tuple(s.address for s in members)
         with np.errstate(all="ignore"):  # inf and NaN are data here (no data, or clamped), not errors
-            weights, ok, cluster_state = _cluster(cluster, members, addresses[cluster], stats, prev,
-                                                  prev.plugins.get(cluster, {}), params, now, plugins, scorer_weights)
-        keys = [(cluster, s.address) for s in members]  # one tuple per endpoint, shared by both tables
-        decided.update(zip(keys, [ew.weight for ew in weights], strict=True))
-        for i, ew in zip(at, fit_uint32(weights), strict=True):
-            ordered[i] = ew
-        eligible.extend(k for k in keys if k[1] in ok)
+            verdicts, ok, cluster_state = _cluster(cluster, members, addresses, stats, prev.clusters.get(cluster),
+                                                   prev.plugins.get(cluster, {}), params, now, plugins, scorer_weights)
+        memory[cluster] = ClusterMemory(addresses, verdicts.weight, ok)  # before the fit: what the next round compares
+        weight, note = fit_uint32(verdicts.weight)
+        if note is not None:
+            verdicts = replace(verdicts, weight=weight, reason_table=tuple((*r, note) for r in verdicts.reason_table))
+        parts.append(verdicts)
         # Each plugin's state as the plugin returned it, read-only by contract (State is a Mapping): a
         # MappingProxyType around it would make every copy a plugin makes of it a generic walk (19-35 ms
         # for 60 000 entries, against 1-3 ms for a dict's copy).
         kept = {name: entries for name, entries in cluster_state.items() if entries}
         if kept:
             new_state[cluster] = MappingProxyType(kept)
-    return ordered, EngineState(MappingProxyType(decided), frozenset(eligible), MappingProxyType(new_state),
-                                MappingProxyType(addresses))
+    in_order = [i for at in by_cluster.values() for i in at] == list(range(len(specs)))
+    return (Verdicts(parts, None if in_order else [np.array(at, dtype=np.int64) for at in by_cluster.values()]),
+            EngineState(MappingProxyType(memory), MappingProxyType(new_state)))
 
 
 def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tuple[int, int, bool]:
@@ -168,27 +169,26 @@ def health_step(record: tuple[int, int, bool], flagged: bool, rounds: int) -> tu
     return flags, passes, excluded and passes < rounds
 
 
-def fit_uint32(weights: Sequence[EndpointWeight], limit: int = MAX_WEIGHT_SUM) -> list[EndpointWeight]:
-    """One cluster's weights scaled as a whole so their sum fits ``limit`` (uint32: Envoy rejects a
-    locality whose weights sum past it, case C02), keeping their ratios; each stays >= 1.
+def fit_uint32(weights: ArrayLike, limit: int = MAX_WEIGHT_SUM) -> tuple[np.ndarray, str | None]:
+    """One cluster's weights (integers >= 1) scaled as a whole so their sum fits ``limit`` (uint32:
+    Envoy rejects a locality whose weights sum past it, case C02), keeping their ratios; each stays >= 1.
 
-    Unchanged when the sum already fits. Otherwise every weight becomes ``max(1, floor(w x f))`` with
-    ``f = (limit - n) / sum``: the floor loses less than 1 per endpoint and the ``max(1, .)`` adds at
-    most 1, so the sum is <= ``limit``. Each scaled endpoint gets a reason saying so.
+    Returns ``(weights as int64, note)``: unchanged and None when the sum already fits. Otherwise every
+    weight becomes ``max(1, floor(w x f))`` with ``f = (limit - n) / sum`` (the floor loses less than 1
+    per endpoint and the ``max(1, .)`` adds at most 1, so the sum is <= ``limit``), and ``note`` is the
+    reason each scaled endpoint gets.
 
-    >>> [w.weight for w in fit_uint32([_ew(30), _ew(10)], limit=12)]
-    [7, 2]
+    >>> w, note = fit_uint32([30, 10], limit=12)
+    >>> w.tolist(), note
+    ([7, 2], 'scaled x0.25 with the whole cluster: its weights summed to 40, past uint32')
     """
-    total = sum(w.weight for w in weights)
+    weights = np.asarray(weights, dtype=np.int64)
+    total = int(weights.sum())
     if total <= limit:
-        return list(weights)
+        return weights, None
     factor = (limit - len(weights)) / total
     note = f"scaled x{factor:.3g} with the whole cluster: its weights summed to {total}, past uint32"
-    return [w._replace(weight=max(1, math.floor(w.weight * factor)), reasons=(*w.reasons, note)) for w in weights]
-
-
-def _ew(weight: int) -> EndpointWeight:  # for the doctest
-    return EndpointWeight("c", f"10.0.0.{weight}:80", weight, HEALTHY, None, _NO_STATS, {}, ())
+    return np.maximum(1.0, np.floor(weights.astype(float) * factor)).astype(np.int64), note
 
 
 def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EngineParams, now: float
@@ -209,24 +209,72 @@ def _drain(s: EndpointSpec, st: EndpointStats, started: float, params: EnginePar
     return False, f"draining: no new requests; {flight} in flight ({waited:.0f} of {params.drain_timeout_s:g} s)"
 
 
-def _shared(table: dict[tuple, Mapping[str, str]], values: dict[str, str]) -> Mapping[str, str]:
-    """A read-only view of ``values``: the same object for every equal ``values`` seen in ``table``."""
-    key = tuple(values.items())
-    view = table.get(key)
-    if view is None:
-        view = table[key] = MappingProxyType(values)
-    return view
+def hundredths(x: np.ndarray) -> np.ndarray:
+    """``x`` (finite floats) as whole hundredths, rounded as ``f"{v:.2f}"`` rounds each (int64).
+
+    >>> hundredths(np.array([0.125, 0.135, 0.5349, 1.0])).tolist()
+    [12, 14, 53, 100]
+    """
+    scaled = x * 100.0
+    out = np.rint(scaled).astype(np.int64)
+    # Near a half the product's rounding could decide: those few are rounded by Python's formatting.
+    for i in np.flatnonzero(np.abs(scaled - np.floor(scaled) - 0.5) < 1e-6).tolist():
+        out[i] = int(f"{x[i]:.2f}".replace(".", ""))
+    return out
+
+
+def _scored(out: ClusterBuilder, eligible: Array, combined: Array, target: Array, bounded: Array, weights: Array,
+            factor_names: list[str], factor_values: list[Array], held: dict[int, str], params: EngineParams,
+            extra: tuple[str, ...]) -> None:
+    """The verdicts of the eligible endpoints (positions ``eligible``), array-wise: their factor maps
+    and reasons are made once per distinct content (a few hundred among 60 000 endpoints) and shared.
+    ``held``: ``{position: note}`` for endpoints flagged but not excluded yet."""
+    m = len(eligible)
+    out.weight[eligible], out.score[eligible], out.target[eligible] = weights, combined, target
+    out.score_set[eligible] = 1
+    if not m:
+        return
+    fgroup, ffirst = group_rows(factor_values, m)
+    factor_rows = np.column_stack(factor_values)[ffirst].tolist() if factor_values else [[]] * len(ffirst)
+    fids, fparts = [], []
+    for row in factor_rows:
+        fkey = tuple(zip(factor_names, row, strict=True))
+        fids.append(out.factor_table.add(MappingProxyType(dict(fkey)), fkey))
+        fparts.append("".join(f" x {fn} {fv:.3g}" for fn, fv in fkey if fv != 1.0))
+    out.factors[eligible] = np.array(fids, dtype=np.int32)[fgroup]
+    notes = list(held.values())
+    note_of = np.full(len(out.weight), -1, dtype=np.int64)
+    for k, i in enumerate(held):
+        note_of[i] = k
+    score2 = hundredths(combined)
+    group, first = group_rows([score2, fgroup, target, bounded, weights, note_of[eligible]], m)
+    max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
+    hysteresis = f"{params.hysteresis:g}"
+    rids = []
+    for s2, fg, tgt, bnd, weight, note in zip(score2[first].tolist(), fgroup[first].tolist(), target[first].tolist(),
+                                              bounded[first].tolist(), weights[first].tolist(),
+                                              note_of[eligible][first].tolist(), strict=True):
+        reasons = [f"score {s2 // 100}.{s2 % 100:02d} x max_weight {max_weight}{fparts[fg]} -> {tgt}"]
+        if bnd != tgt:
+            reasons.append(f"bounded to {bnd}: at most x{growth} per round")
+        if weight != bnd:
+            reasons.append(f"held at {weight}: change under hysteresis {hysteresis}")
+        reasons.extend(extra)
+        if note >= 0:
+            reasons.append(notes[note])
+        rids.append(out.reason_table.add(tuple(reasons)))
+    out.reasons[eligible] = np.array(rids, dtype=np.int32)[group]
 
 
 def _cluster(
     cluster: str, members: list[EndpointSpec], addresses: tuple[str, ...], stats: Mapping[str, EndpointStats],
-    prev: EngineState,
+    prev: ClusterMemory | None,
     prev_plugins: Mapping[str, Mapping[str, Any]], params: EngineParams, now: float, plugins: PluginSet,
     scorer_weights: Mapping[str, float],
-) -> tuple[list[EndpointWeight], set[str], dict[str, dict[str, Any]]]:
+) -> tuple[ClusterVerdicts, Array, dict[str, dict[str, Any]]]:
     """One cluster, array-wise: each step is a few numpy operations over the cluster's members; Python
-    loops walk only the endpoints some rule singles out (draining, stale, filtered, ejected, ramping)
-    and build the per-endpoint verdicts at the end."""
+    loops walk only the endpoints some rule singles out (draining, stale, filtered, ejected, ramping).
+    Returns the verdicts (before the uint32 fit), which endpoints are eligible (bool) and the plugins' states."""
     cap = MAX_WEIGHT_SUM  # one weight; the cluster's sum is fitted at the end (fit_uint32)
     n = len(members)
     raw_stats = [stats.get(s.instance, _NO_STATS) for s in members]
@@ -236,23 +284,30 @@ def _cluster(
         seen[i] = raw_stats[i].sanitized()
     draining = np.fromiter((s.draining for s in members), dtype=bool, count=n)
     live = np.flatnonzero(~draining)
-    first_round = not any((cluster, a) in prev.weights for a in addresses)
+    was_weight, was_eligible = prev.aligned(addresses) if prev is not None else (np.full(n, np.nan),
+                                                                                  np.zeros(n, dtype=bool))
+    first_round = bool(np.isnan(was_weight).all())
     # Endpoints no longer configured are forgotten. The states are read-only mappings (plugins return
     # new ones), passed on as they are when no address can be missing: the same addresses as last
     # round (compared in ~0.4 ms at 60 000; checking every key of every state took ~10 ms each, in one
     # C call holding the GIL).
-    if prev.addresses.get(cluster) == addresses:
+    if prev is not None and prev.addresses == addresses:
         state: dict[str, Mapping[str, Any]] = dict(prev_plugins)
     else:
         configured = set(addresses)
         state = {name: v if v.keys() <= configured else {a: x for a, x in v.items() if a in configured}
                  for name, v in prev_plugins.items()}
     base = ClusterRound(cluster, now, addresses, tuple(members), columns, len(live), first_round, params)
+    out = ClusterBuilder(n)
 
     def old_weight(i: int) -> int | None:
-        return prev.weights.get((cluster, addresses[i]))
+        w = was_weight[i]
+        return None if w != w else int(w)
 
-    result: list[EndpointWeight | None] = [None] * n
+    def build(score_names: tuple[str, ...] = (), scores: Array | None = None) -> ClusterVerdicts:
+        return out.build(cluster, addresses, seen, columns.matrix, score_names,
+                         np.full((n, 0), np.nan) if scores is None else scores)
+
     drains = state[DRAIN] = dict(state.get(DRAIN, {}))  # changed below: a copy (the previous state is read-only)
     draining_at = np.flatnonzero(draining).tolist()
     leaving = {addresses[i] for i in draining_at}
@@ -266,20 +321,19 @@ def _cluster(
         else:
             removed, reason = _drain(s, seen[i], started, params, now)
         drains[a] = (started, reason if removed else None)
-        result[i] = EndpointWeight(cluster, a, min(old_weight(i) or 1, cap), DRAINING, None, seen[i], {}, (reason,),
-                                   removed=removed)
+        out.one(i, min(old_weight(i) or 1, cap), DRAINING, (reason,), removed=removed)
 
     age = columns.stats["sample_age_s"]
     stale = np.isnan(age) | (age > params.stale_after_s)
     if len(live) and stale[live].all():
-        ok = {addresses[i] for i in live.tolist() if (cluster, addresses[i]) in prev.eligible}
+        ok = np.zeros(n, dtype=bool)
+        ok[live] = was_eligible[live]
+        kept = ("metrics of every endpoint in the cluster are stale: last weights kept",)
         for i in live.tolist():
             old = old_weight(i)
             weight = old if old is not None else max(1, round(params.max_weight * members[i].capacity * NEUTRAL_SCORE))
-            reasons = ("metrics of every endpoint in the cluster are stale: last weights kept",)
-            result[i] = EndpointWeight(cluster, addresses[i], max(1, min(weight, cap)), HEALTHY, None, seen[i], {},
-                                       reasons)
-        return result, ok, state  # type: ignore[return-value]
+            out.one(i, max(1, min(weight, cap)), HEALTHY, kept)
+        return build(), ok, state  # type: ignore[return-value]
 
     excluded: dict[str, str] = {}
     for i in live[stale[live]].tolist():
@@ -312,19 +366,12 @@ def _cluster(
             gone = np.fromiter((a in filtered for a in rnd.addresses), dtype=bool, count=len(rnd.addresses))
             candidates = candidates[~gone]
 
-    # Per filter: its reason or "pass" where it ran on the endpoint, else "off" or "not run". Most
-    # endpoints share their filter verdicts and factor multipliers ("pass" everywhere, x 1): one
-    # read-only mapping per distinct content, not one per endpoint (memory, allocations).
-    shared_verdicts: dict[tuple, Mapping[str, str]] = {}
-    shared_factors: dict[tuple, tuple[Mapping[str, float], str]] = {}
-    # Reasons too: 60 000 endpoints had 510 distinct reason tuples of 109 distinct strings (8 MB a round).
-    shared_reasons: dict[tuple[str, ...], tuple[str, ...]] = {}
-
+    # Per filter: its reason or "pass" where it ran on the endpoint, else "off" or "not run".
     def verdict_map(given: list[tuple[str, str]]) -> Mapping[str, str]:
-        out = dict(given)
+        verdicts = dict(given)
         for name in plugins.filters:
-            out.setdefault(name, "off" if name in params.disabled else "not run")
-        return _shared(shared_verdicts, out)
+            verdicts.setdefault(name, "off" if name in params.disabled else "not run")
+        return MappingProxyType(verdicts)
 
     passed, unjudged = verdict_map([(r, "pass") for r in ran]), verdict_map([])
 
@@ -336,7 +383,7 @@ def _cluster(
     # Only flagged or excluded endpoints keep a record: a record of passes alone acts as no record.
     health_prev = state.get(HEALTH, {})
     health: dict[str, tuple[int, int, bool]] = {}
-    held: dict[str, str] = {}
+    held: dict[int, str] = {}
     index = base.index()
     fresh = np.zeros(n, dtype=bool)
     fresh[pool] = True
@@ -348,7 +395,7 @@ def _cluster(
             health[a] = rec
         if a in filtered and not rec[2]:
             note = f"{filtered.pop(a)} (flagged {rec[0]} of {params.health_rounds} rounds: not excluded yet)"
-            held[a] = note
+            held[index[a]] = note
         elif a not in filtered and rec[2]:
             filtered[a] = f"recovering: passed {rec[1]} of {params.health_rounds} rounds since its exclusion"
     state[HEALTH] = health
@@ -356,10 +403,10 @@ def _cluster(
                           count=len(pool)) if filtered else np.zeros(len(pool), dtype=bool)
     eligible = pool[~out_now]
 
-    kept_note = None
+    extra: tuple[str, ...] = ()
     if not len(eligible) and filtered:
         eligible = pool[out_now]
-        kept_note = "every endpoint was filtered out; none excluded (an empty cluster is an outage)"
+        extra = ("every endpoint was filtered out; none excluded (an empty cluster is an outage)",)
     else:
         excluded.update(filtered)
 
@@ -373,62 +420,40 @@ def _cluster(
         values = np.asarray(values, dtype=float)
         scores[name] = np.where(np.isfinite(values), np.clip(values, 0.0, 1.0), np.nan)  # NaN, +-Inf: no data
     combined = np.broadcast_to(combine(scores, scorer_weights), (m,))
-    score_names = list(scores)
-    score_lists = [[None if x != x else x for x in v.tolist()] for v in scores.values()]
     raw = params.max_weight * combined
     factor_names: list[str] = []
-    factor_lists: list[list[float]] = []
+    factor_values: list[Array] = []
     for name, fa in plugins.factors.items():
         if name in params.disabled:
             continue
         so_far = raw.copy()
         so_far.flags.writeable = False
         mults, state[name] = fa.run(rnd, plugin_params(name, params, plugins), state.get(name, {}), so_far)
-        mults = np.asarray(mults, dtype=float)
+        mults = np.broadcast_to(np.asarray(mults, dtype=float), (m,))
         mults = np.where(np.isfinite(mults) & (mults > 0), mults, 1.0)
         raw = raw * mults
         factor_names.append(name)
-        factor_lists.append(mults.tolist())
+        factor_values.append(mults)
 
     # Stability, element-wise: bounded change against the last weight (if eligible then), quantised, held.
     step = max(1, round(params.quantum * params.max_weight))
-    was = np.array([prev.weights.get((cluster, a), np.nan) if (cluster, a) in prev.eligible else np.nan
-                    for a in rnd.addresses], dtype=float)
+    was = np.where(was_eligible, was_weight, np.nan)[eligible]
     target = np.minimum(cap, stability.quantize(raw, step))
     bounded = np.minimum(cap, stability.quantize(stability.bound(was, raw, params.max_change), step))
     weights = np.maximum(1.0, np.minimum(cap, stability.hold(was, bounded, params.hysteresis))).astype(np.int64)
 
-    max_weight, growth = f"{params.max_weight:g}", f"{1 + (params.max_change or 0):g}"
-    extra = [kept_note] if kept_note else []
-    hysteresis = f"{params.hysteresis:g}"
-    rows = zip(eligible.tolist(), rnd.addresses, combined.tolist(), target.astype(np.int64).tolist(),
-               bounded.astype(np.int64).tolist(), weights.tolist(), zip(*score_lists, strict=True) if score_lists else
-               ((),) * m, zip(*factor_lists, strict=True) if factor_lists else ((),) * m, strict=True)
-    for i, a, score, tgt, bnd, weight, row, mults in rows:
-        hit = shared_factors.get(mults)
-        if hit is None:
-            fkey = tuple(zip(factor_names, mults, strict=True))
-            parts = "".join(f" x {fn} {fv:.3g}" for fn, fv in fkey if fv != 1.0)
-            hit = shared_factors[mults] = (MappingProxyType(dict(fkey)), parts)
-        factor_map, parts = hit
-        reasons = [f"score {score:.2f} x max_weight {max_weight}{parts} -> {tgt}"]
-        if bnd != tgt:
-            reasons.append(f"bounded to {bnd}: at most x{growth} per round")
-        if weight != bnd:
-            reasons.append(f"held at {weight}: change under hysteresis {hysteresis}")
-        if extra:
-            reasons.extend(extra)
-        if held and a in held:
-            reasons.append(held[a])
-        why = tuple(reasons)
-        result[i] = EndpointWeight(cluster, a, weight, HEALTHY, score, seen[i],
-                                   MappingProxyType(dict(zip(score_names, row, strict=True))),
-                                   shared_reasons.setdefault(why, why),
-                                   verdicts(a) if judged else passed, factor_map, tgt)
-    for i in live.tolist():
-        a = addresses[i]
-        if a in excluded:
-            result[i] = EndpointWeight(cluster, a, max(1, min(old_weight(i) or 1, cap)), UNHEALTHY, None, seen[i], {},
-                                       (excluded[a],), verdicts(a))
-    return result, set(rnd.addresses), state  # type: ignore[return-value]
-
+    _scored(out, eligible, combined, target.astype(np.int64), bounded.astype(np.int64), weights, factor_names,
+            factor_values, held, params, extra)
+    out.filters[eligible] = out.filter_id(passed)
+    for a in judged:
+        if a not in excluded:  # flagged, not excluded yet (or every endpoint was): still scored
+            out.filters[index[a]] = out.filter_id(verdicts(a))
+    for a, why in excluded.items():
+        i = index[a]
+        out.one(i, max(1, min(old_weight(i) or 1, cap)), UNHEALTHY, (why,), verdicts(a))
+    score_matrix = np.full((n, len(scores)), np.nan)
+    if scores:
+        score_matrix[eligible] = np.column_stack([np.broadcast_to(v, (m,)) for v in scores.values()])
+    ok = np.zeros(n, dtype=bool)
+    ok[eligible] = True
+    return build(tuple(scores), score_matrix), ok, state  # type: ignore[return-value]

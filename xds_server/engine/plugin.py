@@ -20,9 +20,11 @@ operation per step, not 60 000 Python calls).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -51,60 +53,107 @@ Array = np.ndarray
 _CAPACITY = operator.attrgetter("capacity")
 _MAX_CONCURRENCY = operator.attrgetter("max_concurrency")
 _MEMORY = operator.attrgetter("memory_mib")
+_ALL = operator.attrgetter(*STAT_FIELDS)
+#: Members per piece in :meth:`Columns.of` (one C call each, ~2 ms of the GIL).
+PIECE = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class Columns:
     """One cluster's members as arrays: ``stats[field]`` (``float64``, NaN = no data) for every
-    :class:`EndpointStats` field, and the configured ``capacity``, ``max_concurrency`` and
-    ``memory_mib`` (MiB) of each member; all aligned, length ``n``."""
+    :class:`EndpointStats` field (the columns of ``matrix``, shape ``(n, len(STAT_FIELDS))``), and
+    the configured ``capacity``, ``max_concurrency`` and ``memory_mib`` (MiB) of each member; all
+    aligned, length ``n``."""
 
-    stats: Mapping[str, Array]
+    matrix: Array
     capacity: Array
     max_concurrency: Array
     memory_mib: Array
     dirty: Array
     """Per member: its stats held a NaN or ±Inf (read here as no data; ``EndpointStats.sanitized`` says so)."""
+    stats: Mapping[str, Array] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stats", {name: self.matrix[:, k] for k, name in enumerate(STAT_FIELDS)})
 
     @staticmethod
     def of(specs: Sequence[EndpointSpec], stats: Sequence[EndpointStats]) -> Columns:
         """The columns of ``specs`` with their ``stats`` (NaN, ±Inf and None all read as no data).
 
-        A value that is not a number (a source bug) is read as ``EndpointStats.sanitized`` reads it."""
-        n = len(stats)
-        cols: dict[str, Array] = {}
+        A value that is not a number (a source bug) is read as ``EndpointStats.sanitized`` reads it.
+        Filled :data:`PIECE` members at a time, each piece's values through one list and one
+        ``numpy.array`` call (60 000 x 17 values: ~75 ms, against ~95 ms field by field); one call
+        over every member would hold the GIL, which the event loop shares, for ~40 ms."""
+        n, width = len(stats), len(STAT_FIELDS)
+        matrix = np.empty((n, width))
         dirty = np.zeros(n, dtype=bool)
-        for name, getter in _GETTERS.items():
-            values = list(map(getter, stats))
-            nones = values.count(None)
-            if nones == n:  # no source gives it (a whole column of None is common: Envoy's view, for one)
-                cols[name] = np.full(n, np.nan)
-                continue
-            try:
-                col = np.fromiter(values, dtype=float, count=n) if not nones else np.array(values, dtype=float)
-            except (TypeError, ValueError):  # not a number somewhere: read each as finite() does
-                text = [v is not None and type(v) not in (float, int) for v in values]
-                values = [None if v is None else finite(v) for v in values]
-                dirty |= np.array(text, dtype=bool)
-                nones = values.count(None)
-                col = np.array(values, dtype=float)
-            unknown = ~np.isfinite(col)
-            if int(unknown.sum()) != nones:  # some are NaN or ±Inf, not None
-                for i in np.flatnonzero(unknown).tolist():
-                    dirty[i] |= values[i] is not None
-                col[unknown] = np.nan
-            cols[name] = col
-        return Columns(cols, np.array(list(map(_CAPACITY, specs)), dtype=float),
+        for start in range(0, n, PIECE):
+            piece = stats[start:start + PIECE]
+            rows = slice(start, start + len(piece))
+            if not _fill_numbers(matrix[rows], dirty[rows], piece):
+                _fill_any(matrix[rows], dirty[rows], piece)
+        return Columns(matrix, np.array(list(map(_CAPACITY, specs)), dtype=float),
                        np.array(list(map(_MAX_CONCURRENCY, specs)), dtype=float),
                        np.array(list(map(_MEMORY, specs)), dtype=float), dirty)
 
     def take(self, index: Array) -> Columns:
         """The rows at ``index`` (an integer array), in that order."""
-        return Columns({k: v[index] for k, v in self.stats.items()}, self.capacity[index],
-                       self.max_concurrency[index], self.memory_mib[index], self.dirty[index])
+        return Columns(self.matrix[index], self.capacity[index], self.max_concurrency[index], self.memory_mib[index],
+                       self.dirty[index])
 
 
-_GETTERS = {name: operator.attrgetter(name) for name in STAT_FIELDS}
+
+
+def _fill_numbers(out: Array, dirty: Array, stats: Sequence[EndpointStats]) -> bool:
+    """Fill ``out`` (rows x fields) and ``dirty`` from ``stats`` when every field is a number in every
+    row or None in every row, as in the first row (the common case: a source gives an input for every
+    endpoint or for none); False, with nothing promised, otherwise. One ``numpy.fromiter`` over the
+    fields present: no list of every value, no value by value check for None."""
+    present = tuple(k for k, v in enumerate(_ALL(stats[0])) if v is not None)
+    absent = [k for k in range(len(STAT_FIELDS)) if k not in present]
+    if any(list(map(_FIELD[k], stats)).count(None) != len(stats) for k in absent):
+        return False
+    out[:, absent] = np.nan
+    if not present:
+        return True
+    getter = _getter(present)
+    try:
+        values = np.fromiter(chain.from_iterable(map(getter, stats)) if len(present) > 1 else map(getter, stats),
+                             dtype=float, count=len(stats) * len(present))
+    except (TypeError, ValueError, OverflowError):  # None somewhere, or not a number
+        return False
+    values = values.reshape(len(stats), len(present))
+    bad = ~np.isfinite(values)
+    if bad.any():
+        dirty |= bad.any(axis=1)
+        values[bad] = np.nan
+    out[:, list(present)] = values
+    return True
+
+
+def _fill_any(out: Array, dirty: Array, stats: Sequence[EndpointStats]) -> None:
+    """:func:`_fill_numbers` for any values: None, NaN, ±Inf and what is not a number read as no data (NaN),
+    each read as ``EndpointStats.sanitized`` reads it; ``dirty`` where a value was not None but no data."""
+    width = len(STAT_FIELDS)
+    flat = list(chain.from_iterable(map(_ALL, stats)))
+    try:
+        values = np.array(flat, dtype=float)
+    except (TypeError, ValueError, OverflowError):  # not a number somewhere: read each as finite() does
+        values = np.array([v if v is None or type(v) is float else finite(v) for v in flat], dtype=float)
+    unknown = ~np.isfinite(values)
+    if int(unknown.sum()) != flat.count(None):  # some are NaN, ±Inf or unreadable, not None
+        for k in np.flatnonzero(unknown).tolist():
+            dirty[k // width] |= flat[k] is not None
+    values[unknown] = np.nan
+    out[:] = values.reshape(-1, width)
+
+
+_FIELD = tuple(operator.attrgetter(name) for name in STAT_FIELDS)
+
+
+@functools.lru_cache(maxsize=64)
+def _getter(fields: tuple[int, ...]) -> Callable[[EndpointStats], Any]:
+    return operator.attrgetter(*(STAT_FIELDS[k] for k in fields))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from xds_server.metrics.stats import EndpointStats
 
@@ -90,16 +92,60 @@ class EndpointWeight(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineState:
-    """What the engine remembers between rounds, per ``(cluster, address)``: the last weight, whether
-    it was eligible (HEALTHY and scored), and each stateful plugin's state
-    (``plugins[cluster][name]``: that plugin's state for the cluster, usually ``{address: value}``;
-    kept per cluster so a round hands each cluster its own without regrouping every entry). A
-    plugin's state is the mapping the plugin returned: read-only by contract, never changed in place."""
+class ClusterMemory:
+    """What the engine remembers of one cluster's last round, aligned with ``addresses``: each
+    endpoint's weight as decided (``decided``, ``int64``, before a uint32 fit) and whether it was
+    eligible (HEALTHY and scored; ``eligible``, bool)."""
 
-    weights: Mapping[tuple[str, str], int] = field(default_factory=lambda: MappingProxyType({}))
-    eligible: frozenset[tuple[str, str]] = frozenset()
+    addresses: tuple[str, ...]
+    decided: np.ndarray
+    eligible: np.ndarray
+
+    def aligned(self, addresses: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """``(weight, eligible)`` for ``addresses``: the decided weight (``float64``, NaN where this
+        round had none) and whether it was eligible (False where unknown)."""
+        if addresses == self.addresses:
+            return self.decided.astype(float), self.eligible
+        at = dict(zip(self.addresses, range(len(self.addresses)), strict=True))
+        index = np.fromiter((at.get(a, -1) for a in addresses), dtype=np.int64, count=len(addresses))
+        known = index >= 0
+        weight = np.where(known, self.decided.astype(float)[index], np.nan) if len(self.addresses) else \
+            np.full(len(addresses), np.nan)
+        return weight, (known & self.eligible[index]) if len(self.addresses) else np.zeros(len(addresses), bool)
+
+
+class _Decided(Mapping[tuple[str, str], int]):
+    """``{(cluster, address): decided weight}`` over :class:`ClusterMemory` s (read-only)."""
+
+    def __init__(self, clusters: Mapping[str, ClusterMemory]) -> None:
+        self._clusters = clusters
+        self._index: dict[tuple[str, str], int] | None = None
+
+    def __getitem__(self, key: tuple[str, str]) -> int:
+        if self._index is None:
+            self._index = {(c, a): w for c, m in self._clusters.items()
+                           for a, w in zip(m.addresses, m.decided.tolist(), strict=True)}
+        return self._index[key]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return ((c, a) for c, m in self._clusters.items() for a in m.addresses)
+
+    def __len__(self) -> int:
+        return sum(len(m.addresses) for m in self._clusters.values())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the engine remembers between rounds: per cluster its :class:`ClusterMemory` (the last
+    weights and eligibility, in columns) and each stateful plugin's state (``plugins[cluster][name]``:
+    that plugin's state for the cluster, usually ``{address: value}``; kept per cluster so a round
+    hands each cluster its own without regrouping every entry). A plugin's state is the mapping the
+    plugin returned: read-only by contract, never changed in place."""
+
+    clusters: Mapping[str, ClusterMemory] = field(default_factory=lambda: MappingProxyType({}))
     plugins: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=lambda: MappingProxyType({}))
-    #: ``{cluster: its endpoints' addresses, in the round's order}``: a plugin's state holds only
-    #: addresses of its cluster's last round, so with the same addresses none needs forgetting.
-    addresses: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def weights(self) -> Mapping[tuple[str, str], int]:
+        """``{(cluster, address): weight}`` as last decided (before a uint32 fit), read-only."""
+        return _Decided(self.clusters)

@@ -22,13 +22,21 @@ from xds_server.history.types import HistoryError, HistoryRow, Layout, RowBatch
 
 #: 1: ``inputs`` and ``scores`` as JSON objects. 2: as JSON arrays named by a row's ``layout`` (a
 #: ``history_layouts`` row); version-1 rows are kept as they are (``layout`` NULL) and read as before.
-SCHEMA_VERSION = 2
+#: 3: a row names its endpoint by ``endpoint_id`` (a ``history_endpoints`` row: cluster and address),
+#: indexed with ``t``: at 60 000 endpoints the index of ``(cluster, endpoint, t)`` text made ~20 % of
+#: a round's insert (35 000 rows); older files are rewritten once, in one transaction, when opened.
+SCHEMA_VERSION = 3
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS history_endpoints (
+    id INTEGER PRIMARY KEY,
+    cluster TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    UNIQUE (cluster, endpoint)
+);
 CREATE TABLE IF NOT EXISTS weight_history (
     id INTEGER PRIMARY KEY,
     t REAL NOT NULL,
-    cluster TEXT NOT NULL,
-    endpoint TEXT NOT NULL,
+    endpoint_id INTEGER NOT NULL,
     weight INTEGER NOT NULL,
     health TEXT NOT NULL,
     score REAL,
@@ -39,7 +47,7 @@ CREATE TABLE IF NOT EXISTS weight_history (
     snapshot_version TEXT,
     layout INTEGER
 );
-CREATE INDEX IF NOT EXISTS weight_history_endpoint_t ON weight_history (cluster, endpoint, t);
+CREATE INDEX IF NOT EXISTS weight_history_endpoint_t ON weight_history (endpoint_id, t);
 CREATE INDEX IF NOT EXISTS weight_history_t ON weight_history (t);
 CREATE TABLE IF NOT EXISTS history_layouts (
     id INTEGER PRIMARY KEY,
@@ -48,7 +56,31 @@ CREATE TABLE IF NOT EXISTS history_layouts (
     UNIQUE (inputs, scores)
 );
 """
-_COLUMNS = "t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind, snapshot_version, layout"
+#: Schema 1 or 2 -> 3, in one transaction: the endpoints named once, every row kept (same id).
+_UPGRADE = """
+BEGIN;
+ALTER TABLE weight_history RENAME TO weight_history_old;
+DROP INDEX IF EXISTS weight_history_endpoint_t;
+DROP INDEX IF EXISTS weight_history_t;
+{schema}
+INSERT INTO history_endpoints (cluster, endpoint)
+    SELECT DISTINCT cluster, endpoint FROM weight_history_old ORDER BY cluster, endpoint;
+INSERT INTO weight_history (id, t, endpoint_id, weight, health, score, inputs, scores, reasons, kind,
+                            snapshot_version, layout)
+    SELECT w.id, w.t, e.id, w.weight, w.health, w.score, w.inputs, w.scores, w.reasons, w.kind,
+           w.snapshot_version, {layout}
+    FROM weight_history_old w JOIN history_endpoints e ON e.cluster = w.cluster AND e.endpoint = w.endpoint;
+DROP TABLE weight_history_old;
+PRAGMA user_version = 3;
+COMMIT;
+"""
+#: Rows per C-level step in :meth:`SqliteHistory._endpoints` (one over a round's 35 000 rows held the
+#: GIL, which the event loop shares, long enough for a 25 ms watchdog to catch it).
+_PIECE = 4096
+_INSERT = ("INSERT INTO weight_history (t, endpoint_id, weight, health, score, inputs, scores, reasons, kind, "
+           "snapshot_version, layout) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
+_SELECT = ("SELECT w.t, e.cluster, e.endpoint, w.weight, w.health, w.score, w.inputs, w.scores, w.reasons, w.kind, "
+           "w.snapshot_version, w.layout FROM weight_history w JOIN history_endpoints e ON e.id = w.endpoint_id")
 
 
 def default_path() -> Path:
@@ -68,10 +100,10 @@ def _row(r: tuple, layouts: Mapping[int, Layout]) -> HistoryRow:
 
 def _where(clauses: list[str], args: list, cluster: str | None, endpoint: str | None) -> str:
     if cluster is not None:
-        clauses.append("cluster = ?")
+        clauses.append("e.cluster = ?")
         args.append(cluster)
     if endpoint is not None:
-        clauses.append("endpoint = ?")
+        clauses.append("e.endpoint = ?")
         args.append(endpoint)
     return " AND ".join(clauses) or "1"
 
@@ -103,15 +135,17 @@ class SqliteHistory:
             if version > SCHEMA_VERSION:
                 raise HistoryError(f"history.path: {self.path} was written by a newer inferlb "
                                    f"(schema {version} > {SCHEMA_VERSION})")
+            if version in (1, 2):  # version-1 rows keep their JSON objects (layout NULL)
+                self._conn.executescript(_UPGRADE.format(schema=_SCHEMA, layout="NULL" if version == 1 else "w.layout"))
             with self._conn:
-                if version == 1:  # rows stay as they are; new rows name their arrays' values by layout
-                    self._conn.execute("ALTER TABLE weight_history ADD COLUMN layout INTEGER")
                 self._conn.executescript(_SCHEMA)
                 self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._layouts: dict[int, Layout] = {
                 i: Layout(tuple(json.loads(a)), tuple(json.loads(b)))
                 for i, a, b in self._conn.execute("SELECT id, inputs, scores FROM history_layouts")}
             self._layout_ids = {v: k for k, v in self._layouts.items()}
+            self._endpoint_ids: dict[tuple[str, str], int] = {
+                (c, e): i for i, c, e in self._conn.execute("SELECT id, cluster, endpoint FROM history_endpoints")}
         except (sqlite3.Error, OSError) as err:
             raise HistoryError(f"history.path: cannot open {self.path}: {err}") from err
 
@@ -123,15 +157,35 @@ class SqliteHistory:
     def append(self, rows: RowBatch) -> None:
         """Insert ``rows`` in one transaction. Raises :class:`HistoryError` on a database error."""
         with self._lock:
+            added: dict[tuple[str, str], int] = {}
             try:
                 with self._db() as db:  # straight from the columns: no tuple per row is kept
                     ids = [self._layout_id(db, layout) for layout in rows.layouts]
-                    db.executemany(f"INSERT INTO weight_history ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                                   zip(rows.t, rows.cluster, rows.endpoint, rows.weight, rows.health, rows.score,
-                                       rows.inputs, rows.scores, rows.reasons, rows.kind, rows.snapshot_version,
-                                       map(ids.__getitem__, rows.layout), strict=True))
+                    endpoints = self._endpoints(db, rows, added)
+                    db.executemany(_INSERT, zip(rows.t, endpoints, rows.weight, rows.health, rows.score, rows.inputs,
+                                                rows.scores, rows.reasons, rows.kind, rows.snapshot_version,
+                                                map(ids.__getitem__, rows.layout), strict=True))
             except sqlite3.Error as err:
                 raise HistoryError(f"history: cannot write to {self.path}: {err}") from err
+            self._endpoint_ids.update(added)  # known once their rows are written
+
+    def _endpoints(self, db: sqlite3.Connection, rows: RowBatch, added: dict[tuple[str, str], int]) -> list[int]:
+        """Each row's endpoint id; an endpoint seen for the first time is stored (inside the caller's
+        transaction) and put in ``added``."""
+        keys: list[tuple[str, str]] = []
+        ids: list[int | None] = []
+        for start in range(0, len(rows), _PIECE):  # one C call per piece: the GIL changes hands between
+            piece = list(zip(rows.cluster[start:start + _PIECE], rows.endpoint[start:start + _PIECE], strict=True))
+            keys += piece
+            ids += map(self._endpoint_ids.get, piece)
+        if None in ids:
+            for i in [i for i, known in enumerate(ids) if known is None]:
+                new = added.get(keys[i])
+                if new is None:
+                    new = added[keys[i]] = db.execute("INSERT INTO history_endpoints (cluster, endpoint) VALUES (?, ?)",
+                                                      keys[i]).lastrowid
+                ids[i] = new
+        return ids  # type: ignore[return-value]
 
     def _layout_id(self, db: sqlite3.Connection, layout: Layout) -> int:
         """The id of ``layout``, stored on first use (inside the caller's transaction)."""
@@ -160,21 +214,19 @@ class SqliteHistory:
              limit: int = 10_000) -> list[HistoryRow]:
         """See :meth:`HistoryStore.rows`."""
         args: list = [since, until]
-        where = _where(["t >= ?", "t <= ?"], args, cluster, endpoint)
-        return self._select(f"SELECT {_COLUMNS} FROM weight_history WHERE {where} ORDER BY t, id LIMIT ?",
-                            [*args, limit])
+        where = _where(["w.t >= ?", "w.t <= ?"], args, cluster, endpoint)
+        return self._select(f"{_SELECT} WHERE {where} ORDER BY w.t, w.id LIMIT ?", [*args, limit])
 
     def last_before(self, t: float, cluster: str | None = None, endpoint: str | None = None) -> list[HistoryRow]:
         """See :meth:`HistoryStore.last_before`."""
         args: list = []
-        clauses = [] if math.isinf(t) else ["t < ?"]
+        clauses = [] if math.isinf(t) else ["w.t < ?"]
         if clauses:
             args.append(t)
         where = _where(clauses, args, cluster, endpoint)
         return self._select(
-            f"SELECT {_COLUMNS} FROM weight_history WHERE id IN "
-            f"(SELECT max(id) FROM weight_history WHERE {where} GROUP BY cluster, endpoint) "
-            f"ORDER BY cluster, endpoint", args)
+            f"{_SELECT} WHERE w.id IN (SELECT max(w.id) FROM weight_history w JOIN history_endpoints e "
+            f"ON e.id = w.endpoint_id WHERE {where} GROUP BY w.endpoint_id) ORDER BY e.cluster, e.endpoint", args)
 
     def _select(self, sql: str, args: list) -> list[HistoryRow]:
         with self._lock:

@@ -17,40 +17,47 @@ from xds_server.metrics.stats import SIGNAL_FIELDS, EndpointStats
 
 _SIGNALS = operator.attrgetter(*SIGNAL_FIELDS)
 _NONES = (None,) * len(SIGNAL_FIELDS)
+#: Instances per C-level dict update with one source (one update of 60 000 held the GIL, which the
+#: event loop shares, for tens of ms: caught by a faulthandler watchdog at 35 ms).
+PIECE = 4096
 
 
 class Origins(Mapping[str, Mapping[str, str]]):
-    """``{instance: {input: source name}}`` of one merge, read-only. An instance whose stats came whole
-    from one source (the common case) gets its mapping when it is read (``/api/v1/weights``), not in
-    every round: with a mapping made for each (the pattern of present inputs, a 16-item tuple each) a
-    fetch of 60 000 endpoints from one source took 98–150 ms, now 28–40 ms (``CombinedSource.fetch``
-    over the scale benchmark's answers, GC off, 3 interleaved runs, medians of 8 rounds).
-    Mappings are shared between instances alike: read them, never change them.
+    """``{instance: {input: source name}}`` of one merge, read-only. Instances whose stats came whole
+    from one source (the common case) are kept as ``{source name: {instance: stats}}`` and get their
+    mapping when it is read (``/api/v1/weights``), not in every round: with a mapping made for each
+    (the pattern of present inputs, a 16-item tuple each) a fetch of 60 000 endpoints from one source
+    took 98–150 ms, now 28–40 ms (``CombinedSource.fetch`` over the scale benchmark's answers, GC off,
+    3 interleaved runs, medians of 8 rounds). Mappings are shared between instances alike: read
+    them, never change them.
     """
 
-    def __init__(self, given: dict[str, Mapping[str, str]], whole: dict[str, tuple[str, EndpointStats]],
+    def __init__(self, given: dict[str, Mapping[str, str]], whole: dict[str, dict[str, EndpointStats]],
                  shared: dict[tuple, dict[str, str]]) -> None:
         self._given = given  # merged from several sources, or from none (empty)
-        self._whole = whole  # instance -> (its one source, its stats)
+        self._whole = whole  # source name -> {instance: its stats}, for instances answered by it alone
         self._shared = shared  # (source, present inputs) -> mapping, for _origin
 
     def __getitem__(self, inst: str) -> Mapping[str, str]:
-        whole = self._whole.get(inst)
-        if whole is not None:
-            return _origin(self._shared, *whole)
+        for name, stats in self._whole.items():
+            st = stats.get(inst)
+            if st is not None:
+                return _origin(self._shared, name, st)
         return self._given[inst]
 
     def __iter__(self) -> Iterator[str]:
         yield from self._given
-        yield from self._whole
+        for stats in self._whole.values():
+            yield from stats
 
     def __len__(self) -> int:
-        return len(self._given) + len(self._whole)
+        return len(self._given) + sum(map(len, self._whole.values()))
 
     def sources(self) -> set[str]:
         """The names of the sources that gave any instance any input."""
         distinct = {id(w): w for w in self._given.values()}.values()  # shared mappings: each once
-        return {name for name, _ in self._whole.values()} | {n for where in distinct for n in where.values()}
+        given = {n for where in distinct for n in where.values()}
+        return {name for name, stats in self._whole.items() if stats} | given
 
 
 def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterable[str], stale_after_s: float
@@ -60,22 +67,24 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
     ``answers``: ``{source name: {instance: stats}}`` in priority order; an instance a source has no
     answer for (or whose ``sample_age_s`` is ``None``) is not seen by that source.
     """
-    merged: dict[str, EndpointStats] = {}
     origin: dict[str, Mapping[str, str]] = {}
-    whole: dict[str, tuple[str, EndpointStats]] = {}
     shared: dict[tuple, dict[str, str]] = {}
     sources = list(answers.items())
-    only = sources[0] if len(sources) == 1 else None  # one source (the common case): no list per endpoint
+    if len(sources) == 1:  # one source (the common case): its answers as they are, by C-level dict builds
+        name, answer = sources[0]
+        instances = list(instances)
+        merged = {}
+        for start in range(0, len(instances), PIECE):  # one C call per piece: the GIL changes hands between
+            piece = instances[start:start + PIECE]
+            merged.update(zip(piece, map(answer.get, piece), strict=True))
+        for inst in [inst for inst, st in merged.items() if st is None or st.sample_age_s is None]:
+            merged[inst], origin[inst] = EndpointStats(), {}
+        whole = dict(merged) if not origin else {i: st for i, st in merged.items() if i not in origin}
+        return merged, Origins(origin, {name: whole}, shared)
+    merged: dict[str, EndpointStats] = {}
     for inst in instances:
-        if only is not None:
-            st = only[1].get(inst)
-            if st is not None and st.sample_age_s is not None:
-                merged[inst], whole[inst] = st, (only[0], st)
-                continue
-            seen = []
-        else:
-            seen = [(st.sample_age_s, i, name, st) for i, (name, by_inst) in enumerate(sources)
-                    if (st := by_inst.get(inst)) is not None and st.sample_age_s is not None]
+        seen = [(st.sample_age_s, i, name, st) for i, (name, by_inst) in enumerate(sources)
+                if (st := by_inst.get(inst)) is not None and st.sample_age_s is not None]
         if not seen:
             merged[inst] = EndpointStats()
             origin[inst] = {}
@@ -100,7 +109,7 @@ def merge(answers: Mapping[str, Mapping[str, EndpointStats]], instances: Iterabl
         merged[inst] = EndpointStats(**values, sample_age_s=youngest)
         where["sample_age_s"] = seen[0][2]
         origin[inst] = where
-    return merged, Origins(origin, whole, shared)
+    return merged, Origins(origin, {}, shared)
 
 
 def _origin(shared: dict[tuple, dict[str, str]], name: str, st: EndpointStats) -> dict[str, str]:

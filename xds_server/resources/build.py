@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from operator import attrgetter
 from typing import Any
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from xds_server.config import Config, cluster_name
 from xds_server.engine.types import EndpointWeight
+from xds_server.engine.verdicts import ClusterVerdicts, Verdicts
 from xds_server.resources.clusters import build_cluster, build_ext_proc_cluster, picker_limits
 from xds_server.resources.endpoints import AssignmentLayout
 from xds_server.resources.listener import build_listener
@@ -26,8 +26,6 @@ from xds_server.snapshot import (
     resource,
     snapshot_of,
 )
-
-_ADDRESS, _WEIGHT, _HEALTH = attrgetter("address"), attrgetter("weight"), attrgetter("health")
 
 
 class BuildMemo:
@@ -56,12 +54,13 @@ class BuildMemo:
         self._assignments: dict[str, tuple[AssignmentLayout, list[int], list[str], Resource]] = {}
         self._static: dict[tuple[int, str], tuple[Config, dict[str, dict], dict, dict, dict]] = {}
 
-    def assignment(self, cluster: str, weights: list[EndpointWeight], limits: Mapping[str, int],
+    def assignment(self, cluster: str, weights: ClusterVerdicts | None, limits: Mapping[str, int],
                    classes: Mapping[str, str] | None = None, tiers: Mapping[str, str] | None = None) -> Resource:
-        """The assignment Resource of ``cluster`` for ``weights`` (rebuilt only when they differ);
-        ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge)."""
-        layout = self._layout(cluster, list(map(_ADDRESS, weights)), limits, classes or {}, tiers or {})
-        values, health = list(map(_WEIGHT, weights)), list(map(_HEALTH, weights))
+        """The assignment Resource of ``cluster`` for its verdicts ``weights`` (None: no endpoints; rebuilt
+        only when they differ); ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge)."""
+        addresses = weights.addresses if weights is not None else ()
+        layout = self._layout(cluster, addresses, limits, classes or {}, tiers or {})
+        values, health = (weights.weight.tolist(), weights.health_names()) if weights is not None else ([], [])
         hit = self._assignments.get(cluster)
         if hit is not None and hit[0] is layout and hit[1] == values and hit[2] == health:
             return hit[3]
@@ -70,13 +69,13 @@ class BuildMemo:
         self._assignments[cluster] = (layout, values, health, res)
         return res
 
-    def _layout(self, cluster: str, addresses: list[str], limits: Mapping[str, int], classes: Mapping[str, str],
+    def _layout(self, cluster: str, addresses: tuple[str, ...], limits: Mapping[str, int], classes: Mapping[str, str],
                 tiers: Mapping[str, str]) -> AssignmentLayout:
         """The cluster's layout, the last one when its addresses and their config are the same (the
         config's maps are compared by identity first: the same config object gives the same maps)."""
         inputs = (limits, classes, tiers)
         old = self._layouts.get(cluster)
-        if old is not None and old.addresses == tuple(addresses) and all(
+        if old is not None and old.addresses == addresses and all(
                 a is b or a == b for a, b in zip(old.inputs, inputs, strict=True)):
             return old
         layout = self._layouts[cluster] = AssignmentLayout(cluster, addresses, limits, classes, tiers, previous=old)
@@ -128,12 +127,10 @@ def build_snapshot(cfg: Config, weights: Iterable[EndpointWeight], ext_proc_addr
     gets an empty assignment.
     """
     memo = memo or BuildMemo()
-    by_cluster: dict[str, list[EndpointWeight]] = {}
-    for w in weights:
-        by_cluster.setdefault(w.cluster, []).append(w)
+    by_cluster = {part.cluster: part for part in Verdicts.of(weights).parts}
     static, limits, classes, tiers = memo.static(cfg, ext_proc_address)
     assignments = {
-        name: memo.assignment(name, by_cluster.get(name, []), limits[name], classes[name], tiers[name])
+        name: memo.assignment(name, by_cluster.get(name), limits[name], classes[name], tiers[name])
         for name in static[CLUSTER_TYPE] if name != EXT_PROC_CLUSTER
     }
     return snapshot_of({

@@ -16,7 +16,7 @@ from xds_server.history.recorder import ERRORS, HistoryRecorder
 from xds_server.history.sqlite import SqliteHistory, default_path, open_store
 from xds_server.history.types import CHANGE, KEYFRAME, HistoryError, RowBatch
 
-A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 
 def store(path=":memory:", retention_s: float = 3600.0, max_rows: int = 1000) -> SqliteHistory:
@@ -103,9 +103,46 @@ def test_a_version_1_file_keeps_its_rows_and_takes_new_ones(tmp_path):
     assert again.rows(0, 1000) == [row(100, A, 10), row(101, B, 20)]
     again.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
         new = db.execute("SELECT inputs, scores FROM weight_history WHERE t = 101").fetchone()
     assert new == ("[120.0,2.0]", "[0.5]")
+
+
+#: A version-2 file as earlier inferlb releases wrote it (endpoints named in every row), with a
+#: version-1 row (layout NULL) and a version-2 row.
+V2_SCHEMA = V1_SCHEMA.replace("snapshot_version TEXT);", "snapshot_version TEXT, layout INTEGER);").replace(
+    "PRAGMA user_version = 1;", """
+CREATE TABLE history_layouts (id INTEGER PRIMARY KEY, inputs TEXT NOT NULL, scores TEXT NOT NULL,
+    UNIQUE (inputs, scores));
+INSERT INTO history_layouts (inputs, scores) VALUES ('["latency_mean_ms", "running"]', '["latency"]');
+INSERT INTO weight_history (t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind,
+    snapshot_version, layout) VALUES (101, 'chat-v1', '10.0.0.2:8000', 20, 'HEALTHY', 0.5,
+    '[120.0,2.0]', '[0.5]', '["weight 20"]', 'change', 'v-test', 1);
+INSERT INTO weight_history (t, cluster, endpoint, weight, health, score, inputs, scores, reasons, kind,
+    snapshot_version, layout) VALUES (102, 'chat-v1', '10.0.0.1:8000', 30, 'HEALTHY', 0.5,
+    '[120.0,2.0]', '[0.5]', '["weight 30"]', 'change', 'v-test', 1);
+PRAGMA user_version = 2;""")
+
+
+def test_a_version_2_file_is_upgraded_in_place_with_every_row(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V2_SCHEMA)
+    s = store(path)
+    old = [row(100, A, 10), row(101, B, 20), row(102, A, 30)]
+    assert s.rows(0, 1000) == old and s.last_before(float("inf")) == [old[2], old[1]]
+    assert s.rows(0, 1000, endpoint=B) == [old[1]] and s.rows(0, 1000, cluster="chat-v2") == []
+    s.append(RowBatch.of([row(103, B, 40), row(103, C, 50)]))
+    s.close()
+    again = store(path)
+    assert again.rows(0, 1000) == [*old, row(103, B, 40), row(103, C, 50)]
+    assert again.last_before(103) == [old[2], old[1]]
+    again.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("SELECT cluster, endpoint FROM history_endpoints ORDER BY id").fetchall() == [
+            ("chat-v1", A), ("chat-v1", B), ("chat-v1", C)]
+        assert [r[0] for r in db.execute("SELECT id FROM weight_history ORDER BY id")] == [1, 2, 3, 4, 5]
 
 
 def test_newer_schema_and_unopenable_paths_are_refused(tmp_path):
