@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from google.protobuf import any_pb2
@@ -23,6 +23,9 @@ ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 #: Push order (xDS protocol doc, "eventual consistency considerations"): clusters, then their
 #: endpoints, then listeners, then routes, so nothing points at a resource Envoy doesn't have yet.
 TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+#: Answers of :meth:`Snapshot.changed_since` one snapshot keeps (earlier snapshots its streams come from).
+CHANGES_KEPT = 16
+_EMPTY: Mapping = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +55,32 @@ class Snapshot:
     resources: Mapping[str, Mapping[str, Resource]]
     versions: Mapping[str, str]
     version: str
+    #: :meth:`changed_since` answers: ``{(type_url, id(before)): (before, names)}``, the newest last.
+    _changes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def of(self, type_url: str) -> Mapping[str, Resource]:
         """The resources of one type (empty mapping for a type we don't serve)."""
-        return self.resources.get(type_url, MappingProxyType({}))
+        return self.resources.get(type_url, _EMPTY)
+
+    def changed_since(self, type_url: str, before: Mapping[str, Resource]) -> tuple[str, ...]:
+        """Names of ``type_url`` whose resource differs between ``before`` (what :meth:`of` gave for an
+        earlier snapshot) and this snapshot: another version, added, or gone. This snapshot's names
+        first, in its order, then the gone ones in ``before``'s order.
+
+        Every stream of a push asks the same question: the answer is computed once per ``before``
+        (the last :data:`CHANGES_KEPT` are kept; the snapshot holds them, and the ``before`` mappings).
+        """
+        key = (type_url, id(before))
+        hit = self._changes.get(key)
+        if hit is not None and hit[0] is before:
+            return hit[1]
+        after = self.of(type_url)
+        names = tuple(n for n, r in after.items() if (old := before.get(n)) is None or old.version != r.version)
+        names += tuple(n for n in before if n not in after)
+        if len(self._changes) >= CHANGES_KEPT:
+            self._changes.pop(next(iter(self._changes)))
+        self._changes[key] = (before, names)
+        return names
 
     def assignments(self) -> dict[str, bytes]:
         """Every ClusterLoadAssignment, serialised, by cluster name (what the picker's endpoint view

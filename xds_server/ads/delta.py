@@ -19,17 +19,22 @@ Rules (Envoy's xDS protocol doc, "Incremental xDS", and docs/envoy-facts.md):
   known versions of changed clusters' assignments are forgotten so they go out right after (C01).
 - Make-before-break as in SotW: a dropped cluster is removed only once the client ACKed the
   snapshot's listeners and routes.
+
+Planning looks only at what can differ: once a type is in step with a snapshot (``synced``), the
+next plan checks the names :meth:`~xds_server.snapshot.Snapshot.changed_since` that one (computed
+once for all streams), not every resource.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
 from xds_server.ads.push import Push
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
 
 WILDCARD = "*"
 
@@ -42,7 +47,9 @@ class DeltaTypeState(AckState):
     subscribed explicitly; ``rewarm``: names to send whatever version the client reports (EDS of
     a cluster that CDS changed before the EDS request arrived); ``nonces``: nonce ->
     ``system_version_info`` of responses not yet answered; ``sent_type_version``:
-    ``system_version_info`` of the last response.
+    ``system_version_info`` of the last response; ``synced``: the resources (a snapshot's
+    :meth:`~xds_server.snapshot.Snapshot.of`) that ``known`` is in step with (every wanted name at
+    its version, no removal held back), None when unknown.
     """
 
     wildcard: bool = False
@@ -51,6 +58,7 @@ class DeltaTypeState(AckState):
     rewarm: set[str] = field(default_factory=set)
     nonces: dict[str, str] = field(default_factory=dict)
     sent_type_version: str | None = None
+    synced: Mapping[str, Resource] | None = None
 
     def pending_nonces(self) -> list[str]:
         """Nonces sent and not yet ACKed or NACKed, oldest first."""
@@ -78,6 +86,8 @@ class DeltaStream(StreamBase):
         first = not st.requested
         st.requested = True
         subscribe, unsubscribe = list(req.resource_names_subscribe), list(req.resource_names_unsubscribe)
+        if first or subscribe or unsubscribe:
+            st.synced = None
         if first:
             st.known.update({n: v for n, v in req.initial_resource_versions.items() if n not in st.rewarm})
             if req.type_url in WILDCARD_TYPES and not subscribe:
@@ -112,16 +122,32 @@ class DeltaStream(StreamBase):
 
     def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)
-        changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
-        # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
-        removed = [n for n in st.known if n not in resources and st.wants(n)] if type_url in WILDCARD_TYPES else []
+        if st.synced is resources:
+            return None
+        wildcard_type = type_url in WILDCARD_TYPES
+        if st.synced is None:
+            changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
+            # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
+            removed = [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
+        else:
+            changed, removed = {}, []
+            for name in snap.changed_since(type_url, st.synced):
+                res = resources.get(name)
+                if res is None:
+                    if wildcard_type and name in st.known and st.wants(name):
+                        removed.append(name)
+                elif st.wants(name) and st.known.get(name) != res.version:
+                    changed[name] = res
+        st.synced = resources
         if type_url == CLUSTER_TYPE:
             if removed and not routing_settled(self.types, snap):
                 removed = []  # make-before-break: the routes that used them go first
+                st.synced = None
             eds = self.types.setdefault(ENDPOINT_TYPE, DeltaTypeState())
             for name in rewarm_clusters(st.known, changed):
                 eds.known.pop(name, None)
                 eds.rewarm.add(name)
+                eds.synced = None
         st.rewarm -= changed.keys()
         if not changed and not removed:
             return None
