@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -44,6 +45,20 @@ class Resource:
         return self.kind.FromString(self.packed.value)
 
 
+class Changes(NamedTuple):
+    """What differs between two snapshots' resources of one type (:meth:`Snapshot.changed_since`).
+
+    ``names``: every name that differs, the newer snapshot's first (in its order), then the gone ones;
+    ``updated``: ``{name: newer Resource}`` of the names in both at another version (newer order);
+    ``added``: names only in the newer; ``removed``: names only in the older.
+    """
+
+    names: tuple[str, ...]
+    updated: Mapping[str, Resource]
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything the control plane serves at one moment.
@@ -55,17 +70,16 @@ class Snapshot:
     resources: Mapping[str, Mapping[str, Resource]]
     versions: Mapping[str, str]
     version: str
-    #: :meth:`changed_since` answers: ``{(type_url, id(before)): (before, names)}``, the newest last.
+    #: :meth:`changed_since` answers: ``{(type_url, id(before)): (before, Changes)}``, the newest last.
     _changes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def of(self, type_url: str) -> Mapping[str, Resource]:
         """The resources of one type (empty mapping for a type we don't serve)."""
         return self.resources.get(type_url, _EMPTY)
 
-    def changed_since(self, type_url: str, before: Mapping[str, Resource]) -> tuple[str, ...]:
-        """Names of ``type_url`` whose resource differs between ``before`` (what :meth:`of` gave for an
-        earlier snapshot) and this snapshot: another version, added, or gone. This snapshot's names
-        first, in its order, then the gone ones in ``before``'s order.
+    def changed_since(self, type_url: str, before: Mapping[str, Resource]) -> Changes:
+        """How the resources of ``type_url`` differ between ``before`` (what :meth:`of` gave for an
+        earlier snapshot) and this snapshot.
 
         Every stream of a push asks the same question: the answer is computed once per ``before``
         (the last :data:`CHANGES_KEPT` are kept; the snapshot holds them, and the ``before`` mappings).
@@ -75,12 +89,20 @@ class Snapshot:
         if hit is not None and hit[0] is before:
             return hit[1]
         after = self.of(type_url)
-        names = tuple(n for n, r in after.items() if (old := before.get(n)) is None or old.version != r.version)
-        names += tuple(n for n in before if n not in after)
+        updated, added = {}, []
+        for name, res in after.items():
+            old = before.get(name)
+            if old is None:
+                added.append(name)
+            elif old.version != res.version:
+                updated[name] = res
+        removed = tuple(n for n in before if n not in after)
+        names = tuple(n for n in after if n in updated or n not in before) + removed
+        changes = Changes(names, MappingProxyType(updated), tuple(added), removed)
         if len(self._changes) >= CHANGES_KEPT:
             self._changes.pop(next(iter(self._changes)))
-        self._changes[key] = (before, names)
-        return names
+        self._changes[key] = (before, changes)
+        return changes
 
     def assignments(self) -> dict[str, bytes]:
         """Every ClusterLoadAssignment, serialised, by cluster name (what the picker's endpoint view

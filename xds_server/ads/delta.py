@@ -124,20 +124,7 @@ class DeltaStream(StreamBase):
         resources = snap.of(type_url)
         if st.synced is resources:
             return None
-        wildcard_type = type_url in WILDCARD_TYPES
-        if st.synced is None:
-            changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
-            # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
-            removed = [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
-        else:
-            changed, removed = {}, []
-            for name in snap.changed_since(type_url, st.synced):
-                res = resources.get(name)
-                if res is None:
-                    if wildcard_type and name in st.known and st.wants(name):
-                        removed.append(name)
-                elif st.wants(name) and st.known.get(name) != res.version:
-                    changed[name] = res
+        changed, removed = self._changes(type_url, st, snap, resources)
         st.synced = resources
         if type_url == CLUSTER_TYPE:
             if removed and not routing_settled(self.types, snap):
@@ -151,8 +138,7 @@ class DeltaStream(StreamBase):
         st.rewarm -= changed.keys()
         if not changed and not removed:
             return None
-        for name, res in changed.items():
-            st.known[name] = res.version
+        st.known.update({name: res.version for name, res in changed.items()})
         for name in removed:
             del st.known[name]
         nonce = self._next_nonce()
@@ -160,3 +146,31 @@ class DeltaStream(StreamBase):
         st.nonces[nonce] = version
         st.sent_type_version = version
         return Push(self.protocol, type_url, version, tuple(changed.values()), tuple(removed), nonce)
+
+    @staticmethod
+    def _changes(type_url: str, st: DeltaTypeState, snap: Snapshot, resources: Mapping[str, Resource]
+                 ) -> tuple[Mapping[str, Resource], list[str]]:
+        """What the client lacks of ``resources`` (the snapshot's of ``type_url``), ``{name: Resource}``
+        in the snapshot's order, and the names it has that are gone (CDS, LDS only: for EDS and RDS
+        the client unsubscribes itself when the cluster or listener goes)."""
+        wildcard_type = type_url in WILDCARD_TYPES
+        if st.synced is None:
+            changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
+            return changed, [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
+        changes = snap.changed_since(type_url, st.synced)
+        wildcard, subscribed, known = st.wildcard, st.subscribed, st.known
+        if (not (wildcard_type and changes.removed)
+                and (wildcard or subscribed.issuperset(changes.updated))
+                and (not changes.added if wildcard else subscribed.isdisjoint(changes.added))):
+            return changes.updated, []  # known holds every wanted name at its synced version
+        changed, removed = {}, []
+        for name in changes.names:
+            if not wildcard and name not in subscribed:
+                continue
+            res = resources.get(name)
+            if res is None:
+                if wildcard_type and name in known:
+                    removed.append(name)
+            elif known.get(name) != res.version:
+                changed[name] = res
+        return changed, removed

@@ -23,7 +23,7 @@ that one (computed once for all streams), not every resource.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
@@ -116,14 +116,16 @@ class SotwStream(StreamBase):
         resources = snap.of(type_url)
         if st.synced is resources and not st.rewarm:
             return None
-        # the snapshot's order: deterministic
-        names = resources if st.synced is None or st.rewarm else snap.changed_since(type_url, st.synced)
-        send = []
-        for name in names:
-            res = resources.get(name)
-            if res is not None and name in st.subscribed and (st.sent.get(name) != res.version or name in st.rewarm):
-                send.append(res)
-                st.sent[name] = res.version
+        if st.synced is None or st.rewarm:
+            send = self._scan(resources, resources, st)
+        else:
+            changes = snap.changed_since(type_url, st.synced)
+            if st.subscribed.issuperset(changes.updated) and st.subscribed.isdisjoint(changes.added):
+                # sent holds every subscribed name at its synced version: each updated one goes
+                send = list(changes.updated.values())
+                st.sent.update({n: r.version for n, r in changes.updated.items()})
+            else:
+                send = self._scan(changes.names, resources, st)
         st.rewarm.clear()
         st.synced = resources
         if not send:
@@ -131,6 +133,20 @@ class SotwStream(StreamBase):
         version = snap.versions.get(type_url, "")
         st.sent_type_version = version
         return self._response(type_url, version, tuple(send), st)
+
+    @staticmethod
+    def _scan(names: Iterable[str], resources: Mapping[str, Resource], st: TypeState) -> list[Resource]:
+        """The resources of ``names`` (in that order) the client subscribes to and has not got at their
+        version (or must get again: ``rewarm``), recorded as sent."""
+        sent, subscribed, rewarm = st.sent, st.subscribed, st.rewarm
+        send = []
+        for name in names:
+            if name in subscribed:
+                res = resources.get(name)
+                if res is not None and (sent.get(name) != res.version or name in rewarm):
+                    send.append(res)
+                    sent[name] = res.version
+        return send
 
     def _response(self, type_url: str, version: str, resources: tuple[Resource, ...], st: TypeState) -> Push:
         st.nonce = self._next_nonce()
