@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
@@ -23,6 +24,9 @@ ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 #: Push order (xDS protocol doc, "eventual consistency considerations"): clusters, then their
 #: endpoints, then listeners, then routes, so nothing points at a resource Envoy doesn't have yet.
 TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+#: Answers of :meth:`Snapshot.changed_since` one snapshot keeps (earlier snapshots its streams come from).
+CHANGES_KEPT = 16
+_EMPTY: Mapping = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,20 @@ class Resource:
         return self.kind.FromString(self.packed.value)
 
 
+class Changes(NamedTuple):
+    """What differs between two snapshots' resources of one type (:meth:`Snapshot.changed_since`).
+
+    ``names``: every name that differs, the newer snapshot's first (in its order), then the gone ones;
+    ``updated``: ``{name: newer Resource}`` of the names in both at another version (newer order);
+    ``added``: names only in the newer; ``removed``: names only in the older.
+    """
+
+    names: tuple[str, ...]
+    updated: Mapping[str, Resource]
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything the control plane serves at one moment.
@@ -52,10 +70,39 @@ class Snapshot:
     resources: Mapping[str, Mapping[str, Resource]]
     versions: Mapping[str, str]
     version: str
+    #: :meth:`changed_since` answers: ``{(type_url, id(before)): (before, Changes)}``, the newest last.
+    _changes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def of(self, type_url: str) -> Mapping[str, Resource]:
         """The resources of one type (empty mapping for a type we don't serve)."""
-        return self.resources.get(type_url, MappingProxyType({}))
+        return self.resources.get(type_url, _EMPTY)
+
+    def changed_since(self, type_url: str, before: Mapping[str, Resource]) -> Changes:
+        """How the resources of ``type_url`` differ between ``before`` (what :meth:`of` gave for an
+        earlier snapshot) and this snapshot.
+
+        Every stream of a push asks the same question: the answer is computed once per ``before``
+        (the last :data:`CHANGES_KEPT` are kept; the snapshot holds them, and the ``before`` mappings).
+        """
+        key = (type_url, id(before))
+        hit = self._changes.get(key)
+        if hit is not None and hit[0] is before:
+            return hit[1]
+        after = self.of(type_url)
+        updated, added = {}, []
+        for name, res in after.items():
+            old = before.get(name)
+            if old is None:
+                added.append(name)
+            elif old.version != res.version:
+                updated[name] = res
+        removed = tuple(n for n in before if n not in after)
+        names = tuple(n for n in after if n in updated or n not in before) + removed
+        changes = Changes(names, MappingProxyType(updated), tuple(added), removed)
+        if len(self._changes) >= CHANGES_KEPT:
+            self._changes.pop(next(iter(self._changes)))
+        self._changes[key] = (before, changes)
+        return changes
 
     def assignments(self) -> dict[str, bytes]:
         """Every ClusterLoadAssignment, serialised, by cluster name (what the picker's endpoint view

@@ -9,6 +9,8 @@
   never published (only the newest counts). A group's first snapshot is published at once.
   Each stream then sends the newest published snapshot when it is free (one push in flight per
   stream; a slow stream skips intermediate snapshots and never holds up the others).
+- Wake-ups: a publication sets the :class:`asyncio.Event` of every listening stream
+  (:meth:`SnapshotCache.listen`): one wake-up per stream, which then reads the snapshot itself.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def publish_at(first_pending: float, last_set: float, debounce_s: float, debounc
 
 
 class SnapshotCache:
-    """Validated snapshots per node group; streams wait on :meth:`wait_change`.
+    """Validated snapshots per node group; streams :meth:`listen` for publications.
 
     ``debounce_s``/``debounce_max_s``: see the module docstring (0 = publish at once).
     ``rejections``: the newest validation rejections (up to 100), for the admin API.
@@ -53,7 +55,7 @@ class SnapshotCache:
         self._first_pending: float | None = None
         self._last_set = 0.0
         self._timer: asyncio.Task | None = None
-        self._changed = asyncio.Condition()
+        self._listeners: set[asyncio.Event] = set()
         self._set_lock = asyncio.Lock()
 
     @property
@@ -92,7 +94,7 @@ class SnapshotCache:
             return current
         self._latest[group] = served
         if group not in self._published or self.debounce_max_s == 0:
-            await self._publish()
+            self._publish()
             return served
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -110,22 +112,26 @@ class SnapshotCache:
         while self._first_pending is not None:
             delay = publish_at(self._first_pending, self._last_set, self.debounce_s, self.debounce_max_s) - loop.time()
             if delay <= 0:
-                await self._publish()
+                self._publish()
                 return
             await asyncio.sleep(delay)
 
-    async def _publish(self) -> None:
+    def _publish(self) -> None:
         self._first_pending = None
         changed = {g: s for g, s in self._latest.items() if self._published.get(g) is not s}
         if not changed:
             return
-        async with self._changed:
-            self._published.update(changed)
-            self.generation += 1
-            PUBLISHED.inc(len(changed))
-            self._changed.notify_all()
+        self._published.update(changed)
+        self.generation += 1
+        PUBLISHED.inc(len(changed))
+        for wake in self._listeners:
+            wake.set()
 
-    async def wait_change(self, generation: int) -> None:
-        """Return once a publication newer than ``generation`` happened."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.generation != generation)
+    def listen(self, wake: asyncio.Event) -> None:
+        """Set ``wake`` at every publication from now on (a publication increments ``generation``),
+        until :meth:`unlisten`."""
+        self._listeners.add(wake)
+
+    def unlisten(self, wake: asyncio.Event) -> None:
+        """Stop setting ``wake`` (a no-op when it was not listening)."""
+        self._listeners.discard(wake)

@@ -19,17 +19,22 @@ Rules (Envoy's xDS protocol doc, "Incremental xDS", and docs/envoy-facts.md):
   known versions of changed clusters' assignments are forgotten so they go out right after (C01).
 - Make-before-break as in SotW: a dropped cluster is removed only once the client ACKed the
   snapshot's listeners and routes.
+
+Planning looks only at what can differ: once a type is in step with a snapshot (``synced``), the
+next plan checks the names :meth:`~xds_server.snapshot.Snapshot.changed_since` that one (computed
+once for all streams), not every resource.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
 from xds_server.ads.push import Push
-from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot
+from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
 
 WILDCARD = "*"
 
@@ -42,7 +47,9 @@ class DeltaTypeState(AckState):
     subscribed explicitly; ``rewarm``: names to send whatever version the client reports (EDS of
     a cluster that CDS changed before the EDS request arrived); ``nonces``: nonce ->
     ``system_version_info`` of responses not yet answered; ``sent_type_version``:
-    ``system_version_info`` of the last response.
+    ``system_version_info`` of the last response; ``synced``: the resources (a snapshot's
+    :meth:`~xds_server.snapshot.Snapshot.of`) that ``known`` is in step with (every wanted name at
+    its version, no removal held back), None when unknown.
     """
 
     wildcard: bool = False
@@ -51,6 +58,7 @@ class DeltaTypeState(AckState):
     rewarm: set[str] = field(default_factory=set)
     nonces: dict[str, str] = field(default_factory=dict)
     sent_type_version: str | None = None
+    synced: Mapping[str, Resource] | None = None
 
     def pending_nonces(self) -> list[str]:
         """Nonces sent and not yet ACKed or NACKed, oldest first."""
@@ -78,6 +86,8 @@ class DeltaStream(StreamBase):
         first = not st.requested
         st.requested = True
         subscribe, unsubscribe = list(req.resource_names_subscribe), list(req.resource_names_unsubscribe)
+        if first or subscribe or unsubscribe:
+            st.synced = None
         if first:
             st.known.update({n: v for n, v in req.initial_resource_versions.items() if n not in st.rewarm})
             if req.type_url in WILDCARD_TYPES and not subscribe:
@@ -112,21 +122,23 @@ class DeltaStream(StreamBase):
 
     def _diff(self, type_url: str, st: DeltaTypeState, snap: Snapshot) -> Push | None:
         resources = snap.of(type_url)
-        changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
-        # named types (EDS, RDS): the client unsubscribes itself when the cluster/listener goes
-        removed = [n for n in st.known if n not in resources and st.wants(n)] if type_url in WILDCARD_TYPES else []
+        if st.synced is resources:
+            return None
+        changed, removed = self._changes(type_url, st, snap, resources)
+        st.synced = resources
         if type_url == CLUSTER_TYPE:
             if removed and not routing_settled(self.types, snap):
                 removed = []  # make-before-break: the routes that used them go first
+                st.synced = None
             eds = self.types.setdefault(ENDPOINT_TYPE, DeltaTypeState())
             for name in rewarm_clusters(st.known, changed):
                 eds.known.pop(name, None)
                 eds.rewarm.add(name)
+                eds.synced = None
         st.rewarm -= changed.keys()
         if not changed and not removed:
             return None
-        for name, res in changed.items():
-            st.known[name] = res.version
+        st.known.update({name: res.version for name, res in changed.items()})
         for name in removed:
             del st.known[name]
         nonce = self._next_nonce()
@@ -134,3 +146,31 @@ class DeltaStream(StreamBase):
         st.nonces[nonce] = version
         st.sent_type_version = version
         return Push(self.protocol, type_url, version, tuple(changed.values()), tuple(removed), nonce)
+
+    @staticmethod
+    def _changes(type_url: str, st: DeltaTypeState, snap: Snapshot, resources: Mapping[str, Resource]
+                 ) -> tuple[Mapping[str, Resource], list[str]]:
+        """What the client lacks of ``resources`` (the snapshot's of ``type_url``), ``{name: Resource}``
+        in the snapshot's order, and the names it has that are gone (CDS, LDS only: for EDS and RDS
+        the client unsubscribes itself when the cluster or listener goes)."""
+        wildcard_type = type_url in WILDCARD_TYPES
+        if st.synced is None:
+            changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
+            return changed, [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
+        changes = snap.changed_since(type_url, st.synced)
+        wildcard, subscribed, known = st.wildcard, st.subscribed, st.known
+        if (not (wildcard_type and changes.removed)
+                and (wildcard or subscribed.issuperset(changes.updated))
+                and (not changes.added if wildcard else subscribed.isdisjoint(changes.added))):
+            return changes.updated, []  # known holds every wanted name at its synced version
+        changed, removed = {}, []
+        for name in changes.names:
+            if not wildcard and name not in subscribed:
+                continue
+            res = resources.get(name)
+            if res is None:
+                if wildcard_type and name in known:
+                    removed.append(name)
+            elif known.get(name) != res.version:
+                changed[name] = res
+        return changed, removed

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.snapshot import Resource
+from xds_server.wire import delimited
+
+_NONCE_TAG = 0x2A  # DiscoveryResponse.nonce = DeltaDiscoveryResponse.nonce = 5, length-delimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +33,9 @@ class Push:
     nonce: str
 
     def content_key(self) -> tuple:
-        """Everything but the nonce: equal keys encode to equal bodies."""
-        return (self.protocol, self.type_url, self.version, tuple((r.name, r.version) for r in self.resources),
-                self.removed)
+        """Everything but the nonce: equal keys encode to equal bodies. The resources count by
+        identity (``id``): valid while they live, so a cache keyed by it must hold them."""
+        return (self.protocol, self.type_url, self.version, tuple(map(id, self.resources)), self.removed)
 
     def message(self, with_nonce: bool = True):
         """The protobuf response, a DiscoveryResponse or DeltaDiscoveryResponse (``with_nonce=False``:
@@ -49,26 +52,30 @@ class Push:
                                                resources=[r.packed for r in self.resources])
 
     def nonce_field(self) -> bytes:
-        """The serialized nonce field alone (field 5 in both response types)."""
-        return discovery_pb2.DiscoveryResponse(nonce=self.nonce).SerializeToString()
+        """The serialized nonce field alone (field 5, length-delimited, in both response types)."""
+        return delimited(_NONCE_TAG, self.nonce.encode())
 
 
 class WireCache:
-    """Serialized response bodies by content (LRU of ``size`` entries); :meth:`encode` adds the nonce."""
+    """Serialized response bodies by content (LRU of ``size`` entries); :meth:`encode` adds the nonce.
+
+    An entry holds the pushed resources with its body: its key names them by identity.
+    """
 
     def __init__(self, size: int = 32) -> None:
         self._size = size
-        self._bodies: OrderedDict[tuple, bytes] = OrderedDict()
+        self._bodies: OrderedDict[tuple, tuple[tuple[Resource, ...], bytes]] = OrderedDict()
 
     def encode(self, push: Push) -> bytes:
         """The wire bytes of ``push`` (identical to ``push.message().SerializeToString()`` when parsed)."""
         key = push.content_key()
-        body = self._bodies.get(key)
-        if body is None:
+        hit = self._bodies.get(key)
+        if hit is None:
             body = push.message(with_nonce=False).SerializeToString()
-            self._bodies[key] = body
+            self._bodies[key] = (push.resources, body)
             if len(self._bodies) > self._size:
                 self._bodies.popitem(last=False)
         else:
+            body = hit[1]
             self._bodies.move_to_end(key)
         return body + push.nonce_field()

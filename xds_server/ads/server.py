@@ -141,31 +141,33 @@ class AdsServicer:
     async def _stream(self, state: SotwStream | DeltaStream, request_iterator, context):
         protocol = state.protocol
         inbox: asyncio.Queue = asyncio.Queue(INBOX_SIZE)
+        wake = asyncio.Event()  # a request arrived or the cache published
         node: NodeStream | None = None
 
         async def read() -> None:
             try:
                 async for req in request_iterator:
                     await inbox.put(req)
+                    wake.set()
             except grpc.aio.AioRpcError:
                 pass
             # The client is done (or broke): tell the loop. Not when cancelled: the stream is already
             # closing, and the inbox may be full with no one left to make room.
             await inbox.put(None)
+            wake.set()
 
         reader = asyncio.create_task(read())
+        self.cache.listen(wake)
         XDS_STREAMS.labels(protocol).inc()
         try:
             generation = self.cache.generation
             while True:
-                get = asyncio.create_task(inbox.get())
-                change = asyncio.create_task(self.cache.wait_change(generation))
-                done, _ = await asyncio.wait({get, change}, return_when=asyncio.FIRST_COMPLETED)
-                change.cancel()
-                if get not in done:
-                    get.cancel()
-                else:
-                    req = get.result()
+                wake.clear()
+                if inbox.empty() and generation == self.cache.generation:
+                    await wake.wait()
+                    continue
+                if not inbox.empty():
+                    req = inbox.get_nowait()
                     if req is None:
                         return
                     if node is None:
@@ -189,6 +191,7 @@ class AdsServicer:
                     XDS_RESPONSES.labels(protocol, short_type(push.type_url)).inc()
                     yield data
         finally:
+            self.cache.unlisten(wake)
             reader.cancel()
             XDS_STREAMS.labels(protocol).dec()
             if node is not None:

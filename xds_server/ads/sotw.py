@@ -15,10 +15,15 @@ Rules (Envoy's xDS protocol doc, and docs/envoy-facts.md for what Envoy 1.40 rea
   (a cluster removed and added again) its assignment is sent again (case C15).
 - Make-before-break: a cluster that left the snapshot stays in CDS responses until the client has
   ACKed the snapshot's listeners and routes (which no longer use it).
+
+Planning a named type looks only at what can differ: once a type is in step with a snapshot
+(``synced``), the next plan checks the names :meth:`~xds_server.snapshot.Snapshot.changed_since`
+that one (computed once for all streams), not every resource.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3 import discovery_pb2
@@ -34,7 +39,9 @@ class TypeState(AckState):
 
     ``sent``: resource name -> version last sent; ``sent_resources``: the resources of the last
     wildcard response (what the client holds); ``nonce``: latest nonce sent (None before any);
-    ``rewarm``: names to re-send whatever their version (EDS after a CDS change).
+    ``rewarm``: names to re-send whatever their version (EDS after a CDS change); ``synced``: the
+    resources (a snapshot's :meth:`~xds_server.snapshot.Snapshot.of`) whose subscribed names ``sent``
+    holds at their versions, None when unknown (the subscription changed or nothing was planned yet).
     """
 
     subscribed: frozenset[str] = frozenset()
@@ -44,6 +51,7 @@ class TypeState(AckState):
     sent_type_version: str | None = None
     nonce: str | None = None
     rewarm: set[str] = field(default_factory=set)
+    synced: Mapping[str, Resource] | None = None
 
     def pending_nonces(self) -> list[str]:
         """The nonce sent and not yet answered (SotW has at most one per type that counts)."""
@@ -75,9 +83,11 @@ class SotwStream(StreamBase):
                 kind = "ack"
         st.requested = True
         st.wildcard = req.type_url in WILDCARD_TYPES and (not names or "*" in names)
-        for gone in st.subscribed - names:
-            st.sent.pop(gone, None)
-        st.subscribed = names
+        if names != st.subscribed:
+            for gone in st.subscribed - names:
+                st.sent.pop(gone, None)
+            st.subscribed = names
+            st.synced = None
         return kind
 
     def _respond(self, type_url: str, st, snap: Snapshot):
@@ -103,17 +113,40 @@ class SotwStream(StreamBase):
         return self._response(type_url, version, tuple(resources.values()), st)
 
     def _named(self, type_url: str, st: TypeState, snap: Snapshot) -> Push | None:
-        send = []
-        for name, res in snap.of(type_url).items():  # the snapshot's order: deterministic
-            if name in st.subscribed and (st.sent.get(name) != res.version or name in st.rewarm):
-                send.append(res)
-                st.sent[name] = res.version
+        resources = snap.of(type_url)
+        if st.synced is resources and not st.rewarm:
+            return None
+        if st.synced is None or st.rewarm:
+            send = self._scan(resources, resources, st)
+        else:
+            changes = snap.changed_since(type_url, st.synced)
+            if st.subscribed.issuperset(changes.updated) and st.subscribed.isdisjoint(changes.added):
+                # sent holds every subscribed name at its synced version: each updated one goes
+                send = list(changes.updated.values())
+                st.sent.update({n: r.version for n, r in changes.updated.items()})
+            else:
+                send = self._scan(changes.names, resources, st)
         st.rewarm.clear()
+        st.synced = resources
         if not send:
             return None
         version = snap.versions.get(type_url, "")
         st.sent_type_version = version
         return self._response(type_url, version, tuple(send), st)
+
+    @staticmethod
+    def _scan(names: Iterable[str], resources: Mapping[str, Resource], st: TypeState) -> list[Resource]:
+        """The resources of ``names`` (in that order) the client subscribes to and has not got at their
+        version (or must get again: ``rewarm``), recorded as sent."""
+        sent, subscribed, rewarm = st.sent, st.subscribed, st.rewarm
+        send = []
+        for name in names:
+            if name in subscribed:
+                res = resources.get(name)
+                if res is not None and (sent.get(name) != res.version or name in rewarm):
+                    send.append(res)
+                    sent[name] = res.version
+        return send
 
     def _response(self, type_url: str, version: str, resources: tuple[Resource, ...], st: TypeState) -> Push:
         st.nonce = self._next_nonce()

@@ -62,12 +62,18 @@ async def test_waiters_wake_on_publication_only():
     cache = SnapshotCache(debounce_s=0.05, debounce_max_s=1.0)
     s = versions(2)
     await cache.set(s[0])
-    waiter = asyncio.create_task(cache.wait_change(cache.generation))
+    wake = asyncio.Event()
+    cache.listen(wake)
     await cache.set(s[1])
     await asyncio.sleep(0.01)
-    assert not waiter.done()
-    await asyncio.wait_for(waiter, 1.0)
+    assert not wake.is_set()
+    await asyncio.wait_for(wake.wait(), 1.0)
     assert cache.snapshot is s[1]
+    wake.clear()
+    cache.unlisten(wake)
+    await cache.set(s[0])
+    await asyncio.sleep(0.15)
+    assert cache.snapshot is s[0] and not wake.is_set()
 
 
 async def test_setting_the_same_version_again_publishes_nothing():
