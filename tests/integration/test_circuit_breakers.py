@@ -2,9 +2,10 @@
 circuit-breaker limit inferlb left at Envoy's default of 1024 (issue 15 item 12).
 
 Envoy's upstreams are two of its own static listeners that hold each request 0.5 s (fault filter)
-and answer 200, so 2000 connections keep ~2000 requests in flight on the inference cluster and
-~2000 ext_proc streams on the picker's cluster. Every answer must be a 2xx, and Envoy must count
-no circuit-breaker overflow on any cluster.
+and answer 200, so 2000 connections keep ~2000 requests in flight on the inference cluster, each
+after an ext_proc stream on the picker's cluster. Every answer must be a 2xx, Envoy must count no
+circuit-breaker overflow on any cluster, and the inference cluster must have had well over Envoy's
+default limit in flight at once (sampled from Envoy's gauge), however fast this machine serves them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
+import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -47,8 +51,10 @@ def slow_listener(port: int) -> dict:
                                             "typed_config": hcm}]}]}
 
 
-def envoy_stats(admin: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"{admin}/stats", timeout=5) as r:
+def envoy_stats(admin: str, pattern: str | None = None) -> dict[str, int]:
+    """Envoy's counters and gauges by name (``pattern``: Envoy's regex ``filter``)."""
+    query = "" if pattern is None else "?" + urllib.parse.urlencode({"filter": pattern})
+    with urllib.request.urlopen(f"{admin}/stats{query}", timeout=5) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
@@ -94,16 +100,36 @@ def envoy_with_picker(tmp_path_factory):
 
 def test_2000_concurrent_requests_hit_no_limit_inferlb_left_at_envoys_default(envoy_with_picker):
     url, admin = envoy_with_picker
-    out = subprocess.run(["wrk", "-t2", f"-c{CONNECTIONS}", f"-d{DURATION_S}s", "--timeout", "10s",
-                          "-H", "x-session-id: load-1", "-H", "model-version: v1", f"{url}/v1/chat/completions"],
-                         capture_output=True, text=True, timeout=DURATION_S + 60).stdout
+    peaks = {"chat-v1": 0, "inferlb_ext_proc": 0}   # the most requests each cluster had in flight at once
+    running = threading.Event()
+    running.set()
+
+    def sample() -> None:
+        while running.is_set():
+            stats = envoy_stats(admin, r"^cluster\.[^.]+\.upstream_rq_active$")
+            for name in peaks:
+                peaks[name] = max(peaks[name], stats.get(f"cluster.{name}.upstream_rq_active", 0))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = subprocess.run(["wrk", "-t2", f"-c{CONNECTIONS}", f"-d{DURATION_S}s", "--timeout", "10s",
+                              "-H", "x-session-id: load-1", "-H", "model-version: v1", f"{url}/v1/chat/completions"],
+                             capture_output=True, text=True, timeout=DURATION_S + 60).stdout
+    finally:
+        running.clear()
+        sampler.join(10)
     done = int(re.search(r"(\d+) requests in", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     stats = envoy_stats(admin)
     overflows = {k: v for k, v in stats.items()
                  if k.startswith("cluster.") and k.rsplit(".", 1)[-1] in OVERFLOWS and v}
     assert overflows == {}, overflows
-    assert done > CONNECTIONS * 2, out  # ~2000 in flight the whole time, each 0.5 s
+    # Beyond Envoy's default of 1 024 at once on the inference cluster: the default would have failed
+    # them. (The picker's streams last only until it answers, so how many it has at once depends on how
+    # fast it answers, not on the connections: they are not asserted above 1 024.)
+    assert peaks["chat-v1"] > 1024 * 1.2, (peaks, out)
     assert bad is None, out
     peak = stats.get("cluster.chat-v1.upstream_rq_total", 0)
     assert peak >= done * 0.9, (peak, done)
