@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
-from xds_server.ads.push import Push
+from xds_server.ads.push import Push, WireCache
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
 
 WILDCARD = "*"
@@ -74,8 +74,8 @@ class DeltaStream(StreamBase):
 
     protocol = "delta"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, nonces: WireCache | None = None) -> None:
+        super().__init__(nonces)
         self.types: dict[str, DeltaTypeState] = {}
 
     def on_request(self, req: discovery_pb2.DeltaDiscoveryRequest) -> str:
@@ -141,11 +141,11 @@ class DeltaStream(StreamBase):
         st.known.update({name: res.version for name, res in changed.items()})
         for name in removed:
             del st.known[name]
-        nonce = self._next_nonce()
         version = snap.versions.get(type_url, "")
-        st.nonces[nonce] = version
+        push = self._push(type_url, version, tuple(changed.values()), tuple(removed))
+        st.nonces[push.nonce] = version
         st.sent_type_version = version
-        return Push(self.protocol, type_url, version, tuple(changed.values()), tuple(removed), nonce)
+        return push
 
     @staticmethod
     def _changes(type_url: str, st: DeltaTypeState, snap: Snapshot, resources: Mapping[str, Resource]
