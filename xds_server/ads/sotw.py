@@ -123,7 +123,7 @@ class SotwStream(StreamBase):
             if st.subscribed.issuperset(changes.updated) and st.subscribed.isdisjoint(changes.added):
                 # sent holds every subscribed name at its synced version: each updated one goes
                 send = list(changes.updated.values())
-                st.sent.update({n: r.version for n, r in changes.updated.items()})
+                st.sent.update(changes.versions)
             else:
                 send = self._scan(changes.names, resources, st)
         st.rewarm.clear()
