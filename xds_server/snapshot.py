@@ -50,13 +50,17 @@ class Changes(NamedTuple):
 
     ``names``: every name that differs, the newer snapshot's first (in its order), then the gone ones;
     ``updated``: ``{name: newer Resource}`` of the names in both at another version (newer order);
-    ``added``: names only in the newer; ``removed``: names only in the older.
+    ``added``: names only in the newer; ``removed``: names only in the older; ``versions``:
+    ``{name: version}`` of ``updated``, a ``dict`` shared by every stream that asks (read it, or
+    ``update`` another dict from it; never change it): a stream records what it sent with one
+    ``dict.update`` instead of a loop of its own.
     """
 
     names: tuple[str, ...]
     updated: Mapping[str, Resource]
     added: tuple[str, ...]
     removed: tuple[str, ...]
+    versions: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +102,8 @@ class Snapshot:
                 updated[name] = res
         removed = tuple(n for n in before if n not in after)
         names = tuple(n for n in after if n in updated or n not in before) + removed
-        changes = Changes(names, MappingProxyType(updated), tuple(added), removed)
+        changes = Changes(names, MappingProxyType(updated), tuple(added), removed,
+                          {n: r.version for n, r in updated.items()})
         if len(self._changes) >= CHANGES_KEPT:
             self._changes.pop(next(iter(self._changes)))
         self._changes[key] = (before, changes)

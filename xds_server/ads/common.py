@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from xds_server.ads.push import Push, WireCache, content_key
 from xds_server.snapshot import CLUSTER_TYPE, LISTENER_TYPE, ROUTE_TYPE, TYPE_ORDER, Resource, Snapshot
 
 #: Types whose empty first subscription (and explicit ``*``) means "every resource of the type".
@@ -78,18 +79,30 @@ def held_clusters(client_has: Mapping[str, Resource], snap_clusters: Mapping[str
 
 
 class StreamBase:
-    """What SotW and delta streams share: per-type state, the nonce counter, and the push plan
-    (types in CDS -> EDS -> LDS -> RDS order, each asked of :meth:`_respond`)."""
+    """What SotW and delta streams share: per-type state, the nonces, and the push plan (types in
+    CDS -> EDS -> LDS -> RDS order, each asked of :meth:`_respond`).
+
+    ``nonces``: the :class:`~xds_server.ads.push.WireCache` the server encodes with, which gives
+    streams that send the same content the same nonce (so they send the same bytes); None: the
+    stream counts its own (1, 2, ...). Either way a stream's nonces increase.
+    """
 
     protocol = ""
 
-    def __init__(self) -> None:
+    def __init__(self, nonces: WireCache | None = None) -> None:
         self.types: dict = {}
         self._nonce = 0
+        self._nonces = nonces
 
-    def _next_nonce(self) -> str:
-        self._nonce += 1
-        return str(self._nonce)
+    def _push(self, type_url: str, version: str, resources: tuple[Resource, ...],
+              removed: tuple[str, ...] = ()) -> Push:
+        """A push of this content with the stream's next nonce."""
+        if self._nonces is None:
+            self._nonce += 1
+        else:
+            key = content_key(self.protocol, type_url, version, resources, removed)
+            self._nonce = self._nonces.nonce(key, resources, self._nonce)
+        return Push(self.protocol, type_url, version, resources, removed, str(self._nonce))
 
     def plan(self, snap: Snapshot | None) -> list:
         """The pushes to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order, recorded as sent

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, rewarm_clusters, routing_settled
-from xds_server.ads.push import Push
+from xds_server.ads.push import Push, WireCache
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
 
 WILDCARD = "*"
@@ -74,8 +74,8 @@ class DeltaStream(StreamBase):
 
     protocol = "delta"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, nonces: WireCache | None = None) -> None:
+        super().__init__(nonces)
         self.types: dict[str, DeltaTypeState] = {}
 
     def on_request(self, req: discovery_pb2.DeltaDiscoveryRequest) -> str:
@@ -124,7 +124,7 @@ class DeltaStream(StreamBase):
         resources = snap.of(type_url)
         if st.synced is resources:
             return None
-        changed, removed = self._changes(type_url, st, snap, resources)
+        changed, versions, removed = self._changes(type_url, st, snap, resources)
         st.synced = resources
         if type_url == CLUSTER_TYPE:
             if removed and not routing_settled(self.types, snap):
@@ -135,34 +135,36 @@ class DeltaStream(StreamBase):
                 eds.known.pop(name, None)
                 eds.rewarm.add(name)
                 eds.synced = None
-        st.rewarm -= changed.keys()
+        if st.rewarm:
+            st.rewarm -= changed.keys()
         if not changed and not removed:
             return None
-        st.known.update({name: res.version for name, res in changed.items()})
+        st.known.update(versions)
         for name in removed:
             del st.known[name]
-        nonce = self._next_nonce()
         version = snap.versions.get(type_url, "")
-        st.nonces[nonce] = version
+        push = self._push(type_url, version, tuple(changed.values()), tuple(removed))
+        st.nonces[push.nonce] = version
         st.sent_type_version = version
-        return Push(self.protocol, type_url, version, tuple(changed.values()), tuple(removed), nonce)
+        return push
 
     @staticmethod
     def _changes(type_url: str, st: DeltaTypeState, snap: Snapshot, resources: Mapping[str, Resource]
-                 ) -> tuple[Mapping[str, Resource], list[str]]:
+                 ) -> tuple[Mapping[str, Resource], Mapping[str, str], list[str]]:
         """What the client lacks of ``resources`` (the snapshot's of ``type_url``), ``{name: Resource}``
-        in the snapshot's order, and the names it has that are gone (CDS, LDS only: for EDS and RDS
-        the client unsubscribes itself when the cluster or listener goes)."""
+        in the snapshot's order, their ``{name: version}``, and the names it has that are gone (CDS,
+        LDS only: for EDS and RDS the client unsubscribes itself when the cluster or listener goes)."""
         wildcard_type = type_url in WILDCARD_TYPES
         if st.synced is None:
             changed = {n: r for n, r in resources.items() if st.wants(n) and st.known.get(n) != r.version}
-            return changed, [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
+            removed = [n for n in st.known if n not in resources and st.wants(n)] if wildcard_type else []
+            return changed, _versions(changed), removed
         changes = snap.changed_since(type_url, st.synced)
         wildcard, subscribed, known = st.wildcard, st.subscribed, st.known
         if (not (wildcard_type and changes.removed)
                 and (wildcard or subscribed.issuperset(changes.updated))
                 and (not changes.added if wildcard else subscribed.isdisjoint(changes.added))):
-            return changes.updated, []  # known holds every wanted name at its synced version
+            return changes.updated, changes.versions, []  # known holds every wanted name at its synced version
         changed, removed = {}, []
         for name in changes.names:
             if not wildcard and name not in subscribed:
@@ -173,4 +175,9 @@ class DeltaStream(StreamBase):
                     removed.append(name)
             elif known.get(name) != res.version:
                 changed[name] = res
-        return changed, removed
+        return changed, _versions(changed), removed
+
+
+def _versions(resources: Mapping[str, Resource]) -> dict[str, str]:
+    """``{name: version}`` of ``resources``."""
+    return {name: res.version for name, res in resources.items()}

@@ -118,11 +118,11 @@ class AdsServicer:
         return sorted((n.describe() for n in list(self.nodes.values())), key=lambda d: (d["node_id"], d["peer"]))
 
     async def StreamAggregatedResources(self, request_iterator, context):  # noqa: N802 (gRPC name)
-        async for resp in self._serve(SotwStream(), request_iterator, context):
+        async for resp in self._serve(SotwStream(self.wire), request_iterator, context):
             yield resp
 
     async def DeltaAggregatedResources(self, request_iterator, context):  # noqa: N802 (gRPC name)
-        async for resp in self._serve(DeltaStream(), request_iterator, context):
+        async for resp in self._serve(DeltaStream(self.wire), request_iterator, context):
             yield resp
 
     async def _serve(self, state: SotwStream | DeltaStream, request_iterator, context):

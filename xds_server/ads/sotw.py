@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.ads.common import WILDCARD_TYPES, AckState, StreamBase, held_clusters, rewarm_clusters, routing_settled
-from xds_server.ads.push import Push
+from xds_server.ads.push import Push, WireCache
 from xds_server.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Resource, Snapshot
 
 
@@ -63,8 +63,8 @@ class SotwStream(StreamBase):
 
     protocol = "sotw"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, nonces: WireCache | None = None) -> None:
+        super().__init__(nonces)
         self.types: dict[str, TypeState] = {}
 
     def on_request(self, req: discovery_pb2.DiscoveryRequest) -> str:
@@ -123,7 +123,7 @@ class SotwStream(StreamBase):
             if st.subscribed.issuperset(changes.updated) and st.subscribed.isdisjoint(changes.added):
                 # sent holds every subscribed name at its synced version: each updated one goes
                 send = list(changes.updated.values())
-                st.sent.update({n: r.version for n, r in changes.updated.items()})
+                st.sent.update(changes.versions)
             else:
                 send = self._scan(changes.names, resources, st)
         st.rewarm.clear()
@@ -149,5 +149,6 @@ class SotwStream(StreamBase):
         return send
 
     def _response(self, type_url: str, version: str, resources: tuple[Resource, ...], st: TypeState) -> Push:
-        st.nonce = self._next_nonce()
-        return Push(self.protocol, type_url, version, resources, (), st.nonce)
+        push = self._push(type_url, version, resources)
+        st.nonce = push.nonce
+        return push
