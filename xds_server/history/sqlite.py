@@ -15,6 +15,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Mapping
+from itertools import groupby
 from pathlib import Path
 
 from xds_server.config import History
@@ -152,8 +153,9 @@ class SqliteHistory:
                 i: Layout(tuple(json.loads(a)), tuple(json.loads(b)))
                 for i, a, b in self._conn.execute("SELECT id, inputs, scores FROM history_layouts")}
             self._layout_ids = {v: k for k, v in self._layouts.items()}
-            self._endpoint_ids: dict[tuple[str, str], int] = {
-                (c, e): i for i, c, e in self._conn.execute("SELECT id, cluster, endpoint FROM history_endpoints")}
+            self._endpoint_ids: dict[str, dict[str, int]] = {}  # cluster -> {endpoint: id}
+            for i, c, e in self._conn.execute("SELECT id, cluster, endpoint FROM history_endpoints"):
+                self._endpoint_ids.setdefault(c, {})[e] = i
         except (sqlite3.Error, OSError) as err:
             raise HistoryError(f"history.path: cannot open {self.path}: {err}") from err
 
@@ -175,23 +177,31 @@ class SqliteHistory:
                                                 map(ids.__getitem__, rows.layout), strict=True))
             except sqlite3.Error as err:
                 raise HistoryError(f"history: cannot write to {self.path}: {err}") from err
-            self._endpoint_ids.update(added)  # known once their rows are written
+            for (cluster, endpoint), new in added.items():  # known once their rows are written
+                self._endpoint_ids.setdefault(cluster, {})[endpoint] = new
 
     def _endpoints(self, db: sqlite3.Connection, rows: RowBatch, added: dict[tuple[str, str], int]) -> list[int]:
         """Each row's endpoint id; an endpoint seen for the first time is stored (inside the caller's
-        transaction) and put in ``added``."""
-        keys: list[tuple[str, str]] = []
+        transaction) and put in ``added``.
+
+        Looked up per run of rows of one cluster, by address (a round's rows come cluster by cluster):
+        no ``(cluster, endpoint)`` tuple is made and hashed per row (16 ms for a round's 36 000 rows,
+        against ~3 ms by address, timed alone)."""
         ids: list[int | None] = []
-        for start in range(0, len(rows), _PIECE):  # one C call per piece: the GIL changes hands between
-            piece = list(zip(rows.cluster[start:start + _PIECE], rows.endpoint[start:start + _PIECE], strict=True))
-            keys += piece
-            ids += map(self._endpoint_ids.get, piece)
+        start = 0
+        for cluster, run in groupby(rows.cluster):
+            end = start + len(list(run))
+            table = self._endpoint_ids.get(cluster, {})
+            for at in range(start, end, _PIECE):  # one C call per piece: the GIL changes hands between
+                ids += map(table.get, rows.endpoint[at:min(at + _PIECE, end)])
+            start = end
         if None in ids:
             for i in [i for i, known in enumerate(ids) if known is None]:
-                new = added.get(keys[i])
+                key = (rows.cluster[i], rows.endpoint[i])
+                new = added.get(key)
                 if new is None:
-                    new = added[keys[i]] = db.execute("INSERT INTO history_endpoints (cluster, endpoint) VALUES (?, ?)",
-                                                      keys[i]).lastrowid
+                    new = added[key] = db.execute("INSERT INTO history_endpoints (cluster, endpoint) VALUES (?, ?)",
+                                                  key).lastrowid
                 ids[i] = new
         return ids  # type: ignore[return-value]
 

@@ -74,6 +74,10 @@ def test_file_store_uses_wal_and_survives_reopening(tmp_path):
         assert db.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE
     again = store(path)
     assert [(r.endpoint, r.weight) for r in again.rows(0, 1000)] == [(A, 10), (B, 20)]
+    again.append(RowBatch.of([row(102, B, 21), row(103, A, 30, cluster="chat-v2"), row(104, A, 11)]))
+    assert [(r.cluster, r.endpoint, r.weight) for r in again.rows(102, 1000)] == [
+        ("chat-v1", B, 21), ("chat-v2", A, 30), ("chat-v1", A, 11)]
+    assert again._db().execute("SELECT count(*) FROM history_endpoints").fetchone()[0] == 3  # known ids reused
     again.close()
     with pytest.raises(HistoryError, match="closed"):
         again.rows(0, 1)
