@@ -338,6 +338,7 @@ def cluster_levels(assignment: Assignment) -> list[ClusterDetails]:
     """
     by_priority: dict[int, list[str]] = {}
     read = []  # per locality: (names, weights, limits, classes), each per endpoint
+    plain = []  # per locality: no endpoint of it carries values of its own
     for priority, shared_meta, names, health, weights, metas in assignment_endpoints(assignment):
         shared = _inferlb(shared_meta) if shared_meta is not None else None
         shared_limit = shared.get("max_concurrency") if shared is not None else None
@@ -345,7 +346,8 @@ def cluster_levels(assignment: Assignment) -> list[ClusterDetails]:
         n = len(names)
         limits = [int(shared_limit.number_value) if shared_limit is not None else 0] * n
         classes = [shared_class.string_value if shared_class is not None else ""] * n
-        if metas.count(None) != n:  # endpoints with values of their own (few: the control plane writes
+        plain.append(metas.count(None) == n)
+        if not plain[-1]:  # endpoints with values of their own (few: the control plane writes
             for i, meta in enumerate(metas):  # only those that differ from their locality)
                 own = _inferlb(meta) if meta is not None else None
                 if own is not None:
@@ -356,6 +358,9 @@ def cluster_levels(assignment: Assignment) -> list[ClusterDetails]:
             a for a, h in zip(names, health, strict=True) if a is not None and h in _PINNABLE_HEALTH]
         by_priority.setdefault(priority, []).extend(pinnable)
         read.append((names, [w or 1 for w in weights], limits, classes))
+    if len(read) == 1 and plain[0]:  # the usual shape: one locality, its endpoints without values of their own
+        pinnable = next(iter(by_priority.values()))
+        return [_one_locality(pinnable, *read[0])] if pinnable else []
     # Per address, (weight, max_concurrency, gpu_class) of its first listing: filled last listing
     # first, by C-level dict updates (no Python step per endpoint).
     details: dict[str | None, tuple[int, int, str]] = {}
@@ -370,6 +375,18 @@ def cluster_levels(assignment: Assignment) -> list[ClusterDetails]:
                                   dict(zip(endpoints, weights, strict=True)),
                                   dict(zip(endpoints, classes, strict=True))))
     return out
+
+
+def _one_locality(pinnable: list[str], names: list[str | None], weights: list[int], limits: list[int],
+                  classes: list[str]) -> ClusterDetails:
+    """:func:`cluster_levels`' answer for one locality whose ``limits`` and ``classes`` are its own
+    (one value each, per endpoint): the first listing's weight of each ``pinnable`` address, by one
+    dict, not a ``(weight, limit, class)`` tuple per address (at 60 000 endpoints ~25 ms less)."""
+    endpoints = tuple(sorted(dict.fromkeys(pinnable)))  # keeps runs: timsort is ~3x faster
+    first = dict(zip(reversed(names), reversed(weights), strict=True))  # the first listing wins
+    return ClusterDetails(endpoints, limits[0] * len(endpoints) if limits[0] > 0 else 0,
+                          dict(zip(endpoints, map(first.__getitem__, endpoints), strict=True)),
+                          dict.fromkeys(endpoints, classes[0]))
 
 
 def cluster_details(assignment: Assignment) -> ClusterDetails:

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import pytest
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission, admit
@@ -163,3 +163,23 @@ def test_locality_metadata_is_the_default_of_its_endpoints():
     assert details.classes == {"10.0.0.0:8000": "a100", "10.0.0.1:8000": "a10", "10.0.0.2:8000": "a100"}
     del locality.lb_endpoints[2]
     assert cluster_details(assignment).capacity == 5 + 3
+
+
+def test_one_locality_with_locality_wide_metadata_only():
+    # the usual shape (one locality, no endpoint values of its own): an address listed twice keeps its
+    # first listing's weight, unpinnable endpoints are left out, as with two localities
+    hosts = [("10.0.0.2", HEALTHY), ("10.0.0.1", HEALTHY), ("10.0.0.2", HEALTHY),
+             ("10.0.0.3", health_check_pb2.UNHEALTHY)]
+    one = cla("llm-v1", hosts)
+    locality = one.endpoints[0]
+    locality.metadata.filter_metadata["inferlb"].update({"max_concurrency": 4, "gpu_class": "a100"})
+    for lb, weight in zip(locality.lb_endpoints, [7, 0, 9, 5], strict=True):
+        if weight:
+            lb.load_balancing_weight.value = weight
+    details = cluster_details(one)
+    assert details == (("10.0.0.1:8000", "10.0.0.2:8000"), 8, {"10.0.0.1:8000": 1, "10.0.0.2:8000": 7},
+                       {"10.0.0.1:8000": "a100", "10.0.0.2:8000": "a100"})
+    two = type(one)()
+    two.CopyFrom(one)
+    two.endpoints.add(priority=0).CopyFrom(locality)  # a second locality: the general path
+    assert cluster_details(two) == details

@@ -13,7 +13,7 @@ from xds_server.config import History
 from xds_server.engine.types import DRAINING, UNHEALTHY
 from xds_server.history.changes import Recorded, to_record
 from xds_server.history.recorder import ERRORS, HistoryRecorder
-from xds_server.history.sqlite import SqliteHistory, default_path, open_store
+from xds_server.history.sqlite import PAGE_SIZE, SqliteHistory, default_path, open_store
 from xds_server.history.types import CHANGE, KEYFRAME, HistoryError, RowBatch
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -71,11 +71,30 @@ def test_file_store_uses_wal_and_survives_reopening(tmp_path):
     s.close()
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE
     again = store(path)
     assert [(r.endpoint, r.weight) for r in again.rows(0, 1000)] == [(A, 10), (B, 20)]
+    again.append(RowBatch.of([row(102, B, 21), row(103, A, 30, cluster="chat-v2"), row(104, A, 11)]))
+    assert [(r.cluster, r.endpoint, r.weight) for r in again.rows(102, 1000)] == [
+        ("chat-v1", B, 21), ("chat-v2", A, 30), ("chat-v1", A, 11)]
+    assert again._db().execute("SELECT count(*) FROM history_endpoints").fetchone()[0] == 3  # known ids reused
     again.close()
     with pytest.raises(HistoryError, match="closed"):
         again.rows(0, 1)
+
+
+def test_an_existing_file_keeps_its_page_size(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:  # as an earlier release created it: SQLite's default pages
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("CREATE TABLE t (a)")
+    default = sqlite3.connect(path).execute("PRAGMA page_size").fetchone()[0]
+    assert default != PAGE_SIZE
+    s = store(path)
+    s.append(RowBatch.of([row(100, A, 10)]))
+    assert [r.weight for r in s.rows(0, 1000)] == [10]
+    s.close()
+    assert sqlite3.connect(path).execute("PRAGMA page_size").fetchone()[0] == default
 
 
 #: A version-1 file as earlier inferlb releases wrote it (inputs and scores as JSON objects).
