@@ -249,7 +249,8 @@ class Soak:
                 self.run.drift.append({"t": t, "picker": picker, "backends": backends,
                                        "client": self.traffic.in_flight})
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.sample_every_s)
+                async with asyncio.timeout(self.sample_every_s):   # not wait_for: it can lose a cancellation on 3.11
+                    await stop.wait()
 
     def _inject(self, kind: str) -> tuple[str, tuple[int, int]]:
         """Run one fault to its end (blocking; called in a thread). Returns the target's name and its

@@ -15,6 +15,7 @@ source answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -199,10 +200,9 @@ async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: floa
                 live.update(weights_rich_table(doc, head) if doc else head, refresh=True)
             else:
                 print("\n" + head + ("\n" + weights_table(doc) if doc else ""), flush=True)
-            try:
-                await asyncio.wait_for(stop.wait(), 2.0)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):   # not wait_for: it can lose a cancellation on 3.11
+                    await stop.wait()
     finally:
         if live is not None:
             live.stop()

@@ -234,8 +234,10 @@ class ControlPlane:
         weights stay (before the first snapshot: see the class docstring)."""
         instances = [s.instance for s in self._specs]
         try:
-            stats = await asyncio.wait_for(asyncio.to_thread(self.source.fetch, instances),
-                                           timeout=self.cfg.loop.timeout_s * 3)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that arrives as
+            # the fetch answers (CPython gh-86296), and the loop then never stops.
+            async with asyncio.timeout(self.cfg.loop.timeout_s * 3):
+                stats = await asyncio.to_thread(self.source.fetch, instances)
             ok = True
         except (MetricsUnavailable, TimeoutError) as err:
             ok = False

@@ -15,6 +15,7 @@ end of the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -360,10 +361,9 @@ class ScenarioRunner:
                     hosts = {}
                 t = loop.time() - t0
                 weights.extend((t, c, a, h["weight"], h["health"]) for c, hs in hosts.items() for a, h in hs.items())
-                try:
-                    await asyncio.wait_for(done.wait(), WEIGHT_POLL_S)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(WEIGHT_POLL_S):   # not wait_for: it can lose a cancellation on 3.11
+                        await done.wait()
 
         async def fire() -> None:
             for e in sorted(self.sc.events, key=lambda e: e.at):

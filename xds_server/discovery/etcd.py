@@ -433,7 +433,8 @@ class EtcdWatcher:
                     WATCH_RESTARTS.labels("timeout").inc()
                     return
                 try:
-                    chunk = await asyncio.wait_for(r.content.readany(), remaining)
+                    async with asyncio.timeout(remaining):   # not wait_for: it can lose a cancellation on 3.11
+                        chunk = await r.content.readany()
                 except TimeoutError:
                     WATCH_RESTARTS.labels("timeout").inc()
                     return

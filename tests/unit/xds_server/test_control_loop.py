@@ -155,3 +155,39 @@ async def test_rounds_never_overlap_when_a_source_is_slower_than_the_interval():
     for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end  # one after the other
         assert start - end < 0.15  # and at once: no interval_s (0.3 s) sleep after a round that ran past it
+
+
+
+class _Stuck(BaseException):
+    """Ends a loop that lost its cancellation (not an Exception: the loop does not catch it)."""
+
+
+async def test_a_cancelled_loop_stops_even_when_its_fetch_has_just_answered():
+    """Cancelling :meth:`ControlPlane.run` always stops it. Python 3.11's ``asyncio.wait_for`` loses a
+    cancellation that arrives as its inner future completes (CPython gh-86296), and the loop then ran
+    rounds forever: a test awaiting the cancelled task hung until CI's limit. Cancels land at many
+    points of rounds whose fetch answers at once."""
+    stuck = False
+
+    def fetch(instances):
+        if stuck:
+            raise _Stuck
+        return {x: EndpointStats(sample_age_s=1.0) for x in instances}
+
+    cfg = config([service("chat", [version("v1", 1)])], loop={"interval_s": 0.001, "timeout_s": 0.5})
+    cp = ControlPlane(cfg, metrics_source(fetch), SnapshotCache(), [], lambda: "127.0.0.1:1")
+    for attempt in range(300):
+        task = asyncio.create_task(cp.run())
+        for _ in range(attempt % 7):
+            await asyncio.sleep(0)
+        await asyncio.sleep(attempt % 3 * 0.0005)
+        task.cancel()
+        for _ in range(500):   # up to ~5 s
+            if task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not task.done():
+            stuck = True
+            with contextlib.suppress(_Stuck):
+                await task
+            pytest.fail(f"the loop went on after its cancellation (attempt {attempt})")
