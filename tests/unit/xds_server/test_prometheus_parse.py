@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import pytest
 from prometheus_api_client.exceptions import PrometheusApiClientException
@@ -145,7 +146,19 @@ def test_fetch_runs_every_query_with_the_window_and_timeout():
     assert len(fake.calls) == 2 * len(VLLM_DCGM) + 3
     assert all("{w}" not in q for q, _ in fake.calls)
     assert any("[30s]" in q for q, _ in fake.calls)
-    assert all(p == {"timeout": "1500ms"} for _, p in fake.calls)
+    assert all(p["timeout"] == "1500ms" for _, p in fake.calls)
+
+
+def test_every_query_of_a_round_is_evaluated_at_one_time():
+    """One evaluation time per round: a scrape landing between two queries would otherwise pair a
+    newer value with an older sample time."""
+    src, fake = source()
+    src.fetch([A, B], now=1000.25)
+    assert {p["time"] for _, p in fake.calls} == {"1000.250"}
+    fake.calls.clear()
+    src.fetch([A, B])  # the wall clock, read once as the round starts
+    times = {p["time"] for _, p in fake.calls}
+    assert len(times) == 1 and abs(float(times.pop()) - time.time()) < 5
 
 
 def test_fetch_joins_values_by_instance_and_scales_them():

@@ -289,10 +289,11 @@ class PrometheusSource:
         """For the admin API: the scrape interval learned from Prometheus (s, or None)."""
         return {"scrape_interval_s": self.sample_interval_s}
 
-    def _query(self, field: str) -> dict[str, float | None]:
+    def _query(self, field: str, at: float) -> dict[str, float | None]:
         query, scale, by = self._queries[field]
         try:
-            result = self._prom.custom_query(query, params={"timeout": f"{round(self._timeout_s * 1000)}ms"})
+            result = self._prom.custom_query(query, params={"timeout": f"{round(self._timeout_s * 1000)}ms",
+                                                            "time": f"{at:.3f}"})
         except (PrometheusApiClientException, RequestException, ValueError) as err:
             raise MetricsUnavailable(f"query for {field} failed: {err}") from err
         except (KeyError, TypeError) as err:  # a 200 whose JSON is not a Prometheus answer
@@ -306,12 +307,20 @@ class PrometheusSource:
         instance was first asked for or since its last good Prometheus scrape, whichever is older
         (:func:`unsampled_since`), less the time Prometheus did not scrape it (:func:`sample_age_s`).
 
+        Every query of a round is evaluated at one time (Prometheus's ``time`` parameter, the wall
+        clock as the round starts), so the values and the sample time describe one moment: without
+        it, each query was evaluated when it reached Prometheus, and a scrape landing between two of
+        them paired a newer GPU memory value with an older sample time (seen in the ``edge_cloud``
+        benchmark: a node's free memory from one scrape dated to the scrape before it, 0.5 s
+        earlier, so the picker's memory estimate subtracted its requests of those 0.5 s twice).
+
         Blocking (run it in a thread). Raises:
             MetricsUnavailable: any query failed, timed out or returned garbage; nothing is partial.
         """
         instances = list(instances)
+        at = time.time() if now is None else now
         seen_all = all(i in self._last_seen for i in instances)  # the range query only helps the unseen:
-        futures = {f: self._pool.submit(self._query, f) for f in self._queries  # a steady round skips it
+        futures = {f: self._pool.submit(self._query, f, at) for f in self._queries  # a steady round skips it
                    if not (seen_all and f == GOOD_SCRAPE_TIME)}
         done, pending = wait(futures.values(), timeout=self._timeout_s + 0.5)
         if pending:
