@@ -122,7 +122,9 @@ class ControlPlane:
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
         self.stats_at: float | None = None
-        """When the current stats were fetched (monotonic s): their ``sample_age_s`` count from here."""
+        """When the current stats were fetched (monotonic s): their ``sample_age_s`` count from here.
+        Read in the fetch's own thread as it returns: on a busy event loop, the hand-back to the loop
+        can take tens of ms, and the picker's memory estimate dates each sample from this."""
         self.ready = asyncio.Event()
 
     @property
@@ -229,6 +231,11 @@ class ControlPlane:
         if not await self.run_round() and self.weights:
             await self.republish()
 
+    def _fetch(self, instances: list[str]) -> tuple[dict, float]:
+        """The source's answer and the monotonic time it came (blocking: runs in a worker thread)."""
+        stats = self.source.fetch(instances)
+        return stats, time.monotonic()
+
     async def run_round(self) -> bool:
         """One round; returns whether the metrics source answered. On a metrics failure the previous
         weights stay (before the first snapshot: see the class docstring)."""
@@ -237,7 +244,7 @@ class ControlPlane:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that arrives as
             # the fetch answers (CPython gh-86296), and the loop then never stops.
             async with asyncio.timeout(self.cfg.loop.timeout_s * 3):
-                stats = await asyncio.to_thread(self.source.fetch, instances)
+                stats, fetched_at = await asyncio.to_thread(self._fetch, instances)
             ok = True
         except (MetricsUnavailable, TimeoutError) as err:
             ok = False
@@ -260,7 +267,7 @@ class ControlPlane:
             log.error("no metrics after %.0f s: publishing the first snapshot with neutral weights", waited)
         else:
             self._stats = stats
-            self.stats_at = time.monotonic()
+            self.stats_at = fetched_at
             self._fit_staleness()
         await self._compute_and_publish(stats)
         return ok

@@ -191,3 +191,20 @@ async def test_a_cancelled_loop_stops_even_when_its_fetch_has_just_answered():
             with contextlib.suppress(_Stuck):
                 await task
             pytest.fail(f"the loop went on after its cancellation (attempt {attempt})")
+
+
+async def test_the_stats_are_dated_when_the_fetch_returned_not_when_the_loop_took_them():
+    """The picker dates each GPU memory sample from ``stats_at`` minus its age: read after a busy
+    event loop takes the answer, it was late by however long the loop was busy, and the picker then
+    counted requests the sample already held as sent after it."""
+    returned: list[float] = []
+
+    def fetch(instances):
+        time.sleep(0.05)
+        returned.append(time.monotonic())
+        return {x: EndpointStats(sample_age_s=1.0) for x in instances}
+
+    cp = ControlPlane(CFG, metrics_source(fetch), SnapshotCache(), [], lambda: "127.0.0.1:1")
+    asyncio.get_running_loop().call_later(0.01, time.sleep, 0.3)  # the loop is busy as the fetch returns
+    assert await cp.run_round()
+    assert cp.stats_at is not None and abs(cp.stats_at - returned[0]) < 0.05
