@@ -82,11 +82,16 @@ class InFlight:
         clock: monotonic seconds (tests pass a fake one).
         failure_hold_s: an endpoint whose connection failed (:meth:`failed_now`) is not picked for
             this long (s, > 0).
-        sample_slack_s: how unsure the time of a memory sample is, against the picks' and
-            completions' times (s, >= 0): the trip from picker to backend, the access-log flush, the
-            sample's age measured a little before the sample reaches the picker. Within it, a pick
-            counts as not yet in the sample and a completion as not yet freed in it (the estimate
-            errs low, never high).
+        arrival_slack_s: how long after its pick a request may reach its endpoint (s, >= 0): a
+            pick made later than this before a sample's time counts as not yet in the sample.
+        completion_lag_s: how long after its endpoint let a request go its completion may reach
+            the picker (s, >= 0; Envoy's access-log flush, ``picker.access_log_flush_s``, and the
+            trip): a completion the picker learned of less than this after a sample's time counts
+            as maybe already free in the sample. Both decide the doubtful requests against
+            admission (the estimate errs low, never high). The defaults come from the
+            ``edge_cloud`` scenario of ``inferlb bench quality`` (2-core machine, bursts at 5x):
+            pick to arrival p99 10 ms (max 112 ms was one outlier); release to completion
+            p50 5.5, p99 28.5, max 42.8 ms (2026-12-03, docs/picker.md).
         done_keep_s: how long finished requests with memory are remembered for :meth:`set_samples`
             (s, > 0; above the age of the oldest sample used, else the estimate errs low).
 
@@ -114,18 +119,19 @@ class InFlight:
 
     Raises:
         ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
-            ``sample_slack_s`` is negative.
+            ``arrival_slack_s`` or ``completion_lag_s`` is negative.
     """
 
     __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests", "changes",
                  "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled",
-                 "_done", "_slack", "_keep", "_doubts", "finished")
+                 "_done", "_arrival", "_lag", "_keep", "_doubts", "finished")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
-                 failure_hold_s: float = 5.0, sample_slack_s: float = 0.05, done_keep_s: float = 10.0) -> None:
-        if sample_slack_s < 0 or done_keep_s <= 0:
-            raise ValueError(f"in-flight sample_slack_s must be >= 0 and done_keep_s > 0, got {sample_slack_s}, "
-                             f"{done_keep_s}")
+                 failure_hold_s: float = 5.0, arrival_slack_s: float = 0.02, completion_lag_s: float = 0.05,
+                 done_keep_s: float = 10.0) -> None:
+        if arrival_slack_s < 0 or completion_lag_s < 0 or done_keep_s <= 0:
+            raise ValueError(f"in-flight arrival_slack_s and completion_lag_s must be >= 0 and done_keep_s > 0, "
+                             f"got {arrival_slack_s}, {completion_lag_s}, {done_keep_s}")
         if expiry_s <= 0:
             raise ValueError(f"in-flight expiry_s must be > 0, got {expiry_s}")
         if failure_hold_s <= 0:
@@ -150,7 +156,8 @@ class InFlight:
         self._sampled: dict[str, float] = {}  # endpoint -> time of its memory sample (monotonic s)
         # endpoint -> finished picks with memory, oldest first: (picked at, finished at, MiB)
         self._done: dict[str, deque[tuple[float, float, float]]] = {}
-        self._slack = sample_slack_s
+        self._arrival = arrival_slack_s
+        self._lag = completion_lag_s
         self._doubts: dict[str, float] = {}  # endpoint -> time of its last uncertain failure
         self._keep = done_keep_s
 
@@ -273,19 +280,20 @@ class InFlight:
         the sample was taken and still in flight, plus the memory of the picks the sample saw
         running that have finished since (a sample is 0.5-1 s old when it arrives, longer than most
         requests: without that credit every sample would still count the memory of requests long
-        gone). ``sample_slack_s`` on either side decides the doubtful ones against admission.
+        gone). ``arrival_slack_s`` before the sample's time and ``completion_lag_s`` after it decide the
+        doubtful ones against admission.
         Endpoints absent from ``samples`` lose their estimate (unknown: admitted).
         O(requests in flight + finished in ``done_keep_s``): the two 60 000-entry dicts are built by
         :meth:`MemorySamples.of` wherever the caller likes (off the event loop: 25-30 ms at 60 000
         endpoints, measured on the shared 2-core machine); call once per metrics round.
         """
         free, sampled = samples
-        slack = self._slack
+        arrival, lag = self._arrival, self._lag
         for endpoint in self._pending_ep.keys() | self._done.keys():  # only endpoints with recent picks
             taken = sampled.get(endpoint)
             if taken is None:
                 continue
-            before, after = taken - slack, taken + slack
+            before, after = taken - arrival, taken + lag
             estimate = free[endpoint]
             for pick in self._pending_ep.get(endpoint, ()):
                 if pick[0] > before:  # picked after the sample (or maybe): not in it yet

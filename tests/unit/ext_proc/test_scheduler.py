@@ -131,7 +131,7 @@ def test_estimated_free_subtracts_what_was_sent_since_the_sample_and_credits_com
 
 def test_a_sample_is_credited_with_the_requests_it_saw_that_finished_since():
     clock = [100.0]
-    live = InFlight(clock=lambda: clock[0], sample_slack_s=0.05)
+    live = InFlight(clock=lambda: clock[0], arrival_slack_s=0.05, completion_lag_s=0.05)
     live.picked("c", FOUR[0], mib=8000.0)
     live.picked("c", FOUR[0], mib=8000.0)
     live.set_samples(MemorySamples.of({FOUR[0]: (24000.0, 99.0)}))
@@ -145,7 +145,7 @@ def test_a_sample_is_credited_with_the_requests_it_saw_that_finished_since():
 
 def test_doubtful_requests_near_the_sample_time_count_against_admission():
     clock = [100.0]
-    live = InFlight(clock=lambda: clock[0], sample_slack_s=0.05)
+    live = InFlight(clock=lambda: clock[0], arrival_slack_s=0.05, completion_lag_s=0.05)
     live.picked("c", FOUR[0], mib=8000.0)
     clock[0] = 100.23  # finished 30 ms after the sample: maybe before it, as far as the picker knows
     live.completed("c", FOUR[0])
@@ -167,21 +167,28 @@ def test_an_expired_pick_is_never_credited_to_a_sample():
     assert live.free[FOUR[0]] == 20000.0
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0.001, 3)), max_size=30),
+ARRIVAL, LAG = 0.02, 0.05  # InFlight's default arrival_slack_s and completion_lag_s
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0.001, 3), st.floats(0, 1), st.floats(0, 1)), max_size=30),
        st.sampled_from([2048.0, 8192.0]), st.floats(0.5, 10), st.floats(0, 2))
 def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, delay):
-    """Requests (picked at, lasting) of ``size`` MiB each on one endpoint; a true sample at
-    ``taken_at`` reaches the picker ``delay`` s later. The estimate then is at most the true free
-    memory, and equal to it when no request starts or ends within the slack of the sample.
-    (One size: Envoy's completions are matched to picks first in, first out per endpoint.)"""
-    requests = [(t, d, size) for t, d in spans]
-    total, slack = 30 * 8192.0, 0.05
+    """Requests of ``size`` MiB each on one endpoint: picked at ``t``, at the endpoint up to
+    ``ARRIVAL`` s later, holding memory there for ``d`` s, their completion reaching the picker up to
+    ``LAG`` s after that; a true sample at ``taken_at`` reaches the picker ``delay`` s later. The
+    estimate then is at most the true free memory (less every request picked and not ended), and
+    equal to it when no request is doubtful: none picked within ``ARRIVAL`` before the sample, none
+    that the sample held whose completion came within ``LAG`` after it, none whose completion is
+    still on its way. (One size: Envoy's completions are matched to picks first in, first out.)"""
+    requests = [(t, t + ARRIVAL * a, t + ARRIVAL * a + d, t + ARRIVAL * a + d + LAG * lag)
+                for t, d, a, lag in spans]  # (picked, arrived, ended, completion learned)
+    total = 30 * 8192.0
     now = taken_at + delay
-    events = sorted([(t, "pick", i) for i, (t, _, _) in enumerate(requests)]
-                    + [(t + d, "done", i) for i, (t, d, _) in enumerate(requests)])
+    events = sorted([(p, "pick", i) for i, (p, _, _, _) in enumerate(requests)]
+                    + [(f, "done", i) for i, (_, _, _, f) in enumerate(requests)])
     clock = [0.0]
-    live = InFlight(expiry_s=1000.0, clock=lambda: clock[0], sample_slack_s=slack)
+    live = InFlight(expiry_s=1000.0, clock=lambda: clock[0])
     live.set_samples(MemorySamples.of({FOUR[0]: (total, -1.0)}))  # known from the start
     order: list[int] = []  # picks in flight, oldest first (completions are matched first in, first out)
     for t, kind, i in events:
@@ -189,19 +196,19 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
             break
         clock[0] = t
         if kind == "pick":
-            live.picked("c", FOUR[0], mib=requests[i][2])
+            live.picked("c", FOUR[0], mib=size)
             order.append(i)
         else:
             live.completed("c", FOUR[0])
             order.remove(i)
     clock[0] = now
-    resident_at_sample = sum(m for t, d, m in requests if t <= taken_at < t + d)
+    resident_at_sample = sum(size for _, a, e, _ in requests if a <= taken_at < e)
     live.set_samples(MemorySamples.of({FOUR[0]: (total - resident_at_sample, taken_at)}))
-    in_flight_now = sum(requests[i][2] for i in order)
-    truth = total - in_flight_now
+    truth = total - sum(size for p, _, e, _ in requests if p <= now < e)
     assert live.free[FOUR[0]] <= truth + 1e-6
-    near = any(abs(t - taken_at) <= slack or abs(t + d - taken_at) <= slack for t, d, _ in requests)
-    if not near:
+    doubtful = any(taken_at - ARRIVAL < p <= taken_at or (a <= taken_at < e and f <= taken_at + LAG) or e <= now < f
+                   for p, a, e, f in requests)
+    if not doubtful:
         assert live.free[FOUR[0]] == pytest.approx(truth)
 
 
