@@ -7,7 +7,8 @@ fresh Envoy (and, for inferlb policies, a fresh ``inferlb serve``) starts, the w
 replayed open-loop while the scenario's events fire at their times and Envoy's per-host weights
 are polled, and everything but the backends and Prometheus stops again. Between runs each
 backend's faults are reset and a stopped backend is restarted; session keys and prompt texts
-differ per run (see :func:`bench.quality.trace.to_planned`), so no run inherits warm KV caches.
+differ per run (see :func:`bench.quality.trace.to_planned`), so no run inherits warm KV caches,
+and a run starts once the one before it has left Prometheus's window (:data:`QUIET_S`).
 The backends' prefix-cache and preemption counters are read at the end of the warm-up and at the
 end of the run.
 """
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 WEIGHT_POLL_S = 0.5
 #: Envoy's route timeout is the client's plus this (s), so the client's timeout decides.
 ROUTE_TIMEOUT_SLACK_S = 1.0
+#: Pause between two runs (s): Prometheus's window plus one scrape, so no run's control plane reads
+#: the traffic of the run before it.
+QUIET_S = CONTROL["window_s"] + CONTROL["scrape_interval_s"]
 #: Each node's max concurrency and the edge's spill threshold as inferlb is configured here (its defaults).
 EDGE_MAX_CONCURRENCY: int = EndpointConfig.model_fields["max_concurrency"].default
 SPILL_THRESHOLD: float = Picker.model_fields["spill_threshold"].default
@@ -152,6 +156,7 @@ class ScenarioRunner:
         self.sims: list[stack.Proc | None] = [None] * len(scenario.nodes)
         self.prometheus: stack.Proc | None = None
         self.prometheus_port = 0  # chosen right before Prometheus starts (see _start_backends)
+        self._last_run_ended = float("-inf")  # monotonic s: when the previous policy's traffic stopped
 
     # --- backends and Prometheus (once per scenario) ----------------------------------------------
 
@@ -242,6 +247,11 @@ class ScenarioRunner:
 
     def _run_policy(self, policy: str, round_: int = 0) -> PolicyRun:
         self._reset_backends()
+        # Every policy starts with the previous one's traffic out of Prometheus's window: a control
+        # plane started right after it judged the nodes by that run's load (an edge node ejected
+        # for 30 s as a latency outlier by the last run's bursts, 2026-12-03: 23 % of that round's
+        # calm requests went to the cloud).
+        time.sleep(max(0.0, self._last_run_ended + QUIET_S - time.monotonic()))
         work = self.work / f"{policy}-r{round_}"
         work.mkdir(parents=True, exist_ok=True)
         listener, envoy_admin_port = stack.free_port(), stack.free_port()
@@ -285,6 +295,7 @@ class ScenarioRunner:
             traffic, weights, events, started, before = asyncio.run(
                 self._drive(f"{policy}-r{round_}", listeners, envoy_admin, eds, present))
         finally:
+            self._last_run_ended = time.monotonic()
             for p in reversed(procs):
                 p.stop()
         after = {i: c for i in range(len(self.addresses)) if (c := self._counters(i) or self._last.get(i))}
