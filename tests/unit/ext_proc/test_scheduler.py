@@ -167,7 +167,7 @@ def test_an_expired_pick_is_never_credited_to_a_sample():
     assert live.free[FOUR[0]] == 20000.0
 
 
-ARRIVAL, LAG = 0.02, 0.05  # InFlight's default arrival_slack_s and completion_lag_s
+ARRIVAL, LAG = 0.05, 0.05  # InFlight's default arrival_slack_s and completion_lag_s
 
 
 @settings(max_examples=300, deadline=None)
