@@ -97,12 +97,12 @@ class StreamBase:
     def _push(self, type_url: str, version: str, resources: tuple[Resource, ...],
               removed: tuple[str, ...] = ()) -> Push:
         """A push of this content with the stream's next nonce."""
+        key = content_key(self.protocol, type_url, version, resources, removed)
         if self._nonces is None:
             self._nonce += 1
         else:
-            key = content_key(self.protocol, type_url, version, resources, removed)
             self._nonce = self._nonces.nonce(key, resources, self._nonce)
-        return Push(self.protocol, type_url, version, resources, removed, str(self._nonce))
+        return Push(self.protocol, type_url, version, resources, removed, str(self._nonce), key)
 
     def plan(self, snap: Snapshot | None) -> list:
         """The pushes to send now for ``snap``, in CDS -> EDS -> LDS -> RDS order, recorded as sent

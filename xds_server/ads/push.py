@@ -34,7 +34,9 @@ def content_key(protocol: str, type_url: str, version: str, resources: tuple[Res
 @dataclass(frozen=True, slots=True)
 class Push:
     """A response before encoding: ``protocol`` "sotw" or "delta"; ``version`` the SotW
-    ``version_info`` / delta ``system_version_info``; ``removed``: delta ``removed_resources``."""
+    ``version_info`` / delta ``system_version_info``; ``removed``: delta ``removed_resources``;
+    ``key``: :func:`content_key` of the rest but the nonce (computed once by the stream, which
+    needs it for the nonce too: O(resources) per stream and push)."""
 
     protocol: str
     type_url: str
@@ -42,10 +44,7 @@ class Push:
     resources: tuple[Resource, ...]
     removed: tuple[str, ...]
     nonce: str
-
-    def content_key(self) -> tuple:
-        """Everything but the nonce (:func:`content_key`)."""
-        return content_key(self.protocol, self.type_url, self.version, self.resources, self.removed)
+    key: tuple
 
     def message(self, with_nonce: bool = True):
         """The protobuf response, a DiscoveryResponse or DeltaDiscoveryResponse (``with_nonce=False``:
@@ -113,7 +112,7 @@ class WireCache:
         """The wire bytes of ``push`` (identical to ``push.message().SerializeToString()`` when parsed):
         the shared ``bytes`` when its nonce is the one its content's were made with, else the
         content's body (serialized once) plus its nonce field."""
-        key = push.content_key()
+        key = push.key
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry(push.resources, 0)  # 0: no nonce of ours (the pushing stream counts its own)
