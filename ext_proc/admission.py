@@ -22,7 +22,7 @@ from typing import Literal
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["Admission", "admit"]
+__all__ = ["Admission", "admit", "settle"]
 
 ADMISSION = Counter(
     "inferlb_ext_proc_admission_total",
@@ -56,10 +56,38 @@ def admit(in_flight: int, capacity: int, queued: int, max_queue: int) -> Literal
     return "queue" if queued < max_queue else "reject"
 
 
+def settle(future: asyncio.Future[bytes], answer: Callable[[], bytes | asyncio.Future[bytes]]) -> None:
+    """Resolve ``future`` with ``answer()``: its bytes, or what the future it returns resolves to (a
+    cancelled ``future`` cancels that one); an exception goes to ``future`` (the transport answers
+    INTERNAL)."""
+    try:
+        result = answer()
+    except Exception as err:
+        future.set_exception(err)
+        return
+    if not isinstance(result, asyncio.Future):
+        future.set_result(result)
+        return
+
+    def done(inner: asyncio.Future[bytes]) -> None:
+        if future.done():
+            return
+        if inner.cancelled():
+            future.cancel()
+        elif inner.exception() is not None:
+            future.set_exception(inner.exception())  # type: ignore[arg-type]
+        else:
+            future.set_result(inner.result())
+
+    result.add_done_callback(done)
+    future.add_done_callback(lambda f: result.cancel() if f.cancelled() else None)
+
+
 class _Waiter:
     __slots__ = ("future", "resume", "timer", "fits")
 
-    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes], fits: Callable[[], bool]) -> None:
+    def __init__(self, future: asyncio.Future, resume: Callable[[], bytes | asyncio.Future[bytes]],
+                 fits: Callable[[], bool]) -> None:
         self.future = future
         self.resume = resume
         self.fits = fits
@@ -92,17 +120,18 @@ class Admission:
         queue = self._queues.get(cluster)
         return len(queue) if queue else 0
 
-    def enqueue(self, cluster: str, resume: Callable[[], bytes], reject: Callable[[], bytes],
-                fits: Callable[[], bool]) -> asyncio.Future:
+    def enqueue(self, cluster: str, resume: Callable[[], bytes | asyncio.Future[bytes]], reject: Callable[[], bytes],
+                fits: Callable[[], bool], timeout_s: float | None = None) -> asyncio.Future:
         """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).
 
         Args:
             cluster: the full cluster.
             resume: called right after ``fits`` said yes (in the same :meth:`release`); commits the
-                request and returns the answer bytes.
+                request and returns the answer bytes (or a future of them: see :func:`settle`).
             reject: called on timeout; returns the 429 answer bytes.
             fits: whether an endpoint has the memory for it now (asked by :meth:`release` when
                 the cluster has a slot).
+            timeout_s: how long it may wait (s; None: :attr:`timeout_s`).
 
         Returns:
             A future resolved with the answer bytes. Cancel it when the stream ends first.
@@ -120,7 +149,7 @@ class Admission:
                 waiter.future.set_result(reject())
             self._drop(cluster, waiter)
 
-        waiter.timer = loop.call_later(self.timeout_s, expire)
+        waiter.timer = loop.call_later(self.timeout_s if timeout_s is None else max(0.0, timeout_s), expire)
         return waiter.future
 
     def _drop(self, cluster: str, waiter: _Waiter) -> None:
@@ -152,10 +181,7 @@ class Admission:
                 if chosen.future.done():  # cancelled: the stream went away
                     ADMISSION.labels(cluster, "cancelled").inc()
                     continue
-                try:
-                    chosen.future.set_result(chosen.resume())
-                except Exception as err:  # the transport turns it into an error status
-                    chosen.future.set_exception(err)
+                settle(chosen.future, chosen.resume)  # an exception: the transport answers an error status
                 ADMISSION.labels(cluster, "admitted").inc()
                 admitted += 1
             QUEUED.labels(cluster).set(len(queue))

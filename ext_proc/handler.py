@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from ext_proc.accesslog import CompletionSink, record_completions
-from ext_proc.admission import ADMISSION, Admission, admit
+from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_large
@@ -52,6 +52,11 @@ _FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_t
 _MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
 _PROMPT = re.compile(rb'"prompt"\s*:\s*"')
 _DECODER = json.JSONDecoder()
+#: How long a request waits for the control plane's memory grant before it is decided locally (s).
+GRANT_TIMEOUT_S = 0.05
+#: Grant refusals one request takes (each steering it off the refused endpoint) before it waits in
+#: the memory queue like a request no endpoint has room for.
+GRANT_TRIES = 3
 
 
 def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
@@ -413,7 +418,7 @@ class PickerHandler:
         return not self.limit_concurrency or capacity <= 0 or self.loads.clusters.get(cluster, 0) < capacity
 
     def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
-               phase: str) -> bytes | asyncio.Future[bytes]:
+               phase: str, tries: int = 0) -> bytes | asyncio.Future[bytes]:
         decision = self._pick(headers, view, body)
         cluster = decision.cluster
         admission = self.admission
@@ -427,11 +432,11 @@ class PickerHandler:
         if decision.reason == "no-memory":
             return self._no_memory(decision, headers, view, body, phase)
         if admission is None or not self.limit_concurrency or not self.inflight.streams:
-            return self._commit(decision, view, headers, phase)
+            return self._confirm(decision, view, headers, body, phase, tries)
         verdict = admit(self.loads.clusters.get(cluster, 0), self._capacity(view, cluster),
                         admission.queued(cluster), admission.max_queue)
         if verdict == "admit":
-            return self._commit(decision, view, headers, phase)
+            return self._confirm(decision, view, headers, body, phase, tries)
 
         def refuse() -> bytes:
             rejection = overloaded(cluster, admission.retry_after_s)
@@ -444,14 +449,20 @@ class PickerHandler:
         return self._enqueue(cluster, headers, body, phase, refuse)
 
     def _enqueue(self, cluster: str, headers: dict[str, bytes], body: BodyFields, phase: str,
-                 refuse: Callable[[], bytes]) -> asyncio.Future[bytes]:
+                 refuse: Callable[[], bytes], deadline: float | None = None) -> asyncio.Future[bytes]:
         """Queue a request that must wait, for a slot or for memory: it goes once its cluster has a
         slot (when its concurrency is limited) *and* an endpoint has memory for it, whichever it
         waited for (a slot freed by a small request is no room for a large one: resumed on the slot
         alone, a request without memory was forwarded unpinned and Envoy's choice ran out of
         memory), decided again on the view and loads of then; else ``refuse`` at the timeout. A
-        waiter that does not fit yet lets a later one that does go by (:meth:`Admission.release`)."""
-        assert self.admission is not None
+        waiter that does not fit yet lets a later one that does go by (:meth:`Admission.release`).
+        A request released whose memory grant is refused waits again, for what is left of its time
+        (``deadline``: the event loop's time its wait ends; None: the queue's timeout from now)."""
+        admission = self.admission
+        assert admission is not None
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + admission.timeout_s
         decided: Decision | None = None
 
         def fits() -> bool:
@@ -459,11 +470,61 @@ class PickerHandler:
             decided = self._pick(headers, self.holder.current, body)
             return decided.reason != "no-memory"
 
-        def resume() -> bytes:  # called right after fits() said yes, in the same release: its decision
-            assert decided is not None
-            return self._commit(decided, self.holder.current, headers, phase)
+        def again() -> bytes | asyncio.Future[bytes]:
+            if loop.time() >= deadline or admission.queued(cluster) >= admission.max_queue:
+                return refuse()
+            return self._enqueue(cluster, headers, body, phase, refuse, deadline)
 
-        return self.admission.enqueue(cluster, resume, refuse, fits)
+        def resume() -> bytes | asyncio.Future[bytes]:  # right after fits() said yes: its decision
+            assert decided is not None
+            return self._confirm(decided, self.holder.current, headers, body, phase, GRANT_TRIES - 1, again)
+
+        return admission.enqueue(cluster, resume, refuse, fits, deadline - loop.time())
+
+    def _confirm(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], body: BodyFields,
+                 phase: str, tries: int, give_up: Callable[[], bytes | asyncio.Future[bytes]] | None = None
+                 ) -> bytes | asyncio.Future[bytes]:
+        """Commit ``decision``, or first ask the control plane for a memory grant while another picker
+        decides on the same endpoints (:meth:`SharedLoad.grant_room`; :mod:`xds_server.loadview.grants`):
+        two pickers could fill the same room before either sees the other's request.
+
+        Granted, or no answer within :data:`GRANT_TIMEOUT_S` (or the view lost): committed as decided.
+        Refused: decided again with the others' unseen memory left aside on that endpoint, until
+        :data:`GRANT_TRIES` refusals (``tries``: refusals so far); then ``give_up()`` (default: queued
+        for memory like a request no endpoint has room for).
+        """
+        loads = self.loads
+        endpoint = decision.endpoint
+        room = loads.grant_room(endpoint, decision.mib) \
+            if endpoint is not None and isinstance(loads, SharedLoad) else None
+        if room is None:
+            return self._commit(decision, view, headers, phase)
+        grants = loads.grants  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes] = loop.create_future()
+
+        def answered(grant: int | None, unseen_mib: float) -> None:
+            timer.cancel()
+            if future.done():  # the stream ended first
+                return
+            if grant is None or grant:
+                self._count("grant-granted" if grant else "grant-unanswered")
+                settle(future, lambda: self._commit(decision, self.holder.current, headers, phase))
+                return
+            self._count("grant-refused")
+            if tries + 1 >= GRANT_TRIES:
+                settle(future, give_up or (lambda: self._no_memory(decision._replace(reason="no-memory"), headers,
+                                                                   self.holder.current, body, phase)))
+            else:
+                settle(future, lambda: self._route(headers, self.holder.current, body, phase, tries + 1))
+
+        def late() -> None:
+            grants.drop(request_id)
+            answered(None, 0.0)
+
+        request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
+        timer = loop.call_later(GRANT_TIMEOUT_S, late)
+        return future
 
     def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                    phase: str) -> bytes | asyncio.Future[bytes]:

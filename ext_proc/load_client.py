@@ -5,9 +5,11 @@ control plane when it changed (a pick or a completion) and the last view showed 
 traffic (picks or requests in flight in their last ``expiry_s``; an idle one decides nothing), at
 most once per ``interval_s`` (default 10 ms: changes in between travel together), and at least
 every quarter of ``expiry_s`` (so it keeps counting; the only reports of a picker alone in the
-view: a report costs CPU on both sides, and a change is news only to the others). It takes each
-``LoadView`` it gets back, answers to its own reports and views pushed when another picker
-reported, into its :class:`~ext_proc.shared_load.SharedLoad`.
+view: a report costs CPU on both sides, and a change is news only to the others), and at once when
+a memory grant request waits (:mod:`ext_proc.grants`). It takes each ``LoadView`` it gets back,
+answers to its own reports and views pushed when another picker reported, into its
+:class:`~ext_proc.shared_load.SharedLoad`, and hands the grant answers it carries to the requests
+waiting for them.
 When the stream breaks, or no view came for ``expiry_s``, the others' load is dropped (the picker
 decides on its own load, as without the view) and the stream is opened again with a growing
 back-off (0.25 s to 5 s).
@@ -16,12 +18,14 @@ back-off (0.25 s to 5 s).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 from prometheus_client import Counter
 
+from ext_proc.grants import Grants
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
 from protos import load_view_pb2, load_view_pb2_grpc
@@ -34,10 +38,16 @@ VIEWS = Counter("inferlb_ext_proc_load_views_total", "Shared load views received
                 "and how often the view was lost (stream broken or stale)", ["outcome"])
 
 
-def report_message(inflight: InFlight, picker: str, seq: int, since: float) -> load_view_pb2.LoadReport:
+def report_message(inflight: InFlight, picker: str, seq: int, since: float,
+                   grants: Grants | None = None) -> load_view_pb2.LoadReport:
     """The ``LoadReport`` of ``inflight`` now (picks counted since ``since``, the in-flight clock's s),
-    with the memory of the requests finished since the previous report (taken out of ``inflight``)."""
+    with the memory of the requests finished since the previous report (taken out of ``inflight``)
+    and ``grants``' waiting requests (taken out of its outbox)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
+    if grants is not None:
+        msg.grants_applied, msg.view_applied = grants.applied, grants.view
+        for request_id, cluster, endpoint, mib, room in grants.take_outbox():
+            msg.grant_requests.add(id=request_id, cluster=cluster, endpoint=endpoint, memory_mib=mib, room_mib=room)
     for (cluster, endpoint), (n, work, mib, tokens, picks) in inflight.by_endpoint(since).items():
         msg.endpoints.add(cluster=cluster, endpoint=endpoint, in_flight=n, work=work, memory_mib=mib,
                           tokens=tokens, picks=picks)
@@ -81,10 +91,14 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
     picker's only source; None: ignored, the in-process picker gets them directly).
     """
     inflight = shared.inflight
+    grants = shared.grants
+    send_now = asyncio.Event()
+    grants.wake = send_now.set
     seq = 0
     delay = backoff_s
 
     def lost(why: str) -> None:
+        grants.lost()
         if shared.others is not NO_OTHERS:
             VIEWS.labels("lost").inc()
             log.warning("picker: shared load view lost (%s); deciding on this picker's load alone", why)
@@ -100,10 +114,15 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
             now = inflight.now()
             seq += 1
             reported = inflight.changes
-            yield report_message(inflight, picker, seq, since)
+            send_now.clear()
+            yield report_message(inflight, picker, seq, since, grants)
             since = now
-            while True:
-                await asyncio.sleep(interval_s)
+            while not grants.outbox:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval_s):   # or at once when a grant request waits
+                        await send_now.wait()
+                if grants.outbox:
+                    break
                 if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
                     lost(f"no view for {expiry_s:g} s")
                 # A change is news only to other pickers that decide (have traffic): without any,
@@ -118,6 +137,9 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share(reports())
                 async for view in call:
                     shared.set_others(view_others(view))
+                    grants.viewed(view.view)
+                    for answer in view.grants:
+                        grants.answer(answer.id, answer.grant, answer.unseen_mib)
                     if on_samples is not None and view.memory_round:
                         # Read in a worker thread: 183-193 ms of Python steps at 60 000 endpoints (timed alone),
                         # which would stall this picker's event loop (its requests) meanwhile.

@@ -46,7 +46,9 @@ class Decision(NamedTuple):
         body: the rejection's JSON body (``{"error": "..."}``), empty when routing.
         reason: why, a short stable label (a metrics label value): the scheduler's reasons
             ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
-            :mod:`ext_proc.scheduler`), the handler's "pin-moved", and "no-healthy-endpoint",
+            :mod:`ext_proc.scheduler`), the handler's "pin-moved" and memory grant outcomes
+            ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
+            own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
             "unknown-service", "unknown-version", "invalid-version", "version-unavailable",
             "not-ready", "overloaded", "too-large".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a

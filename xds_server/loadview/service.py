@@ -6,6 +6,15 @@ Served on the xDS gRPC server (a standalone picker already knows that address). 
 negative or non-finite number, no picker name) is refused per report: counted, logged, the stream
 goes on with the picker's last good report. A picker counts from its first report until its stream
 ends or its last report is older than the table's expiry.
+
+The slow loop's memory samples go out once their baselines can be told: :data:`~xds_server.loadview.table.FINISH_LAG_S`
+after the newest was taken (:attr:`LoadTable.memory_ready_at`); until then views carry none.
+
+Memory grants (:mod:`xds_server.loadview.grants`): a report's ``grant_requests`` are decided when
+the report is read, on what the view the picker applied last (``LoadReport.view_applied``) showed
+of the other pickers' grants, and answered in the next view on its stream. A view number the
+stream does not know (none applied yet, or too old) shows no grant: every recent grant to another
+picker counts against the room.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from protos import load_view_pb2, load_view_pb2_grpc
+from xds_server.loadview.grants import GrantLedger
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report, Totals
 
 __all__ = ["LoadViewServicer", "add_load_view_servicer", "report_from", "view_message"]
@@ -28,6 +38,11 @@ log = logging.getLogger(__name__)
 
 REPORTS = Counter("inferlb_load_view_reports_total", "Picker load reports received, by outcome", ["outcome"])
 PICKERS = Gauge("inferlb_load_view_pickers", "Pickers whose load reports are in the shared load view now")
+GRANTS = Counter("inferlb_load_view_grants_total", "Memory grant requests from pickers, by outcome "
+                 "(granted, refused: the other pickers' grants their view did not show leave too little room)",
+                 ["outcome"])
+#: Views per stream whose grant snapshot is kept for the picker to name (it names its latest).
+VIEWS_KEPT = 64
 
 
 def _number(value: float, what: str) -> float:
@@ -71,7 +86,25 @@ def report_from(msg: load_view_pb2.LoadReport) -> Report:
         where = f"LoadReport.finished[{f.endpoint}]"
         finished.append((f.endpoint, _number(f.picked_age_s, f"{where}.picked_age_s"),
                          _number(f.memory_mib, f"{where}.memory_mib")))
-    return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished))
+    return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished), msg.grants_applied)
+
+
+def grant_requests(msg: load_view_pb2.LoadReport) -> list[tuple[int, str, float, float]]:
+    """``[(id, endpoint, MiB, room MiB)]`` of a report's grant requests.
+
+    Raises:
+        ValueError: a request without an endpoint, or a need that is negative or not finite, or a
+            room that is not finite (the message names the field).
+    """
+    out = []
+    for g in msg.grant_requests:
+        if not g.endpoint:
+            raise ValueError("LoadReport.grant_requests[].endpoint must be set")
+        if not math.isfinite(g.room_mib):
+            raise ValueError(f"LoadReport.grant_requests[{g.id}].room_mib must be finite, got {g.room_mib}")
+        out.append((g.id, g.endpoint, _number(g.memory_mib, f"LoadReport.grant_requests[{g.id}].memory_mib"),
+                    g.room_mib))
+    return out
 
 
 def _endpoints(loads) -> list[load_view_pb2.EndpointLoad]:
@@ -86,13 +119,18 @@ def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
 
 def view_message(totals: Totals, own: Report | None, seq: int,
                  memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None,
-                 idle_others: int = 0) -> load_view_pb2.LoadView:
+                 idle_others: int = 0, view: int = 0,
+                 grants: list[tuple[int, int, float]] | None = None) -> load_view_pb2.LoadView:
     """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
     (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
     at, the others' MiB in flight then)}, now)`` to send the slow loop's samples with their age at
-    ``now`` (monotonic s); ``idle_others``: :meth:`~xds_server.loadview.table.LoadTable.idle_others`."""
+    ``now`` (monotonic s); ``idle_others``: :meth:`~xds_server.loadview.table.LoadTable.idle_others`;
+    ``view``: this view's number on its stream; ``grants``: ``[(request id, grant number or 0,
+    unseen MiB)]`` answers to the picker's grant requests."""
     msg = load_view_pb2.LoadView(seq=seq, pickers=totals.pickers, endpoints=_endpoints(totals.endpoints),
-                                 clusters=_clusters(totals.clusters), idle_others=idle_others)
+                                 clusters=_clusters(totals.clusters), idle_others=idle_others, view=view)
+    if grants:
+        msg.grants.extend(load_view_pb2.GrantAnswer(id=i, grant=g, unseen_mib=u) for i, g, u in grants)
     if own is not None:
         msg.own_endpoints.extend(_endpoints(own.endpoints))
         msg.own_clusters.extend(_clusters(own.clusters))
@@ -111,11 +149,14 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
     another's picks one report and one push after they happened, not at its own next report.
 
     Views to one stream are coalesced: reports arriving while a view is being sent make one more
-    view, not one each. ``clock``: monotonic seconds (tests pass a fake one).
+    view, not one each. ``ledger``: where memory grants are decided (default: one keeping grants
+    for the table's expiry). ``clock``: monotonic seconds (tests pass a fake one).
     """
 
-    def __init__(self, table: LoadTable, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, table: LoadTable, ledger: GrantLedger | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
+        self.ledger = ledger if ledger is not None else GrantLedger(table.expiry_s)
         self._clock = clock
         self._wakes: set[asyncio.Event] = set()
 
@@ -126,7 +167,7 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
         stream = _Stream()
         self._wakes.add(wake)
         reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
-        sent_round = 0
+        sent_round = held_round = 0
         try:
             while True:
                 waiter = asyncio.ensure_future(wake.wait())
@@ -140,12 +181,23 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                     totals = table.totals(now)
                     own = table.report(stream.picker) if stream.picker is not None else None
                     memory = None
-                    if table.memory_round != sent_round:
+                    if table.memory_round != sent_round and now < table.memory_ready_at:
+                        # A sample younger than FINISH_LAG_S: the others' finished requests that it
+                        # shows free are not all reported yet, and its baseline would credit them twice.
+                        if held_round != table.memory_round:
+                            held_round = table.memory_round
+                            asyncio.get_running_loop().call_later(table.memory_ready_at - now, wake.set)
+                    elif table.memory_round != sent_round:
                         sent_round = table.memory_round
                         memory = (sent_round, {e: (free, at, table.others_mib_at(stream.picker, e, at))
                                                for e, (free, at) in table.memory.items()}, now)
+                    stream.views += 1
+                    stream.seen[stream.views] = table.grants_seen()
+                    if len(stream.seen) > VIEWS_KEPT:
+                        del stream.seen[next(iter(stream.seen))]
+                    answers, stream.answers = stream.answers, []
                     yield view_message(totals, own, own.seq if own is not None else stream.seq, memory,
-                                       table.idle_others(stream.picker, now))
+                                       table.idle_others(stream.picker, now), stream.views, answers)
                 elif reader.done():
                     reader.result()   # a broken stream raises here
                     return
@@ -164,12 +216,15 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
         async for msg in request_iterator:
             try:
                 report = report_from(msg)
+                asks = grant_requests(msg)
             except ValueError as err:
                 REPORTS.labels("rejected").inc()
                 log.warning("load view: refused a report from %s: %s", context.peer(), err)
                 continue
             now = self._clock()
             self.table.record(report, now)
+            if asks:
+                self._grant(report.picker, asks, msg.view_applied, stream, now)
             REPORTS.labels("accepted").inc()
             own = self.table.report(report.picker)
             if own is report:
@@ -178,21 +233,37 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
             PICKERS.set(self.table.totals(now).pickers)
             self._wake_all()
 
+    def _grant(self, picker: str, asks: list[tuple[int, str, float, float]], view_applied: int,
+               stream: _Stream, now: float) -> None:
+        """Decide one report's grant requests on what view ``view_applied`` showed; queue the answers."""
+        for view in [v for v in stream.seen if v < view_applied]:
+            del stream.seen[view]
+        seen = stream.seen.get(view_applied, {})
+        for request_id, endpoint, mib, room in asks:
+            number, unseen = self.ledger.decide(picker, endpoint, mib, room, seen, now)
+            GRANTS.labels("granted" if number else "refused").inc()
+            stream.answers.append((request_id, number, unseen))
+
     def _wake_all(self) -> None:
         for w in self._wakes:
             w.set()
 
 
 class _Stream:
-    """One Share stream's picker: its name and latest seq (None before its first good report) and
-    its report as kept in the table (``mine``)."""
+    """One Share stream's picker: its name and latest seq (None before its first good report), its
+    report as kept in the table (``mine``), the views sent (``views``) with what each showed of the
+    grants (``seen``: ``{view: LoadTable.grants_seen()}``, the latest :data:`VIEWS_KEPT`), and the
+    grant answers for the next view."""
 
-    __slots__ = ("mine", "picker", "seq")
+    __slots__ = ("answers", "mine", "picker", "seen", "seq", "views")
 
     def __init__(self) -> None:
         self.mine: Report | None = None
         self.picker: str | None = None
         self.seq: int | None = None
+        self.views = 0
+        self.seen: dict[int, dict[str, int]] = {}
+        self.answers: list[tuple[int, int, float]] = []
 
 
 def add_load_view_servicer(table: LoadTable) -> Callable[[grpc.aio.Server], None]:

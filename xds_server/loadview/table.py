@@ -73,7 +73,8 @@ class Report:
 
     ``picker``: who reports (unique per picker process); ``seq``: increases with every report;
     ``finished``: ``("HOST:PORT", picked how long before the report (s), MiB)`` of each of the
-    picker's requests with memory finished since its previous report.
+    picker's requests with memory finished since its previous report; ``grants_applied``: the
+    largest memory grant number (:mod:`xds_server.loadview.grants`) whose request the report counts.
     """
 
     picker: str
@@ -81,6 +82,7 @@ class Report:
     endpoints: Mapping[tuple[str, str], Load] = field(default_factory=lambda: _NO_ENDPOINTS)
     clusters: Mapping[str, ClusterLoad] = field(default_factory=lambda: _NO_CLUSTERS)
     finished: tuple[tuple[str, float, float], ...] = ()
+    grants_applied: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +142,19 @@ class LoadTable:
         """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
         self.memory_round = 0
         """Increases with every :meth:`set_memory` (0: none yet)."""
+        self.memory_ready_at = 0.0
+        """When the latest samples' baselines can be told (monotonic s): :data:`FINISH_LAG_S` after
+        the newest of them was taken (:meth:`others_mib_at` reads the reports up to then)."""
         # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before])
         self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]]]]] = {}
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
-        """Take the slow loop's memory samples of one round (passed on to every picker with the view)."""
+        """Take the slow loop's memory samples of one round (passed on to every picker with the view,
+        from :attr:`memory_ready_at` on)."""
         self.memory = MappingProxyType(dict(samples))
         self.memory_round += 1
+        self.memory_ready_at = max((at for _, at in self.memory.values()), default=0.0) + FINISH_LAG_S
 
     def record(self, report: Report, now: float) -> None:
         """Keep ``report`` as its picker's load from ``now`` (monotonic s); an older ``seq`` than the
@@ -230,6 +237,11 @@ class LoadTable:
             for picker in [p for p in self._received if p not in live]:
                 self.forget(picker)
         return Totals(self._endpoints_view, self._clusters_view, len(self._reports))
+
+    def grants_seen(self) -> dict[str, int]:
+        """``{picker: Report.grants_applied}`` of the reports in the sum now: what a view built now
+        shows of the memory grants (:meth:`~xds_server.loadview.grants.GrantLedger.decide`)."""
+        return {p: r.grants_applied for p, r in self._reports.items() if r.grants_applied}
 
     def report(self, picker: str) -> Report | None:
         """``picker``'s kept report (None: none, or forgotten)."""

@@ -302,3 +302,24 @@ async def test_a_standalone_picker_gets_the_control_planes_memory_samples_once_p
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_sample_younger_than_the_finish_lag_goes_out_once_the_others_finished_requests_are_in():
+    """Its baseline subtracts the requests the others reported finished up to FINISH_LAG_S after it
+    was taken: sent before then, the baseline would still hold some, and the picker credit them twice."""
+    table = LoadTable(expiry_s=0.2)
+    shared = SharedLoad(InFlight())
+    got: list[float] = []
+    async with load_view_server(table) as target:  # keep-alives every 50 ms: views go out that often
+        task = asyncio.create_task(run_load_view(target, "one", shared, 0.01, 0.2,
+                                                 on_samples=lambda s: got.append(time.monotonic())))
+        try:
+            await until(lambda: shared.grants.view > 0)
+            taken = time.monotonic()
+            table.set_memory({A: (20480.0, taken)})
+            await until(lambda: bool(got))
+            assert got[0] - taken >= FINISH_LAG_S
+            assert table.memory_ready_at == taken + FINISH_LAG_S
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,105 @@
+"""The picker's side of memory grants (:mod:`xds_server.loadview.grants`): requests to send, answers awaited.
+
+With other pickers deciding on the same endpoints, an admission (whose room another picker could take
+before either sees the other's request) is asked of the control plane first (``GrantRequest`` on the
+load-view stream, answered in the next view). This module keeps that bookkeeping (no I/O, event loop
+only): the requests waiting to be sent, the ones waiting for an answer (their memory counts against
+the endpoint meanwhile, so the picker's next decisions do not promise it twice), what refusals told
+of the others' unseen grants (until the next view), and the largest grant the picker's load counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["Answer", "Grants"]
+
+#: ``(grant number, 0 = refused; None = no answer: the stream is gone; the others' unseen MiB)``.
+Answer = Callable[[int | None, float], None]
+
+
+class Grants:
+    """Grant requests of one picker.
+
+    Attributes:
+        outbox: ``[(id, cluster, endpoint, MiB, room MiB)]`` to send with the next report.
+        applied: the largest grant number whose request this picker counts (``LoadReport.grants_applied``).
+        view: the last ``LoadView.view`` applied (``LoadReport.view_applied``).
+        wake: called when a request is queued (the report loop sends at once); None: nobody listens.
+    """
+
+    __slots__ = ("_next", "_waiting", "applied", "outbox", "pending_mib", "refused_mib", "view", "wake")
+
+    def __init__(self) -> None:
+        self.outbox: list[tuple[int, str, str, float, float]] = []
+        self._waiting: dict[int, tuple[str, float, Answer]] = {}
+        self.pending_mib: dict[str, float] = {}
+        """``{endpoint: MiB asked for and not answered yet}``."""
+        self.refused_mib: dict[str, float] = {}
+        """``{endpoint: the others' unseen MiB a refusal reported}``, until the next view."""
+        self.applied = 0
+        self.view = 0
+        self.wake: Callable[[], None] | None = None
+        self._next = 0
+
+    def held(self, endpoint: str) -> float:
+        """MiB the picker's free-memory estimate of ``endpoint`` must leave aside: asked, or refused."""
+        return self.pending_mib.get(endpoint, 0.0) + self.refused_mib.get(endpoint, 0.0)
+
+    def ask(self, cluster: str, endpoint: str, mib: float, room_mib: float, answer: Answer) -> int:
+        """Queue a request for ``mib`` MiB on ``endpoint`` (``room_mib``: the estimate's room once it
+        is there); ``answer`` is called once, with the answer or with None. Returns its id."""
+        self._next += 1
+        request_id = self._next
+        self.outbox.append((request_id, cluster, endpoint, mib, room_mib))
+        self._waiting[request_id] = (endpoint, mib, answer)
+        self.pending_mib[endpoint] = self.pending_mib.get(endpoint, 0.0) + mib
+        if self.wake is not None:
+            self.wake()
+        return request_id
+
+    def take_outbox(self) -> list[tuple[int, str, str, float, float]]:
+        """The requests to send now (the outbox is emptied)."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    def viewed(self, view: int) -> None:
+        """A new view was applied: it shows the others' load as of now, so refusals' notes go."""
+        self.view = view
+        self.refused_mib.clear()
+
+    def answer(self, request_id: int, grant: int, unseen_mib: float) -> None:
+        """The control plane's answer to request ``request_id`` (one it no longer waits for is ignored,
+        but a grant still counts as applied: its request was decided locally, or went away)."""
+        if grant > self.applied:
+            self.applied = grant
+        waiting = self._forget(request_id)
+        if waiting is None:
+            return
+        endpoint, _, answer = waiting
+        if not grant:
+            self.refused_mib[endpoint] = max(self.refused_mib.get(endpoint, 0.0), unseen_mib)
+        answer(grant, unseen_mib)
+
+    def drop(self, request_id: int) -> None:
+        """Stop waiting for ``request_id`` (its answer came too late): its callback is not called."""
+        self._forget(request_id)
+
+    def lost(self) -> None:
+        """The stream is gone: every waiting request is answered with None (decided locally)."""
+        self.outbox.clear()
+        for request_id in list(self._waiting):
+            waiting = self._forget(request_id)
+            if waiting is not None:
+                waiting[2](None, 0.0)
+
+    def _forget(self, request_id: int) -> tuple[str, float, Answer] | None:
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            endpoint, mib, _ = waiting
+            left = self.pending_mib.get(endpoint, 0.0) - mib
+            if left > 1e-6:
+                self.pending_mib[endpoint] = left
+            else:
+                self.pending_mib.pop(endpoint, None)
+        return waiting

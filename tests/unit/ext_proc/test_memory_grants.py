@@ -1,0 +1,230 @@
+"""Memory grants: the control plane's ledger, the picker's bookkeeping, the handler asking before it
+commits a contended admission, and two pickers through a real load-view service (grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.admission import Admission
+from ext_proc.grants import Grants
+from ext_proc.handler import GRANT_TIMEOUT_S, GRANT_TRIES, PickerHandler
+from ext_proc.inflight import InFlight, MemorySamples
+from ext_proc.load_client import report_message, run_load_view
+from ext_proc.picker import NO_BODY
+from ext_proc.shared_load import SharedLoad, others_of
+from ext_proc.view import RoutingTable, ViewHolder
+from protos import load_view_pb2
+from tests.support.loadview import load_view_server
+from tests.unit.ext_proc.test_scheduler import FOUR, ROUTING, headers, view
+from tests.unit.ext_proc.test_shared_load import until
+from xds_server.loadview.grants import GrantLedger
+from xds_server.loadview.service import grant_requests, report_from
+from xds_server.loadview.table import LoadTable
+
+A, B = FOUR[0], FOUR[1]
+MEMORY = RoutingTable(services=ROUTING.services, request_memory_header="x-mib")
+
+
+# --- the ledger (control plane) ------------------------------------------------------------------
+
+
+def test_the_ledger_refuses_a_room_the_others_unseen_grants_took():
+    ledger = GrantLedger(keep_s=1.0)
+    first, unseen = ledger.decide("p1", A, 8000.0, room_mib=4000.0, seen={}, now=10.0)
+    assert first == 1 and unseen == 0.0
+    assert ledger.decide("p2", A, 8000.0, room_mib=4000.0, seen={}, now=10.001) == (0, 8000.0), \
+        "p2's estimate did not hold p1's 8000 MiB: the room was taken"
+    assert ledger.decide("p2", A, 8000.0, room_mib=9000.0, seen={}, now=10.002)[0] == 3 - 1, \
+        "room for both"
+    assert ledger.decide("p2", B, 8000.0, room_mib=0.0, seen={}, now=10.003)[0] == 3, "another endpoint"
+
+
+def test_a_grant_the_askers_view_shows_and_the_askers_own_grants_do_not_count():
+    ledger = GrantLedger(keep_s=1.0)
+    number, _ = ledger.decide("p1", A, 8000.0, 8000.0, {}, 10.0)
+    second, _ = ledger.decide("p2", A, 8000.0, 0.0, {"p1": number}, 10.1)
+    assert second, "p2's view holds p1's report with it"
+    assert ledger.decide("p1", A, 8000.0, 0.0, {"p2": second}, 10.2)[0], "p1 counts its own grants itself"
+
+
+def test_grants_are_forgotten_after_keep_s():
+    ledger = GrantLedger(keep_s=1.0)
+    ledger.decide("p1", A, 8000.0, 8000.0, {}, 10.0)
+    assert ledger.decide("p2", A, 8000.0, 0.0, {}, 10.9)[0] == 0
+    assert ledger.decide("p2", A, 8000.0, 0.0, {}, 11.01)[0] != 0
+    with pytest.raises(ValueError, match="keep_s"):
+        GrantLedger(keep_s=0)
+
+
+def test_a_report_carries_the_grant_requests_and_what_they_apply():
+    grants = Grants()
+    grants.ask("c", A, 8000.0, 1000.0, lambda g, u: None)
+    grants.applied, grants.view = 7, 3
+    msg = report_message(InFlight(), "p1", 1, 0.0, grants)
+    assert grant_requests(msg) == [(1, A, 8000.0, 1000.0)] and not grants.outbox
+    assert report_from(msg).grants_applied == 7 and msg.view_applied == 3
+    bad = load_view_pb2.LoadReport(picker="p", grant_requests=[load_view_pb2.GrantRequest(id=1, endpoint=A,
+                                                                                           memory_mib=-1)])
+    with pytest.raises(ValueError, match=r"grant_requests\[1\]\.memory_mib"):
+        grant_requests(bad)
+
+
+# --- the picker's bookkeeping --------------------------------------------------------------------
+
+
+def test_memory_asked_for_is_held_until_answered_and_a_refusal_until_the_next_view():
+    grants = Grants()
+    answers: list[tuple[int | None, float]] = []
+    first = grants.ask("c", A, 8000.0, 100.0, lambda g, u: answers.append((g, u)))
+    second = grants.ask("c", A, 2000.0, 100.0, lambda g, u: answers.append((g, u)))
+    assert grants.held(A) == 10000.0
+    grants.answer(first, 0, 6000.0)
+    assert answers == [(0, 6000.0)] and grants.held(A) == 2000.0 + 6000.0
+    grants.viewed(5)
+    assert grants.held(A) == 2000.0 and grants.view == 5
+    grants.drop(second)
+    grants.answer(second, 12, 0.0)  # too late: not called back, but its grant counts as applied
+    assert answers == [(0, 6000.0)] and grants.applied == 12 and grants.held(A) == 0.0
+    grants.ask("c", B, 1.0, 0.0, lambda g, u: answers.append((g, u)))
+    grants.lost()
+    assert answers[-1] == (None, 0.0) and not grants.outbox and grants.held(B) == 0.0
+
+
+def shared_with_others(deciding: int, free: dict[str, float]) -> SharedLoad:
+    shared = SharedLoad(InFlight())
+    shared.set_others(others_of({}, {}, {}, {}, pickers=deciding + 1))
+    shared.inflight.set_samples(MemorySamples.of({e: (mib, shared.inflight.now()) for e, mib in free.items()}))
+    return shared
+
+
+def test_a_grant_is_asked_whenever_another_picker_decides_and_the_free_memory_is_known():
+    shared = shared_with_others(2, {A: 20000.0, B: 100000.0})
+    assert shared.grant_room(A, 8000.0) == 12000.0
+    assert shared.grant_room(B, 8000.0) == 92000.0, "room to spare still asks: another may admit a larger one"
+    assert shared.grant_room("10.9.9.9:1", 8000.0) is None, "free memory unknown: admitted as without a view"
+    assert shared.grant_room(A, 0.0) is None
+    alone = shared_with_others(0, {A: 20000.0})
+    assert alone.grant_room(A, 8000.0) is None, "no other picker decides"
+    idle = SharedLoad(InFlight())
+    idle.set_others(others_of({}, {}, {}, {}, pickers=3, idle=2))
+    idle.inflight.set_samples(MemorySamples.of({A: (20000.0, idle.inflight.now())}))
+    assert idle.grant_room(A, 8000.0) is None, "the others are idle: nobody else decides"
+    shared.grants.ask("c", A, 8000.0, 12000.0, lambda g, u: None)
+    assert shared.free.get(A) == 12000.0, "memory waiting for a grant is not promised twice"
+
+
+# --- the handler ---------------------------------------------------------------------------------
+
+
+def contended_handler(free: float = 20000.0, admission: Admission | None = None
+                      ) -> tuple[PickerHandler, SharedLoad]:
+    handler = PickerHandler(ViewHolder(view(routing=MEMORY)), admission=admission)
+    shared = handler.share_load()
+    shared.set_others(others_of({}, {}, {}, {}, pickers=3))
+    shared.inflight.set_samples(MemorySamples.of({e: (free, shared.inflight.now()) for e in FOUR}))
+    return handler, shared
+
+
+async def test_a_contended_admission_waits_for_its_grant_then_commits():
+    handler, shared = contended_handler()
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    assert isinstance(answer, asyncio.Future) and not answer.done()
+    [(request_id, cluster, endpoint, mib, room)] = list(shared.grants.outbox)
+    assert (cluster, mib, room) == ("c", 8000.0, 12000.0)
+    assert shared.inflight.clusters.get("c", 0) == 0, "not counted before the grant"
+    shared.grants.answer(request_id, 41, 0.0)
+    assert answer.done() and isinstance(answer.result(), bytes)
+    assert shared.inflight.endpoints.get(endpoint) == 1 and shared.grants.applied == 41
+
+
+async def test_a_refused_admission_is_decided_again_off_the_refused_endpoint():
+    handler, shared = contended_handler()
+    h = headers(x_session_id=b"s1", x_mib=b"8000")
+    answer = handler._route(h, handler.holder.current, NO_BODY, "request_headers")
+    [(first_id, _, refused, _, _)] = shared.grants.take_outbox()
+    shared.grants.answer(first_id, 0, 16000.0)  # others took 16000 of the 20000 MiB unseen
+    [(second_id, _, again, _, _)] = shared.grants.take_outbox()
+    assert again != refused and not answer.done()
+    shared.grants.answer(second_id, 9, 0.0)
+    await asyncio.wait_for(answer, 1.0)  # resolved through the re-decision's own future
+    assert shared.inflight.endpoints.get(again) == 1 and refused not in shared.inflight.endpoints
+
+
+async def test_after_grant_tries_refusals_the_request_waits_for_memory_like_one_without_room():
+    handler, shared = contended_handler(admission=Admission(4, 0.1, retry_after_s=1))
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    for _ in range(GRANT_TRIES):
+        [(request_id, *_)] = shared.grants.take_outbox()
+        shared.grants.answer(request_id, 0, 16000.0)
+    assert not answer.done() and handler.admission.queued("c") == 1 and not shared.grants.outbox
+    response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 2.0))
+    assert response.immediate_response.status.code == 429 and not shared.inflight.endpoints
+
+
+async def test_no_answer_in_time_is_decided_locally():
+    handler, shared = contended_handler()
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    await asyncio.wait_for(answer, GRANT_TIMEOUT_S * 20)
+    assert sum(shared.inflight.endpoints.values()) == 1 and not shared.grants.held(A)
+
+
+async def test_an_admission_commits_at_once_when_no_other_picker_decides():
+    handler, shared = contended_handler()
+    shared.set_others(others_of({}, {}, {}, {}, pickers=1))
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    assert isinstance(answer, bytes) and not shared.grants.outbox
+
+
+# --- two pickers through the control plane -------------------------------------------------------
+
+
+async def test_two_pickers_cannot_both_take_the_same_room():
+    """Both estimates show 20000 MiB free on A; each asks for 16000 MiB there before seeing the
+    other's request: the ledger grants one and refuses the other."""
+    table = LoadTable(expiry_s=1.0)
+    one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
+    async with load_view_server(table) as target:
+        tasks = [asyncio.create_task(run_load_view(target, name, shared, 0.01, 1.0))
+                 for name, shared in (("one", one), ("two", two))]
+        try:
+            for shared in (one, two):
+                shared.inflight.picked("c", B)  # traffic: each is a deciding picker for the other
+            await until(lambda: one.others.idle == 0 and two.others.idle == 0 and one.others.pickers == 2
+                        and two.others.pickers == 2 and one.grants.view > 0 and two.grants.view > 0)
+            answers: dict[str, tuple[int | None, float]] = {}
+            one.grants.ask("c", A, 16000.0, 4000.0, lambda g, u: answers.__setitem__("one", (g, u)))
+            two.grants.ask("c", A, 16000.0, 4000.0, lambda g, u: answers.__setitem__("two", (g, u)))
+            await until(lambda: len(answers) == 2)
+            granted = [name for name, (g, _) in answers.items() if g]
+            assert len(granted) == 1, answers
+            refused = "two" if granted == ["one"] else "one"
+            assert answers[refused] == (0, 16000.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_request_released_from_the_queue_and_refused_waits_again():
+    handler, shared = contended_handler(free=5000.0, admission=Admission(4, 1.0, retry_after_s=1))
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    assert handler.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
+    handler.set_samples(MemorySamples.of({e: (20000.0, shared.inflight.now()) for e in FOUR}))
+    [(first, _, refused, _, _)] = shared.grants.take_outbox()
+    shared.grants.answer(first, 0, 16000.0)  # the room it was released onto was taken by another picker
+    await asyncio.sleep(0)
+    assert not answer.done() and handler.admission.queued("c") == 1, "back in the queue, not a 429"
+    handler.tick()  # any release (a completion, a sample, housekeeping) looks again
+    [(second, _, other, _, _)] = shared.grants.take_outbox()
+    assert other != refused
+    shared.grants.answer(second, 5, 0.0)
+    response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 1.0))
+    assert not response.HasField("immediate_response") and shared.inflight.endpoints.get(other) == 1
