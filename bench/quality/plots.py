@@ -16,13 +16,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.quality.policies import INFERLB, POLICIES  # noqa: E402
+from bench.quality.policies import INFERLB, policies_for  # noqa: E402
 from bench.quality.runner import ScenarioRun  # noqa: E402
 
 
 def _cdf(run: ScenarioRun, path: Path, attr: str, xlabel: str, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for policy in POLICIES:
+    for policy in policies_for(run.scenario):  # the gateway scenarios run their own policies
         values = sorted(v for pr in run.runs.get(policy, []) for v in getattr(pr, attr))
         if not values:
             continue

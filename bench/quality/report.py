@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.markdown import replace_marked
 from bench.quality.figures import EXTRA, FIGURES
-from bench.quality.policies import ALL_POLICIES, BASELINES, GATEWAY_POLICIES, POLICIES
+from bench.quality.policies import ALL_POLICIES, BASELINES, GATEWAY_POLICIES, INFERLB, POLICIES
 from bench.quality.runner import EDGE_MAX_CONCURRENCY, SPILL_THRESHOLD, ScenarioRun
 from bench.quality.scenarios import CONTROL, SCENARIOS, Scenario
 from bench.quality.tiers import CALM_SLACK, TIER_FIGURES
@@ -503,7 +503,7 @@ def render_section(store: Mapping[str, Any], plots_dir: str) -> str:
                 f"Run: {_run_line(meta)}", "", scenario_table(figures), "",
                 f"![{name} TTFT CDF]({plots_dir}/{name}-ttft.png) "
                 f"![{name} latency CDF]({plots_dir}/{name}-latency.png)"]
-        if any(p in figures for p in ("inferlb_eds", "inferlb_full", *GATEWAY_POLICIES)):
+        if any(p in figures for p in INFERLB):  # the policies plots.weights_over_time draws
             out.append(f"![{name} weights over time]({plots_dir}/{name}-weights.png)")
         if any(figures[p].get("edge_peak_load") is not None for p in figures):
             out += ["", "Tiers, from the nodes' own request spans (a request's arrival at its node to the release of "
