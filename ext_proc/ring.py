@@ -27,6 +27,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from hashlib import blake2b
+from operator import itemgetter
 
 import numpy as np
 
@@ -37,6 +38,9 @@ POINTS_BUDGET = 1 << 20
 
 MIN_VNODES = 16
 """Fewest points per endpoint when :data:`POINTS_BUDGET` cuts them (unless ``vnodes`` is lower)."""
+
+OWNERS_PIECE = 1 << 15
+"""Points per C call when a ring lists its points' owners (see :func:`_owners`)."""
 
 
 def key_hash(data: bytes) -> int:
@@ -53,6 +57,25 @@ def points_per_endpoint(endpoints: int, vnodes: int) -> int:
     (160, 17, 8)
     """
     return min(vnodes, max(MIN_VNODES, POINTS_BUDGET // max(1, endpoints)))
+
+
+def _owners(names: tuple[str, ...], owner_of: np.ndarray) -> list[str]:
+    """``[names[j] for j in owner_of]``, :data:`OWNERS_PIECE` points per C call.
+
+    At 60 000 endpoints a ring has a million points: listing their owners with one numpy call held
+    the GIL for 40-90 ms (in the picker view's worker thread) and the event loop, which shares the
+    GIL, waited as long in the first round (``python3 -m bench.scale_bench``). Pieces of numpy object
+    arrays do not help (measured: fancy indexing and ``take``, with or without ``out``): numpy releases
+    the GIL for an instant inside each call, and a thread waiting for the GIL that is woken then but
+    finds it taken again restarts its 5 ms switch interval, so it waits for the whole loop. These
+    pieces are Python lists and tuples: the GIL is never released inside one (~2-3 ms each), and a
+    waiting thread gets it between two.
+    """
+    owners: list[str] = []
+    for start in range(0, len(owner_of), OWNERS_PIECE):
+        piece = owner_of[start:start + OWNERS_PIECE].tolist()
+        owners += itemgetter(*piece)(names) if len(piece) > 1 else [names[piece[0]]]  # one item: not a tuple
+    return owners
 
 
 def _hash_row(name: str, start: int, stop: int) -> list[int]:
@@ -99,7 +122,7 @@ class HashRing:
             points = flat[order]
         self._endpoints: tuple[str, ...] = names
         self._points = array("Q", points.tobytes())
-        self._owners: list[str] = np.array(names, dtype=object)[order // k].tolist() if names else []
+        self._owners: list[str] = _owners(names, order // k)
         self._vnodes = vnodes
         self._rows = rows
 

@@ -173,6 +173,16 @@ def test_a_large_ring_keeps_each_endpoints_first_points_within_the_budget(monkey
     assert HashRing(names[:2], vnodes=160).points == 64
 
 
+@pytest.mark.parametrize("piece", [1, 4, 21, 1 << 15])
+def test_owners_listed_in_pieces_are_every_points_owner_in_ring_order(monkeypatch, piece):
+    # in pieces so a large ring's build hands the GIL over between them; 21 points: 4 leaves a short last piece
+    monkeypatch.setattr(ring_module, "OWNERS_PIECE", piece)
+    names = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    want = sorted((key_hash(f"{n}#{i}".encode()), n) for n in names for i in range(7))
+    assert HashRing(names, vnodes=7).owners == [n for _, n in want]
+    assert HashRing([], vnodes=7).owners == []
+
+
 @FAST
 @given(endpoint_sets, endpoint_sets, st.integers(1, 40), st.integers(1, 40))
 def test_a_ring_built_from_a_previous_one_equals_one_built_afresh(before, after, v0, v1):
