@@ -204,7 +204,6 @@ async def test_the_room_a_grant_request_sends_keeps_the_memory_margin():
     assert not granted, f"granted: {left} MiB left on {endpoint} for a request whose margin is {0.2 * mib} MiB"
 
 
-@pytest.mark.xfail(strict=True, reason="quadratic expiry")
 def test_the_ledger_expires_grants_in_time_proportional_to_what_expires():
     """``GrantLedger.expire`` scans every endpoint with a grant on every decision: quadratic in the
     grants of the last second (60 000 endpoints: 5 000 grants/s took 2.6 s of CPU per second)."""
