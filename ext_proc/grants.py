@@ -86,8 +86,14 @@ class Grants:
         self._forget(request_id)
 
     def lost(self) -> None:
-        """The stream is gone: every waiting request is answered with None (decided locally)."""
+        """The stream is gone: every waiting request is answered with None (decided locally), and what
+        the stream told goes: refusals' notes (the others' load is dropped too), the view number (the
+        next stream numbers its views from 1) and the grant number applied (a restarted control plane
+        numbers its grants from 1: an old, larger number would show its new grants to this picker as
+        counted by it; reset, this picker's grants count as unseen until its reports apply new ones)."""
         self.outbox.clear()
+        self.refused_mib.clear()
+        self.applied = self.view = 0
         for request_id in list(self._waiting):
             waiting = self._forget(request_id)
             if waiting is not None:

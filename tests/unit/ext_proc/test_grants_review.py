@@ -26,7 +26,6 @@ from xds_server.loadview.service import report_from
 from xds_server.loadview.table import LoadTable
 
 
-@pytest.mark.xfail(strict=True, reason="applied survives a control-plane restart")
 def test_a_control_plane_restart_makes_every_new_grant_look_seen():
     """The picker's ``applied`` is a max over grant numbers; a restarted control plane numbers its
     grants from 1 again, so the old max says every new grant to that picker is already counted."""
@@ -44,7 +43,6 @@ def test_a_control_plane_restart_makes_every_new_grant_look_seen():
         f"p2 granted the room p1 was just granted (grant {second}, unseen {unseen}): both fill 20000 MiB with 32000"
 
 
-@pytest.mark.xfail(strict=True, reason="refused_mib survives lost()")
 def test_a_refusal_note_is_not_held_while_the_view_is_lost():
     """``Grants.lost`` clears the outbox and the waiting requests, not ``refused_mib``: the others'
     load is dropped (NO_OTHERS) yet their 'unseen' memory stays subtracted until a view comes back
