@@ -152,7 +152,6 @@ async def _stays_viewed_while(asking: bool) -> bool:
         await server.stop(None)
 
 
-@pytest.mark.xfail(strict=True, reason="stale check skipped while grants are asked")
 async def test_a_stalled_view_is_dropped_after_expiry_even_while_grants_are_asked():
     assert not await _stays_viewed_while(asking=False), "control: without grant requests the view is dropped"
     assert not await _stays_viewed_while(asking=True), \
