@@ -412,10 +412,20 @@ class PickerHandler:
             return pool.capacity if spill is None else 0
         return pool.capacity + spill.capacity
 
+    def _taken(self, cluster: str) -> int:
+        """``cluster``'s slots taken: its requests in flight and those waiting for a memory grant
+        (admitted: they commit once answered, and a slot counted only then let every request in
+        those milliseconds through)."""
+        loads = self.loads
+        taken = loads.clusters.get(cluster, 0)
+        if isinstance(loads, SharedLoad) and loads.grants.pending:
+            taken += loads.grants.pending.get(cluster, 0)
+        return taken
+
     def _room(self, cluster: str) -> bool:
         """A slot for one more request of ``cluster`` (always, when its concurrency is not limited)."""
         capacity = self._capacity(self.holder.current, cluster)
-        return not self.limit_concurrency or capacity <= 0 or self.loads.clusters.get(cluster, 0) < capacity
+        return not self.limit_concurrency or capacity <= 0 or self._taken(cluster) < capacity
 
     def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                phase: str, tries: int = 0) -> bytes | asyncio.Future[bytes]:
@@ -433,7 +443,7 @@ class PickerHandler:
             return self._no_memory(decision, headers, view, body, phase)
         if admission is None or not self.limit_concurrency or not self.inflight.streams:
             return self._confirm(decision, view, headers, body, phase, tries)
-        verdict = admit(self.loads.clusters.get(cluster, 0), self._capacity(view, cluster),
+        verdict = admit(self._taken(cluster), self._capacity(view, cluster),
                         admission.queued(cluster), admission.max_queue)
         if verdict == "admit":
             return self._confirm(decision, view, headers, body, phase, tries)

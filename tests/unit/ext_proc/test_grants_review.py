@@ -71,7 +71,6 @@ def limited_handler() -> tuple[PickerHandler, SharedLoad]:
     return handler, shared
 
 
-@pytest.mark.xfail(strict=True, reason="pending grants take no slot")
 async def test_requests_waiting_for_a_grant_take_no_concurrency_slot():
     """The cluster's capacity is 2; requests waiting for their grant are not in flight, so every one
     that arrives in those milliseconds is admitted: 5 requests run on 2 slots, none queued."""
