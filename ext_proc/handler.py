@@ -519,7 +519,12 @@ class PickerHandler:
                 return
             if grant is None or grant:
                 self._count("grant-granted" if grant else "grant-unanswered")
-                settle(future, lambda: self._commit(decision, self.holder.current, headers, phase))
+                current = self.holder.current
+                if current is not view and not self._pinnable(current, decision.cluster, endpoint):
+                    # an EDS update meanwhile removed (or made unpinnable) its endpoint: decided again
+                    settle(future, lambda: self._route(headers, current, body, phase, tries + 1))  # counted: bounded
+                    return
+                settle(future, lambda: self._commit(decision, current, headers, phase))
                 return
             self._count("grant-refused")
             if tries + 1 >= GRANT_TRIES:
@@ -535,6 +540,14 @@ class PickerHandler:
         request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
         timer = loop.call_later(GRANT_TIMEOUT_S, late)
         return future
+
+    @staticmethod
+    def _pinnable(view: EndpointView, cluster: str | None, endpoint: str) -> bool:
+        """Whether ``endpoint`` is still a pinnable endpoint of ``cluster`` (either tier) in ``view``."""
+        pool = view.clusters.get(cluster) if cluster is not None else None
+        if pool is None:
+            return False
+        return endpoint in pool.members or (pool.spill is not None and endpoint in pool.spill.members)
 
     def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
                    phase: str) -> bytes | asyncio.Future[bytes]:

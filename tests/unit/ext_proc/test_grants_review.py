@@ -157,7 +157,6 @@ async def test_a_stalled_view_is_dropped_after_expiry_even_while_grants_are_aske
         "with a grant request every 5 ms, the 0.3 s-stale view is kept for 1 s (every admission waits 50 ms)"
 
 
-@pytest.mark.xfail(strict=True, reason="stale decision committed")
 async def test_a_grant_answered_after_its_endpoint_left_the_view_does_not_pin_it():
     """The decision waits up to 50 ms for its grant; an EDS update meanwhile removes (or ejects)
     its endpoint. The commit still pins it (override_host ignores health): the design says only
