@@ -509,6 +509,7 @@ class PickerHandler:
             if endpoint is not None and isinstance(loads, SharedLoad) else None
         if room is None:
             return self._commit(decision, view, headers, phase)
+        room -= decision.mib * decision.margin  # the margin admission kept: the others' grants may not take it
         grants = loads.grants  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
