@@ -28,11 +28,13 @@ class Grants:
         wake: called when a request is queued (the report loop sends at once); None: nobody listens.
     """
 
-    __slots__ = ("_next", "_waiting", "applied", "outbox", "pending_mib", "refused_mib", "view", "wake")
+    __slots__ = ("_next", "_waiting", "applied", "outbox", "pending", "pending_mib", "refused_mib", "view", "wake")
 
     def __init__(self) -> None:
         self.outbox: list[tuple[int, str, str, float, float]] = []
-        self._waiting: dict[int, tuple[str, float, Answer]] = {}
+        self._waiting: dict[int, tuple[str, float, Answer, str]] = {}
+        self.pending: dict[str, int] = {}
+        """``{cluster: requests asked for and not answered yet}`` (they take a concurrency slot)."""
         self.pending_mib: dict[str, float] = {}
         """``{endpoint: MiB asked for and not answered yet}``."""
         self.refused_mib: dict[str, float] = {}
@@ -52,7 +54,8 @@ class Grants:
         self._next += 1
         request_id = self._next
         self.outbox.append((request_id, cluster, endpoint, mib, room_mib))
-        self._waiting[request_id] = (endpoint, mib, answer)
+        self._waiting[request_id] = (endpoint, mib, answer, cluster)
+        self.pending[cluster] = self.pending.get(cluster, 0) + 1
         self.pending_mib[endpoint] = self.pending_mib.get(endpoint, 0.0) + mib
         if self.wake is not None:
             self.wake()
@@ -76,7 +79,7 @@ class Grants:
         waiting = self._forget(request_id)
         if waiting is None:
             return
-        endpoint, _, answer = waiting
+        endpoint, _, answer, _ = waiting
         if not grant:
             self.refused_mib[endpoint] = max(self.refused_mib.get(endpoint, 0.0), unseen_mib)
         answer(grant, unseen_mib)
@@ -86,17 +89,27 @@ class Grants:
         self._forget(request_id)
 
     def lost(self) -> None:
-        """The stream is gone: every waiting request is answered with None (decided locally)."""
+        """The stream is gone: every waiting request is answered with None (decided locally), and what
+        the stream told goes: refusals' notes (the others' load is dropped too), the view number (the
+        next stream numbers its views from 1) and the grant number applied (a restarted control plane
+        numbers its grants from 1: an old, larger number would show its new grants to this picker as
+        counted by it; reset, this picker's grants count as unseen until its reports apply new ones)."""
         self.outbox.clear()
+        self.refused_mib.clear()
+        self.applied = self.view = 0
         for request_id in list(self._waiting):
             waiting = self._forget(request_id)
             if waiting is not None:
                 waiting[2](None, 0.0)
 
-    def _forget(self, request_id: int) -> tuple[str, float, Answer] | None:
+    def _forget(self, request_id: int) -> tuple[str, float, Answer, str] | None:
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
-            endpoint, mib, _ = waiting
+            endpoint, mib, _, cluster = waiting
+            if self.pending[cluster] > 1:
+                self.pending[cluster] -= 1
+            else:
+                del self.pending[cluster]
             left = self.pending_mib.get(endpoint, 0.0) - mib
             if left > 1e-6:
                 self.pending_mib[endpoint] = left

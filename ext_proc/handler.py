@@ -412,13 +412,23 @@ class PickerHandler:
             return pool.capacity if spill is None else 0
         return pool.capacity + spill.capacity
 
+    def _taken(self, cluster: str) -> int:
+        """``cluster``'s slots taken: its requests in flight and those waiting for a memory grant
+        (admitted: they commit once answered, and a slot counted only then let every request in
+        those milliseconds through)."""
+        loads = self.loads
+        taken = loads.clusters.get(cluster, 0)
+        if isinstance(loads, SharedLoad) and loads.grants.pending:
+            taken += loads.grants.pending.get(cluster, 0)
+        return taken
+
     def _room(self, cluster: str) -> bool:
         """A slot for one more request of ``cluster`` (always, when its concurrency is not limited)."""
         capacity = self._capacity(self.holder.current, cluster)
-        return not self.limit_concurrency or capacity <= 0 or self.loads.clusters.get(cluster, 0) < capacity
+        return not self.limit_concurrency or capacity <= 0 or self._taken(cluster) < capacity
 
     def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
-               phase: str, tries: int = 0) -> bytes | asyncio.Future[bytes]:
+               phase: str, tries: int = 0, deadline: float | None = None) -> bytes | asyncio.Future[bytes]:
         decision = self._pick(headers, view, body)
         cluster = decision.cluster
         admission = self.admission
@@ -430,13 +440,13 @@ class PickerHandler:
             self._count(refusal.reason)
             return self._encoder.encode(refusal, view, headers, phase)
         if decision.reason == "no-memory":
-            return self._no_memory(decision, headers, view, body, phase)
+            return self._no_memory(decision, headers, view, body, phase, deadline)
         if admission is None or not self.limit_concurrency or not self.inflight.streams:
-            return self._confirm(decision, view, headers, body, phase, tries)
-        verdict = admit(self.loads.clusters.get(cluster, 0), self._capacity(view, cluster),
+            return self._confirm(decision, view, headers, body, phase, tries, deadline=deadline)
+        verdict = admit(self._taken(cluster), self._capacity(view, cluster),
                         admission.queued(cluster), admission.max_queue)
         if verdict == "admit":
-            return self._confirm(decision, view, headers, body, phase, tries)
+            return self._confirm(decision, view, headers, body, phase, tries, deadline=deadline)
 
         def refuse() -> bytes:
             rejection = overloaded(cluster, admission.retry_after_s)
@@ -446,7 +456,7 @@ class PickerHandler:
         if verdict == "reject":
             ADMISSION.labels(cluster, "rejected_full").inc()
             return refuse()
-        return self._enqueue(cluster, headers, body, phase, refuse)
+        return self._enqueue(cluster, headers, body, phase, refuse, deadline)
 
     def _enqueue(self, cluster: str, headers: dict[str, bytes], body: BodyFields, phase: str,
                  refuse: Callable[[], bytes], deadline: float | None = None) -> asyncio.Future[bytes]:
@@ -477,13 +487,14 @@ class PickerHandler:
 
         def resume() -> bytes | asyncio.Future[bytes]:  # right after fits() said yes: its decision
             assert decided is not None
-            return self._confirm(decided, self.holder.current, headers, body, phase, GRANT_TRIES - 1, again)
+            return self._confirm(decided, self.holder.current, headers, body, phase, GRANT_TRIES - 1, again,
+                                 deadline)
 
         return admission.enqueue(cluster, resume, refuse, fits, deadline - loop.time())
 
     def _confirm(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], body: BodyFields,
-                 phase: str, tries: int, give_up: Callable[[], bytes | asyncio.Future[bytes]] | None = None
-                 ) -> bytes | asyncio.Future[bytes]:
+                 phase: str, tries: int, give_up: Callable[[], bytes | asyncio.Future[bytes]] | None = None,
+                 deadline: float | None = None) -> bytes | asyncio.Future[bytes]:
         """Commit ``decision``, or first ask the control plane for a memory grant while another picker
         decides on the same endpoints (:meth:`SharedLoad.grant_room`; :mod:`xds_server.loadview.grants`):
         two pickers could fill the same room before either sees the other's request.
@@ -499,8 +510,13 @@ class PickerHandler:
             if endpoint is not None and isinstance(loads, SharedLoad) else None
         if room is None:
             return self._commit(decision, view, headers, phase)
+        room -= decision.mib * decision.margin  # the margin admission kept: the others' grants may not take it
         grants = loads.grants  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
+        if deadline is None and self.admission is not None:
+            # The request's whole wait (grant waits, refusals, the queue) ends within the queue's
+            # timeout from its first grant request: Envoy's message timeout is above that alone.
+            deadline = loop.time() + self.admission.timeout_s
         future: asyncio.Future[bytes] = loop.create_future()
 
         def answered(grant: int | None, unseen_mib: float) -> None:
@@ -509,25 +525,39 @@ class PickerHandler:
                 return
             if grant is None or grant:
                 self._count("grant-granted" if grant else "grant-unanswered")
-                settle(future, lambda: self._commit(decision, self.holder.current, headers, phase))
+                current = self.holder.current
+                if current is not view and not self._pinnable(current, decision.cluster, endpoint):
+                    # an EDS update meanwhile removed (or made unpinnable) its endpoint: decided again
+                    settle(future, lambda: self._route(headers, current, body, phase, tries + 1, deadline))
+                    return
+                settle(future, lambda: self._commit(decision, current, headers, phase))
                 return
             self._count("grant-refused")
             if tries + 1 >= GRANT_TRIES:
                 settle(future, give_up or (lambda: self._no_memory(decision._replace(reason="no-memory"), headers,
-                                                                   self.holder.current, body, phase)))
+                                                                   self.holder.current, body, phase, deadline)))
             else:
-                settle(future, lambda: self._route(headers, self.holder.current, body, phase, tries + 1))
+                settle(future, lambda: self._route(headers, self.holder.current, body, phase, tries + 1, deadline))
 
         def late() -> None:
             grants.drop(request_id)
             answered(None, 0.0)
 
         request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
-        timer = loop.call_later(GRANT_TIMEOUT_S, late)
+        wait = GRANT_TIMEOUT_S if deadline is None else min(GRANT_TIMEOUT_S, max(0.0, deadline - loop.time()))
+        timer = loop.call_later(wait, late)
         return future
 
+    @staticmethod
+    def _pinnable(view: EndpointView, cluster: str | None, endpoint: str) -> bool:
+        """Whether ``endpoint`` is still a pinnable endpoint of ``cluster`` (either tier) in ``view``."""
+        pool = view.clusters.get(cluster) if cluster is not None else None
+        if pool is None:
+            return False
+        return endpoint in pool.members or (pool.spill is not None and endpoint in pool.spill.members)
+
     def _no_memory(self, decision: Decision, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
-                   phase: str) -> bytes | asyncio.Future[bytes]:
+                   phase: str, deadline: float | None = None) -> bytes | asyncio.Future[bytes]:
         """No endpoint can hold the request: queue it (with admission on) until one can, then 429.
 
         Without the queue (``memory_queue`` off) the request is pinned to the endpoint with the
@@ -554,7 +584,7 @@ class PickerHandler:
         if admission.queued(cluster) >= admission.max_queue:
             ADMISSION.labels(cluster, "rejected_full").inc()
             return refuse()
-        return self._enqueue(cluster, headers, body, phase, refuse)
+        return self._enqueue(cluster, headers, body, phase, refuse, deadline)
 
     def set_largest_memory(self, largest: dict[str, float]) -> None:
         """``{cluster: the whole GPU memory of its largest endpoint, MiB}`` (from the config): a

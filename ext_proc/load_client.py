@@ -99,6 +99,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
 
     def lost(why: str) -> None:
         grants.lost()
+        send_now.clear()  # the requests it woke for are gone with the outbox (else the report loop spins)
         if shared.others is not NO_OTHERS:
             VIEWS.labels("lost").inc()
             log.warning("picker: shared load view lost (%s); deciding on this picker's load alone", why)
@@ -117,14 +118,19 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
             send_now.clear()
             yield report_message(inflight, picker, seq, since, grants)
             since = now
-            while not grants.outbox:
+            while True:
+                # Checked before a waiting grant request goes too: under steady grant requests the
+                # loop never waits, and a stalled control plane kept a stale view (every admission
+                # waiting out its grant) for as long as they came.
+                if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
+                    lost(f"no view for {expiry_s:g} s")
+                if grants.outbox:
+                    break
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):   # or at once when a grant request waits
                         await send_now.wait()
                 if grants.outbox:
                     break
-                if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
-                    lost(f"no view for {expiry_s:g} s")
                 # A change is news only to other pickers that decide (have traffic): without any,
                 # keep-alives suffice.
                 alone = shared.others.pickers - shared.others.idle <= 1

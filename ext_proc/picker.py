@@ -60,6 +60,7 @@ class Decision(NamedTuple):
         mib: the request's GPU memory need (MiB, without the margin).
         prompt_tokens, output_tokens: the tokens the need and work came from (None: unknown).
         gpu_class: the chosen endpoint's GPU class ("" unknown).
+        margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
     """
 
     cluster: str | None
@@ -76,6 +77,7 @@ class Decision(NamedTuple):
     prompt_tokens: float | None = None
     output_tokens: float | None = None
     gpu_class: str = ""
+    margin: float = 0.0
 
     @property
     def rejected(self) -> bool:
@@ -383,4 +385,4 @@ def pick(
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
                                   slack)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "")
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin)

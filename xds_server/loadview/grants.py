@@ -14,6 +14,7 @@ counted exactly once: by the ledger until the view holds it, by the picker's est
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -46,7 +47,8 @@ class GrantLedger:
         self.keep_s = keep_s
         self.last = 0
         """The number of the latest grant (0: none yet)."""
-        self._grants: dict[str, list[Grant]] = {}
+        self._grants: dict[str, deque[Grant]] = {}
+        self._order: deque[tuple[float, str]] = deque()  # (when, endpoint) of every grant kept, oldest first
 
     def decide(self, picker: str, endpoint: str, mib: float, room_mib: float, seen: Mapping[str, int],
                now: float) -> tuple[int, float]:
@@ -72,15 +74,17 @@ class GrantLedger:
         if unseen > room_mib:
             return 0, unseen
         self.last += 1
-        self._grants.setdefault(endpoint, []).append(Grant(self.last, picker, mib, now))
+        self._grants.setdefault(endpoint, deque()).append(Grant(self.last, picker, mib, now))
+        self._order.append((now, endpoint))
         return self.last, unseen
 
     def expire(self, now: float) -> None:
         """Forget the grants older than ``keep_s`` (``now``: monotonic s)."""
         limit = now - self.keep_s
-        for endpoint in [e for e, grants in self._grants.items() if grants[0].at <= limit]:
-            kept = [g for g in self._grants[endpoint] if g.at > limit]
-            if kept:
-                self._grants[endpoint] = kept
-            else:
+        order = self._order
+        while order and order[0][0] <= limit:  # grants are kept in time order, overall and per endpoint
+            endpoint = order.popleft()[1]
+            grants = self._grants[endpoint]
+            grants.popleft()
+            if not grants:
                 del self._grants[endpoint]
