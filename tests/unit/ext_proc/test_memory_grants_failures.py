@@ -1,4 +1,5 @@
-"""Review of the memory grants (7691a69): each test demonstrates one problem (it fails on 7691a69)."""
+"""Memory grants where they can go wrong: a control-plane restart or stall, concurrency slots, the
+Envoy timeout budget, endpoints leaving while a grant is asked, the memory margin, the ledger's cost."""
 
 from __future__ import annotations
 
