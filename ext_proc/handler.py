@@ -506,11 +506,11 @@ class PickerHandler:
         """
         loads = self.loads
         endpoint = decision.endpoint
-        room = loads.grant_room(endpoint, decision.mib) \
+        # The need with the margin admission kept: the others' unseen grants may not take the margin.
+        room = loads.grant_room(endpoint, decision.mib * (1.0 + decision.margin)) \
             if endpoint is not None and isinstance(loads, SharedLoad) else None
         if room is None:
             return self._commit(decision, view, headers, phase)
-        room -= decision.mib * decision.margin  # the margin admission kept: the others' grants may not take it
         grants = loads.grants  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
         if deadline is None and self.admission is not None:
