@@ -24,11 +24,18 @@ class Grants:
     Attributes:
         outbox: ``[(id, cluster, endpoint, MiB, room MiB)]`` to send with the next report.
         applied: the largest grant number whose request this picker counts (``LoadReport.grants_applied``).
-        view: the last ``LoadView.view`` applied (``LoadReport.view_applied``).
+        view: the last ``LoadView.view`` applied (``LoadReport.view_applied`` of a report without
+            grant requests).
+        asked_on: the view applied when the outbox's first request was asked (the outbox's oldest:
+            ``LoadReport.view_applied`` of the report that carries them). A view applied between
+            the ask and the report does not count: the request's room was reckoned without it, and
+            the ledger, told the newer one, took a grant it showed as in the room (an OOM in a
+            ``multi_gateway`` round).
         wake: called when a request is queued (the report loop sends at once); None: nobody listens.
     """
 
-    __slots__ = ("_next", "_waiting", "applied", "outbox", "pending", "pending_mib", "refused_mib", "view", "wake")
+    __slots__ = ("_next", "_waiting", "applied", "asked_on", "outbox", "pending", "pending_mib", "refused_mib", "view",
+                 "wake")
 
     def __init__(self) -> None:
         self.outbox: list[tuple[int, str, str, float, float]] = []
@@ -41,6 +48,7 @@ class Grants:
         """``{endpoint: the others' unseen MiB a refusal reported}``, until the next view."""
         self.applied = 0
         self.view = 0
+        self.asked_on = 0
         self.wake: Callable[[], None] | None = None
         self._next = 0
 
@@ -53,6 +61,8 @@ class Grants:
         is there); ``answer`` is called once, with the answer or with None. Returns its id."""
         self._next += 1
         request_id = self._next
+        if not self.outbox:
+            self.asked_on = self.view
         self.outbox.append((request_id, cluster, endpoint, mib, room_mib))
         self._waiting[request_id] = (endpoint, mib, answer, cluster)
         self.pending[cluster] = self.pending.get(cluster, 0) + 1

@@ -52,7 +52,12 @@ _FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_t
 _MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
 _PROMPT = re.compile(rb'"prompt"\s*:\s*"')
 _DECODER = json.JSONDecoder()
-#: How long a request waits for the control plane's memory grant before it is decided locally (s).
+#: Without admission control, how long a request waits for the control plane's memory grant before
+#: it is decided locally (s). With it, a request waits until its deadline (``queue_timeout_s`` from
+#: its first grant request), then is refused like one the memory queue could not place: committed
+#: before the ledger heard of it, it would be one the ledger grants others' room against (in two
+#: ``multi_gateway`` rounds where every request waited 50 ms and then committed, such a commit came
+#: in the 250 ms before 35 of 55 OOMs).
 GRANT_TIMEOUT_S = 0.05
 #: Grant refusals one request takes (each steering it off the refused endpoint) before it waits in
 #: the memory queue like a request no endpoint has room for.
@@ -499,7 +504,9 @@ class PickerHandler:
         decides on the same endpoints (:meth:`SharedLoad.grant_room`; :mod:`xds_server.loadview.grants`):
         two pickers could fill the same room before either sees the other's request.
 
-        Granted, or no answer within :data:`GRANT_TIMEOUT_S` (or the view lost): committed as decided.
+        Granted, or the view lost, or (without admission control) no answer within
+        :data:`GRANT_TIMEOUT_S`: committed as decided. No answer by the request's ``deadline`` (with
+        admission control: ``queue_timeout_s`` from its first grant request): ``give_up()``.
         Refused: decided again with the others' unseen memory left aside on that endpoint, until
         :data:`GRANT_TRIES` refusals (``tries``: refusals so far); then ``give_up()`` (default: queued
         for memory like a request no endpoint has room for).
@@ -541,10 +548,18 @@ class PickerHandler:
 
         def late() -> None:
             grants.drop(request_id)
-            answered(None, 0.0)
+            if deadline is None:
+                answered(None, 0.0)
+            elif not future.done():
+                # Its time is up and the ledger has not answered: committed now, it would be one the
+                # ledger grants others' room against (it hears of it later). Refused like a request
+                # the memory queue could not place in its time.
+                self._count("grant-unanswered")
+                settle(future, give_up or (lambda: self._no_memory(decision._replace(reason="no-memory"), headers,
+                                                                   self.holder.current, body, phase, deadline)))
 
         request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
-        wait = GRANT_TIMEOUT_S if deadline is None else min(GRANT_TIMEOUT_S, max(0.0, deadline - loop.time()))
+        wait = GRANT_TIMEOUT_S if deadline is None else max(0.0, deadline - loop.time())
         timer = loop.call_later(wait, late)
         return future
 

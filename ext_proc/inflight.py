@@ -103,6 +103,8 @@ class InFlight:
         work: ``{"HOST:PORT": predicted work in flight}`` (units of a typical request; the load
             of the bounded-load rule), counted from the picker's own picks from the first request.
         cluster_work: ``{cluster: work in flight}`` of the cluster's pinned requests.
+        memory: ``{"HOST:PORT": GPU memory of the pinned requests in flight, MiB}`` (only endpoints
+            with some).
         free: ``{"HOST:PORT": estimated free GPU memory, MiB}``: the last reported free memory
             minus the memory of requests picked since that sample and still in flight, plus the
             memory of requests the sample saw running that have finished since (only endpoints
@@ -124,9 +126,9 @@ class InFlight:
             ``arrival_slack_s`` or ``completion_lag_s`` is negative.
     """
 
-    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "free", "failed", "streams", "requests", "changes",
-                 "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold", "_sampled",
-                 "_done", "_arrival", "_lag", "_keep", "_doubts", "finished")
+    __slots__ = ("endpoints", "clusters", "work", "cluster_work", "memory", "free", "failed", "streams", "requests",
+                 "changes", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold",
+                 "_sampled", "_done", "_arrival", "_lag", "_keep", "_doubts", "finished")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
                  failure_hold_s: float = 5.0, arrival_slack_s: float = 0.05, completion_lag_s: float = 0.05,
@@ -142,6 +144,7 @@ class InFlight:
         self.clusters: dict[str, int] = {}
         self.work: dict[str, float] = {}
         self.cluster_work: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
         self.free: dict[str, float] = {}
         self.finished: list[tuple[str, float, float]] = []
         self.failed: dict[str, float] = {}
@@ -192,8 +195,10 @@ class InFlight:
         before = self.work.get(endpoint, 0.0)
         self.work[endpoint] = before + work
         self.cluster_work[cluster] = self.cluster_work.get(cluster, 0.0) + work
-        if mib and endpoint in self.free:
-            self.free[endpoint] -= mib
+        if mib:
+            self.memory[endpoint] = self.memory.get(endpoint, 0.0) + mib
+            if endpoint in self.free:
+                self.free[endpoint] -= mib
         picks = self._pending_ep.get(endpoint)
         if picks is None:
             picks = self._pending_ep[endpoint] = deque()
@@ -266,6 +271,11 @@ class InFlight:
             self.cluster_work.pop(cluster, None)
         if mib:
             self.finished.append((endpoint, pick[0], mib))
+            held = self.memory.get(endpoint, 0.0) - mib
+            if held > 1e-6:
+                self.memory[endpoint] = held
+            else:
+                self.memory.pop(endpoint, None)
         if mib and endpoint in self.free:
             self.free[endpoint] += mib
             if finished_at is not None:

@@ -45,7 +45,8 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float,
     and ``grants``' waiting requests (taken out of its outbox)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
     if grants is not None:
-        msg.grants_applied, msg.view_applied = grants.applied, grants.view
+        msg.grants_applied = grants.applied
+        msg.view_applied = grants.asked_on if grants.outbox else grants.view
         for request_id, cluster, endpoint, mib, room in grants.take_outbox():
             msg.grant_requests.add(id=request_id, cluster=cluster, endpoint=endpoint, memory_mib=mib, room_mib=room)
     for (cluster, endpoint), (n, work, mib, tokens, picks) in inflight.by_endpoint(since).items():
@@ -74,6 +75,11 @@ def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[fl
     """The memory samples of a view as :meth:`ext_proc.inflight.InFlight.set_samples` takes them:
     ``{endpoint: (free MiB, taken at)}``, ``taken at`` on the picker's clock (``now`` - their age)."""
     return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
+
+
+def view_capacities(view: load_view_pb2.LoadView) -> dict[str, float]:
+    """``{endpoint: GPU memory its requests can use, MiB}`` of the view's samples that carry one (pure)."""
+    return {m.endpoint: m.capacity_mib for m in view.memory if m.capacity_mib > 0}
 
 
 def _memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
@@ -146,12 +152,14 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                     grants.viewed(view.view)
                     for answer in view.grants:
                         grants.answer(answer.id, answer.grant, answer.unseen_mib)
-                    if on_samples is not None and view.memory_round:
+                    if view.memory_round:
                         # Read in a worker thread: 183-193 ms of Python steps at 60 000 endpoints (timed alone),
                         # which would stall this picker's event loop (its requests) meanwhile.
-                        baseline, samples = await asyncio.to_thread(_memory_of, view, inflight.now())
-                        shared.free.rebase(baseline)
-                        on_samples(samples)
+                        shared.free.capacity = await asyncio.to_thread(view_capacities, view)
+                        if on_samples is not None:
+                            baseline, samples = await asyncio.to_thread(_memory_of, view, inflight.now())
+                            shared.free.rebase(baseline)
+                            on_samples(samples)
                     VIEWS.labels("received").inc()
                     delay = backoff_s
             lost("the control plane ended the stream")

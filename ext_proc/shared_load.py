@@ -19,7 +19,10 @@ minus what the others added since that sample: their memory in flight now minus 
 flight when the sample was taken (the baseline: sent with the sample by the control plane, from the
 others' reports at that time; else their memory in flight when this picker first reads the sample),
 and minus the memory of this picker's requests waiting for a grant and what grant refusals reported
-of the others' requests its view does not show yet (:class:`~ext_proc.grants.Grants`).
+of the others' requests its view does not show yet (:class:`~ext_proc.grants.Grants`). Where the
+control plane learned the endpoint's capacity (the memory its requests can use), the estimate is at
+most that capacity less every picker's memory in flight there: the credits for finished requests
+can count one twice, never the capacity.
 """
 
 from __future__ import annotations
@@ -129,12 +132,16 @@ class _Plus(Mapping[str, float]):
 class _Free(Mapping[str, float]):
     """Estimated free GPU memory: the picker's own estimate minus what the others added since its sample."""
 
-    __slots__ = ("_inflight", "_grants", "others", "_sample", "_baseline", "_next")
+    __slots__ = ("_inflight", "_grants", "others", "capacity", "_sample", "_baseline", "_next")
 
     def __init__(self, inflight: InFlight, grants: Grants) -> None:
         self._inflight = inflight
         self._grants = grants
         self.others: Mapping[str, float] = _NONE
+        self.capacity: Mapping[str, float] = _NONE
+        """``{endpoint: GPU memory its requests can use, MiB}`` (the control plane's
+        :meth:`~xds_server.loadview.table.LoadTable.capacities`): the estimate never exceeds it less
+        the memory every picker has in flight there."""
         self._sample: Mapping[str, float] | None = None
         self._baseline: Mapping[str, float] = _NONE
         self._next: Mapping[str, float] | None = None
@@ -153,7 +160,11 @@ class _Free(Mapping[str, float]):
         if own is not self._sample:  # a new sample (InFlight.set_samples replaces the map): rebase
             self._baseline = self._next if self._next is not None else self.others
             self._sample, self._next = own, None
-        value -= self.others.get(key, 0.0) - self._baseline.get(key, 0.0)
+        others = self.others.get(key, 0.0)
+        value -= others - self._baseline.get(key, 0.0)
+        capacity = self.capacity.get(key)
+        if capacity is not None:
+            value = min(value, capacity - others - self._inflight.memory.get(key, 0.0))
         grants = self._grants
         return value - grants.held(key) if grants.pending_mib or grants.refused_mib else value
 

@@ -118,12 +118,12 @@ def _clusters(loads) -> list[load_view_pb2.ClusterLoad]:
 
 
 def view_message(totals: Totals, own: Report | None, seq: int,
-                 memory: tuple[int, Mapping[str, tuple[float, float, float]], float] | None = None,
+                 memory: tuple[int, Mapping[str, tuple[float, float, float, float]], float] | None = None,
                  idle_others: int = 0, view: int = 0,
                  grants: list[tuple[int, int, float]] | None = None) -> load_view_pb2.LoadView:
     """The ``LoadView`` for one picker: ``totals`` and the picker's own report as counted in them
     (``own`` None: the picker is not in the sum); ``memory``: ``(round, {endpoint: (free MiB, taken
-    at, the others' MiB in flight then)}, now)`` to send the slow loop's samples with their age at
+    at, the others' MiB in flight then, capacity MiB or 0)}, now)`` to send the slow loop's samples with their age at
     ``now`` (monotonic s); ``idle_others``: :meth:`~xds_server.loadview.table.LoadTable.idle_others`;
     ``view``: this view's number on its stream; ``grants``: ``[(request id, grant number or 0,
     unseen MiB)]`` answers to the picker's grant requests."""
@@ -138,8 +138,8 @@ def view_message(totals: Totals, own: Report | None, seq: int,
         round_, samples, now = memory
         msg.memory_round = round_
         msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at),
-                                                     others_mib=others)
-                          for e, (free, at, others) in samples.items())
+                                                     others_mib=others, capacity_mib=capacity)
+                          for e, (free, at, others, capacity) in samples.items())
     return msg
 
 
@@ -189,7 +189,9 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                             asyncio.get_running_loop().call_later(table.memory_ready_at - now, wake.set)
                     elif table.memory_round != sent_round:
                         sent_round = table.memory_round
-                        memory = (sent_round, {e: (free, at, table.others_mib_at(stream.picker, e, at))
+                        capacities = table.capacities()
+                        memory = (sent_round, {e: (free, at, table.others_mib_at(stream.picker, e, at),
+                                                   capacities.get(e, 0.0))
                                                for e, (free, at) in table.memory.items()}, now)
                     stream.views += 1
                     stream.seen[stream.views] = table.grants_seen()

@@ -104,6 +104,8 @@ PICK_SLACK_S = 0.05
 #: long after it (s): Envoy's access-log flush (5 ms), the picker's report interval (10 ms) and
 #: the stream, with room for a loaded machine.
 FINISH_LAG_S = 0.1
+#: Memory rounds an endpoint's capacity is learned over (:meth:`LoadTable.capacities`).
+CAPACITY_ROUNDS = 9
 _NO_CLUSTER_LOAD = ClusterLoad()
 
 
@@ -148,6 +150,10 @@ class LoadTable:
         # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before])
         self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]]]]] = {}
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
+        self._with_memory: dict[str, float] = {}  # endpoint -> when a report last had memory there (s)
+        self._implied: dict[str, deque[float]] = {}  # endpoint -> implied capacities of its last rounds (MiB)
+        self._capacities: Mapping[str, float] = MappingProxyType({})
+        self._learned_round = 0
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
         """Take the slow loop's memory samples of one round (passed on to every picker with the view,
@@ -173,6 +179,8 @@ class LoadTable:
         mib: dict[str, float] = {}
         for (_, endpoint), load in report.endpoints.items():
             mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
+        for endpoint in [*(e for e, m in mib.items() if m > 0), *(f[0] for f in report.finished)]:
+            self._with_memory[endpoint] = now
         history = self._mib.setdefault(report.picker, deque())
         history.append((now, mib, [(e, now - age, m) for e, age, m in report.finished]))
         while len(history) > 1 and history[1][0] < now - HISTORY_S:
@@ -195,9 +203,49 @@ class LoadTable:
         limit = now - self.expiry_s
         return sum(1 for p in self._reports if p != picker and self._busy.get(p, limit) <= limit)
 
-    def others_mib_at(self, picker: str, endpoint: str, at: float) -> float:
-        """GPU memory (MiB) of the requests of the pickers other than ``picker`` that a memory sample
-        of ``endpoint`` taken at ``at`` (monotonic s) holds, never below 0.
+    def capacities(self) -> Mapping[str, float]:
+        """``{"HOST:PORT": GPU memory the endpoint's requests can use, MiB}``, learned from the memory
+        rounds: each round's sample implies ``free + the memory of every picker's requests the sample
+        holds`` (:meth:`others_mib_at`); the capacity is the median of the last
+        :data:`CAPACITY_ROUNDS` of them, so one round's wrong count (a request counted in flight that
+        had ended, or one not reported yet) does not move it. Only endpoints some picker sent
+        requests with memory to in the last :data:`HISTORY_S` (the others' requests are unknown here).
+        Learned once per round, when it is ready (:attr:`memory_ready_at`); call it when sending one.
+
+        A picker's free-memory estimate adds to its sample what it learns of requests finished
+        since; a completion counted twice (free in the sample, and again as finished) leaves the
+        estimate above what the GPU has: 32 and 40 GiB free where the requests can use 24 GiB
+        (``multi_gateway`` of ``inferlb bench quality``). The picker caps the estimate at the capacity
+        less the memory every picker has in flight there (:class:`ext_proc.shared_load.SharedLoad`).
+        """
+        if self._learned_round != self.memory_round:
+            self._learned_round = self.memory_round
+            with_memory = self._with_memory
+            latest = max(self._received.values(), default=0.0)
+            for endpoint in [e for e, at in with_memory.items() if at < latest - HISTORY_S]:
+                del with_memory[endpoint]
+            active = with_memory.keys()
+            implied = self._implied
+            for endpoint in list(implied):
+                if endpoint not in active:
+                    del implied[endpoint]
+            out: dict[str, float] = {}
+            for endpoint in active:
+                sample = self.memory.get(endpoint)
+                if sample is None:
+                    continue
+                free, at = sample
+                rounds = implied.get(endpoint)
+                if rounds is None:
+                    rounds = implied[endpoint] = deque(maxlen=CAPACITY_ROUNDS)
+                rounds.append(free + self.others_mib_at(None, endpoint, at))
+                out[endpoint] = sorted(rounds)[len(rounds) // 2]
+            self._capacities = MappingProxyType(out)
+        return self._capacities
+
+    def others_mib_at(self, picker: str | None, endpoint: str, at: float) -> float:
+        """GPU memory (MiB) of the requests of the pickers other than ``picker`` (None: of every
+        picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never below 0.
 
         Per other picker: its memory in flight on ``endpoint`` in its last report received by
         ``at - PICK_SLACK_S`` (a pick reported later may not have reached the endpoint: it counts

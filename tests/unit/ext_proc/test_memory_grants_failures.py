@@ -214,3 +214,23 @@ def test_the_ledger_expires_grants_in_time_proportional_to_what_expires():
     ledger.decide("p1", "x", 1.0, 1e6, {}, 1.5)
     assert ledger.decide("p2", "10.0.0.1:8000", 1.0, 0.0, {}, 1.5)[0], "grants older than keep_s forgotten"
     assert ledger.decide("p2", "10.0.19.135:8000", 100.0, 99.0, {}, 1.5)[0] == 0, "younger ones kept"
+
+
+def test_a_view_applied_between_the_ask_and_its_report_is_not_the_one_the_ledger_is_told():
+    """p2 reckons its room on view 4; view 5, which shows p1's 18 GiB grant, is applied before the
+    report with p2's request goes out. Told view 5, the ledger took p1's grant as in p2's room and
+    granted both: 36 GiB on a GPU with 24 (an OOM in a ``multi_gateway`` round)."""
+    table, ledger = LoadTable(expiry_s=1.0), GrantLedger(keep_s=1.0)
+    grant, _ = ledger.decide("p1", A, 18432.0, 6144.0, {}, 0.0)
+    seen = {4: {}, 5: {"p1": grant}}   # what each view sent to p2 showed of the grants
+    p2 = Grants()
+    p2.viewed(4)
+    p2.ask("c", A, 18432.0, 6144.0, lambda g, u: None)   # the room of view 4: p1's grant not in it
+    p2.viewed(5)
+    msg = report_message(InFlight(), "p2", 1, 0.0, p2)
+    table.record(report_from(msg), 0.01)
+    [ask] = msg.grant_requests
+    number, unseen = ledger.decide("p2", ask.endpoint, ask.memory_mib, ask.room_mib, seen[msg.view_applied], 0.01)
+    assert (number, unseen) == (0, 18432.0), f"view_applied {msg.view_applied}: granted against p1's grant"
+    later = report_message(InFlight(), "p2", 2, 0.0, p2)
+    assert later.view_applied == 5, "a report without requests tells the view applied last"
