@@ -52,12 +52,13 @@ _FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_t
 _MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
 _PROMPT = re.compile(rb'"prompt"\s*:\s*"')
 _DECODER = json.JSONDecoder()
-#: Without admission control, how long a request waits for the control plane's memory grant before
-#: it is decided locally (s). With it, a request waits until its deadline (``queue_timeout_s`` from
-#: its first grant request), then is refused like one the memory queue could not place: committed
-#: before the ledger heard of it, it would be one the ledger grants others' room against (in two
-#: ``multi_gateway`` rounds where every request waited 50 ms and then committed, such a commit came
-#: in the 250 ms before 35 of 55 OOMs).
+#: Without the memory queue, how long a request waits for the control plane's memory grant before
+#: it is decided locally (s). With it (``memory_queue`` and admission), a request waits until its
+#: deadline (``queue_timeout_s`` from its first grant request), then is refused like one the memory
+#: queue could not place: committed before the ledger heard of it, it would be one the ledger grants
+#: others' room against (in two ``multi_gateway`` rounds where every request waited 50 ms and then
+#: committed, such a commit came in the 250 ms before 35 of 55 OOMs). Without the queue there is no
+#: memory 429 to give (waited out, the request would be pinned blind all the same, only later).
 GRANT_TIMEOUT_S = 0.05
 #: Grant refusals one request takes (each steering it off the refused endpoint) before it waits in
 #: the memory queue like a request no endpoint has room for.
@@ -504,9 +505,10 @@ class PickerHandler:
         decides on the same endpoints (:meth:`SharedLoad.grant_room`; :mod:`xds_server.loadview.grants`):
         two pickers could fill the same room before either sees the other's request.
 
-        Granted, or the view lost, or (without admission control) no answer within
-        :data:`GRANT_TIMEOUT_S`: committed as decided. No answer by the request's ``deadline`` (with
-        admission control: ``queue_timeout_s`` from its first grant request): ``give_up()``.
+        Granted, or the view lost, or (without the memory queue) no answer within
+        :data:`GRANT_TIMEOUT_S`: committed as decided. With the memory queue (``memory_queue`` and
+        admission), no answer by the request's ``deadline`` (``queue_timeout_s`` from its first
+        grant request): ``give_up()``.
         Refused: decided again with the others' unseen memory left aside on that endpoint, until
         :data:`GRANT_TRIES` refusals (``tries``: refusals so far); then ``give_up()`` (default: queued
         for memory like a request no endpoint has room for).
@@ -524,6 +526,8 @@ class PickerHandler:
             # The request's whole wait (grant waits, refusals, the queue) ends within the queue's
             # timeout from its first grant request: Envoy's message timeout is above that alone.
             deadline = loop.time() + self.admission.timeout_s
+        # Unanswered by the deadline, refused (a 429) only where the picker refuses for memory at all.
+        refusable = deadline is not None and self.admission is not None and self.memory_queue
         future: asyncio.Future[bytes] = loop.create_future()
 
         def answered(grant: int | None, unseen_mib: float) -> None:
@@ -548,7 +552,7 @@ class PickerHandler:
 
         def late() -> None:
             grants.drop(request_id)
-            if deadline is None:
+            if not refusable:
                 answered(None, 0.0)
             elif not future.done():
                 # Its time is up and the ledger has not answered: committed now, it would be one the
@@ -559,7 +563,8 @@ class PickerHandler:
                                                                    self.holder.current, body, phase, deadline)))
 
         request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
-        wait = GRANT_TIMEOUT_S if deadline is None else max(0.0, deadline - loop.time())
+        left = GRANT_TIMEOUT_S if deadline is None else max(0.0, deadline - loop.time())
+        wait = left if refusable else min(GRANT_TIMEOUT_S, left)
         timer = loop.call_later(wait, late)
         return future
 

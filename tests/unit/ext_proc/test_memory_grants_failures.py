@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission
 from ext_proc.grants import Grants
-from ext_proc.handler import PickerHandler
+from ext_proc.handler import GRANT_TIMEOUT_S, PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view
 from ext_proc.picker import NO_BODY
@@ -19,8 +19,8 @@ from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 from protos import load_view_pb2, load_view_pb2_grpc
 from tests.unit.ext_proc.test_admission import ROUTING as LIMITED_ROUTING
 from tests.unit.ext_proc.test_admission import limited
-from tests.unit.ext_proc.test_memory_grants import A, contended_handler
-from tests.unit.ext_proc.test_scheduler import headers
+from tests.unit.ext_proc.test_memory_grants import MEMORY, A, contended_handler
+from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
 from xds_server.loadview.grants import GrantLedger
 from xds_server.loadview.service import report_from
 from xds_server.loadview.table import LoadTable
@@ -234,3 +234,27 @@ def test_a_view_applied_between_the_ask_and_its_report_is_not_the_one_the_ledger
     assert (number, unseen) == (0, 18432.0), f"view_applied {msg.view_applied}: granted against p1's grant"
     later = report_message(InFlight(), "p2", 2, 0.0, p2)
     assert later.view_applied == 5, "a report without requests tells the view applied last"
+
+
+async def test_without_the_memory_queue_an_unanswered_grant_is_not_waited_out_then_pinned_blind():
+    """``memory_queue: false`` (the default) with admission on: no memory 429 exists, so the deadline
+    wait ended in ``_no_memory``'s best-effort pin: the request waited the whole ``queue_timeout_s``
+    and was then committed, unknown to the ledger, on the endpoint with the most estimated free
+    memory (not the one it was decided on and asked for): the blind commit the wait meant to avoid,
+    only later and elsewhere. Without a 429 to give, it is decided locally after GRANT_TIMEOUT_S."""
+    handler = PickerHandler(ViewHolder(view(routing=MEMORY)), admission=Admission(4, 0.5, retry_after_s=1),
+                            memory_queue=False)
+    shared = handler.share_load()
+    shared.set_others(others_of({}, {}, {}, {}, pickers=3))
+    shared.inflight.set_samples(MemorySamples.of({e: (20000.0 + i, shared.inflight.now())
+                                                  for i, e in enumerate(FOUR)}))   # FOUR[-1] has the most
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    [(_, _, asked, _, _)] = list(shared.grants.outbox)
+    assert asked != FOUR[-1], "the session's endpoint is not the one with the most free memory"
+    await asyncio.wait_for(answer, 2.0)
+    waited = loop.time() - start
+    assert waited < 0.25, f"waited {waited:.3f} s for a grant (GRANT_TIMEOUT_S {GRANT_TIMEOUT_S})"
+    assert shared.inflight.endpoints == {asked: 1}, f"committed on {shared.inflight.endpoints}, asked for {asked}"
