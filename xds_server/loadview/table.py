@@ -206,8 +206,10 @@ class LoadTable:
     def capacities(self) -> Mapping[str, float]:
         """``{"HOST:PORT": GPU memory the endpoint's requests can use, MiB}``, learned from the memory
         rounds: each round's sample implies ``free + the memory of every picker's requests the sample
-        holds`` (:meth:`others_mib_at`); the capacity is the median of the last
-        :data:`CAPACITY_ROUNDS` of them, so one round's wrong count (a request counted in flight that
+        holds`` (:meth:`others_mib_at`, with the picks reported by the sample's time, not
+        :data:`PICK_SLACK_S` before it: on a busy endpoint one lands in most samples' last 50 ms, on
+        the GPU already, and the capacity came out one request short); the capacity is the median of
+        the last :data:`CAPACITY_ROUNDS` of them, so one round's wrong count (a request counted in flight that
         had ended, or one not reported yet) does not move it. Only endpoints some picker sent
         requests with memory to in the last :data:`HISTORY_S` (the others' requests are unknown here).
         Learned once per round, when it is ready (:attr:`memory_ready_at`); call it when sending one.
@@ -238,25 +240,28 @@ class LoadTable:
                 rounds = implied.get(endpoint)
                 if rounds is None:
                     rounds = implied[endpoint] = deque(maxlen=CAPACITY_ROUNDS)
-                rounds.append(free + self.others_mib_at(None, endpoint, at))
+                # Picks reported by the sample's time are on its GPU (a pick reaches its node in ~10 ms):
+                # the baseline's PICK_SLACK_S would miss one on every busy endpoint's sample.
+                rounds.append(free + self.others_mib_at(None, endpoint, at, slack_s=0.0))
                 out[endpoint] = sorted(rounds)[len(rounds) // 2]
             self._capacities = MappingProxyType(out)
         return self._capacities
 
-    def others_mib_at(self, picker: str | None, endpoint: str, at: float) -> float:
+    def others_mib_at(self, picker: str | None, endpoint: str, at: float, slack_s: float = PICK_SLACK_S) -> float:
         """GPU memory (MiB) of the requests of the pickers other than ``picker`` (None: of every
         picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never below 0.
 
         Per other picker: its memory in flight on ``endpoint`` in its last report received by
-        ``at - PICK_SLACK_S`` (a pick reported later may not have reached the endpoint: it counts
-        as added after the sample), less the requests of that report it reported finished there
-        in its reports received up to ``at + FINISH_LAG_S`` (one that ended just before the sample
-        is free in it although reported after it; without this the picker would credit it a
-        second time). No report by then: its oldest kept report (:data:`HISTORY_S`). What this
-        leaves wrong errs on the side of less free memory, for one sample's life (a pick in flight
-        at the sample but reported after ``at - PICK_SLACK_S`` is subtracted again).
+        ``at - slack_s`` (s; default :data:`PICK_SLACK_S`: a pick reported later may not have
+        reached the endpoint, it counts as added after the sample; :meth:`capacities` passes 0),
+        less the requests of that report it reported finished there in its reports received up to
+        ``at + FINISH_LAG_S`` (one that ended just before the sample is free in it although reported
+        after it; without this the picker would credit it a second time). No report by then: its
+        oldest kept report (:data:`HISTORY_S`). What this leaves wrong errs on the side of less free
+        memory, for one sample's life (a pick in flight at the sample but reported after
+        ``at - slack_s`` is subtracted again).
         """
-        before, after = at - PICK_SLACK_S, at + FINISH_LAG_S
+        before, after = at - slack_s, at + FINISH_LAG_S
         total = 0.0
         for name, history in self._mib.items():
             if name == picker:

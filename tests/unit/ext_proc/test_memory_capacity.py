@@ -78,3 +78,22 @@ def test_the_estimate_never_exceeds_the_capacity_less_the_memory_in_flight_there
     f.finish(A)
     assert f.memory == {}, "a finished request's memory leaves the endpoint's"
     assert shared.free.get(A) == 24576.0 - 8192.0
+
+
+def test_a_busy_endpoints_capacity_counts_the_picks_that_reached_it_just_before_the_sample():
+    """An endpoint that takes a pick in most samples' last PICK_SLACK_S (50 ms; > 14 requests/s):
+    the pick is on the GPU at the sample (a pick reaches its node in ~10 ms), so the sample's free
+    memory is without it. Read with the baseline's rule (reports received by ``at - PICK_SLACK_S``,
+    the side that leaves less free memory for a baseline), the implied capacity missed that pick's
+    memory in every such round, and the median learned one request too little: 16 GiB on a GPU
+    whose requests can use 24, the cap refusing 8 GiB requests the GPU had room for."""
+    t = LoadTable(expiry_s=60.0)
+    caps = {}
+    for i in range(CAPACITY_ROUNDS):
+        at = 10.0 + i
+        t.record(report_from(_report("them", 2 * i + 1, 8192.0)), now=at - 0.5)    # one request running
+        t.record(report_from(_report("them", 2 * i + 2, 16384.0)), now=at - 0.02)  # and one picked 20 ms before
+        t.set_memory({A: (8192.0, at)})                                             # both on the GPU
+        t.record(report_from(_report("them", 2 * i + 2, 16384.0)), now=at + FINISH_LAG_S)
+        caps = dict(t.capacities())
+    assert caps == {A: 24576.0}
