@@ -179,8 +179,10 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
     ``LAG`` s after that; a true sample at ``taken_at`` reaches the picker ``delay`` s later. The
     estimate then is at most the true free memory (less every request picked and not ended), and
     equal to it when no request is doubtful: none picked within ``ARRIVAL`` before the sample, none
-    that the sample held whose completion came within ``LAG`` after it, none whose completion is
-    still on its way. (One size: Envoy's completions are matched to picks first in, first out.)"""
+    running at the sample's time or after it whose completion came within ``LAG`` after it, none whose
+    completion is still on its way. (One size: Envoy's completions are matched to picks first in,
+    first out, so a request picked after the sample that finished quickly can lend its completion's
+    time to an older one the sample held: see the next test.)"""
     requests = [(t, t + ARRIVAL * a, t + ARRIVAL * a + d, t + ARRIVAL * a + d + LAG * lag)
                 for t, d, a, lag in spans]  # (picked, arrived, ended, completion learned)
     total = 30 * 8192.0
@@ -206,10 +208,29 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
     live.set_samples(MemorySamples.of({FOUR[0]: (total - resident_at_sample, taken_at)}))
     truth = total - sum(size for p, _, e, _ in requests if p <= now < e)
     assert live.free[FOUR[0]] <= truth + 1e-6
-    doubtful = any(taken_at - ARRIVAL < p <= taken_at or (a <= taken_at < e and f <= taken_at + LAG) or e <= now < f
+    doubtful = any(taken_at - ARRIVAL < p <= taken_at or (e > taken_at and f <= taken_at + LAG) or e <= now < f
                    for p, a, e, f in requests)
     if not doubtful:
         assert live.free[FOUR[0]] == pytest.approx(truth)
+
+
+def test_a_quick_request_after_the_sample_lends_its_completion_time_to_an_older_one():
+    """Hypothesis found it: A is picked at 7 s and runs until 10 s (its completion learned at
+    10.05 s); B is picked at 10 s and done at 10.016 s. Matched first in, first out, the first
+    completion (B's, 47 ms after the 9.969 s sample) ends A's pick, which then looks maybe freed
+    before the sample: no credit, and the estimate errs low by one request, never high."""
+    clock = [0.0]
+    live = InFlight(expiry_s=1000.0, clock=lambda: clock[0])
+    live.set_samples(MemorySamples.of({FOUR[0]: (20480.0, -1.0)}))
+    for at, kind in ((7.0, "pick"), (10.0, "pick"), (10.015625, "done"), (10.05, "done")):
+        clock[0] = at
+        if kind == "pick":
+            live.picked("c", FOUR[0], mib=2048.0)
+        else:
+            live.completed("c", FOUR[0])
+    clock[0] = 10.96875
+    live.set_samples(MemorySamples.of({FOUR[0]: (20480.0 - 2048.0, 9.96875)}))  # A held memory then
+    assert live.free[FOUR[0]] == 20480.0 - 2048.0  # the truth is 20480: both have ended
 
 
 def test_a_declared_need_gets_no_margin_an_estimated_one_does():
