@@ -73,8 +73,10 @@ def view_others(view: load_view_pb2.LoadView) -> Others:
 
 def view_samples(view: load_view_pb2.LoadView, now: float) -> dict[str, tuple[float, float]]:
     """The memory samples of a view as :meth:`ext_proc.inflight.InFlight.set_samples` takes them:
-    ``{endpoint: (free MiB, taken at)}``, ``taken at`` on the picker's clock (``now`` - their age)."""
-    return {m.endpoint: (m.free_mib, now - m.age_s) for m in view.memory}
+    ``{endpoint: (free MiB, taken at)}``, ``taken at`` on the picker's clock (``now`` - their age,
+    which is each sample's ``age_s`` plus the view's ``memory_age_s``)."""
+    sent = now - view.memory_age_s
+    return {m.endpoint: (m.free_mib, sent - m.age_s) for m in view.memory}
 
 
 def view_capacities(view: load_view_pb2.LoadView) -> dict[str, float]:

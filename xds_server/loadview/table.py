@@ -12,9 +12,11 @@ of pickers.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from xds_server.loadview.rounds import FINISH_LAG_S, HISTORY_S, PICK_SLACK_S, RoundCounts, count_round, held
 
 __all__ = ["ClusterLoad", "Load", "LoadTable", "Report", "Totals", "alive"]
 
@@ -95,17 +97,6 @@ class Totals:
 
 
 _NO_LOAD = Load()
-#: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
-HISTORY_S = 10.0
-#: A request another picker reported in flight this long before a memory sample was taken had
-#: reached its endpoint by then (s): Envoy forwards a pick in milliseconds.
-PICK_SLACK_S = 0.05
-#: A request that finished before a memory sample was taken has been reported finished by this
-#: long after it (s): Envoy's access-log flush (5 ms), the picker's report interval (10 ms) and
-#: the stream, with room for a loaded machine.
-FINISH_LAG_S = 0.1
-#: Memory rounds an endpoint's capacity is learned over (:meth:`LoadTable.capacities`).
-CAPACITY_ROUNDS = 9
 _NO_CLUSTER_LOAD = ClusterLoad()
 
 
@@ -152,8 +143,8 @@ class LoadTable:
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
         self._with_memory: dict[str, float] = {}  # endpoint -> when a report last had memory there (s)
         self._implied: dict[str, deque[float]] = {}  # endpoint -> implied capacities of its last rounds (MiB)
-        self._capacities: Mapping[str, float] = MappingProxyType({})
-        self._learned_round = 0
+        self.counted = RoundCounts()
+        """The last memory round counted (:meth:`take_counts`)."""
 
     def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
         """Take the slow loop's memory samples of one round (passed on to every picker with the view,
@@ -203,79 +194,54 @@ class LoadTable:
         limit = now - self.expiry_s
         return sum(1 for p in self._reports if p != picker and self._busy.get(p, limit) <= limit)
 
-    def capacities(self) -> Mapping[str, float]:
-        """``{"HOST:PORT": GPU memory the endpoint's requests can use, MiB}``, learned from the memory
-        rounds: each round's sample implies ``free + the memory of every picker's requests the sample
-        holds`` (:meth:`others_mib_at`, with the picks reported by the sample's time, not
-        :data:`PICK_SLACK_S` before it: on a busy endpoint one lands in most samples' last 50 ms, on
-        the GPU already, and the capacity came out one request short); the capacity is the median of
-        the last :data:`CAPACITY_ROUNDS` of them, so one round's wrong count (a request counted in flight that
-        had ended, or one not reported yet) does not move it. Only endpoints some picker sent
-        requests with memory to in the last :data:`HISTORY_S` (the others' requests are unknown here).
-        Learned once per round, when it is ready (:attr:`memory_ready_at`); call it when sending one.
-
-        A picker's free-memory estimate adds to its sample what it learns of requests finished
-        since; a completion counted twice (free in the sample, and again as finished) leaves the
-        estimate above what the GPU has: 32 and 40 GiB free where the requests can use 24 GiB
-        (``multi_gateway`` of ``inferlb bench quality``). The picker caps the estimate at the capacity
-        less the memory every picker has in flight there (:class:`ext_proc.shared_load.SharedLoad`).
+    def round_counter(self) -> Callable[[], tuple[RoundCounts, list[tuple[str, float]]]]:
+        """The latest memory round's counting (:func:`~xds_server.loadview.rounds.count_round`) over a
+        snapshot of the reports taken now, as a callable for a worker thread: a copy of each picker's
+        list of kept reports and of the endpoints with memory (O(pickers x reports kept) here, the
+        rest there). Hand its result to :meth:`take_counts`; one at a time (it updates the capacity
+        rounds). Call it once the round is ready (:attr:`memory_ready_at`): the reports it reads are
+        all in by then.
         """
-        if self._learned_round != self.memory_round:
-            self._learned_round = self.memory_round
-            with_memory = self._with_memory
-            latest = max(self._received.values(), default=0.0)
-            for endpoint in [e for e, at in with_memory.items() if at < latest - HISTORY_S]:
+        round_, samples, implied = self.memory_round, self.memory, self._implied
+        histories = {picker: list(history) for picker, history in self._mib.items()}
+        with_memory = dict(self._with_memory)
+        limit = max(self._received.values(), default=0.0) - HISTORY_S
+
+        def count() -> tuple[RoundCounts, list[tuple[str, float]]]:
+            stale = [(e, at) for e, at in with_memory.items() if at < limit]
+            active = with_memory.keys() - {e for e, _ in stale}
+            return count_round(round_, samples, histories, active, implied), stale
+
+        return count
+
+    def take_counts(self, counted: tuple[RoundCounts, list[tuple[str, float]]]) -> None:
+        """Keep a :meth:`round_counter` result as :attr:`counted` and forget the endpoints it found
+        without memory reported in the last :data:`~xds_server.loadview.rounds.HISTORY_S` (unless
+        reported since)."""
+        counts, stale = counted
+        with_memory = self._with_memory
+        for endpoint, at in stale:
+            if with_memory.get(endpoint) == at:
                 del with_memory[endpoint]
-            active = with_memory.keys()
-            implied = self._implied
-            for endpoint in list(implied):
-                if endpoint not in active:
-                    del implied[endpoint]
-            out: dict[str, float] = {}
-            for endpoint in active:
-                sample = self.memory.get(endpoint)
-                if sample is None:
-                    continue
-                free, at = sample
-                rounds = implied.get(endpoint)
-                if rounds is None:
-                    rounds = implied[endpoint] = deque(maxlen=CAPACITY_ROUNDS)
-                # Picks reported by the sample's time are on its GPU (a pick reaches its node in ~10 ms):
-                # the baseline's PICK_SLACK_S would miss one on every busy endpoint's sample.
-                rounds.append(free + self.others_mib_at(None, endpoint, at, slack_s=0.0))
-                out[endpoint] = sorted(rounds)[len(rounds) // 2]
-            self._capacities = MappingProxyType(out)
-        return self._capacities
+        self.counted = counts
+
+    def counts(self) -> RoundCounts:
+        """The latest memory round's counts (:class:`~xds_server.loadview.rounds.RoundCounts`),
+        counted here, on the caller's thread, unless :attr:`counted` holds them already (the load
+        view's server counts each round in a worker thread first)."""
+        if self.counted.round != self.memory_round:
+            self.take_counts(self.round_counter()())
+        return self.counted
 
     def others_mib_at(self, picker: str | None, endpoint: str, at: float, slack_s: float = PICK_SLACK_S) -> float:
         """GPU memory (MiB) of the requests of the pickers other than ``picker`` (None: of every
-        picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never below 0.
-
-        Per other picker: its memory in flight on ``endpoint`` in its last report received by
-        ``at - slack_s`` (s; default :data:`PICK_SLACK_S`: a pick reported later may not have
-        reached the endpoint, it counts as added after the sample; :meth:`capacities` passes 0),
-        less the requests of that report it reported finished there in its reports received up to
-        ``at + FINISH_LAG_S`` (one that ended just before the sample is free in it although reported
-        after it; without this the picker would credit it a second time). No report by then: its
-        oldest kept report (:data:`HISTORY_S`). What this leaves wrong errs on the side of less free
-        memory, for one sample's life (a pick in flight at the sample but reported after
-        ``at - slack_s`` is subtracted again).
+        picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never
+        below 0, by :mod:`xds_server.loadview.rounds`' rule (``slack_s`` in place of
+        :data:`~xds_server.loadview.rounds.PICK_SLACK_S`). For one endpoint; a round's samples are
+        counted together by :meth:`counts`.
         """
-        before, after = at - slack_s, at + FINISH_LAG_S
-        total = 0.0
-        for name, history in self._mib.items():
-            if name == picker:
-                continue
-            base, value = history[0][0], history[0][1].get(endpoint, 0.0)
-            for received, mib, finished in history:
-                if received > after:
-                    break
-                if received <= before:
-                    base, value = received, mib.get(endpoint, 0.0)
-                elif received > base:
-                    value -= sum(m for e, picked_at, m in finished if e == endpoint and picked_at <= base)
-            total += max(0.0, value)
-        return total
+        shares = held({p: list(h) for p, h in self._mib.items()}, {endpoint: (0.0, at)}, slack_s)
+        return sum(share.get(endpoint, 0.0) for p, share in shares.items() if p != picker)
 
     def _apply(self, report: Report, sign: int) -> None:
         """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""

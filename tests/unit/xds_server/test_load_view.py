@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from ext_proc.load_client import view_samples
 from protos import load_view_pb2, load_view_pb2_grpc
 from tests.support.loadview import load_view_server
-from xds_server.loadview.service import report_from
+from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
+from xds_server.loadview.service import LoadViewServicer, report_from
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -174,3 +175,82 @@ async def test_the_slow_loops_memory_samples_travel_with_the_view_once_per_round
         again = await call.read()
         assert again.memory_round == 0 and not again.memory, "the same round is not sent twice"
         await call.done_writing()
+
+
+async def test_a_samples_age_counts_until_the_view_goes_out_not_until_its_samples_were_told():
+    """The samples are told off the event loop, the view goes out later: ``age_s + memory_age_s`` is
+    the sample's age when the view was sent (a younger-looking sample would let the picker take the
+    picks just before it as in it)."""
+    ticks = iter(range(10_000))
+
+    def clock() -> float:
+        return 10.0 + 0.25 * next(ticks)   # every read of the clock a quarter second later
+
+    class Ctx:
+        def peer(self) -> str:
+            return "test"
+
+    async def reports():
+        yield load_view_pb2.LoadReport(picker="p", seq=1)
+        await asyncio.Event().wait()
+
+    table = LoadTable(expiry_s=1000.0)
+    table.set_memory({A: (20480.0, 9.0)})
+    servicer = LoadViewServicer(table, clock=clock)
+    views = servicer.Share(reports(), Ctx())
+    view = await anext(views)
+    sent = clock() - 0.25   # the servicer's last read
+    await views.aclose()
+    assert view.memory_round == 1 and view.memory_age_s > 0.0
+    assert view.memory[0].age_s + view.memory_age_s == pytest.approx(sent - 9.0)
+    [(_, (_, taken))] = view_samples(view, now=sent).items()
+    assert taken == pytest.approx(9.0)
+
+
+def _walked_held(history, endpoint: str, before: float, after: float) -> float:
+    """One picker's share by walking its reports one by one (how it was counted per endpoint and per
+    view before the round's counts were shared): the reference for the indexed count."""
+    base, value = history[0][0], history[0][1].get(endpoint, 0.0)
+    for received, mib, finished in history:
+        if received > after:
+            break
+        if received <= before:
+            base, value = received, mib.get(endpoint, 0.0)
+        elif received > base:
+            value -= sum(m for e, picked_at, m in finished if e == endpoint and picked_at <= base)
+    return max(0.0, value)
+
+
+_EPS = ("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(("a", "b", "c")), st.floats(0, 0.2),
+                          st.dictionaries(st.sampled_from(_EPS), st.sampled_from((0.0, 2048.0, 8192.0)), max_size=3),
+                          st.lists(st.tuples(st.sampled_from(_EPS), st.floats(0, 2), st.sampled_from((2048.0, 8192.0))),
+                                   max_size=3)), max_size=40),
+       st.dictionaries(st.sampled_from(_EPS), st.floats(0, 6), min_size=1))
+def test_a_rounds_baselines_and_capacities_count_what_the_walk_over_each_report_counts(reports, sampled):
+    """The round's counts (one indexed pass per picker, every view taking the sum less its own share)
+    against walking each other picker's reports for each endpoint and each view (within HISTORY_S:
+    the round counts only endpoints with memory reported in it)."""
+    t = LoadTable(expiry_s=100.0)
+    now, seqs = 0.0, {}
+    for picker, step, held, finished in reports:
+        now += step
+        seqs[picker] = seqs.get(picker, 0) + 1
+        t.record(Report(picker, seqs[picker], endpoints={("c", e): Load(1, 1, mib) for e, mib in held.items()},
+                        finished=tuple(finished)), now)
+    t.set_memory({e: (10000.0, at) for e, at in sampled.items()})
+    histories = dict(t._mib)
+    counts = t.counts()
+    caps = counts.capacities
+    for endpoint, at in sampled.items():
+        for picker in (None, "a", "b", "c"):
+            walked = sum(_walked_held(h, endpoint, at - PICK_SLACK_S, at + FINISH_LAG_S)
+                         for name, h in histories.items() if name != picker)
+            assert counts.others(picker).get(endpoint, 0.0) == pytest.approx(walked, abs=1e-6)
+            assert t.others_mib_at(picker, endpoint, at) == pytest.approx(walked, abs=1e-6)
+        if endpoint in caps:
+            every = sum(_walked_held(h, endpoint, at, at + FINISH_LAG_S) for h in histories.values())
+            assert caps[endpoint] == pytest.approx(10000.0 + every, abs=1e-6)

@@ -1,0 +1,171 @@
+"""A memory round's counts: what each picker's requests each GPU memory sample holds, and each
+endpoint's learned capacity (pure: a snapshot of the load table's reports in, the counts out).
+
+Every picker's free-memory estimate starts from the slow loop's sample of an endpoint, which already
+holds the requests of every picker running there when it was taken. Each picker adds what it sends
+after the sample; what the *others* sent is added from the shared view, less what the sample holds
+of theirs: the baseline (:attr:`RoundCounts.shares`). The control plane knows it from each picker's
+reports, kept :data:`HISTORY_S`: per picker and endpoint, the memory in flight in the last report
+received by the sample's time less :data:`PICK_SLACK_S` (a pick reported later may not have reached
+the endpoint), less the requests of that report it reported finished there by the sample's time plus
+:data:`FINISH_LAG_S` (free in the sample although reported after it; without this the picker would
+credit them a second time).
+
+A round is counted once, in a worker thread (:meth:`LoadTable.round_counter`): at 60 000 endpoints
+with memory traffic the count costs hundreds of ms of CPU, which the event loop the ADS server shares
+must not wait for. Counted per endpoint and per view on the loop, it blocked the loop ~240 ms per
+picker's view (a review's measurement on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from types import MappingProxyType
+
+import numpy as np
+
+__all__ = ["CAPACITY_ROUNDS", "FINISH_LAG_S", "HISTORY_S", "PICK_SLACK_S", "History", "RoundCounts", "count_round",
+           "held"]
+
+#: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
+HISTORY_S = 10.0
+#: A request another picker reported in flight this long before a memory sample was taken had
+#: reached its endpoint by then (s): Envoy forwards a pick in milliseconds.
+PICK_SLACK_S = 0.05
+#: A request that finished before a memory sample was taken has been reported finished by this
+#: long after it (s): Envoy's access-log flush (5 ms), the picker's report interval (10 ms) and
+#: the stream, with room for a loaded machine.
+FINISH_LAG_S = 0.1
+#: Memory rounds an endpoint's capacity is learned over (:func:`count_round`).
+CAPACITY_ROUNDS = 9
+
+#: One picker's kept reports, oldest first: ``(received at (monotonic s), {"HOST:PORT": MiB in flight},
+#: [("HOST:PORT", picked at (monotonic s), MiB) finished since the report before])``.
+History = Sequence[tuple[float, Mapping[str, float], Sequence[tuple[str, float, float]]]]
+
+_NONE: Mapping = MappingProxyType({})
+#: Endpoints per C-level step of :func:`held` (one step holds the GIL the event loop needs).
+_PIECE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RoundCounts:
+    """One memory round, counted: ``round`` (:attr:`LoadTable.memory_round`; 0: none), its
+    ``samples`` (``{"HOST:PORT": (free MiB, taken at, monotonic s)}``), the ``capacities`` learned
+    (``{"HOST:PORT": MiB the endpoint's requests can use}``, only endpoints with memory reported in
+    the last :data:`HISTORY_S`), each picker's ``shares`` of the samples (``{picker: {"HOST:PORT":
+    MiB}}``, > 0 only) and their ``total`` per endpoint."""
+
+    round: int = 0
+    samples: Mapping[str, tuple[float, float]] = field(default_factory=lambda: _NONE)
+    capacities: Mapping[str, float] = field(default_factory=lambda: _NONE)
+    shares: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: _NONE)
+    total: Mapping[str, float] = field(default_factory=lambda: _NONE)
+
+    def others(self, picker: str | None) -> Mapping[str, float]:
+        """``{"HOST:PORT": MiB}`` of the pickers other than ``picker`` (None: every picker) that
+        each sample holds (endpoints left out: 0): the total less ``picker``'s share, O(its share)."""
+        own = self.shares.get(picker) if picker is not None else None
+        if not own:
+            return self.total
+        out = dict(self.total)
+        for endpoint, mib in own.items():
+            out[endpoint] = max(0.0, out[endpoint] - mib)
+        return out
+
+
+def held(histories: Mapping[str, History], samples: Mapping[str, tuple[float, float]],
+         slack_s: float) -> dict[str, dict[str, float]]:
+    """``{picker: {"HOST:PORT": MiB of its requests the sample holds}}`` (> 0 only) of each sample in
+    ``samples`` (``{"HOST:PORT": (free MiB, taken at, monotonic s)}``), by the module's rule with
+    ``slack_s`` (s) in place of :data:`PICK_SLACK_S`; a picker with no report by then: its oldest.
+
+    Per picker: each sample's base report found by one vectorised search over the reports' receive
+    times, the base values read with one C-level ``map`` per base report, then one pass over the
+    finished requests of the reports that can count. O(samples x pickers x log(reports) + finished).
+    """
+    names = list(samples)
+    if not names:
+        return {picker: {} for picker in histories}
+    keys = np.array(names, dtype=object)
+    taken = np.fromiter((at for _, at in samples.values()), float, len(names))
+    before, after = taken - slack_s, taken + FINISH_LAG_S
+    position: dict[str, int] | None = None
+    out: dict[str, dict[str, float]] = {}
+    for picker, reports in histories.items():
+        received = np.fromiter((r[0] for r in reports), float, len(reports))
+        base = np.maximum(np.searchsorted(received, before, side="right") - 1, 0)
+        end = np.searchsorted(received, after, side="right")
+        mine = np.zeros(len(names))
+        order = np.argsort(base, kind="stable")
+        for group in np.split(order, np.flatnonzero(np.diff(base[order])) + 1):
+            in_flight = reports[base[group[0]]][1]
+            mine[group] = np.fromiter(map(in_flight.get, keys[group], repeat(0.0)), float, len(group))
+        first, last = int(base.min()) + 1, int(end.max())
+        if any(reports[k][2] for k in range(first, last)):
+            if position is None:
+                position = {e: i for i, e in enumerate(names)}
+            bases, ends, times = base.tolist(), end.tolist(), received.tolist()
+            for k in range(first, last):
+                for endpoint, picked_at, mib in reports[k][2]:
+                    i = position.get(endpoint)
+                    if i is None:
+                        continue
+                    b = bases[i]
+                    # Reported finished after the base report and by the lag, and counted in the base.
+                    if b < k < ends[i] and picked_at <= times[b] < times[k]:
+                        mine[i] -= mib
+        some = np.flatnonzero(mine > 0.0)
+        share: dict[str, float] = {}
+        for start in range(0, len(some), _PIECE):  # C-level pieces: the event loop's thread gets the GIL between
+            piece = some[start:start + _PIECE]
+            share.update(zip(keys[piece].tolist(), mine[piece].tolist(), strict=True))
+        out[picker] = share
+    return out
+
+
+def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histories: Mapping[str, History],
+                active: set[str] | frozenset[str], implied: dict[str, deque[float]]) -> RoundCounts:
+    """Count memory round ``round_`` (``samples`` as :class:`RoundCounts`) over ``histories``
+    (``{picker: History}``), for the ``active`` endpoints (memory reported in the last
+    :data:`HISTORY_S`; the others' requests are unknown).
+
+    Capacities: each round's sample implies ``free + the memory of every picker's requests the sample
+    holds`` (counted with the picks reported by the sample's time, not :data:`PICK_SLACK_S` before
+    it: on a busy endpoint one lands in most samples' last 50 ms, on the GPU already, and the
+    capacity came out one request short); the capacity is the median of the last
+    :data:`CAPACITY_ROUNDS` of them (``implied``: ``{"HOST:PORT": implied capacities, MiB}``, kept
+    by the caller between rounds and updated here), so one round's wrong count (a request counted in
+    flight that had ended, or one not reported yet) does not move it.
+
+    A picker's free-memory estimate adds to its sample what it learns of requests finished since; a
+    completion counted twice (free in the sample, and again as finished) leaves the estimate above
+    what the GPU has: 32 and 40 GiB free where the requests can use 24 GiB (``multi_gateway`` of
+    ``inferlb bench quality``). The picker caps the estimate at the capacity less the memory every
+    picker has in flight there (:class:`ext_proc.shared_load.SharedLoad`).
+    """
+    counted = {e: samples[e] for e in active if e in samples}
+    for endpoint in [e for e in implied if e not in counted]:
+        del implied[endpoint]
+    on_gpu = _sum(held(histories, counted, slack_s=0.0).values())
+    capacities: dict[str, float] = {}
+    for endpoint, (free, _) in counted.items():
+        rounds = implied.get(endpoint)
+        if rounds is None:
+            rounds = implied[endpoint] = deque(maxlen=CAPACITY_ROUNDS)
+        rounds.append(free + on_gpu.get(endpoint, 0.0))
+        capacities[endpoint] = sorted(rounds)[len(rounds) // 2]
+    shares = held(histories, counted, slack_s=PICK_SLACK_S)
+    return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()))
+
+
+def _sum(shares) -> dict[str, float]:
+    """``{"HOST:PORT": MiB}`` summed over ``shares`` (dicts of the same shape)."""
+    out: dict[str, float] = {}
+    for share in shares:
+        for endpoint, mib in share.items():
+            out[endpoint] = out.get(endpoint, 0.0) + mib
+    return out
