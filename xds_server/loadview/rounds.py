@@ -13,8 +13,8 @@ credit them a second time).
 
 A round is counted once, in a worker thread (:meth:`LoadTable.round_counter`): at 60 000 endpoints
 with memory traffic the count costs hundreds of ms of CPU, which the event loop the ADS server shares
-must not wait for. Counted per endpoint and per view on the loop, it blocked the loop ~240 ms per
-picker's view (a review's measurement on the 2-core machine).
+must not wait for. Counted per endpoint and per view on the loop, one round blocked the loop 9.4 s
+with 3 pickers and 1 s of their reports (BENCHMARKS.md, "Load view"; ``bench.loadview_round``).
 """
 
 from __future__ import annotations
