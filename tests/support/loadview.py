@@ -1,4 +1,5 @@
-"""A load-view gRPC server for unit tests: ``async with load_view_server(table) as target``."""
+"""Load-view helpers for unit tests: a gRPC server (``async with load_view_server(table) as target``)
+and a memory round counted inline (:func:`counted`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from xds_server.loadview.rounds import RoundCounts
 from xds_server.loadview.service import add_load_view_servicer
 from xds_server.loadview.table import LoadTable
 
@@ -22,3 +24,11 @@ async def load_view_server(table: LoadTable) -> AsyncIterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
+
+
+def counted(table: LoadTable) -> RoundCounts:
+    """``table``'s latest memory round, counted here on the caller's thread when it is not yet (as the
+    load-view server does in its worker thread)."""
+    if table.counted.round != table.memory_round:
+        table.take_counts(table.round_counter()())
+    return table.counted

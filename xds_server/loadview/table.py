@@ -225,20 +225,12 @@ class LoadTable:
                 del with_memory[endpoint]
         self.counted = counts
 
-    def counts(self) -> RoundCounts:
-        """The latest memory round's counts (:class:`~xds_server.loadview.rounds.RoundCounts`),
-        counted here, on the caller's thread, unless :attr:`counted` holds them already (the load
-        view's server counts each round in a worker thread first)."""
-        if self.counted.round != self.memory_round:
-            self.take_counts(self.round_counter()())
-        return self.counted
-
     def others_mib_at(self, picker: str | None, endpoint: str, at: float, slack_s: float = PICK_SLACK_S) -> float:
         """GPU memory (MiB) of the requests of the pickers other than ``picker`` (None: of every
         picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never
         below 0, by :mod:`xds_server.loadview.rounds`' rule (``slack_s`` in place of
         :data:`~xds_server.loadview.rounds.PICK_SLACK_S`). For one endpoint; a round's samples are
-        counted together by :meth:`counts`.
+        counted together by :meth:`round_counter`.
         """
         shares = held({p: list(h) for p, h in self._mib.items()}, {endpoint: (0.0, at)}, slack_s)
         return sum(share.get(endpoint, 0.0) for p, share in shares.items() if p != picker)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ext_proc.load_client import view_samples
 from protos import load_view_pb2, load_view_pb2_grpc
-from tests.support.loadview import load_view_server
+from tests.support.loadview import counted, load_view_server
 from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
 from xds_server.loadview.service import LoadViewServicer, report_from
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report
@@ -243,7 +243,7 @@ def test_a_rounds_baselines_and_capacities_count_what_the_walk_over_each_report_
                         finished=tuple(finished)), now)
     t.set_memory({e: (10000.0, at) for e, at in sampled.items()})
     histories = dict(t._mib)
-    counts = t.counts()
+    counts = counted(t)
     caps = counts.capacities
     for endpoint, at in sampled.items():
         for picker in (None, "a", "b", "c"):
