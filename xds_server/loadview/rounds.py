@@ -148,7 +148,8 @@ def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histori
     picker has in flight there (:class:`ext_proc.shared_load.SharedLoad`).
     """
     counted = {e: samples[e] for e in active if e in samples}
-    for endpoint in [e for e in implied if e not in counted]:
+    # Forgotten only without memory reported: a round without its sample (metrics missing) keeps the rounds before.
+    for endpoint in [e for e in implied if e not in active]:
         del implied[endpoint]
     on_gpu = _sum(held(histories, counted, slack_s=0.0).values())
     capacities: dict[str, float] = {}
