@@ -190,18 +190,19 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                         continue   # others reported before this stream's first report: nothing to answer yet
                     now = self._clock()
                     memory = None
-                    if table.memory_round != sent_round and now < table.memory_ready_at:
+                    if table.memory_round != sent_round and now >= table.memory_ready_at:
+                        counts = await self._round_counts()   # the latest ready round (a newer one may be waiting)
+                        if counts.round > sent_round:
+                            sent_round, told = counts.round, self._clock()
+                            memory = await asyncio.get_running_loop().run_in_executor(
+                                self._worker, memory_message, counts, stream.picker, told)
+                        now = self._clock()
+                    if (table.memory_round != sent_round and now < table.memory_ready_at
+                            and held_round != table.memory_round):
                         # A sample younger than FINISH_LAG_S: the others' finished requests that it
                         # shows free are not all reported yet, and its baseline would credit them twice.
-                        if held_round != table.memory_round:
-                            held_round = table.memory_round
-                            asyncio.get_running_loop().call_later(table.memory_ready_at - now, wake.set)
-                    elif table.memory_round != sent_round:
-                        counts = await self._round_counts()
-                        sent_round, told = counts.round, self._clock()
-                        memory = await asyncio.get_running_loop().run_in_executor(
-                            self._worker, memory_message, counts, stream.picker, told)
-                        now = self._clock()
+                        held_round = table.memory_round
+                        asyncio.get_running_loop().call_later(table.memory_ready_at - now, wake.set)
                     totals = table.totals(now)
                     own = table.report(stream.picker) if stream.picker is not None else None
                     stream.views += 1
@@ -251,10 +252,11 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
             self._wake_all()
 
     async def _round_counts(self) -> RoundCounts:
-        """The table's latest memory round, counted in a worker thread: one count at a time, shared by
-        every stream waiting for it; a round that came during a count is counted next."""
+        """The table's latest memory round that is ready (:attr:`LoadTable.memory_ready_at`), counted in a
+        worker thread: one count at a time, shared by every stream waiting for it; a round that came
+        during a count is counted next once it is ready (until then: the round counted before it)."""
         table = self.table
-        while table.counted.round != table.memory_round:
+        while table.counted.round != table.memory_round and self._clock() >= table.memory_ready_at:
             if self._counting is None:
                 self._counting = asyncio.ensure_future(self._count())
             await asyncio.shield(self._counting)
@@ -262,6 +264,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
 
     async def _count(self) -> None:
         try:
+            if self._clock() < self.table.memory_ready_at:
+                return   # a round came that is not ready: its reports are not all in
             count = self.table.round_counter()
             self.table.take_counts(await asyncio.get_running_loop().run_in_executor(self._worker, count))
         finally:

@@ -4,8 +4,13 @@ or from the rule that a round is not counted before it is ready."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+from protos import load_view_pb2
 from tests.support.loadview import counted
 from xds_server.loadview.rounds import CAPACITY_ROUNDS
+from xds_server.loadview.service import LoadViewServicer
 from xds_server.loadview.table import Load, LoadTable, Report
 
 A = "10.0.0.1:8000"
@@ -33,3 +38,46 @@ def test_a_round_without_an_endpoints_sample_keeps_its_capacity_rounds():
     t.set_memory({A: (20000.0, now + 0.2)})        # one wrong round (e.g. a request not reported yet)
     assert counted(t).capacities[A] == 10240.0, "one wrong round must not move the median"
 
+
+async def test_a_round_that_comes_while_one_is_counted_is_not_counted_before_it_is_ready():
+    """Round 1 is ready and being counted; round 2 comes (its sample at 10.0, ready at 10.1) before the
+    count ends. ``_round_counts`` went on to count round 2 at once (clock 10.0), before the other
+    picker's report of a request that finished just before the sample came in (10.05): round 2's
+    baseline then held that request (others_mib 2048), and the picker credited it twice."""
+    now = [10.0]
+
+    class Ctx:
+        def peer(self) -> str:
+            return "test"
+
+    reports: asyncio.Queue = asyncio.Queue()
+
+    async def stream():
+        while True:
+            yield await reports.get()
+
+    table = LoadTable(expiry_s=1000.0)
+    table.record(Report("q", 1, endpoints={("c", A): Load(1, 1, 2048.0)}), 9.9)   # q's request on A
+    table.set_memory({A: (18432.0, 9.0)})   # round 1, ready at 9.1
+    servicer = LoadViewServicer(table, clock=lambda: now[0])
+    gate = threading.Event()
+    servicer._worker.submit(gate.wait)       # the worker is busy: round 1's count waits
+    views = servicer.Share(stream(), Ctx())
+    try:
+        await reports.put(load_view_pb2.LoadReport(picker="p", seq=1))
+        first = asyncio.ensure_future(anext(views))
+        await asyncio.sleep(0.05)
+        assert not first.done()              # waiting for round 1's count
+        table.set_memory({A: (20480.0, 10.0)})   # round 2: q's request had ended by 10.0 (free in it)
+        gate.set()
+        got = [await asyncio.wait_for(first, 5)]
+        now[0] = 10.05                       # q reports its request finished (picked at 9.85)
+        table.record(Report("q", 2, finished=((A, 0.2, 2048.0),)), 10.05)
+        now[0] = 10.2                        # round 2 is ready
+        await reports.put(load_view_pb2.LoadReport(picker="p", seq=2))
+        while not any(v.memory_round == 2 for v in got):
+            got.append(await asyncio.wait_for(anext(views), 5))
+    finally:
+        await views.aclose()
+    [round_2] = [v for v in got if v.memory_round == 2]
+    assert round_2.memory[0].others_mib == 0.0, "q's finished request is free in the sample: not held"
