@@ -8,7 +8,9 @@ goes on with the picker's last good report. A picker counts from its first repor
 ends or its last report is older than the table's expiry.
 
 The slow loop's memory samples go out once their baselines can be told: :data:`~xds_server.loadview.rounds.FINISH_LAG_S`
-after the newest was taken (:attr:`LoadTable.memory_ready_at`); until then views carry none.
+after the newest was taken (:attr:`LoadTable.memory_ready_at`); until then views carry none. A ready
+round is counted, and each stream's part of it built, in a worker thread: the views meanwhile go out
+without it (a view, and the grant answers in it, does not wait for a count), the part in the next.
 
 Memory grants (:mod:`xds_server.loadview.grants`): a report's ``grant_requests`` are decided when
 the report is read, on what the view the picker applied last (``LoadReport.view_applied``) showed
@@ -179,6 +181,7 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
         self._wakes.add(wake)
         reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
         sent_round = held_round = 0
+        building: asyncio.Future | None = None   # this stream's memory part of a round, being built
         try:
             while True:
                 waiter = asyncio.ensure_future(wake.wait())
@@ -188,16 +191,18 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
                     wake.clear()
                     if stream.seq is None:
                         continue   # others reported before this stream's first report: nothing to answer yet
-                    now = self._clock()
                     memory = None
-                    if table.memory_round != sent_round and now >= table.memory_ready_at:
-                        counts = await self._round_counts()   # the latest ready round (a newer one may be waiting)
-                        if counts.round > sent_round:
-                            sent_round, told = counts.round, self._clock()
-                            memory = await asyncio.get_running_loop().run_in_executor(
-                                self._worker, memory_message, counts, stream.picker, told)
-                        now = self._clock()
-                    if (table.memory_round != sent_round and now < table.memory_ready_at
+                    if building is not None and building.done():
+                        part, building = building.result(), None   # a failed count ends the stream
+                        if part is not None and part[0].memory_round > sent_round:
+                            (memory, told), sent_round = part, part[0].memory_round
+                    now = self._clock()
+                    if building is None and table.memory_round != sent_round and now >= table.memory_ready_at:
+                        # Counted and built off the loop; this view goes out now (with the grant
+                        # answers), the round's part in the view after it is built.
+                        building = asyncio.ensure_future(self._memory_part(stream.picker, sent_round))
+                        building.add_done_callback(lambda _: wake.set())
+                    if (building is None and table.memory_round != sent_round and now < table.memory_ready_at
                             and held_round != table.memory_round):
                         # A sample younger than FINISH_LAG_S: the others' finished requests that it
                         # shows free are not all reported yet, and its baseline would credit them twice.
@@ -222,6 +227,8 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
         finally:
             self._wakes.discard(wake)
             reader.cancel()
+            if building is not None:
+                building.cancel()
             mine = stream.mine
             if mine is not None and table.report(mine.picker) is mine:  # not taken over by a new stream
                 table.forget(mine.picker)
@@ -250,6 +257,17 @@ class LoadViewServicer(load_view_pb2_grpc.LoadViewServiceServicer):
             stream.picker, stream.seq = report.picker, report.seq
             PICKERS.set(self.table.totals(now).pickers)
             self._wake_all()
+
+    async def _memory_part(self, picker: str | None, sent_round: int) -> tuple[load_view_pb2.LoadView, float] | None:
+        """``picker``'s part of the latest ready memory round (:func:`memory_message`) and when its
+        ages were told (monotonic s), built in the worker thread; None: no round newer than
+        ``sent_round`` is counted."""
+        counts = await self._round_counts()   # the latest ready round (a newer one may be waiting)
+        if counts.round <= sent_round:
+            return None
+        told = self._clock()
+        memory = await asyncio.get_running_loop().run_in_executor(self._worker, memory_message, counts, picker, told)
+        return memory, told
 
     async def _round_counts(self) -> RoundCounts:
         """The table's latest memory round that is ready (:attr:`LoadTable.memory_ready_at`), counted in a
