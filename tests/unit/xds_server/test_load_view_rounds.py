@@ -1,6 +1,6 @@
-"""Review of the load view's memory rounds counted off the event loop (xds_server/loadview/rounds.py,
-LoadViewServicer.Share): cases where the new counting departs from the per-report walk it replaced,
-or from the rule that a round is not counted before it is ready."""
+"""The load view's memory rounds, counted off the event loop (xds_server/loadview/rounds.py,
+LoadViewServicer.Share): capacity rounds kept through a missing sample, no round counted before it is
+ready, and views (with their grant answers) that do not wait for a round's count."""
 
 from __future__ import annotations
 
