@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from xds_server.loadview.rounds import FINISH_LAG_S, HISTORY_S, PICK_SLACK_S, RoundCounts, count_round, held
+from xds_server.loadview.rounds import FINISH_LAG_S, HISTORY_S, RoundCounts, count_round
 
 __all__ = ["ClusterLoad", "Load", "LoadTable", "Report", "Totals", "alive"]
 
@@ -137,7 +137,7 @@ class LoadTable:
         """Increases with every :meth:`set_memory` (0: none yet)."""
         self.memory_ready_at = 0.0
         """When the latest samples' baselines can be told (monotonic s): :data:`FINISH_LAG_S` after
-        the newest of them was taken (:meth:`others_mib_at` reads the reports up to then)."""
+        the newest of them was taken (:meth:`round_counter` reads the reports up to then)."""
         # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before])
         self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]]]]] = {}
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
@@ -224,16 +224,6 @@ class LoadTable:
             if with_memory.get(endpoint) == at:
                 del with_memory[endpoint]
         self.counted = counts
-
-    def others_mib_at(self, picker: str | None, endpoint: str, at: float, slack_s: float = PICK_SLACK_S) -> float:
-        """GPU memory (MiB) of the requests of the pickers other than ``picker`` (None: of every
-        picker) that a memory sample of ``endpoint`` taken at ``at`` (monotonic s) holds, never
-        below 0, by :mod:`xds_server.loadview.rounds`' rule (``slack_s`` in place of
-        :data:`~xds_server.loadview.rounds.PICK_SLACK_S`). For one endpoint; a round's samples are
-        counted together by :meth:`round_counter`.
-        """
-        shares = held({p: list(h) for p, h in self._mib.items()}, {endpoint: (0.0, at)}, slack_s)
-        return sum(share.get(endpoint, 0.0) for p, share in shares.items() if p != picker)
 
     def _apply(self, report: Report, sign: int) -> None:
         """Add (``sign`` 1) or take out (-1) one report's loads from the running sums."""

@@ -13,7 +13,7 @@ from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import ViewHolder
 from protos import load_view_pb2
-from tests.support.loadview import load_view_server
+from tests.support.loadview import load_view_server, others_at
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
 from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
 from xds_server.loadview.service import report_from, view_message
@@ -86,8 +86,8 @@ def test_the_table_gives_the_others_memory_at_a_past_time():
     for at, mib in ((1.0, 100.0), (2.0, 300.0), (3.0, 700.0)):
         t.record(report_from(_mib_report("them", int(at), mib)), now=at)
     t.record(report_from(_mib_report("me", 1, 5000.0)), now=2.5)
-    assert t.others_mib_at("me", A, 2.4) == 300.0 and t.others_mib_at("me", A, 0.5) == 100.0
-    assert t.others_mib_at("me", A, 9.0) == 700.0 and t.others_mib_at("them", A, 9.0) == 5000.0
+    assert others_at(t, "me", A, 2.4) == 300.0 and others_at(t, "me", A, 0.5) == 100.0
+    assert others_at(t, "me", A, 9.0) == 700.0 and others_at(t, "them", A, 9.0) == 5000.0
 
 
 def test_the_baseline_leaves_out_what_finished_just_before_the_sample_and_was_reported_after_it():
@@ -97,13 +97,13 @@ def test_the_baseline_leaves_out_what_finished_just_before_the_sample_and_was_re
     t = LoadTable(expiry_s=5.0)
     t.record(report_from(_mib_report("them", 1, 8192.0)), now=1.0)
     t.record(report_from(_mib_report("them", 2, 0.0, finished=((8192.0, 1.13),))), now=2.03)  # picked at 0.9
-    assert t.others_mib_at("me", A, 2.0) == 0.0
+    assert others_at(t, "me", A, 2.0) == 0.0
     # Finished later than the lag after the sample: it was running in the sample, so it stays.
-    assert t.others_mib_at("me", A, 2.03 - FINISH_LAG_S - 0.01) == 8192.0
+    assert others_at(t, "me", A, 2.03 - FINISH_LAG_S - 0.01) == 8192.0
     # A pick reported within the slack before the sample may not have reached the endpoint yet.
     t.record(report_from(_mib_report("them", 3, 4096.0)), now=3.0)
-    assert t.others_mib_at("me", A, 3.0 + PICK_SLACK_S / 2) == 0.0
-    assert t.others_mib_at("me", A, 3.0 + PICK_SLACK_S * 2) == 4096.0
+    assert others_at(t, "me", A, 3.0 + PICK_SLACK_S / 2) == 0.0
+    assert others_at(t, "me", A, 3.0 + PICK_SLACK_S * 2) == 4096.0
 
 
 def test_the_baseline_subtracts_only_finished_requests_it_counted():
@@ -113,7 +113,7 @@ def test_the_baseline_subtracts_only_finished_requests_it_counted():
     t.record(report_from(_mib_report("them", 1, 16384.0)), now=10.0)                               # X, Y
     t.record(report_from(_mib_report("them", 2, 8192.0, finished=((8192.0, 0.22),))), now=10.12)    # Y
     t.record(report_from(_mib_report("them", 3, 8192.0, finished=((8192.0, 0.05),))), now=10.18)    # Z
-    assert t.others_mib_at("me", A, 10.1) == 8192.0
+    assert others_at(t, "me", A, 10.1) == 8192.0
 
 
 def test_a_picker_does_not_credit_twice_what_another_finished_before_the_sample():
@@ -125,7 +125,7 @@ def test_a_picker_does_not_credit_twice_what_another_finished_before_the_sample(
     shared.set_others(others_of({("c", A): (1, 1.0, 8192.0)}, {}, {}, {}))
     t.record(report_from(_mib_report("them", 2, 0.0, finished=((8192.0, 0.6),))), now=clock.now + 0.03)
     shared.set_others(others_of({}, {}, {}, {}))   # the others' request is reported finished
-    shared.free.rebase({A: t.others_mib_at("me", A, clock.now)})
+    shared.free.rebase({A: others_at(t, "me", A, clock.now)})
     f.set_samples(MemorySamples.of({A: (24576.0, clock.now)}))       # taken after it ended: the GPU is empty
     assert shared.free.get(A, None) == 24576.0, "not 24 GiB + 8 GiB"
 

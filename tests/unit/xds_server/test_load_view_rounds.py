@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 from protos import load_view_pb2
-from tests.support.loadview import counted
+from tests.support.loadview import Context, counted, reports_from
 from xds_server.loadview.rounds import CAPACITY_ROUNDS
 from xds_server.loadview.service import LoadViewServicer
 from xds_server.loadview.table import Load, LoadTable, Report
@@ -46,23 +46,14 @@ async def test_a_round_that_comes_while_one_is_counted_is_not_counted_before_it_
     baseline then held that request (others_mib 2048), and the picker credited it twice."""
     now = [10.0]
 
-    class Ctx:
-        def peer(self) -> str:
-            return "test"
-
     reports: asyncio.Queue = asyncio.Queue()
-
-    async def stream():
-        while True:
-            yield await reports.get()
-
     table = LoadTable(expiry_s=1000.0)
     table.record(Report("q", 1, endpoints={("c", A): Load(1, 1, 2048.0)}), 9.9)   # q's request on A
     table.set_memory({A: (18432.0, 9.0)})   # round 1, ready at 9.1
     servicer = LoadViewServicer(table, clock=lambda: now[0])
     gate = threading.Event()
     servicer._worker.submit(gate.wait)       # the worker is busy: round 1's count waits
-    views = servicer.Share(stream(), Ctx())
+    views = servicer.Share(reports_from(reports), Context())
     try:
         await reports.put(load_view_pb2.LoadReport(picker="p", seq=1))
         got = [await asyncio.wait_for(anext(views), 5)]
@@ -85,24 +76,15 @@ async def test_a_round_that_comes_while_one_is_counted_is_not_counted_before_it_
 
 async def test_a_grant_request_is_answered_while_a_round_is_counted():
     """Every view to a stream waited for the round's count and its memory part (~0.1 s at 10 000
-    endpoints, ~0.7 s at 60 000: BENCHMARKS.md), and with it the answers to the picker's grant
+    endpoints, ~0.6 s at 60 000: BENCHMARKS.md, "Load view"), and with it the answers to the picker's grant
     requests, which it waits for only GRANT_TIMEOUT_S (50 ms) or its queue timeout: every admission in
     that window was decided locally, or refused with the memory queue. The view need not wait: the
     round's part can go in a later one."""
-    class Ctx:
-        def peer(self) -> str:
-            return "test"
-
     reports: asyncio.Queue = asyncio.Queue()
-
-    async def stream():
-        while True:
-            yield await reports.get()
-
     table = LoadTable(expiry_s=1000.0)
     servicer = LoadViewServicer(table, clock=lambda: 10.0)
     gate = threading.Event()
-    views = servicer.Share(stream(), Ctx())
+    views = servicer.Share(reports_from(reports), Context())
     try:
         await reports.put(load_view_pb2.LoadReport(picker="p", seq=1))
         assert (await asyncio.wait_for(anext(views), 5)).memory_round == 0
