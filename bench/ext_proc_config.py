@@ -39,13 +39,16 @@ from bench.picker import (
 )
 from bench.progress import Progress
 from inferlb.devstack import stack
+from xds_server.config.model import Picker
 from xds_server.resources.bootstrap import render_bootstrap
 
 CLUSTER_HEADER = "x-inferlb-cluster"
 
 # name -> (server, ext_proc filter overrides, access log (None: none), ext_proc cluster h2 options,
 #          what it shows)
-_LOG = {"flush": "0.005s", "buffer": 16384}
+_PICKER = Picker()
+#: The completion log as ``inferlb serve`` configures it by default.
+_LOG = {"flush": f"{_PICKER.access_log_flush_s:g}s", "buffer": _PICKER.access_log_buffer_bytes}
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"server": None, "about": "no ext_proc filter"},
     "null": {"server": "plain", "log": None, "about": "ext_proc call, no-change answer, no access log"},
@@ -53,11 +56,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
                       "about": "+ cluster-header mutation without clear_route_cache (the route is NOT redone)"},
     "routed": {"server": "routed", "log": None, "about": "+ header mutation + clear_route_cache, no access log"},
     "ours": {"server": "routed", "log": _LOG,
-             "about": "our config: routed + completion access log (flush 5 ms, buffer 16 KiB)"},
-    "log_flush_50ms": {"server": "routed", "log": {"flush": "0.05s", "buffer": 16384},
+             "about": "our config: routed + completion access log (flush 5 ms, buffer 64 KiB)"},
+    "log_flush_50ms": {"server": "routed", "log": {**_LOG, "flush": "0.05s"},
                        "about": "ours, access-log flush 50 ms"},
-    "log_buffer_64k": {"server": "routed", "log": {"flush": "0.005s", "buffer": 65536},
-                       "about": "ours, access-log buffer 64 KiB"},
+    "log_buffer_16k": {"server": "routed", "log": {**_LOG, "buffer": 16384},
+                       "about": "ours, access-log buffer 16 KiB (the default until 2026-12-04)"},
     "log_flush_1s_buffer_1k": {"server": "routed", "log": {"flush": "1s", "buffer": 1024},
                                "about": "ours, access-log buffer 1 KiB (a message every few entries)"},
     "mode_override": {"server": "routed", "log": _LOG, "filter": {"allow_mode_override": True},

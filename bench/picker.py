@@ -51,9 +51,12 @@ from bench.markdown import replace_marked
 from bench.progress import Progress
 from bench.sessions import bytes_per_session
 from inferlb.devstack import stack
+from xds_server.config.model import Picker
 from xds_server.resources.bootstrap import render_bootstrap
 
 T = "type.googleapis.com/"
+#: The picker config's defaults: the bench's completion log is configured as ``inferlb serve``'s.
+_PICKER = Picker()
 HEADERS = {"x-session-id": "bench-session-1", "model-version": "v1"}
 TARGETS = {"rps_ratio_to_null": 0.85, "python_cpu_us_per_decision": 30.0, "python_cpu_us_per_decision_1conn": 100.0,
            "added_p50_ms": 0.3, "added_p99_ms": 0.5}
@@ -78,7 +81,9 @@ def _hcm(name: str, route: dict, ext_proc_cluster: str | None, cfg_headers: dict
                 "@type": T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
                 "common_config": {"log_name": "bench",
                                   "grpc_service": {"envoy_grpc": {"cluster_name": ext_proc_cluster}},
-                                  "transport_api_version": "V3", "buffer_flush_interval": "0.005s"},
+                                  "transport_api_version": "V3",
+                                  "buffer_flush_interval": f"{_PICKER.access_log_flush_s:g}s",
+                                  "buffer_size_bytes": _PICKER.access_log_buffer_bytes},
                 "additional_request_headers_to_log": [cfg_headers["cluster"], cfg_headers["override_host"]]}})
     filters.append({"name": "envoy.filters.http.router",
                     "typed_config": {"@type": T + "envoy.extensions.filters.http.router.v3.Router"}})

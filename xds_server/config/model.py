@@ -691,7 +691,9 @@ class Picker(_Strict):
     same decisions.
     ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
     the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
-    when a worker's buffer reaches this size (bytes).
+    when a worker's buffer reaches this size (bytes). 64 KiB: a flush every 5 ms up to ~27 000
+    requests/s per worker; a 16 KiB buffer cost Envoy ~8 µs more per request at 12 500 requests/s
+    (``inferlb bench ext-proc-config``, BENCHMARKS.md).
     ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
     default: ``envoy.route_timeout_s`` + 10.
     ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
@@ -737,7 +739,7 @@ class Picker(_Strict):
 
     transport: Literal["fast", "grpcio"] = "fast"
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
-    access_log_buffer_bytes: int = Field(16384, ge=1024, le=16 * 1024 * 1024)
+    access_log_buffer_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)
     body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
     admission: bool = False
