@@ -692,8 +692,8 @@ class Picker(_Strict):
     ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
     the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
     when a worker's buffer reaches this size (bytes). 64 KiB: a flush every 5 ms up to ~27 000
-    requests/s per worker; a 16 KiB buffer cost Envoy ~8 µs more per request at 12 500 requests/s
-    (``inferlb bench ext-proc-config``, BENCHMARKS.md).
+    requests/s per worker; a 16 KiB buffer cost Envoy 6–8 µs more per request at 11 000–13 000
+    requests/s (``inferlb bench ext-proc-config``, BENCHMARKS.md).
     ``inflight_expiry_s``: a pick with no completion after this long is taken as finished (s);
     default: ``envoy.route_timeout_s`` + 10.
     ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
