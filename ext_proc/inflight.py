@@ -53,16 +53,19 @@ FINISHED_KEEP = 10_000
 class MemorySamples(NamedTuple):
     """One round of GPU memory samples, as :meth:`InFlight.set_samples` takes them: ``free``:
     ``{"HOST:PORT": free GPU memory, MiB}``; ``taken_at``: ``{"HOST:PORT": when it was sampled,
-    monotonic s}`` (the same endpoints)."""
+    monotonic s}`` (the same endpoints); ``held``: ``{"HOST:PORT": requests the backend held (running
+    and waiting) in the same sample}``, for endpoints where that count came with the memory and
+    only this picker's requests reach the endpoint (None: no such counts)."""
 
     free: dict[str, float]
     taken_at: dict[str, float]
+    held: dict[str, float] | None = None
 
     @classmethod
-    def of(cls, samples: Mapping[str, tuple[float, float]]) -> MemorySamples:
-        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}`` (pure; C-level dict updates of
-        :data:`SAMPLES_PIECE` endpoints each: one update of 60 000 held the GIL, which the event loop
-        shares, for tens of ms under load)."""
+    def of(cls, samples: Mapping[str, tuple[float, float]], held: dict[str, float] | None = None) -> MemorySamples:
+        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}`` and ``held`` as the attribute (pure;
+        C-level dict updates of :data:`SAMPLES_PIECE` endpoints each: one update of 60 000 held the
+        GIL, which the event loop shares, for tens of ms under load)."""
         free: dict[str, float] = {}
         taken_at: dict[str, float] = {}
         keys, values = list(samples), list(samples.values())
@@ -70,7 +73,7 @@ class MemorySamples(NamedTuple):
             piece, got = keys[start:start + SAMPLES_PIECE], values[start:start + SAMPLES_PIECE]
             free.update(zip(piece, map(_FIRST, got), strict=True))
             taken_at.update(zip(piece, map(_SECOND, got), strict=True))
-        return cls(free, taken_at)
+        return cls(free, taken_at, held)
 
 
 class InFlight:
@@ -276,9 +279,9 @@ class InFlight:
                 self.memory[endpoint] = held
             else:
                 self.memory.pop(endpoint, None)
-        if mib and endpoint in self.free:
+        if endpoint in self.free:
             self.free[endpoint] += mib
-            if finished_at is not None:
+            if finished_at is not None:  # without memory too: the sample's count of held requests counts it
                 done = self._done.get(endpoint)
                 if done is None:
                     done = self._done[endpoint] = deque()
@@ -294,12 +297,18 @@ class InFlight:
         requests: without that credit every sample would still count the memory of requests long
         gone). ``arrival_slack_s`` before the sample's time and ``completion_lag_s`` after it decide the
         doubtful ones against admission.
+        Where ``samples.held`` gives the backend's count of requests it held in the sample, that count
+        settles the doubtful ones: the requests certainly in the sample are counted, and as many of
+        the doubtful ones as the count leaves over (at most all of them) count as in it, the
+        smallest first (the estimate errs low, never high, when the count holds only this picker's
+        requests). With one memory size, the estimate is then exact:
+        free = sample + size x (held - in flight now).
         Endpoints absent from ``samples`` lose their estimate (unknown: admitted).
         O(requests in flight + finished in ``done_keep_s``): the two 60 000-entry dicts are built by
         :meth:`MemorySamples.of` wherever the caller likes (off the event loop: 25-30 ms at 60 000
         endpoints, measured on the shared 2-core machine); call once per metrics round.
         """
-        free, sampled = samples
+        free, sampled, counts = samples
         arrival, lag = self._arrival, self._lag
         for endpoint in self._pending_ep.keys() | self._done.keys():  # only endpoints with recent picks
             taken = sampled.get(endpoint)
@@ -307,12 +316,25 @@ class InFlight:
                 continue
             before, after = taken - arrival, taken + lag
             estimate = free[endpoint]
+            held = None if counts is None else counts.get(endpoint)
+            certain, doubtful = 0, []
             for pick in self._pending_ep.get(endpoint, ()):
                 if pick[0] > before:  # picked after the sample (or maybe): not in it yet
                     estimate -= pick[2]
+                    if pick[0] <= taken:
+                        doubtful.append(pick[2])
+                else:
+                    certain += 1
             for picked_at, finished_at, used in self._done.get(endpoint, ()):
                 if picked_at <= before and finished_at > after:  # running in the sample, gone now
                     estimate += used
+                    certain += 1
+                elif picked_at <= taken < finished_at:  # maybe running in the sample (not credited)
+                    doubtful.append(used)
+            if held is not None and doubtful:
+                n = min(len(doubtful), int(held) - certain)
+                if n > 0:
+                    estimate += sum(sorted(doubtful)[:n])
             free[endpoint] = estimate
         self.free = free
         self._sampled = sampled

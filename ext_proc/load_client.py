@@ -141,8 +141,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                     break
                 # A change is news only to other pickers that decide (have traffic): without any,
                 # keep-alives suffice.
-                alone = shared.others.pickers - shared.others.idle <= 1
-                if (inflight.changes != reported and not alone) or inflight.now() - now >= keepalive_s:
+                if (inflight.changes != reported and not shared.alone()) or inflight.now() - now >= keepalive_s:
                     break
 
     while True:

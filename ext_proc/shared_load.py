@@ -221,6 +221,12 @@ class SharedLoad:
         self.free.others = others.memory_mib
         self.viewed_at = self.inflight.now() if at is None else at
 
+    def alone(self) -> bool:
+        """True when no other picker decides now: the last view counts no other picker with picks or
+        requests in flight lately (also before the first view and after the view is lost)."""
+        others = self.others
+        return others.pickers - others.idle <= 1
+
     def grant_room(self, endpoint: str, need_mib: float) -> float | None:
         """The room (MiB) to send with a grant request for a request of ``need_mib`` MiB just admitted
         on ``endpoint`` (its estimated free memory once the request is on it), or None when it needs
@@ -232,8 +238,7 @@ class SharedLoad:
         moment (measured: 22 of 55 OOMs in a ``multi_gateway`` round came after such a local
         admission, the others after grants that did not know of it).
         """
-        others = self.others
-        if others.pickers - others.idle - 1 < 1 or need_mib <= 0:
+        if self.alone() or need_mib <= 0:
             return None
         free = self.free.get(endpoint)
         return None if free is None else free - need_mib

@@ -23,7 +23,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,7 +108,8 @@ def picker_tls(tls: TlsConfig) -> TlsFiles:
     return files
 
 
-_FREE, _USED, _AGE = (STAT_FIELDS.index(f) for f in ("gpu_mem_free_mib", "gpu_mem_used_mib", "sample_age_s"))
+_FREE, _USED, _AGE, _IN_FLIGHT = (STAT_FIELDS.index(f) for f in ("gpu_mem_free_mib", "gpu_mem_used_mib",
+                                                                   "sample_age_s", "in_flight"))
 #: Endpoints per C-level dict update in :func:`memory_samples` (one update of 60 000 held the GIL, which
 #: the event loop shares, for tens of ms: caught by a faulthandler watchdog at 35 ms).
 PIECE = 4096
@@ -136,6 +137,18 @@ def memory_samples(weights: Sequence[EndpointWeight], spec: Callable[[str, str],
             end = start + PIECE
             out.update(zip(addresses[start:end], zip(free_now[start:end], taken[start:end], strict=True),
                            strict=True))
+    return out
+
+
+def held_counts(weights: Sequence[EndpointWeight], endpoints: Container[str]) -> dict[str, float]:
+    """``{"HOST:PORT": requests the backend held at its newest sample (running + waiting)}`` of the
+    ``endpoints`` whose count is known (pure; the ``in_flight`` column of the round's weights)."""
+    out: dict[str, float] = {}
+    for part in Verdicts.of(weights).parts:
+        held = part.stats[:, _IN_FLIGHT]
+        for i in np.flatnonzero(held >= 0).tolist():
+            if part.addresses[i] in endpoints:
+                out[part.addresses[i]] = float(held[i])
     return out
 
 
@@ -226,7 +239,8 @@ class InferLB:
     async def _feed_picker(self, weights: Verdicts) -> None:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
-        request needing more than every endpoint has is refused). Read from the weights in a worker
+        request needing more than every endpoint has is refused); with ``picker.memory_count_in_sample``
+        also the requests each backend held in that sample (:func:`held_counts`). Read from the weights in a worker
         thread (30 ms at 60 000 endpoints), handed over on the loop. Sample ages count from the fetch,
         not from now: the round's computation in between would make every sample look younger."""
         at, specs = self.control.stats_at, self.control.specs
@@ -235,7 +249,8 @@ class InferLB:
             samples = memory_samples(weights, self.control.spec, time.monotonic() if at is None else at)
             if self._largest[0] is not specs:  # the config's: computed again when it changes
                 self._largest = (specs, largest_memory(specs))
-            return samples, MemorySamples.of(samples), self._largest[1]
+            held = held_counts(weights, samples) if self.cfg.picker.memory_count_in_sample else None
+            return samples, MemorySamples.of(samples, held), self._largest[1]
 
         samples, split, largest = await asyncio.to_thread(read)
         self.picker.set_samples(split)  # on the loop the picker runs on: O(requests in flight)

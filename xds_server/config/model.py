@@ -721,7 +721,12 @@ class Picker(_Strict):
     ``request_classes``, else ``engine.request_memory_mib``. ``prefix_messages`` /
     ``prefix_max_bytes``: what the prefix key hashes. ``memory_queue``: a request no endpoint has
     memory for waits in the queue then gets 429 (false, the default: it is pinned to the endpoint
-    with the most estimated free memory). ``pin_move_after``:
+    with the most estimated free memory). ``memory_count_in_sample`` (off by default): the backends
+    report the requests they hold (running + waiting) in the same scrape or push as their free GPU
+    memory (the simulator's one ``/metrics`` page, a ``NodeStatus`` push; not vLLM beside a separate
+    DCGM exporter, scraped at other times): the picker then settles with that count which of its
+    latest requests the memory sample already held, instead of assuming the worst for them
+    (docs/picker.md, "Memory admission"). ``pin_move_after``:
     spills in a row that move a session. ``failure_hold_s``: an endpoint whose connections fail is
     not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
@@ -768,6 +773,7 @@ class Picker(_Strict):
     shared_view_interval_s: float = Field(0.01, gt=0, le=10)
     shared_view_expiry_s: float = Field(1.0, gt=0, le=60)
     memory_queue: bool = False
+    memory_count_in_sample: bool = False
     pin_move_after: int = Field(3, ge=1, le=1000)
     failure_hold_s: float = Field(5.0, gt=0, le=3600)
     cost_forget: float = Field(0.999, gt=0, le=1)

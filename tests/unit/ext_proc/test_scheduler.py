@@ -170,21 +170,14 @@ def test_an_expired_pick_is_never_credited_to_a_sample():
 ARRIVAL, LAG = 0.05, 0.05  # InFlight's default arrival_slack_s and completion_lag_s
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0.001, 3), st.floats(0, 1), st.floats(0, 1)), max_size=30),
-       st.sampled_from([2048.0, 8192.0]), st.floats(0.5, 10), st.floats(0, 2))
-def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, delay):
-    """Requests of ``size`` MiB each on one endpoint: picked at ``t``, at the endpoint up to
-    ``ARRIVAL`` s later, holding memory there for ``d`` s, their completion reaching the picker up to
-    ``LAG`` s after that; a true sample at ``taken_at`` reaches the picker ``delay`` s later. The
-    estimate then is at most the true free memory (less every request picked and not ended), and
-    equal to it when no request is doubtful: none picked within ``ARRIVAL`` before the sample, none
-    running at the sample's time or after it whose completion came within ``LAG`` after it, none whose
-    completion is still on its way. (One size: Envoy's completions are matched to picks first in,
-    first out, so a request picked after the sample that finished quickly can lend its completion's
-    time to an older one the sample held: see the next test.)"""
+def _replay(spans, size, taken_at, delay):
+    """Requests of ``size`` MiB each on one endpoint: picked at ``t``, at the endpoint up to ``ARRIVAL`` s
+    later, holding memory there for ``d`` s, their completion reaching the picker up to ``LAG`` s after
+    that; replayed into an :class:`InFlight` until ``taken_at + delay`` (when the sample arrives).
+    Returns ``(the InFlight, the requests as (picked, arrived, ended, completion learned), the
+    endpoint's whole memory, requests it held at taken_at, the truth now)``."""
     requests = [(t, t + ARRIVAL * a, t + ARRIVAL * a + d, t + ARRIVAL * a + d + LAG * lag)
-                for t, d, a, lag in spans]  # (picked, arrived, ended, completion learned)
+                for t, d, a, lag in spans]
     total = 30 * 8192.0
     now = taken_at + delay
     events = sorted([(p, "pick", i) for i, (p, _, _, _) in enumerate(requests)]
@@ -192,26 +185,88 @@ def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, dela
     clock = [0.0]
     live = InFlight(expiry_s=1000.0, clock=lambda: clock[0])
     live.set_samples(MemorySamples.of({FOUR[0]: (total, -1.0)}))  # known from the start
-    order: list[int] = []  # picks in flight, oldest first (completions are matched first in, first out)
-    for t, kind, i in events:
+    for t, kind, _ in events:
         if t > now:
             break
         clock[0] = t
         if kind == "pick":
             live.picked("c", FOUR[0], mib=size)
-            order.append(i)
         else:
             live.completed("c", FOUR[0])
-            order.remove(i)
     clock[0] = now
-    resident_at_sample = sum(size for _, a, e, _ in requests if a <= taken_at < e)
-    live.set_samples(MemorySamples.of({FOUR[0]: (total - resident_at_sample, taken_at)}))
+    held = sum(1 for _, a, e, _ in requests if a <= taken_at < e)
     truth = total - sum(size for p, _, e, _ in requests if p <= now < e)
+    return live, requests, total, held, truth
+
+
+_SPANS = st.lists(st.tuples(st.floats(0, 10), st.floats(0.001, 3), st.floats(0, 1), st.floats(0, 1)), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_SPANS, st.sampled_from([2048.0, 8192.0]), st.floats(0.5, 10), st.floats(0, 2))
+def test_the_memory_estimate_never_exceeds_the_truth(spans, size, taken_at, delay):
+    """A true sample at ``taken_at`` reaches the picker ``delay`` s later (:func:`_replay`). The
+    estimate then is at most the true free memory (less every request picked and not ended), and
+    equal to it when no request is doubtful: none picked within ``ARRIVAL`` before the sample, none
+    running at the sample's time or after it whose completion came within ``LAG`` after it, none whose
+    completion is still on its way. (One size: Envoy's completions are matched to picks first in,
+    first out, so a request picked after the sample that finished quickly can lend its completion's
+    time to an older one the sample held: see the next test.)"""
+    live, requests, total, held, truth = _replay(spans, size, taken_at, delay)
+    live.set_samples(MemorySamples.of({FOUR[0]: (total - held * size, taken_at)}))
     assert live.free[FOUR[0]] <= truth + 1e-6
+    now = taken_at + delay
     doubtful = any(taken_at - ARRIVAL < p <= taken_at or (e > taken_at and f <= taken_at + LAG) or e <= now < f
                    for p, a, e, f in requests)
     if not doubtful:
         assert live.free[FOUR[0]] == pytest.approx(truth)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_SPANS, st.sampled_from([2048.0, 8192.0]), st.floats(0.5, 10), st.floats(0, 2))
+def test_the_backends_count_of_held_requests_settles_the_doubtful_ones_and_never_overshoots(
+        spans, size, taken_at, delay):
+    """The same replay with the backend's true count of the requests it held in the sample
+    (``picker.memory_count_in_sample``): the estimate stays at most the truth, is never below the
+    estimate without the count, and equals the truth whenever no request's completion is still on
+    its way (then every request the sample held is one the picker knows as held or doubtful)."""
+    live, requests, total, held, truth = _replay(spans, size, taken_at, delay)
+    without, _, _, _, _ = _replay(spans, size, taken_at, delay)
+    sample = {FOUR[0]: (total - held * size, taken_at)}
+    live.set_samples(MemorySamples.of(sample, {FOUR[0]: float(held)}))
+    without.set_samples(MemorySamples.of(sample))
+    assert without.free[FOUR[0]] - 1e-6 <= live.free[FOUR[0]] <= truth + 1e-6
+    now = taken_at + delay
+    if not any(e <= now < f for _, _, e, f in requests):
+        assert live.free[FOUR[0]] == pytest.approx(truth)
+
+
+def test_a_count_that_holds_another_pickers_requests_is_not_used_while_that_picker_decides():
+    """Two requests this picker sent 10 ms before the sample are doubtful (4096 MiB each). The count
+    says the backend held 2 requests: alone in the view, the picker takes them as held; once another
+    picker with traffic is in the view (the 2 may be its own), and before the first view, the
+    doubtful ones count against admission again."""
+    from ext_proc.shared_load import others_of
+
+    clock = [0.0]
+    handler = PickerHandler(ViewHolder(view()))
+    handler.inflight = InFlight(clock=lambda: clock[0])
+    shared = handler.share_load()
+    for _ in range(2):
+        clock[0] = 9.99
+        handler.inflight.picked("c", FOUR[0], mib=4096.0)
+    clock[0] = 10.5
+    samples = {FOUR[0]: (20480.0, 10.0)}
+
+    def estimate() -> float:
+        handler.set_samples(MemorySamples.of(dict(samples), {FOUR[0]: 2.0}))
+        return handler.inflight.free[FOUR[0]]
+
+    assert estimate() == 20480.0 - 2 * 4096.0, "no view yet: the count is not used"
+    shared.set_others(others_of({}, {}, {}, {}, pickers=2, idle=1))
+    assert estimate() == 20480.0, "alone: both were held in the sample"
+    shared.set_others(others_of({}, {}, {}, {}, pickers=2, idle=0))
+    assert estimate() == 20480.0 - 2 * 4096.0, "another picker decides: the count may hold its requests"
 
 
 def test_a_quick_request_after_the_sample_lends_its_completion_time_to_an_older_one():
