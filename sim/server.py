@@ -50,6 +50,7 @@ NODE_KEY = web.AppKey("inferlb_sim_node", SimNode)
 STARTED_KEY = web.AppKey("inferlb_sim_started", int)
 TASKS_KEY = web.AppKey("inferlb_sim_tasks", list)
 ETCD_KEY = web.AppKey("inferlb_sim_etcd", EtcdRegistration)
+MAX_BODY_BYTES = 64 * 1024 * 1024  # the largest request body a simulated backend reads (bytes)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -209,7 +210,8 @@ async def _spans(request: web.Request) -> web.Response:
 def make_app(cfg: BackendConfig) -> web.Application:
     """Build the aiohttp application of one simulated backend (not yet listening)."""
     node = SimNode(cfg)
-    app = web.Application(middlewares=[_errors_as_json])
+    # vLLM's server (uvicorn) sets no body limit; aiohttp's default is 1 MiB: long prompts are larger.
+    app = web.Application(middlewares=[_errors_as_json], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
 
     async def add_identity_headers(request: web.Request, response: web.StreamResponse) -> None:

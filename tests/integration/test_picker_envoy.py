@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
 from ext_proc.handler import PickerHandler
+from ext_proc.telemetry import ERRORS
 from ext_proc.transport.base import GRPC_INTERNAL, StreamError, StreamState
 from ext_proc.view import ViewHolder
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
@@ -76,6 +77,38 @@ def test_version_from_the_json_body_reroutes(picker_stack: Stack):
     r = requests.post(f"{s.listener}/v1/chat/completions", data=b"{not json", timeout=10,
                       headers={"content-type": "application/json"})
     assert r.headers["x-backend-version"] == "v1"
+
+
+@pytest.mark.parametrize("size", [200_000, 3 * 1024 * 1024])
+def test_a_body_above_body_max_bytes_is_not_asked_for_and_is_served(picker_stack: Stack, size: int):
+    """A body whose ``content-length`` is above ``body_max_bytes`` is never asked for: the request is
+    routed by its headers (the default version, whatever the body names) and passes through, also
+    above Envoy's 1 MiB buffer limit (where a BUFFERED body got no answer)."""
+    s = picker_stack
+    body = b'{"model": "v2", "max_tokens": 4, "metadata": "' + b"x" * size + b'"}'   # large, and not a prompt
+    before = ERRORS.labels("body-too-large")._value.get()
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=body, timeout=10,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text[:200]
+    assert r.headers["x-backend-version"] == "v1"
+    assert ERRORS.labels("body-too-large")._value.get() == before + 1
+
+
+def test_a_chunked_body_is_held_whole_and_read_up_to_body_max_bytes(picker_stack: Stack):
+    """Without a ``content-length`` the size is known only once Envoy has buffered the body."""
+    s = picker_stack
+
+    def chunked(body: bytes) -> requests.Response:
+        parts = iter([body[:10], body[10:]])
+        return requests.post(f"{s.listener}/v1/chat/completions", data=parts, timeout=10,
+                             headers={"content-type": "application/json"})
+
+    r = chunked(b'{"model": "v2", "max_tokens": 4}')
+    assert r.status_code == 200 and r.headers["x-backend-version"] == "v2"
+    before = ERRORS.labels("body-unreadable")._value.get()
+    r = chunked(b'{"model": "v2", "max_tokens": 4, "metadata": "' + b"x" * 200_000 + b'"}')
+    assert r.status_code == 200 and r.headers["x-backend-version"] == "v1"
+    assert ERRORS.labels("body-unreadable")._value.get() == before + 1
 
 
 def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):

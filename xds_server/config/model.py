@@ -701,7 +701,9 @@ class Picker(_Strict):
     session key when no session header is present (None: cookies are not read).
     ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
     the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
-    up to this size (bytes). Envoy refuses bodies above its buffer limit (1 MiB) with 413.
+    up to this size (bytes). A body whose ``content-length`` is above it is not asked for (routed by
+    headers); a chunked one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy
+    1.40 gave it no answer: ``body_mode: streamed`` reads only its first chunk.
     ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and

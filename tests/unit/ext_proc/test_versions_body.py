@@ -122,6 +122,7 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
 @pytest.mark.parametrize("headers", [
     {"model_version": "v1", "x_session_id": "a", "x_inferlb_request_class": "small"},  # the headers say it all
     {"content_type": "text/plain"},  # not JSON
+    {"content_length": "4097"},  # above body_max_bytes: the picker would not read it
 ])
 def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
     answer, end = handler().process(StreamState(), headers_msg(False, **headers))
@@ -150,8 +151,11 @@ def test_unreadable_or_oversized_bodies_fall_back_to_the_headers(body):
 STREAMED_VIEW = EndpointView.build(ASSIGN, RoutingTable(services=(MIXED,), body_max_bytes=4096, body_mode="streamed"))
 
 
-def test_streamed_body_mode_asks_envoy_for_chunks():
-    answer, _ = PickerHandler(ViewHolder(STREAMED_VIEW)).process(StreamState(), headers_msg(False))
+@pytest.mark.parametrize("length", [None, "1000000"])
+def test_streamed_body_mode_asks_envoy_for_chunks(length):
+    """Whatever the body's size: the picker reads its first chunk."""
+    headers = {} if length is None else {"content_length": length}
+    answer, _ = PickerHandler(ViewHolder(STREAMED_VIEW)).process(StreamState(), headers_msg(False, **headers))
     mode = pb.ProcessingResponse.FromString(answer).mode_override.request_body_mode
     assert mode == processing_mode_pb2.ProcessingMode.STREAMED
 
