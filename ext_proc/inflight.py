@@ -131,7 +131,7 @@ class InFlight:
 
     __slots__ = ("endpoints", "clusters", "work", "cluster_work", "memory", "free", "failed", "streams", "requests",
                  "changes", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold",
-                 "_sampled", "_done", "_arrival", "_lag", "_keep", "_doubts", "finished")
+                 "_sampled", "_done", "_arrival", "_lag", "_keep", "_doubts", "finished", "_counted")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
                  failure_hold_s: float = 5.0, arrival_slack_s: float = 0.05, completion_lag_s: float = 0.05,
@@ -168,6 +168,7 @@ class InFlight:
         self._lag = completion_lag_s
         self._doubts: dict[str, float] = {}  # endpoint -> time of its last uncertain failure
         self._keep = done_keep_s
+        self._counted = False  # the last samples gave the backends' counts of held requests
 
     @property
     def live(self) -> bool:
@@ -281,7 +282,8 @@ class InFlight:
                 self.memory.pop(endpoint, None)
         if endpoint in self.free:
             self.free[endpoint] += mib
-            if finished_at is not None:  # without memory too: the sample's count of held requests counts it
+            # Without memory too while the samples give held counts: such a count counts it.
+            if finished_at is not None and (mib or self._counted):
                 done = self._done.get(endpoint)
                 if done is None:
                     done = self._done[endpoint] = deque()
@@ -309,6 +311,7 @@ class InFlight:
         endpoints, measured on the shared 2-core machine); call once per metrics round.
         """
         free, sampled, counts = samples
+        self._counted = counts is not None
         arrival, lag = self._arrival, self._lag
         for endpoint in self._pending_ep.keys() | self._done.keys():  # only endpoints with recent picks
             taken = sampled.get(endpoint)
