@@ -164,6 +164,12 @@ def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
     )
 
 
+def _content_length(headers: dict[str, bytes]) -> int | None:
+    """The request's ``content-length`` (bytes); None when absent (chunked) or not a number."""
+    length = headers.get("content-length", b"")
+    return int(length) if length.isdigit() else None
+
+
 def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTable) -> BodyFields:
     """What the first bytes of a longer JSON body tell (streamed body mode), never raising.
 
@@ -332,9 +338,8 @@ class PickerHandler:
                         return self._route(headers, view, fields or NO_BODY, "request_body"), True
                     # Streamed: decide on the first bytes; the later chunks pass unchanged.
                     stream.decided = True
-                    length = headers.get("content-length", b"")
-                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
-                                             int(length) if length.isdigit() else None, view.routing)
+                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes], _content_length(headers),
+                                             view.routing)
                     return self._route(headers, view, fields, "request_body"), False
                 if stream.decided:
                     return _BODY_OK, chunk.end_of_stream
@@ -353,19 +358,15 @@ class PickerHandler:
     def _headers(self, stream: StreamState, headers: dict[str, bytes], end_of_stream: bool) -> tuple[bytes, bool]:
         view = self.holder.current
         if view.routing.body_max_bytes and not end_of_stream and self._wants_body(headers, view):
-            if view.routing.body_mode == "streamed" or not self._body_above_max(headers, view.routing):
+            length = _content_length(headers)
+            # A body the picker would not read is not asked for: Envoy would buffer it for nothing,
+            # and a BUFFERED body above Envoy's buffer limit (1 MiB) got no answer on Envoy 1.40
+            # (measured: none within 15 s). Streamed, the picker reads the first chunk of any body.
+            if view.routing.body_mode == "streamed" or length is None or length <= view.routing.body_max_bytes:
                 stream.held = headers
                 return _HOLD_FOR_BODY[view.routing.body_mode], False
             self.errors.report("body-too-large", "a body above picker.body_max_bytes was not read (routed by headers)")
         return self._route(headers, view, NO_BODY, "request_headers"), True
-
-    @staticmethod
-    def _body_above_max(headers: dict[str, bytes], routing: RoutingTable) -> bool:
-        """Whether the body's ``content-length`` says it is above ``body_max_bytes``: Envoy would
-        buffer it only for the picker to skip it, and a BUFFERED body above Envoy's buffer limit
-        (1 MiB) got no answer on Envoy 1.40 (measured: none within 15 s)."""
-        length = headers.get("content-length", b"")
-        return length.isdigit() and int(length) > routing.body_max_bytes
 
     @staticmethod
     def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
