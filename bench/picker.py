@@ -47,6 +47,7 @@ from typing import Any
 import psutil
 import yaml
 
+from bench import picker_profile
 from bench.markdown import replace_marked
 from bench.progress import Progress
 from bench.sessions import bytes_per_session
@@ -295,6 +296,8 @@ def _summary(rounds: list[dict], variants: tuple[str, ...] = VARIANTS) -> dict[s
     added50 = [r["1conn"]["picker"]["p50_ms"] - r["1conn"]["without"]["p50_ms"] for r in rounds]
     added99 = [r["1conn"]["picker"]["p99_ms"] - r["1conn"]["without"]["p99_ms"] for r in rounds]
     null50 = [r["1conn"]["null"]["p50_ms"] - r["1conn"]["without"]["p50_ms"] for r in rounds]
+    null99 = [r["1conn"]["null"]["p99_ms"] - r["1conn"]["without"]["p99_ms"] for r in rounds]
+    routed99 = [r["1conn"]["null_routed"]["p99_ms"] - r["1conn"]["without"]["p99_ms"] for r in rounds]
     return {
         "rps_with_picker": statistics.median(col("16conn", "picker", "rps")),
         "rps_without_picker": statistics.median(col("16conn", "without", "rps")),
@@ -309,6 +312,8 @@ def _summary(rounds: list[dict], variants: tuple[str, ...] = VARIANTS) -> dict[s
         "added_p50_ms": statistics.median(added50),
         "added_p99_ms": statistics.median(added99),
         "null_added_p50_ms": statistics.median(null50),
+        "null_added_p99_ms": statistics.median(null99),
+        "null_routed_added_p99_ms": statistics.median(routed99),
         "p50_ms_with_picker_1conn": statistics.median(col("1conn", "picker", "p50_ms")),
         "p50_ms_without_picker_1conn": statistics.median(col("1conn", "without", "p50_ms")),
         "envoy_cpu_us_per_request": {v: statistics.median(col("16conn", v, "envoy_cpu_us_per_request"))
@@ -322,6 +327,7 @@ def _summary(rounds: list[dict], variants: tuple[str, ...] = VARIANTS) -> dict[s
             "python_cpu_us_per_decision": _spread(col("16conn", "picker", "python_cpu_us_per_request")),
             "python_cpu_us_per_decision_1conn": _spread(col("1conn", "picker", "python_cpu_us_per_request")),
             "added_p50_ms": _spread(added50), "added_p99_ms": _spread(added99),
+            "null_added_p99_ms": _spread(null99), "null_routed_added_p99_ms": _spread(routed99),
             "envoy_cpu_us_per_request": {v: _spread(col("16conn", v, "envoy_cpu_us_per_request"))
                                          for v in variants},
         },
@@ -360,9 +366,16 @@ def _before(rounds: list[dict]) -> dict[str, Any]:
 
 def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers: int = 1,
         envoy_concurrency: int = 1, workdir: Path | None = None, body_kb: int = 0,
-        before: Path | None = None) -> dict[str, Any]:
+        before: Path | None = None, profile_s: float = 0.0) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON document (see module docstring). ``before``: a
-    checkout whose picker also runs (variant ``picker_before``, see :data:`VARIANTS`)."""
+    checkout whose picker also runs (variant ``picker_before``, see :data:`VARIANTS`). ``profile_s``
+    > 0: after the rounds, one more run at 16 connections through the picker's ``direct_response``
+    listener with py-spy attached for that many seconds (:mod:`bench.picker_profile`); the parts are
+    in ``profile``.
+
+    Raises:
+        RuntimeError: wrk (or, with ``profile_s``, py-spy) is missing, or a process did not start.
+    """
     variants = (*VARIANTS, BEFORE) if before is not None else VARIANTS
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian package `wrk`; scripts/setup.sh installs it)")
@@ -441,6 +454,8 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                         round_[f"{conns}conn"] = runs_
                     rounds.append(round_)
                 result[kind] = _summary(rounds, variants)
+        profile = _profile(picker_procs, url(kinds["direct_response"]["picker"]), profile_s, script, work,
+                           result["direct_response"]["python_cpu_us_per_decision"]) if profile_s > 0 else None
         stats = _envoy_stats(f"http://127.0.0.1:{ports['envoy_admin']}")
     finally:
         for p in reversed(procs):
@@ -477,10 +492,26 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                      **({BEFORE: f"inferlb ext-proc from {before} (PYTHONPATH; its upstream listener routes "
                                  "to bench-v1 statically)"} if before is not None else {})},
         "route_kinds": result,
+        **({"profile": profile} if profile is not None else {}),
         "targets": targets,
         "envoy_ext_proc_stats": stats,
         "session_table_bytes_per_session": round(bytes_per_session(200_000), 1),
     }
+
+
+def _profile(procs: list[psutil.Process], url: str, seconds: float, script: Path, work: Path,
+             us_per_decision: float) -> dict[str, Any]:
+    """py-spy on the picker's processes during one wrk run at 16 connections (see :func:`run`)."""
+    pids = [p.pid for p in procs]
+    spies = picker_profile.record(pids, seconds, work)
+    time.sleep(0.5)  # py-spy attaches
+    cpu_before = _cpu_s(procs)
+    r = run_wrk(url, 16, seconds, script)
+    attached = (_cpu_s(procs) - cpu_before) / max(1, r["requests"]) * 1e6
+    samples = picker_profile.collect(spies, work, pids)
+    return {"seconds": seconds, "rps_while_profiled": r["rps"], "python_cpu_us_per_decision_profiled": attached,
+            "python_cpu_us_per_decision": us_per_decision, "samples": sum(samples.values()),
+            "parts": picker_profile.table(samples, us_per_decision)}
 
 
 def _cpu_model() -> str:
@@ -506,8 +537,9 @@ def markdown(doc: dict[str, Any], command: str) -> str:
         "",
         "| route kind | req/s without ext_proc | req/s null | req/s null, routed | req/s picker | picker / null "
         "| picker / null routed | Python µs / request, picker (16 conn / 1 conn) | Python µs / request, null "
-        "| Envoy µs / request: without / null / null routed / picker | added p50 / p99, 1 conn (ms) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| Envoy µs / request: without / null / null routed / picker | added p50 / p99, 1 conn (ms) "
+        "| added p99, 1 conn: null / null routed (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def rng(s: dict, fmt: str = ",.0f") -> str:
@@ -523,7 +555,8 @@ def markdown(doc: dict[str, Any], command: str) -> str:
             f"{rng(sp['rps_ratio_to_null_routed'], '.2f')} | "
             f"{rng(sp['python_cpu_us_per_decision'], '.1f')} / {rng(sp['python_cpu_us_per_decision_1conn'], '.1f')} | "
             f"{r['null_cpu_us_per_request']:.1f} | {envoy} | "
-            f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} |")
+            f"{r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} | "
+            f"{r['null_added_p99_ms']:.3f} / {r['null_routed_added_p99_ms']:.3f} |")
     before = {kind: r["before"] for kind, r in doc["route_kinds"].items() if "before" in r}
     if before:
         lines += ["", f"Before → after in the same run (`picker_before`: {doc['variants'][BEFORE]}):", "",
@@ -543,6 +576,19 @@ def markdown(doc: dict[str, Any], command: str) -> str:
                 f"{rng(a['spread']['python_cpu_us_per_decision_1conn'], '.1f')} | "
                 f"{b['added_p50_ms']:.3f} / {b['added_p99_ms']:.3f} → "
                 f"{a['added_p50_ms']:.3f} / {a['added_p99_ms']:.3f} |")
+    if "profile" in doc:
+        prof = doc["profile"]
+        lines += ["", f"Live profile (py-spy, {prof['seconds']:g} s at 16 connections through the picker's "
+                  f"direct_response listener, {prof['rps_while_profiled']:,.0f} req/s, "
+                  f"{prof['python_cpu_us_per_decision_profiled']:.1f} µs of picker CPU per decision with py-spy "
+                  f"attached; {prof['samples']} event-loop samples; share of the samples in Python code, "
+                  f"µs = share × the rounds' "
+                  f"{prof['python_cpu_us_per_decision']:.1f} µs per decision without py-spy):", "",
+                  "| part | share | ≈ µs / decision |", "| --- | --- | --- |"]
+        lines += [f"| {p['part']} | {p['share']:.1%} | {p['us_per_decision']:.1f} |"
+                  for p in prof["parts"] if p["share"] is not None and p["share"] >= 0.005]
+        lines += [f"| {p['part']} | {p['samples']} samples, left out | — |"
+                  for p in prof["parts"] if p["share"] is None]
     lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
     for name, t in doc["targets"].items():
         lines.append(f"| {name} {'≥' if name.startswith('rps') else '≤'} {t['target']:g} | {t['measured']:.3f} | "

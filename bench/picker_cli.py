@@ -22,15 +22,18 @@ import click
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
 @click.option("--before", type=click.Path(exists=True, file_okay=False),
               help="Also run the picker of this checkout (PYTHONPATH) in every round: before/after in one run.")
+@click.option("--profile", "profile_s", default=0.0, show_default=True, type=click.FloatRange(0, 600),
+              help="Then profile the picker with py-spy for this many seconds under wrk (0: no profile).")
 def picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
-           body_kb: int, md_path: str | None, before: str | None) -> None:
+           body_kb: int, md_path: str | None, before: str | None, profile_s: float) -> None:
     """The picker's cost on real Envoy with wrk, against no ext_proc and a null ext_proc server:
     req/s, ratio to null, Python and Envoy CPU per request, added latency."""
     from bench.picker import markdown, run, write_markdown
 
     logging.getLogger().setLevel(logging.WARNING)
     doc = run(duration_s=duration, runs=runs, transport=transport, workers=workers,
-              envoy_concurrency=envoy_concurrency, body_kb=body_kb, before=Path(before) if before else None)
+              envoy_concurrency=envoy_concurrency, body_kb=body_kb, before=Path(before) if before else None,
+              profile_s=profile_s)
     command = "inferlb bench picker " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "inferlb bench picker"
     doc["command"] = command
     Path(json_path).write_text(json.dumps(doc, indent=2))

@@ -66,6 +66,8 @@ def test_summary_takes_per_round_ratios_then_medians():
     assert s["rps_null_ext_proc"] == 1000 and s["rps_with_picker"] == 900
     assert s["spread"]["rps_ratio_to_null"] == {"median": 0.8, "min": 0.5, "max": 0.9}
     assert abs(s["added_p50_ms"] - 0.3) < 1e-9  # picker (4th) 0.4 minus without (1st) 0.1
+    assert abs(s["null_added_p99_ms"] - 0.2) < 1e-9  # null (2nd) p99 0.4 minus without 0.2
+    assert abs(s["null_routed_added_p99_ms"] - 0.4) < 1e-9 and abs(s["added_p99_ms"] - 0.6) < 1e-9
     assert set(s["envoy_cpu_us_per_request"]) == set(bp.VARIANTS) and s["errors"] == 0
     doc = {"transport": "fast", "workers": 1, "envoy_concurrency": 1, "date": "d", "wrk": "w", "duration_s": 5,
            "runs": 3, "machine": {"cores": 2, "cpu": "x", "python": "3", "envoy": "1", "load_average_1m_at_end": 1},
