@@ -12,7 +12,8 @@ import click
 
 @click.command("picker")
 @click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
-@click.option("--duration", default=5.0, show_default=True, type=float, help="Seconds per wrk run.")
+@click.option("--duration", default=5, show_default=True, type=click.IntRange(1, 3600),
+              help="Seconds per wrk run (whole seconds: wrk's -d).")
 @click.option("--runs", default=3, show_default=True, type=int, help="Rounds (each variant once per round; medians).")
 @click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
 @click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
@@ -22,10 +23,10 @@ import click
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
 @click.option("--before", type=click.Path(exists=True, file_okay=False),
               help="Also run the picker of this checkout (PYTHONPATH) in every round: before/after in one run.")
-@click.option("--profile", "profile_s", default=0.0, show_default=True, type=click.FloatRange(0, 600),
+@click.option("--profile", "profile_s", default=0, show_default=True, type=click.IntRange(0, 600),
               help="Then profile the picker with py-spy for this many seconds under wrk (0: no profile).")
-def picker(json_path: str, duration: float, runs: int, transport: str, workers: int, envoy_concurrency: int,
-           body_kb: int, md_path: str | None, before: str | None, profile_s: float) -> None:
+def picker(json_path: str, duration: int, runs: int, transport: str, workers: int, envoy_concurrency: int,
+           body_kb: int, md_path: str | None, before: str | None, profile_s: int) -> None:
     """The picker's cost on real Envoy with wrk, against no ext_proc and a null ext_proc server:
     req/s, ratio to null, Python and Envoy CPU per request, added latency."""
     from bench.picker import markdown, run, write_markdown
@@ -46,14 +47,15 @@ def picker(json_path: str, duration: float, runs: int, transport: str, workers: 
 
 @click.command("ext-proc-config")
 @click.option("--json", "json_path", required=True, type=click.Path(), help="Write the result document here.")
-@click.option("--duration", default=3.0, show_default=True, type=float, help="Seconds per wrk run.")
+@click.option("--duration", default=3, show_default=True, type=click.IntRange(1, 3600),
+              help="Seconds per wrk run (whole seconds: wrk's -d).")
 @click.option("--runs", default=5, show_default=True, type=int, help="Rounds (each variant once per round).")
 @click.option("--body-kb", default=0, show_default=True, type=click.IntRange(0, 512),
               help="POST a JSON body of this many KiB and run the body-mode variants instead.")
 @click.option("--connections", default=16, show_default=True, type=int, help="wrk connections.")
 @click.option("--only", multiple=True, help="Run only these variants (and `none`); repeatable.")
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
-def ext_proc_config(json_path: str, duration: float, runs: int, body_kb: int, connections: int,
+def ext_proc_config(json_path: str, duration: int, runs: int, body_kb: int, connections: int,
                     only: tuple[str, ...], md_path: str | None) -> None:
     """What each part of the picker's Envoy ext_proc config costs Envoy per request (null servers)."""
     from bench.ext_proc_config import markdown, run
