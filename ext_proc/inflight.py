@@ -119,10 +119,11 @@ class InFlight:
         requests: ``{x-request-id: (picked at, cluster, pinned endpoint or None)}`` of the picks
             in flight that carried an id, oldest first.
         changes: picks and completions counted so far (the shared load view reports when it moved).
-        finished: ``[("HOST:PORT", picked at, MiB)]`` of the picks with memory finished or expired
-            since the shared load view's last report took them (:func:`ext_proc.load_client.report_message`);
-            :meth:`expire` keeps the newest :data:`FINISHED_KEEP` when no report takes them (no
-            load view, or the control plane unreachable).
+        finished: ``{"HOST:PORT": ([picked at], [MiB])}`` (two lists, one entry per request) of the
+            picks with memory finished or expired since the shared load view's last report took
+            them (:func:`ext_proc.load_client.report_message`); :meth:`expire` keeps at most
+            :data:`FINISHED_KEEP`, the newest of each endpoint, when no report takes them (no load
+            view, or the control plane unreachable).
 
     Raises:
         ValueError: ``expiry_s``, ``failure_hold_s`` or ``done_keep_s`` is not positive, or
@@ -149,7 +150,7 @@ class InFlight:
         self.cluster_work: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self.free: dict[str, float] = {}
-        self.finished: list[tuple[str, float, float]] = []
+        self.finished: dict[str, tuple[list[float], list[float]]] = {}
         self.failed: dict[str, float] = {}
         self.streams = 0
         self.requests: dict[bytes, tuple[float, str, str | None]] = {}
@@ -274,7 +275,11 @@ class InFlight:
         else:
             self.cluster_work.pop(cluster, None)
         if mib:
-            self.finished.append((endpoint, pick[0], mib))
+            finished = self.finished.get(endpoint)
+            if finished is None:
+                finished = self.finished[endpoint] = ([], [])
+            finished[0].append(pick[0])
+            finished[1].append(mib)
             held = self.memory.get(endpoint, 0.0) - mib
             if held > 1e-6:
                 self.memory[endpoint] = held
@@ -418,8 +423,11 @@ class InFlight:
                 done.popleft()
             if not done:
                 del self._done[endpoint]
-        if len(self.finished) > FINISHED_KEEP:
-            del self.finished[:-FINISHED_KEEP]
+        kept = sum(len(picked) for picked, _ in self.finished.values())
+        if kept > FINISHED_KEEP:  # each endpoint's newest, in proportion (its lists are in finishing order)
+            for picked, mibs in self.finished.values():
+                drop = len(picked) - len(picked) * FINISHED_KEEP // kept
+                del picked[:drop], mibs[:drop]
         if self.failed:
             for endpoint in [e for e, until in self.failed.items() if until <= now]:
                 del self.failed[endpoint]

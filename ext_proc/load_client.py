@@ -55,10 +55,10 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float,
     cluster_work = inflight.cluster_work
     for cluster, n in inflight.clusters.items():
         msg.clusters.add(cluster=cluster, in_flight=n, work=cluster_work.get(cluster, 0.0))
-    finished, inflight.finished = inflight.finished, []
+    finished, inflight.finished = inflight.finished, {}
     now = inflight.now()
-    for endpoint, picked_at, mib in finished:
-        msg.finished.add(endpoint=endpoint, memory_mib=mib, picked_age_s=max(0.0, now - picked_at))
+    for endpoint, (picked, mibs) in finished.items():
+        msg.finished.add(endpoint=endpoint, memory_mib=mibs, picked_age_s=[max(0.0, now - t) for t in picked])
     return msg
 
 

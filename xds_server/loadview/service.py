@@ -55,6 +55,12 @@ def _number(value: float, what: str) -> float:
     return value
 
 
+def _numbers(values: list[float], what: str) -> None:
+    """Every value finite and >= 0, else ValueError naming ``what`` and the first bad one."""
+    if not all(0 <= v < math.inf for v in values):  # NaN fails the comparison too
+        _number(next(v for v in values if not 0 <= v < math.inf), what)
+
+
 def report_from(msg: load_view_pb2.LoadReport) -> Report:
     """The :class:`Report` of one ``LoadReport`` message.
 
@@ -83,13 +89,17 @@ def report_from(msg: load_view_pb2.LoadReport) -> Report:
                          _number(c.work, f"LoadReport.clusters[{c.cluster}].work"))
         have_c = clusters.get(c.cluster)
         clusters[c.cluster] = cl if have_c is None else have_c + cl
-    finished = []
+    finished: list[tuple[str, float, float]] = []
     for f in msg.finished:
         if not f.endpoint:
             raise ValueError("LoadReport.finished[].endpoint must be set")
         where = f"LoadReport.finished[{f.endpoint}]"
-        finished.append((f.endpoint, _number(f.picked_age_s, f"{where}.picked_age_s"),
-                         _number(f.memory_mib, f"{where}.memory_mib")))
+        ages, mibs = list(f.picked_age_s), list(f.memory_mib)
+        if len(ages) != len(mibs):
+            raise ValueError(f"{where}: {len(mibs)} memory_mib against {len(ages)} picked_age_s (one each per request)")
+        _numbers(ages, f"{where}.picked_age_s")
+        _numbers(mibs, f"{where}.memory_mib")
+        finished.extend(zip([f.endpoint] * len(ages), ages, mibs, strict=True))
     return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished), msg.grants_applied)
 
 

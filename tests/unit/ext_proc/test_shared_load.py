@@ -135,7 +135,8 @@ def _mib_report(picker: str, seq: int, mib: float, finished: tuple[tuple[float, 
     return load_view_pb2.LoadReport(picker=picker, seq=seq, endpoints=[
         load_view_pb2.EndpointLoad(cluster="c", endpoint=A, in_flight=1 if mib else 0, work=1 if mib else 0,
                                    memory_mib=mib)],
-        finished=[load_view_pb2.FinishedRequest(endpoint=A, memory_mib=m, picked_age_s=age) for m, age in finished])
+        finished=[load_view_pb2.FinishedRequests(endpoint=A, memory_mib=[m for m, _ in finished],
+                                                 picked_age_s=[age for _, age in finished])] if finished else [])
 
 
 def test_the_second_picker_bounds_on_the_first_pickers_load():
@@ -189,13 +190,49 @@ def test_a_report_carries_the_memory_finished_since_the_last_report_once():
     assert report_from(report_message(f, "p1", 2, 0.0)).finished == ()
 
 
+def test_a_report_carries_each_endpoints_finished_requests_in_packed_arrays():
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    for endpoint, mib in ((A, 100.0), ("10.0.0.2:8000", 200.0), (A, 300.0)):
+        f.picked("c", endpoint, mib=mib)
+    clock.now += 0.5
+    f.finish(A)
+    f.finish("10.0.0.2:8000")
+    f.finish(A)
+    msg = report_message(f, "p1", 1, 0.0)
+    assert [(e.endpoint, list(e.memory_mib)) for e in msg.finished] == [(A, [100.0, 300.0]),
+                                                                         ("10.0.0.2:8000", [200.0])]
+    assert sorted(report_from(msg).finished) == sorted([("10.0.0.2:8000", 0.5, 200.0), (A, 0.5, 100.0),
+                                                        (A, 0.5, 300.0)])
+    assert f.finished == {}
+
+
 def test_finished_requests_no_report_takes_are_bounded():
     f = InFlight(expiry_s=10, clock=Clock())
     for _ in range(FINISHED_KEEP + 5):
         f.picked("c", A, mib=1.0)
         f.finish(A)
     f.expire()
-    assert len(f.finished) == FINISHED_KEEP
+    picked, mibs = f.finished[A]
+    assert len(picked) == len(mibs) == FINISHED_KEEP
+
+
+def test_finished_requests_are_bounded_over_endpoints_keeping_each_ones_newest():
+    clock = Clock()
+    f = InFlight(expiry_s=100, clock=clock)
+    for i in range(FINISHED_KEEP):  # three quarters on A, a quarter on B; picked at 0, 1, 2 ... s
+        endpoint = "10.0.0.2:8000" if i % 4 == 0 else A
+        f.picked("c", endpoint, mib=1.0)
+        f.finish(endpoint)
+        clock.now += 0.001
+    for endpoint in (A, "10.0.0.2:8000"):
+        f.picked("c", endpoint, mib=2.0)
+        f.finish(endpoint)
+    f.expire()
+    picked_a, mib_a = f.finished[A]
+    picked_b, mib_b = f.finished["10.0.0.2:8000"]
+    assert len(picked_a) + len(picked_b) <= FINISHED_KEEP and len(picked_a) > 2 * len(picked_b)
+    assert mib_a[-1] == mib_b[-1] == 2.0 and picked_a[0] > 0.0  # the newest kept, the oldest dropped
 
 
 def test_a_view_from_the_control_plane_gives_the_others_load():

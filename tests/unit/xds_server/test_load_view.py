@@ -112,6 +112,14 @@ def test_the_running_sums_equal_the_plain_sum_of_the_kept_reports(steps):
     (load_view_pb2.LoadReport(picker="p", endpoints=[load_view_pb2.EndpointLoad(endpoint=A)]), "cluster"),
     (load_view_pb2.LoadReport(picker="p", clusters=[load_view_pb2.ClusterLoad(cluster="c", in_flight=math.inf)]),
      "in_flight"),
+    (load_view_pb2.LoadReport(picker="p", finished=[load_view_pb2.FinishedRequests(memory_mib=[1.0],
+                                                                                  picked_age_s=[0.1])]), "endpoint"),
+    (load_view_pb2.LoadReport(picker="p", finished=[load_view_pb2.FinishedRequests(
+        endpoint=A, memory_mib=[1.0, 2.0], picked_age_s=[0.1])]), r"finished\[.*2 memory_mib against 1 picked_age_s"),
+    (load_view_pb2.LoadReport(picker="p", finished=[load_view_pb2.FinishedRequests(
+        endpoint=A, memory_mib=[1.0, math.nan], picked_age_s=[0.1, 0.2])]), r"finished\[.*\]\.memory_mib .* nan"),
+    (load_view_pb2.LoadReport(picker="p", finished=[load_view_pb2.FinishedRequests(
+        endpoint=A, memory_mib=[1.0], picked_age_s=[-0.5])]), r"picked_age_s .* -0.5"),
 ])
 def test_a_bad_report_is_refused_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
