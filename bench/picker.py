@@ -504,10 +504,15 @@ def _profile(procs: list[psutil.Process], url: str, seconds: float, script: Path
     """py-spy on the picker's processes during one wrk run at 16 connections (see :func:`run`)."""
     pids = [p.pid for p in procs]
     spies = picker_profile.record(pids, seconds, work)
-    time.sleep(0.5)  # py-spy attaches
-    cpu_before = _cpu_s(procs)
-    r = run_wrk(url, 16, seconds, script)
-    attached = (_cpu_s(procs) - cpu_before) / max(1, r["requests"]) * 1e6
+    try:
+        time.sleep(0.5)  # py-spy attaches
+        cpu_before = _cpu_s(procs)
+        r = run_wrk(url, 16, seconds, script)
+        attached = (_cpu_s(procs) - cpu_before) / max(1, r["requests"]) * 1e6
+    except BaseException:
+        for spy in spies:  # no py-spy left attached to a picker when wrk failed
+            spy.kill()
+        raise
     samples = picker_profile.collect(spies, work, pids)
     return {"seconds": seconds, "rps_while_profiled": r["rps"], "python_cpu_us_per_decision_profiled": attached,
             "python_cpu_us_per_decision": us_per_decision, "samples": sum(samples.values()),
