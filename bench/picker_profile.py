@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import subprocess
 from collections import Counter
 from collections.abc import Iterable
@@ -86,7 +87,8 @@ def record(pids: list[int], seconds: float, out_dir: Path, rate_hz: int = 250) -
     Raises:
         RuntimeError: py-spy is not installed (``pip install 'inferlb[bench]'``).
     """
-    exe = shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # a virtual environment's scripts, not always on PATH
+    exe = str(beside) if beside.exists() else shutil.which("py-spy")
     if exe is None:
         raise RuntimeError("--profile needs py-spy (pip install 'inferlb[bench]' installs it)")
     return [subprocess.Popen([exe, "record", "--format", "raw", "--threads", "--full-filenames",
