@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
