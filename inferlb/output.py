@@ -45,6 +45,7 @@ def weights_table(doc: dict) -> str:
     src = doc.get("metrics_source") or {}
     rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
                 f"snapshot {doc.get('snapshot_version')}")
+    rows.extend(f"WARNING: {w['message']}" for w in doc.get("warnings", []))
     return "\n".join(rows)
 
 

@@ -1,11 +1,12 @@
 """Admin HTTP API (aiohttp): health, readiness, metrics, weights, nodes, history, decisions, the page.
 
 - ``GET /healthz`` 200 while the process runs.
-- ``GET /readyz`` 200 once the first snapshot is published, else 503.
+- ``GET /readyz`` 200 once the first snapshot is published, else 503; ``{"ready", "warnings"}``
+  (:func:`warnings`: a cluster without a healthy endpoint, say).
 - ``GET /metrics`` Prometheus exposition: the process's registry plus this control plane's
   endpoint and node collectors (:mod:`xds_server.admin.exposition`).
-- ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
-  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}],
+- ``GET /api/v1/weights`` ``{"clusters": [{"name", "warning", "endpoints": [{"address", "weight", "health",
+  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}], "warnings",
   "metrics_source": {"name", "ok", "last_round_at", "configured", "fallback", "fallback_active",
   "sources"}, "snapshot_version"}``.
 - ``GET /api/v1/nodes`` ``{"nodes": [{"node_id", "node_cluster", "peer", "protocol" ("sotw" | "delta"),
@@ -159,8 +160,25 @@ def weights_document(cp: ControlPlane) -> dict:
         "snapshot_version": snap.version if snap else None,
         "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at,
                            **cp.source.describe()},
-        "clusters": [{"name": n, "endpoints": eps} for n, eps in clusters.items()],
+        "clusters": [{"name": n, "endpoints": eps, "warning": unserved_warning(n, cp.unserved.get(n))}
+                     for n, eps in clusters.items()],
+        "warnings": warnings(cp),
     }
+
+
+def unserved_warning(cluster: str, why: str | None) -> str | None:
+    """The warning about ``cluster`` when it has no healthy endpoint (``why``), else None."""
+    if why is None:
+        return None
+    return f"cluster {cluster} has no healthy endpoint ({why}): Envoy answers its requests 503 no healthy upstream"
+
+
+def warnings(cp: ControlPlane) -> list[dict]:
+    """What an operator must know now, in ``/readyz`` and ``/api/v1/weights``: ``[{"cluster", "code",
+    "message"}]``, code ``no_healthy_endpoint`` for each cluster left without one (a whole-cluster
+    drain, say)."""
+    return [{"cluster": c, "code": "no_healthy_endpoint", "message": unserved_warning(c, why)}
+            for c, why in sorted(cp.unserved.items())]
 
 
 def _error(status: int, message: str, parameter: str | None = None) -> web.Response:
@@ -300,7 +318,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
 
     async def readyz(_: web.Request) -> web.Response:
         ready = ready_now()
-        return web.json_response({"ready": ready}, status=200 if ready else 503)
+        return web.json_response({"ready": ready, "warnings": warnings(cp)}, status=200 if ready else 503)
 
     async def drain(request: web.Request) -> web.Response:
         denied = auth.check(request)

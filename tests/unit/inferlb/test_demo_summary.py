@@ -64,3 +64,13 @@ def test_on_a_non_terminal_the_live_view_is_one_progress_line_per_interval(monke
     asyncio.run(run())
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("inferlb demo  t=") and lines[0].endswith("not healthy: a:1")
+
+
+def test_the_weights_table_ends_with_the_warnings():
+    from inferlb.output import weights_table
+
+    doc = {"clusters": [], "metrics_source": {"name": "prometheus", "ok": True}, "snapshot_version": "v",
+           "warnings": [{"cluster": "chat-v1", "code": "no_healthy_endpoint",
+                         "message": "cluster chat-v1 has no healthy endpoint (every endpoint is draining): ..."}]}
+    assert weights_table(doc).splitlines()[-1] == \
+        "WARNING: cluster chat-v1 has no healthy endpoint (every endpoint is draining): ..."

@@ -219,7 +219,7 @@ async def test_cost_model_is_shown_per_gpu_class(client):
 async def test_weights_nodes_readyz_conform(client):
     conforms(await get(client, "/api/v1/weights"), "WeightsDocument")
     conforms(await get(client, "/api/v1/nodes"), "NodesDocument")
-    assert (await get(client, "/readyz", 503)) == {"ready": False}
+    assert (await get(client, "/readyz", 503)) == {"ready": False, "warnings": []}
 
 
 async def test_page_and_its_chart_library_are_served_locally(client):
