@@ -228,8 +228,8 @@ def history(admin: str, cluster: str | None, endpoint: str | None, since: str, u
             doc = json.load(r)
     except urllib.error.HTTPError as err:
         try:
-            message = json.load(err).get("error", err.reason)
-        except ValueError:
+            message = json.load(err)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
             message = err.reason
         click.echo(f"inferlb history: {message}", err=True)
         sys.exit(2 if err.code in (400, 404) else 1)  # a bad parameter or an unknown cluster: usage

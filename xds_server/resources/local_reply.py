@@ -1,17 +1,13 @@
 """Errors the data path answers without a backend, in OpenAI's error shape (pure).
 
-Clients of an OpenAI-compatible API parse ``{"error": {"message", "type", "param", "code"}}`` (the
-picker's answers: ``ext_proc/errors.py``; vLLM's and SGLang's servers). Two kinds of answer come
-from Envoy itself and get that shape here:
-
-- the route's direct response for a version with no endpoints (:func:`error_json`, code
-  ``version_unavailable``, as the picker answers it);
-- Envoy's own local replies (:func:`local_reply_config`, the listener's ``local_reply_config``):
-  each mapper matches one cause by Envoy's response flag or by a status the picker never answers,
-  and rewrites the body with ``body_format_override`` (``%LOCAL_REPLY_BODY%``, Envoy's own text, is
-  the message; ``code`` is stable). The picker's immediate responses are local replies too (ext_proc
-  sends them with ``sendLocalReply``): they carry no response flag and their statuses (400, 404,
-  429, 503) are matched only together with a flag, so they keep their own body.
+Clients of an OpenAI-compatible API parse ``{"error": {"message", "type", "param", "code"}}``
+(:mod:`xds_server.errors`; the picker's answers: ``ext_proc/errors.py``; vLLM's and SGLang's
+servers). Envoy's own local replies get that shape from the listener's ``local_reply_config``
+(:func:`local_reply_config`): each mapper matches one cause by Envoy's response flag or by a status
+the picker never answers, and rewrites the body with ``body_format_override`` (``%LOCAL_REPLY_BODY%``,
+Envoy's own text, is the message; ``code`` is stable). The picker's immediate responses are local
+replies too (ext_proc sends them with ``sendLocalReply``): they carry no response flag and their
+statuses (400, 404, 429, 503) are matched only together with a flag, so they keep their own body.
 
 Response flags: https://www.envoyproxy.io/docs/envoy/latest/configuration/observability/access_log/usage
 (``%RESPONSE_FLAGS%``); the mapper fields: ``envoy.extensions.filters.network.http_connection_manager.v3
@@ -20,9 +16,9 @@ Response flags: https://www.envoyproxy.io/docs/envoy/latest/configuration/observ
 
 from __future__ import annotations
 
-import json
+from xds_server.errors import error_type
 
-__all__ = ["LOCAL_REPLIES", "error_json", "error_type", "local_reply_config"]
+__all__ = ["LOCAL_REPLIES", "local_reply_config"]
 
 #: ``(code, status, match)`` of every Envoy local reply given the OpenAI shape, in match order:
 #: ``match`` is Envoy response flags (short names) or an HTTP status the picker never answers.
@@ -37,19 +33,6 @@ LOCAL_REPLIES: tuple[tuple[str, int, tuple[str, ...] | int], ...] = (
     ("request_timeout", 408, 408),
     ("invalid_http_request", 400, ("DPE",)),           # a request Envoy's codec refused
 )
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error ``type`` of ``status`` (as ``ext_proc.errors.error_type``): ``rate_limit_error``
-    (429), ``server_error`` (5xx), else ``invalid_request_error``."""
-    if status == 429:
-        return "rate_limit_error"
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
-def error_json(status: int, code: str, message: str, param: str | None = None) -> str:
-    """The error object of a ``status`` answer as JSON text (``code`` stable, ``message`` for people)."""
-    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param, "code": code}})
 
 
 def local_reply_config() -> dict:

@@ -14,7 +14,7 @@ from envoy.config.route.v3 import route_pb2
 from google.protobuf import json_format
 
 from xds_server.config import Config, ServiceConfig, cluster_name
-from xds_server.resources.local_reply import error_json
+from xds_server.errors import error_json
 from xds_server.resources.names import ROUTE_NAME, TYPE_PREFIX, seconds
 
 

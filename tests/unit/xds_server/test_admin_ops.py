@@ -58,12 +58,12 @@ async def test_loopback_without_token_may_drain_and_undrain():
         r = await c.delete("/api/v1/endpoints/10.1.0.1:8000/drain")
         assert r.status == 200 and {x.health for x in cp.weights} == {"HEALTHY"}
         r = await c.post("/api/v1/endpoints/10.9.9.9:1/drain")
-        assert r.status == 404 and "10.9.9.9:1" in (await r.json())["error"]
+        assert r.status == 404 and "10.9.9.9:1" in (await r.json())["error"]["message"]
         r = await c.post("/api/v1/endpoints/10.1.0.2:08000/drain")  # another spelling of one endpoint
         assert r.status == 200 and (await r.json())["address"] == "10.1.0.2:8000"
         assert {x.address: x.health for x in cp.weights}["10.1.0.2:8000"] == "DRAINING"
         r = await c.post("/api/v1/endpoints/gpu-1:8000/drain")
-        assert r.status == 400 and "address" in (await r.json())["error"]
+        assert r.status == 400 and (await r.json())["error"]["param"] == "address"
     finally:
         await c.close()
 
@@ -115,7 +115,7 @@ async def test_non_loopback_without_token_refuses_writes_but_serves_reads():
     c = await client(cp, WriteAuth(None, "0.0.0.0"), reload=lambda: None)
     try:
         r = await c.post("/api/v1/endpoints/10.1.0.1:8000/drain")
-        assert r.status == 403 and "admin.token" in (await r.json())["error"]
+        assert r.status == 403 and "admin.token" in (await r.json())["error"]["message"]
         assert (await c.post("/api/v1/reload")).status == 403
         assert (await c.get("/api/v1/weights")).status == 200
         assert {x.health for x in cp.weights} == {"HEALTHY"}

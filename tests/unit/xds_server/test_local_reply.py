@@ -1,5 +1,6 @@
-"""The error object of the picker (ext_proc/errors.py) and of Envoy's own replies (the control plane's
-local_reply_config) are one shape: the same keys, the same type per status."""
+"""The error object of the picker (ext_proc/errors.py) and of the control plane (xds_server/errors.py:
+its routes, the admin API, Envoy's own replies through local_reply_config) are one shape: the same
+keys, the same type per status."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import pytest
 
 from ext_proc.errors import error_body, error_type
+from xds_server import errors
 from xds_server.resources import local_reply
 
 
 @pytest.mark.parametrize("status", [400, 404, 408, 413, 429, 431, 500, 503, 504])
 def test_the_two_builders_give_one_shape(status):
-    assert local_reply.error_type(status) == error_type(status)
-    assert json.loads(local_reply.error_json(status, "some_code", "text", "p")) == \
+    assert errors.error_type(status) == error_type(status)
+    assert json.loads(errors.error_json(status, "some_code", "text", "p")) == \
         json.loads(error_body(status, "some-code", "text", "p"))
 
 
