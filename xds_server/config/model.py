@@ -816,12 +816,33 @@ class KubernetesService(_Strict):
     max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
 
 
+class KubernetesInferencePool(_Strict):
+    """One inferlb service whose endpoints are the members of an InferencePool
+    (``inference.networking.k8s.io/v1``, the Gateway API Inference Extension's API).
+
+    ``pool``: the InferencePool's name. Its members are the ready pods its ``spec.selector``
+    matches, one endpoint per pod IP and ``spec.targetPorts`` number; a pod's ``version_label``
+    gives its version, else ``version``; its ``gpu_class_label`` its GPU class. The other fields
+    mean what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    pool: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    version: str = Field("v1", pattern=VERSION_RE)
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    models: tuple[str, ...] = ()
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
+
+
 class KubernetesDiscovery(_Strict):
-    """Discovery from Kubernetes EndpointSlices (discovery.k8s.io/v1) in one namespace.
+    """Discovery from Kubernetes in one namespace: the EndpointSlices (discovery.k8s.io/v1) of
+    ``services``, the InferencePools (inference.networking.k8s.io/v1) of ``inference_pools``.
 
     ``api_server``: the API server URL (tests, or out of cluster); default: the in-cluster service
-    account, else ``~/.kube/config``. Pods without ``version_label`` are skipped (logged, counted);
-    without ``gpu_class_label`` they get ``default_gpu_class``.
+    account, else ``~/.kube/config``. Pods of ``services`` without ``version_label`` are skipped
+    (logged, counted); without ``gpu_class_label`` they get ``default_gpu_class``.
     """
 
     namespace: str = "default"
@@ -829,7 +850,20 @@ class KubernetesDiscovery(_Strict):
     version_label: str = "inferlb.io/model-version"
     gpu_class_label: str = "inferlb.io/gpu-class"
     default_gpu_class: str = "a100"
-    services: tuple[KubernetesService, ...] = Field(min_length=1)
+    services: tuple[KubernetesService, ...] = ()
+    inference_pools: tuple[KubernetesInferencePool, ...] = ()
+
+    @model_validator(mode="after")
+    def _something(self) -> KubernetesDiscovery:
+        if not self.services and not self.inference_pools:
+            raise ValueError("services or inference_pools must name at least one service")
+        names = [s.name for s in (*self.services, *self.inference_pools)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a service name is used twice in services and inference_pools: {names}")
+        pools = [p.pool for p in self.inference_pools]
+        if len(set(pools)) != len(pools):
+            raise ValueError(f"an InferencePool is listed twice: {pools}")
+        return self
 
 
 class EtcdService(_Strict):
