@@ -246,6 +246,9 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
 @main.command()
 @click.option("--duration", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds of traffic.")
+@click.option("--traffic", type=click.Choice(["chat", "none"]), default="chat", show_default=True,
+              help="chat: the demo's own chat traffic, then a summary; none: no traffic, the stack serves any "
+                   "client (it prints the URL, the models and the headers) until Ctrl-C.")
 @click.option("--json", "json_path", type=click.Path(), help="Write the run summary here.")
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
 @click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
@@ -255,7 +258,7 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
               help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
 @click.option("--metrics-source", type=click.Choice(["auto", "prometheus", "scrape"]), default="auto",
               show_default=True, help="auto: Prometheus if installed, else the control plane scrapes the backends.")
-def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
+def demo(duration: float, traffic: str, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
          xds_protocol: str, metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from inferlb.demo import run_demo
@@ -263,7 +266,7 @@ def demo(duration: float, json_path: str | None, workdir: str | None, concurrenc
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
                       live=not quiet, xds_protocol=xds_protocol,
-                      metrics_source=metrics_source))
+                      metrics_source=metrics_source, traffic=traffic))
 
 
 @main.command("ext-proc")
