@@ -175,6 +175,8 @@ class BodyFields:
         prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
+        subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
+            gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
     """
 
     model: bytes | None = None
@@ -183,6 +185,7 @@ class BodyFields:
     prefix: int | None = None
     prompt_tokens: float | None = None
     max_tokens: int | None = None
+    subset: frozenset[str] | None = None
 
 
 NO_BODY = BodyFields()

@@ -689,6 +689,9 @@ class Picker(_Strict):
     ``transport``: ``fast`` (a dedicated HTTP/2 server for the picker's two gRPC methods,
     ``ext_proc/transport``) or ``grpcio`` (grpc.aio, the compatibility transport); both make the
     same decisions.
+    ``protocol``: how the picker answers: ``inferlb`` (the headers the listener inferlb renders routes
+    by) or ``gateway-api`` (the Gateway API Inference Extension's endpoint-picker protocol, for a
+    gateway whose InferencePool names inferlb as its endpoint picker; docs/picker.md).
     ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
     the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
     when a worker's buffer reaches this size (bytes). 64 KiB: a flush every 5 ms up to ~27 000
@@ -745,6 +748,7 @@ class Picker(_Strict):
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
+    protocol: Literal["inferlb", "gateway-api"] = "inferlb"
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
     access_log_buffer_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)

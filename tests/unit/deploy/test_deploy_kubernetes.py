@@ -124,6 +124,7 @@ def test_the_inference_pool_points_its_picker_at_inferlb_and_inferlb_watches_tha
     k8s = cfg.discovery.kubernetes
     assert k8s is not None and k8s.namespace == "inference"
     assert [p.pool for p in k8s.inference_pools] == ["vllm-chat"] and not k8s.services
+    assert cfg.picker.protocol == "gateway-api"
     rules = d[("Role", "inferlb-inferencepools")]["rules"]
     grants = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     assert grants == {("inference.networking.k8s.io", "inferencepools"): {"list", "watch"},

@@ -91,3 +91,12 @@ def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
     assert from_wire(to_wire(routing, picker_settings(config())))[0].cost_aware_affinity is True
     with pytest.raises(ConfigError, match="cost_aware_affinity"):
         config(picker={"cost_aware_affinity": "yes"})
+
+
+def test_the_pickers_protocol_reaches_a_standalone_picker_and_bad_ones_are_refused():
+    assert routing_table(config()).protocol == "inferlb"
+    routing = routing_table(config(picker={"protocol": "gateway-api"}))
+    assert routing.protocol == "gateway-api"
+    assert from_wire(to_wire(routing, picker_settings(config())))[0].protocol == "gateway-api"
+    with pytest.raises(ConfigError, match=r"picker\.protocol"):
+        config(picker={"protocol": "epp"})
