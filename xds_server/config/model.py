@@ -589,8 +589,10 @@ class ServiceConfig(_Strict):
     ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
     ``models``: model names that mean the default version where a version is read (the body's
     ``model``, the version header): the name OpenAI clients send, which the backends serve the
-    model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. Any other unknown name
-    gets a 400.
+    model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. With ``models`` listed, a
+    body ``model`` that is no model, version or mix name gets a 404 ``model_not_found`` naming the
+    served names (as an OpenAI server answers); without, a body ``model`` that names no version
+    means the default version. An unknown version header gets a 400.
     ``unavailable_versions``: versions the service has but that have no endpoints now (discovery
     sets it when every node of the configured ``default_version`` has left; ``default_version`` may
     name one). A request for one, by name or as the default, gets a 503 that names the version (from
@@ -702,11 +704,13 @@ class Picker(_Strict):
     ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
     size; the least recently used session goes first. ``session_cookie``: a cookie read for the
     session key when no session header is present (None: cookies are not read).
-    ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
-    the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
-    up to this size (bytes). A body whose ``content-length`` is above it is not asked for (routed by
-    headers); a chunked one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy
-    1.40 gave it no answer: ``body_mode: streamed`` reads only its first chunk.
+    ``body_max_bytes``: body routing (default 1 MiB, Envoy's default buffer limit; 0 = off): a JSON
+    request whose headers lack the version, the session or the size is held until Envoy buffers its
+    body; ``model``, ``user``, the prompt (its prefix key and length) and ``max_tokens`` are read from
+    bodies up to this size (bytes), so a client that sends only an OpenAI body is routed by it. A
+    body whose ``content-length`` is above it is not asked for (routed by headers, counted); a chunked
+    one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy 1.40 gave it no
+    answer: ``body_mode: streamed`` reads only its first chunk.
     ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
@@ -752,7 +756,7 @@ class Picker(_Strict):
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
     access_log_buffer_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)
-    body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
+    body_max_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
     admission: bool = False
     max_queue: int = Field(256, ge=0, le=1_000_000)
     queue_timeout_s: float = Field(0.1, gt=0)

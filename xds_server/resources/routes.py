@@ -29,13 +29,14 @@ MODELS_PATH = "/v1/models"
 def served_names(s: ServiceConfig) -> list[str]:
     """What a client may send as ``model`` (or in the version header) and be served: the service's
     ``models`` (names of its default version), its versions with endpoints and its mixes, in that
-    order. A version without endpoints now (``unavailable_versions``) is left out, and so are the
-    ``models`` while the default version is one.
+    order, each group sorted. A version without endpoints now (``unavailable_versions``) is left out,
+    and so are the ``models`` while the default version is one.
 
-    The picker's unknown-model 404 lists the same names (``ext_proc.picker``, from its view).
+    The picker's unknown-model 404 lists the same names in the same order
+    (``ext_proc.picker.served_names``, from its routing table).
     """
-    models = [] if s.default in s.unavailable_versions else list(s.models)
-    return [*models, *(v.name for v in s.versions), *s.mixes]
+    models = [] if s.default in s.unavailable_versions else sorted(s.models)
+    return [*models, *sorted(v.name for v in s.versions), *sorted(s.mixes)]
 
 
 def models_list(s: ServiceConfig) -> dict:

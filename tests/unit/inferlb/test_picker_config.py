@@ -75,13 +75,13 @@ def test_the_listener_logs_every_request_to_the_picker():
                                                                    "x-gateway-destination-endpoint"]
 
 
-def test_body_routing_lets_the_picker_ask_for_bodies():
+def test_body_routing_is_on_by_default_and_lets_the_picker_ask_for_bodies():
     ext = lambda cfg: hcm(cfg)["httpFilters"][0]["typedConfig"]  # noqa: E731
-    assert not ext(config()).get("allowModeOverride")
-    on = config(picker={"body_max_bytes": 65536})
+    assert not ext(config(picker={"body_max_bytes": 0})).get("allowModeOverride")
+    on = config()
+    assert routing_table(on).body_max_bytes == 1024 * 1024   # Envoy's default buffer limit
     assert ext(on)["allowModeOverride"] is True
     assert ext(on)["processingMode"].get("requestBodyMode", "NONE") == "NONE"
-    assert routing_table(on).body_max_bytes == 65536
 
 
 def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
