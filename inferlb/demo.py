@@ -84,11 +84,12 @@ class DemoStack:
     cfg: Config
     admin: str = f"http://127.0.0.1:{ADMIN_PORT}"
     envoy_admin: str = f"http://127.0.0.1:{ENVOY_ADMIN}"
+    sim_args: tuple[str, ...] = ()
 
     def restart_sim(self, port: int) -> stack.Proc:
-        """Start the backend on ``port`` again (after it was stopped or killed), same class and version."""
+        """Start the backend on ``port`` again (after it was stopped or killed), same class, version and options."""
         version, gpu = next((v, g) for v, g, p in self.backends if p == port)
-        proc = stack.start_sim(port, self.cfg_path.parent, gpu_class=gpu, version=version)
+        proc = stack.start_sim(port, self.cfg_path.parent, gpu_class=gpu, version=version, extra=list(self.sim_args))
         self.procs[proc.name] = proc
         return proc
 
@@ -100,11 +101,12 @@ class DemoStack:
         return proc
 
 
-def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: list[stack.Proc] | None = None
-                ) -> DemoStack:
+def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: list[stack.Proc] | None = None,
+                tokenizer: str | None = None) -> DemoStack:
     """Start the demo's processes in ``work``: the simulated backends (:data:`BACKENDS`, free ports),
     Prometheus (when ``source`` is ``prometheus``), ``inferlb serve`` and Envoy (``xds_protocol``
-    sotw or delta), each ready before the next starts, on the demo's fixed ports.
+    sotw or delta), each ready before the next starts, on the demo's fixed ports. ``tokenizer``: a
+    Hugging Face tokenizer directory the backends count tokens with (``sim-backend --tokenizer``).
 
     Each process is appended to ``started`` as soon as it runs, so the caller can stop them all
     even when a later one fails.
@@ -116,8 +118,9 @@ def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: li
     _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
     procs = started if started is not None else []
     backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
+    sim_args = ("--tokenizer", tokenizer) if tokenizer else ()
     for version, gpu, port in backends:
-        procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
+        procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version, extra=list(sim_args)))
     if source == "prometheus":
         procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
                                             PROMETHEUS_PORT, scrape_interval_s=1.0))
@@ -127,7 +130,7 @@ def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: li
     cfg = load_config(cfg_path)
     cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
     procs.append(cp)
-    demo = DemoStack({}, backends, cfg_path, cfg)
+    demo = DemoStack({}, backends, cfg_path, cfg, sim_args=sim_args)
     stack.wait_http(f"{demo.admin}/readyz", cp)
     procs.append(stack.start_envoy(
         render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
@@ -312,7 +315,8 @@ def serve_outside_clients(demo: DemoStack) -> int:
 
 
 def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
-             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto", traffic: str = "chat") -> int:
+             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto", traffic: str = "chat",
+             tokenizer: str | None = None) -> int:
     """Run the demo; returns the process exit code (0 = ran and wrote its summary).
 
     ``xds_protocol``: "sotw" or "delta", the ADS variant Envoy's bootstrap asks for; the summary
@@ -320,6 +324,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     ``metrics_source``: "auto", "prometheus" or "scrape" (see the module docstring).
     ``traffic``: "chat" (the demo's own load generator for ``duration`` s, then the summary) or
     "none" (:func:`serve_outside_clients`: no traffic, no summary, until a signal; exit code 0).
+    ``tokenizer``: the backends count tokens with the Hugging Face tokenizer in that directory.
     """
     try:
         source = choose_metrics_source(metrics_source, stack.prometheus_binary() is not None)
@@ -341,7 +346,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         demo_started = time.time()
         print(f"inferlb demo: metrics source {source}" + ("" if source == "prometheus" else
               " (the control plane scrapes the backends' /metrics itself; no Prometheus)"), flush=True)
-        demo = start_stack(work, source, xds_protocol, procs)
+        demo = start_stack(work, source, xds_protocol, procs, tokenizer)
         if traffic == "none":
             return serve_outside_clients(demo)
         backends, cfg, admin, envoy_admin = demo.backends, demo.cfg, demo.admin, demo.envoy_admin

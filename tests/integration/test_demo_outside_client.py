@@ -15,13 +15,19 @@ import pytest
 
 from inferlb.demo import ENVOY_LISTENER
 from inferlb.devstack import stack
+from sim.protocol import render_prompt
+from sim.tokenizer import load, write_small_tokenizer
 
 pytestmark = pytest.mark.integration
 
 
 def test_demo_without_traffic_serves_an_openai_client_until_sigint(tmp_path):
+    """With the backends counting tokens with a tokenizer on disk (``--tokenizer``): the usage a client
+    gets is that tokenizer's count of the rendered prompt."""
+    tokenizer = write_small_tokenizer(tmp_path / "tokenizer")
     proc = stack.spawn("demo", stack.inferlb_argv("demo", "--traffic", "none", "--metrics-source", "scrape",
-                                                  "--workdir", str(tmp_path / "work")), tmp_path)
+                                                  "--tokenizer", str(tokenizer), "--workdir", str(tmp_path / "work")),
+                       tmp_path)
     try:
         deadline = time.monotonic() + 90
         while "ready for any client" not in proc.log_path.read_text() and time.monotonic() < deadline:
@@ -39,7 +45,9 @@ def test_demo_without_traffic_serves_an_openai_client_until_sigint(tmp_path):
         for _ in range(4):   # one session: one backend
             raw = client.chat.completions.with_raw_response.create(
                 model="sim-7b", messages=messages, max_tokens=4, extra_headers={"x-session-id": "outside-1"})
-            assert raw.parse().usage.completion_tokens == 4
+            usage = raw.parse().usage
+            assert usage.completion_tokens == 4
+            assert usage.prompt_tokens == len(load(tokenizer)(render_prompt("chat", {"messages": messages})))
             assert raw.headers["x-backend-version"] == "v1"
             served.add(raw.headers["x-served-by"])
         assert len(served) == 1
