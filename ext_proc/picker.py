@@ -18,8 +18,8 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "overloaded", "pick", "request_need",
-           "session_cookie", "too_deep", "too_large"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "model_not_found", "overloaded", "pick",
+           "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -50,7 +50,7 @@ class Decision(NamedTuple):
             :mod:`ext_proc.scheduler`), the handler's "pin-moved" and memory grant outcomes
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
             own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
-            "unknown-service", "unknown-version", "invalid-version", "version-unavailable",
+            "unknown-service", "unknown-version", "model-not-found", "invalid-version", "version-unavailable",
             "not-ready", "overloaded", "too-large", "body-too-deep".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
@@ -144,6 +144,36 @@ def _known(service: ServiceRoute) -> str:
     return known
 
 
+_BODY_MODEL = "body field 'model'"
+
+
+def _names_version(service: ServiceRoute, model: bytes) -> bool:
+    """Whether a body's ``model`` names a version, mix or version without endpoints of ``service``."""
+    try:
+        name = model.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return name in service.clusters or name in service.mixes or name in service.unavailable
+
+
+def served_names(service: ServiceRoute) -> list[str]:
+    """What a client may send as ``model`` and be served: the service's model names (while its default
+    version has endpoints), then its versions with endpoints, then its mixes, each group sorted. The
+    control plane's ``GET /v1/models`` lists the same names (``xds_server.resources.routes``)."""
+    models = [] if service.default_version in service.unavailable else sorted(m.decode() for m in service.models)
+    return [*models, *sorted(service.clusters), *sorted(service.mixes)]
+
+
+def model_not_found(model: bytes, service: ServiceRoute) -> Decision:
+    """The 404 for a body ``model`` that is none of the names ``service`` serves (it lists ``models``):
+    an OpenAI error object, code ``model_not_found`` and param ``model`` as OpenAI's API answers an
+    unknown model (vLLM's server: 404 ``NotFoundError``), naming the served names (reason
+    "model-not-found")."""
+    message = (f"The model '{_quote(model)}' does not exist here; served models: "
+               f"{', '.join(served_names(service))}")
+    return Decision(None, None, 404, error_body(404, "model-not-found", message, param="model"), "model-not-found")
+
+
 def _bad_version(where: str, param: str, raw: bytes, service: ServiceRoute) -> Decision:
     """The 400 for a version value that is not a valid version string at all."""
     if len(raw) > MAX_VERSION_BYTES:
@@ -176,6 +206,8 @@ class BodyFields:
         prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
+        subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
+            gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
     """
 
     model: bytes | None = None
@@ -184,6 +216,7 @@ class BodyFields:
     prefix: int | None = None
     prompt_tokens: float | None = None
     max_tokens: int | None = None
+    subset: frozenset[str] | None = None
 
 
 NO_BODY = BodyFields()
@@ -270,10 +303,13 @@ def pick(
 
     Returns:
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
-        400 when the version (header, else the body's ``model``) names an unknown version or
-        is not a valid version string (not UTF-8, longer than :data:`MAX_VERSION_BYTES`).
-        Neither present, or a model name of the service (``ServiceRoute.models``), means the
-        service's default version. A version may be a mix (canary
+        400 when the version header names an unknown version, or the version (header, else the
+        body's ``model``) is not a valid version string (not UTF-8, longer than
+        :data:`MAX_VERSION_BYTES`); 404 ``model_not_found`` (:func:`model_not_found`) when the body's
+        ``model`` is none of the names a service that lists ``models`` serves. Neither present, a
+        model name of the service (``ServiceRoute.models``), or, for a service that lists no
+        ``models``, a body ``model`` that names no version (the service cannot tell a served name
+        from another), means the service's default version. A version may be a mix (canary
         split): its share buckets are chosen by the session key's hash, so a session never
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
@@ -311,8 +347,8 @@ def pick(
 
     raw = headers.get(routing.version_header)
     where, param = f"header '{routing.version_header}'", routing.version_header
-    if not raw and body.model:
-        raw, where, param = body.model, "body field 'model'", "model"
+    if not raw and body.model and (service.models or _names_version(service, body.model)):
+        raw, where, param = body.model, _BODY_MODEL, "model"
     if not raw or raw in service.models:
         version, param = service.default_version, None   # the request named no version
     else:
@@ -329,6 +365,8 @@ def pick(
                            f"model version '{version}' of service '{service.name}' has no endpoints now", param)
         mix = service.mixes.get(version)
         if mix is None:
+            if where is _BODY_MODEL:
+                return model_not_found(raw, service)
             return _reject(
                 400,
                 "unknown-version",

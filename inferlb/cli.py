@@ -92,7 +92,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=LazyGroup, lazy={"sim-backend": "sim.cli:sim_backend"})
+@click.group(cls=LazyGroup, lazy={"sim-backend": "sim.cli:sim_backend", "sim-tokenizer": "sim.cli:sim_tokenizer"})
 @click.version_option(package_name="inferlb", prog_name="inferlb")
 def main() -> None:
     """inferlb: an inference-aware control plane for Envoy (xDS weights + ext_proc picker)."""
@@ -254,6 +254,12 @@ def history(admin: str, cluster: str | None, endpoint: str | None, since: str, u
 @main.command()
 @click.option("--duration", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds of traffic.")
+@click.option("--traffic", type=click.Choice(["chat", "none"]), default="chat", show_default=True,
+              help="chat: the demo's own chat traffic, then a summary; none: no traffic, the stack serves any "
+                   "client (it prints the URL, the models and the headers) until Ctrl-C.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The simulated backends count tokens with the Hugging Face tokenizer in this directory "
+                   "(inferlb sim-tokenizer writes one)  [default: 4 bytes a token]")
 @click.option("--json", "json_path", type=click.Path(), help="Write the run summary here.")
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
 @click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
@@ -263,15 +269,15 @@ def history(admin: str, cluster: str | None, endpoint: str | None, since: str, u
               help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
 @click.option("--metrics-source", type=click.Choice(["auto", "prometheus", "scrape"]), default="auto",
               show_default=True, help="auto: Prometheus if installed, else the control plane scrapes the backends.")
-def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
-         xds_protocol: str, metrics_source: str) -> None:
+def demo(duration: float, traffic: str, tokenizer: str | None, json_path: str | None, workdir: str | None,
+         concurrency: int, quiet: bool, xds_protocol: str, metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from inferlb.demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
                       live=not quiet, xds_protocol=xds_protocol,
-                      metrics_source=metrics_source))
+                      metrics_source=metrics_source, traffic=traffic, tokenizer=tokenizer))
 
 
 @main.command("ext-proc")

@@ -107,8 +107,27 @@ def test_a_model_name_of_the_service_means_its_default_version():
     assert pick(req(model_version=b"llama-3-8b"), view).cluster == "llm-v1"
     assert pick(req(), view, body=BodyFields(model=b"v2")).cluster == "llm-v2"
     d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
-    assert d.status == 400 and json.loads(d.body)["error"]["message"] == (
-        "unknown model version 'gpt-4' in body field 'model'; known versions: v1, v2 (model names for v1: llama-3-8b)")
+    assert d.status == 404 and d.reason == "model-not-found"
+    assert json.loads(d.body) == {"error": {
+        "message": "The model 'gpt-4' does not exist here; served models: llama-3-8b, v1, v2",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    # The version header is inferlb's own: an unknown one stays a 400 naming the versions.
+    assert pick(req(model_version=b"gpt-4"), view).status == 400
+
+
+def test_a_service_that_lists_no_models_serves_any_body_model_from_its_default_version():
+    """It cannot tell a served name from another: only a version or mix name in ``model`` routes."""
+    assert pick(req(), VIEW, body=BodyFields(model=b"whatever-7b")).cluster == "llm-v1"
+    assert pick(req(), VIEW, body=BodyFields(model=b"v2")).cluster == "llm-v2"
+    assert pick(req(), VIEW, body=BodyFields(model=b"\xff")).cluster == "llm-v1"
+
+
+def test_the_404_leaves_out_names_not_served_now():
+    gone = ServiceRoute("llm", ("api.example.com",), "v2", {"v1": "llm-v1"}, mixes={},
+                        models=frozenset({b"llama-3-8b"}), unavailable=frozenset({"v2"}))
+    view = make_view(routing=RoutingTable(services=(gone, EMBED)))
+    d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
+    assert json.loads(d.body)["error"]["message"].endswith("served models: v1")
 
 
 def test_version_of_another_service_is_unknown_here():

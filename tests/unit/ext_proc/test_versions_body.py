@@ -80,7 +80,11 @@ def test_body_fields_route_and_pin_like_headers():
         "llm-v2", by_header.endpoint)
     header_wins = pick({":authority": b"x", "model-version": b"v1"}, VIEW, body=BodyFields(b"v2"))
     assert header_wins.cluster == "llm-v1"
-    bad = pick({":authority": b"x"}, VIEW, body=BodyFields(b"\xff"))
+    # A service that lists its model names: a body model that is not UTF-8 is a 400 naming the field.
+    named = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"}, mixes=MIXED.mixes,
+                         models=frozenset({b"sim-7b"}))
+    bad = pick({":authority": b"x"}, EndpointView.build(ASSIGN, RoutingTable(services=(named,))),
+               body=BodyFields(b"\xff"))
     assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]["message"]
 
 
