@@ -18,7 +18,8 @@ is saturated (the simulator's ``job`` engine: 3.2 ms at 1 running, 31 ms at 8). 
 the pool's curve, ITL ∝ b^α, from how each endpoint's own ITL moved with its own batch over time (a
 within-endpoint regression of log ITL on log b, each endpoint's sums decaying with a half-life of
 ``fit_half_life_s``; a constantly slow endpoint only raises its own intercept, so it does not bend
-the curve): the reference of an endpoint at batch ``b`` is ``b^α`` x the median over its peers of
+the curve; the curve is the engine's, learned from the first ``fit_endpoints`` judged endpoints of
+the cluster): the reference of an endpoint at batch ``b`` is ``b^α`` x the median over its peers of
 ``ITL_j / b_j^α``. Until the batches have moved enough to tell α (a within-endpoint spread of
 ``log b`` below ``min_batch_spread``), one bound serves, right for both extremes: batching never
 lowers throughput, so a step at batch ``b`` takes at most ``b / b_j`` times a step at a smaller
@@ -66,6 +67,7 @@ class Params(EjectionParams):
     normalize_by_capacity: bool = True
     fit_half_life_s: float = Field(300.0, gt=0)
     min_batch_spread: float = Field(0.15, gt=0)
+    fit_endpoints: int = Field(256, ge=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +117,12 @@ def peers_median(ordered: Array, rank: Array) -> Array:
 
 
 def _peers(values: Array) -> Array:
-    """Each value's peers' median (the others of ``values``, at least 2 of them)."""
-    ordered = np.sort(values)
-    return peers_median(ordered, np.searchsorted(ordered, values, side="left"))
+    """Each value's peers' median (the others of ``values``, at least 2 of them): one argsort gives
+    every value's rank (equal values share the median either way)."""
+    order = np.argsort(values, kind="stable")
+    rank = np.empty(len(values), dtype=np.intp)
+    rank[order] = np.arange(len(values))
+    return peers_median(values[order], rank)
 
 
 def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str], State]:
@@ -129,12 +134,17 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
     judged = (itl > 0) & np.isfinite(itl) & ~(rate < p.min_request_rate)  # NaN rate: unknown, judged
     outliers: dict[str, tuple[float, str]] = {}
     specs = rnd.specs
+    # The curve is the engine's, not each endpoint's: it is learned from the first fit_endpoints judged
+    # endpoints (config order), so a round of 60 000 walks a few hundred of them in Python, not all.
+    learners = np.zeros(len(judged), dtype=bool)
+    learners[np.flatnonzero(judged)[:p.fit_endpoints]] = True
     if any(s.tier != "edge" for s in specs):  # tiers: each judged among its own tier's endpoints
         tiers = np.array([s.tier for s in specs])
         for tier in np.unique(tiers).tolist():
-            _judge(rnd, p, state, itl, batch, judged & (tiers == tier), outliers, f" among the {tier} tier")
+            mine = tiers == tier
+            _judge(rnd, p, state, itl, batch, judged & mine, learners & mine, outliers, f" among the {tier} tier")
     else:
-        _judge(rnd, p, state, itl, batch, judged, outliers, "")
+        _judge(rnd, p, state, itl, batch, judged, learners, outliers, "")
     ejections = {a: r.ejection for a, r in state.items() if r.ejection is not None}
     reasons, ejected = eject(rnd, p, ejections, outliers, "latency outlier")
     new = {a: Record(None, r.at, r.sums) for a, r in state.items() if r.sums[0] > 0.0}
@@ -143,7 +153,7 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
         new[a] = Record(e, r.at, r.sums)
     decay = math.log(2.0) / p.fit_half_life_s
     addresses = rnd.addresses
-    for i in np.flatnonzero(judged).tolist():
+    for i in np.flatnonzero(learners).tolist():
         a = addresses[i]
         if a in outliers or a in reasons:
             continue
@@ -155,14 +165,15 @@ def _run(rnd: ClusterRound, p: Params, state: State) -> tuple[Mapping[str, str],
     return reasons, new
 
 
-def _judge(rnd: ClusterRound, p: Params, state: State, itl: Array, batch: Array, judged: Array,
+def _judge(rnd: ClusterRound, p: Params, state: State, itl: Array, batch: Array, judged: Array, learners: Array,
            outliers: dict[str, tuple[float, str]], among: str) -> None:
-    """Add to ``outliers`` the ``judged`` members far above the reference their judged peers give."""
+    """Add to ``outliers`` the ``judged`` members far above the reference their judged peers give (the
+    curve from the ``learners``' records)."""
     values, b = itl[judged], batch[judged]
     if len(values) < p.min_hosts:
         return
     where = np.flatnonzero(judged)
-    alpha = curve(state, [rnd.addresses[i] for i in where.tolist()], p.min_batch_spread)
+    alpha = curve(state, [rnd.addresses[i] for i in np.flatnonzero(learners).tolist()], p.min_batch_spread)
     if alpha is None:  # the bound: the larger of a flat and a proportional curve
         ref = np.maximum(_peers(values), b * _peers(values / b))
         how = ""
