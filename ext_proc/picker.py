@@ -7,7 +7,6 @@ any header value a client can send. The transport (``ext_proc.transport.grpcio``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -44,7 +43,8 @@ class Decision(NamedTuple):
         endpoint: ``"HOST:PORT"`` to pin through the override-host header, or None to leave the
             choice to Envoy's weighted fallback policy.
         status: HTTP status of an immediate rejection, None when routing.
-        body: the rejection's JSON body (``{"error": "..."}``), empty when routing.
+        body: the rejection's body, an OpenAI error object (:func:`ext_proc.errors.error_body`: ``code``
+            is ``reason`` with underscores), empty when routing.
         reason: why, a short stable label (a metrics label value): the scheduler's reasons
             ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
             :mod:`ext_proc.scheduler`), the handler's "pin-moved" and memory grant outcomes
@@ -89,15 +89,15 @@ class Decision(NamedTuple):
 _NOT_READY = Decision(None, None, None, b"", "not-ready")
 
 
-def _reject(status: int, reason: str, message: str) -> Decision:
-    return Decision(None, None, status, json.dumps({"error": message}).encode(), reason)
+def _reject(status: int, reason: str, message: str, param: str | None = None) -> Decision:
+    """An immediate answer: ``status`` with the OpenAI error object (code = ``reason``, :mod:`ext_proc.errors`)."""
+    return Decision(None, None, status, error_body(status, reason, message, param), reason)
 
 
 def overloaded(cluster: str, retry_after_s: int, why: str = "is at its max concurrency") -> Decision:
     """The 429 for a request no endpoint of ``cluster`` can take now (reason "overloaded")."""
     message = f"cluster '{cluster}' {why}; retry after {retry_after_s} s"
-    return Decision(None, None, 429, json.dumps({"error": message}).encode(), "overloaded",
-                    retry_after_s=retry_after_s)
+    return _reject(429, "overloaded", message)._replace(retry_after_s=retry_after_s)
 
 
 def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
@@ -106,13 +106,13 @@ def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
     the same request cannot help)."""
     message = (f"cluster '{cluster}' has no endpoint with {need_mib:.0f} MiB of GPU memory for this request "
                f"(the largest has {largest_mib:.0f} MiB in all)")
-    return Decision(None, None, 503, json.dumps({"error": message}).encode(), "too-large")
+    return _reject(503, "too-large", message)
 
 
 def too_deep(limit: int) -> Decision:
     """The 400 for a JSON body nested deeper than ``limit`` levels (reason "body-too-deep")."""
     message = f"the request body is JSON nested deeper than {limit} levels, the most this gateway reads"
-    return Decision(None, None, 400, error_body(400, "body-too-deep", message), "body-too-deep")
+    return _reject(400, "body-too-deep", message)
 
 
 def _quote(raw: bytes) -> str:
@@ -174,13 +174,14 @@ def model_not_found(model: bytes, service: ServiceRoute) -> Decision:
     return Decision(None, None, 404, error_body(404, "model-not-found", message, param="model"), "model-not-found")
 
 
-def _bad_version(where: str, raw: bytes, service: ServiceRoute) -> Decision:
+def _bad_version(where: str, param: str, raw: bytes, service: ServiceRoute) -> Decision:
     """The 400 for a version value that is not a valid version string at all."""
     if len(raw) > MAX_VERSION_BYTES:
         problem = f"is too long ({len(raw)} bytes, limit {MAX_VERSION_BYTES})"
     else:
         problem = f"is not valid UTF-8 ({_quote(raw)!r})"
-    return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}")
+    return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}",
+                   param)
 
 
 def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
@@ -331,7 +332,7 @@ def pick(
     host = _authority_host(authority)
     service = view.service_for_host(host)
     if service is None:
-        return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'")
+        return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
     key = None
     for name in routing.session_headers:
@@ -345,23 +346,23 @@ def pick(
     position = key_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
-    where = f"header '{routing.version_header}'"
+    where, param = f"header '{routing.version_header}'", routing.version_header
     if not raw and body.model and (service.models or _names_version(service, body.model)):
-        raw, where = body.model, _BODY_MODEL
+        raw, where, param = body.model, _BODY_MODEL, "model"
     if not raw or raw in service.models:
-        version = service.default_version
+        version, param = service.default_version, None   # the request named no version
     else:
         if len(raw) > MAX_VERSION_BYTES:
-            return _bad_version(where, raw, service)
+            return _bad_version(where, param, raw, service)
         try:
             version = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return _bad_version(where, raw, service)
+            return _bad_version(where, param, raw, service)
     cluster = service.clusters.get(version)
     if cluster is None:
         if version in service.unavailable:
             return _reject(503, "version-unavailable",
-                           f"model version '{version}' of service '{service.name}' has no endpoints now")
+                           f"model version '{version}' of service '{service.name}' has no endpoints now", param)
         mix = service.mixes.get(version)
         if mix is None:
             if where is _BODY_MODEL:
@@ -370,6 +371,7 @@ def pick(
                 400,
                 "unknown-version",
                 f"unknown model version '{_quote(raw)}' in {where}; known versions: {_known(service)}",
+                param,
             )
         bucket = (position if position is not None else key_hash(headers.get("x-request-id", b""))) % MIX_BUCKETS
         cluster = next(c for upto, c in mix if bucket < upto)

@@ -198,19 +198,27 @@ def weights(admin: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
-@click.option("--cluster", required=True, help="Cluster, e.g. chat-v1.")
+@click.option("--cluster", help="Cluster, e.g. chat-v1 (without it: the clusters to choose from).")
 @click.option("--endpoint", help="Only this endpoint (HOST:PORT).")
 @click.option("--since", default="10m", show_default=True, help="A duration ago (10m, 2h) or an RFC 3339 time.")
 @click.option("--until", help="End, in the same forms (default: now).")
 @click.option("--step", help="Resample to one point per step (e.g. 30s).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot here instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
-def history(admin: str, cluster: str, endpoint: str | None, since: str, until: str | None, step: str | None,
-            plot_path: str | None, as_json: bool) -> None:
+def history(admin: str, cluster: str | None, endpoint: str | None, since: str, until: str | None,
+            step: str | None, plot_path: str | None, as_json: bool) -> None:
     """Show the weight history of a cluster: a table, the JSON, or a PNG plot (--plot)."""
     import urllib.parse
 
     from inferlb.output import history_table
+
+    if cluster is None:
+        try:
+            with urllib.request.urlopen(f"{admin.rstrip('/')}/api/v1/weights", timeout=5) as r:
+                names = [c["name"] for c in json.load(r)["clusters"]]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as err:
+            raise click.UsageError(f"pass --cluster (the clusters could not be read from {admin}: {err})") from None
+        raise click.UsageError("pass --cluster, one of: " + (", ".join(names) or "(the control plane has none)"))
 
     params = {k: v for k, v in (("cluster", cluster), ("endpoint", endpoint), ("since", since), ("until", until),
                                 ("step", step)) if v is not None}
@@ -220,8 +228,8 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
             doc = json.load(r)
     except urllib.error.HTTPError as err:
         try:
-            message = json.load(err).get("error", err.reason)
-        except ValueError:
+            message = json.load(err)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
             message = err.reason
         click.echo(f"inferlb history: {message}", err=True)
         sys.exit(2 if err.code in (400, 404) else 1)  # a bad parameter or an unknown cluster: usage

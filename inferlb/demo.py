@@ -32,7 +32,7 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, MODEL_NAME, Traffic, drive, make_sessions
-from inferlb.output import plot_history, weights_rich_table, weights_table
+from inferlb.output import demo_summary_text, plot_history, weights_rich_table, weights_table
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
@@ -177,16 +177,39 @@ def _settled_weights(admin: str, envoy_admin: str, tries: int = 30) -> dict:
     return weights
 
 
+def health_changes(history: dict) -> list[dict]:
+    """Every change of an endpoint's health in a weight-history document (``GET /api/v1/history``):
+    ``[{"t", "cluster", "endpoint", "health", "reason"}]`` oldest first, ``reason`` the first of the
+    point's reasons ("" without). An endpoint's first point counts when it is not HEALTHY."""
+    out = []
+    for series in history.get("series", []):
+        before = "HEALTHY"
+        for point in series["points"]:
+            if point["health"] != before:
+                out.append({"t": point["t"], "cluster": series["cluster"], "endpoint": series["endpoint"],
+                            "health": point["health"], "reason": (point["reasons"] or [""])[0]})
+            before = point["health"]
+    return sorted(out, key=lambda c: c["t"])
+
+
 def _xds_protocol(admin: str, node_id: str) -> str | None:
     """The ADS protocol the control plane sees ``node_id`` using ("sotw" / "delta"; None if not connected)."""
     nodes = _get_json(f"{admin}/api/v1/nodes")["nodes"]
     return next((n["protocol"] for n in nodes if n["node_id"] == node_id), None)
 
 
+#: On a terminal the live table is redrawn in place this often (s); elsewhere (a log, a pipe) one
+#: progress line is printed this often instead, and the table once at the end.
+LIVE_EVERY_S, PROGRESS_EVERY_S = 2.0, 10.0
+
+
 async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
-    """The weights every 2 s: a table updated in place on a terminal (rich), plain lines otherwise."""
+    """The weights every :data:`LIVE_EVERY_S` as a table updated in place on a terminal (rich); on a
+    non-terminal one progress line (time, requests, errors, unhealthy endpoints) every
+    :data:`PROGRESS_EVERY_S` (a table reprinted every 2 s was 345 lines for 60 s, issue 39)."""
+    tty = sys.stdout.isatty()
     live = None
-    if sys.stdout.isatty():
+    if tty:
         from rich.live import Live
 
         live = Live(auto_refresh=False)
@@ -204,10 +227,12 @@ async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: floa
             if live is not None:
                 live.update(weights_rich_table(doc, head) if doc else head, refresh=True)
             else:
-                print("\n" + head + ("\n" + weights_table(doc) if doc else ""), flush=True)
+                out = [e["address"] for c in (doc or {}).get("clusters", []) for e in c["endpoints"]
+                       if e["health"] != "HEALTHY"]
+                print(head + (f"  not healthy: {', '.join(out)}" if out else ""), flush=True)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):   # not wait_for: it can lose a cancellation on 3.11
-                    await stop.wait()
+                async with asyncio.timeout(LIVE_EVERY_S if tty else PROGRESS_EVERY_S):  # not wait_for: it can
+                    await stop.wait()                                                    # lose a cancellation on 3.11
     finally:
         if live is not None:
             live.stop()
@@ -370,11 +395,13 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],
             "workdir": str(work),
         }
-        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
-        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms", "ttft_ms")},
-                         indent=1))
         plot_path = work / "weight-history.png"
         history = _get_json(f"{admin}/api/v1/history?since={int(time.time() - demo_started) + 5}s")
+        changes = health_changes(history)
+        summary["health_changes"] = changes
+        summary["ejections"] = sum(1 for c in changes if c["health"] == "UNHEALTHY" and "ejected" in c["reason"])
+        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
+        print(demo_summary_text(summary), flush=True)
         plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")
         summary["history_plot"] = str(plot_path)
         if json_path:

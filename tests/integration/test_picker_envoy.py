@@ -238,7 +238,7 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
         assert codes == [200, 200, 429], codes
         refused = next(r for r in results.values() if r.status_code == 429)
         assert refused.headers["retry-after"] == "1"
-        assert "chat-v2" in refused.json()["error"]
+        assert "chat-v2" in refused.json()["error"]["message"]
         # A queued request that waits past queue_timeout_s is refused too.
         v2.fault(slow_factor=40)  # ~400 ms: longer than the queue's 0.2 s, however slow the machine
         threads = [threading.Thread(target=go, args=(i,)) for i in (10, 11)]

@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from google.protobuf import json_format
 
 from xds_server.config import Config, ServiceConfig, cluster_name
+from xds_server.errors import error_json
 from xds_server.resources.names import ROUTE_NAME, TYPE_PREFIX, seconds
 
 MODELS_PATH = "/v1/models"
@@ -63,10 +64,12 @@ def _models_route(s: ServiceConfig) -> dict:
                 "disabled": True}}}
 
 
-def _unavailable(s: ServiceConfig, version: str) -> dict:
+def _unavailable(s: ServiceConfig, version: str, header: str | None = None) -> dict:
     """A route action (JSON form) for a version with no endpoints: Envoy answers 503 itself, with the
-    picker's JSON error body for it (``ext_proc.picker``, reason "version-unavailable")."""
-    body = json.dumps({"error": f"model version '{version}' of service '{s.name}' has no endpoints now"})
+    picker's error object for it (``ext_proc.picker``, code "version_unavailable"; ``param``: the
+    version ``header`` when the request named the version in it, else null)."""
+    body = error_json(503, "version_unavailable",
+                      f"model version '{version}' of service '{s.name}' has no endpoints now", header)
     return {"direct_response": {"status": 503, "body": {"inline_string": body}},
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
@@ -134,7 +137,7 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
             for v in s.versions
         ] + [
             {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "string_match": {"exact": v}}]},
-             **_unavailable(s, v)}
+             **_unavailable(s, v, cfg.headers.version)}
             for v in s.unavailable_versions
         ]
         vhosts.append({

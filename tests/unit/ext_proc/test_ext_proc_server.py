@@ -143,7 +143,7 @@ async def test_unknown_version_is_an_immediate_400(stub):
     immediate = response.immediate_response
     assert immediate.status.code == 400
     assert immediate.details == "inferlb_unknown_version"
-    error = json.loads(immediate.body)["error"]
+    error = json.loads(immediate.body)["error"]["message"]
     assert "'v9'" in error and "known versions: v1, v2" in error
     content_type = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
     assert content_type == {"content-type": b"application/json"}

@@ -59,7 +59,7 @@ def test_requests_without_a_session_split_by_request_id():
 def test_unknown_names_list_versions_and_mixes():
     d = route(model_version=b"v9")
     assert d.status == 400
-    assert "known versions: half, stable, v1, v2" in json.loads(d.body)["error"]
+    assert "known versions: half, stable, v1, v2" in json.loads(d.body)["error"]["message"]
 
 
 @pytest.mark.parametrize("shares", [{"v1": 90, "v2": 20}, {"v3": 100}, {"v1": -10, "v2": 110}, {}])
@@ -85,7 +85,7 @@ def test_body_fields_route_and_pin_like_headers():
                          models=frozenset({b"sim-7b"}))
     bad = pick({":authority": b"x"}, EndpointView.build(ASSIGN, RoutingTable(services=(named,))),
                body=BodyFields(b"\xff"))
-    assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]
+    assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]["message"]
 
 
 def message(phase: str, **fields) -> bytes:

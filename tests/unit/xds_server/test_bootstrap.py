@@ -205,8 +205,9 @@ def test_a_version_with_no_endpoints_is_a_503_from_envoy_never_another_version()
     assert by_version["v1"]["route"]["cluster"] == "llm-v1"
     for v in ("v2", "v3"):
         assert "route" not in by_version[v] and by_version[v]["direct_response"]["status"] == 503
-        assert json.loads(by_version[v]["direct_response"]["body"]["inline_string"]) == {
-            "error": f"model version '{v}' of service 'llm' has no endpoints now"}
+        assert json.loads(by_version[v]["direct_response"]["body"]["inline_string"]) == {"error": {
+            "message": f"model version '{v}' of service 'llm' has no endpoints now", "type": "server_error",
+            "param": "model-version", "code": "version_unavailable"}}
     last = routes[-1]
     assert "headers" not in last["match"] and "route" not in last
     assert last["direct_response"]["status"] == 503 and "'v2'" in last["direct_response"]["body"]["inline_string"]
