@@ -23,6 +23,17 @@ from xds_server.discovery.inferencepool import endpoints_from_pools
 from xds_server.discovery.kubernetes import KubernetesWatcher, compose_config, endpoints_from
 
 
+def inferlb_on(config: str, tmp_path) -> tuple[InferLB, LoopThread]:
+    """An inferlb (not started yet) on ``config`` plus free ports and a dead Prometheus, and its loop."""
+    cfg_path = tmp_path / "inferlb.yaml"
+    doc = yaml.safe_load(config)
+    doc.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                "prometheus": {"url": "http://127.0.0.1:1", "interval_s": 0.2, "timeout_s": 0.2,
+                               "first_round_wait_s": 0}})
+    cfg_path.write_text(yaml.safe_dump(doc))
+    return InferLB(parse_config(cfg_path.read_text()), cfg_path), LoopThread()
+
+
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     a = FakeApiServer()
@@ -104,14 +115,7 @@ def test_inferlb_pushes_nothing_before_discovery_then_the_discovered_clusters(ap
                   slice_("chat-2", "100", [endpoint("127.0.0.2", "p2")])]
     api.list_gate.clear()   # the API server is slow to answer the first list
     api.watch_scripts.put("hang")
-    cfg_path = tmp_path / "inferlb.yaml"
-    doc = yaml.safe_load(BASE.format(url=api.url))
-    doc.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-                "prometheus": {"url": "http://127.0.0.1:1", "interval_s": 0.2, "timeout_s": 0.2,
-                               "first_round_wait_s": 0}})
-    cfg_path.write_text(yaml.safe_dump(doc))
-    loop = LoopThread()
-    app = InferLB(parse_config(cfg_path.read_text()), cfg_path)
+    app, loop = inferlb_on(BASE.format(url=api.url), tmp_path)
     try:
         loop.run(app.start())
         time.sleep(1.0)
@@ -187,12 +191,6 @@ def test_pool_and_pod_watches_follow_readiness_ports_and_a_410(api: FakeApiServe
     api.pods = [running_pod("a", "10.0.0.1", CHAT), running_pod("b", "10.0.0.2", CHAT, ready=False)]
     became_ready = running_pod("b", "10.0.0.2", CHAT)
     became_ready["metadata"]["resourceVersion"] = "101"
-    api.pod_watch_scripts.put([{"type": "MODIFIED", "object": became_ready}])
-    api.pod_watch_scripts.put([{"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410,
-                                                            "reason": "Expired", "message": "too old"}}])
-    api.pod_watch_scripts.put("hang")
-    api.pool_watch_scripts.put([{"type": "MODIFIED", "object": inference_pool("vllm-chat", CHAT, [9000], "102")}])
-    api.pool_watch_scripts.put("hang")
     seen: list[dict] = []
     watcher = KubernetesWatcher(spec, seen.append, watch_timeout_s=5)
 
@@ -201,12 +199,19 @@ def test_pool_and_pod_watches_follow_readiness_ports_and_a_410(api: FakeApiServe
 
     watcher.start()
     try:
-        wait_until(lambda: seen, 10, 0.05, "the first lists")
+        wait_until(lambda: seen, 10, 0.05, "the first lists")   # the watches wait for their scripts
         assert addresses(seen[0]) == ["10.0.0.1:8000"]   # ready pods only, after both kinds were listed
+        api.pod_watch_scripts.put([{"type": "MODIFIED", "object": became_ready}])
+        api.pool_watch_scripts.put([{"type": "MODIFIED",
+                                     "object": inference_pool("vllm-chat", CHAT, [9000], "102")}])
+        api.pool_watch_scripts.put("hang")
         wait_until(lambda: any(addresses(d) == ["10.0.0.1:9000", "10.0.0.2:9000"] for d in seen), 10, 0.05,
                    "the pod turning ready and the pool's new target port")
-        api.pods = [running_pod("b", "10.0.0.2", CHAT)]   # pod a went away while the watch was broken
+        api.pods = [running_pod("b", "10.0.0.2", CHAT)]   # pod a goes away while the watch is broken
         api.list_rv = "300"
+        api.pod_watch_scripts.put([{"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410,
+                                                                "reason": "Expired", "message": "too old"}}])
+        api.pod_watch_scripts.put("hang")
         wait_until(lambda: api.pod_lists >= 2, 10, 0.05, "a new pod list after 410 Gone")
         wait_until(lambda: addresses(seen[-1]) == ["10.0.0.2:9000"], 10, 0.05, "the relisted pods")
         wait_until(lambda: len(api.pod_watch_rvs) >= 3, 10, 0.05, "the pod watch after the relist")
@@ -221,14 +226,7 @@ def test_inferlb_serves_an_inference_pools_members_as_a_cluster(api: FakeApiServ
     api.pods = [running_pod("a", "127.0.0.2", CHAT), running_pod("b", "127.0.0.3", CHAT)]
     api.pod_watch_scripts.put("hang")
     api.pool_watch_scripts.put("hang")
-    cfg_path = tmp_path / "inferlb.yaml"
-    doc = yaml.safe_load(POOLS.format(url=api.url))
-    doc.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-                "prometheus": {"url": "http://127.0.0.1:1", "interval_s": 0.2, "timeout_s": 0.2,
-                               "first_round_wait_s": 0}})
-    cfg_path.write_text(yaml.safe_dump(doc))
-    loop = LoopThread()
-    app = InferLB(parse_config(cfg_path.read_text()), cfg_path)
+    app, loop = inferlb_on(POOLS.format(url=api.url), tmp_path)
     try:
         loop.run(app.start())
         wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot after discovery")

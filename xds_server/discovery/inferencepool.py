@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import Counter
 
 from xds_server.config import KubernetesDiscovery
-from xds_server.discovery.services import Discovered
+from xds_server.discovery.services import Discovered, add_endpoint, in_order
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "endpoints_from_pools", "pod_ready"]
 
@@ -93,15 +93,7 @@ def endpoints_from_pools(pools: Iterable[Mapping], pods: Iterable[Mapping], spec
                 continue
             ip = str(_get(pod, "status", "podIP"))
             version = labels.get(spec.version_label) or entry.version  # type: ignore[union-attr]
+            gpu_class = labels.get(spec.gpu_class_label, spec.default_gpu_class)  # type: ignore[union-attr]
             for port in ports:
-                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                if address in seen:
-                    continue
-                seen.add(address)
-                out[entry.name].setdefault(version, []).append({
-                    "address": address,
-                    "gpu_class": labels.get(spec.gpu_class_label, spec.default_gpu_class),  # type: ignore[union-attr]
-                    "max_concurrency": entry.max_concurrency,
-                })
-    return {name: {v: sorted(eps, key=lambda e: e["address"]) for v, eps in sorted(versions.items())}
-            for name, versions in out.items()}
+                add_endpoint(out[entry.name], seen, version, ip, port, gpu_class, entry.max_concurrency)
+    return in_order(out)

@@ -23,7 +23,7 @@ from prometheus_client import Counter
 
 from xds_server.config import Config, ConfigError, KubernetesDiscovery
 from xds_server.discovery import inferencepool
-from xds_server.discovery.services import Discovered, service_entry
+from xds_server.discovery.services import Discovered, add_endpoint, in_order, service_entry
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +93,9 @@ def endpoints_from(slices: Iterable[Mapping], pod_labels: Mapping[str, Mapping[s
                 SKIPPED.labels("no-version-label").inc()
                 continue
             for ip in _get(ep, "addresses", default=[])[:1]:
-                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                if address in seen:
-                    continue
-                seen.add(address)
-                out[svc.name].setdefault(version, []).append({
-                    "address": address,
-                    "gpu_class": labels.get(spec.gpu_class_label, spec.default_gpu_class),
-                    "max_concurrency": svc.max_concurrency,
-                })
-    return {name: {v: sorted(eps, key=lambda e: e["address"]) for v, eps in sorted(versions.items())}
-            for name, versions in out.items()}
+                add_endpoint(out[svc.name], seen, version, ip, port,
+                             labels.get(spec.gpu_class_label, spec.default_gpu_class), svc.max_concurrency)
+    return in_order(out)
 
 
 def compose_config(base: Config, discovered: Discovered) -> Config:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["Discovered", "DiscoveredService", "service_entry"]
+__all__ = ["Discovered", "DiscoveredService", "add_endpoint", "in_order", "service_entry"]
 
 #: ``{service name: {version: [endpoint mapping as in the config]}}``
 Discovered = dict[str, dict[str, list[dict]]]
@@ -37,3 +37,22 @@ def service_entry(svc: DiscoveredService, versions: dict[str, list[dict]]) -> di
             **({"default_version": default} if default else {}),
             **({"unavailable_versions": [default]} if default and default not in versions else {}),
             "versions": [{"name": v, "endpoints": eps} for v, eps in versions.items()]}
+
+
+def add_endpoint(versions: dict[str, list[dict]], seen: set[str], version: str, ip: str, port: int,
+                 gpu_class: str, max_concurrency: int) -> None:
+    """Add the endpoint ``ip:port`` (an IPv6 address in brackets) of ``version`` to ``versions``,
+    as the config maps it, unless ``seen`` has its address already (then nothing)."""
+    address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    if address in seen:
+        return
+    seen.add(address)
+    versions.setdefault(version, []).append(
+        {"address": address, "gpu_class": gpu_class, "max_concurrency": max_concurrency})
+
+
+def in_order(discovered: Discovered) -> Discovered:
+    """``discovered`` with its versions and each version's endpoints sorted (by name, by address), so
+    two control planes given the same inputs produce the same config."""
+    return {name: {v: sorted(eps, key=lambda e: e["address"]) for v, eps in sorted(versions.items())}
+            for name, versions in discovered.items()}
