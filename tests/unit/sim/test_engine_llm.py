@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from bench.engine_curves import closed_loop
 from sim.engines.api import (
     FAIL_TOO_LONG,
     AllBlocksCleared,
@@ -88,35 +89,6 @@ def test_h100_fit_and_derived_classes():
     assert a10.beta0_us == pytest.approx(5752.705 * 3350 / 600, rel=1e-5)
     assert a10.beta1_us == pytest.approx(17.2509 * 989 / 125, rel=1e-5)
     assert "derived" in a10.source and "BLIS" in h100.source
-
-
-def closed_loop(concurrency: int, gpu: str = "a100", rounds: int = 3) -> tuple[float, float]:
-    """``concurrency`` clients each sending 256-token prompts for 256 tokens, back to back: (output
-    tokens/s, mean inter-token time s)."""
-    eng = LlmEngine(gpu)
-    n = 0
-    t_last = 0.0
-    itls = []
-    total = concurrency * rounds
-
-    def send(t: float) -> None:
-        nonlocal n
-        n += 1
-        eng.submit(EngineRequest(f"r{n}", prompt(n, 256), 256, t), t)
-
-    for _ in range(concurrency):
-        send(0.0)
-    done = 0
-    while done < total:
-        t = eng.next_event_s()
-        for e in eng.advance(t):
-            if isinstance(e, Finished):
-                done += 1
-                t_last = e.time_s
-                itls.append((e.time_s - e.first_token_s) / (e.output_tokens - 1))
-                if n < total:
-                    send(t)
-    return total * 256 / t_last, sum(itls) / len(itls)
 
 
 @pytest.mark.parametrize("gpu", sorted(GPU_CLASSES))
@@ -337,10 +309,9 @@ def workload(seed: int, n: int, rate: float, *, shared: int = 0, plen=(20, 600),
 
 @pytest.mark.parametrize(("seed", "budget"), [(0, None), (1, None), (2, 256), (3, 256)])
 def test_matches_vllm_rules_with_shared_prefixes(seed, budget):
-    """Arrivals, chunked prefills (some prompts longer than the budget; with a 256-token budget a
-    long prefill ahead of decoding requests takes the whole budget and they skip a step), prefix
-    hits on shared prefixes, finishes: every first token and finish at the time the literal model
-    gives."""
+    """Arrivals, chunked prefills (some prompts longer than the budget; a 256-token budget cuts most
+    prompts into several chunk steps), prefix hits on shared prefixes, finishes: every first token
+    and finish at the time the literal model gives."""
     arrivals = workload(seed, 120, 25.0, shared=5, plen=(20, 2600))
     eng = LlmEngine("a100", max_num_batched_tokens=budget)
     assert_same(engine_trace(eng, arrivals), Reference(eng).run(arrivals))

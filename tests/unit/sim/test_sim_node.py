@@ -5,12 +5,11 @@ import asyncio
 import pytest
 
 from sim.config import BackendConfig
-from sim.faults import FaultError, FaultState, parse_fault_patch
 from sim.engines.hardware import GPU_CLASSES, MODELS, step_coefficients
 from sim.engines.job import REF_OUTPUT_TOKENS, REF_PROMPT_TOKENS
+from sim.faults import FaultError, FaultState, parse_fault_patch
 from sim.node import EngineRefused, SimNode
 from sim.protocol import InferenceRequest, RequestError, parse_request, resolve_session_key
-
 
 A100 = step_coefficients(MODELS["llama-3.1-8b"], GPU_CLASSES["a100"])
 

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim.config import BackendConfig
-from sim.metrics import LATENCY_BUCKETS_S
 from sim.engines.hardware import GPU_CLASSES, MODELS, step_coefficients
+from sim.metrics import LATENCY_BUCKETS_S
 from sim.server import start_backend
 
 CHAT = {"messages": [{"role": "user", "content": "Hello, GPU"}], "max_tokens": 16}
