@@ -431,7 +431,9 @@ INTRO = f"""\
 
 What each policy's decisions do to time to first token (TTFT), latency, prefix-cache hits, errors,
 OOMs, sessions and versions, on the same traffic. Per scenario, simulated GPU backends (`sim/`,
-time-compressed, with token-level prefill and decode and a vLLM-style prefix cache), a real
+time-compressed: `llm` engines, continuous batching as vLLM V1 schedules it on BLIS's fitted step
+times, with chunked prefill, KV blocks and prefix caching, for the LLM scenarios; the seed's
+per-request `job` engines for the memory traps, `uneven` and `multi_gateway`), a real
 Prometheus and a real Envoy 1.40 run as plain processes; the same seeded, open-loop trace of
 OpenAI chat requests (arrival times fixed in advance, so a slow policy cannot slow its own load
 down; most requests streamed, prompts resent whole every turn as chat apps do) is replayed against

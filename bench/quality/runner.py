@@ -106,12 +106,12 @@ class ScenarioRun:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def node_label(self, address: str) -> str:
-        """``n<i> <gpu> <version>`` for a node address (the address itself if unknown)."""
+        """``n<i> <gpu> <engine> <version>`` for a node address (the address itself if unknown)."""
         if address not in self.addresses:
             return address
         i = self.addresses.index(address)
         n = self.scenario.nodes[i]
-        return f"n{i} {n.gpu_class} {n.version}"
+        return f"n{i} {n.gpu_class} {n.engine} {n.version}"
 
 
 def _post_json(url: str, body: dict, timeout: float = 5.0) -> None:
