@@ -23,7 +23,8 @@ A block whose key another block already has stays unkeyed (the cache keeps one c
 Blocks that hold generated tokens can be held *anonymously* (:meth:`BlockPool.take_anonymous`):
 the pool takes them from the free queue like any other (evicting what they held) and counts them,
 and the engine says only how many of them a request gives back, so it need not track per step
-which request holds which block id (they carry no key).
+which request holds which block id (they carry no key). Unkeyed free blocks are interchangeable, so
+the free queue holds a run of them as one entry and gives them ids only when they are taken by name.
 """
 
 from __future__ import annotations
@@ -72,17 +73,19 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        # The free queue: a deque of entries ``stamp << _ID_BITS | block``; an entry is live while the
-        # block is unused and ``stamp`` is the block's latest (a block used again, or freed again,
-        # leaves its old entry behind: skipped when it reaches the head).
-        self._queue: deque[int] = deque(range(num_blocks))
+        # The free queue: a deque of entries. ``stamp << _ID_BITS | block``: one keyed block, live while
+        # the block is unused and ``stamp`` is its latest (a block used again, or freed again, leaves
+        # its old entry behind: skipped when it reaches the head); ``-k``: a run of k unkeyed free
+        # blocks, which have no id until taken by name (ids not in use wait in ``_spare``).
+        self._queue: deque[int] = deque([-num_blocks])
+        self._spare = list(range(num_blocks - 1, -1, -1))
         self._stamp = [0] * num_blocks
         self._num_free = num_blocks
         self._ref = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # key -> block id
         self._events: list[KvEvent] | None = [] if record_events else None
-        self._anonymous: list[int] = []  # ids of blocks held anonymously
+        self._anonymous = 0  # blocks held anonymously
         self.evicted = 0
 
     # --- views ----------------------------------------------------------------------------------
@@ -155,14 +158,37 @@ class BlockPool:
     def take(self, n: int, now_s: float) -> list[int]:
         """``n`` blocks from the head of the free queue, evicting their keys. Raises ValueError when
         fewer than ``n`` are free (the scheduler checks first)."""
+        out: list[int] = []
+        self._pop(n, out, now_s)
+        return out
+
+    def take_anonymous(self, n: int, now_s: float) -> None:
+        """Like :meth:`take`, for ``n`` blocks held anonymously (see the module docstring)."""
+        if n:
+            self._pop(n, None, now_s)
+            self._anonymous += n
+
+    def _pop(self, n: int, out: list[int] | None, now_s: float) -> None:
+        """Take ``n`` blocks from the queue's head: by id into ``out``, or anonymously (None)."""
         if n > self._num_free:
             raise ValueError(f"{n} KV blocks asked, {self._num_free} free")
-        out: list[int] = []
         evicted: list[int] = []
-        queue, stamp, ref, keys = self._queue, self._stamp, self._ref, self._key
-        popleft = queue.popleft
-        while len(out) < n:
-            entry = popleft()
+        queue, stamp, ref, keys, spare = self._queue, self._stamp, self._ref, self._key, self._spare
+        need = n
+        while need:
+            entry = queue.popleft()
+            if entry < 0:  # a run of unkeyed blocks
+                m = min(-entry, need)
+                if m < -entry:
+                    queue.appendleft(entry + m)
+                need -= m
+                if out is not None:
+                    ids = spare[-m:]
+                    del spare[-m:]
+                    for b in ids:
+                        ref[b] = 1
+                    out += ids
+                continue
             b = entry & _ID_MASK
             if ref[b] or entry >> _ID_BITS != stamp[b]:
                 continue  # stale: the block was used again or freed again since
@@ -171,40 +197,62 @@ class BlockPool:
                 keys[b] = None
                 del self._cached[key]
                 evicted.append(key)
-            ref[b] = 1
-            out.append(b)
+            need -= 1
+            if out is None:
+                stamp[b] += 1
+                spare.append(b)
+            else:
+                ref[b] = 1
+                out.append(b)
         self._num_free -= n
         if evicted:
             self.evicted += len(evicted)
             if self._events is not None:
                 self._events.append(BlockRemoved(now_s, tuple(evicted)))
-        return out
-
-    def take_anonymous(self, n: int, now_s: float) -> None:
-        """Like :meth:`take`, for ``n`` blocks held anonymously (see the module docstring)."""
-        if n:
-            self._anonymous += self.take(n, now_s)
 
     def adopt(self, n: int) -> list[int]:
-        """Ids of ``n`` anonymously held blocks, now held by name (to key them or give them back)."""
-        if n > len(self._anonymous):
-            raise ValueError(f"{n} anonymous KV blocks asked, {len(self._anonymous)} held")
+        """Ids for ``n`` anonymously held blocks, now held by name (to key them or give them back)."""
+        if n > self._anonymous:
+            raise ValueError(f"{n} anonymous KV blocks asked, {self._anonymous} held")
         if not n:
             return []
-        out = self._anonymous[-n:]
-        del self._anonymous[-n:]
+        self._anonymous -= n
+        out = self._spare[-n:]
+        del self._spare[-n:]
+        for b in out:
+            self._ref[b] = 1
         return out
+
+    def release_anonymous(self, n: int) -> None:
+        """A request gives ``n`` anonymously held blocks back: unkeyed, at the free queue's end."""
+        if n > self._anonymous:
+            raise ValueError(f"{n} anonymous KV blocks given back, {self._anonymous} held")
+        if n:
+            self._anonymous -= n
+            self._append_run(n)
+
+    def _append_run(self, n: int) -> None:
+        queue = self._queue
+        if queue and queue[-1] < 0:
+            queue[-1] -= n
+        else:
+            queue.append(-n)
+        self._num_free += n
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request gives ``blocks`` back (tail first): a block no one uses joins the free queue's
-        end and keeps its key until taken."""
-        ref, stamp, append = self._ref, self._stamp, self._queue.append
+        end and keeps its key until taken (an unkeyed one joins as part of a run, without its id)."""
+        ref, stamp, keys, queue, spare = self._ref, self._stamp, self._key, self._queue, self._spare
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
                 stamp[b] += 1
-                append(stamp[b] << _ID_BITS | b)
-                self._num_free += 1
+                if keys[b] is None:
+                    spare.append(b)
+                    self._append_run(1)
+                else:
+                    queue.append(stamp[b] << _ID_BITS | b)
+                    self._num_free += 1
 
     def reset(self, now_s: float) -> bool:
         """Drop every key (vLLM's ``reset_prefix_cache``); refused (False) while a request holds

@@ -722,7 +722,7 @@ class LlmEngine:
             if key:
                 s.blocks += self._pool.adopt(anonymous)
             else:
-                self._pool.release(self._pool.adopt(anonymous))
+                self._pool.release_anonymous(anonymous)
             self._remove_decoder(s)
         elif s.phase == _PREFILL:
             del self._prefilling[s.run_seq]
