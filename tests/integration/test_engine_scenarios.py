@@ -198,8 +198,13 @@ def test_an_a10_a100_pool_gets_traffic_in_proportion_to_capacity(eng: Stack):
         assert 0.3 <= share[b.address] <= 0.55, share
     w = cluster(eng, "v1")
     assert w[a10.address]["factors"]["capacity"] == pytest.approx(0.4)
-    ratio = w[a10.address]["weight"] / max(w[b.address]["weight"] for b in a100s)
-    assert 0.2 <= ratio <= 0.65, {a: d["weight"] for a, d in w.items()}
+    # An llm engine holds 90 % of its GPU from the start (vLLM's gpu_memory_utilization), so the A10
+    # shows 2 458 MiB free, short of what this stack's large requests need (6 000 MiB + 20 %): the
+    # gpu_memory factor lowers it too. Its weight against the A100s' is its capacity times that.
+    memory = w[a10.address]["factors"].get("gpu_memory", 1.0)
+    assert memory < 1.0 and all(w[b.address]["factors"].get("gpu_memory", 1.0) == 1.0 for b in a100s)
+    ratio = w[a10.address]["weight"] / memory / max(w[b.address]["weight"] for b in a100s)
+    assert 0.2 <= ratio <= 0.65, {a: (d["weight"], d["factors"]) for a, d in w.items()}
 
 
 def test_a_long_tail_node_is_ejected_and_comes_back_after_it_recovers(eng: Stack):
