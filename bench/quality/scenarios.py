@@ -59,9 +59,9 @@ def llm_memory_mib(kv_tokens: int, model: str = DEFAULT_MODEL) -> float:
     return need_gib * 1024 / DEFAULT_GPU_MEMORY_UTILIZATION
 
 
-#: An llm node whose KV cache holds about 28 000 tokens: ten of the shared_prefix scenario's 2 000-token
-#: system prompts and the requests running beside them.
-SHARED_PREFIX_KV_MIB = llm_memory_mib(28_000)
+#: An llm node whose KV cache holds about 22 000 tokens: ten of the shared_prefix scenario's 2 000-token
+#: system prompts (the requests of one tenant share its blocks) and the few requests running beside them.
+SHARED_PREFIX_KV_MIB = llm_memory_mib(22_000)
 
 #: Options every simulated backend of the benchmark runs with: sessions carry their real history in
 #: the prompt (no virtual session history).
@@ -79,11 +79,11 @@ class Node:
     """
 
     gpu_class: str = "a100"
-    engine: Literal["llm", "job"] = "llm"
     version: str = "v1"
     gpu_memory_mib: float | None = None
     present: bool = True
     tier: Literal["edge", "cloud"] = "edge"
+    engine: Literal["llm", "job"] = "llm"
 
 
 @dataclass(frozen=True)
