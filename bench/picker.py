@@ -152,15 +152,16 @@ def envoy_bootstrap(xds_port: int, admin_port: int, picker_port: int, ports: dic
 
 
 def control_plane_config(ports: dict[str, int], picker_port: int, body_kb: int = 0) -> dict:
-    """The control plane's config: one service, one endpoint (the ``upstream`` listener); with
-    ``body_kb`` > 0, body routing on (``picker.body_max_bytes`` 64 KiB, buffered)."""
+    """The control plane's config: one service, one endpoint (the ``upstream`` listener); the picker's
+    body routing at its default (``picker.body_max_bytes`` 1 MiB, buffered), so ``body_kb`` > 0 (a
+    POST with a JSON body) measures the default, up to bodies of 1 MiB."""
     return {
         "listen": {"xds": f"127.0.0.1:{ports['xds']}", "ext_proc": "127.0.0.1:0",
                    "admin": f"127.0.0.1:{ports['admin']}"},
         "envoy": {"listener": f"127.0.0.1:{ports['upstream_with']}", "ext_proc_address": f"127.0.0.1:{picker_port}"},
         "loop": {"interval_s": 5, "timeout_s": 0.2},
         "prometheus": {"url": f"http://127.0.0.1:{ports['dead']}"},
-        "picker": {"admission": False, **({"body_max_bytes": 65536} if body_kb else {})},
+        "picker": {"admission": False},
         "services": [{"name": "bench", "versions": [
             {"name": "v1", "endpoints": [{"address": f"127.0.0.1:{ports['upstream']}"}]}]}],
     }

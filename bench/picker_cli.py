@@ -19,7 +19,8 @@ import click
 @click.option("--workers", default=1, show_default=True, type=int, help="Picker processes.")
 @click.option("--envoy-concurrency", default=1, show_default=True, type=int, help="Envoy worker threads.")
 @click.option("--body-kb", default=0, show_default=True, type=click.IntRange(0, 512),
-              help="Send a JSON body of this many KiB and turn body routing on (0: GET, headers only).")
+              help="POST a chat JSON body of this many KiB, read by the picker's default body routing "
+                   "(0: GET, headers only).")
 @click.option("--markdown", "md_path", type=click.Path(), help="Also write the section into this BENCHMARKS.md.")
 @click.option("--before", type=click.Path(exists=True, file_okay=False),
               help="Also run the picker of this checkout (PYTHONPATH) in every round: before/after in one run.")

@@ -9,6 +9,7 @@ it keeps (requests in flight, sessions) is only touched from that loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -23,9 +24,10 @@ from google.protobuf.message import DecodeError
 from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
+from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_large
-from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
+from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
+from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
 from ext_proc.scheduler import pin_after
@@ -37,7 +39,7 @@ from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, Stream
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 from ext_proc.wire import request_headers
 
-__all__ = ["PickerHandler", "prefix_hash", "read_json"]
+__all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "PickerHandler", "prefix_hash", "read_json"]
 
 log = logging.getLogger(__name__)
 
@@ -123,29 +125,53 @@ def _prompt_chars(doc: dict) -> int | None:
     return None
 
 
+MAX_JSON_DEPTH = 1024
+"""The deepest nesting of arrays and objects a request body may have (levels): orjson's limit (since
+orjson 3.9.15, CVE-2024-27454: a parser without one can be made to recurse until the process dies).
+A body nested deeper is answered 400 ``body_too_deep`` (:func:`ext_proc.picker.too_deep`): the
+picker cannot read its routing fields, and forwarded unread it would reach a backend that parses
+it with its own limit (Python's ``json`` stops at its recursion limit, ~1 000 levels)."""
+
+
+class JsonTooDeep(ValueError):
+    """A JSON document nested deeper than :data:`MAX_JSON_DEPTH` (or than ``json`` can read)."""
+
+
 def read_json(data: bytes) -> Any:
     """``data`` parsed as JSON at orjson's speed (a 20 KiB chat body: 27 µs against ``json``'s 65 µs,
     timed alone); what orjson refuses and ``json`` reads (``NaN``, ``Infinity``, a lone surrogate
-    escape) is handed to ``json``. Two differences from :func:`json.loads` remain, and neither changes
-    a field the picker reads (:func:`_body_fields`; a differential test checks it): an integer beyond
-    64 bits comes back as a float, and nesting deeper than ``json``'s recursion limit is read.
+    escape) is handed to ``json``. One difference from :func:`json.loads` remains, and it changes no
+    field the picker reads (:func:`_body_fields`; a differential test checks it): an integer beyond
+    64 bits comes back as a float.
 
     Raises:
+        JsonTooDeep: nested deeper than :data:`MAX_JSON_DEPTH` levels (orjson's limit), or, for a
+            body orjson refuses for another reason, deeper than ``json``'s recursion limit allows.
         ValueError: not JSON (or not UTF-8).
     """
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
+        pass
+    try:
         return json.loads(data)
+    except RecursionError:
+        raise JsonTooDeep(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
 
 
 def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
-    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable."""
+    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable.
+
+    Raises:
+        JsonTooDeep: see :func:`read_json`.
+    """
     if len(data) > routing.body_max_bytes:
         return None
     try:
         doc = read_json(data)
-    except (ValueError, RecursionError):
+    except JsonTooDeep:
+        raise
+    except ValueError:
         return None
     if not isinstance(doc, dict):
         return None
@@ -179,6 +205,9 @@ def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTa
     whole body (so a request gets the same key whether its body came in one chunk or several);
     a completion's ``prompt``: its first bytes. The prompt's tokens: the body's ``content-length``
     (bytes) / ``chars_per_token``.
+
+    Raises:
+        JsonTooDeep: one of those first messages nests deeper than ``json`` reads.
     """
     found: dict[bytes, bytes] = {}
     for m in _FIELD.finditer(chunk):
@@ -208,6 +237,8 @@ def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTa
                     pos += 1
                 try:
                     message, pos = _DECODER.raw_decode(text_, pos)
+                except RecursionError:
+                    raise JsonTooDeep(f"a chat message nested deeper than {MAX_JSON_DEPTH} levels") from None
                 except ValueError:
                     break
                 messages.append(message)
@@ -272,6 +303,7 @@ class PickerHandler:
         self.largest_memory: dict[str, float] = {}
         """``{cluster: its largest endpoint's whole GPU memory, MiB}`` (:meth:`set_largest_memory`)."""
         self._timed = 0
+        self._gateway = EndpointPicker(self, holder)
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
@@ -308,6 +340,15 @@ class PickerHandler:
                 (INTERNAL); both counted and logged (rate limited). Envoy then applies its
                 failure mode.
         """
+        try:
+            if self.holder.current.routing.protocol == GATEWAY_API:  # the endpoint-picker protocol (ext_proc.gateway)
+                return self._gateway.process(stream, data)
+        except StreamError:
+            self.errors.report("decode", "a ProcessingRequest could not be decoded")
+            raise
+        except Exception:
+            self.errors.report("pick-failed", "the picker raised", exc_info=True)
+            raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
         # Envoy's request headers without protobuf (ext_proc.wire; None when it is not built).
         decoded = None if request_headers is None else request_headers(data)
         if decoded is not None:
@@ -331,16 +372,21 @@ class PickerHandler:
                 if stream.held is not None:
                     headers, stream.held = stream.held, None
                     view = self.holder.current
-                    if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                        fields = _body_fields(chunk.body, view.routing)
-                        if fields is None:
-                            self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                        return self._route(headers, view, fields or NO_BODY, "request_body"), True
-                    # Streamed: decide on the first bytes; the later chunks pass unchanged.
-                    stream.decided = True
-                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes], _content_length(headers),
-                                             view.routing)
-                    return self._route(headers, view, fields, "request_body"), False
+                    try:
+                        if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
+                            fields = _body_fields(chunk.body, view.routing)
+                            if fields is None:
+                                self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                            return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                        # Streamed: decide on the first bytes; the later chunks pass unchanged.
+                        stream.decided = True
+                        fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
+                                                 _content_length(headers), view.routing)
+                        return self._route(headers, view, fields, "request_body"), False
+                    except JsonTooDeep:
+                        refusal = too_deep(MAX_JSON_DEPTH)
+                        self._count(refusal.reason)
+                        return self._encoder.encode(refusal, view, headers, "request_body"), True
                 if stream.decided:
                     return _BODY_OK, chunk.end_of_stream
         except Exception:
@@ -383,15 +429,51 @@ class PickerHandler:
             routing.request_memory_header is not None and headers.get(routing.request_memory_header))
         return not sized
 
+    def decide(self, headers: dict[str, bytes], view: EndpointView, body: bytes | None, whole: bool,
+               subset: frozenset[str] | None, phase: str) -> bytes | asyncio.Future[bytes]:
+        """Decide one request for a protocol module (:mod:`ext_proc.gateway`): ``body`` its JSON body
+        (``whole``: all of it; else its first bytes; None: not read), ``subset`` the endpoints it may
+        go to (None: any), ``phase`` the message the answer is for. Returns the serialized answer, or
+        a future of it (admission)."""
+        try:
+            if body is None:
+                fields = NO_BODY
+            elif whole:
+                fields = _body_fields(body, view.routing)
+                if fields is None:
+                    self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                    fields = NO_BODY
+            else:
+                fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
+        except JsonTooDeep:
+            refusal = too_deep(MAX_JSON_DEPTH)
+            self._count(refusal.reason)
+            return self._encoder.encode(refusal, view, headers, phase)
+        if subset is not None:
+            fields = dataclasses.replace(fields, subset=subset)
+        return self._route(headers, view, fields, phase)
+
+    def completed(self, request_id: bytes | None) -> None:
+        """The request with this ``x-request-id`` ended (its response did, seen on the ext_proc stream:
+        :mod:`ext_proc.gateway`): its pick leaves the load, and waiting requests that now fit go."""
+        routed = self.inflight.routed(request_id) if request_id else None
+        if routed is None:
+            return
+        self.inflight.pop(routed[0], routed[1], request_id)
+        if self.admission is not None:
+            self.admission.release(self._room)
+
     def _pick(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields) -> Decision:
+        loads = self.loads if body.subset is None else Within(self.loads, body.subset)
         self._timed += 1
         if self._timed < SAMPLE_EVERY:
-            return pick(headers, view, self.loads, self.sessions, body, self.costs)
-        self._timed = 0
-        start = time.perf_counter()
-        decision = pick(headers, view, self.loads, self.sessions, body, self.costs)
-        DECISION_SECONDS.observe(time.perf_counter() - start)
-        return decision
+            decision = pick(headers, view, loads, self.sessions, body, self.costs)
+        else:
+            self._timed = 0
+            start = time.perf_counter()
+            decision = pick(headers, view, loads, self.sessions, body, self.costs)
+            DECISION_SECONDS.observe(time.perf_counter() - start)
+        return decision if view.routing.protocol != GATEWAY_API else settle_destination(decision, body.subset)
 
     def _commit(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
         """Count the pick in flight, move or refresh the session's pin, and encode the answer."""
@@ -601,7 +683,10 @@ class PickerHandler:
         admission = self.admission
         if admission is None or not self.memory_queue:
             loads = self.loads
-            candidates = [e for e in pool.endpoints if e not in loads.failed] or list(pool.endpoints)
+            allowed = [e for e in pool.endpoints if body.subset is None or e in body.subset]
+            candidates = [e for e in allowed if e not in loads.failed] or allowed
+            if not candidates:  # the gateway's subset hint left none (ext_proc.gateway)
+                return self._commit(SUBSET_EMPTY, view, headers, phase)
             best = max(candidates, key=lambda e: (loads.free.get(e, float("inf")), e))
             return self._commit(decision._replace(endpoint=best, gpu_class=pool.classes.get(best, "")), view,
                                 headers, phase)

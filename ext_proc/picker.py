@@ -7,19 +7,19 @@ any header value a client can send. The transport (``ext_proc.transport.grpcio``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from ext_proc.errors import error_body
 from ext_proc.ring import key_hash
 from ext_proc.scheduler import choose
 from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "overloaded", "pick", "request_need",
-           "session_cookie"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "model_not_found", "overloaded", "pick",
+           "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -43,14 +43,15 @@ class Decision(NamedTuple):
         endpoint: ``"HOST:PORT"`` to pin through the override-host header, or None to leave the
             choice to Envoy's weighted fallback policy.
         status: HTTP status of an immediate rejection, None when routing.
-        body: the rejection's JSON body (``{"error": "..."}``), empty when routing.
+        body: the rejection's body, an OpenAI error object (:func:`ext_proc.errors.error_body`: ``code``
+            is ``reason`` with underscores), empty when routing.
         reason: why, a short stable label (a metrics label value): the scheduler's reasons
             ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
             :mod:`ext_proc.scheduler`), the handler's "pin-moved" and memory grant outcomes
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
             own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
-            "unknown-service", "unknown-version", "invalid-version", "version-unavailable",
-            "not-ready", "overloaded", "too-large".
+            "unknown-service", "unknown-version", "model-not-found", "invalid-version", "version-unavailable",
+            "not-ready", "overloaded", "too-large", "body-too-deep".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
         retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
@@ -88,15 +89,15 @@ class Decision(NamedTuple):
 _NOT_READY = Decision(None, None, None, b"", "not-ready")
 
 
-def _reject(status: int, reason: str, message: str) -> Decision:
-    return Decision(None, None, status, json.dumps({"error": message}).encode(), reason)
+def _reject(status: int, reason: str, message: str, param: str | None = None) -> Decision:
+    """An immediate answer: ``status`` with the OpenAI error object (code = ``reason``, :mod:`ext_proc.errors`)."""
+    return Decision(None, None, status, error_body(status, reason, message, param), reason)
 
 
 def overloaded(cluster: str, retry_after_s: int, why: str = "is at its max concurrency") -> Decision:
     """The 429 for a request no endpoint of ``cluster`` can take now (reason "overloaded")."""
     message = f"cluster '{cluster}' {why}; retry after {retry_after_s} s"
-    return Decision(None, None, 429, json.dumps({"error": message}).encode(), "overloaded",
-                    retry_after_s=retry_after_s)
+    return _reject(429, "overloaded", message)._replace(retry_after_s=retry_after_s)
 
 
 def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
@@ -105,7 +106,13 @@ def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
     the same request cannot help)."""
     message = (f"cluster '{cluster}' has no endpoint with {need_mib:.0f} MiB of GPU memory for this request "
                f"(the largest has {largest_mib:.0f} MiB in all)")
-    return Decision(None, None, 503, json.dumps({"error": message}).encode(), "too-large")
+    return _reject(503, "too-large", message)
+
+
+def too_deep(limit: int) -> Decision:
+    """The 400 for a JSON body nested deeper than ``limit`` levels (reason "body-too-deep")."""
+    message = f"the request body is JSON nested deeper than {limit} levels, the most this gateway reads"
+    return _reject(400, "body-too-deep", message)
 
 
 def _quote(raw: bytes) -> str:
@@ -137,13 +144,44 @@ def _known(service: ServiceRoute) -> str:
     return known
 
 
-def _bad_version(where: str, raw: bytes, service: ServiceRoute) -> Decision:
+_BODY_MODEL = "body field 'model'"
+
+
+def _names_version(service: ServiceRoute, model: bytes) -> bool:
+    """Whether a body's ``model`` names a version, mix or version without endpoints of ``service``."""
+    try:
+        name = model.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return name in service.clusters or name in service.mixes or name in service.unavailable
+
+
+def served_names(service: ServiceRoute) -> list[str]:
+    """What a client may send as ``model`` and be served: the service's model names (while its default
+    version has endpoints), then its versions with endpoints, then its mixes, each group sorted. The
+    control plane's ``GET /v1/models`` lists the same names (``xds_server.resources.routes``)."""
+    models = [] if service.default_version in service.unavailable else sorted(m.decode() for m in service.models)
+    return [*models, *sorted(service.clusters), *sorted(service.mixes)]
+
+
+def model_not_found(model: bytes, service: ServiceRoute) -> Decision:
+    """The 404 for a body ``model`` that is none of the names ``service`` serves (it lists ``models``):
+    an OpenAI error object, code ``model_not_found`` and param ``model`` as OpenAI's API answers an
+    unknown model (vLLM's server: 404 ``NotFoundError``), naming the served names (reason
+    "model-not-found")."""
+    message = (f"The model '{_quote(model)}' does not exist here; served models: "
+               f"{', '.join(served_names(service))}")
+    return Decision(None, None, 404, error_body(404, "model-not-found", message, param="model"), "model-not-found")
+
+
+def _bad_version(where: str, param: str, raw: bytes, service: ServiceRoute) -> Decision:
     """The 400 for a version value that is not a valid version string at all."""
     if len(raw) > MAX_VERSION_BYTES:
         problem = f"is too long ({len(raw)} bytes, limit {MAX_VERSION_BYTES})"
     else:
         problem = f"is not valid UTF-8 ({_quote(raw)!r})"
-    return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}")
+    return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}",
+                   param)
 
 
 def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
@@ -168,6 +206,8 @@ class BodyFields:
         prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
+        subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
+            gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
     """
 
     model: bytes | None = None
@@ -176,6 +216,7 @@ class BodyFields:
     prefix: int | None = None
     prompt_tokens: float | None = None
     max_tokens: int | None = None
+    subset: frozenset[str] | None = None
 
 
 NO_BODY = BodyFields()
@@ -262,10 +303,13 @@ def pick(
 
     Returns:
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
-        400 when the version (header, else the body's ``model``) names an unknown version or
-        is not a valid version string (not UTF-8, longer than :data:`MAX_VERSION_BYTES`).
-        Neither present, or a model name of the service (``ServiceRoute.models``), means the
-        service's default version. A version may be a mix (canary
+        400 when the version header names an unknown version, or the version (header, else the
+        body's ``model``) is not a valid version string (not UTF-8, longer than
+        :data:`MAX_VERSION_BYTES`); 404 ``model_not_found`` (:func:`model_not_found`) when the body's
+        ``model`` is none of the names a service that lists ``models`` serves. Neither present, a
+        model name of the service (``ServiceRoute.models``), or, for a service that lists no
+        ``models``, a body ``model`` that names no version (the service cannot tell a served name
+        from another), means the service's default version. A version may be a mix (canary
         split): its share buckets are chosen by the session key's hash, so a session never
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
@@ -288,7 +332,7 @@ def pick(
     host = _authority_host(authority)
     service = view.service_for_host(host)
     if service is None:
-        return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'")
+        return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
     key = None
     for name in routing.session_headers:
@@ -302,29 +346,32 @@ def pick(
     position = key_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
-    where = f"header '{routing.version_header}'"
-    if not raw and body.model:
-        raw, where = body.model, "body field 'model'"
+    where, param = f"header '{routing.version_header}'", routing.version_header
+    if not raw and body.model and (service.models or _names_version(service, body.model)):
+        raw, where, param = body.model, _BODY_MODEL, "model"
     if not raw or raw in service.models:
-        version = service.default_version
+        version, param = service.default_version, None   # the request named no version
     else:
         if len(raw) > MAX_VERSION_BYTES:
-            return _bad_version(where, raw, service)
+            return _bad_version(where, param, raw, service)
         try:
             version = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return _bad_version(where, raw, service)
+            return _bad_version(where, param, raw, service)
     cluster = service.clusters.get(version)
     if cluster is None:
         if version in service.unavailable:
             return _reject(503, "version-unavailable",
-                           f"model version '{version}' of service '{service.name}' has no endpoints now")
+                           f"model version '{version}' of service '{service.name}' has no endpoints now", param)
         mix = service.mixes.get(version)
         if mix is None:
+            if where is _BODY_MODEL:
+                return model_not_found(raw, service)
             return _reject(
                 400,
                 "unknown-version",
                 f"unknown model version '{_quote(raw)}' in {where}; known versions: {_known(service)}",
+                param,
             )
         bucket = (position if position is not None else key_hash(headers.get("x-request-id", b""))) % MIX_BUCKETS
         cluster = next(c for upto, c in mix if bucket < upto)

@@ -20,9 +20,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.picker import Decision
 from ext_proc.view import EndpointView, RoutingTable
 
-__all__ = ["EMPTY_ANSWERS", "ResponseEncoder", "build_response", "headers_of"]
+__all__ = ["DESTINATION", "EMPTY_ANSWERS", "GATEWAY_API", "LB_NAMESPACE", "ResponseEncoder", "build_response",
+           "headers_of"]
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+GATEWAY_API = "gateway-api"
+"""``RoutingTable.protocol`` of the Gateway API Inference Extension's endpoint-picker protocol
+(:mod:`ext_proc.gateway`)."""
+DESTINATION = "x-gateway-destination-endpoint"
+"""That protocol's header and metadata key for the chosen endpoint."""
+LB_NAMESPACE = "envoy.lb"
+"""That protocol's dynamic-metadata namespace for the chosen endpoint."""
 
 EMPTY_ANSWERS: dict[str, bytes] = {
     "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString(),
@@ -85,7 +94,10 @@ def build_response(
         otherwise a ``phase`` answer whose mutation sets the cluster header (when a cluster is
         chosen) and the override-host header (when an endpoint is pinned), both in
         ``raw_value`` with OVERWRITE_IF_EXISTS_OR_ADD, with ``clear_route_cache`` set whenever
-        headers change.
+        headers change. With ``routing.protocol`` gateway-api (the endpoint-picker protocol), the
+        pinned endpoint goes in the header ``x-gateway-destination-endpoint`` and in the answer's
+        ``dynamic_metadata`` ``{"envoy.lb": {"x-gateway-destination-endpoint": endpoint}}``, the same
+        value, and no cluster header is set (the gateway chose the route).
     """
     response = pb.ProcessingResponse()
     if decision.status is not None:
@@ -101,6 +113,13 @@ def build_response(
     answer.SetInParent()  # an empty HeadersResponse / BodyResponse when nothing changes
     common = answer.response
     mutation = common.header_mutation
+    if routing.protocol == GATEWAY_API:
+        if decision.endpoint is not None:
+            _add_set(mutation, DESTINATION, decision.endpoint.encode())
+            response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = \
+                decision.endpoint
+            common.clear_route_cache = True
+        return response
     if decision.cluster is not None:
         _add_set(mutation, routing.cluster_header, decision.cluster.encode())
     elif routing.cluster_header in present:

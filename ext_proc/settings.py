@@ -99,6 +99,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "affinity_slack": routing.affinity_slack,
             "cost_aware_affinity": routing.cost_aware_affinity,
             "spill_threshold": routing.spill_threshold,
+            "protocol": routing.protocol,
         },
         "settings": asdict(settings),
     }
@@ -155,6 +156,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         affinity_slack=_opt(r.get("affinity_slack")),
         cost_aware_affinity=bool(r.get("cost_aware_affinity", False)),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
+        protocol=r.get("protocol", "inferlb"),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

@@ -170,6 +170,10 @@ class RoutingTable:
             for its cluster's GPU class (:meth:`ext_proc.costmodel.CostModel.affinity_slack`: the
             prefill a KV-cache hit saves against what a request of imbalance costs) instead of
             ``affinity_slack``, once that class's fit can tell it.
+        protocol: how the picker answers Envoy: "inferlb" (the cluster and override-host headers, for
+            the listener inferlb renders) or "gateway-api" (the Gateway API Inference Extension's
+            endpoint-picker protocol, :mod:`ext_proc.gateway`, for a gateway that routes to an
+            InferencePool).
         spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
             there when its first tier's requests in flight are at least this share (0-1] of that
             tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
@@ -205,6 +209,7 @@ class RoutingTable:
     affinity_slack: float | None = None
     cost_aware_affinity: bool = False
     spill_threshold: float = 0.6
+    protocol: str = "inferlb"
     sized: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -230,6 +235,8 @@ class RoutingTable:
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")
+        if self.protocol not in ("inferlb", "gateway-api"):
+            raise ValueError(f"routing: protocol must be inferlb or gateway-api, got {self.protocol!r}")
         if self.body_mode not in ("streamed", "buffered"):
             raise ValueError(f"routing: body_mode must be streamed or buffered, got {self.body_mode!r}")
         if not self.chars_per_token > 0:
@@ -448,9 +455,10 @@ class EndpointView:
         self._wildcard = wildcard
 
     @classmethod
-    def empty(cls) -> EndpointView:
-        """The not-ready placeholder: default routing, no services, no clusters."""
-        return cls(RoutingTable(), {}, ready=False)
+    def empty(cls, routing: RoutingTable | None = None) -> EndpointView:
+        """The not-ready placeholder: no clusters; ``routing`` (default: the default routing, no
+        services) tells the picker its protocol before the first endpoints arrive."""
+        return cls(routing if routing is not None else RoutingTable(), {}, ready=False)
 
     @classmethod
     def build(

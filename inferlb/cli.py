@@ -92,7 +92,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=LazyGroup, lazy={"sim-backend": "sim.cli:sim_backend"})
+@click.group(cls=LazyGroup, lazy={"sim-backend": "sim.cli:sim_backend", "sim-tokenizer": "sim.cli:sim_tokenizer"})
 @click.version_option(package_name="inferlb", prog_name="inferlb")
 def main() -> None:
     """inferlb: an inference-aware control plane for Envoy (xDS weights + ext_proc picker)."""
@@ -198,19 +198,27 @@ def weights(admin: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
-@click.option("--cluster", required=True, help="Cluster, e.g. chat-v1.")
+@click.option("--cluster", help="Cluster, e.g. chat-v1 (without it: the clusters to choose from).")
 @click.option("--endpoint", help="Only this endpoint (HOST:PORT).")
 @click.option("--since", default="10m", show_default=True, help="A duration ago (10m, 2h) or an RFC 3339 time.")
 @click.option("--until", help="End, in the same forms (default: now).")
 @click.option("--step", help="Resample to one point per step (e.g. 30s).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot here instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
-def history(admin: str, cluster: str, endpoint: str | None, since: str, until: str | None, step: str | None,
-            plot_path: str | None, as_json: bool) -> None:
+def history(admin: str, cluster: str | None, endpoint: str | None, since: str, until: str | None,
+            step: str | None, plot_path: str | None, as_json: bool) -> None:
     """Show the weight history of a cluster: a table, the JSON, or a PNG plot (--plot)."""
     import urllib.parse
 
     from inferlb.output import history_table
+
+    if cluster is None:
+        try:
+            with urllib.request.urlopen(f"{admin.rstrip('/')}/api/v1/weights", timeout=5) as r:
+                names = [c["name"] for c in json.load(r)["clusters"]]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as err:
+            raise click.UsageError(f"pass --cluster (the clusters could not be read from {admin}: {err})") from None
+        raise click.UsageError("pass --cluster, one of: " + (", ".join(names) or "(the control plane has none)"))
 
     params = {k: v for k, v in (("cluster", cluster), ("endpoint", endpoint), ("since", since), ("until", until),
                                 ("step", step)) if v is not None}
@@ -220,8 +228,8 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
             doc = json.load(r)
     except urllib.error.HTTPError as err:
         try:
-            message = json.load(err).get("error", err.reason)
-        except ValueError:
+            message = json.load(err)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
             message = err.reason
         click.echo(f"inferlb history: {message}", err=True)
         sys.exit(2 if err.code in (400, 404) else 1)  # a bad parameter or an unknown cluster: usage
@@ -246,6 +254,12 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
 @main.command()
 @click.option("--duration", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds of traffic.")
+@click.option("--traffic", type=click.Choice(["chat", "none"]), default="chat", show_default=True,
+              help="chat: the demo's own chat traffic, then a summary; none: no traffic, the stack serves any "
+                   "client (it prints the URL, the models and the headers) until Ctrl-C.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The simulated backends count tokens with the Hugging Face tokenizer in this directory "
+                   "(inferlb sim-tokenizer writes one)  [default: 4 bytes a token]")
 @click.option("--json", "json_path", type=click.Path(), help="Write the run summary here.")
 @click.option("--workdir", type=click.Path(), help="Keep configs and logs here (default: a temp dir).")
 @click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
@@ -255,15 +269,15 @@ def history(admin: str, cluster: str, endpoint: str | None, since: str, until: s
               help="How Envoy talks to the control plane: State-of-the-World or delta ADS.")
 @click.option("--metrics-source", type=click.Choice(["auto", "prometheus", "scrape"]), default="auto",
               show_default=True, help="auto: Prometheus if installed, else the control plane scrapes the backends.")
-def demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int, quiet: bool,
-         xds_protocol: str, metrics_source: str) -> None:
+def demo(duration: float, traffic: str, tokenizer: str | None, json_path: str | None, workdir: str | None,
+         concurrency: int, quiet: bool, xds_protocol: str, metrics_source: str) -> None:
     """Run the whole stack on this machine (simulated GPUs, Prometheus, inferlb, Envoy) and drive traffic."""
     from inferlb.demo import run_demo
 
     _setup_logging("warning")
     sys.exit(run_demo(duration=duration, json_path=json_path, workdir=workdir, concurrency=concurrency,
                       live=not quiet, xds_protocol=xds_protocol,
-                      metrics_source=metrics_source))
+                      metrics_source=metrics_source, traffic=traffic, tokenizer=tokenizer))
 
 
 @main.command("ext-proc")

@@ -4,7 +4,9 @@ Simulated GPU backends (A100- and A10-class, versions v1 and v2) -> Prometheus s
 second -> ``inferlb serve`` (xDS + ext_proc + admin, a child process) -> Envoy. Drives chat
 traffic with session and version headers through the ``openai`` client (80 % streamed, a shared
 system prompt), shows the live weights, writes a summary, and ends by
-plotting the weight history to ``<workdir>/weight-history.png``.
+plotting the weight history to ``<workdir>/weight-history.png``. With ``--traffic none`` it drives
+nothing: the stack serves any outside client (an OpenAI client, a benchmark tool) until Ctrl-C or
+SIGTERM, and prints how to reach it (:func:`serve_outside_clients`).
 
 Metrics source (``--metrics-source``): ``prometheus`` (with the scrape source as fallback),
 ``scrape`` (no Prometheus: the control plane scrapes the backends itself), or ``auto`` (default):
@@ -30,7 +32,7 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, MODEL_NAME, Traffic, drive, make_sessions
-from inferlb.output import plot_history, weights_rich_table, weights_table
+from inferlb.output import demo_summary_text, plot_history, weights_rich_table, weights_table
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
@@ -82,11 +84,12 @@ class DemoStack:
     cfg: Config
     admin: str = f"http://127.0.0.1:{ADMIN_PORT}"
     envoy_admin: str = f"http://127.0.0.1:{ENVOY_ADMIN}"
+    sim_args: tuple[str, ...] = ()
 
     def restart_sim(self, port: int) -> stack.Proc:
-        """Start the backend on ``port`` again (after it was stopped or killed), same class and version."""
+        """Start the backend on ``port`` again (after it was stopped or killed), same class, version and options."""
         version, gpu = next((v, g) for v, g, p in self.backends if p == port)
-        proc = stack.start_sim(port, self.cfg_path.parent, gpu_class=gpu, version=version)
+        proc = stack.start_sim(port, self.cfg_path.parent, gpu_class=gpu, version=version, extra=list(self.sim_args))
         self.procs[proc.name] = proc
         return proc
 
@@ -98,11 +101,12 @@ class DemoStack:
         return proc
 
 
-def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: list[stack.Proc] | None = None
-                ) -> DemoStack:
+def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: list[stack.Proc] | None = None,
+                tokenizer: str | None = None) -> DemoStack:
     """Start the demo's processes in ``work``: the simulated backends (:data:`BACKENDS`, free ports),
     Prometheus (when ``source`` is ``prometheus``), ``inferlb serve`` and Envoy (``xds_protocol``
-    sotw or delta), each ready before the next starts, on the demo's fixed ports.
+    sotw or delta), each ready before the next starts, on the demo's fixed ports. ``tokenizer``: a
+    Hugging Face tokenizer directory the backends count tokens with (``sim-backend --tokenizer``).
 
     Each process is appended to ``started`` as soon as it runs, so the caller can stop them all
     even when a later one fails.
@@ -114,8 +118,9 @@ def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: li
     _check_ports(ports + ([PROMETHEUS_PORT] if source == "prometheus" else []))
     procs = started if started is not None else []
     backends = [(v, g, stack.free_port()) for v, g in BACKENDS]
+    sim_args = ("--tokenizer", tokenizer) if tokenizer else ()
     for version, gpu, port in backends:
-        procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version))
+        procs.append(stack.start_sim(port, work, gpu_class=gpu, version=version, extra=list(sim_args)))
     if source == "prometheus":
         procs.append(stack.start_prometheus([f"127.0.0.1:{p}" for _, _, p in backends], work,
                                             PROMETHEUS_PORT, scrape_interval_s=1.0))
@@ -125,7 +130,7 @@ def start_stack(work: Path, source: str, xds_protocol: str = "sotw", started: li
     cfg = load_config(cfg_path)
     cp = stack.start_control_plane(cfg_path, work, ADMIN_PORT)
     procs.append(cp)
-    demo = DemoStack({}, backends, cfg_path, cfg)
+    demo = DemoStack({}, backends, cfg_path, cfg, sim_args=sim_args)
     stack.wait_http(f"{demo.admin}/readyz", cp)
     procs.append(stack.start_envoy(
         render_bootstrap(xds_address=cfg.listen.xds, node_id="inferlb-demo", admin_port=ENVOY_ADMIN,
@@ -172,16 +177,39 @@ def _settled_weights(admin: str, envoy_admin: str, tries: int = 30) -> dict:
     return weights
 
 
+def health_changes(history: dict) -> list[dict]:
+    """Every change of an endpoint's health in a weight-history document (``GET /api/v1/history``):
+    ``[{"t", "cluster", "endpoint", "health", "reason"}]`` oldest first, ``reason`` the first of the
+    point's reasons ("" without). An endpoint's first point counts when it is not HEALTHY."""
+    out = []
+    for series in history.get("series", []):
+        before = "HEALTHY"
+        for point in series["points"]:
+            if point["health"] != before:
+                out.append({"t": point["t"], "cluster": series["cluster"], "endpoint": series["endpoint"],
+                            "health": point["health"], "reason": (point["reasons"] or [""])[0]})
+            before = point["health"]
+    return sorted(out, key=lambda c: c["t"])
+
+
 def _xds_protocol(admin: str, node_id: str) -> str | None:
     """The ADS protocol the control plane sees ``node_id`` using ("sotw" / "delta"; None if not connected)."""
     nodes = _get_json(f"{admin}/api/v1/nodes")["nodes"]
     return next((n["protocol"] for n in nodes if n["node_id"] == node_id), None)
 
 
+#: On a terminal the live table is redrawn in place this often (s); elsewhere (a log, a pipe) one
+#: progress line is printed this often instead, and the table once at the end.
+LIVE_EVERY_S, PROGRESS_EVERY_S = 2.0, 10.0
+
+
 async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
-    """The weights every 2 s: a table updated in place on a terminal (rich), plain lines otherwise."""
+    """The weights every :data:`LIVE_EVERY_S` as a table updated in place on a terminal (rich); on a
+    non-terminal one progress line (time, requests, errors, unhealthy endpoints) every
+    :data:`PROGRESS_EVERY_S` (a table reprinted every 2 s was 345 lines for 60 s, issue 39)."""
+    tty = sys.stdout.isatty()
     live = None
-    if sys.stdout.isatty():
+    if tty:
         from rich.live import Live
 
         live = Live(auto_refresh=False)
@@ -199,10 +227,12 @@ async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: floa
             if live is not None:
                 live.update(weights_rich_table(doc, head) if doc else head, refresh=True)
             else:
-                print("\n" + head + ("\n" + weights_table(doc) if doc else ""), flush=True)
+                out = [e["address"] for c in (doc or {}).get("clusters", []) for e in c["endpoints"]
+                       if e["health"] != "HEALTHY"]
+                print(head + (f"  not healthy: {', '.join(out)}" if out else ""), flush=True)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):   # not wait_for: it can lose a cancellation on 3.11
-                    await stop.wait()
+                async with asyncio.timeout(LIVE_EVERY_S if tty else PROGRESS_EVERY_S):  # not wait_for: it can
+                    await stop.wait()                                                    # lose a cancellation on 3.11
     finally:
         if live is not None:
             live.stop()
@@ -265,13 +295,61 @@ def choose_metrics_source(requested: str, prometheus_installed: bool) -> str:
     return requested
 
 
+def outside_client_help(demo: DemoStack, models: dict) -> str:
+    """What ``--traffic none`` prints: the URL, the served names (``models``: the ``GET /v1/models``
+    answer Envoy gave) and how to send the session and version headers."""
+    url = f"http://127.0.0.1:{ENVOY_LISTENER}"
+    service = demo.cfg.services[0]
+    headers = demo.cfg.headers
+    names = ", ".join(m["id"] for m in models["data"])
+    example = next((m for m in service.models), service.default)
+    return "\n".join([
+        f"inferlb demo: ready for any client at {url}/v1 (OpenAI API: chat/completions, completions, models)",
+        f"  served models: {names} (a model name means the default version, {service.default})",
+        f"  session: header '{headers.session[0]}: <id>' (or {', '.join(headers.session[1:] + ('the body',))}"
+        "'s \"user\") keeps a conversation on one backend; without one, the prompt's first messages are the key",
+        f"  version: header '{headers.version}: v2' (or \"model\": \"v2\" in the body) picks a version",
+        f"  try:     curl {url}/v1/chat/completions -H 'content-type: application/json' "
+        f"-H '{headers.session[0]}: s1' -d '{{\"model\": \"{example}\", \"max_tokens\": 16, "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}'",
+        f"  decisions: {demo.admin}/api/v1/decisions   weights: {demo.admin}/api/v1/weights",
+        "  Ctrl-C (or SIGTERM) stops everything.",
+    ])
+
+
+def serve_outside_clients(demo: DemoStack) -> int:
+    """``--traffic none``: print :func:`outside_client_help` and keep the stack up until SIGINT or
+    SIGTERM (then 0: stopping is how this mode ends; the caller stops the processes).
+
+    Raises:
+        stack.StackError: Envoy does not answer ``GET /v1/models``.
+    """
+    try:
+        models = _get_json(f"http://127.0.0.1:{ENVOY_LISTENER}/v1/models")
+    except OSError as err:
+        raise stack.StackError(f"Envoy does not answer GET /v1/models: {err}") from None
+    print(outside_client_help(demo, models), flush=True)
+    try:
+        while all(p.alive() for p in demo.procs.values()):
+            time.sleep(0.5)
+    except (KeyboardInterrupt, Terminated):
+        print("inferlb demo: stopping everything", file=sys.stderr, flush=True)
+        return 0
+    gone = next(p for p in demo.procs.values() if not p.alive())
+    raise stack.StackError(f"{gone.name} exited with {gone.popen.returncode}:\n{gone.log_tail()}")
+
+
 def run_demo(duration: float, json_path: str | None, workdir: str | None, concurrency: int,
-             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto") -> int:
+             live: bool, xds_protocol: str = "sotw", metrics_source: str = "auto", traffic: str = "chat",
+             tokenizer: str | None = None) -> int:
     """Run the demo; returns the process exit code (0 = ran and wrote its summary).
 
     ``xds_protocol``: "sotw" or "delta", the ADS variant Envoy's bootstrap asks for; the summary
     says which one served (``xds_protocol``, as the control plane saw the stream).
     ``metrics_source``: "auto", "prometheus" or "scrape" (see the module docstring).
+    ``traffic``: "chat" (the demo's own load generator for ``duration`` s, then the summary) or
+    "none" (:func:`serve_outside_clients`: no traffic, no summary, until a signal; exit code 0).
+    ``tokenizer``: the backends count tokens with the Hugging Face tokenizer in that directory.
     """
     try:
         source = choose_metrics_source(metrics_source, stack.prometheus_binary() is not None)
@@ -280,7 +358,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         return 2
     import importlib.util
 
-    if importlib.util.find_spec("openai") is None:
+    if traffic == "chat" and importlib.util.find_spec("openai") is None:
         print("inferlb demo: the demo's traffic speaks through the openai client, which is not installed: "
               "pip install 'inferlb[demo]'", file=sys.stderr)
         return 2
@@ -293,7 +371,9 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         demo_started = time.time()
         print(f"inferlb demo: metrics source {source}" + ("" if source == "prometheus" else
               " (the control plane scrapes the backends' /metrics itself; no Prometheus)"), flush=True)
-        demo = start_stack(work, source, xds_protocol, procs)
+        demo = start_stack(work, source, xds_protocol, procs, tokenizer)
+        if traffic == "none":
+            return serve_outside_clients(demo)
         backends, cfg, admin, envoy_admin = demo.backends, demo.cfg, demo.admin, demo.envoy_admin
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
               f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
@@ -315,11 +395,13 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],
             "workdir": str(work),
         }
-        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
-        print(json.dumps({k: summary[k] for k in ("requests", "sessions", "versions", "latency_ms", "ttft_ms")},
-                         indent=1))
         plot_path = work / "weight-history.png"
         history = _get_json(f"{admin}/api/v1/history?since={int(time.time() - demo_started) + 5}s")
+        changes = health_changes(history)
+        summary["health_changes"] = changes
+        summary["ejections"] = sum(1 for c in changes if c["health"] == "UNHEALTHY" and "ejected" in c["reason"])
+        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
+        print(demo_summary_text(summary), flush=True)
         plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")
         summary["history_plot"] = str(plot_path)
         if json_path:

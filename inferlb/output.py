@@ -45,6 +45,7 @@ def weights_table(doc: dict) -> str:
     src = doc.get("metrics_source") or {}
     rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
                 f"snapshot {doc.get('snapshot_version')}")
+    rows.extend(f"WARNING: {w['message']}" for w in doc.get("warnings", []))
     return "\n".join(rows)
 
 
@@ -146,3 +147,35 @@ def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight 
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return drawn
+
+
+def demo_summary_text(s: dict) -> str:
+    """The demo's summary (``inferlb demo --json``'s document) as lines a person reads: what each
+    figure means, including what ``sticky`` counts, whether Envoy's weights equal the control
+    plane's, which metrics source answered, and every health change of the run."""
+    req, sessions, lat, ttft = s["requests"], s["sessions"], s["latency_ms"], s["ttft_ms"]
+    lines = [
+        f"metrics source: {s['metrics_source']}"
+        + (" (Prometheus scraping the backends every 1 s)" if s["metrics_source"] == "prometheus"
+           else " (the control plane scraping the backends' /metrics itself)"),
+        f"requests: {req['total']} ({req['ok']} ok, {req['errors']} errors, {req['streamed']} streamed)",
+        f"sessions: {sessions['sticky']} of {sessions['total']} sticky (every turn of the session answered by "
+        "one backend, where its earlier turns' KV cache is)",
+    ]
+    for version, v in sorted(s["versions"].items()):
+        lines.append(f"version {version}: {v['correct']} of {v['requests']} requests answered by a {version} backend")
+    lines.append(f"latency ms: p50 {_fmt(lat['p50'], digits=1)}, p95 {_fmt(lat['p95'], digits=1)}, "
+                 f"p99 {_fmt(lat['p99'], digits=1)}; time to first token ms: p50 {_fmt(ttft['p50'], digits=1)}, "
+                 f"p90 {_fmt(ttft['p90'], digits=1)}")
+    differ = [f"{c} {a}: control plane {w['control_plane']}, Envoy {w['envoy']}"
+              for c, eps in sorted(s["weights"].items()) for a, w in sorted(eps.items())
+              if w["control_plane"] != w["envoy"]]
+    count = sum(len(eps) for eps in s["weights"].values())
+    lines.append(f"Envoy's weights equal the control plane's: yes, all {count} endpoints" if not differ
+                 else "Envoy's weights differ from the control plane's: " + "; ".join(differ))
+    changes = s.get("health_changes", [])
+    lines.append(f"health changes: {len(changes)} ({s.get('ejections', 0)} ejections)")
+    for c in changes:
+        when = datetime.fromtimestamp(c["t"], UTC).strftime("%H:%M:%S")
+        lines.append(f"  {when} {c['cluster']} {c['endpoint']} -> {c['health']}: {reasons_text([c['reason']])}")
+    return "\n".join(lines)

@@ -43,6 +43,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         prefix_messages=cfg.picker.prefix_messages,
         prefix_max_bytes=cfg.picker.prefix_max_bytes,
         body_mode=cfg.picker.body_mode,
+        protocol=cfg.picker.protocol,
         services=tuple(
             ServiceRoute(
                 name=s.name,

@@ -40,7 +40,7 @@ from ext_proc.load_client import run_load_view
 from ext_proc.sampler import DecisionSampler
 from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import Server, TlsFiles, ssl_context
-from ext_proc.view import ViewHolder
+from ext_proc.view import EndpointView, ViewHolder
 from inferlb.listeners import binding
 from inferlb.picker_config import picker_metadata, picker_settings, routing_table
 from xds_server.admin.app import WriteAuth, make_admin_app
@@ -206,7 +206,7 @@ class InferLB:
         self.client_view = ClientView(window_s=cfg.prometheus.window_s)
         self.sources = build_sources(cfg, self.client_view)
         self.cache = SnapshotCache(cfg.xds.debounce_s, cfg.xds.debounce_max_s)
-        self.view = ViewHolder()
+        self.view = ViewHolder(EndpointView.empty(routing_table(cfg)))   # the picker's protocol from the start
         self._view_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picker-view")
         self._rounds_frozen = 0
         self._largest: tuple[Sequence[EndpointSpec] | None, dict[str, float]] = (None, {})

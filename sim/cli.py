@@ -139,6 +139,9 @@ from sim.engines.hardware import DEFAULT_MODEL, GPU_CLASSES, MODELS
               help="At shutdown: seconds of serving after announcing drain, before the lease is revoked.")
 @click.option("--etcd-user", default=None, envvar="INFERLB_SIM_ETCD_USER", metavar="NAME:PASSWORD",
               help="etcd user authentication (or the INFERLB_SIM_ETCD_USER environment variable).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Count prompt tokens with the Hugging Face tokenizer in this directory (its tokenizer.json; "
+                   "the tokenizers package: pip install 'inferlb[tokenizer]')  [default: 4 bytes a token]")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -171,10 +174,13 @@ def sim_backend(
     etcd_status_interval_s: float,
     etcd_drain_s: float,
     etcd_user: str | None,
+    tokenizer_dir: str | None,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if tokenizer_dir is not None:
+        _use_tokenizer(tokenizer_dir)
     try:
         cfg = BackendConfig(
             host=host,
@@ -218,3 +224,40 @@ def sim_backend(
     except OSError as exc:  # the port is taken, or the host is not one of this machine's
         why = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's strerror repeats the address
         raise click.ClickException(f"--host/--port {host}:{port}: {why.lower()}") from exc
+
+
+def _use_tokenizer(directory: str) -> None:
+    """``--tokenizer DIR``: count with that tokenizer (:mod:`sim.tokenizer`), or a one-line error."""
+    from sim.tokenizer import load
+    from sim.tokens import use_tokenizer
+
+    try:
+        use_tokenizer(load(directory))
+    except ModuleNotFoundError:
+        raise click.ClickException("--tokenizer needs the tokenizers package: pip install 'inferlb[tokenizer]'") \
+            from None
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="'--tokenizer'") from None
+
+
+@click.command("sim-tokenizer")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--vocab-size", type=click.IntRange(512, 65536), default=8192, show_default=True,
+              help="Most tokens in the vocabulary.")
+def sim_tokenizer(directory: str, vocab_size: int) -> None:
+    """Write a small Hugging Face tokenizer to DIRECTORY for offline use (no model hub): a byte-level BPE
+    trained here, the same files every time. `inferlb sim-backend --tokenizer DIRECTORY` counts with it,
+    and so does a client that loads it (transformers' AutoTokenizer, guidellm's --tokenizer)."""
+    from sim.tokenizer import write_small_tokenizer
+
+    try:
+        out = write_small_tokenizer(directory, vocab_size)
+    except ModuleNotFoundError:
+        raise click.ClickException("sim-tokenizer needs the tokenizers package: pip install 'inferlb[tokenizer]'") \
+            from None
+    except OSError as err:
+        raise click.ClickException(f"cannot write {directory}: {err.strerror or err}") from None
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    click.echo(f"{out}: tokenizer.json, tokenizer_config.json, special_tokens_map.json ({size} tokens)")

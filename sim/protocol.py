@@ -59,7 +59,8 @@ class InferenceRequest:
 def render_prompt(kind: Kind, body: Mapping[str, Any]) -> str:
     """The prompt text the tokenizer reads; raises RequestError on a malformed field.
 
-    Chat: every message as ``<|ROLE|>\\nCONTENT\\n`` (content that is not a string as JSON), then
+    Chat: every message as ``<|ROLE|>\\nCONTENT\\n`` (content given as parts: the text of its text
+    parts, as a chat template renders them; other content as JSON), then
     ``<|assistant|>\\n`` (the generation prompt of a chat template), so a client that resends
     the whole conversation sends a longer text that starts with the previous one.
     Completions: the ``prompt`` string (a list as JSON).
@@ -74,6 +75,10 @@ def render_prompt(kind: Kind, body: Mapping[str, Any]) -> str:
                 raise RequestError("messages", "each entry of 'messages' must be an object")
             content = msg.get("content", "")
             role = msg.get("role", "user")
+            if isinstance(content, list) and content and all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                    for p in content):
+                content = "".join(p["text"] for p in content)   # OpenAI content parts, text only
             parts.append(f"<|{role if isinstance(role, str) else 'user'}|>\n"
                          f"{content if isinstance(content, str) else json.dumps(content)}\n")
         return "".join(parts) + "<|assistant|>\n"

@@ -4,7 +4,8 @@ Each test module is one group, so a module-scoped stack (real Envoy, Prometheus,
 once, on one worker. Two groups span modules:
 
 - ``faults``: every module of tests/faults shares one package-scoped fault stack;
-- ``heavy``: the runs of whole benchmarks and of the demo (quality bench, soak, the wheel's demo).
+- ``heavy``: the runs of whole benchmarks and of the demo (quality bench, soak, the wheel's demo,
+  the demo without traffic).
   They burn both cores for minutes and the demo and soak bind the demo's fixed ports (10000,
   18000, ...), so they run one after another on one worker while the other worker takes the
   lighter modules.
@@ -21,6 +22,7 @@ HEAVY = frozenset({
     "tests/integration/test_bench_quality_directions.py",
     "tests/integration/test_bench_quality_smoke.py",
     "tests/integration/test_bench_soak.py",
+    "tests/integration/test_demo_outside_client.py",
     "tests/integration/test_wheel.py",
 })
 

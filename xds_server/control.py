@@ -24,7 +24,7 @@ from xds_server.engine import settings
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EndpointSpec, EngineParams, EngineState
-from xds_server.engine.verdicts import Verdicts
+from xds_server.engine.verdicts import Verdicts, unserved
 from xds_server.metrics.source import MetricsSource, MetricsUnavailable
 from xds_server.metrics.stats import EndpointStats
 from xds_server.resources.build import BuildMemo, build_snapshot
@@ -37,6 +37,10 @@ ROUNDS = Counter("inferlb_weight_rounds_total", "Weight-engine rounds, by outcom
 #: Most per-endpoint change lines logged per round.
 MAX_CHANGE_LINES = 200
 SNAPSHOTS = Counter("inferlb_snapshots_total", "New snapshots published")
+UNSERVED = Gauge("inferlb_cluster_unserved", "1 while a cluster has no healthy endpoint (every endpoint drained "
+                 "or unhealthy: Envoy answers 503 no healthy upstream)", ["cluster"])
+UNSERVED_TOTAL = Counter("inferlb_cluster_unserved_episodes_total",
+                         "Times a cluster was left without a healthy endpoint", ["cluster"])
 
 
 def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
@@ -119,6 +123,9 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self.weights = Verdicts([])
         """The last round's verdicts (a ``Sequence[EndpointWeight]``)."""
+        self.unserved: dict[str, str] = {}
+        """``{cluster: why}``: the clusters the last round left without a healthy endpoint
+        (:func:`~xds_server.engine.verdicts.unserved`; ``/readyz`` and ``/api/v1/weights`` show them)."""
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
         self.stats_at: float | None = None
@@ -208,6 +215,7 @@ class ControlPlane:
                     return weights
 
                 weights = await asyncio.to_thread(decide)
+                self._warn_unserved(unserved(weights))
                 for hook in self._round_hooks:
                     done = hook(weights)
                     if inspect.isawaitable(done):
@@ -224,6 +232,20 @@ class ControlPlane:
                 await self._publish(main, weights)
                 for group, snap in per_group.items():  # node-specific views (config node_groups)
                     await self.cache.set(snap, group)
+
+    def _warn_unserved(self, now: dict[str, str]) -> None:
+        """Log, count and keep (:attr:`unserved`) each cluster left without a healthy endpoint, once
+        when it happens (a warning) and once when it ends."""
+        for cluster, why in now.items():
+            if cluster not in self.unserved:
+                log.warning("cluster %s has no healthy endpoint: %s; Envoy answers its requests 503 "
+                            "no healthy upstream", cluster, why)
+                UNSERVED_TOTAL.labels(cluster).inc()
+            UNSERVED.labels(cluster).set(1)
+        for cluster in self.unserved.keys() - now.keys():
+            log.info("cluster %s has a healthy endpoint again", cluster)
+            UNSERVED.labels(cluster).set(0)
+        self.unserved = now
 
     async def refresh(self) -> None:
         """A round now (after a reload); if the metrics source fails, republish from the last stats so a

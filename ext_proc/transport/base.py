@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
-    "ACCESS_LOG_METHOD", "GRPC_DEADLINE_EXCEEDED", "GRPC_INTERNAL", "GRPC_INVALID_ARGUMENT", "GRPC_OK",
+    "ACCESS_LOG_METHOD", "Answer", "GRPC_DEADLINE_EXCEEDED", "GRPC_INTERNAL", "GRPC_INVALID_ARGUMENT", "GRPC_OK",
     "GRPC_RESOURCE_EXHAUSTED", "GRPC_UNAVAILABLE", "GRPC_UNIMPLEMENTED", "MAX_MESSAGE_BYTES", "PROCESS_METHOD",
     "Server", "Service", "StreamError", "StreamState", "TlsFiles", "ssl_context",
 ]
@@ -31,6 +31,11 @@ MAX_MESSAGE_BYTES = 16 << 20
 at most the request body Envoy buffers, bounded by ``picker.body_max_bytes``)."""
 
 
+Answer = bytes | list[bytes]
+"""One serialized ``ProcessingResponse``, or several to send in order (Envoy's FULL_DUPLEX_STREAMED
+body mode: the deferred headers answer, then the body chunks)."""
+
+
 class StreamError(Exception):
     """Ends an ext_proc stream with gRPC status ``code`` (an int) and ``message``."""
 
@@ -41,23 +46,26 @@ class StreamError(Exception):
 
 
 class StreamState:
-    """What one ext_proc stream remembers between messages: request headers held for the body, and
+    """What one ext_proc stream remembers between messages: request headers held for the body,
     whether the request was decided on its first body chunk (streamed body mode: the later chunks
-    only need a no-change answer)."""
+    only need a no-change answer), and with the endpoint-picker protocol (``picker.protocol:
+    gateway-api``) that protocol's state of the stream (:class:`ext_proc.gateway.GatewayStream`)."""
 
-    __slots__ = ("held", "decided")
+    __slots__ = ("held", "decided", "gateway")
 
     def __init__(self) -> None:
         self.held: dict[str, bytes] | None = None
         self.decided = False
+        self.gateway: Any = None
 
 
 class Service(Protocol):
     """The picker as a transport sees it."""
 
-    def process(self, stream: StreamState, data: bytes) -> tuple[bytes | asyncio.Future[bytes] | None, bool]:
-        """Answer one serialized ``ProcessingRequest``: ``(answer bytes, a future of them, or None;
-        whether the stream ends)``. Raises :class:`StreamError` to end the stream with a status."""
+    def process(self, stream: StreamState, data: bytes) -> tuple[Answer | asyncio.Future[Answer] | None, bool]:
+        """Answer one serialized ``ProcessingRequest``: ``(answer bytes, a list of answers to send in
+        order, a future of either, or None; whether the stream ends)``. Raises :class:`StreamError` to
+        end the stream with a status."""
         ...
 
     def access_log(self, data: bytes) -> None:

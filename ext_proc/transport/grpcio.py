@@ -78,7 +78,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 return
             if isinstance(answer, asyncio.Future):
                 answer = await answer  # waiting for admission; cancelled with this task
-            if answer is not None:
+            if isinstance(answer, list):  # several answers to one message (full duplex body mode)
+                for one in answer:
+                    yield one
+            elif answer is not None:
                 yield answer
             if end:
                 return

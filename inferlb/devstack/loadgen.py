@@ -158,15 +158,20 @@ def _chat_body(max_tokens: int, messages: Sequence[Mapping[str, str]] | None = N
 
 
 def error_kind(status: int, body: bytes) -> str | None:
-    """None for a 2xx; else the ``error.type`` of an OpenAI-style JSON body, or ``"http_STATUS"``."""
+    """None for a 2xx; else the ``error.code`` of an OpenAI error object (inferlb's and Envoy's stable
+    codes: ``overloaded``, ``no_healthy_upstream`` ...), else its ``error.type`` (the simulator's
+    ``oom``), else ``"http_STATUS"``."""
     if 200 <= status < 300:
         return None
     try:
         err = json.loads(body).get("error")
     except (ValueError, AttributeError):
         err = None
-    kind = err.get("type") if isinstance(err, dict) else None
-    return kind if isinstance(kind, str) and kind else f"http_{status}"
+    if isinstance(err, dict):
+        for kind in (err.get("code"), err.get("type")):
+            if isinstance(kind, str) and kind:
+                return kind
+    return f"http_{status}"
 
 
 _Outcome = tuple[int, str | None, str | None, str | None, dict]

@@ -275,12 +275,16 @@ def inferlb_argv(*args: str) -> list[str]:
 
 
 def start_sim(port: int, workdir: Path, *, gpu_class: str, version: str, name: str | None = None,
-              extra: list[str] | None = None) -> Proc:
-    """Run one simulated GPU backend on 127.0.0.1:``port`` and wait for ``/health``."""
-    proc = spawn(name or f"sim-{port}", inferlb_argv(
-        "sim-backend", "--port", str(port), "--gpu-class", gpu_class, "--version", version, *(extra or [])
+              extra: list[str] | None = None, host: str = "127.0.0.1") -> Proc:
+    """Run one simulated GPU backend on ``host``:``port`` (a loopback address: several backends may
+    share a port on 127.0.0.2, 127.0.0.3 ..., as pods share an InferencePool's target port) and wait
+    for ``/health``."""
+    name = name or (f"sim-{port}" if host == "127.0.0.1" else f"sim-{host}-{port}")
+    proc = spawn(name, inferlb_argv(
+        "sim-backend", "--host", host, "--port", str(port), "--gpu-class", gpu_class, "--version", version,
+        *(extra or [])
     ), workdir)
-    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    wait_http(f"http://{host}:{port}/health", proc)
     return proc
 
 

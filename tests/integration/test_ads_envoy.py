@@ -401,7 +401,8 @@ def test_every_host_unhealthy_gives_503_with_panic_threshold_0_and_panic_routing
     assert counts == {(503, None): 60}, counts
     assert (envoy.stat("cluster.chat-v1.upstream_cx_none_healthy") or 0) - none_healthy == 60
     assert not envoy.stat("cluster.chat-v1.lb_healthy_panic")
-    assert requests.post(envoy.url, json={}, timeout=5).text == "no healthy upstream"
+    assert requests.post(envoy.url, json={}, timeout=5).json()["error"] == {   # Envoy's reply, OpenAI's shape
+        "message": "no healthy upstream", "type": "server_error", "param": None, "code": "no_healthy_upstream"}
     harness.push_config(config(harness, panic_threshold_percent=50), all_bad)
     wait_until(lambda: envoy.stat("cluster_manager.warming_clusters") == 0 and not non_2xx(blast(envoy.url, 3, 1)),
                3, 0.05, "panic routing with threshold 50")

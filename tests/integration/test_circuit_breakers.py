@@ -1,5 +1,6 @@
 """2000 concurrent connections through real Envoy with the picker (wrk): no request fails for a
-circuit-breaker limit inferlb left at Envoy's default of 1024 (issue 15 item 12).
+circuit-breaker limit inferlb left at Envoy's default of 1024 (issue 15 item 12), and no HTTP/2 flood
+protection trips on the picker's connections, so every request gets its decision (issue 39 item 4).
 
 Envoy's upstreams are two of its own static listeners that hold each request 0.5 s (fault filter)
 and answer 200, so 2000 connections keep ~2000 requests in flight on the inference cluster, each
@@ -10,8 +11,10 @@ default limit in flight at once (sampled from Envoy's gauge), however fast this 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -31,6 +34,7 @@ T = "type.googleapis.com/"
 CONNECTIONS = 2000
 DURATION_S = 5
 DELAY_S = 0.5
+STALL_S = 0.5
 OVERFLOWS = ("upstream_rq_pending_overflow", "upstream_cx_overflow", "upstream_rq_retry_overflow")
 
 
@@ -72,7 +76,7 @@ def envoy_with_picker(tmp_path_factory):
     cfg = {
         "listen": {"xds": f"127.0.0.1:{ports['xds']}", "ext_proc": f"127.0.0.1:{ports['ext_proc']}",
                    "admin": f"127.0.0.1:{ports['admin']}"},
-        "envoy": {"listener": f"127.0.0.1:{ports['listener']}", "ext_proc_timeout_s": 1.0},
+        "envoy": {"listener": f"127.0.0.1:{ports['listener']}", "ext_proc_timeout_s": 3.0},
         "prometheus": {"url": f"http://127.0.0.1:{ports['dead']}"},
         "loop": {"interval_s": 5, "timeout_s": 0.2, "first_round_wait_s": 0.5},
         "history": {"path": ":memory:"},
@@ -92,14 +96,14 @@ def envoy_with_picker(tmp_path_factory):
                    "Envoy to have the cluster with both endpoints")
         wait_until(lambda: envoy_stats(admin).get("listener_manager.total_listeners_active", 0) >= 3, 30, 0.2,
                    "the inference listener")
-        yield f"http://127.0.0.1:{ports['listener']}", admin
+        yield f"http://127.0.0.1:{ports['listener']}", admin, procs[0].popen.pid, procs[1].popen.pid
     finally:
         for p in reversed(procs):
             p.stop()
 
 
 def test_2000_concurrent_requests_hit_no_limit_inferlb_left_at_envoys_default(envoy_with_picker):
-    url, admin = envoy_with_picker
+    url, admin, picker_pid, envoy_pid = envoy_with_picker
     peaks = {"chat-v1": 0, "inferlb_ext_proc": 0}   # the most requests each cluster had in flight at once
     running = threading.Event()
     running.set()
@@ -111,13 +115,32 @@ def test_2000_concurrent_requests_hit_no_limit_inferlb_left_at_envoys_default(en
                 peaks[name] = max(peaks[name], stats.get(f"cluster.{name}.upstream_rq_active", 0))
             time.sleep(0.1)
 
+    def stall() -> None:
+        """Twice, the picker stalls (a pause a busy or shared host gives any process) while Envoy
+        keeps sending it requests, then Envoy stalls while the picker answers them: Envoy then reads
+        a connection's worth of answers at once and resets every one of those streams together."""
+        time.sleep(1.0)
+        for _ in range(2):
+            os.kill(picker_pid, signal.SIGSTOP)
+            time.sleep(STALL_S)
+            os.kill(envoy_pid, signal.SIGSTOP)
+            os.kill(picker_pid, signal.SIGCONT)
+            time.sleep(STALL_S)
+            os.kill(envoy_pid, signal.SIGCONT)
+            time.sleep(0.5)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    staller = threading.Thread(target=stall, daemon=True)
+    staller.start()
     try:
         out = subprocess.run(["wrk", "-t2", f"-c{CONNECTIONS}", f"-d{DURATION_S}s", "--timeout", "10s",
                               "-H", "x-session-id: load-1", "-H", "model-version: v1", f"{url}/v1/chat/completions"],
                              capture_output=True, text=True, timeout=DURATION_S + 60).stdout
     finally:
+        staller.join(10)
+        os.kill(picker_pid, signal.SIGCONT)
+        os.kill(envoy_pid, signal.SIGCONT)
         running.clear()
         sampler.join(10)
     done = int(re.search(r"(\d+) requests in", out).group(1))
@@ -135,3 +158,12 @@ def test_2000_concurrent_requests_hit_no_limit_inferlb_left_at_envoys_default(en
     assert peak >= done * 0.9, (peak, done)
     for name in ("chat-v1", "inferlb_ext_proc"):
         assert stats[f"cluster.{name}.circuit_breakers.default.rq_open"] == 0, name
+    # No HTTP/2 flood protection tripped on the picker's connections (every ext_proc stream ends with an
+    # RST_STREAM from Envoy: at Envoy's default max_outbound_control_frames of 1 000 this run counted
+    # outbound_control_flood 1 and 758 requests through without a picker decision), and every request
+    # had its decision.
+    floods = {k: v for k, v in stats.items() if k.startswith("cluster.inferlb_ext_proc.http2.") and "flood" in k and v}
+    assert floods == {}, floods
+    assert stats["cluster.inferlb_ext_proc.http2.tx_reset"] >= done * 0.9   # the RST_STREAM per stream
+    assert stats["http.inferlb.ext_proc.failure_mode_allowed"] == 0, out
+    assert stats["http.inferlb.ext_proc.streams_failed"] == 0, out

@@ -55,7 +55,10 @@ def eng(tmp_path_factory):
                       6: ["--engine", "job"], LEGACY: ["--legacy-metrics"],
                       PUSHER: ["--push-status", f"127.0.0.1:{push_port}", "--push-interval-s", "0.2"]},
         deferred={NEW_NODE},
-        config={"picker": {"request_memory_header": "x-sim-memory-mib"},
+        # body_max_bytes 0: this module's traffic is the unkeyed kind (every request's prompt is the
+        # same "hello", which body routing would make one prefix key, held on its ring owner up to its
+        # bound): the weights are under test here, not affinity.
+        config={"picker": {"request_memory_header": "x-sim-memory-mib", "body_max_bytes": 0},
                 "engine": {"request_memory_mib": LARGE_MIB,
                            "factors": {"slow_start": {"window_s": 8}},
                            "filters": {"latency_outlier": {"base_ejection_s": 2, "max_ejection_s": 4}}},

@@ -376,7 +376,8 @@ def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_
         seen: list[requests.Response] = []
         [gone] = wait_until(lambda: (r := ask(), seen.append(r))[0].status_code == 503 and [r], 10, 0.1,
                             "the default version's 503")
-        assert gone.json() == {"error": "model version 'v1' of service 'chat' has no endpoints now"}
+        assert gone.json() == {"error": {"message": "model version 'v1' of service 'chat' has no endpoints now",
+                                         "type": "server_error", "param": None, "code": "version_unavailable"}}
         assert {r.headers.get("x-served-by") for r in seen} <= {addr_a, None}   # never v2's model
         routed = f"http://127.0.0.1:{served_stack.envoy_admin_port}/config_dump?resource=dynamic_route_configs"
         wait_until(lambda: "has no endpoints now" in requests.get(routed, timeout=5).text, 10, 0.1,

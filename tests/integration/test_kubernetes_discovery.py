@@ -1,105 +1,26 @@
 """Kubernetes discovery against a fake API server at the HTTP level (aiohttp serving list and watch JSON).
 
-No cluster runs here: the fake speaks the API's wire format for EndpointSlices (discovery.k8s.io/v1)
-and Pods, including watch streams that end (the client resumes from the last resourceVersion) and a
-``410 Gone`` (the client lists again).
+No cluster runs here: the fake speaks the API's wire format for EndpointSlices (discovery.k8s.io/v1),
+InferencePools (inference.networking.k8s.io/v1) and Pods, including watch streams that end (the
+client resumes from the last resourceVersion) and a ``410 Gone`` (the client lists again).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import queue
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import yaml
-from aiohttp import web
 
 from inferlb.serve import InferLB
 from tests.integration.conftest import LoopThread, wait_until
+from tests.support.kube import FakeApiServer, endpoint, inference_pool, pod, running_pod, slice_
 from tests.support.snapshots import assignments_of
 from xds_server.config import parse_config
+from xds_server.discovery.inferencepool import endpoints_from_pools
 from xds_server.discovery.kubernetes import KubernetesWatcher, compose_config, endpoints_from
-
-NS = "inference"
-
-
-def pod(name: str, version: str | None, gpu: str | None = None) -> dict:
-    labels = {"app": "chat"}
-    if version:
-        labels["inferlb.io/model-version"] = version
-    if gpu:
-        labels["inferlb.io/gpu-class"] = gpu
-    return {"metadata": {"name": name, "namespace": NS, "labels": labels}}
-
-
-def endpoint(ip: str, pod_name: str, ready: bool = True) -> dict:
-    return {"addresses": [ip], "conditions": {"ready": ready}, "targetRef": {"kind": "Pod", "name": pod_name}}
-
-
-def slice_(name: str, rv: str, endpoints: list[dict], service: str = "chat-backends") -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": name, "namespace": NS, "resourceVersion": rv,
-                         "labels": {"kubernetes.io/service-name": service}},
-            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}], "endpoints": endpoints}
-
-
-class FakeApiServer:
-    """Lists and watches from scripted state. ``watch_scripts``: one list of events (or "hang") per
-    watch request, in order; ``watch_rvs`` records the resourceVersion each watch asked for."""
-
-    def __init__(self) -> None:
-        self.loop = LoopThread()
-        self.slices: list[dict] = []
-        self.pods: list[dict] = []
-        self.list_rv = "100"
-        self.lists = 0
-        self.watch_rvs: list[str | None] = []
-        self.watch_scripts: queue.Queue = queue.Queue()
-        self.list_gate = threading.Event()   # cleared: lists wait for it (a slow API server)
-        self.list_gate.set()
-        self.url = self.loop.run(self._start())
-
-    async def _start(self) -> str:
-        app = web.Application()
-        app.router.add_get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices", self._slices)
-        app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self._pods)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.2)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def _pods(self, request: web.Request) -> web.Response:
-        return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                                  "items": self.pods})
-
-    async def _slices(self, request: web.Request) -> web.StreamResponse:
-        assert "kubernetes.io/service-name" in request.query.get("labelSelector", "")
-        if request.query.get("watch") not in ("true", "1", "True"):
-            await asyncio.to_thread(self.list_gate.wait, 10)
-            self.lists += 1
-            return web.json_response({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                                      "metadata": {"resourceVersion": self.list_rv}, "items": self.slices})
-        self.watch_rvs.append(request.query.get("resourceVersion"))
-        script = await asyncio.to_thread(self.watch_scripts.get)
-        resp = web.StreamResponse()
-        resp.content_type = "application/json"
-        await resp.prepare(request)
-        if script == "hang":
-            await asyncio.sleep(3600)
-        for event in script:
-            await resp.write((json.dumps(event) + "\n").encode())
-            await asyncio.sleep(0.05)
-        return resp   # the watch ends, as when timeoutSeconds runs out
-
-    def close(self) -> None:
-        for _ in range(5):
-            self.watch_scripts.put("hang")
-        self.loop.run(self._runner.cleanup())
-        self.loop.close()
 
 
 @pytest.fixture
@@ -206,3 +127,115 @@ def test_inferlb_pushes_nothing_before_discovery_then_the_discovered_clusters(ap
         loop.run(app.stop(0.1))
         loop.close()
 
+
+
+POOLS = """
+discovery:
+  kubernetes:
+    namespace: inference
+    api_server: {url}
+    inference_pools:
+      - {{name: chat, pool: vllm-chat, models: [sim-7b]}}
+services: []
+"""
+
+CHAT = {"app": "vllm-chat"}
+
+
+def test_endpoints_from_an_inference_pool_and_its_ready_pods():
+    spec = parse_config(POOLS.format(url="http://x")).discovery.kubernetes
+    pools = [inference_pool("vllm-chat", CHAT, [8000, 8001]),
+             inference_pool("other", {"app": "other"}, [9000]),                 # not configured: ignored
+             inference_pool("vllm-chat-broken", {}, [8000])]
+    pods = [running_pod("a", "10.0.0.2", {**CHAT, "inferlb.io/gpu-class": "h100"}),
+            running_pod("b", "10.0.0.1", {**CHAT, "inferlb.io/model-version": "v2"}),
+            running_pod("c", "10.0.0.3", CHAT, ready=False),                      # not ready
+            running_pod("d", "10.0.0.4", CHAT, deleting=True),                    # terminating
+            running_pod("e", "10.0.0.5", {"app": "other"}),                       # another pool's
+            running_pod("f", "", CHAT)]                                           # no IP yet
+    got = endpoints_from_pools(pools, pods, spec)
+    assert got == {"chat": {
+        "v1": [{"address": "10.0.0.2:8000", "gpu_class": "h100", "max_concurrency": 8},
+               {"address": "10.0.0.2:8001", "gpu_class": "h100", "max_concurrency": 8}],
+        "v2": [{"address": "10.0.0.1:8000", "gpu_class": "a100", "max_concurrency": 8},
+               {"address": "10.0.0.1:8001", "gpu_class": "a100", "max_concurrency": 8}]}}
+    assert endpoints_from_pools(list(reversed(pools)), list(reversed(pods)), spec) == got   # replicas agree
+    cfg = compose_config(parse_config(POOLS.format(url="http://x")), got)
+    chat = cfg.services[0]
+    assert chat.name == "chat" and chat.models == ("sim-7b",) and chat.default == "v1"
+    assert [(v.name, [e.address for e in v.endpoints]) for v in chat.versions] == [
+        ("v1", ["10.0.0.2:8000", "10.0.0.2:8001"]), ("v2", ["10.0.0.1:8000", "10.0.0.1:8001"])]
+    # The pool with no selector would select every pod: it is left out, never taken as "all".
+    broken = parse_config(POOLS.format(url="http://x").replace("pool: vllm-chat,", "pool: vllm-chat-broken,"))
+    assert endpoints_from_pools(pools, pods, broken.discovery.kubernetes) == {"chat": {}}
+
+
+def test_inference_pools_config_is_checked():
+    with pytest.raises(Exception, match="services or inference_pools"):
+        parse_config("discovery: {kubernetes: {namespace: x}}\nservices: []\n")
+    with pytest.raises(Exception, match="listed twice"):
+        parse_config("discovery: {kubernetes: {inference_pools: [{name: a, pool: p}, {name: b, pool: p}]}}\n"
+                     "services: []\n")
+    with pytest.raises(Exception, match="used twice"):
+        parse_config("discovery: {kubernetes: {inference_pools: [{name: a, pool: p}],"
+                     " services: [{name: a, service: s}]}}\nservices: []\n")
+
+
+def test_pool_and_pod_watches_follow_readiness_ports_and_a_410(api: FakeApiServer):
+    spec = parse_config(POOLS.format(url=api.url)).discovery.kubernetes
+    api.pools = [inference_pool("vllm-chat", CHAT, [8000])]
+    api.pods = [running_pod("a", "10.0.0.1", CHAT), running_pod("b", "10.0.0.2", CHAT, ready=False)]
+    became_ready = running_pod("b", "10.0.0.2", CHAT)
+    became_ready["metadata"]["resourceVersion"] = "101"
+    api.pod_watch_scripts.put([{"type": "MODIFIED", "object": became_ready}])
+    api.pod_watch_scripts.put([{"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410,
+                                                            "reason": "Expired", "message": "too old"}}])
+    api.pod_watch_scripts.put("hang")
+    api.pool_watch_scripts.put([{"type": "MODIFIED", "object": inference_pool("vllm-chat", CHAT, [9000], "102")}])
+    api.pool_watch_scripts.put("hang")
+    seen: list[dict] = []
+    watcher = KubernetesWatcher(spec, seen.append, watch_timeout_s=5)
+
+    def addresses(d: dict) -> list[str]:
+        return [e["address"] for eps in d["chat"].values() for e in eps]
+
+    watcher.start()
+    try:
+        wait_until(lambda: seen, 10, 0.05, "the first lists")
+        assert addresses(seen[0]) == ["10.0.0.1:8000"]   # ready pods only, after both kinds were listed
+        wait_until(lambda: any(addresses(d) == ["10.0.0.1:9000", "10.0.0.2:9000"] for d in seen), 10, 0.05,
+                   "the pod turning ready and the pool's new target port")
+        api.pods = [running_pod("b", "10.0.0.2", CHAT)]   # pod a went away while the watch was broken
+        api.list_rv = "300"
+        wait_until(lambda: api.pod_lists >= 2, 10, 0.05, "a new pod list after 410 Gone")
+        wait_until(lambda: addresses(seen[-1]) == ["10.0.0.2:9000"], 10, 0.05, "the relisted pods")
+        wait_until(lambda: len(api.pod_watch_rvs) >= 3, 10, 0.05, "the pod watch after the relist")
+        assert api.pod_watch_rvs == ["100", "101", "300"]
+        assert api.pool_watch_rvs[:2] == ["100", "102"]
+    finally:
+        watcher.stop()
+
+
+def test_inferlb_serves_an_inference_pools_members_as_a_cluster(api: FakeApiServer, tmp_path):
+    api.pools = [inference_pool("vllm-chat", CHAT, [8000])]
+    api.pods = [running_pod("a", "127.0.0.2", CHAT), running_pod("b", "127.0.0.3", CHAT)]
+    api.pod_watch_scripts.put("hang")
+    api.pool_watch_scripts.put("hang")
+    cfg_path = tmp_path / "inferlb.yaml"
+    doc = yaml.safe_load(POOLS.format(url=api.url))
+    doc.update({"listen": {"xds": "127.0.0.1:0", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                "prometheus": {"url": "http://127.0.0.1:1", "interval_s": 0.2, "timeout_s": 0.2,
+                               "first_round_wait_s": 0}})
+    cfg_path.write_text(yaml.safe_dump(doc))
+    loop = LoopThread()
+    app = InferLB(parse_config(cfg_path.read_text()), cfg_path)
+    try:
+        loop.run(app.start())
+        wait_until(app.control.ready.is_set, 10, 0.05, "the first snapshot after discovery")
+        assignments = assignments_of(app.cache.snapshot)
+        hosts = {c: sorted(e.endpoint.address.socket_address.address for loc in a.endpoints for e in loc.lb_endpoints)
+                 for c, a in assignments.items()}
+        assert hosts == {"chat-v1": ["127.0.0.2", "127.0.0.3"]}
+    finally:
+        loop.run(app.stop(0.1))
+        loop.close()

@@ -54,7 +54,7 @@ def test_forty_requests_larger_than_any_endpoint_get_503_from_the_picker_and_no_
     with ThreadPoolExecutor(40) as pool:
         answers = list(pool.map(send, range(40)))
     assert Counter(r.status_code for r in answers) == {503: 40}
-    message = json.loads(answers[0].text)["error"]
+    message = json.loads(answers[0].text)["error"]["message"]
     assert "no endpoint with 200000 MiB of GPU memory" in message and "81920 MiB" in message
     assert "retry-after" not in answers[0].headers
     assert _oom_total(s) == before

@@ -2,7 +2,7 @@
 
 chat's default is v1, listed in ``unavailable_versions`` (what etcd discovery sets when every v1 node
 has left); v2 has a backend. With no ext_proc filter in Envoy's listener, Envoy's own route must give
-requests naming v1, or no version, the 503 whose body names v1 (the same JSON the picker sends), and
+requests naming v1, or no version, the 503 whose body names v1 (the same error object the picker sends), and
 never v2's model; requests naming v2 are served by v2 (docs/operations.md, etcd "Leave").
 """
 
@@ -17,7 +17,8 @@ from tests.integration.conftest import Stack, start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
 
-GONE = {"error": "model version 'v1' of service 'chat' has no endpoints now"}
+GONE = {"error": {"message": "model version 'v1' of service 'chat' has no endpoints now", "type": "server_error",
+                  "param": None, "code": "version_unavailable"}}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,9 @@ def test_envoys_route_answers_the_unavailable_default_with_the_503_that_names_it
     s = stack_without_picker
     listeners = requests.get(f"{s.envoy_admin}/config_dump?resource=dynamic_listeners", timeout=5).text
     assert "ext_proc" not in listeners   # Envoy answers alone: no picker in the filter chain
-    for r in [ask(s) for _ in range(5)] + [ask(s, **{"model-version": "v1"}) for _ in range(5)]:
-        assert (r.status_code, r.headers.get("content-type"), r.json()) == (503, "application/json", GONE)
+    named = {"error": {**GONE["error"], "param": "model-version"}}   # the request named the version
+    for r, body in [(ask(s), GONE) for _ in range(5)] + [(ask(s, **{"model-version": "v1"}), named) for _ in range(5)]:
+        assert (r.status_code, r.headers.get("content-type"), r.json()) == (503, "application/json", body)
         assert "x-served-by" not in r.headers and "x-backend-version" not in r.headers   # never v2's model
     served = {ask(s, **{"model-version": "v2"}).headers.get("x-served-by") for _ in range(5)}
     assert served == {s.backends[0].address}

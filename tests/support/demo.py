@@ -27,6 +27,8 @@ def check_demo_summary(s: dict, duration_s: float) -> None:
     ttft = s["ttft_ms"]
     assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and ttft["p50"] < lat["p50"]
 
+    # No fault, no ejection, no health change (issue 39: latency outliers were judged by raw latency).
+    assert s["ejections"] == 0 and s["health_changes"] == [], s["health_changes"]
     for cluster, endpoints in s["weights"].items():
         for address, w in endpoints.items():
             assert w["control_plane"] == w["envoy"], (cluster, address, w)

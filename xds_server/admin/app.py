@@ -1,11 +1,12 @@
 """Admin HTTP API (aiohttp): health, readiness, metrics, weights, nodes, history, decisions, the page.
 
 - ``GET /healthz`` 200 while the process runs.
-- ``GET /readyz`` 200 once the first snapshot is published, else 503.
+- ``GET /readyz`` 200 once the first snapshot is published, else 503; ``{"ready", "warnings"}``
+  (:func:`warnings`: a cluster without a healthy endpoint, say).
 - ``GET /metrics`` Prometheus exposition: the process's registry plus this control plane's
   endpoint and node collectors (:mod:`xds_server.admin.exposition`).
-- ``GET /api/v1/weights`` ``{"clusters": [{"name", "endpoints": [{"address", "weight", "health",
-  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}],
+- ``GET /api/v1/weights`` ``{"clusters": [{"name", "warning", "endpoints": [{"address", "weight", "health",
+  "score", "scores", "inputs", "reasons", "filters", "factors", "target", "removed", "sources"}]}], "warnings",
   "metrics_source": {"name", "ok", "last_round_at", "configured", "fallback", "fallback_active",
   "sources"}, "snapshot_version"}``.
 - ``GET /api/v1/nodes`` ``{"nodes": [{"node_id", "node_cluster", "peer", "protocol" ("sotw" | "delta"),
@@ -59,6 +60,7 @@ from xds_server.ads.server import AdsServicer, short_type
 from xds_server.autoscaling import cluster_loads
 from xds_server.config.model import cluster_name, normalize_endpoint_address
 from xds_server.control import ControlPlane
+from xds_server.errors import error_document
 from xds_server.history.query import HistoryQuery, QueryError, parse_query, run_query
 from xds_server.history.timeparse import STEP_RE, TIME_RE
 from xds_server.history.types import HistoryError, HistoryStore
@@ -159,12 +161,32 @@ def weights_document(cp: ControlPlane) -> dict:
         "snapshot_version": snap.version if snap else None,
         "metrics_source": {"name": cp.source_name, "ok": cp.metrics_ok, "last_round_at": cp.last_round_at,
                            **cp.source.describe()},
-        "clusters": [{"name": n, "endpoints": eps} for n, eps in clusters.items()],
+        "clusters": [{"name": n, "endpoints": eps, "warning": unserved_warning(n, cp.unserved.get(n))}
+                     for n, eps in clusters.items()],
+        "warnings": warnings(cp),
     }
 
 
-def _error(status: int, message: str, parameter: str | None = None) -> web.Response:
-    return web.json_response({"error": message, "parameter": parameter}, status=status)
+def unserved_warning(cluster: str, why: str | None) -> str | None:
+    """The warning about ``cluster`` when it has no healthy endpoint (``why``), else None."""
+    if why is None:
+        return None
+    return f"cluster {cluster} has no healthy endpoint ({why}): Envoy answers its requests 503 no healthy upstream"
+
+
+def warnings(cp: ControlPlane) -> list[dict]:
+    """What an operator must know now, in ``/readyz`` and ``/api/v1/weights``: ``[{"cluster", "code",
+    "message"}]``, code ``no_healthy_endpoint`` for each cluster left without one (a whole-cluster
+    drain, say)."""
+    return [{"cluster": c, "code": "no_healthy_endpoint", "message": unserved_warning(c, why)}
+            for c, why in sorted(cp.unserved.items())]
+
+
+def _error(status: int, code: str, message: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    """An error answer: the OpenAI error object (:mod:`xds_server.errors`), ``param`` the query
+    parameter (or path part) at fault."""
+    return web.json_response(error_document(status, code, message, param), status=status, headers=headers)
 
 
 log = logging.getLogger(__name__)
@@ -237,9 +259,8 @@ class WriteAuth:
             if self._loopback:
                 return None
             ADMIN_DENIED.labels("no-token-configured").inc()
-            return web.json_response({"error": "write operations are disabled: the admin API is not bound to "
-                                               "loopback and no admin.token (or INFERLB_ADMIN_TOKEN) is set"},
-                                     status=403)
+            return _error(403, "writes_disabled", "write operations are disabled: the admin API is not bound to "
+                                                  "loopback and no admin.token (or INFERLB_ADMIN_TOKEN) is set")
         got = request.headers.get("Authorization", "")
         scheme, _, value = got.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token):
@@ -247,8 +268,8 @@ class WriteAuth:
         ADMIN_DENIED.labels("bad-token" if got else "no-token").inc()
         log.warning("admin write %s %s refused: %s bearer token from %s", request.method, request.path,
                     "wrong" if got else "no", request.remote)
-        return web.json_response({"error": "a valid bearer token is required (Authorization: Bearer ...)"},
-                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+        return _error(401, "unauthorized", "a valid bearer token is required (Authorization: Bearer ...)",
+                      headers={"WWW-Authenticate": "Bearer"})
 
 
 def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | None = None,
@@ -291,7 +312,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
             try:
                 check_query(request, declared.get((method, resource.canonical), ()))
             except QueryError as err:
-                return _error(400, str(err), err.param)
+                return _error(400, "bad_parameter", str(err), err.param)
         return await handler(request)
 
 
@@ -300,7 +321,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
 
     async def readyz(_: web.Request) -> web.Response:
         ready = ready_now()
-        return web.json_response({"ready": ready}, status=200 if ready else 503)
+        return web.json_response({"ready": ready, "warnings": warnings(cp)}, status=200 if ready else 503)
 
     async def drain(request: web.Request) -> web.Response:
         denied = auth.check(request)
@@ -310,10 +331,10 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         try:  # the config keeps one spelling per socket address: 10.0.0.1:08000 is 10.0.0.1:8000
             address = normalize_endpoint_address(written)
         except ValueError as err:
-            return web.json_response({"error": f"address: {err}"}, status=400)
+            return _error(400, "bad_parameter", f"address: {err}", "address")
         draining = request.method == "POST"
         if not await cp.set_draining(address, draining):
-            return web.json_response({"error": f"no configured endpoint has address {address!r}"}, status=404)
+            return _error(404, "unknown_endpoint", f"no configured endpoint has address {address!r}", "address")
         snap = cp.cache.snapshot
         return web.json_response({"address": address, "draining": draining,
                                   "snapshot_version": snap.version if snap else None})
@@ -341,15 +362,15 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         try:
             query = parse_query(request.query)
         except QueryError as err:
-            return _error(400, str(err), err.param)
+            return _error(400, "bad_parameter", str(err), err.param)
         if history is None:
-            return _error(503, "history: this process keeps no history")
+            return _error(503, "history_unavailable", "history: this process keeps no history")
         try:
             doc = await asyncio.to_thread(history_document, cp, history, query)
         except UnknownTarget as err:
-            return _error(404, str(err), err.param)
+            return _error(404, "unknown_target", str(err), err.param)
         except HistoryError as err:
-            return _error(503, str(err))
+            return _error(503, "history_unavailable", str(err))
         return web.json_response(doc)
 
     async def decisions(request: web.Request) -> web.Response:
@@ -357,8 +378,8 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         if "limit" in request.query:
             raw = request.query["limit"]
             if not re.fullmatch(r"[0-9]{1,7}", raw) or not 1 <= int(raw) <= MAX_DECISIONS_LIMIT:
-                return _error(400, f"limit: expected an integer 1..{MAX_DECISIONS_LIMIT}, got {raw[:64]!r}",
-                              "limit")
+                return _error(400, "bad_parameter",
+                              f"limit: expected an integer 1..{MAX_DECISIONS_LIMIT}, got {raw[:64]!r}", "limit")
             limit = int(raw)
         if sampler is None:
             return web.json_response({"every": 1, "size": 1, "decisions": []})

@@ -31,6 +31,8 @@ INPUTS: dict[str, tuple[str, str, float]] = {
     "latency_mean_ms": ("inferlb_endpoint_latency_mean_seconds", "Mean request latency over the window", 1e-3),
     "latency_p95_ms": ("inferlb_endpoint_latency_p95_seconds", "95th-percentile request latency over the window",
                        1e-3),
+    "itl_mean_ms": ("inferlb_endpoint_inter_token_latency_mean_seconds",
+                    "Mean time between two output tokens over the window", 1e-3),
     "queue": ("inferlb_endpoint_queue_requests", "Waiting requests (window average)", 1.0),
     "running": ("inferlb_endpoint_running_requests", "Running requests (window average)", 1.0),
     "gpu_util": ("inferlb_endpoint_gpu_utilization_ratio", "GPU utilisation, 0-1", 1.0),

@@ -12,6 +12,7 @@ from xds_server.config.model import (
     EtcdTls,
     History,
     KubernetesDiscovery,
+    KubernetesInferencePool,
     KubernetesService,
     Listen,
     Loop,
@@ -24,6 +25,7 @@ from xds_server.config.model import (
 
 __all__ = [
     "CircuitBreakers", "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "EtcdDiscovery",
-    "EtcdService", "EtcdTls", "History", "KubernetesDiscovery", "KubernetesService", "Listen", "Loop",
+    "EtcdService", "EtcdTls", "History", "KubernetesDiscovery", "KubernetesInferencePool",
+    "KubernetesService", "Listen", "Loop",
     "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name", "load_config", "parse_config", "split_hostport",
 ]

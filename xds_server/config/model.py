@@ -589,8 +589,10 @@ class ServiceConfig(_Strict):
     ``default_version``): ``{stable: {v1: 90, v2: 10}}``; each session stays on one version.
     ``models``: model names that mean the default version where a version is read (the body's
     ``model``, the version header): the name OpenAI clients send, which the backends serve the
-    model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. Any other unknown name
-    gets a 400.
+    model under (vLLM's ``--served-model-name``), e.g. ``[llama-3-8b]``. With ``models`` listed, a
+    body ``model`` that is no model, version or mix name gets a 404 ``model_not_found`` naming the
+    served names (as an OpenAI server answers); without, a body ``model`` that names no version
+    means the default version. An unknown version header gets a 400.
     ``unavailable_versions``: versions the service has but that have no endpoints now (discovery
     sets it when every node of the configured ``default_version`` has left; ``default_version`` may
     name one). A request for one, by name or as the default, gets a 503 that names the version (from
@@ -689,6 +691,9 @@ class Picker(_Strict):
     ``transport``: ``fast`` (a dedicated HTTP/2 server for the picker's two gRPC methods,
     ``ext_proc/transport``) or ``grpcio`` (grpc.aio, the compatibility transport); both make the
     same decisions.
+    ``protocol``: how the picker answers: ``inferlb`` (the headers the listener inferlb renders routes
+    by) or ``gateway-api`` (the Gateway API Inference Extension's endpoint-picker protocol, for a
+    gateway whose InferencePool names inferlb as its endpoint picker; docs/picker.md).
     ``access_log_flush_s``: Envoy's ``buffer_flush_interval`` for the completion log (s): how late
     the picker learns that a request ended. ``access_log_buffer_bytes``: Envoy flushes earlier
     when a worker's buffer reaches this size (bytes). 64 KiB: a flush every 5 ms up to ~27 000
@@ -699,11 +704,13 @@ class Picker(_Strict):
     ``session_ttl_s``: a session idle this long loses its pin (s). ``max_sessions``: session-table
     size; the least recently used session goes first. ``session_cookie``: a cookie read for the
     session key when no session header is present (None: cookies are not read).
-    ``body_max_bytes``: body routing (0 = off): a JSON request whose headers lack the version or
-    the session is held until Envoy buffers its body; ``model`` and ``user`` are read from bodies
-    up to this size (bytes). A body whose ``content-length`` is above it is not asked for (routed by
-    headers); a chunked one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy
-    1.40 gave it no answer: ``body_mode: streamed`` reads only its first chunk.
+    ``body_max_bytes``: body routing (default 1 MiB, Envoy's default buffer limit; 0 = off): a JSON
+    request whose headers lack the version, the session or the size is held until Envoy buffers its
+    body; ``model``, ``user``, the prompt (its prefix key and length) and ``max_tokens`` are read from
+    bodies up to this size (bytes), so a client that sends only an OpenAI body is routed by it. A
+    body whose ``content-length`` is above it is not asked for (routed by headers, counted); a chunked
+    one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy 1.40 gave it no
+    answer: ``body_mode: streamed`` reads only its first chunk.
     ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
@@ -745,10 +752,11 @@ class Picker(_Strict):
     """
 
     transport: Literal["fast", "grpcio"] = "fast"
+    protocol: Literal["inferlb", "gateway-api"] = "inferlb"
     access_log_flush_s: float = Field(0.005, gt=0, le=10)
     access_log_buffer_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     inflight_expiry_s: float | None = Field(None, gt=0)
-    body_max_bytes: int = Field(0, ge=0, le=64 * 1024 * 1024)
+    body_max_bytes: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
     admission: bool = False
     max_queue: int = Field(256, ge=0, le=1_000_000)
     queue_timeout_s: float = Field(0.1, gt=0)
@@ -816,12 +824,33 @@ class KubernetesService(_Strict):
     max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
 
 
+class KubernetesInferencePool(_Strict):
+    """One inferlb service whose endpoints are the members of an InferencePool
+    (``inference.networking.k8s.io/v1``, the Gateway API Inference Extension's API).
+
+    ``pool``: the InferencePool's name. Its members are the ready pods its ``spec.selector``
+    matches, one endpoint per pod IP and ``spec.targetPorts`` number; a pod's ``version_label``
+    gives its version, else ``version``; its ``gpu_class_label`` its GPU class. The other fields
+    mean what they mean for a static service.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    pool: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    version: str = Field("v1", pattern=VERSION_RE)
+    hosts: tuple[str, ...] = ("*",)
+    default_version: str | None = None
+    models: tuple[str, ...] = ()
+    lb_policy: Literal["round_robin", "least_request"] = "least_request"
+    max_concurrency: int = Field(8, ge=1, le=MAX_CONCURRENCY)
+
+
 class KubernetesDiscovery(_Strict):
-    """Discovery from Kubernetes EndpointSlices (discovery.k8s.io/v1) in one namespace.
+    """Discovery from Kubernetes in one namespace: the EndpointSlices (discovery.k8s.io/v1) of
+    ``services``, the InferencePools (inference.networking.k8s.io/v1) of ``inference_pools``.
 
     ``api_server``: the API server URL (tests, or out of cluster); default: the in-cluster service
-    account, else ``~/.kube/config``. Pods without ``version_label`` are skipped (logged, counted);
-    without ``gpu_class_label`` they get ``default_gpu_class``.
+    account, else ``~/.kube/config``. Pods of ``services`` without ``version_label`` are skipped
+    (logged, counted); without ``gpu_class_label`` they get ``default_gpu_class``.
     """
 
     namespace: str = "default"
@@ -829,7 +858,20 @@ class KubernetesDiscovery(_Strict):
     version_label: str = "inferlb.io/model-version"
     gpu_class_label: str = "inferlb.io/gpu-class"
     default_gpu_class: str = "a100"
-    services: tuple[KubernetesService, ...] = Field(min_length=1)
+    services: tuple[KubernetesService, ...] = ()
+    inference_pools: tuple[KubernetesInferencePool, ...] = ()
+
+    @model_validator(mode="after")
+    def _something(self) -> KubernetesDiscovery:
+        if not self.services and not self.inference_pools:
+            raise ValueError("services or inference_pools must name at least one service")
+        names = [s.name for s in (*self.services, *self.inference_pools)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a service name is used twice in services and inference_pools: {names}")
+        pools = [p.pool for p in self.inference_pools]
+        if len(set(pools)) != len(pools):
+            raise ValueError(f"an InferencePool is listed twice: {pools}")
+        return self
 
 
 class EtcdService(_Strict):

@@ -314,3 +314,18 @@ def group_rows(columns: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.nd
         card *= span
     _, first, group = np.unique(key, return_index=True, return_inverse=True)
     return group.reshape(-1), first
+
+
+def unserved(verdicts: Verdicts) -> dict[str, str]:
+    """``{cluster: why}`` for each cluster of ``verdicts`` with no HEALTHY endpoint left (Envoy answers
+    its requests 503 ``no healthy upstream``): "every endpoint is draining", or how many are draining
+    and how many unhealthy. Removed endpoints do not count. One numpy pass per cluster."""
+    out = {}
+    for part in verdicts.parts:
+        health = part.health[~part.removed] if part.removed.any() else part.health
+        if len(health) == 0 or (health == HEALTH_CODE[HEALTHY]).any():
+            continue
+        draining = int((health == HEALTH_CODE[DRAINING]).sum())
+        out[part.cluster] = ("every endpoint is draining" if draining == len(health) else
+                             f"no endpoint is healthy ({draining} draining, {len(health) - draining} unhealthy)")
+    return out

@@ -38,11 +38,14 @@ def _s(*names: str, matchers: tuple[tuple[str, str, str], ...] = (), union: bool
     return Sel(tuple(names), matchers, union)
 
 
-def _latency(base: Sel, scale: float) -> dict[str, SignalSpec]:
-    return {
+def _latency(base: Sel, scale: float, itl: Sel | None = None) -> dict[str, SignalSpec]:
+    out = {
         "latency_mean_ms": SignalSpec(HistogramMean(base), scale),
         "latency_p95_ms": SignalSpec(HistogramQuantile(0.95, base), scale),
     }
+    if itl is not None:
+        out["itl_mean_ms"] = SignalSpec(HistogramMean(itl), scale)
+    return out
 
 
 _VLLM_RUN, _VLLM_WAIT = _s("vllm:num_requests_running"), _s("vllm:num_requests_waiting")
@@ -51,7 +54,9 @@ _HTTP = _s("http_requests_total")
 _HTTP_5XX = _s("http_requests_total", matchers=(("status", "=~", "5.."),))
 
 VLLM: Mapping[str, SignalSpec] = MappingProxyType({
-    **_latency(_s("vllm:e2e_request_latency_seconds"), 1000.0),
+    # vLLM V1's inter-token latency (every gap between two tokens), else V0's per-request time per output token.
+    **_latency(_s("vllm:e2e_request_latency_seconds"), 1000.0,
+               _s("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")),
     "queue": SignalSpec(Gauge(_VLLM_WAIT)),
     "running": SignalSpec(Gauge(_VLLM_RUN)),
     "in_flight": SignalSpec(Plus((Gauge(_VLLM_RUN, over_window=False), Gauge(_VLLM_WAIT, over_window=False)))),
@@ -65,7 +70,8 @@ VLLM: Mapping[str, SignalSpec] = MappingProxyType({
 
 _SG_RUN, _SG_WAIT = _s("sglang:num_running_reqs"), _s("sglang:num_queue_reqs")
 SGLANG: Mapping[str, SignalSpec] = MappingProxyType({
-    **_latency(_s("sglang:e2e_request_latency_seconds"), 1000.0),
+    **_latency(_s("sglang:e2e_request_latency_seconds"), 1000.0,
+               _s("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")),
     "queue": SignalSpec(Gauge(_SG_WAIT)),
     "running": SignalSpec(Gauge(_SG_RUN)),
     "in_flight": SignalSpec(Plus((Gauge(_SG_RUN, over_window=False), Gauge(_SG_WAIT, over_window=False)))),
@@ -93,7 +99,7 @@ TRITON: Mapping[str, SignalSpec] = MappingProxyType({
 
 _TGI_Q, _TGI_B = _s("tgi_queue_size"), _s("tgi_batch_current_size")
 TGI: Mapping[str, SignalSpec] = MappingProxyType({
-    **_latency(_s("tgi_request_duration"), 1000.0),
+    **_latency(_s("tgi_request_duration"), 1000.0, _s("tgi_request_mean_time_per_token_duration")),
     "queue": SignalSpec(Gauge(_TGI_Q)),
     "running": SignalSpec(Gauge(_TGI_B)),
     "in_flight": SignalSpec(Plus((Gauge(_TGI_B, over_window=False), Gauge(_TGI_Q, over_window=False)))),

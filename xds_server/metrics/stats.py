@@ -17,6 +17,8 @@ class EndpointStats:
     Units and meaning (window = the sources' sliding window):
 
     - ``latency_mean_ms``, ``latency_p95_ms``: end-to-end latency over the window, ms.
+    - ``itl_mean_ms``: inter-token latency (time between two output tokens of a request, i.e. one
+      decode step at the batch the request ran in) over the window, ms.
     - ``queue``, ``running``: requests waiting / running, window averages (a pushed value is the latest).
     - ``in_flight``: requests running + waiting at the newest sample (not averaged; drain uses it).
     - ``gpu_util``: 0–1, the busiest GPU of the endpoint. ``gpu_mem_free_mib`` (the GPU with the least
@@ -32,6 +34,7 @@ class EndpointStats:
 
     latency_mean_ms: float | None = None
     latency_p95_ms: float | None = None
+    itl_mean_ms: float | None = None
     queue: float | None = None
     running: float | None = None
     in_flight: float | None = None

@@ -51,6 +51,21 @@ def upstream_tls(tls: EnvoyTls) -> dict:
     return {"name": "envoy.transport_sockets.tls", "typed_config": ctx}
 
 
+PICKER_MAX_OUTBOUND_CONTROL_FRAMES = 10_000
+"""Envoy's ``max_outbound_control_frames`` on the picker's connections (its default: 1 000). Every
+ext_proc stream ends with an RST_STREAM from Envoy (the picker ends the stream first; Envoy resets its
+open side: ``http2.tx_reset`` counts one per request), and Envoy counts each queued RST_STREAM as an
+outbound control frame until its write to the socket drains it. One read of the picker's answers can
+close every stream of the connection at once (up to the picker's 1 024), so at 2 000 concurrent
+requests the default limit was passed: ``outbound_control_flood`` 1, the connection reset, 758
+requests through without a decision (``failure_mode_allowed``). tests/integration/test_circuit_breakers.py
+stalls the picker, then Envoy, so that Envoy reads a connection's worth of answers at once: at the
+default limit 2 runs of 3 counted ``outbound_control_flood``, at this one none. The picker is this
+deployment's own server, not a peer to protect against (Envoy's limit is its defence against peers
+that make it queue PING and SETTINGS acknowledgements, envoy/source/common/http/http2/codec_impl.cc
+``onBeforeFrameSend``, ``protocol_constraints.cc``); 10 000 RST_STREAM frames are 130 kB."""
+
+
 def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | None = None,
                            tls: EnvoyTls | None = None, limits: CircuitBreakers | None = None
                            ) -> cluster_pb2.Cluster:
@@ -60,9 +75,10 @@ def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | 
     ``metadata``: the cluster's ``filter_metadata`` (``{namespace: JSON object}``); the app puts the
     picker's configuration there for pickers that subscribe over ADS. ``limits``: its circuit
     breakers (:func:`picker_limits`); None = Envoy's defaults (1024 streams).
-    HTTP/2 options are Envoy's defaults on purpose: one connection per Envoy worker carries every
-    stream; capping streams per connection (more connections) or smaller windows cost Envoy more CPU
-    per request (``inferlb bench ext-proc-config``, BENCHMARKS.md).
+    HTTP/2 options are Envoy's defaults on purpose (one connection per Envoy worker carries every
+    stream; capping streams per connection, more connections, or smaller windows cost Envoy more CPU
+    per request: ``inferlb bench ext-proc-config``, BENCHMARKS.md), but for
+    :data:`PICKER_MAX_OUTBOUND_CONTROL_FRAMES`.
     """
     host, port = split_hostport(ext_proc_address)
     extra = {"transport_socket": upstream_tls(tls)} if tls is not None else {}
@@ -79,7 +95,8 @@ def build_ext_proc_cluster(ext_proc_address: str, metadata: Mapping[str, Any] | 
         "connect_timeout": "0.25s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": TYPE_PREFIX + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}},
+            "explicit_http_config": {"http2_protocol_options": {
+                "max_outbound_control_frames": PICKER_MAX_OUTBOUND_CONTROL_FRAMES}},
         }},
         "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [{"lb_endpoints": [{"endpoint": {
             "address": {"socket_address": {"address": _loopback(host), "port_value": port}}}}]}]},

@@ -9,6 +9,8 @@ The listener's HTTP connection manager
   never mix while the picker is down), else to the service's default version (or its default mix);
   all through the weighted fallback;
 - retries connect failures, resets, 5xx and per-try timeouts on another host (case C13);
+- answers Envoy's own errors (no healthy upstream, headers or body too large, ...) as OpenAI error
+  objects (``local_reply_config``: :mod:`xds_server.resources.local_reply`);
 - logs every request the picker routed (it carries the cluster header) to the picker's
   ``AccessLogService`` over the picker's own cluster, so the picker learns when requests end and
   counts requests in flight (docs/envoy-facts.md: the ext_proc stream ends long before the request).
@@ -36,6 +38,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa
 from google.protobuf import json_format
 
 from xds_server.config import Config, split_hostport
+from xds_server.resources.local_reply import local_reply_config
 from xds_server.resources.names import ADS_SOURCE, EXT_PROC_CLUSTER, LISTENER_NAME, ROUTE_NAME, TYPE_PREFIX, seconds
 
 
@@ -57,6 +60,7 @@ def build_listener(cfg: Config) -> listener_pb2.Listener:
             },
         }],
         "rds": {"route_config_name": ROUTE_NAME, "config_source": ADS_SOURCE},
+        "local_reply_config": local_reply_config(),
         "access_log": [completion_log(cfg)] if cfg.envoy.picker else [],
         "http_filters": [
             *([{"name": "envoy.filters.http.ext_proc", "typed_config": {

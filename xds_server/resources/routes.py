@@ -5,7 +5,9 @@ With the picker, a route follows the cluster header it set; without it (picker d
 (so versions never mix), else the service's default version (or its default mix). A version
 with no endpoints now (``unavailable_versions``) is answered 503 by Envoy itself (a direct
 response), never routed to another version. Every route retries connect failures, resets, 5xx and
-per-try timeouts on another host (case C13).
+per-try timeouts on another host (case C13). ``GET /v1/models`` is answered by Envoy itself: the
+service's served names as an OpenAI ``list`` object (:func:`models_list`), with the picker off
+for that route.
 """
 
 from __future__ import annotations
@@ -13,16 +15,61 @@ from __future__ import annotations
 import json
 
 from envoy.config.route.v3 import route_pb2
+
+# Imported for its side effect: it registers ExtProcPerRoute, which ParseDict resolves.
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from google.protobuf import json_format
 
 from xds_server.config import Config, ServiceConfig, cluster_name
+from xds_server.errors import error_json
 from xds_server.resources.names import ROUTE_NAME, TYPE_PREFIX, seconds
 
+MODELS_PATH = "/v1/models"
 
-def _unavailable(s: ServiceConfig, version: str) -> dict:
+
+def served_names(s: ServiceConfig) -> list[str]:
+    """What a client may send as ``model`` (or in the version header) and be served: the service's
+    ``models`` (names of its default version), its versions with endpoints and its mixes, in that
+    order, each group sorted. A version without endpoints now (``unavailable_versions``) is left out,
+    and so are the ``models`` while the default version is one.
+
+    The picker's unknown-model 404 lists the same names in the same order
+    (``ext_proc.picker.served_names``, from its routing table).
+    """
+    models = [] if s.default in s.unavailable_versions else sorted(s.models)
+    return [*models, *sorted(v.name for v in s.versions), *sorted(s.mixes)]
+
+
+def models_list(s: ServiceConfig) -> dict:
+    """The OpenAI ``GET /v1/models`` answer for ``s`` (the ``list`` object of ``model`` objects, as
+    OpenAI's API reference and vLLM's server give it): one entry per :func:`served_names` name,
+    ``owned_by`` the service's name, ``created`` 0 (a config has no creation time; clients read it
+    as a Unix time), and ``root`` the name's version (a mix: the mix)."""
+    roots = {m: s.default for m in s.models}
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": s.name, "root": roots.get(name, name)}
+        for name in served_names(s)]}
+
+
+def _models_route(s: ServiceConfig) -> dict:
+    """``GET /v1/models`` answered by Envoy (a direct response): no picker call (ext_proc disabled on
+    the route, so the request is neither decided nor counted in flight), no upstream."""
+    body = json.dumps(models_list(s), separators=(",", ":"))
+    return {"match": {"path": MODELS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+            "direct_response": {"status": 200, "body": {"inline_string": body}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                "@type": TYPE_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True}}}
+
+
+def _unavailable(s: ServiceConfig, version: str, header: str | None = None) -> dict:
     """A route action (JSON form) for a version with no endpoints: Envoy answers 503 itself, with the
-    picker's JSON error body for it (``ext_proc.picker``, reason "version-unavailable")."""
-    body = json.dumps({"error": f"model version '{version}' of service '{s.name}' has no endpoints now"})
+    picker's error object for it (``ext_proc.picker``, code "version_unavailable"; ``param``: the
+    version ``header`` when the request named the version in it, else null)."""
+    body = error_json(503, "version_unavailable",
+                      f"model version '{version}' of service '{s.name}' has no endpoints now", header)
     return {"direct_response": {"status": 503, "body": {"inline_string": body}},
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
@@ -66,6 +113,7 @@ def retry_policy(cfg: Config) -> dict:
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
 
+    First, ``GET /v1/models``: the service's served names (:func:`models_list`), answered by Envoy.
     With the picker, a route follows the cluster header the picker set; without it
     (``envoy.picker: false``), one route per version matches the version header exactly (a version
     with no endpoints now: a 503). Either way the last route sends everything else to the
@@ -89,13 +137,14 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
             for v in s.versions
         ] + [
             {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "string_match": {"exact": v}}]},
-             **_unavailable(s, v)}
+             **_unavailable(s, v, cfg.headers.version)}
             for v in s.unavailable_versions
         ]
         vhosts.append({
             "name": s.name,
             "domains": domains,
             "routes": [
+                _models_route(s),
                 *by_cluster_header,
                 *by_version,
                 {"match": {"prefix": "/"}, **_fallback(s, timeout, retry)},

@@ -134,7 +134,7 @@ class _ConnectionError(Exception):
 class _Stream:
     __slots__ = ("id", "method", "state", "buffer", "recv_window", "recv_unacked", "send_window",
                  "remote_closed", "local_closed", "headers_sent", "pending", "trailers", "waiting", "deadline",
-                 "deadline_at")
+                 "deadline_at", "backlog")
 
     def __init__(self, stream_id: int, method: str, recv_window: int, send_window: int) -> None:
         self.id = stream_id
@@ -152,6 +152,7 @@ class _Stream:
         self.waiting: asyncio.Future | None = None  # an answer waiting for admission
         self.deadline_at: float | None = None  # time.monotonic() of the grpc-timeout, when sent
         self.deadline: asyncio.TimerHandle | None = None  # armed only while an answer waits
+        self.backlog: list[bytes] | None = None  # messages that came while an answer waited (full duplex)
 
 
 class Connection:
@@ -568,7 +569,11 @@ class Connection:
             message = bytes(buf[5: 5 + length])
             del buf[: 5 + length]
             if stream.waiting is not None:
-                continue  # Envoy sends nothing more while it waits for our answer
+                # Envoy's FULL_DUPLEX_STREAMED body mode sends on while an answer waits: in order, after it.
+                if stream.backlog is None:
+                    stream.backlog = []
+                stream.backlog.append(message)
+                continue
             self._dispatch(stream, message)
 
     def _dispatch(self, stream: _Stream, message: bytes) -> None:
@@ -587,7 +592,9 @@ class Connection:
                                                    lambda s=stream: self._expire(s))
             answer.add_done_callback(lambda f, s=stream, e=end: self._deferred(s, f, e))
             return
-        if answer is None:
+        if answer is None or isinstance(answer, list):
+            for one in answer or ():
+                self._send_message(stream, one)
             if end:
                 self._finish(stream, GRPC_OK)
             return
@@ -618,9 +625,15 @@ class Connection:
         if future.exception() is not None:
             self._finish(stream, GRPC_INTERNAL, "inferlb picker failed")
         else:
-            self._send_message(stream, future.result())
+            answer = future.result()
+            for one in answer if isinstance(answer, list) else (answer,):
+                self._send_message(stream, one)
             if end:
                 self._finish(stream, GRPC_OK)
+        while stream.backlog and stream.waiting is None and not stream.local_closed:
+            self._dispatch(stream, stream.backlog.pop(0))
+        if stream.remote_closed and not stream.local_closed and stream.waiting is None:
+            self._finish(stream, GRPC_OK)
         out = self._flush()
         if out:
             self._write(out)

@@ -189,6 +189,8 @@ def test_results_need_their_trace_index():
 @pytest.mark.parametrize(("status", "body", "kind"), [
     (200, b"{}", None), (500, b'{"error": {"type": "oom", "message": "CUDA out of memory"}}', "oom"),
     (400, b'{"error": "unknown model version"}', "http_400"), (503, b"no healthy upstream", "http_503"),
+    (503, b'{"error": {"message": "no healthy upstream", "type": "server_error", "param": null, '
+          b'"code": "no_healthy_upstream"}}', "no_healthy_upstream"),
     (502, b"[1, 2]", "http_502"),
 ])
 def test_error_kind(status, body, kind):

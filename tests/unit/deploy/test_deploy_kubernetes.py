@@ -97,3 +97,38 @@ def test_the_image_has_the_k8s_extra_the_configmap_needs():
     [install] = [line for line in (DEPLOY.parents[1] / "Dockerfile").read_text().splitlines()
                  if line.startswith("RUN pip install") and "/wheels/*.whl" in line]
     assert '"$(ls /wheels/*.whl)[k8s]"' in install
+
+
+GATEWAY_API = DEPLOY / "gateway-api"
+
+
+def gateway_api_docs() -> dict[tuple[str, str], dict]:
+    found = [d for f in sorted(GATEWAY_API.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    assert {d["metadata"]["namespace"] for d in found} == {"inference"}
+    return {(d["kind"], d["metadata"]["name"]): d for d in found}
+
+
+def test_the_inference_pool_points_its_picker_at_inferlb_and_inferlb_watches_that_pool():
+    d = gateway_api_docs()
+    pool = d[("InferencePool", "vllm-chat")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"] and [p["number"] for p in pool["spec"]["targetPorts"]] == [8000]
+    ref = pool["spec"]["endpointPickerRef"]
+    svc = one("Service", ref["name"])
+    assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"] if p["name"] == "ext-proc"}
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    route = d[("HTTPRoute", "chat")]
+    assert route["spec"]["rules"][0]["backendRefs"][0] == {
+        "group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "vllm-chat"}
+    cfg = parse_config(d[("ConfigMap", "inferlb-config")]["data"]["inferlb.yaml"], "gateway-api inferlb.yaml")
+    k8s = cfg.discovery.kubernetes
+    assert k8s is not None and k8s.namespace == "inference"
+    assert [p.pool for p in k8s.inference_pools] == ["vllm-chat"] and not k8s.services
+    assert cfg.picker.protocol == "gateway-api"
+    rules = d[("Role", "inferlb-inferencepools")]["rules"]
+    grants = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert grants == {("inference.networking.k8s.io", "inferencepools"): {"list", "watch"},
+                      ("", "pods"): {"list", "watch"}}
+    binding = d[("RoleBinding", "inferlb-inferencepools")]
+    assert binding["subjects"][0]["name"] == one("ServiceAccount", "inferlb")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == "inferlb-inferencepools"

@@ -124,7 +124,7 @@ async def test_queue_bound_and_timeout_answer_429_with_retry_after():
     assert r.immediate_response.status.code == 429
     extra = {o.header.key: o.header.raw_value for o in r.immediate_response.headers.set_headers}
     assert extra["retry-after"] == b"3"
-    assert "llm-v1" in json.loads(r.immediate_response.body)["error"]
+    assert "llm-v1" in json.loads(r.immediate_response.body)["error"]["message"]
     assert kind(await asyncio.wait_for(queued, 1)) == ("immediate_response", 429)  # timed out
     assert h.inflight.clusters == {"llm-v1": 2}, "refused requests are not in flight"
 

@@ -143,7 +143,7 @@ async def test_unknown_version_is_an_immediate_400(stub):
     immediate = response.immediate_response
     assert immediate.status.code == 400
     assert immediate.details == "inferlb_unknown_version"
-    error = json.loads(immediate.body)["error"]
+    error = json.loads(immediate.body)["error"]["message"]
     assert "'v9'" in error and "known versions: v1, v2" in error
     content_type = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
     assert content_type == {"content-type": b"application/json"}
@@ -243,3 +243,19 @@ async def test_cached_answers_follow_forged_headers_and_view_swaps(stub, holder)
     holder.update({"llm-v3": assignment("llm-v3")}, routing)
     [response] = await exchange(stub, plain)
     assert set_headers(response)["x-route-to"] == b"llm-v3"
+
+
+async def test_grpcio_sends_every_answer_of_a_full_duplex_body_in_order():
+    """The endpoint-picker protocol (picker.protocol: gateway-api) answers the body's last chunk with
+    the deferred headers answer and the body sent back: two messages for one (ext_proc.gateway)."""
+    from tests.unit.ext_proc.test_gateway_protocol import body_msg, chat, handler, headers_msg
+
+    server, port = await start_ext_proc_server(handler(), "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            requests = [pb.ProcessingRequest.FromString(m) for m in (headers_msg(), body_msg(chat(), True))]
+            responses = await exchange(pb_grpc.ExternalProcessorStub(channel), *requests)
+    finally:
+        await server.stop(None)
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+    assert responses[1].request_body.response.body_mutation.streamed_response.body == chat()

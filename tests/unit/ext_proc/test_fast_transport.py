@@ -412,3 +412,36 @@ def test_a_connection_preface_split_over_reads_is_kept():
     out = b"".join(server.receive(wire[i: i + 7]) for i in range(0, len(wire), 7))
     events = client.receive_data(server.start() + out)
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in events)
+
+
+class _FullDuplex:
+    """A service that answers its first message later (a future) and every other one at once, as the
+    endpoint-picker protocol's picker does in FULL_DUPLEX_STREAMED mode (ext_proc.gateway)."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        self.first: asyncio.Future | None = None
+
+    def process(self, stream, data):
+        self.seen.append(data)
+        if self.first is None:
+            self.first = asyncio.get_running_loop().create_future()
+            return self.first, False
+        return [b"echo:" + data], False
+
+
+async def test_messages_that_come_while_an_answer_waits_are_answered_after_it_in_order():
+    service = _FullDuplex()
+    peer = Peer(service, call_later=asyncio.get_running_loop().call_later)  # type: ignore[arg-type]
+    sid = peer.call([b"headers", b"chunk-1", b"chunk-2"], end=False)
+    peer.pump()
+    assert service.seen == [b"headers"] and peer.result(sid)[0] == []   # the rest waits behind the answer
+    service.first.set_result([b"headers-answer", b"body-1"])            # several answers to one message
+    await asyncio.sleep(0)
+    peer.pump()
+    assert service.seen == [b"headers", b"chunk-1", b"chunk-2"]
+    assert peer.result(sid)[0] == [b"headers-answer", b"body-1", b"echo:chunk-1", b"echo:chunk-2"]
+    assert not peer.ended(sid)
+    peer.client.end_stream(sid)   # Envoy is done with the request: the stream ends OK
+    peer.pump()
+    assert peer.ended(sid) and peer.result(sid)[1][b"grpc-status"] == b"0"

@@ -79,8 +79,9 @@ def test_unknown_version_is_a_400_naming_bad_and_known_versions():
     d = pick(req(model_version=b"v9", x_session_id=b"s1"), VIEW)
     assert d.rejected and d.status == 400 and d.reason == "unknown-version"
     assert d.cluster is None and d.endpoint is None
-    message = json.loads(d.body)["error"]
-    assert message == "unknown model version 'v9' in header 'model-version'; known versions: v1, v2"
+    assert json.loads(d.body) == {"error": {
+        "message": "unknown model version 'v9' in header 'model-version'; known versions: v1, v2",
+        "type": "invalid_request_error", "param": "model-version", "code": "unknown_version"}}
 
 
 def test_a_version_with_no_endpoints_is_a_503_naming_it_never_another_version():
@@ -92,7 +93,7 @@ def test_a_version_with_no_endpoints_is_a_503_naming_it_never_another_version():
     for headers in (req(), req(model_version=b"v2", x_session_id=b"s1"), req(model_version=b"m")):
         d = pick(headers, view)
         assert (d.status, d.reason, d.cluster, d.endpoint) == (503, "version-unavailable", None, None)
-        assert json.loads(d.body)["error"] == "model version 'v2' of service 'llm' has no endpoints now"
+        assert json.loads(d.body)["error"]["message"] == "model version 'v2' of service 'llm' has no endpoints now"
     assert pick(req(model_version=b"v1"), view).cluster == "llm-v1"
     assert pick(req(model_version=b"v9"), view).reason == "unknown-version"
 
@@ -106,13 +107,32 @@ def test_a_model_name_of_the_service_means_its_default_version():
     assert pick(req(model_version=b"llama-3-8b"), view).cluster == "llm-v1"
     assert pick(req(), view, body=BodyFields(model=b"v2")).cluster == "llm-v2"
     d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
-    assert d.status == 400 and json.loads(d.body)["error"] == (
-        "unknown model version 'gpt-4' in body field 'model'; known versions: v1, v2 (model names for v1: llama-3-8b)")
+    assert d.status == 404 and d.reason == "model-not-found"
+    assert json.loads(d.body) == {"error": {
+        "message": "The model 'gpt-4' does not exist here; served models: llama-3-8b, v1, v2",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    # The version header is inferlb's own: an unknown one stays a 400 naming the versions.
+    assert pick(req(model_version=b"gpt-4"), view).status == 400
+
+
+def test_a_service_that_lists_no_models_serves_any_body_model_from_its_default_version():
+    """It cannot tell a served name from another: only a version or mix name in ``model`` routes."""
+    assert pick(req(), VIEW, body=BodyFields(model=b"whatever-7b")).cluster == "llm-v1"
+    assert pick(req(), VIEW, body=BodyFields(model=b"v2")).cluster == "llm-v2"
+    assert pick(req(), VIEW, body=BodyFields(model=b"\xff")).cluster == "llm-v1"
+
+
+def test_the_404_leaves_out_names_not_served_now():
+    gone = ServiceRoute("llm", ("api.example.com",), "v2", {"v1": "llm-v1"}, mixes={},
+                        models=frozenset({b"llama-3-8b"}), unavailable=frozenset({"v2"}))
+    view = make_view(routing=RoutingTable(services=(gone, EMBED)))
+    d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
+    assert json.loads(d.body)["error"]["message"].endswith("served models: v1")
 
 
 def test_version_of_another_service_is_unknown_here():
     d = pick(req(model_version=b"e1"), VIEW)
-    assert d.status == 400 and "'e1'" in json.loads(d.body)["error"]
+    assert d.status == 400 and "'e1'" in json.loads(d.body)["error"]["message"]
 
 
 def test_custom_version_header_name():
@@ -120,7 +140,7 @@ def test_custom_version_header_name():
     view = make_view(routing=routing)
     assert pick(req(x_model=b"v2"), view).cluster == "llm-v2"
     assert pick(req(model_version=b"v2"), view).cluster == "llm-v1"  # other header ignored
-    assert "header 'x-model'" in json.loads(pick(req(x_model=b"zz"), view).body)["error"]
+    assert "header 'x-model'" in json.loads(pick(req(x_model=b"zz"), view).body)["error"]["message"]
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -266,7 +286,7 @@ def test_service_is_chosen_by_authority_host(authority, cluster):
 def test_unknown_host_is_a_404_naming_it():
     d = pick(req(b"other.example.com:8080"), VIEW)
     assert d.status == 404 and d.reason == "unknown-service"
-    assert "other.example.com:8080" in json.loads(d.body)["error"]
+    assert "other.example.com:8080" in json.loads(d.body)["error"]["message"]
 
 
 def test_host_header_is_used_without_authority():
@@ -322,14 +342,14 @@ def test_routing_validation_names_the_field():
 def test_non_utf8_version_is_a_clear_400():
     d = pick(req(model_version=b"\xff\xfe v1"), VIEW)
     assert d.status == 400 and d.reason == "invalid-version"
-    message = json.loads(d.body)["error"]
+    message = json.loads(d.body)["error"]["message"]
     assert "not valid UTF-8" in message and "known versions: v1, v2" in message
 
 
 def test_huge_version_is_a_clear_400():
     d = pick(req(model_version=b"v" * 10_000), VIEW)
     assert d.status == 400 and d.reason == "invalid-version"
-    assert "too long (10000 bytes" in json.loads(d.body)["error"]
+    assert "too long (10000 bytes" in json.loads(d.body)["error"]["message"]
     assert len(d.body) < 400
 
 

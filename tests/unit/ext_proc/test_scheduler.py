@@ -339,7 +339,7 @@ async def test_a_request_nothing_can_hold_waits_then_gets_429_saying_why():
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     response = pb.ProcessingResponse.FromString(await answer)
     assert response.immediate_response.status.code == 429
-    assert "2048 MiB of GPU memory" in json.loads(response.immediate_response.body)["error"]
+    assert "2048 MiB of GPU memory" in json.loads(response.immediate_response.body)["error"]["message"]
 
 
 async def test_a_waiting_request_goes_once_a_sample_shows_memory():
@@ -756,7 +756,7 @@ def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_fr
 def _immediate(answer: bytes):
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     r = pb.ProcessingResponse.FromString(answer).immediate_response
-    return r.status.code, json.loads(r.body)["error"], {h.header.key for h in r.headers.set_headers}
+    return r.status.code, json.loads(r.body)["error"]["message"], {h.header.key for h in r.headers.set_headers}
 
 
 @pytest.mark.parametrize("memory_queue", [False, True])

@@ -12,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.handler import PickerHandler, StreamState, read_json
+from ext_proc.handler import MAX_JSON_DEPTH, JsonTooDeep, PickerHandler, StreamState, read_json
 from ext_proc.picker import BodyFields, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
@@ -59,7 +59,7 @@ def test_requests_without_a_session_split_by_request_id():
 def test_unknown_names_list_versions_and_mixes():
     d = route(model_version=b"v9")
     assert d.status == 400
-    assert "known versions: half, stable, v1, v2" in json.loads(d.body)["error"]
+    assert "known versions: half, stable, v1, v2" in json.loads(d.body)["error"]["message"]
 
 
 @pytest.mark.parametrize("shares", [{"v1": 90, "v2": 20}, {"v3": 100}, {"v1": -10, "v2": 110}, {}])
@@ -80,8 +80,12 @@ def test_body_fields_route_and_pin_like_headers():
         "llm-v2", by_header.endpoint)
     header_wins = pick({":authority": b"x", "model-version": b"v1"}, VIEW, body=BodyFields(b"v2"))
     assert header_wins.cluster == "llm-v1"
-    bad = pick({":authority": b"x"}, VIEW, body=BodyFields(b"\xff"))
-    assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]
+    # A service that lists its model names: a body model that is not UTF-8 is a 400 naming the field.
+    named = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"}, mixes=MIXED.mixes,
+                         models=frozenset({b"sim-7b"}))
+    bad = pick({":authority": b"x"}, EndpointView.build(ASSIGN, RoutingTable(services=(named,))),
+               body=BodyFields(b"\xff"))
+    assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]["message"]
 
 
 def message(phase: str, **fields) -> bytes:
@@ -238,10 +242,36 @@ def test_read_json_reads_what_json_reads(data):
 
 def test_read_json_differs_from_json_only_where_the_picker_does_not_look():
     assert read_json(b'{"seed": 123456789012345678901234567890}') == {"seed": 1.2345678901234568e29}
-    deep = b'{"model": "v2", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    with pytest.raises(RecursionError):
-        json.loads(deep)
-    assert read_json(deep)["model"] == "v2"
+
+
+def _nested(depth: int, extra: bytes = b"") -> bytes:
+    return b'{"model": "v2", ' + extra + b'"x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_read_json_reads_up_to_the_depth_limit_and_refuses_deeper():
+    """orjson's limit (1 024 levels since 3.9.15; pyproject.toml asks for it) is the picker's: a body
+    at the limit is read, one level deeper is refused as too deep, whichever parser refused it."""
+    assert read_json(_nested(MAX_JSON_DEPTH))["model"] == "v2"
+    with pytest.raises(JsonTooDeep):
+        read_json(_nested(MAX_JSON_DEPTH + 1))
+    with pytest.raises(JsonTooDeep):  # orjson refuses the NaN first; json then hits its recursion limit
+        read_json(_nested(MAX_JSON_DEPTH + 1, b'"t": NaN, '))
+    with pytest.raises(JsonTooDeep):
+        read_json(_nested(100_000))
+
+
+@pytest.mark.parametrize("mode", ["buffered", "streamed"])
+def test_a_body_nested_too_deeply_is_answered_400_naming_the_limit(mode):
+    view = STREAMED_VIEW if mode == "streamed" else VIEW
+    h, stream = PickerHandler(ViewHolder(view)), StreamState()
+    h.process(stream, headers_msg(False, content_length="3000"))
+    deep = b'{"model": "v2", "messages": [' + b"[" * 2000 + b"]" * 2000 + b"]}"
+    answer, end = h.process(stream, message("request_body", body=deep, end_of_stream=mode == "buffered"))
+    immediate = pb.ProcessingResponse.FromString(answer).immediate_response
+    assert end and immediate.status.code == 400 and immediate.details == "inferlb_body_too_deep"
+    error = json.loads(immediate.body)["error"]
+    assert error["code"] == "body_too_deep" and error["type"] == "invalid_request_error"
+    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in error["message"]
 
 
 @pytest.mark.parametrize("data", [b'{"model": "v2"', b'\xff{}', b"", b"{} {}"],

@@ -101,3 +101,12 @@ def test_an_unknown_cluster_is_a_usage_error_that_names_it(admin):
     result = CliRunner().invoke(main, ["history", "--admin", admin, "--cluster", "nope", "--since", "10m"])
     assert result.exit_code == 2
     assert "no cluster 'nope' in the config or in the history" in result.output
+
+
+def test_without_a_cluster_it_says_what_to_pass_and_lists_the_clusters(admin):
+    """Issue 39: `inferlb history --since 2m` failed with click's "Missing option '--cluster'" alone."""
+    result = CliRunner().invoke(main, ["history", "--admin", admin, "--since", "2m"])
+    assert result.exit_code == 2
+    assert "pass --cluster, one of: chat-v1" in result.output
+    down = CliRunner().invoke(main, ["history", "--admin", "http://127.0.0.1:9", "--since", "2m"])
+    assert down.exit_code == 2 and "pass --cluster (the clusters could not be read from" in down.output

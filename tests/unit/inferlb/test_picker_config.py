@@ -75,13 +75,13 @@ def test_the_listener_logs_every_request_to_the_picker():
                                                                    "x-gateway-destination-endpoint"]
 
 
-def test_body_routing_lets_the_picker_ask_for_bodies():
+def test_body_routing_is_on_by_default_and_lets_the_picker_ask_for_bodies():
     ext = lambda cfg: hcm(cfg)["httpFilters"][0]["typedConfig"]  # noqa: E731
-    assert not ext(config()).get("allowModeOverride")
-    on = config(picker={"body_max_bytes": 65536})
+    assert not ext(config(picker={"body_max_bytes": 0})).get("allowModeOverride")
+    on = config()
+    assert routing_table(on).body_max_bytes == 1024 * 1024   # Envoy's default buffer limit
     assert ext(on)["allowModeOverride"] is True
     assert ext(on)["processingMode"].get("requestBodyMode", "NONE") == "NONE"
-    assert routing_table(on).body_max_bytes == 65536
 
 
 def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
@@ -91,3 +91,12 @@ def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
     assert from_wire(to_wire(routing, picker_settings(config())))[0].cost_aware_affinity is True
     with pytest.raises(ConfigError, match="cost_aware_affinity"):
         config(picker={"cost_aware_affinity": "yes"})
+
+
+def test_the_pickers_protocol_reaches_a_standalone_picker_and_bad_ones_are_refused():
+    assert routing_table(config()).protocol == "inferlb"
+    routing = routing_table(config(picker={"protocol": "gateway-api"}))
+    assert routing.protocol == "gateway-api"
+    assert from_wire(to_wire(routing, picker_settings(config())))[0].protocol == "gateway-api"
+    with pytest.raises(ConfigError, match=r"picker\.protocol"):
+        config(picker={"protocol": "epp"})

@@ -88,7 +88,8 @@ async def test_history_filters_by_cluster_and_endpoint(client):
     doc = await get(client, "/api/v1/history?since=3h&cluster=chat-v1&endpoint=" + B)
     assert [(p["weight"], p["health"]) for p in doc["series"][0]["points"]] == [(30, "HEALTHY"), (30, "DRAINING")]
     assert len(doc["series"]) == 1
-    assert (await get(client, f"/api/v1/history?since=3h&cluster=chat-v2&endpoint={A}", 404))["parameter"] == "endpoint"
+    assert (await get(client, f"/api/v1/history?since=3h&cluster=chat-v2&endpoint={A}", 404))["error"]["param"] \
+        == "endpoint"
 
 
 @pytest.mark.parametrize("query,param,message", [
@@ -101,7 +102,8 @@ async def test_history_filters_by_cluster_and_endpoint(client):
 async def test_a_cluster_or_endpoint_known_to_neither_config_nor_history_is_a_404(client, query, param, message):
     doc = await get(client, f"/api/v1/history?{query}", 404)
     conforms(doc, "Error")
-    assert doc == {"error": message, "parameter": param}
+    assert doc == {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                             "code": "unknown_target"}}
 
 
 async def test_a_cluster_in_only_the_config_or_only_the_history_is_a_200(client):
@@ -145,7 +147,8 @@ async def test_step_resamples(client):
 async def test_bad_parameters_are_400s_naming_the_parameter(client, query, param):
     doc = await get(client, f"/api/v1/history?{query}", 400)
     conforms(doc, "Error")
-    assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ")
+    assert doc["error"]["param"] == param and doc["error"]["message"].startswith(f"{param}: ")
+    assert doc["error"]["code"] == "bad_parameter"
 
 
 NINES = "9" * 310
@@ -160,7 +163,8 @@ NINES = "9" * 310
 async def test_every_bad_parameter_is_a_400_never_a_500(client, query, param):
     doc = await get(client, f"/api/v1/history?{query}", 400)
     conforms(doc, "Error")
-    assert doc["parameter"] == param and doc["error"].startswith(f"{param}: ") and len(doc["error"]) < 400
+    error = doc["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and len(error["message"]) < 400
 
 
 @pytest.mark.parametrize("path", sorted(SPEC["paths"]))
@@ -170,18 +174,19 @@ async def test_every_route_refuses_an_unknown_or_repeated_parameter_as_history_d
     doc = await get(client, f"{path}?foo=1", 400)
     conforms(doc, "Error")
     known = f"known: {', '.join(declared)}" if declared else "this endpoint takes none"
-    assert doc == {"error": f"foo: unknown parameter; {known}", "parameter": "foo"}
+    assert doc == {"error": {"message": f"foo: unknown parameter; {known}", "type": "invalid_request_error",
+                             "param": "foo", "code": "bad_parameter"}}
     for name in declared:
         value = {"since": "2h", "until": "1h", "step": "10m"}.get(name, "1")
         doc = await get(client, f"{path}?{name}={value}&{name}={value}", 400)
-        assert doc == {"error": f"{name}: given more than once", "parameter": name}
+        assert doc["error"]["message"] == f"{name}: given more than once" and doc["error"]["param"] == name
     assert "400" in SPEC["paths"][path]["get"]["responses"]
 
 
 async def test_routes_outside_the_document_take_no_parameters(client):
     for method, path in (("GET", "/static/app.js"), ("POST", f"/api/v1/endpoints/{A}/drain")):
         r = await client.request(method, f"{path}?v=2")
-        assert r.status == 400 and (await r.json())["parameter"] == "v"
+        assert r.status == 400 and (await r.json())["error"]["param"] == "v"
     assert (await client.head("/api/v1/weights?x=1")).status == 400
     assert (await client.get("/nowhere?x=1")).status == 404
 
@@ -190,7 +195,7 @@ async def test_routes_outside_the_document_take_no_parameters(client):
 async def test_a_bad_decisions_limit_is_a_400(client, limit):
     doc = await get(client, f"/api/v1/decisions?limit={limit}", 400)
     conforms(doc, "Error")
-    assert doc["parameter"] == "limit"
+    assert doc["error"]["param"] == "limit"
 
 
 async def test_decisions_sample(client):
@@ -205,7 +210,7 @@ async def test_decisions_sample(client):
     assert latest["endpoint"].startswith("10.0.0.")  # requests without a session are pinned too
     assert first["work"] == 1.0 and first["memory_mib"] > 0
     assert len((await get(client, "/api/v1/decisions?limit=1"))["decisions"]) == 1
-    assert (await get(client, "/api/v1/decisions?limit=x", 400))["parameter"] == "limit"
+    assert (await get(client, "/api/v1/decisions?limit=x", 400))["error"]["param"] == "limit"
 
 
 async def test_cost_model_is_shown_per_gpu_class(client):
@@ -219,7 +224,7 @@ async def test_cost_model_is_shown_per_gpu_class(client):
 async def test_weights_nodes_readyz_conform(client):
     conforms(await get(client, "/api/v1/weights"), "WeightsDocument")
     conforms(await get(client, "/api/v1/nodes"), "NodesDocument")
-    assert (await get(client, "/readyz", 503)) == {"ready": False}
+    assert (await get(client, "/readyz", 503)) == {"ready": False, "warnings": []}
 
 
 async def test_page_and_its_chart_library_are_served_locally(client):
@@ -240,7 +245,8 @@ async def test_a_failing_store_is_a_503(client):
     client.store.close()
     doc = await get(client, "/api/v1/history", 503)
     conforms(doc, "Error")
-    assert "closed" in doc["error"] and doc["parameter"] is None
+    assert "closed" in doc["error"]["message"] and doc["error"]["param"] is None
+    assert (doc["error"]["code"], doc["error"]["type"]) == ("history_unavailable", "server_error")
 
 
 @pytest.mark.parametrize("request_bytes", [

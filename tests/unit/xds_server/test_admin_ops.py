@@ -58,12 +58,47 @@ async def test_loopback_without_token_may_drain_and_undrain():
         r = await c.delete("/api/v1/endpoints/10.1.0.1:8000/drain")
         assert r.status == 200 and {x.health for x in cp.weights} == {"HEALTHY"}
         r = await c.post("/api/v1/endpoints/10.9.9.9:1/drain")
-        assert r.status == 404 and "10.9.9.9:1" in (await r.json())["error"]
+        assert r.status == 404 and "10.9.9.9:1" in (await r.json())["error"]["message"]
         r = await c.post("/api/v1/endpoints/10.1.0.2:08000/drain")  # another spelling of one endpoint
         assert r.status == 200 and (await r.json())["address"] == "10.1.0.2:8000"
         assert {x.address: x.health for x in cp.weights}["10.1.0.2:8000"] == "DRAINING"
         r = await c.post("/api/v1/endpoints/gpu-1:8000/drain")
-        assert r.status == 400 and "address" in (await r.json())["error"]
+        assert r.status == 400 and (await r.json())["error"]["param"] == "address"
+    finally:
+        await c.close()
+
+
+async def test_draining_a_whole_cluster_is_warned_in_the_log_readyz_and_the_weights_and_counted(caplog):
+    """Issue 39 item 5: every endpoint drained left the cluster answering 503 with no word anywhere."""
+    from xds_server.control import UNSERVED, UNSERVED_TOTAL
+
+    cp = await control_plane()
+    c = await client(cp, WriteAuth(None, "127.0.0.1"))
+    before = UNSERVED_TOTAL.labels("chat-v1")._value.get()
+    try:
+        assert (await (await c.get("/readyz")).json()) == {"ready": True, "warnings": []}
+        with caplog.at_level(logging.INFO, logger="xds_server.control"):
+            await c.post("/api/v1/endpoints/10.1.0.1:8000/drain")
+            assert cp.unserved == {}
+            await c.post("/api/v1/endpoints/10.1.0.2:8000/drain")
+            await cp.run_round()   # still drained: warned and counted once
+            ready = await c.get("/readyz")
+            doc = await ready.json()
+            assert ready.status == 200 and doc["ready"] is True
+            [warning] = doc["warnings"]
+            assert warning["cluster"] == "chat-v1" and warning["code"] == "no_healthy_endpoint"
+            assert "every endpoint is draining" in warning["message"] and "503" in warning["message"]
+            weights = await (await c.get("/api/v1/weights")).json()
+            assert weights["warnings"] == doc["warnings"] and weights["clusters"][0]["warning"] == warning["message"]
+            assert UNSERVED.labels("chat-v1")._value.get() == 1
+            assert UNSERVED_TOTAL.labels("chat-v1")._value.get() == before + 1
+            await c.delete("/api/v1/endpoints/10.1.0.2:8000/drain")
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "cluster chat-v1 has no healthy endpoint: every endpoint is draining" in \
+            warned[0].getMessage()
+        assert any("chat-v1 has a healthy endpoint again" in r.getMessage() for r in caplog.records)
+        assert (await (await c.get("/readyz")).json())["warnings"] == []
+        assert UNSERVED.labels("chat-v1")._value.get() == 0
     finally:
         await c.close()
 
@@ -80,7 +115,7 @@ async def test_non_loopback_without_token_refuses_writes_but_serves_reads():
     c = await client(cp, WriteAuth(None, "0.0.0.0"), reload=lambda: None)
     try:
         r = await c.post("/api/v1/endpoints/10.1.0.1:8000/drain")
-        assert r.status == 403 and "admin.token" in (await r.json())["error"]
+        assert r.status == 403 and "admin.token" in (await r.json())["error"]["message"]
         assert (await c.post("/api/v1/reload")).status == 403
         assert (await c.get("/api/v1/weights")).status == 200
         assert {x.health for x in cp.weights} == {"HEALTHY"}

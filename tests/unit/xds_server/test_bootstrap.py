@@ -175,7 +175,8 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
     expected_versions = {"llm": {"v1": "llm-v1", "v2": "llm-v2"}, "embed": {"e1": "embed-e1"}}
     version_header = CFG.headers.version
     for vh in vhosts:
-        first, *by_version, last = vh["routes"]
+        models, first, *by_version, last = vh["routes"]
+        assert models["match"]["path"] == "/v1/models" and models["direct_response"]["status"] == 200
         assert first["match"]["prefix"] == "/"
         assert first["match"]["headers"] == [{"name": "x-test-cluster", "present_match": True}]
         assert first["route"]["cluster_header"] == "x-test-cluster"
@@ -184,8 +185,8 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
         assert all(r["match"]["headers"][0]["name"] == version_header for r in by_version)
         assert "headers" not in last["match"] and last["match"]["prefix"] == "/"
         assert last["route"]["cluster"] == expected_default[vh["name"]]
-        assert {r["route"]["timeout"] for r in vh["routes"]} == {"30s"}
-        assert all(r["route"]["retry_policy"]["retry_on"] == "5xx" for r in vh["routes"])
+        assert {r["route"]["timeout"] for r in vh["routes"][1:]} == {"30s"}
+        assert all(r["route"]["retry_policy"]["retry_on"] == "5xx" for r in vh["routes"][1:])
     assert sorted(vhosts[0]["domains"]) == ["api.example.com", "api.example.com:*"]
     assert vhosts[1]["domains"] == ["*"]
 
@@ -200,15 +201,35 @@ def test_a_version_with_no_endpoints_is_a_503_from_envoy_never_another_version()
     """Every node of the default version v2 left (discovery): without the picker, a request naming v2 or
     none gets Envoy's own 503 naming the version, not v1's model."""
     routes = as_dict(build_route_config(GONE))["virtual_hosts"][0]["routes"]
-    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[1:-1]}
+    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[2:-1]}
     assert by_version["v1"]["route"]["cluster"] == "llm-v1"
     for v in ("v2", "v3"):
         assert "route" not in by_version[v] and by_version[v]["direct_response"]["status"] == 503
-        assert json.loads(by_version[v]["direct_response"]["body"]["inline_string"]) == {
-            "error": f"model version '{v}' of service 'llm' has no endpoints now"}
+        assert json.loads(by_version[v]["direct_response"]["body"]["inline_string"]) == {"error": {
+            "message": f"model version '{v}' of service 'llm' has no endpoints now", "type": "server_error",
+            "param": "model-version", "code": "version_unavailable"}}
     last = routes[-1]
     assert "headers" not in last["match"] and "route" not in last
     assert last["direct_response"]["status"] == 503 and "'v2'" in last["direct_response"]["body"]["inline_string"]
+    # Not served now, not listed: v2 is gone (and with it the names of the default version).
+    models = json.loads(routes[0]["direct_response"]["body"]["inline_string"])
+    assert [m["id"] for m in models["data"]] == ["v1"]
+
+
+def test_get_v1_models_is_answered_by_envoy_with_every_served_name_and_no_picker_call():
+    cfg = config([service("llm", [version("v1", 1), version("v2", 1)], default_version="v2",
+                          models=["llama-3-8b"], mixes={"stable": {"v1": 90, "v2": 10}})])
+    [route, *_] = as_dict(build_route_config(cfg))["virtual_hosts"][0]["routes"]
+    assert route["match"] == {"path": "/v1/models",
+                              "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}
+    assert route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert {"header": {"key": "content-type", "value": "application/json"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} in route["response_headers_to_add"]
+    listed = json.loads(route["direct_response"]["body"]["inline_string"])
+    assert listed["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"], m["root"]) for m in listed["data"]] == [
+        ("llama-3-8b", "model", "llm", "v2"), ("v1", "model", "llm", "v1"), ("v2", "model", "llm", "v2"),
+        ("stable", "model", "llm", "stable")]
 
 
 # --- the real Envoy -------------------------------------------------------------------------------

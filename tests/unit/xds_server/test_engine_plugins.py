@@ -22,7 +22,8 @@ from xds_server.engine.types import DRAINING, HEALTHY, UNHEALTHY, EngineParams, 
 # health_rounds=1: these tests are about each plugin's own rule; the pipeline's health hysteresis
 # (health_rounds, default 2) is tested in test_engine.py.
 BASE = EngineParams(hysteresis=0.0, max_change=None, health_rounds=1)
-OK = {"gpu_util": 0.3, "running": 1.0, "queue": 0.0, "latency_mean_ms": 50.0, "latency_p95_ms": 80.0}
+OK = {"gpu_util": 0.3, "running": 1.0, "queue": 0.0, "latency_mean_ms": 50.0, "latency_p95_ms": 80.0,
+      "itl_mean_ms": 3.0}
 
 
 def with_plugins(params: EngineParams = BASE, **plugins) -> EngineParams:
@@ -48,9 +49,10 @@ def healthy(out) -> set[str]:
 # --- latency outlier ejection ----------------------------------------------------------------------
 
 
-def long_tail(eps, bad: int, p95: float = 900.0):
+def long_tail(eps, bad: int, itl: float = 18.0):
+    """Every endpoint at 1 running with a 3 ms step, ``bad`` with an ITL of ``itl`` ms at the same load."""
     seen = same_stats(eps, **OK)
-    seen[eps[bad].instance] = stats(**{**OK, "latency_p95_ms": p95})
+    seen[eps[bad].instance] = stats(**{**OK, "itl_mean_ms": itl})
     return seen
 
 
@@ -61,7 +63,8 @@ def test_a_long_tail_endpoint_is_ejected_and_comes_back_after_it_recovers():
     out = r.run(long_tail(eps, 0), at=0)
     assert healthy(out) == {e.address for e in eps[1:]}
     why = out[eps[0].address].reasons[0]
-    assert why.startswith("latency_outlier: latency outlier: p95 latency 900 ms > 3 x peers' median 80 ms")
+    assert why.startswith("latency_outlier: latency outlier: inter-token latency 18 ms > 3 x the 3 ms its peers "
+                          "take at its load (1.0 running)"), why
     assert "ejected for 10 s (ejection #1)" in why
     assert out[eps[0].address].filters["latency_outlier"].startswith("latency outlier")
     assert r.run(same_stats(eps, **OK), at=5)[eps[0].address].health == UNHEALTHY  # recovered, but still out
@@ -99,8 +102,8 @@ def test_max_ejected_is_a_share_of_the_pool_but_at_least_one_and_never_all(pool,
 def test_at_most_max_ejection_percent_of_the_pool_is_ejected_the_worst_first():
     eps = specs(7)
     seen = same_stats(eps, **OK)
-    for i, p95 in ((0, 500.0), (1, 2000.0), (2, 900.0)):
-        seen[eps[i].instance] = stats(**{**OK, "latency_p95_ms": p95})
+    for i, itl in ((0, 12.0), (1, 40.0), (2, 20.0)):
+        seen[eps[i].instance] = stats(**{**OK, "itl_mean_ms": itl})
     out = Rounds(eps).run(seen)  # 30 % of 7 -> 2
     assert {a for a, w in out.items() if w.health == UNHEALTHY} == {eps[1].address, eps[2].address}
 
@@ -108,21 +111,101 @@ def test_at_most_max_ejection_percent_of_the_pool_is_ejected_the_worst_first():
 def test_an_a10_as_slow_as_an_a10_should_be_is_not_an_outlier():
     eps = [spec(0), spec(1), spec(2, gpu_class="a10", capacity=0.4)]
     seen = same_stats(eps, **OK)
-    seen[eps[2].instance] = stats(**{**OK, "latency_p95_ms": 80.0 * 2.5 * 1.2})
+    seen[eps[2].instance] = stats(**{**OK, "itl_mean_ms": 3.0 * 2.5 * 1.2})
     assert healthy(Rounds(eps).run(seen)) == {e.address for e in eps}
     raw = with_plugins(latency_outlier=latency_outlier.Params(normalize_by_capacity=False, factor=2))
     assert eps[2].address not in healthy(Rounds(eps, raw).run(seen))
 
 
+# Decode step (ms) at a batch of b running requests, two kinds of engine: the simulator's ``job``
+# engine (saturated: sim.engines.job.decode_step_ms, 3.2 ms at 1, 31 ms at 8) and continuous batching
+# (BLIS's A100 fit: 16.4 ms + 18.2 us per running request), and llm-d's inference simulator's load
+# factor near max_num_seqs (3.5x at 8 running of 8).
+ENGINES = {
+    "job": lambda b: (50.0 + (b - 1) * 45.0 if b <= 2 else 95.0 + (b - 2) * 62.5) / 15 - 0.1,
+    "continuous": lambda b: 16.44 + 0.0182 * b,
+    "load-factor": lambda b: 10.0 * (1 + 2.5 * (b - 1) / 7),
+}
+
+
+def _seen(eps, step, running, slow=None, k=1.0):
+    """Stats at ``running[i]`` requests each: ITL = the engine's step at that batch (x 2.5 on an A10),
+    ``k`` x on endpoint ``slow``."""
+    return {e.instance: stats(**{**OK, "running": running[i], "latency_p95_ms": 80.0 * running[i],
+                                 "itl_mean_ms": step(running[i]) * (2.5 if e.gpu_class == "a10" else 1.0)
+                                 * (k if i == slow else 1.0)})
+            for i, e in enumerate(eps)}
+
+
+def _learned(eps, step, rounds=40):
+    """The engine after ``rounds`` rounds (1 s apart) in which every endpoint's batch moved (1-8)."""
+    r = Rounds(eps)
+    for t in range(rounds):
+        assert healthy(r.run(_seen(eps, step, [1.0 + (t * (3 + i)) % 8 for i in range(len(eps))]), at=t)) \
+            == {e.address for e in eps}
+    return r
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_loaded_endpoint_is_not_an_outlier_next_to_idle_peers_whatever_the_engine(engine):
+    """The fault-free demo's trap (issue 39): the most loaded A100s were ejected for latency that load
+    raises on any GPU. At its own batch an endpoint's step is like its peers', however busy it is:
+    from the first round (the bound) and once the curve is learned."""
+    step = ENGINES[engine]
+    eps = [spec(0), spec(1), spec(2, gpu_class="a10", capacity=0.4), spec(3)]
+    running = [8.0, 6.0, 2.0, 1.0]
+    assert healthy(Rounds(eps).run(_seen(eps, step, running))) == {e.address for e in eps}
+    r = _learned(eps, step)
+    assert healthy(r.run(_seen(eps, step, running), at=40)) == {e.address for e in eps}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_once_the_curve_is_learned_a_slow_endpoint_is_an_outlier_at_any_load(engine):
+    """Every token 5.5x slower (the simulator's long_tail at 0.5), at a batch from 1/4 to 2x its peers'."""
+    step = ENGINES[engine]
+    eps = specs(4)
+    for slow_running in (1.0, 4.0, 8.0):
+        r = _learned(eps, step)
+        out = r.run(_seen(eps, step, [slow_running, 4.0, 4.0, 4.0], slow=0, k=5.5), at=40)
+        assert healthy(out) == {e.address for e in eps[1:]}, (engine, slow_running)
+        assert "ITL ~ running^" in out[eps[0].address].reasons[0]
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_before_the_curve_is_learned_the_bound_still_finds_a_slow_endpoint_near_its_peers_load(engine):
+    step = ENGINES[engine]
+    eps = specs(4)
+    for slow_running in (3.0, 4.0, 5.0):
+        out = Rounds(eps).run(_seen(eps, step, [slow_running, 4.0, 4.0, 4.0], slow=0, k=10.0))
+        assert healthy(out) == {e.address for e in eps[1:]}, (engine, slow_running)
+
+
+def test_the_curve_is_learned_within_each_endpoint_so_a_slow_one_does_not_bend_it():
+    """α from how each endpoint's own ITL moved with its own batch: ~1 for the saturated engine, ~0
+    for continuous batching, whatever constant factor one endpoint carries."""
+    for engine, expected in (("job", 1.0), ("continuous", 0.0)):
+        eps = specs(4)
+        r = Rounds(eps, with_plugins(latency_outlier=latency_outlier.Params(factor=100)))  # nobody ejected
+        for t in range(40):
+            r.run(_seen(eps, ENGINES[engine], [1.0 + (t * (3 + i)) % 8 for i in range(4)], slow=0, k=5.0), at=t)
+        records = r.state.plugins["c"]["latency_outlier"]
+        alpha = latency_outlier.curve(records, [e.address for e in eps], 0.15)
+        assert alpha == pytest.approx(expected, abs=0.08), engine
+    assert latency_outlier.curve(records, [], 0.15) is None
+
+
 def test_small_absolute_differences_and_quiet_endpoints_are_not_judged():
     eps = specs(3)
-    seen = same_stats(eps, **{**OK, "latency_p95_ms": 2.0})
-    seen[eps[0].instance] = stats(**{**OK, "latency_p95_ms": 45.0})  # 22x, but only 43 ms more
+    seen = same_stats(eps, **{**OK, "itl_mean_ms": 0.1})
+    seen[eps[0].instance] = stats(**{**OK, "itl_mean_ms": 0.9})  # 9x, but only 0.8 ms more
     assert len(healthy(Rounds(eps).run(seen))) == 3
     quiet = with_plugins(latency_outlier=latency_outlier.Params(min_request_rate=1.0))
     seen = long_tail(eps, 0)
     seen[eps[0].instance] = replace(seen[eps[0].instance], request_rate=0.2)
     assert len(healthy(Rounds(eps, quiet).run(seen))) == 3
+    seen = long_tail(eps, 0)
+    seen[eps[0].instance] = replace(seen[eps[0].instance], itl_mean_ms=None)  # no ITL (Triton): not judged
+    assert len(healthy(Rounds(eps).run(seen))) == 3
 
 
 def test_a_pool_below_min_hosts_is_not_judged():
@@ -136,30 +219,20 @@ def test_a_pool_below_min_hosts_is_not_judged():
 
 
 def test_with_tiers_an_endpoint_is_judged_among_its_own_tier():
-    """A loaded edge next to an idle cloud is not an outlier (the edge_cloud trap: the picker keeps the
-    edge near its spill threshold by design); a slow node is still one among its own tier."""
+    """A slow node is an outlier among its own tier, and an edge is judged by the edge's steps."""
     edge = [spec(i, gpu_class="a10", capacity=0.4) for i in range(3)]
     cloud = [spec(i, tier="cloud") for i in range(3, 6)]
     eps = edge + cloud
     seen = same_stats(eps, **OK)
-    for e in edge:  # 2.5x an A100 for the class, x4 again for the batch the edge runs: 800 ms
-        seen[e.instance] = stats(**{**OK, "latency_p95_ms": 800.0})
+    for e in edge:  # an A10's step, at 4 running
+        seen[e.instance] = stats(**{**OK, "running": 4.0, "itl_mean_ms": 3.0 * 2.5 * 4})
     assert healthy(Rounds(eps).run(seen)) == {e.address for e in eps}
-    flat = [replace(e, tier="edge") for e in eps]   # the same six in one tier: the edge is ejected
-    assert healthy(Rounds(flat).run(seen)) < {e.address for e in eps}
-    seen[edge[0].instance] = stats(**{**OK, "latency_p95_ms": 4000.0})
+    seen[edge[0].instance] = stats(**{**OK, "running": 4.0, "itl_mean_ms": 300.0})
     out = Rounds(eps).run(seen)
     assert healthy(out) == {e.address for e in eps[1:]}
     assert out[edge[0].address].reasons[0].startswith(
-        "latency_outlier: latency outlier: p95 latency 1600 ms > 3 x peers' median 320 ms (capacity-normalised) "
-        "among the edge tier")
-
-
-def test_client_side_latency_is_preferred_when_a_source_gives_it():
-    eps = specs(4)
-    seen = same_stats(eps, **OK)
-    seen[eps[0].instance] = stats(**OK, client_latency_p95_ms=950.0)  # Envoy sees what the backend doesn't
-    assert eps[0].address not in healthy(Rounds(eps).run(seen))
+        "latency_outlier: latency outlier: inter-token latency 120 ms > 3 x the 12 ms its peers take at its load "
+        "(4.0 running) (capacity-normalised) among the edge tier"), out[edge[0].address].reasons[0]
 
 
 # --- OOM ejection ---------------------------------------------------------------------------------

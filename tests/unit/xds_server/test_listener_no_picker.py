@@ -36,13 +36,14 @@ def test_without_picker_the_listener_has_no_ext_proc_filter_but_still_strips_rou
 
 def test_without_picker_one_route_per_version_by_exact_header_then_the_default():
     [vh] = as_dict(build_route_config(WITHOUT))["virtual_hosts"]
-    *by_version, last = vh["routes"]
+    models, *by_version, last = vh["routes"]
+    assert models["match"]["path"] == "/v1/models"
     assert [(r["match"]["headers"], r["route"]["cluster"]) for r in by_version] == [
         ([{"name": "x-model-ver", "string_match": {"exact": v}}], f"llm-{v}") for v in ("v1", "v2", "v3")
     ]
     assert "headers" not in last["match"] and last["route"]["cluster"] == "llm-v2"
-    assert {r["route"]["timeout"] for r in vh["routes"]} == {"7s"}
-    assert not any("cluster_header" in r["route"] for r in vh["routes"])
+    assert {r["route"]["timeout"] for r in vh["routes"][1:]} == {"7s"}
+    assert not any("cluster_header" in r["route"] for r in vh["routes"][1:])
 
 
 def test_picker_field_must_be_a_boolean():

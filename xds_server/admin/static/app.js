@@ -22,7 +22,7 @@ function cell(row, text, cls) {
 async function getJSON(url) {
   const r = await fetch(url, {cache: "no-store"});
   const body = await r.json();
-  if (!r.ok) throw new Error(body.error || r.statusText);
+  if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
   return body;
 }
 

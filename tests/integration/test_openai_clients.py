@@ -1,0 +1,85 @@
+"""A plain OpenAI client through real Envoy and the picker with the default config: no inferlb
+headers at all, only the OpenAI body. Body reading is on by default, so the body's ``model`` picks
+the version (an unknown one: 404 naming the served names) and the prompt's first messages give the
+prefix key; ``GET /v1/models`` lists what is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def oa_stack(tmp_path_factory) -> Iterator[Stack]:
+    """v1: three backends, v2: one; the service names its served model ``sim-7b``; the picker's
+    config at its defaults but for prefix_messages 1 (the key is the system prompt alone) and a small
+    KV cost per token (a 1 MB prompt fits a simulated GPU), the backends' alike."""
+    s = start_stack(tmp_path_factory.mktemp("openai-clients"),
+                    [("v1", "a100"), ("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
+                    sim_args=["--kv-mib-per-token", "0.001"],
+                    config={"services": [{"models": ["sim-7b"]}],
+                            "picker": {"prefix_messages": 1, "kv_mib_per_token": 0.001}})
+    s.app.sampler.every = 1   # keep every decision for the test to read
+    yield s
+    stop_stack(s)
+
+
+def client(s: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{s.listener}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+SYSTEM = {"role": "system", "content": "You are the support assistant of a shop that sells bicycles. " * 20}
+
+
+def test_models_lists_every_served_name(oa_stack: Stack):
+    models = client(oa_stack).models.list()
+    assert [(m.id, m.owned_by) for m in models] == [("sim-7b", "chat"), ("v1", "chat"), ("v2", "chat")]
+
+
+def test_a_shared_system_prompt_without_inferlb_headers_is_routed_by_its_prefix_key(oa_stack: Stack):
+    s = oa_stack
+    before = len(s.app.sampler.recent())
+    served = []
+    for i in range(6):
+        raw = client(s).chat.completions.with_raw_response.create(
+            model="sim-7b", max_tokens=4, messages=[SYSTEM, {"role": "user", "content": f"Question {i}?"}])
+        assert raw.parse().usage.completion_tokens == 4
+        assert raw.headers["x-backend-version"] == "v1"
+        served.append(raw.headers["x-served-by"])
+    decisions = s.app.sampler.recent(len(s.app.sampler.recent()) - before)
+    assert [d.key for d in decisions] == ["prefix"] * 6 and {d.cluster for d in decisions} == {"chat-v1"}
+    assert len(set(served)) == 1 and {d.endpoint for d in decisions} == set(served)
+    # The body's model may name a version, as the header does.
+    raw = client(s).chat.completions.with_raw_response.create(
+        model="v2", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-backend-version"] == "v2"
+    wait_until(lambda: not any(s.app.picker.inflight.clusters.values()), 10, what="every completion counted")
+
+
+def test_an_unknown_model_is_a_404_naming_the_served_models(oa_stack: Stack):
+    with pytest.raises(openai.NotFoundError) as info:
+        client(oa_stack).chat.completions.create(model="Qwen/Qwen3-0.6B", max_tokens=2,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    err = info.value
+    assert err.status_code == 404 and err.code == "model_not_found" and err.param == "model"
+    assert err.type == "invalid_request_error"
+    assert "'Qwen/Qwen3-0.6B'" in err.message and err.message.endswith("served models: sim-7b, v1, v2")
+
+
+def test_a_body_near_the_default_limit_is_still_read(oa_stack: Stack):
+    """1 MB of prompt (under the default 1 MiB body_max_bytes, Envoy's buffer limit): read, routed
+    by its model and its prefix, served whole."""
+    s = oa_stack
+    before = len(s.app.sampler.recent())
+    big = "x" * 1_000_000
+    raw = client(s).completions.with_raw_response.create(model="v2", max_tokens=2, prompt=big)
+    assert raw.parse().usage.prompt_tokens >= 1_000_000 // 4 and raw.headers["x-backend-version"] == "v2"
+    [decision] = s.app.sampler.recent(len(s.app.sampler.recent()) - before)
+    assert decision.key == "prefix" and decision.cluster == "chat-v2"
