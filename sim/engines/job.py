@@ -40,6 +40,7 @@ from sim.engines.api import (
     Tokens,
 )
 from sim.engines.hardware import GPU_CLASSES
+from sim.engines.outbox import Outbox
 
 #: The seed's figures for a short request of a 7B model on one A100: (requests running, end-to-end ms).
 LATENCY_TABLE_MS: tuple[tuple[int, float], ...] = ((1, 50.0), (2, 95.0), (4, 220.0))
@@ -155,7 +156,7 @@ class JobEngine:
         self._running: list[_Job] = []
         self._by_id: dict[str, _Job] = {}
         self._held = 0.0               # MiB held by requests
-        self._events: list[tuple[float, int, int, EngineEvent]] = []
+        self._outbox = Outbox()
         self._orders = 0
         self._c = {"finished": 0, "failed": 0, "prompt_tokens": 0, "generation_tokens": 0}
 
@@ -201,12 +202,7 @@ class JobEngine:
                 if done > job.reported:
                     t = self._t - (job.progress - (done - 1)) * step * job.factor / 1000.0
                     self._report(job, done, max(t, job.report_s))
-        if not self._events:
-            return []
-        self._events.sort(key=lambda e: e[:3])
-        out = [e[3] for e in self._events]
-        self._events = []
-        return out
+        return self._outbox.drain()
 
     def cancel(self, request_id: str, now_s: float) -> None:
         """Drop ``request_id`` at ``now_s``; its slot and memory go back; no event follows."""
@@ -332,4 +328,4 @@ class JobEngine:
             job.report_s = t
 
     def _emit(self, t: float, job: _Job, event: EngineEvent) -> None:
-        self._events.append((t, job.order, {FirstToken: 0, Tokens: 1}.get(type(event), 2), event))
+        self._outbox.add(t, job.order, event)

@@ -77,13 +77,13 @@ from sim.engines.hardware import (
     step_coefficients,
 )
 from sim.engines.kv import ROOT_HASH, BlockPool, chain_hashes
+from sim.engines.outbox import Outbox
 from sim.tokens import VOCAB_SIZE
 
 #: vLLM's default KV block size, tokens (``--block-size``).
 BLOCK_SIZE = 16
 
 _WAITING, _PREFILL, _DECODE = 0, 1, 2
-_RANK = {FirstToken: 0, Tokens: 1, Finished: 2, Failed: 2}
 
 
 #: Generated token ids repeat with this period (a fixed sequence, see :func:`output_token_id`).
@@ -253,7 +253,7 @@ class LlmEngine:
         self._alloc_at: dict[int, list[tuple[_Seq, int]]] = {}  # step -> paced decoders needing a block
         self._fin: list[tuple[int, int, int, _Seq]] = []       # (step, order, ver, seq): decoders' last steps
         self._by_id: dict[str, _Seq] = {}
-        self._events: list[tuple[float, int, int, EngineEvent]] = []
+        self._outbox = Outbox()
         self._orders = 0
         self._run_seqs = 0
         self._c = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "finished": 0, "failed": 0,
@@ -299,12 +299,7 @@ class LlmEngine:
         self._run_until(until_s)
         if self._stream:
             self._report_running()
-        if not self._events:
-            return []
-        self._events.sort(key=lambda e: e[:3])
-        out = [e[3] for e in self._events]
-        self._events = []
-        return out
+        return self._outbox.drain()
 
     def cancel(self, request_id: str, now_s: float) -> None:
         """Drop ``request_id`` at ``now_s``: its blocks go back (they stay cached); no event follows."""
@@ -827,7 +822,7 @@ class LlmEngine:
                 s.report_s = t
 
     def _emit(self, t: float, s: _Seq, event: EngineEvent) -> None:
-        self._events.append((t, s.order, _RANK[type(event)], event))
+        self._outbox.add(t, s.order, event)
 
 
 def _steps_by(t0: float, d: float, until: float) -> int:
