@@ -1,6 +1,6 @@
 """The simulator's tokenizer on disk: a Hugging Face tokenizer instead of the built-in one.
 
-By default the simulator counts 4 bytes of rendered prompt as a token (:func:`sim.model.tokenize`),
+By default the simulator counts 4 bytes of rendered prompt as a token (:func:`sim.tokens.tokenize`),
 so a client that counts with a real tokenizer disagrees with the server's ``usage`` (issue 38: a
 benchmark client's 256 prompt tokens were 352-361 in the server's usage). ``inferlb sim-backend
 --tokenizer DIR`` counts with the tokenizer in ``DIR`` (its ``tokenizer.json``, read by the

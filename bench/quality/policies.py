@@ -150,6 +150,12 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
     versions: dict[str, list[dict]] = {}
     for node, address in zip(scenario.nodes, addresses, strict=True):
         versions.setdefault(node.version, []).append(_endpoint(node, address))
+    # llm engines hold their whole KV cache from the start (vLLM's gpu_memory_utilization): DCGM shows
+    # ~90 % of the GPU used whatever runs, and a request needs no GPU memory of its own, so the memory
+    # need of a request (engine.request_memory_mib, picker.kv_mib_per_token) is 0 there, as an operator
+    # of vLLM backends configures it. The job engines' scenarios keep the per-request memory.
+    no_memory = ({"request_memory_mib": 0.0}, {"kv_mib_per_token": 0.0}) \
+        if all(n.engine == "llm" for n in scenario.nodes) else ({}, {})
     return {
         "listen": {"xds": f"127.0.0.1:{xds_port}", "ext_proc": "127.0.0.1:0", "admin": f"127.0.0.1:{admin_port}"},
         "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker,
@@ -158,13 +164,14 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         "prometheus": {"url": prometheus_url, "window_s": CONTROL["window_s"]},
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
         "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"],
-                   **scenario.engine},
+                   **no_memory[0], **scenario.engine},
         # The picker reads each request's memory need from the trace's header and the prompt from the
         # OpenAI body (prefix keys); a request no endpoint can hold waits, then gets a 429. The
         # simulator reports its requests held and its free GPU memory on one page, so one scrape.
         "picker": {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
                    "memory_count_in_sample": True,
-                   "body_max_bytes": 1 << 20, "shared_view": shared_view, "shared_view_interval_s": view_interval_s},
+                   "body_max_bytes": 1 << 20, "shared_view": shared_view, "shared_view_interval_s": view_interval_s,
+                   **no_memory[1]},
         "services": [{"name": SERVICE, "default_version": scenario.default_version, "models": [MODEL_NAME],
                       "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
     }

@@ -431,7 +431,9 @@ INTRO = f"""\
 
 What each policy's decisions do to time to first token (TTFT), latency, prefix-cache hits, errors,
 OOMs, sessions and versions, on the same traffic. Per scenario, simulated GPU backends (`sim/`,
-time-compressed, with token-level prefill and decode and a vLLM-style prefix cache), a real
+time-compressed: `llm` engines, continuous batching as vLLM V1 schedules it on BLIS's fitted step
+times, with chunked prefill, KV blocks and prefix caching, for the LLM scenarios; the seed's
+per-request `job` engines for the memory traps, `uneven` and `multi_gateway`), a real
 Prometheus and a real Envoy 1.40 run as plain processes; the same seeded, open-loop trace of
 OpenAI chat requests (arrival times fixed in advance, so a slow policy cannot slow its own load
 down; most requests streamed, prompts resent whole every turn as chat apps do) is replayed against
@@ -478,7 +480,7 @@ latency of successful requests (ms); prefix hits = prompt tokens the backends fo
 caches / prompt tokens looked up (the backends' `vllm:prefix_cache_hits` and `..._queries`
 counters over the measured window); errors = requests without a 2xx (OOM = the sim's HTTP 500
 "CUDA out of memory", timeouts = the client gave up, both included in errors); preemptions = the
-backends' `vllm:num_preemptions` (0 unless a node runs `--oom-mode preempt`); wrong version = 2xx
+backends' `vllm:num_preemptions` (llm engines: when their KV cache runs out); wrong version = 2xx
 answers from a node of another version than asked for (no header = the default, v1; – when all
 nodes serve one version); session hits = turns after a conversation's first answer served by a node
 that had served it before (where its KV cache is warm), with or without a session header;

@@ -106,12 +106,12 @@ class ScenarioRun:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def node_label(self, address: str) -> str:
-        """``n<i> <gpu> <version>`` for a node address (the address itself if unknown)."""
+        """``n<i> <gpu> <engine> <version>`` for a node address (the address itself if unknown)."""
         if address not in self.addresses:
             return address
         i = self.addresses.index(address)
         n = self.scenario.nodes[i]
-        return f"n{i} {n.gpu_class} {n.version}"
+        return f"n{i} {n.gpu_class} {n.engine} {n.version}"
 
 
 def _post_json(url: str, body: dict, timeout: float = 5.0) -> None:
@@ -162,8 +162,8 @@ class ScenarioRunner:
 
     def _start_sim(self, i: int) -> stack.Proc:
         node = self.sc.nodes[i]
-        extra = ["--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i), "--log-level", "warning",
-                 *SIM_ARGS]
+        extra = ["--engine", node.engine, "--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i),
+                 "--log-level", "warning", *SIM_ARGS]
         if node.gpu_memory_mib is not None:
             extra += ["--gpu-memory-mib", str(node.gpu_memory_mib)]
         return stack.start_sim(self.ports[i], self.work, gpu_class=node.gpu_class, version=node.version,

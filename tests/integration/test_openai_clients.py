@@ -18,12 +18,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def oa_stack(tmp_path_factory) -> Iterator[Stack]:
-    """v1: three backends, v2: one; the service names its served model ``sim-7b``; the picker's
-    config at its defaults but for prefix_messages 1 (the key is the system prompt alone) and a small
-    KV cost per token (a 1 MB prompt fits a simulated GPU), the backends' alike."""
+    """v1: three llm backends, v2: one per-request server (``--engine job``: a 1 MB prompt, 250 000
+    tokens, is past Llama-3.1-8B's 131 072-token context, which an llm engine refuses as vLLM does);
+    the service names its served model ``sim-7b``; the picker's config at its defaults but for
+    prefix_messages 1 (the key is the system prompt alone) and a small KV cost per token (a 1 MB
+    prompt fits a simulated GPU), the job backend's alike."""
     s = start_stack(tmp_path_factory.mktemp("openai-clients"),
                     [("v1", "a100"), ("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
-                    sim_args=["--kv-mib-per-token", "0.001"],
+                    backend_args={3: ["--engine", "job", "--kv-mib-per-token", "0.001"]},
                     config={"services": [{"models": ["sim-7b"]}],
                             "picker": {"prefix_messages": 1, "kv_mib_per_token": 0.001}})
     s.app.sampler.every = 1   # keep every decision for the test to read

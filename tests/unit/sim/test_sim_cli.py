@@ -10,7 +10,8 @@ def test_help_lists_the_options():
     assert result.exit_code == 0
     for option in (
         "--host", "--port", "--gpu-class", "--version", "--gpu-memory-mib", "--max-concurrency",
-        "--long-tail", "--legacy-metrics", "--seed", "--time-scale", "--model-name",
+        "--long-tail", "--legacy-metrics", "--seed", "--time-scale", "--model-name", "--engine", "--model",
+        "--max-num-batched-tokens",
     ):  # fmt: skip
         assert option in result.output
 
@@ -22,7 +23,12 @@ def test_bad_values_are_usage_errors(monkeypatch):
     assert runner.invoke(sim_backend, ["--long-tail", "1.5"]).exit_code == 2
     assert runner.invoke(sim_backend, ["--time-scale", "0"]).exit_code == 2
     result = runner.invoke(sim_backend, ["--gpu-memory-mib", "1000"])  # smaller than the weights
-    assert result.exit_code == 2 and "weights" in result.output
+    assert result.exit_code == 2 and "no memory left for the KV cache" in result.output
+    result = runner.invoke(sim_backend, ["--engine", "job", "--gpu-memory-mib", "1000"])
+    assert result.exit_code == 2 and "must exceed the model weights" in result.output
+    result = runner.invoke(sim_backend, ["--max-concurrency", "512", "--max-num-batched-tokens", "256"])
+    assert result.exit_code == 2 and "max_num_batched_tokens" in result.output
+    assert runner.invoke(sim_backend, ["--engine", "tgi"]).exit_code == 2
 
 
 def test_options_reach_the_config(monkeypatch):
@@ -36,6 +42,11 @@ def test_options_reach_the_config(monkeypatch):
     assert (cfg.port, cfg.gpu_class, cfg.version, cfg.max_concurrency) == (0, "a10", "v2", 4)
     assert (cfg.long_tail, cfg.legacy_metrics, cfg.seed, cfg.time_scale) == (0.1, True, 9, 0.5)
     assert cfg.model_name == "m" and cfg.gpu_memory_total_mib == 24576
+    assert (cfg.engine, cfg.model, cfg.max_num_batched_tokens) == ("llm", "llama-3.1-8b", None)
+    seen.clear()
+    result = CliRunner().invoke(sim_backend, ["--engine", "job", "--max-num-batched-tokens", "4096"])
+    assert result.exit_code == 0, result.output
+    assert (seen[0].engine, seen[0].max_num_batched_tokens) == ("job", 4096)
 
 
 def test_etcd_options_reach_the_config_and_bad_ones_are_usage_errors(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from sim import model
+from sim import tokens
 from sim.cli import sim_backend, sim_tokenizer
 from sim.config import BackendConfig
 from sim.protocol import render_prompt
@@ -29,9 +29,9 @@ def tok_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def counting(tok_dir) -> Iterator[None]:
     """The process counts with the small tokenizer during the test, with the built-in rule after."""
-    model.use_tokenizer(load(tok_dir))
+    tokens.use_tokenizer(load(tok_dir))
     yield
-    model.use_tokenizer(None)
+    tokens.use_tokenizer(None)
 
 
 def test_the_small_tokenizer_is_the_same_files_every_time_and_loads_as_transformers_expects(tok_dir, tmp_path):
@@ -55,8 +55,8 @@ def test_a_lone_surrogate_counts_as_a_replacement_character_not_an_error(tok_dir
 
 def test_counting_with_a_tokenizer_replaces_four_bytes_a_token(counting, tok_dir):
     text = "Hello world, this is a simple sentence about the water and the sun."
-    assert model.tokenize(text) == load(tok_dir)(text)
-    assert model.estimate_tokens(text) == len(load(tok_dir)(text))
+    assert tokens.tokenize(text) == load(tok_dir)(text)
+    assert tokens.estimate_tokens(text) == len(load(tok_dir)(text))
 
 
 def test_openai_content_parts_are_read_as_their_text():
@@ -90,9 +90,9 @@ def test_the_commands_write_and_use_the_directory(tmp_path, monkeypatch):
     try:
         result = CliRunner().invoke(sim_backend, ["--port", "0", "--tokenizer", str(out)])
         assert result.exit_code == 0, result.output
-        assert ran and model.tokenize("hello world") == load(out)("hello world")
+        assert ran and tokens.tokenize("hello world") == load(out)("hello world")
     finally:
-        model.use_tokenizer(None)
+        tokens.use_tokenizer(None)
     empty = tmp_path / "empty"
     empty.mkdir()
     result = CliRunner().invoke(sim_backend, ["--port", "0", "--tokenizer", str(empty)])

@@ -7,7 +7,7 @@ window: per endpoint a batch (running requests) that wanders as sessions come an
 busier than the A10s: they take more of the picker's traffic), queueing at the busiest moments,
 end-to-end latency that follows the batch and long answers, and the inter-token latency of the
 engine's decode step at that batch x the GPU class, with the noise of a 10 s window. Two kinds of
-engine: the simulator's ``job`` engine (step proportional to the batch: ``sim.model.decode_step_ms``)
+engine: the simulator's ``job`` engine (step proportional to the batch: ``sim.engines.job.decode_step_ms``)
 and continuous batching (BLIS's A100 fit: 16.4 ms + 18.2 us per running request).
 """
 
@@ -25,7 +25,7 @@ from xds_server.engine.types import HEALTHY, EngineState
 from xds_server.metrics.stats import EndpointStats
 
 STEP_MS = {
-    "job": lambda b: (50.0 + (b - 1) * 45.0 if b <= 2 else 95.0 + (b - 2) * 62.5) / 15 - 0.1,  # sim.model
+    "job": lambda b: (50.0 + (b - 1) * 45.0 if b <= 2 else 95.0 + (b - 2) * 62.5) / 15 - 0.1,  # sim.engines.job
     "continuous": lambda b: 16.44 + 0.0182 * b,
 }
 CLASS_FACTOR = {"a100": 1.0, "a10": 2.5}

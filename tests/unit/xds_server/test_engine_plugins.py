@@ -118,7 +118,7 @@ def test_an_a10_as_slow_as_an_a10_should_be_is_not_an_outlier():
 
 
 # Decode step (ms) at a batch of b running requests, two kinds of engine: the simulator's ``job``
-# engine (saturated: sim.model.decode_step_ms, 3.2 ms at 1, 31 ms at 8) and continuous batching
+# engine (saturated: sim.engines.job.decode_step_ms, 3.2 ms at 1, 31 ms at 8) and continuous batching
 # (BLIS's A100 fit: 16.4 ms + 18.2 us per running request), and llm-d's inference simulator's load
 # factor near max_num_seqs (3.5x at 8 running of 8).
 ENGINES = {

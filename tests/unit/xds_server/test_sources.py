@@ -42,7 +42,8 @@ def test_scrape_source_computes_the_preset_over_its_window():
     m = sim_metrics()
     src = ScrapeSource({A: f"http://{A}/metrics"}, preset("vllm", "dcgm"), window_s=10)
     for t, lat in ((100.0, 0.1), (101.0, 0.3), (102.0, 0.2)):
-        m.observe_finished(e2e_s=lat, ttft_s=0.01, queue_s=0.0, prompt_tokens=1, generation_tokens=1)
+        m.observe_ttft(0.01)
+        m.observe_finished(e2e_s=lat, queue_s=0.0, prompt_tokens=1, generation_tokens=1)
         m.observe_http("/v1/chat/completions", 200)
         src.ingest(A, page(m, running=int(t) - 98), t)
     m.observe_http("/v1/chat/completions", 500)
