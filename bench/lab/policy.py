@@ -108,7 +108,7 @@ class Message:
     and tokens are made once: a prompt is a tuple of messages, never a copy of their text.
 
     Attributes:
-        role: ``system``, ``user`` or ``assistant``; None for a completion prompt.
+        role: ``system``, ``user`` or ``assistant``; None for a piece of a completion prompt.
         text: the message's content.
         tokens: its token ids, as the engines' tokenizer makes them (a tuple of ints; a prompt's
             ids are its messages' ids in order, with no template tokens between them).
@@ -121,10 +121,10 @@ class Message:
 
 @dataclass(frozen=True, eq=False)
 class Prompt:
-    """A request's prompt: chat messages in order (or one completion prompt).
+    """A request's prompt: chat messages in order, or a completion prompt's pieces (role None).
 
     Attributes:
-        messages: the messages (a completion: one message with role None).
+        messages: the messages (a completion prompt: pieces with role None, their texts joined).
 
     The token ids, the text length and the OpenAI body are derived on first use and kept.
     """
@@ -148,15 +148,15 @@ class Prompt:
 
     @property
     def chat(self) -> bool:
-        """True for chat messages, False for one completion prompt."""
-        return not (len(self.messages) == 1 and self.messages[0].role is None)
+        """True for chat messages, False for a completion prompt."""
+        return self.messages[0].role is not None
 
     @cached_property
     def text(self) -> str:
         """The prompt's text as a router that reads text sees it: the messages' contents joined
         (``role: content`` lines for chat, as a chat template would join them)."""
         if not self.chat:
-            return self.messages[0].text
+            return "".join(m.text for m in self.messages)
         return "".join(f"{m.role}: {m.text}\n" for m in self.messages)
 
 
@@ -197,7 +197,7 @@ class Request:
         if self.prompt.chat:
             doc["messages"] = [{"role": m.role, "content": m.text} for m in self.prompt.messages]
         else:
-            doc["prompt"] = self.prompt.messages[0].text
+            doc["prompt"] = self.prompt.text
         if self.max_tokens is not None:
             doc["max_tokens"] = self.max_tokens
         if self.user is not None:
