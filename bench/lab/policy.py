@@ -74,7 +74,8 @@ import orjson
 from xds_server.metrics.stats import EndpointStats
 
 __all__ = [
-    "GPU_FREE_MIB", "HELD", "KV_USAGE", "PREEMPTIONS", "PREFIX_HITS", "PREFIX_QUERIES", "RUNNING", "WAITING",
+    "CACHE_BLOCKS", "CACHE_BLOCK_SIZE", "GPU_FREE_MIB", "HELD", "KV_USAGE", "PREEMPTIONS", "PREFIX_HITS",
+    "PREFIX_QUERIES", "RUNNING", "WAITING",
     "Answer", "Context", "Eds", "Endpoint", "Finished", "FirstToken", "KvEvents", "Message", "Needs", "Policy",
     "PolicyBase", "Progress", "Prompt", "Reject", "Request", "Route", "Sample", "Wait",
 ]
@@ -92,6 +93,10 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 #: Requests preempted, cumulative (vLLM V1 counter).
 PREEMPTIONS = "vllm:num_preemptions_total"
+#: KV blocks of the engine's cache (the ``num_gpu_blocks`` label of vLLM's ``vllm:cache_config_info``).
+CACHE_BLOCKS = "vllm:cache_config_info:num_gpu_blocks"
+#: Tokens per KV block (the ``block_size`` label of ``vllm:cache_config_info``).
+CACHE_BLOCK_SIZE = "vllm:cache_config_info:block_size"
 #: Free GPU memory, MiB (NVIDIA DCGM exporter's gauge; the ``job`` engine's memory).
 GPU_FREE_MIB = "DCGM_FI_DEV_FB_FREE"
 #: Requests the engine holds (running + waiting) in the same sample as its free memory (the simulator's page).
