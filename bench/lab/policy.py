@@ -46,8 +46,9 @@ later through :meth:`Policy.poll`), or :class:`Reject` (an immediate 429 or 503,
 deciding costs nothing).
 
 **Call order** (all on one thread, in virtual time, never re-entrant): :meth:`Policy.start` once;
-:meth:`Policy.on_eds` once before the first request and after every slow-loop round that changed
-the EDS; then, in time order, :meth:`Policy.decide` per arriving request and the deliveries
+:meth:`Policy.on_eds` once before the first request and after every slow-loop round (its stats are
+new each round; :attr:`Eds.version` grows when a weight, a health or the membership changed); then,
+in time order, :meth:`Policy.decide` per arriving request and the deliveries
 (:meth:`Policy.on_progress`, :meth:`Policy.on_samples`, :meth:`Policy.on_kv_events`) as they fall
 due. The harness calls :meth:`Policy.poll` after every delivery, after every ``decide`` that
 answered :class:`Wait`, and at :meth:`Policy.next_wake_s` (a held request's timeout), and sends or
@@ -242,7 +243,7 @@ class Eds:
     """The slow loop's view of every cluster after one round.
 
     Attributes:
-        version: increases by one per round that changed anything.
+        version: increases by one per round that changed a weight, a health or the membership.
         at_s: when the round ran (virtual s).
         clusters: cluster name -> its endpoints (removed ones absent), sorted by address.
         routes: model version -> cluster name (the version header's or the body's ``model`` values).
@@ -428,7 +429,7 @@ class Policy(Protocol):
         ...
 
     def on_eds(self, eds: Eds) -> None:
-        """The slow loop's new EDS (membership, weights, health, stats)."""
+        """The slow loop's EDS after a round (membership, weights, health, stats)."""
         ...
 
     def decide(self, request: Request) -> Answer:

@@ -29,10 +29,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from sim.engines.kv import chain_hashes
+
 from bench.lab.policies.proxy import ProxyPolicy
 from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Prompt, Request
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
-from sim.engines.kv import chain_hashes
 
 __all__ = ["DynamoKv"]
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from bench.lab.policies.edf import Edf
 from bench.lab.policies.proxy import ProxyPolicy
-from bench.lab.policy import Eds, Endpoint, Request
+from bench.lab.policy import Endpoint, Request
 
 __all__ = ["LeastRequest"]
 
@@ -39,10 +39,6 @@ class LeastRequest(ProxyPolicy):
         self.choice_count = choice_count
         self.bias = active_request_bias
         self._schedules: dict[str, tuple[tuple[Endpoint, ...], Edf]] = {}
-
-    def on_eds(self, eds: Eds) -> None:
-        super().on_eds(eds)
-        self._schedules.clear()
 
     def _adjusted(self, weights: dict[str, int]):
         active, bias = self.active, self.bias

@@ -32,7 +32,7 @@ import random
 from collections.abc import Sequence
 
 from bench.lab.policies.proxy import ProxyPolicy
-from bench.lab.policy import Eds, Endpoint, Request
+from bench.lab.policy import Endpoint, Request
 from bench.quality.policies import HASH_BALANCE_FACTOR
 
 __all__ = ["MIN_RING_SIZE", "RingHashBounded"]
@@ -86,10 +86,6 @@ class RingHashBounded(ProxyPolicy):
         self.factor = hash_balance_factor
         self.header = header
         self._rings: dict[str, tuple[tuple[Endpoint, ...], _Ring]] = {}
-
-    def on_eds(self, eds: Eds) -> None:
-        super().on_eds(eds)
-        self._rings.clear()
 
     def _overload(self, address: str, share: float, cluster_active: int) -> float:
         total_slots = ((cluster_active + 1) * self.factor + 99) // 100

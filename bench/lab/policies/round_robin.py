@@ -5,8 +5,8 @@ v1.3x): "each available upstream host is selected in round robin order. If weigh
 to endpoints in a locality, then a weighted round robin schedule is used, where higher weighted
 endpoints will appear more often in the rotation to achieve the effective weighting". Equal
 weights: a plain rotation from a random starting index; unequal: the earliest-deadline-first
-schedule (:class:`~bench.lab.policies.edf.Edf`). The schedule is rebuilt when the EDS changes
-(Envoy rebuilds it on a host set update).
+schedule (:class:`~bench.lab.policies.edf.Edf`). The schedule is rebuilt when the cluster's
+endpoints, weights or health change (Envoy rebuilds it on a host set update).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from bench.lab.policies.edf import Edf
 from bench.lab.policies.proxy import ProxyPolicy
-from bench.lab.policy import Eds, Endpoint, Request
+from bench.lab.policy import Endpoint, Request
 
 __all__ = ["RoundRobin"]
 
@@ -28,10 +28,6 @@ class RoundRobin(ProxyPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._schedules: dict[str, tuple[tuple[Endpoint, ...], Edf | list[int]]] = {}
-
-    def on_eds(self, eds: Eds) -> None:
-        super().on_eds(eds)
-        self._schedules.clear()
 
     def choose(self, request: Request, cluster: str, endpoints: Sequence[Endpoint]) -> Endpoint:
         assert self.ctx is not None

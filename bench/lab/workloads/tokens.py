@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.lab.policy import Message
-from sim.model import VOCAB_SIZE, tokenize
+from sim.tokens import VOCAB_SIZE, tokenize
 
 __all__ = ["CHARS_PER_TOKEN", "Synth", "Tokenizer", "render"]
 
@@ -52,7 +52,7 @@ class Synth:
 
 
 class Tokenizer:
-    """The engines' tokenizer (:func:`sim.model.tokenize`) with a cache: each distinct text is
+    """The engines' tokenizer (:func:`sim.tokens.tokenize`) with a cache: each distinct text is
     tokenized once per instance."""
 
     def __init__(self) -> None:
