@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from bench.quality.policies import PICKER
 from xds_server.config import Config, cluster_name, parse_config
 
 __all__ = ["SERVICE", "Cluster", "Node", "SlowLoopTiming"]
@@ -79,7 +80,8 @@ class Cluster:
     Attributes:
         nodes: the engines.
         engine: inferlb ``engine`` settings for this cluster (on top of the defaults).
-        picker: inferlb ``picker`` settings for this cluster (on top of the defaults).
+        picker: inferlb ``picker`` settings for this cluster (on top of the benchmarks' own,
+            :data:`bench.quality.policies.PICKER`: body routing, admission, the memory queue).
     """
 
     nodes: tuple[Node, ...]
@@ -129,7 +131,7 @@ class Cluster:
             # so no GPU preset; a job engine's free memory is the signal (the DCGM exporter's).
             "metrics": {"preset": "vllm", "gpu": "dcgm" if "job" in kinds else "none"},
             "engine": {"stale_after_s": timing.stale_after_s, **self.engine},
-            "picker": {"access_log_flush_s": timing.access_log_flush_s, **self.picker},
+            "picker": {"access_log_flush_s": timing.access_log_flush_s, **PICKER, **self.picker},
             "services": [{"name": SERVICE, "default_version": self.versions[0], "models": [MODEL],
                           "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
         }

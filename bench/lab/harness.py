@@ -172,7 +172,7 @@ class _Run:
         for g, p in enumerate(self.policies):
             p.start(Context(clock=self.clock, rng=random.Random(f"{spec.seed}:{p.name}:{g}"),
                             block_size=self.block_size, gateway=g, gateways=spec.gateways,
-                            engines=engines if p.needs.engines else {}))
+                            engines=engines if p.needs.engines else {}, config=self.config))
         self.pending_progress: list[list[Progress]] = [[] for _ in self.policies]
         self.flush_at: list[float | None] = [None] * len(self.policies)
         self.wake_at: list[float | None] = [None] * len(self.policies)

@@ -361,7 +361,9 @@ Answer = Route | Wait | Reject
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy consumes and with which delays (a class attribute ``needs`` of each policy).
+    """What a policy consumes and with which delays (the attribute ``needs`` of each policy: ``kv_events``
+    and ``engines`` are read before :meth:`Policy.start`, the delays after it, so a policy may set
+    them from its :class:`Context`).
 
     Attributes:
         completion_flush_s: progress of its requests (:class:`FirstToken`, :class:`Finished`) is
@@ -398,6 +400,8 @@ class Context:
             ``gateways`` how many there are; each instance sees only its own requests' progress.
         engines: ``{address: engine}`` for a policy whose :attr:`Needs.engines` is set (read only:
             the oracle); empty for every other policy.
+        config: inferlb's config for this cluster (:class:`xds_server.config.Config`: the one the
+            slow loop runs with), for the ``inferlb`` policy; every other policy ignores it.
     """
 
     clock: Callable[[], float]
@@ -408,6 +412,7 @@ class Context:
     gateway: int = 0
     gateways: int = 1
     engines: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    config: Any = None
 
 
 # --- the protocol ---------------------------------------------------------------------------------

@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from bench.lab.policy import Message, Prompt
 from bench.lab.workloads.base import Draft, FollowUp, Sizing, poisson
 from bench.lab.workloads.tokens import Synth
+from bench.quality.trace import MEMORY_HEADER
 
-__all__ = ["MEMORY_HEADER", "ChatSessions", "burst_factor"]
-
-#: The header a ``job`` request declares its GPU memory in (MiB), as the simulator reads it.
-MEMORY_HEADER = "x-sim-memory-mib"
+__all__ = ["ChatSessions", "burst_factor"]
 
 
 def burst_factor(burst: tuple[float, float, float] | None) -> tuple[Callable[[float], float] | None, float]:
