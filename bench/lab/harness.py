@@ -207,11 +207,9 @@ class _Run:
 
     def execute(self) -> RunResult:
         spec = self.spec
-        timing = spec.timing
         self.arrivals = self._arrivals()
         self._next_arrival()
-        phase = self.rng.random()
-        self.push(phase * timing.scrape_interval_s, _SCRAPE)
+        self.push(0.0, _SCRAPE)  # before the first round (same time, lower kind): it sees every present engine
         self.push(0.0, _ROUND)
         for g, p in enumerate(self.policies):
             if p.needs.scrape_interval_s:
@@ -498,8 +496,7 @@ class _Run:
     # --- the end ------------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        for g, p in enumerate(self.policies):
-            self.flush(g)
+        for p in self.policies:
             for request, answer in p.poll(final=True):
                 if isinstance(answer, Reject):
                     self.close(self.records[request.id], answer.status, answer.reason)

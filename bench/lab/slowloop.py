@@ -7,7 +7,8 @@ of the requests it finished (kept here from the harness's events, as vLLM's own 
 them), under the names vLLM V1, its HTTP server and the DCGM exporter use. The scrapes go into
 inferlb's scrape source (:class:`xds_server.metrics.sources.scrape.ScrapeSource`: the same signal
 definitions the Prometheus source renders to PromQL, evaluated over ``prometheus.window_s``), and
-every ``loop.interval_s`` a round runs the real weight engine
+every ``loop.interval_s`` a round runs the real weight engine (an engine never scraped has no data, as
+with the Prometheus source: its sample age is unknown, so it is stale)
 (:func:`xds_server.engine.pipeline.compute_weights` with the built-in plugins and the config's
 parameters) on those stats, as :class:`xds_server.control.ControlPlane` does. Its weights and
 health become the lab's :class:`~bench.lab.policy.Eds` (drained-and-removed endpoints and nodes
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from bench.lab.cluster import Cluster, SlowLoopTiming
@@ -110,16 +111,20 @@ class SlowLoop:
         self.eds: Eds | None = None
         self.present: set[str] = set()
         self.gone: set[str] = set()
+        self.scraped: set[str] = set()
 
     def scrape(self, t: float, stats: Mapping[str, EngineStats], counters: Mapping[str, EndpointCounters]) -> None:
         """Scrape every present engine at ``t`` (``stats`` and ``counters`` by address)."""
         for address in sorted(self.present):
             self.source.add(address, scrape_of(t, stats[address], counters[address]))
+            self.scraped.add(address)
 
     def round(self, t: float) -> Eds:
         """One weight round at ``t``; returns the EDS (a new :attr:`Eds.version` when it changed)."""
         specs = [s for s in self.specs if s.address not in self.gone]
         stats = self.source.fetch([s.instance for s in specs], now=t)
+        for instance in [i for i in stats if i not in self.scraped]:  # no series yet: no data (Prometheus)
+            stats[instance] = replace(stats[instance], sample_age_s=None)
         verdicts, self.state = compute_weights(specs, stats, self.state, self.params, now=t, plugins=BUILTIN)
         by_cluster: dict[str, list[Endpoint]] = {}
         for spec, w in zip(specs, verdicts, strict=True):
