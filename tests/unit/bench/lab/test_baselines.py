@@ -18,6 +18,7 @@ from bench.lab.policy import (
     Eds,
     Endpoint,
     Finished,
+    FirstToken,
     Message,
     Prompt,
     Request,
@@ -163,3 +164,36 @@ def test_sglang_sends_a_miss_to_the_worker_with_the_smallest_tree() -> None:
     assert second != first
     third = _routed(p, _request(3, "c" * 50))
     assert third == second  # 100 characters against 500
+
+
+def test_dynamo_cost_is_overlap_weight_times_uncached_prefill_plus_active_decode_blocks() -> None:
+    from bench.lab.policies.dynamo import DynamoKv, prompt_keys
+    from bench.lab.policy import KvEvents
+    from sim.engines.api import BlockStored
+
+    p = _started(DynamoKv(), _eds({A: 1, B: 1}))
+    request = Request(1, 0.0, {}, Prompt((Message("user", "x" * 64, tuple(range(64))),)))  # 4 blocks of 16
+    keys = prompt_keys(request.prompt, 16)
+    p.on_kv_events([KvEvents(A, 0.0, [BlockStored(0.0, keys, None, tuple(range(64)), 16)])])
+    assert p.overlap(keys, A) == 4 and p.overlap(keys, B) == 0
+    # A: prefill 0 + decode (active + 4); B: prefill 64 / 16 = 4 + decode (0 + 4) = 8
+    p.decode_blocks = {A: 2}  # A: 6 < 8
+    assert _routed(p, request) == A
+    p.decode_blocks = {A: 5}  # A: 9 > 8
+    assert _routed(p, Request(2, 0.0, {}, request.prompt)) == B
+    # the first token ends the request's prefill load; the end ends its decode blocks
+    assert p.prefill_tokens[B] == 64 and p.decode_blocks[B] == 4
+    p.on_progress([FirstToken(2, B, 0.5, 0)])
+    assert p.prefill_tokens[B] == 0
+    _finish(p, 2, B)
+    assert p.decode_blocks[B] == 0
+
+
+def test_the_cli_names_every_scenario_and_policy_of_the_registries() -> None:
+    from bench.lab.cli import POLICY_NAMES as CLI_POLICIES
+    from bench.lab.cli import SCENARIO_NAMES as CLI_SCENARIOS
+    from bench.lab.policies import POLICY_NAMES
+    from bench.lab.scenarios import SCENARIOS
+
+    assert CLI_POLICIES == POLICY_NAMES
+    assert CLI_SCENARIOS == tuple(SCENARIOS)

@@ -13,7 +13,7 @@ from bench.lab.policies.dynamo import DynamoKv
 from bench.lab.policies.inferlb import Inferlb
 from bench.lab.policies.oracle import Oracle
 from bench.lab.policies.round_robin import RoundRobin
-from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
+from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
 from bench.lab.runner import Point, lab_document, run_point
 from bench.lab.scenarios import QUICK, Mode
 from bench.lab.workloads.base import Draft, FollowUp, Sizing
@@ -101,8 +101,7 @@ def test_a_session_turn_comes_think_time_after_the_previous_one_ended() -> None:
         name = "two_turns"
 
         def arrivals(self, qps: float, duration_s: float, sizing: Sizing, rng: random.Random):
-            second = Draft(__import__("bench.lab.policy", fromlist=["Prompt"]).Prompt(
-                (synth.message("user", 40),)), 8, 8, session=1)
+            second = Draft(Prompt((synth.message("user", 40),)), 8, 8, session=1)
             first = Draft(second.prompt, 200, 200, session=1, next=FollowUp(3.0, lambda: second))
             yield 1.0, first
 
