@@ -7,8 +7,8 @@ import os
 
 import click
 
-from sim.config import BackendConfig
-from sim.model import GPU_CLASSES
+from sim.config import ENGINES, BackendConfig
+from sim.engines.hardware import DEFAULT_MODEL, GPU_CLASSES, MODELS
 
 
 @click.command("sim-backend")
@@ -21,11 +21,25 @@ from sim.model import GPU_CLASSES
     help="Port to listen on (0 = any free port).",
 )
 @click.option(
+    "--engine",
+    type=click.Choice(ENGINES),
+    default="llm",
+    show_default=True,
+    help="llm: continuous batching as vLLM V1 schedules it; job: the seed's per-request GPU server.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="The model the llm engine serves: its step times, KV bytes per token and weights.",
+)
+@click.option(
     "--gpu-class",
     type=click.Choice(sorted(GPU_CLASSES)),
     default="a100",
     show_default=True,
-    help="Simulated GPU: latency factor and memory.",
+    help="Simulated GPU: speed and memory.",
 )
 @click.option(
     "--version",
@@ -44,29 +58,29 @@ from sim.model import GPU_CLASSES
 @click.option(
     "--max-concurrency",
     type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Requests run at once; further ones wait in a FIFO queue.",
+    default=None,
+    help="Requests run at once, the rest wait (llm: vLLM's max_num_seqs)  [default: llm: vLLM's for the "
+         "GPU class (256; H100 1024), job: 8]",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="llm: tokens per engine step (chunked prefill budget)  [default: vLLM's for the GPU class (2048; "
+         "H100 8192)]",
 )
 @click.option(
     "--kv-mib-per-token",
     type=click.FloatRange(min=0),
     default=0.5,
     show_default=True,
-    help="KV-cache memory of one token (prompt or generated), MiB (0.5 = a 7B model in fp16).",
-)
-@click.option(
-    "--oom-mode",
-    type=click.Choice(["error", "preempt"]),
-    default="error",
-    show_default=True,
-    help="When KV memory runs out: HTTP 500 'CUDA out of memory', or preempt the newest request (vLLM).",
+    help="job: memory a request holds per prompt or generated token, MiB (0.5 = a 7B model in fp16).",
 )
 @click.option(
     "--prefix-caching/--no-prefix-caching",
     default=True,
     show_default=True,
-    help="vLLM-style automatic prefix caching (16-token blocks, LRU eviction).",
+    help="llm: vLLM's automatic prefix caching (16-token blocks, LRU eviction).",
 )
 @click.option(
     "--session-history-tokens",
@@ -80,7 +94,7 @@ from sim.model import GPU_CLASSES
     type=click.FloatRange(0.0, 1.0),
     default=0.0,
     show_default=True,
-    help="Probability (0-1) that a request takes 10x its latency.",
+    help="Probability (0-1) that a request runs 10x slower (llm: it takes part in one step in 10).",
 )
 @click.option(
     "--legacy-metrics",
@@ -93,7 +107,8 @@ from sim.model import GPU_CLASSES
     type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
-    help="Multiply every latency (e.g. 0.1 for time-compressed benchmarks).",
+    help="Wall seconds per simulated second (0.1: the GPU runs 10x faster than the one modelled, for "
+         "time-compressed tests and benchmarks; reported times are wall times).",
 )
 @click.option(
     "--push-status",
@@ -130,13 +145,15 @@ from sim.model import GPU_CLASSES
 def sim_backend(
     host: str,
     port: int,
+    engine: str,
+    model: str,
     gpu_class: str,
     version: str,
     model_name: str,
     gpu_memory_mib: float | None,
-    max_concurrency: int,
+    max_concurrency: int | None,
+    max_num_batched_tokens: int | None,
     kv_mib_per_token: float,
-    oom_mode: str,
     prefix_caching: bool,
     session_history_tokens: int,
     long_tail: float,
@@ -162,13 +179,15 @@ def sim_backend(
         cfg = BackendConfig(
             host=host,
             port=port,
+            engine=engine,
+            model=model,
             gpu_class=gpu_class,
             version=version,
             model_name=model_name,
             gpu_memory_mib=gpu_memory_mib,
             max_concurrency=max_concurrency,
+            max_num_batched_tokens=max_num_batched_tokens,
             kv_mib_per_token=kv_mib_per_token,
-            oom_mode=oom_mode,
             prefix_caching=prefix_caching,
             session_history_tokens=session_history_tokens,
             long_tail=long_tail,
@@ -187,6 +206,9 @@ def sim_backend(
             etcd_drain_s=etcd_drain_s,
             etcd_user=etcd_user,
         )
+        from sim.node import make_engine
+
+        make_engine(cfg)  # an engine vLLM would refuse to start (no room for the KV cache ...) is a usage error
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     from sim.server import run_backend

@@ -5,9 +5,11 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from sim.model import DEFAULT_KV_MIB_PER_TOKEN, DEFAULT_WEIGHTS_MIB, GPU_CLASSES
+from sim.engines.hardware import DEFAULT_MODEL, GPU_CLASSES, MODELS
+from sim.engines.job import DEFAULT_KV_MIB_PER_TOKEN, DEFAULT_WEIGHTS_MIB
 
-OOM_MODES = ("error", "preempt")
+#: The engine kinds (:mod:`sim.engines`): ``llm`` continuous batching, ``job`` the per-request server.
+ENGINES = ("llm", "job")
 
 
 @dataclass
@@ -24,11 +26,13 @@ class BackendConfig:
     name), status rewritten every ``etcd_status_interval_s`` s, ``etcd_drain_s`` s of drain at shutdown,
     as etcd user ``etcd_user`` (``NAME:PASSWORD``; default: no authentication).
 
-    KV cache: ``kv_mib_per_token`` MiB per token (prompt + generated) of a running request;
-    ``oom_mode`` what happens when the KV memory runs out: ``error`` (HTTP 500 "CUDA out of
-    memory", the request's whole output reserved when it starts) or ``preempt`` (vLLM's recompute
-    preemption: the newest running request gives its memory back and starts again later).
-    ``prefix_caching``: vLLM-style automatic prefix caching on (blocks of ``block_size`` tokens).
+    ``engine``: ``llm`` (continuous batching, :mod:`sim.engines.llm`, serving ``model``) or ``job``
+    (the seed's per-request server, :mod:`sim.engines.job`). ``max_concurrency``: requests run at
+    once (llm: vLLM's ``max_num_seqs``; None: vLLM's default for the GPU, job: 8);
+    ``max_num_batched_tokens``: the llm engine's token budget per step (None: vLLM's default).
+    ``prefix_caching`` and ``block_size``: the llm engine's automatic prefix caching and KV block
+    size (tokens). ``weights_mib`` and ``kv_mib_per_token``: the job engine's model weights and KV
+    memory per prompt or generated token (MiB; the llm engine takes both from ``model``).
     ``session_history_tokens``: tokens of conversation history a session key stands for (the
     session-keyed cache as a special case of the prefix cache; 0 = none).
     ``default_max_tokens``: a request without ``max_tokens`` generates a seeded 1..this many tokens.
@@ -39,15 +43,17 @@ class BackendConfig:
     gpu_class: str = "a100"
     version: str = "v1"
     model_name: str = "sim-7b"
+    engine: str = "llm"
+    model: str = DEFAULT_MODEL
     gpu_memory_mib: float | None = None
     weights_mib: float = DEFAULT_WEIGHTS_MIB
     kv_mib_per_token: float = DEFAULT_KV_MIB_PER_TOKEN
-    oom_mode: str = "error"
     prefix_caching: bool = True
     block_size: int = 16
     session_history_tokens: int = 400
     default_max_tokens: int = 128
-    max_concurrency: int = 8
+    max_concurrency: int | None = None
+    max_num_batched_tokens: int | None = None
     long_tail: float = 0.0
     legacy_metrics: bool = False
     seed: int | None = None
@@ -68,25 +74,29 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.gpu_class not in GPU_CLASSES:
             raise ValueError(f"gpu_class must be one of {sorted(GPU_CLASSES)}, got {self.gpu_class!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         if self.gpu_memory_mib is None:
             self.gpu_memory_mib = float(GPU_CLASSES[self.gpu_class].memory_mib)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port}")
-        if self.weights_mib < 0 or self.gpu_memory_mib <= self.weights_mib:
+        if self.engine == "job" and (self.weights_mib < 0 or self.gpu_memory_mib <= self.weights_mib):
             raise ValueError(
                 f"gpu_memory_mib ({self.gpu_memory_mib}) must exceed the model weights "
                 f"({self.weights_mib} MiB)"
             )
         if self.kv_mib_per_token < 0:
             raise ValueError("kv_mib_per_token must be >= 0")
-        if self.max_concurrency < 1:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0.0 <= self.long_tail <= 1.0:
             raise ValueError("long_tail must be a probability in 0-1")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
-        if self.oom_mode not in OOM_MODES:
-            raise ValueError(f"oom_mode must be one of {list(OOM_MODES)}, got {self.oom_mode!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError("block_size must be 1-1024 tokens")
         if self.session_history_tokens < 0:

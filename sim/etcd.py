@@ -56,7 +56,7 @@ def registration_value(node: SimNode, address: str, service: str, draining: bool
     cfg = node.cfg
     return {
         "address": address, "service": service, "version": cfg.version, "gpu_class": cfg.gpu_class,
-        "max_concurrency": cfg.max_concurrency, "gpu_memory_mib": cfg.gpu_memory_total_mib,
+        "max_concurrency": node.max_concurrency, "gpu_memory_mib": cfg.gpu_memory_total_mib,
         "model_name": cfg.model_name, "draining": draining,
         "status": {"running": g.running, "waiting": g.waiting, "kv_cache_usage": round(g.kv_usage, 6),
                    "gpu_memory_free_mib": round(g.fb_free_mib, 3), "gpu_utilization": g.gpu_util_percent / 100.0,

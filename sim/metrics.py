@@ -69,6 +69,7 @@ class SimMetrics:
         dl = tuple(self._dcgm)
         kv_name = LEGACY_KV_USAGE_METRIC if legacy_kv_name else KV_USAGE_METRIC
         self.kv_metric_name = kv_name
+        self._synced: dict[Counter, int] = {}
 
         self.running = Gauge("vllm:num_requests_running", "Requests running on the GPU.", vl, registry=reg)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to run.", vl, registry=reg)
@@ -191,11 +192,14 @@ class SimMetrics:
             family.clear()
         self._dcgm["UUID"] = gpu_uuid
 
+    def observe_ttft(self, ttft_s: float) -> None:
+        """Record one request's time to first token (s)."""
+        self.ttft.labels(**self._vllm).observe(ttft_s)
+
     def observe_finished(
         self,
         *,
         e2e_s: float,
-        ttft_s: float,
         queue_s: float,
         prompt_tokens: int,
         generation_tokens: int,
@@ -205,7 +209,6 @@ class SimMetrics:
     ) -> None:
         """Record one successful request (times in seconds; ``tpot_s`` None for a one-token answer)."""
         self.e2e.labels(**self._vllm).observe(e2e_s)
-        self.ttft.labels(**self._vllm).observe(ttft_s)
         self.queue_time.labels(**self._vllm).observe(queue_s)
         self.success.labels(**self._vllm, finished_reason=finished_reason).inc()
         self.prompt_tokens.labels(**self._vllm).inc(prompt_tokens)
@@ -217,14 +220,16 @@ class SimMetrics:
         if prefill_s is not None:
             self.prefill_time.labels(**self._vllm).observe(prefill_s)
 
-    def observe_prefix(self, queried_tokens: int, hit_tokens: int) -> None:
-        """Count one prefix-cache lookup: prompt tokens queried and found cached."""
-        self.prefix_queries.labels(**self._vllm).inc(queried_tokens)
-        self.prefix_hits.labels(**self._vllm).inc(hit_tokens)
-
-    def observe_preemption(self) -> None:
-        """Count one preempted request."""
-        self.preemptions.labels(**self._vllm).inc()
+    def sync_engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
+        """Bring the prefix-cache counters (prompt tokens queried / found cached) and the preemption
+        counter up to the engine's totals (they only grow)."""
+        for counter, total in ((self.prefix_queries, prefix_queries), (self.prefix_hits, prefix_hits),
+                               (self.preemptions, preemptions)):
+            child = counter.labels(**self._vllm)
+            seen = self._synced.get(counter, 0)
+            if total > seen:
+                child.inc(total - seen)
+                self._synced[counter] = total
 
     def observe_inter_token(self, gap_s: float, tokens: int = 1) -> None:
         """Record ``tokens`` inter-token gaps of ``gap_s`` seconds each."""

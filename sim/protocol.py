@@ -3,7 +3,7 @@
 Only the fields the simulator uses are read: ``max_tokens`` (or ``max_completion_tokens``; absent =
 a seeded length), ``user``, ``model``, ``stream``, ``stream_options.include_usage``, and
 ``messages`` (chat) / ``prompt`` (completions), which :func:`render_prompt` turns into the text the
-tokenizer (:func:`sim.model.tokenize`) reads. Streaming answers are Server-Sent Events as the
+tokenizer (:func:`sim.tokens.tokenize`) reads. Streaming answers are Server-Sent Events as the
 OpenAI API sends them: ``data: {chunk}`` lines, then ``data: [DONE]``.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sim.model import tokenize
+from sim.tokens import tokenize
 
 DEFAULT_MAX_TOKENS = 128
 MAX_MAX_TOKENS = 1_000_000

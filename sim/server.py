@@ -24,10 +24,11 @@ from contextlib import aclosing
 from aiohttp import web
 
 from sim.config import BackendConfig
+from sim.engines.api import FAIL_OOM
 from sim.etcd import EtcdRegistration
 from sim.faults import FaultError, parse_fault_patch
 from sim.metrics import CONTENT_TYPE
-from sim.node import NodeClosing, OutOfMemory, SimNode
+from sim.node import EngineRefused, NodeClosing, SimNode
 from sim.protocol import (
     Kind,
     RequestError,
@@ -105,8 +106,10 @@ async def _answer(request: web.Request, kind: Kind) -> web.StreamResponse:
     async with aclosing(node.generate(job)) as tokens:
         try:
             first = await anext(tokens)
-        except OutOfMemory as exc:
-            return _json_error(500, str(exc), "oom")
+        except EngineRefused as exc:
+            if exc.reason == FAIL_OOM:
+                return _json_error(500, str(exc), "oom")
+            return _json_error(400, str(exc), "invalid_request_error", "messages" if kind == "chat" else "prompt")
         except NodeClosing as exc:
             return _json_error(503, str(exc), "unavailable")
         if not req.stream:
@@ -186,7 +189,7 @@ async def _set_fault(request: web.Request) -> web.Response:
         patch = parse_fault_patch(load_json(raw) if raw.strip() else None)
     except (RequestError, FaultError) as exc:
         return _json_error(400, str(exc), "invalid_request_error", exc.field)
-    node.faults.apply(patch)
+    node.apply_faults(patch)
     log.info("%s faults now %s", node.served_by, node.faults.as_dict())
     return web.json_response({"faults": node.faults.as_dict()})
 
@@ -292,7 +295,8 @@ async def _serve_forever(cfg: BackendConfig) -> None:
     runner, port = await start_backend(cfg)
     node = get_node(runner.app)
     print(
-        f"sim backend {node.cfg.model_name} {cfg.version} ({cfg.gpu_class}) listening on {node.served_by}",
+        f"sim backend {node.cfg.model_name} {cfg.version} ({cfg.engine} engine, {cfg.gpu_class}) listening on "
+        f"{node.served_by}",
         flush=True,
     )
     stop = asyncio.Event()
