@@ -9,7 +9,7 @@ import click
 
 #: The lab's scenarios and policies, by name (plain tuples: the modules behind them load on use).
 SCENARIO_NAMES = ("shared_prefix", "sharegpt_chat", "uniform", "long_tail", "heterogeneous", "versions", "scaling",
-                  "sessions")
+                  "uneven", "multi_gateway", "edge_cloud", "sessions")
 POLICY_NAMES = ("round_robin", "least_request", "ring_hash_bounded", "random", "llm_d", "sglang_cache_aware",
                 "dynamo_kv", "oracle", "inferlb")
 

@@ -25,6 +25,7 @@ from bench.lab.workloads.shared_prefix import SharedPrefix
 from bench.lab.workloads.sharegpt_chat import ShareGptChat
 from bench.lab.workloads.trace import JsonlTrace
 from bench.lab.workloads.uniform import Uniform
+from bench.quality.scenarios import GPU_24GB_FREE_MIB
 
 __all__ = ["FULL", "QUICK", "SCENARIOS", "LabScenario", "Mode", "trace_scenario"]
 
@@ -98,6 +99,21 @@ def _versions(n: int) -> tuple[Node, ...]:
 
 def _scaling(n: int) -> tuple[Node, ...]:
     return (*(Node() for _ in range(n)), Node(present=False))
+
+
+def _uneven(n: int) -> tuple[Node, ...]:
+    return tuple(Node(kind="job", gpu_class="a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(n))
+
+
+def _edge_cloud(n: int) -> tuple[Node, ...]:
+    edge = max(1, round(n * 0.6))  # bench quality's 3 edge A10 : 2 cloud A100
+    return tuple(Node(kind="job", gpu_class="a10", gpu_memory_mib=GPU_24GB_FREE_MIB) if i < edge
+                 else Node(kind="job", gpu_class="a100", tier="cloud") for i in range(max(2, n)))
+
+
+def _memory_mix() -> ChatSessions:
+    """bench quality's ``uneven`` traffic: 8 GB and 18 GB requests (70 / 30 %), a fifth without a session."""
+    return ChatSessions(anon_share=0.2, think_s=2.0, memory_mib=((8192.0, 0.7), (18432.0, 0.3)))
 
 
 def _long_tail(duration: float, n: int) -> tuple[Fault, ...]:
@@ -188,6 +204,41 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         qps_per_engine=(2.0, 4.0),
         quick_qps_per_engine=(4.0,),
         faults=_scale_events,
+    ),
+    LabScenario(
+        name="uneven",
+        title="Uneven request memory (job engines)",
+        trap="small (8 GB) and large (18 GB) requests on GPUs with 24 GB free: a policy blind to memory puts a "
+             "large request beside another and the GPU runs out of memory",
+        nodes=_uneven,
+        workload=_memory_mix,
+        qps_per_engine=(1.5, 3.0),
+        quick_qps_per_engine=(3.0,),
+        engine={"request_memory_mib": 8192.0},
+    ),
+    LabScenario(
+        name="multi_gateway",
+        title="Three gateways, one pool (job engines)",
+        trap="the uneven traffic split over three routers that each see only their own requests (inferlb: "
+             "three pickers without the shared load view)",
+        nodes=_uneven,
+        workload=_memory_mix,
+        qps_per_engine=(1.5, 3.0),
+        quick_qps_per_engine=(3.0,),
+        gateways=3,
+        engine={"request_memory_mib": 8192.0},
+    ),
+    LabScenario(
+        name="edge_cloud",
+        title="Edge engines that spill to the cloud (job engines)",
+        trap="edge A10s (4 GB requests) should take the calm traffic and bursts at 5x need the cloud A100s too: a "
+             "flat pool sends the cloud its share all the time and overloads the slower edge",
+        nodes=_edge_cloud,
+        workload=lambda: ChatSessions(anon_share=0.7, turns=(2, 4), think_s=2.0, burst=(12.0, 3.0, 5.0),
+                                      memory_mib=((4096.0, 1.0),)),
+        qps_per_engine=(1.2, 2.4),
+        quick_qps_per_engine=(2.4,),
+        engine={"request_memory_mib": 4096.0},
     ),
     LabScenario(
         name="sessions",
