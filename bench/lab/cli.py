@@ -24,6 +24,9 @@ POLICY_NAMES = ("round_robin", "least_request", "ring_hash_bounded", "random", "
 @click.option("--mooncake", "mooncakes", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Also replay this Mooncake block-hash trace (timestamp ms, input_length, output_length, "
                    "hash_ids; repeatable).")
+@click.option("--quality", "qualities", multiple=True,
+              help="Also run inferlb bench quality's scenario NAME in the lab, at its own size and rate in engine "
+                   "time (one yardstick, two paths; repeatable).")
 @click.option("--quick", is_flag=True, help="4 engines, 60 virtual s per point, fewer points (CI).")
 @click.option("--engines", type=click.IntRange(1, 256), default=None,
               help="Engines per cluster.  [default: 16, 4 with --quick]")
@@ -40,14 +43,15 @@ POLICY_NAMES = ("round_robin", "least_request", "ring_hash_bounded", "random", "
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False),
               help="Where the PNGs and results.json go.  [default: docs/bench/lab, none with --quick]")
 def lab(scenarios: tuple[str, ...], policies: tuple[str, ...], traces: tuple[str, ...], mooncakes: tuple[str, ...],
-        quick: bool, engines: int | None, duration_s: float | None, seed: int, slo_ttft_p90_ms: float, jobs: int,
-        json_path: str | None, markdown_path: str | None, plots_dir: str | None) -> None:
+        qualities: tuple[str, ...], quick: bool, engines: int | None, duration_s: float | None, seed: int,
+        slo_ttft_p90_ms: float, jobs: int, json_path: str | None, markdown_path: str | None,
+        plots_dir: str | None) -> None:
     """Decision quality at field scale, in virtual time: every policy (Envoy's, llm-d's, SGLang's, Dynamo's,
     an oracle, inferlb's own code) on simulated LLM engines, per scenario a QPS sweep."""
     from bench.lab.main import run_lab
 
-    names = list(scenarios) or ([] if traces or mooncakes else list(SCENARIO_NAMES))
-    names += [f"trace:{t}" for t in traces] + [f"mooncake:{m}" for m in mooncakes]
+    names = list(scenarios) or ([] if traces or mooncakes or qualities else list(SCENARIO_NAMES))
+    names += [f"trace:{t}" for t in traces] + [f"mooncake:{m}" for m in mooncakes] + [f"quality:{q}" for q in qualities]
     if not quick:
         markdown_path = markdown_path or "BENCHMARKS.md"
         plots_dir = plots_dir or "docs/bench/lab"

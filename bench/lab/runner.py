@@ -18,7 +18,7 @@ from bench.lab.cluster import SlowLoopTiming
 from bench.lab.figures import DEFAULT_SLO_TTFT_P90_MS, max_qps_within_slo, point_figures
 from bench.lab.harness import RunSpec, run
 from bench.lab.policies import POLICIES
-from bench.lab.scenarios import FULL, QUICK, SCENARIOS, LabScenario, Mode, trace_scenario
+from bench.lab.scenarios import FULL, QUICK, SCENARIOS, LabScenario, Mode, quality_mirror, trace_scenario
 
 __all__ = ["Point", "lab_document", "plan", "run_point", "run_points", "scenario_for"]
 
@@ -38,14 +38,17 @@ class Point:
 
 
 def scenario_for(name: str) -> LabScenario:
-    """The scenario ``name`` (``trace:PATH`` and ``mooncake:PATH``: a replay of that file).
+    """The scenario ``name`` (``trace:PATH`` and ``mooncake:PATH``: a replay of that file;
+    ``quality:NAME``: :func:`~bench.lab.scenarios.quality_mirror`).
 
     Raises:
         KeyError: an unknown name.
     """
-    kind, _, path = name.partition(":")
-    if path and kind in ("trace", "mooncake"):
-        return trace_scenario(kind, Path(path))
+    kind, _, rest = name.partition(":")
+    if rest and kind in ("trace", "mooncake"):
+        return trace_scenario(kind, Path(rest))
+    if rest and kind == "quality":
+        return quality_mirror(rest)
     return SCENARIOS[name]
 
 
@@ -87,15 +90,20 @@ def run_points(points: Sequence[Point], jobs: int = 1,
 def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines: int | None, seed: int,
          timing: SlowLoopTiming | None = None, duration_s: float | None = None) -> list[Point]:
     """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the mode's;
-    ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion)."""
+    ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion; a
+    scenario with a size and length of its own keeps them)."""
     mode = QUICK if quick else FULL
     if duration_s is not None:
         k = duration_s / mode.duration_s
         mode = replace(mode, duration_s=duration_s, warmup_s=mode.warmup_s * k, drain_s=mode.drain_s * k)
-    n = engines or mode.engines
     timing = timing or SlowLoopTiming()
-    return [Point(s, p, q, mode, n, seed, timing) for s in scenarios for q in scenario_for(s).points(quick, n)
-            for p in policies]
+    out = []
+    for s in scenarios:
+        sc = scenario_for(s)
+        n = sc.engines or engines or mode.engines
+        out += [Point(s, p, q, sc.mode or mode, n, seed, sc.timing or timing) for q in sc.points(quick, n)
+                for p in policies]
+    return out
 
 
 def lab_document(points: Sequence[Point], results: Sequence[Mapping[str, Any]], *, seed: int, commit: str | None,

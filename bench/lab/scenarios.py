@@ -16,7 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from bench.lab.cluster import Cluster, Node
+from bench.lab.cluster import Cluster, Node, SlowLoopTiming
 from bench.lab.harness import Fault
 from bench.lab.workloads.base import Workload
 from bench.lab.workloads.mooncake import MooncakeTrace
@@ -27,7 +27,7 @@ from bench.lab.workloads.trace import JsonlTrace
 from bench.lab.workloads.uniform import Uniform
 from bench.quality.scenarios import GPU_24GB_FREE_MIB
 
-__all__ = ["FULL", "QUICK", "SCENARIOS", "LabScenario", "Mode", "trace_scenario"]
+__all__ = ["FULL", "QUICK", "SCENARIOS", "LabScenario", "Mode", "quality_mirror", "trace_scenario"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class LabScenario:
         faults: the faults for a run of ``duration_s`` with ``n`` engines.
         gateways: policy instances the traffic is split over.
         engine, picker: inferlb config settings of the cluster (on top of the defaults).
+        mode, engines, timing: a scenario of its own size, length and slow-loop timing (``--quick``
+            and ``--engines`` do not change it), None: the lab's.
     """
 
     name: str
@@ -74,6 +76,9 @@ class LabScenario:
     gateways: int = 1
     engine: Mapping[str, Any] = field(default_factory=dict)
     picker: Mapping[str, Any] = field(default_factory=dict)
+    mode: Mode | None = None
+    engines: int | None = None
+    timing: SlowLoopTiming | None = None
 
     def cluster(self, n: int) -> Cluster:
         """The cluster of ``n`` engines."""
@@ -268,3 +273,40 @@ def trace_scenario(kind: str, path: Path) -> LabScenario:
         qps_per_engine=(0.5, 1.0, 2.0, 3.0, 4.0),
         quick_qps_per_engine=(1.0, 3.0),
     )
+
+
+def quality_mirror(name: str) -> LabScenario:
+    """The lab's run of ``inferlb bench quality``'s scenario ``name`` (one yardstick, two paths): its nodes
+    (GPU class, memory, version, tier, engine kind), its traffic as :class:`ChatSessions` and its
+    control loop's timing (:data:`bench.quality.scenarios.CONTROL`), in engine time: the real-process
+    benchmark runs its engines ``time_scale`` times faster than the wall clock, so its ``rps`` is
+    ``rps x time_scale`` here, its think time, durations and control-loop periods ``/ time_scale``.
+    One point, the scenario's own size; full length with or without ``--quick``. (Its faults and
+    events are not carried over: the mirror is for the scenarios without them.)
+
+    Raises:
+        KeyError: not a scenario of ``inferlb bench quality``.
+    """
+    from bench.quality.scenarios import CONTROL
+    from bench.quality.scenarios import SCENARIOS as QUALITY
+
+    q = QUALITY[name]
+    ts, t = q.time_scale, q.traffic
+    nodes = tuple(Node(kind=getattr(n, "engine", "llm"), gpu_class=n.gpu_class, version=n.version,
+                       gpu_memory_mib=n.gpu_memory_mib, tier=n.tier, present=n.present) for n in q.nodes)
+    burst = None if t.burst is None else (t.burst[0] / ts, t.burst[1] / ts, t.burst[2])
+    workload = ChatSessions(anon_share=t.anon_share, turns=t.turns, think_s=t.think_s / ts, versions=t.versions,
+                            memory_mib=t.memory_mib, burst=burst, output_tokens=t.max_tokens,
+                            system_tokens=t.system_tokens, tenants=t.tenants, user_tokens=t.user_tokens,
+                            resend=t.resend, session_header=t.session_header)
+    n = len(q.nodes)
+    return LabScenario(
+        name=f"quality:{name}", title=f"inferlb bench quality's {name}, in the lab", trap=q.trap,
+        nodes=lambda _: nodes, workload=lambda: workload,
+        qps_per_engine=(t.rps * ts / n,), quick_qps_per_engine=(t.rps * ts / n,),
+        gateways=q.gateways, engine=q.engine,
+        mode=Mode(engines=n, duration_s=(q.warmup_s + q.measure_s) / ts, warmup_s=q.warmup_s / ts,
+                  drain_s=q.timeout_s / ts + 10.0),
+        engines=n,
+        timing=SlowLoopTiming(scrape_interval_s=CONTROL["scrape_interval_s"] / ts, window_s=CONTROL["window_s"] / ts,
+                              interval_s=CONTROL["interval_s"] / ts, stale_after_s=CONTROL["stale_after_s"] / ts))
