@@ -35,8 +35,12 @@ asyncio futures and timers of the running event loop. With either on, this adapt
 queue itself, with the handler's own rules: :func:`ext_proc.admission.admit` on the cluster's slots,
 a request no endpoint has memory for waiting, FIFO with backfill (32 deep), each waiter decided
 again by the handler's ``_pick`` when a slot frees or memory returns, committed by ``_commit``, and
-a 429 at ``queue_timeout_s``. The shared load view across gateways (``picker.shared_view``) is not
-modelled: with several gateways each picker decides on its own requests.
+a 429 at ``queue_timeout_s``. With one gateway the picker decides on the shared load view as
+``inferlb serve``'s in-process picker does by default (``picker.shared_view``: a
+:class:`ext_proc.shared_load.SharedLoad` whose view counts no other picker, so the memory samples'
+held counts apply); with several gateways each picker decides on its own requests alone: the
+view's sum over pickers and the memory grants between them (asyncio waits on the control plane's
+ledger) are not modelled.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from ext_proc.handler import PickerHandler, _body_fields
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY, Decision
 from ext_proc.sessions import SessionTable
+from ext_proc.shared_load import Others, SharedLoad
 from ext_proc.view import ViewHolder
 from inferlb.picker_config import picker_settings, routing_table
 from inferlb.serve import largest_memory
@@ -97,6 +102,7 @@ class Inferlb(PolicyBase):
         self._next_tick = TICK_S
         self._view_version = -1
         self._queued = False
+        self._shared: SharedLoad | None = None
 
     def start(self, ctx: Context) -> None:
         super().start(ctx)
@@ -117,6 +123,9 @@ class Inferlb(PolicyBase):
         self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))
         self._queued = s.admission or s.memory_queue
         self._memory_count = cfg.picker.memory_count_in_sample
+        # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad whose
+        # view, each round, counts no other picker (the control plane sums its report alone).
+        self._shared = self.handler.share_load() if s.shared_view and ctx.gateways == 1 else None
 
     # --- the slow loop's rounds --------------------------------------------------------------------
 
@@ -147,6 +156,8 @@ class Inferlb(PolicyBase):
             samples[address] = (free, eds.at_s - st.sample_age_s)
             if st.in_flight is not None:
                 held[address] = st.in_flight
+        if self._shared is not None:
+            self._shared.set_others(Others(pickers=1), at=eds.at_s)
         handler.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
 
     # --- requests ----------------------------------------------------------------------------------
