@@ -14,7 +14,9 @@ Over the *measured* requests (arrived in ``[warmup_s, duration_s)``):
 - waiting: the engines' mean waiting queue at the slow loop's scrapes in the window; preemptions:
   the engines' count in the window;
 - error rate: measured requests not answered 200 (rejections, engine failures, connect failures,
-  a version other than the one asked for, unfinished); OOM rate: engine out-of-memory failures;
+  a version other than the one asked for, no first token by the run's end); a request still
+  decoding at the end is no error (its TTFT counts, its end-to-end time does not); OOM rate: engine
+  out-of-memory failures;
 - shares: each endpoint's share of the measured requests it served.
 
 Percentiles are numpy's linear interpolation between closest ranks. Times in ms, rates 0-1.
@@ -66,7 +68,8 @@ def point_figures(result: RunResult) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in ran)
     window = spec.duration_s - spec.warmup_s
     tokens = sum(_window_tokens(r, spec.warmup_s, spec.duration_s) for r in result.records)
-    errors = n - len(ok)
+    running = sum(1 for r in measured if r.status is None and r.first_s is not None)  # still decoding at the end
+    errors = n - len(ok) - running
     served: dict[str, int] = {}
     for r in measured:
         if r.endpoint is not None and r.status == 200:
@@ -74,7 +77,7 @@ def point_figures(result: RunResult) -> dict[str, Any]:
     total_served = sum(served.values())
     reasons: dict[str, int] = {}
     for r in measured:
-        if r.status != 200 or r.wrong_version:
+        if (r.status != 200 or r.wrong_version) and not (r.status is None and r.first_s is not None):
             why = "wrong-version" if r.wrong_version else (r.reason or str(r.status))
             reasons[why] = reasons.get(why, 0) + 1
     pre = sum(result.counters_end[a]["preemptions"] - result.counters_start.get(a, {}).get("preemptions", 0)
