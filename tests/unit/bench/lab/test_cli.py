@@ -28,5 +28,5 @@ def test_quick_lab_on_a_subset_writes_the_json_the_issue_names(tmp_path) -> None
         assert "max_qps_within_slo" in policy
     assert doc["seed"] == 1 and "commit" in doc
     text = md.read_text()
-    assert "<!-- lab:start -->" in text and "### shared_prefix" in text and "Where inferlb stands" in text
+    assert "<!-- lab:start -->" in text and "### shared_prefix" in text and "**inferlb** (max QPS within SLO" in text
     assert (tmp_path / "plots" / "shared_prefix-ttft.png").stat().st_size > 1000
