@@ -24,7 +24,7 @@ from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_large
+from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
 from ext_proc.responses import EMPTY_ANSWERS, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -37,7 +37,7 @@ from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, Stream
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 from ext_proc.wire import request_headers
 
-__all__ = ["PickerHandler", "prefix_hash", "read_json"]
+__all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "PickerHandler", "prefix_hash", "read_json"]
 
 log = logging.getLogger(__name__)
 
@@ -123,29 +123,53 @@ def _prompt_chars(doc: dict) -> int | None:
     return None
 
 
+MAX_JSON_DEPTH = 1024
+"""The deepest nesting of arrays and objects a request body may have (levels): orjson's limit (since
+orjson 3.9.15, CVE-2024-27454: a parser without one can be made to recurse until the process dies).
+A body nested deeper is answered 400 ``body_too_deep`` (:func:`ext_proc.picker.too_deep`): the
+picker cannot read its routing fields, and forwarded unread it would reach a backend that parses
+it with its own limit (Python's ``json`` stops at its recursion limit, ~1 000 levels)."""
+
+
+class JsonTooDeep(ValueError):
+    """A JSON document nested deeper than :data:`MAX_JSON_DEPTH` (or than ``json`` can read)."""
+
+
 def read_json(data: bytes) -> Any:
     """``data`` parsed as JSON at orjson's speed (a 20 KiB chat body: 27 µs against ``json``'s 65 µs,
     timed alone); what orjson refuses and ``json`` reads (``NaN``, ``Infinity``, a lone surrogate
-    escape) is handed to ``json``. Two differences from :func:`json.loads` remain, and neither changes
-    a field the picker reads (:func:`_body_fields`; a differential test checks it): an integer beyond
-    64 bits comes back as a float, and nesting deeper than ``json``'s recursion limit is read.
+    escape) is handed to ``json``. One difference from :func:`json.loads` remains, and it changes no
+    field the picker reads (:func:`_body_fields`; a differential test checks it): an integer beyond
+    64 bits comes back as a float.
 
     Raises:
+        JsonTooDeep: nested deeper than :data:`MAX_JSON_DEPTH` levels (orjson's limit), or, for a
+            body orjson refuses for another reason, deeper than ``json``'s recursion limit allows.
         ValueError: not JSON (or not UTF-8).
     """
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
+        pass
+    try:
         return json.loads(data)
+    except RecursionError:
+        raise JsonTooDeep(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
 
 
 def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
-    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable."""
+    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable.
+
+    Raises:
+        JsonTooDeep: see :func:`read_json`.
+    """
     if len(data) > routing.body_max_bytes:
         return None
     try:
         doc = read_json(data)
-    except (ValueError, RecursionError):
+    except JsonTooDeep:
+        raise
+    except ValueError:
         return None
     if not isinstance(doc, dict):
         return None
@@ -179,6 +203,9 @@ def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTa
     whole body (so a request gets the same key whether its body came in one chunk or several);
     a completion's ``prompt``: its first bytes. The prompt's tokens: the body's ``content-length``
     (bytes) / ``chars_per_token``.
+
+    Raises:
+        JsonTooDeep: one of those first messages nests deeper than ``json`` reads.
     """
     found: dict[bytes, bytes] = {}
     for m in _FIELD.finditer(chunk):
@@ -208,6 +235,8 @@ def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTa
                     pos += 1
                 try:
                     message, pos = _DECODER.raw_decode(text_, pos)
+                except RecursionError:
+                    raise JsonTooDeep(f"a chat message nested deeper than {MAX_JSON_DEPTH} levels") from None
                 except ValueError:
                     break
                 messages.append(message)
@@ -331,16 +360,21 @@ class PickerHandler:
                 if stream.held is not None:
                     headers, stream.held = stream.held, None
                     view = self.holder.current
-                    if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                        fields = _body_fields(chunk.body, view.routing)
-                        if fields is None:
-                            self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                        return self._route(headers, view, fields or NO_BODY, "request_body"), True
-                    # Streamed: decide on the first bytes; the later chunks pass unchanged.
-                    stream.decided = True
-                    fields = _partial_fields(chunk.body[:view.routing.body_max_bytes], _content_length(headers),
-                                             view.routing)
-                    return self._route(headers, view, fields, "request_body"), False
+                    try:
+                        if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
+                            fields = _body_fields(chunk.body, view.routing)
+                            if fields is None:
+                                self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                            return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                        # Streamed: decide on the first bytes; the later chunks pass unchanged.
+                        stream.decided = True
+                        fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
+                                                 _content_length(headers), view.routing)
+                        return self._route(headers, view, fields, "request_body"), False
+                    except JsonTooDeep:
+                        refusal = too_deep(MAX_JSON_DEPTH)
+                        self._count(refusal.reason)
+                        return self._encoder.encode(refusal, view, headers, "request_body"), True
                 if stream.decided:
                     return _BODY_OK, chunk.end_of_stream
         except Exception:

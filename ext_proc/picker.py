@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from ext_proc.errors import error_body
 from ext_proc.ring import key_hash
 from ext_proc.scheduler import choose
 from ext_proc.sessions import session_slot
@@ -19,7 +20,7 @@ from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
 __all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "overloaded", "pick", "request_need",
-           "session_cookie"]
+           "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -50,7 +51,7 @@ class Decision(NamedTuple):
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
             own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
             "unknown-service", "unknown-version", "invalid-version", "version-unavailable",
-            "not-ready", "overloaded", "too-large".
+            "not-ready", "overloaded", "too-large", "body-too-deep".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
         retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
@@ -106,6 +107,12 @@ def too_large(cluster: str, need_mib: float, largest_mib: float) -> Decision:
     message = (f"cluster '{cluster}' has no endpoint with {need_mib:.0f} MiB of GPU memory for this request "
                f"(the largest has {largest_mib:.0f} MiB in all)")
     return Decision(None, None, 503, json.dumps({"error": message}).encode(), "too-large")
+
+
+def too_deep(limit: int) -> Decision:
+    """The 400 for a JSON body nested deeper than ``limit`` levels (reason "body-too-deep")."""
+    message = f"the request body is JSON nested deeper than {limit} levels, the most this gateway reads"
+    return Decision(None, None, 400, error_body(400, "body-too-deep", message), "body-too-deep")
 
 
 def _quote(raw: bytes) -> str:

@@ -25,6 +25,14 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _pip(python: str, *args: str, timeout: float) -> None:
+    """``python -m pip ARGS``; a failure fails the test with pip's own output (its cause is there)."""
+    done = subprocess.run([python, "-m", "pip", *args], timeout=timeout, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"pip {' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}",
+                    pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """``(bin folder of a fresh venv holding the built wheel, an environment that uses it)``.
@@ -32,13 +40,11 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     Session-scoped: under xdist the worker may run another module's test between two of these,
     and a module-scoped venv (50 s to install) would then be built again."""
     base = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(base / "dist"), str(ROOT)],
-                   check=True, timeout=300, capture_output=True)
+    _pip(sys.executable, "wheel", "-q", "--no-deps", "-w", str(base / "dist"), str(ROOT), timeout=300)
     [wheel] = (base / "dist").glob("inferlb-*.whl")
     venv.EnvBuilder(with_pip=True).create(base / "venv")
     bin_dir = base / "venv" / "bin"
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"{wheel}[demo]"], check=True, timeout=900, capture_output=True)
+    _pip(str(bin_dir / "python"), "install", "-q", "--disable-pip-version-check", f"{wheel}[demo]", timeout=900)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}:{env.get('PATH', '')}"
     return bin_dir, env

@@ -12,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.handler import PickerHandler, StreamState, read_json
+from ext_proc.handler import MAX_JSON_DEPTH, JsonTooDeep, PickerHandler, StreamState, read_json
 from ext_proc.picker import BodyFields, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
@@ -238,10 +238,36 @@ def test_read_json_reads_what_json_reads(data):
 
 def test_read_json_differs_from_json_only_where_the_picker_does_not_look():
     assert read_json(b'{"seed": 123456789012345678901234567890}') == {"seed": 1.2345678901234568e29}
-    deep = b'{"model": "v2", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    with pytest.raises(RecursionError):
-        json.loads(deep)
-    assert read_json(deep)["model"] == "v2"
+
+
+def _nested(depth: int, extra: bytes = b"") -> bytes:
+    return b'{"model": "v2", ' + extra + b'"x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_read_json_reads_up_to_the_depth_limit_and_refuses_deeper():
+    """orjson's limit (1 024 levels since 3.9.15; pyproject.toml asks for it) is the picker's: a body
+    at the limit is read, one level deeper is refused as too deep, whichever parser refused it."""
+    assert read_json(_nested(MAX_JSON_DEPTH))["model"] == "v2"
+    with pytest.raises(JsonTooDeep):
+        read_json(_nested(MAX_JSON_DEPTH + 1))
+    with pytest.raises(JsonTooDeep):  # orjson refuses the NaN first; json then hits its recursion limit
+        read_json(_nested(MAX_JSON_DEPTH + 1, b'"t": NaN, '))
+    with pytest.raises(JsonTooDeep):
+        read_json(_nested(100_000))
+
+
+@pytest.mark.parametrize("mode", ["buffered", "streamed"])
+def test_a_body_nested_too_deeply_is_answered_400_naming_the_limit(mode):
+    view = STREAMED_VIEW if mode == "streamed" else VIEW
+    h, stream = PickerHandler(ViewHolder(view)), StreamState()
+    h.process(stream, headers_msg(False, content_length="3000"))
+    deep = b'{"model": "v2", "messages": [' + b"[" * 2000 + b"]" * 2000 + b"]}"
+    answer, end = h.process(stream, message("request_body", body=deep, end_of_stream=mode == "buffered"))
+    immediate = pb.ProcessingResponse.FromString(answer).immediate_response
+    assert end and immediate.status.code == 400 and immediate.details == "inferlb_body_too_deep"
+    error = json.loads(immediate.body)["error"]
+    assert error["code"] == "body_too_deep" and error["type"] == "invalid_request_error"
+    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in error["message"]
 
 
 @pytest.mark.parametrize("data", [b'{"model": "v2"', b'\xff{}', b"", b"{} {}"],
