@@ -1,8 +1,8 @@
 """``sglang_cache_aware``: SGLang's router (SMG) ``cache_aware`` policy.
 
-Source read: sgl-project/sglang, ``sgl-router/src/policies/cache_aware.rs`` and
-``sgl-router/src/policies/tree.rs`` (the multi-tenant approximate radix tree), and the defaults
-of the router's launcher (``RouterArgs`` of ``sglang_router``: ``cache_threshold`` 0.3,
+Source read: sgl-project/sglang, ``sgl-router/src/policies/cache_aware.rs`` (commit 026f853b) and
+``sgl-router/src/policies/tree.rs`` (commit 4d40eec0; the multi-tenant approximate radix tree), and
+the defaults of the router's launcher (``RouterArgs`` of ``sglang_router``: ``cache_threshold`` 0.3,
 ``balance_abs_threshold`` 64, ``balance_rel_threshold`` 1.5, ``eviction_interval_secs`` 60,
 ``max_tree_size`` 2**26; the lmsys blog's router of 2024-12 had a ``cache_threshold`` of 0.5):
 
