@@ -25,6 +25,8 @@ __all__ = ["SERVICE", "Cluster", "Node", "SlowLoopTiming"]
 
 #: The service every lab request is for (its clusters are ``chat-<version>``).
 SERVICE = "chat"
+#: The lab's Envoy route timeout (s): longer than any run, so no request is timed out.
+NO_ROUTE_TIMEOUT_S = 86400.0
 #: The ``model`` name clients send (any name of the service's models means its default version).
 MODEL = "llama-3.1-8b"
 
@@ -138,6 +140,9 @@ class Cluster:
             versions.setdefault(node.version, []).append(endpoint)
         doc = {
             "gpu_classes": _extra_gpu_classes({n.gpu_class for n in self.nodes}),
+            # The lab has no route timeout (a request runs until it ends): the picker's in-flight expiry, which
+            # follows Envoy's route timeout, must not count a long-queued request as lost.
+            "envoy": {"route_timeout_s": NO_ROUTE_TIMEOUT_S},
             "loop": {"interval_s": timing.interval_s},
             "prometheus": {"window_s": timing.window_s, "scrape_interval_s": timing.scrape_interval_s},
             # An llm engine's GPU memory is vLLM's (taken whole at start): its free memory tells nothing,
