@@ -441,7 +441,7 @@ class _Run:
     # --- metrics ------------------------------------------------------------------------------------
 
     def scrape(self) -> None:
-        stats = {a: self.handles[a].engine.stats() for a in self.present}
+        stats = {a: self.handles[a].engine.stats() for a in self.addresses if a in self.present}  # node order
         self.slow.scrape(self.now, stats, self.counters)
         if self.spec.warmup_s <= self.now < self.spec.duration_s:
             self.result.waiting.extend(float(s.waiting) for s in stats.values())
