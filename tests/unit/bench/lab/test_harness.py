@@ -184,3 +184,18 @@ def test_inferlb_pins_a_session_and_learns_completions_from_the_access_log() -> 
 
 def test_quick_mode_is_a_small_cluster_and_a_minute() -> None:
     assert (QUICK.engines, QUICK.duration_s) == (4, 60.0)
+
+
+def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
+    """Same seed, another process with another PYTHONHASHSEED: the same JSON (no set or str-hash order leaks in)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from bench.lab.runner import Point, run_point; from bench.lab.scenarios import Mode; "
+            "m = Mode(engines=2, duration_s=20.0, warmup_s=4.0, drain_s=20.0); "
+            "f = run_point(Point('sessions', 'inferlb', 6.0, m, 2, 3)); f.pop('cpu_s'); "
+            "print(json.dumps(f, sort_keys=True))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "4242")}
+    assert len(outs) == 1 and json.loads(outs.pop())["requests"] > 20

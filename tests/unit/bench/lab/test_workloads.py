@@ -9,8 +9,8 @@ import pytest
 from bench.lab.workloads.base import Sizing
 from bench.lab.workloads.mooncake import BLOCK_TOKENS, MooncakeTrace
 from bench.lab.workloads.sessions import ChatSessions
-from bench.lab.workloads.sharegpt_chat import ShareGptChat, conversations
 from bench.lab.workloads.shared_prefix import SharedPrefix
+from bench.lab.workloads.sharegpt_chat import ShareGptChat, conversations
 from bench.lab.workloads.tokens import CHARS_PER_TOKEN, Synth, Tokenizer
 from bench.lab.workloads.trace import JsonlTrace, TraceError
 from bench.lab.workloads.uniform import Uniform
@@ -79,7 +79,8 @@ def test_sessions_carry_headers_versions_memory_and_bursts() -> None:
     arrivals = _all(w, qps=20.0)
     heads = [dict(d.headers) for _, d in arrivals]
     assert {h.get("model-version") for h in heads} == {b"v1", b"v2"}
-    assert all(h["x-sim-memory-mib"] == b"8192" and d.memory_mib == 8192.0 for h, (_, d) in zip(heads, arrivals))
+    assert all(h["x-sim-memory-mib"] == b"8192" and d.memory_mib == 8192.0
+               for h, (_, d) in zip(heads, arrivals, strict=True))
     sessions = [d for _, d in arrivals if d.session is not None]
     assert sessions and all(dict(d.headers)["x-session-id"] for d in sessions)
     in_burst = sum(1 for t, _ in arrivals if t % 4.0 < 1.0)
