@@ -478,7 +478,7 @@ latency of successful requests (ms); prefix hits = prompt tokens the backends fo
 caches / prompt tokens looked up (the backends' `vllm:prefix_cache_hits` and `..._queries`
 counters over the measured window); errors = requests without a 2xx (OOM = the sim's HTTP 500
 "CUDA out of memory", timeouts = the client gave up, both included in errors); preemptions = the
-backends' `vllm:num_preemptions` (0 unless a node runs `--oom-mode preempt`); wrong version = 2xx
+backends' `vllm:num_preemptions` (llm engines: when their KV cache runs out); wrong version = 2xx
 answers from a node of another version than asked for (no header = the default, v1; – when all
 nodes serve one version); session hits = turns after a conversation's first answer served by a node
 that had served it before (where its KV cache is warm), with or without a session header;

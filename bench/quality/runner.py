@@ -162,8 +162,8 @@ class ScenarioRunner:
 
     def _start_sim(self, i: int) -> stack.Proc:
         node = self.sc.nodes[i]
-        extra = ["--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i), "--log-level", "warning",
-                 *SIM_ARGS]
+        extra = ["--engine", node.engine, "--time-scale", str(self.sc.time_scale), "--seed", str(self.seed + i),
+                 "--log-level", "warning", *SIM_ARGS]
         if node.gpu_memory_mib is not None:
             extra += ["--gpu-memory-mib", str(node.gpu_memory_mib)]
         return stack.start_sim(self.ports[i], self.work, gpu_class=node.gpu_class, version=node.version,

@@ -1,10 +1,19 @@
 """The scenarios: one classic load-balancing trap each (nodes, traffic, events). Pure data.
 
 All times are wall-clock seconds on the benchmark machine. The simulated backends run
-time-compressed (``time_scale``: an A100-class short request that takes 50 ms at scale 1 takes
-``50 x time_scale`` ms; a prefill of 2 000 uncached prompt tokens 200 ms x ``time_scale``), and
-inferlb's control loop is compressed the same way (see :data:`CONTROL`), so a scenario of tens of
-seconds plays what would be minutes in the field.
+time-compressed (``time_scale``: every model time x ``time_scale``), and inferlb's control loop is
+compressed the same way (see :data:`CONTROL`), so a scenario of tens of seconds plays what would be
+minutes in the field.
+
+Engines (:mod:`sim.engines`): the LLM scenarios run ``llm`` nodes (continuous batching, Llama-3.1-8B
+on BLIS's fitted step times: an A100 decode step is 16.4 ms plus 18 µs per running request, a
+prompt token costs 48 µs of prefill); ``uneven`` and ``multi_gateway`` tell the seed's per-request
+memory trap and run ``job`` nodes (memory per request, OOM). The loads were kept from the
+per-request engine: on ``llm`` nodes they do not saturate decoding (a node runs a few to a few tens
+of requests, far under its 256 slots), but prefill does when the prefix cache misses: a session
+turn of ~1 000 prompt tokens costs ~50 ms of prefill on a miss and ~5 ms on a hit, so at 20 requests
+per second per node misses alone fill most of a node's time and every running request's decode
+steps stretch with them. That is the trade the LLM scenarios measure.
 
 The workload is OpenAI chat traffic: most requests streamed, prompts made of a system prompt
 (shared by a tenant's requests, or by the whole app) and the conversation so far, which the client
@@ -17,6 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
+
+from sim.engines.hardware import (
+    ACTIVATION_RESERVE_GIB,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MODEL,
+    GIB,
+    MODELS,
+)
 
 #: inferlb's control loop in every scenario: Prometheus scrape interval and the inferlb config's
 #: ``prometheus`` and ``engine`` settings (s). The field defaults are 5-15 s scrapes, a 60 s window,
@@ -32,8 +49,19 @@ CONTROL: Mapping[str, float] = MappingProxyType({
 
 #: GPU memory (MiB) of a node with 24 GB free for requests next to the sim's 14 GB of model weights.
 GPU_24GB_FREE_MIB = 14336.0 + 24576.0
-#: GPU memory (MiB) of a node with 10 GiB of KV cache (20 480 tokens of a 7B model: ten 2k-token prompts).
-GPU_10GB_KV_MIB = 14336.0 + 10240.0
+
+
+def llm_memory_mib(kv_tokens: int, model: str = DEFAULT_MODEL) -> float:
+    """GPU memory (MiB) that leaves an ``llm`` node running ``model`` a KV cache of about
+    ``kv_tokens`` tokens (:func:`sim.engines.hardware.kv_cache_blocks` solved for the memory)."""
+    m = MODELS[model]
+    need_gib = m.weights_gib + ACTIVATION_RESERVE_GIB + kv_tokens * m.kv_bytes_per_token / GIB
+    return need_gib * 1024 / DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+#: An llm node whose KV cache holds about 28 000 tokens: ten of the shared_prefix scenario's 2 000-token
+#: system prompts and the requests running beside them.
+SHARED_PREFIX_KV_MIB = llm_memory_mib(28_000)
 
 #: Options every simulated backend of the benchmark runs with: sessions carry their real history in
 #: the prompt (no virtual session history).
@@ -44,13 +72,14 @@ SIM_ARGS: tuple[str, ...] = ("--session-history-tokens", "0")
 class Node:
     """One simulated backend.
 
-    ``gpu_class``: the sim's class (``a100``, ``a10``; latency x1 / x2.5). ``gpu_memory_mib``: total GPU
-    memory (None = the class default). ``present``: False for a node that an ``add`` event brings in.
-    ``tier``: ``edge`` or ``cloud`` (inferlb's endpoint tier: EDS priority 0 or 1; the baselines
-    see one flat pool).
+    ``gpu_class``: the sim's class (``a100``, ``a10``, ...). ``gpu_memory_mib``: total GPU memory (None =
+    the class default). ``present``: False for a node that an ``add`` event brings in. ``tier``:
+    ``edge`` or ``cloud`` (inferlb's endpoint tier: EDS priority 0 or 1; the baselines see one flat
+    pool). ``engine``: the sim's engine kind (``llm`` or ``job``).
     """
 
     gpu_class: str = "a100"
+    engine: Literal["llm", "job"] = "llm"
     version: str = "v1"
     gpu_memory_mib: float | None = None
     present: bool = True
@@ -160,7 +189,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         title="Uneven request weight",
         trap="small (8 GB) and large (18 GB) requests on GPUs with 24 GB free: a policy blind to "
              "memory puts a large request next to another and the GPU runs out of memory (HTTP 500 OOM)",
-        nodes=tuple(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
+        nodes=tuple(Node("a10", engine="job", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
         traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
         time_scale=0.25,
         engine={"request_memory_mib": 8192.0},
@@ -206,8 +235,8 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
     Scenario(
         name="heterogeneous",
         title="Heterogeneous GPUs and bursts",
-        trap="A100- and A10-class nodes (the A10 is 2.5x slower) under bursty arrivals: equal shares "
-             "overload the A10s and the bursts queue behind them",
+        trap="A100- and A10-class nodes (an A10 decodes 2x and prefills 2.9x slower) under bursty arrivals: "
+             "equal shares overload the A10s and the bursts queue behind them",
         nodes=(Node("a100"), Node("a100"), Node("a10"), Node("a10"), Node("a10")),
         traffic=Traffic(rps=60.0, anon_share=0.2, burst=(4.0, 1.0, 2.5)),
     ),
@@ -217,8 +246,8 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         trap="30 tenants, each with its own 2 000-token system prompt shared by all its requests, no session "
              "header; the four nodes' KV caches together hold every prefix but one node holds about a third "
              "of them: a router blind to the prompt misses the cache two times out of three and pays the "
-             "whole prefill (100 ms here) each time",
-        nodes=tuple(Node("a100", gpu_memory_mib=GPU_10GB_KV_MIB) for _ in range(4)),
+             "whole prefill (96 ms of A100 time) each time",
+        nodes=tuple(Node("a100", gpu_memory_mib=SHARED_PREFIX_KV_MIB) for _ in range(4)),
         traffic=Traffic(rps=40.0, anon_share=1.0, system_tokens=2000, tenants=30, user_tokens=50, resend=False,
                         session_header=False),
     ),
@@ -238,7 +267,7 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
         trap="three Envoys (one per zone), each with its own picker, share four GPUs: a picker that sees only "
              "its own Envoy's requests bounds loads, concurrency and memory on a third of the load, so "
              "together they send up to three times what an endpoint should take (the uneven mix: OOMs)",
-        nodes=tuple(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
+        nodes=tuple(Node("a10", engine="job", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(4)),
         traffic=Traffic(rps=50.0, anon_share=0.2, memory_mib=((8192.0, 0.7), (18432.0, 0.3))),
         time_scale=0.25,
         engine={"request_memory_mib": 8192.0},
@@ -250,15 +279,13 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
     Scenario(
         name="edge_cloud",
         title="Edge nodes that spill to the cloud",
-        trap="three edge nodes (A10-class, 4 GB requests, room for 6 each) should take the calm traffic; bursts "
-             "at 5x the rate need the two cloud nodes too: a flat pool sends the cloud its share all the time "
-             "and overloads the slower edge; a health-only failover (Envoy's priority levels) keeps everything "
-             "on the edge until it runs out of memory and is ejected, then sends the cloud most of it",
-        nodes=(*(Node("a10", gpu_memory_mib=GPU_24GB_FREE_MIB) for _ in range(3)),
-               Node("a100", tier="cloud"), Node("a100", tier="cloud")),
-        traffic=Traffic(rps=24.0, anon_share=0.7, turns=(2, 4), burst=(6.0, 1.5, 5.0),
-                        memory_mib=((4096.0, 1.0),)),
-        engine={"request_memory_mib": 4096.0},
+        trap="three edge nodes (A10-class llm engines: half an A100's decode speed, a third of its prefill) should "
+             "take the calm traffic; bursts at 5x the rate need the two cloud nodes too: a flat pool sends the "
+             "cloud its share all the time and overloads the slower edge; a health-only failover (Envoy's "
+             "priority levels) keeps everything on the edge, where the bursts queue behind each other's "
+             "prefills and time out, since an engine that is merely slow never fails a health check",
+        nodes=(*(Node("a10") for _ in range(3)), Node("a100", tier="cloud"), Node("a100", tier="cloud")),
+        traffic=Traffic(rps=24.0, anon_share=0.7, turns=(2, 4), burst=(6.0, 1.5, 5.0)),
     ),
 )})
 

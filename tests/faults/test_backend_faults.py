@@ -17,6 +17,7 @@ import pytest
 
 from inferlb.devstack import stack as stk
 from tests.faults.conftest import Background, Stack, all_healthy, sessions, wait_until
+from tests.integration.conftest import JOB_TIME_SCALE, LLM_TIME_SCALE
 from tests.support.envoy import envoy_stat
 
 pytestmark = pytest.mark.integration
@@ -91,10 +92,11 @@ def test_a_backend_that_crashes_then_loops_on_oom_then_recovers(fault_stack: Sta
     assert "stale" in s.weights()["chat-v1"][target.address]["reasons"][0]
     excluded_after = time.monotonic() - crashed_at
 
-    # It comes back broken: every request needs more GPU memory than is free (CUDA OOM, HTTP 500).
+    # It comes back broken, as a per-request server whose every request needs more GPU memory than is
+    # free (CUDA OOM, HTTP 500).
     target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
                                 name=f"sim-{target.port}-oom",
-                                extra=["--time-scale", "0.2", "--gpu-memory-mib", "14340"])
+                                extra=["--time-scale", JOB_TIME_SCALE, "--engine", "job", "--gpu-memory-mib", "14340"])
     # Saturation is not health (issue 13): no free GPU memory lowers its weight after 3 rounds (factor
     # gpu_memory), it does not exclude it; the picker admits no request there (memory admission).
     wait_until(lambda: s.weights()["chat-v1"][target.address]["factors"].get("gpu_memory", 1.0) < 1.0, 10, 0.2,
@@ -102,7 +104,7 @@ def test_a_backend_that_crashes_then_loops_on_oom_then_recovers(fault_stack: Sta
 
     target.proc.kill()
     target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
-                                name=f"sim-{target.port}-ok", extra=["--time-scale", "0.2"])
+                                name=f"sim-{target.port}-ok", extra=["--time-scale", LLM_TIME_SCALE])
     s.procs.append(target.proc)   # stopped with the stack
     wait_until(lambda: health(s, target.address) == "HEALTHY", 10, 0.2, "the healthy backend to be back")
     back_after = time.monotonic() - crashed_at

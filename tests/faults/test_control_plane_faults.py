@@ -21,7 +21,7 @@ import yaml
 from inferlb.devstack import stack as stk
 from inferlb.devstack.envoy_admin import envoy_hosts
 from tests.faults.conftest import Background, sessions, wait_until
-from tests.integration.conftest import backend_config, merge
+from tests.integration.conftest import LLM_TIME_SCALE, backend_config, merge
 from xds_server.resources.bootstrap import render_bootstrap
 
 pytestmark = pytest.mark.integration
@@ -112,7 +112,8 @@ def cps(tmp_path_factory) -> Iterator[ProcStack]:
         backends = []
         for version, gpu in LAYOUT:
             port = stk.free_port()
-            procs.append(stk.start_sim(port, workdir, gpu_class=gpu, version=version, extra=["--time-scale", "0.2"]))
+            procs.append(stk.start_sim(port, workdir, gpu_class=gpu, version=version,
+                                       extra=["--time-scale", LLM_TIME_SCALE]))
             backends.append((version, gpu, f"127.0.0.1:{port}"))
         prom_port = stk.free_port()
         prom = stk.start_prometheus([a for _, _, a in backends], workdir, prom_port, 1.0)

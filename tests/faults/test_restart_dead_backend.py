@@ -14,7 +14,7 @@ import yaml
 from inferlb.devstack import stack as stk
 from inferlb.devstack.envoy_admin import envoy_hosts
 from tests.faults.conftest import wait_until
-from tests.integration.conftest import backend_config, merge
+from tests.integration.conftest import LLM_TIME_SCALE, backend_config, merge
 from xds_server.resources.bootstrap import render_bootstrap
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,8 @@ def test_a_backend_dead_before_a_restart_stays_unhealthy_in_envoy(tmp_path):
         sims, addresses = [], []
         for _ in range(3):
             port = stk.free_port()
-            sims.append(stk.start_sim(port, tmp_path, gpu_class="a100", version="v1", extra=["--time-scale", "0.2"]))
+            sims.append(stk.start_sim(port, tmp_path, gpu_class="a100", version="v1",
+                                      extra=["--time-scale", LLM_TIME_SCALE]))
             addresses.append(f"127.0.0.1:{port}")
         procs += sims
         prom_port = stk.free_port()

@@ -24,6 +24,18 @@ from inferlb.serve import InferLB
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
+#: ``--time-scale`` of the tests' simulated backends. ``llm`` engines (the default) run 25x faster than
+#: the GPU they model, so a short request (16 output tokens alone on an A100: 16 steps of 16.5 ms)
+#: takes ~10 ms of wall time; ``job`` engines 5x, so their seed request (50 ms) takes 10 ms too.
+LLM_TIME_SCALE = "0.04"
+JOB_TIME_SCALE = "0.2"
+
+
+def sim_time_scale(args: list[str]) -> list[str]:
+    """``--time-scale`` for a backend started with ``args`` (job engines: :data:`JOB_TIME_SCALE`)."""
+    job = any(a == "--engine" and b == "job" for a, b in zip(args, args[1:], strict=False))
+    return ["--time-scale", JOB_TIME_SCALE if job else LLM_TIME_SCALE]
+
 
 def wait_until(check: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:
     """Call ``check`` until it returns a truthy value; return it. Fails the test after ``timeout`` s."""
@@ -169,7 +181,8 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         backends = []
         for i, (version, gpu) in enumerate(layout):
             port = stack.free_port()
-            args = ["--time-scale", "0.2", *(sim_args or []), *(backend_args or {}).get(i, [])]
+            args = [*(sim_args or []), *(backend_args or {}).get(i, [])]
+            args = [*sim_time_scale(args), *args]
             proc = None if i in deferred else stack.start_sim(port, workdir, gpu_class=gpu, version=version,
                                                               extra=args)
             if proc is not None:

@@ -3,8 +3,10 @@ sources) -> inferlb -> real Envoy. One stack for the module; tests run in file o
 backends without faults.
 
 chat-v1: two A100s and an A10, plus an A100 that joins later (slow start) — capacity, long tail,
-drain (C11). chat-v2: three A100s, one with too little GPU memory for a large request. chat-v3: an
-old vLLM (legacy KV-cache metric name, C09) and a node that pushes its status over our gRPC API.
+drain (C11). chat-v2: three A100-class per-request servers (``--engine job``: every request holds
+the GPU memory it declares), one with too little GPU memory for a large request. chat-v3: an old
+vLLM (legacy KV-cache metric name, C09) and a node that pushes its status over our gRPC API. The
+others run the llm engine.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def eng(tmp_path_factory):
     push_port = stack.free_port()
     s = start_stack(
         tmp_path_factory.mktemp("engine"), LAYOUT,
-        backend_args={SMALL_GPU: ["--gpu-memory-mib", "20000"], LEGACY: ["--legacy-metrics"],
+        backend_args={4: ["--engine", "job"], SMALL_GPU: ["--engine", "job", "--gpu-memory-mib", "20000"],
+                      6: ["--engine", "job"], LEGACY: ["--legacy-metrics"],
                       PUSHER: ["--push-status", f"127.0.0.1:{push_port}", "--push-interval-s", "0.2"]},
         deferred={NEW_NODE},
         config={"picker": {"request_memory_header": "x-sim-memory-mib"},

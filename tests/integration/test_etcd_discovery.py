@@ -25,7 +25,7 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.loadgen import Session, Traffic, drive
 from inferlb.serve import InferLB
-from tests.integration.conftest import LoopThread, wait_until
+from tests.integration.conftest import LLM_TIME_SCALE, LoopThread, wait_until
 from xds_server.config import parse_config
 from xds_server.discovery.etcd import EtcdWatcher
 from xds_server.metrics.sources.status import StatusSource
@@ -118,7 +118,7 @@ def sim(workdir: Path, etcd: Etcd, prefix: str, *, version: str = "v1", gpu: str
         extra: list[str] | None = None, urls: str | None = None) -> tuple[stack.Proc, str]:
     port = stack.free_port()
     proc = stack.start_sim(port, workdir, gpu_class=gpu, version=version, extra=[
-        "--time-scale", "0.2", "--max-concurrency", "4", "--etcd", urls or etcd.url, "--etcd-prefix", prefix,
+        "--time-scale", LLM_TIME_SCALE, "--max-concurrency", "4", "--etcd", urls or etcd.url, "--etcd-prefix", prefix,
         "--etcd-ttl", str(ttl), "--etcd-service", "chat", "--etcd-status-interval-s", "0.5",
         "--etcd-drain-s", "1", *(extra or [])])
     return proc, f"127.0.0.1:{port}"

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def memory_stack(tmp_path_factory) -> Iterator[Stack]:
-    """Two A100-class backends (81 920 MiB each); requests give their need in ``x-sim-memory-mib``."""
-    s = start_stack(tmp_path_factory.mktemp("memory"), [("v1", "a100"), ("v1", "a100")],
+    """Two A100-class per-request servers (``--engine job``, 81 920 MiB each); requests give their need
+    in ``x-sim-memory-mib``."""
+    s = start_stack(tmp_path_factory.mktemp("memory"), [("v1", "a100"), ("v1", "a100")], ["--engine", "job"],
                     config={"picker": {"request_memory_header": "x-sim-memory-mib"}})
     yield s
     stop_stack(s)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def oa_stack(tmp_path_factory) -> Iterator[Stack]:
-    """v1: two A100-class backends; v2: one. Time scale 0.2, the picker on (the default)."""
+    """v1: two A100-class backends; v2: one. Time scale 0.04 (llm engines), the picker on (the default)."""
     s = start_stack(tmp_path_factory.mktemp("openai"), [("v1", "a100"), ("v1", "a100"), ("v2", "a100")])
     yield s
     stop_stack(s)
@@ -40,7 +40,7 @@ MESSAGES = [{"role": "system", "content": "You are a terse assistant. " * 8},
 def test_openai_stream_arrives_chunk_by_chunk_with_usage_and_the_asked_version(oa_stack: Stack):
     s = oa_stack
     v2 = next(b for b in s.backends if b.version == "v2")
-    v2.fault(slow_factor=20)  # one decode step ~13 ms: 40 tokens take ~0.5 s
+    v2.fault(slow_factor=20)  # one decode step ~13 ms (16.5 ms x 20 x time scale 0.04): 40 tokens take ~0.5 s
     try:
         arrivals: list[float] = []
         texts: list[str] = []

@@ -1,7 +1,7 @@
 """The picker on real Envoy: in-flight counting from the access log, sessions, body routing,
 canary split, admission control, hung picker.
 
-One stack for the module (simulated backends at time scale 0.2, real Prometheus, inferlb, Envoy).
+One stack for the module (simulated llm backends at time scale 0.04, real Prometheus, inferlb, Envoy).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stac
                "Envoy's access-log stream and the first completion")
     v1 = {b.address for b in s.backends if b.version == "v1"}
     for b in s.backends:
-        b.fault(slow_factor=20)  # ~200 ms per request at time scale 0.2
+        b.fault(slow_factor=20)  # ~200 ms per request at time scale 0.04
     try:
         results: list[int] = []
         threads = [threading.Thread(target=lambda i=i: results.append(
@@ -211,7 +211,7 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
     s = picker_stack
     v2 = next(b for b in s.backends if b.version == "v2")
     wait_until(lambda: s.app.view.current.clusters["chat-v2"].capacity == 1, 5, what="v2's capacity in the view")
-    v2.fault(slow_factor=6)  # ~60 ms per request at time scale 0.2
+    v2.fault(slow_factor=6)  # ~60 ms per request at time scale 0.04
     admission, inflight = s.app.picker.admission, s.app.picker.inflight
     try:
         results: dict[int, requests.Response] = {}

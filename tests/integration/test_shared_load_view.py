@@ -70,7 +70,7 @@ def test_the_second_picker_sees_the_first_pickers_requests_in_flight(two_gateway
     for r in (send(gw1), send(gw2)):  # both gateways route (and their pickers pin: x-served-by is a backend)
         assert r.status_code == 200, r.text
     for b in s.backends:
-        b.fault(slow_factor=400.0)  # ~4 s per request at time scale 0.2
+        b.fault(slow_factor=400.0)  # ~4 s per request at time scale 0.04
     heavy: list[requests.Response] = []
     threads = [threading.Thread(target=lambda: heavy.append(send(gw1, {"x-session-id": "heavy"})))
                for _ in range(HEAVY)]

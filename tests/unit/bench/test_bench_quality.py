@@ -85,8 +85,8 @@ def test_planned_requests_carry_prefixed_session_keys_and_the_memory_header():
 
 
 def test_resent_conversations_grow_by_whole_turns_and_share_their_prefix_text():
-    from sim.model import tokenize
     from sim.protocol import render_prompt
+    from sim.tokens import tokenize
 
     t = Traffic(rps=1, system_tokens=100, user_tokens=20, max_tokens=8)
     turns = [TraceRequest(float(k), 4, k, None, None, stream=True) for k in range(3)]

@@ -1,15 +1,17 @@
-"""SimNode without HTTP: FIFO queue, latency at start, sessions, OOM, cancellation, faults."""
+"""SimNode without HTTP: the engine on the wall clock, sessions, OOM and refusals, cancellation, faults."""
 
 import asyncio
 
 import pytest
 
 from sim.config import BackendConfig
+from sim.engines.hardware import GPU_CLASSES, MODELS, step_coefficients
+from sim.engines.job import REF_OUTPUT_TOKENS, REF_PROMPT_TOKENS
 from sim.faults import FaultError, FaultState, parse_fault_patch
-from sim.gate import ConcurrencyGate
-from sim.model import REF_OUTPUT_TOKENS, REF_PROMPT_TOKENS, decode_step_ms, prefill_ms
-from sim.node import OutOfMemory, SimNode
+from sim.node import EngineRefused, SimNode
 from sim.protocol import InferenceRequest, RequestError, parse_request, resolve_session_key
+
+A100 = step_coefficients(MODELS["llama-3.1-8b"], GPU_CLASSES["a100"])
 
 
 def _req(session=None, max_tokens=16, memory=None, tokens=None):
@@ -33,85 +35,56 @@ async def _wait_until(cond, timeout=2.0):
             await asyncio.sleep(0.002)
 
 
-async def test_a_short_request_alone_takes_the_field_figure():
-    node = SimNode(BackendConfig(gpu_class="a10", time_scale=0.4, seed=1, session_history_tokens=0))
+async def test_a_short_request_alone_takes_the_seed_figure_on_a_job_node():
+    node = SimNode(BackendConfig(engine="job", gpu_class="a10", time_scale=0.4, seed=1, session_history_tokens=0))
     done = await node.serve(_req(tokens=_prompt(1, REF_PROMPT_TOKENS), max_tokens=REF_OUTPUT_TOKENS))
     assert _took(done.e2e_s, 50.0 * 2.5 * 0.4), done.e2e_s
     assert done.completion_tokens == 16 and done.finish_reason == "length" and done.cached_tokens == 0
-    assert node.gate.running == 0 and node.memory.held_mib == 0
+    assert node.stats().running == 0 and node.stats().memory_used_mib == 14336
 
 
-async def test_decode_slows_down_with_the_running_batch():
-    node = SimNode(BackendConfig(time_scale=0.5, session_history_tokens=0))
-    alone = await node.serve(_req(tokens=_prompt(1, 16), max_tokens=32))
-    four = await asyncio.gather(*(node.serve(_req(tokens=_prompt(2 + i, 16), max_tokens=32)) for i in range(4)))
-    tpot_alone = (alone.e2e_s - alone.ttft_s) / 31
-    tpot_four = min((c.e2e_s - c.ttft_s) / 31 for c in four)
-    for measured, batch in ((tpot_alone, 1), (tpot_four, 4)):   # never early; late by at most 40 % + 1 ms
-        planned = decode_step_ms(batch, 0.5)
-        assert 0.95 * planned <= measured * 1000 <= 1.4 * planned + 1.0, (batch, measured, planned)
-    assert tpot_four > tpot_alone
+async def test_an_llm_node_runs_its_engine_on_the_wall_clock():
+    """A lone request: TTFT = one prefill step, then one decode step per token (A100 fits), x time scale."""
+    node = SimNode(BackendConfig(time_scale=0.2, session_history_tokens=0))
+    done = await node.serve(_req(tokens=_prompt(1, 200), max_tokens=40))
+    step = A100.step_s(0, 1) * 1000 * 0.2
+    assert _took(done.ttft_s, A100.step_s(200, 0) * 1000 * 0.2), done.ttft_s
+    assert _took(done.e2e_s, A100.step_s(200, 0) * 1000 * 0.2 + 39 * step), done.e2e_s
+    assert node.state()["kv_cache"]["blocks_used"] == 0
+
+
+async def test_a_batch_of_sixteen_decodes_almost_as_fast_as_one():
+    node = SimNode(BackendConfig(time_scale=0.2, session_history_tokens=0))
+    alone = await node.serve(_req(tokens=_prompt(1, 64), max_tokens=64))
+    batch = await asyncio.gather(*(node.serve(_req(tokens=_prompt(2 + i, 64), max_tokens=64)) for i in range(16)))
+    tpot_alone = (alone.e2e_s - alone.ttft_s) / 63
+    tpot_batch = max((c.e2e_s - c.ttft_s) / 63 for c in batch)
+    assert tpot_batch < 1.3 * tpot_alone
 
 
 async def test_prefix_reuse_lowers_ttft_by_the_skipped_prefill():
-    node = SimNode(BackendConfig(time_scale=1.0, session_history_tokens=0))
-    prompt = _prompt(3, 2000)  # 125 full blocks; 200 ms of prefill on an A100
+    node = SimNode(BackendConfig(time_scale=0.5, session_history_tokens=0))
+    prompt = _prompt(3, 2000)  # 125 full blocks
     cold = await node.serve(_req(tokens=prompt, max_tokens=2))
     warm = await node.serve(_req(tokens=(*prompt, 5, 6, 7), max_tokens=2))  # same prefix, a new question
-    assert cold.cached_tokens == 0 and warm.cached_tokens == 2000
-    skipped_ms = prefill_ms(2000)
-    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(skipped_ms, abs=20.0)
-    assert _took(cold.ttft_s, 200.0), cold.ttft_s
-    assert node.counters["prefix_queried_tokens"] == 2000 + 2003
-    assert node.counters["prefix_hit_tokens"] == 2000
-    text = node.metrics.render(node.gauges()).decode()
-    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="sim-7b"} 4003.0' in text
-    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-7b"} 2000.0' in text
-    # an identical prompt still computes its last token (vLLM recomputes at least one)
-    again = await node.serve(_req(tokens=prompt, max_tokens=2))
-    assert again.cached_tokens == 2000 - 16
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 2000)
+    skipped = A100.step_s(2000, 0) - A100.step_s(3, 0)
+    assert (cold.ttft_s - warm.ttft_s) == pytest.approx(skipped * 0.5, abs=0.03)
 
 
-async def test_cached_prefixes_are_evicted_lru_under_kv_pressure():
-    # 200 MiB of KV = 25 blocks of 16 tokens; each prompt is 10 blocks
-    node = SimNode(BackendConfig(gpu_memory_mib=14336 + 200, time_scale=0.01, session_history_tokens=0))
-    a, b, c = (_prompt(t, 160) for t in (10, 11, 12))
-    for p in (a, b):
-        await node.serve(_req(tokens=p, max_tokens=2))
-    assert len(node.memory.cache) == 20 and node.memory.kv_usage == 0.0  # cached, in use by nobody
-    await node.serve(_req(tokens=b, max_tokens=2))  # b is now the most recently used
-    await node.serve(_req(tokens=c, max_tokens=2))  # needs 10 blocks: a's go first
-    assert node.memory.evicted_blocks >= 5
-    hit_b = await node.serve(_req(tokens=b, max_tokens=2))
-    hit_a = await node.serve(_req(tokens=a, max_tokens=2))
-    assert hit_b.cached_tokens == 160 - 16 and hit_a.cached_tokens == 0
-    assert node.state()["prefix_cache"]["evicted_blocks"] == node.memory.evicted_blocks
+async def test_a_full_kv_cache_queues_requests_instead_of_failing():
+    node = SimNode(BackendConfig(gpu_class="a10", time_scale=0.02, session_history_tokens=0))
+    tasks = [asyncio.create_task(node.serve(_req(tokens=_prompt(10 + i, 4000), max_tokens=100))) for i in range(12)]
+    await _wait_until(lambda: node.stats().waiting > 0, timeout=5.0)
+    done = await asyncio.gather(*tasks)
+    assert len(done) == 12 and node.counters["oom"] == 0
 
 
-async def test_kv_overflow_is_oom_or_preemption_as_configured():
-    small = {"gpu_memory_mib": 14336 + 100, "time_scale": 0.2, "session_history_tokens": 0}  # 200 tokens
-    node = SimNode(BackendConfig(**small))
-    first = asyncio.create_task(node.serve(_req(tokens=_prompt(1, 16), max_tokens=120)))
-    await _wait_until(lambda: node.gate.running == 1)
-    with pytest.raises(OutOfMemory):  # 16 + 120 tokens are reserved by the first; 136 more do not fit
-        await node.serve(_req(tokens=_prompt(2, 16), max_tokens=120))
-    await first
-    assert node.counters["oom"] == 1 and node.counters["preemptions"] == 0
-
-    node = SimNode(BackendConfig(**small, oom_mode="preempt"))
-    done = await asyncio.gather(*(node.serve(_req(tokens=_prompt(i, 16), max_tokens=120)) for i in range(2)))
-    assert [c.completion_tokens for c in done] == [120, 120]
-    assert node.counters["oom"] == 0 and node.counters["preemptions"] >= 1
-    assert sum(c.preemptions for c in done) == node.counters["preemptions"]
-    assert node.memory.held_mib == 0 and node.gate.running == 0
-    assert "vllm:num_preemptions_total" in node.metrics.render(node.gauges()).decode()
-
-
-async def test_fifo_queue_beyond_max_concurrency():
-    node = SimNode(BackendConfig(max_concurrency=2, time_scale=0.1))
+async def test_fifo_queue_beyond_max_concurrency_on_a_job_node():
+    node = SimNode(BackendConfig(engine="job", max_concurrency=2, time_scale=0.1))
     tasks = [asyncio.create_task(node.serve(_req(session="same"))) for _ in range(5)]
-    await _wait_until(lambda: node.gate.running == 2)
-    assert node.gate.waiting == 3
+    await _wait_until(lambda: node.stats().running == 2)
+    assert node.stats().waiting == 3
     done = await asyncio.gather(*tasks)
     assert all(c.queue_s < 0.003 for c in done[:2])
     assert done[2].queue_s > 0 and done[4].queue_s > done[2].queue_s
@@ -122,51 +95,64 @@ async def test_returning_session_skips_its_history_prefill_and_is_counted():
     cold = await node.serve(_req(session="alice"))
     warm = await node.serve(_req(session="alice"))
     assert cold.session_hit is False and warm.session_hit is True
-    assert (cold.ttft_s - warm.ttft_s) * 1000 == pytest.approx(prefill_ms(400, 0.5), abs=12.0)  # 20 ms
+    assert (cold.ttft_s - warm.ttft_s) == pytest.approx(A100.beta1_us * 400e-6 * 0.5, abs=0.012)
     assert node.counters["session_hits"] == 1 and node.counters["session_misses"] == 1
     exposition = node.metrics.render(node.gauges()).decode()
     assert "inferlb_sim_session_cache_hits_total 1.0" in exposition
     assert "inferlb_sim_session_cache_misses_total 1.0" in exposition
 
 
-async def test_oom_is_immediate_and_counted():
-    node = SimNode(BackendConfig(gpu_class="a10", time_scale=0.2))
+async def test_oom_is_immediate_and_counted_on_a_job_node():
+    node = SimNode(BackendConfig(engine="job", gpu_class="a10", time_scale=0.2))
     first = asyncio.create_task(node.serve(_req(memory=8192)))
-    await _wait_until(lambda: node.gate.running == 1)
-    with pytest.raises(OutOfMemory) as err:
+    await _wait_until(lambda: node.stats().running == 1)
+    with pytest.raises(EngineRefused) as err:
         await node.serve(_req(memory=8192))
-    assert "CUDA out of memory. Tried to allocate 8192 MiB" in str(err.value)
+    assert err.value.reason == "oom" and "CUDA out of memory. Tried to allocate 8192 MiB" in str(err.value)
     assert node.counters["oom"] == 1
-    assert node.memory.held_mib == 8192
+    assert node.stats().memory_used_mib == 14336 + 8192
     await first
-    assert node.memory.held_mib == 0
+    assert node.stats().memory_used_mib == 14336
     assert "inferlb_sim_oom_total 1.0" in node.metrics.render(node.gauges()).decode()
 
 
+async def test_a_prompt_longer_than_the_context_is_refused():
+    node = SimNode(BackendConfig(gpu_class="a10", time_scale=0.2, session_history_tokens=0))
+    with pytest.raises(EngineRefused) as err:
+        await node.serve(_req(tokens=_prompt(1, 30000), max_tokens=10))
+    assert err.value.reason == "context_length" and node.counters["refused"] == 1 and not node.spans
+
+
 async def test_cancel_while_running_and_while_queued_releases_everything():
-    node = SimNode(BackendConfig(max_concurrency=1, time_scale=10.0))
+    node = SimNode(BackendConfig(engine="job", max_concurrency=1, time_scale=10.0))
     running = asyncio.create_task(node.serve(_req(memory=1000)))
     queued = asyncio.create_task(node.serve(_req(memory=2000)))
-    await _wait_until(lambda: node.gate.running == 1 and node.gate.waiting == 1)
-    assert node.memory.held_mib == 3000
+    await _wait_until(lambda: node.stats().running == 1 and node.stats().waiting == 1)
+    assert node.stats().memory_used_mib == 14336 + 3000
     queued.cancel()
     await asyncio.gather(queued, return_exceptions=True)
-    assert node.gate.waiting == 0 and node.memory.held_mib == 1000
+    assert node.stats().waiting == 0 and node.stats().memory_used_mib == 14336 + 1000
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
-    assert node.gate.running == 0 and node.memory.held_mib == 0
+    assert node.stats().running == 0 and node.stats().memory_used_mib == 14336
     assert node.counters["cancelled"] == 2
 
 
-async def test_gate_hands_slot_to_next_waiter_even_if_cancelled_after_grant():
-    gate = ConcurrencyGate(1)
-    await gate.acquire()
-    waiter = asyncio.create_task(gate.acquire())
-    await asyncio.sleep(0)
-    gate.release()  # slot handed to waiter
-    waiter.cancel()  # ... which is cancelled before it resumes
-    await asyncio.gather(waiter, return_exceptions=True)
-    assert gate.running == 0 and gate.waiting == 0
+async def test_a_cancelled_llm_request_gives_its_blocks_back():
+    node = SimNode(BackendConfig(time_scale=1.0, session_history_tokens=0))
+    task = asyncio.create_task(node.serve(_req(tokens=_prompt(9, 500), max_tokens=500)))
+    await _wait_until(lambda: node.state()["kv_cache"]["blocks_used"] > 0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert node.state()["kv_cache"]["blocks_used"] == 0 and node.stats().running == 0
+
+
+async def test_slow_factor_fault_slows_the_engine_from_now_on():
+    node = SimNode(BackendConfig(time_scale=0.2, session_history_tokens=0))
+    fast = await node.serve(_req(tokens=_prompt(1, 16), max_tokens=30))
+    node.apply_faults({"slow_factor": 3.0})
+    slow = await node.serve(_req(tokens=_prompt(2, 16), max_tokens=30))
+    assert slow.e2e_s > 2.5 * fast.e2e_s
 
 
 async def test_hang_fault_holds_requests_until_cleared():
@@ -174,7 +160,7 @@ async def test_hang_fault_holds_requests_until_cleared():
     node.faults.apply({"hang": True})
     task = asyncio.create_task(node.serve(_req()))
     await asyncio.sleep(0.05)
-    assert not task.done() and node.hung == 1 and node.gate.running == 0
+    assert not task.done() and node.hung == 1 and node.stats().running == 0
     node.faults.apply({"hang": False})
     await asyncio.wait_for(task, 1.0)
     assert node.hung == 0
@@ -249,16 +235,3 @@ def test_session_key_precedence():
     assert resolve_session_key({"x-user-id": "u"}, "b") == "u"
     assert resolve_session_key({}, "b") == "b"
     assert resolve_session_key({}, None) is None
-
-
-async def test_a_request_cancelled_during_prefill_leaves_no_uncomputed_blocks():
-    node = SimNode(BackendConfig(time_scale=1.0, session_history_tokens=0))
-    prompt = _prompt(9, 2000)
-    task = asyncio.create_task(node.serve(_req(tokens=prompt, max_tokens=2)))
-    await _wait_until(lambda: node.gate.running == 1)
-    await asyncio.sleep(0.02)  # inside its 200 ms prefill
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert len(node.memory.cache) == 0 and node.memory.held_mib == 0
-    done = await node.serve(_req(tokens=prompt, max_tokens=2))
-    assert done.cached_tokens == 0 and len(node.memory.cache) == 125
