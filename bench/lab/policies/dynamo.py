@@ -29,11 +29,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-from sim.engines.kv import chain_hashes
-
+from bench.lab.policies.kvindex import KvIndex
 from bench.lab.policies.proxy import ProxyPolicy
 from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Prompt, Request
-from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
+from sim.engines.kv import chain_hashes
 
 __all__ = ["DynamoKv"]
 
@@ -62,33 +61,17 @@ class DynamoKv(ProxyPolicy):
         super().__init__()
         self.overlap_weight = overlap_weight
         self.needs = Needs(kv_events=True, kv_event_delay_s=kv_event_delay_s)
-        self.cached: dict[str, set[int]] = {}
+        self.index = KvIndex()
         self.prefill_tokens: dict[str, int] = {}
         self.decode_blocks: dict[str, int] = {}
         self._pending: dict[int, tuple[str, int, int]] = {}  # request -> (worker, prefill tokens, blocks)
 
     def on_kv_events(self, events: Sequence[KvEvents]) -> None:
-        for batch in events:
-            held = self.cached.setdefault(batch.endpoint, set())
-            for ev in batch.events:
-                if isinstance(ev, BlockStored):
-                    held.update(ev.block_hashes)
-                elif isinstance(ev, BlockRemoved):
-                    held.difference_update(ev.block_hashes)
-                elif isinstance(ev, AllBlocksCleared):
-                    held.clear()
+        self.index.apply(events)
 
     def overlap(self, keys: Sequence[int], worker: str) -> int:
-        """Leading blocks of ``keys`` the worker holds."""
-        held = self.cached.get(worker)
-        if not held:
-            return 0
-        n = 0
-        for k in keys:
-            if k not in held:
-                break
-            n += 1
-        return n
+        """Leading blocks of ``keys`` the worker holds (its KV events so far)."""
+        return self.index.overlap(keys, worker)
 
     def choose(self, request: Request, cluster: str, endpoints: Sequence[Endpoint]) -> Endpoint:
         assert self.ctx is not None

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.lab.policies.dynamo import prompt_keys
+from bench.lab.policies.kvindex import KvIndex
 from bench.lab.policies.proxy import ProxyPolicy
 from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Request
-from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["Oracle"]
 
@@ -43,33 +43,19 @@ class Oracle(ProxyPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cached: dict[str, set[int]] = {}
+        self.index = KvIndex()
         self.pending: dict[str, int] = {}  # endpoint -> prompt tokens of its requests still to prefill
         self.pending_blocks: dict[str, int] = {}
         self._sent: dict[int, tuple[str, int, int]] = {}
 
     def on_kv_events(self, events: Sequence[KvEvents]) -> None:
-        for batch in events:
-            held = self.cached.setdefault(batch.endpoint, set())
-            for ev in batch.events:
-                if isinstance(ev, BlockStored):
-                    held.update(ev.block_hashes)
-                elif isinstance(ev, BlockRemoved):
-                    held.difference_update(ev.block_hashes)
-                elif isinstance(ev, AllBlocksCleared):
-                    held.clear()
+        self.index.apply(events)
 
     def _llm_cost(self, engine: Any, address: str, keys: Sequence[int], tokens: int, output: int
                   ) -> tuple[float, int, int]:
         spec = engine.spec
         bs = spec.block_size
-        held = self.cached.get(address, ())
-        hit = 0
-        for k in keys:
-            if k not in held:
-                break
-            hit += 1
-        new = max(1, tokens - hit * bs)
+        new = max(1, tokens - self.index.overlap(keys, address) * bs)
         stats = engine.stats()
         c = spec.coefficients
         decode_step_us = c.beta0_us + c.beta2_us * stats.running

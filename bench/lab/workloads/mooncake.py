@@ -20,12 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
-
 from bench.lab.policy import Message, Prompt
 from bench.lab.workloads.base import Draft, Sizing
 from bench.lab.workloads.tokens import Synth
-from bench.lab.workloads.trace import TraceError, replay
+from bench.lab.workloads.trace import TraceError, json_object, replay
 
 __all__ = ["BLOCK_TOKENS", "MooncakeTrace"]
 
@@ -74,12 +72,7 @@ class MooncakeTrace:
         return self._rows
 
     def _row(self, line: bytes, where: str) -> tuple[float, Draft]:
-        try:
-            doc = orjson.loads(line)
-        except orjson.JSONDecodeError as err:
-            raise TraceError(f"{where}: not JSON ({err})") from None
-        if not isinstance(doc, dict):
-            raise TraceError(f"{where}: a line must be a JSON object")
+        doc = json_object(line, where)
         ts, n_in, n_out, ids = (doc.get(k) for k in ("timestamp", "input_length", "output_length", "hash_ids"))
         if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0:
             raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (ms), got {ts!r}")

@@ -31,7 +31,7 @@ from bench.lab.policy import Message, Prompt
 from bench.lab.workloads.base import Draft, Sizing
 from bench.lab.workloads.tokens import Tokenizer, render
 
-__all__ = ["JsonlTrace", "TraceError", "natural_rate", "replay", "scaled"]
+__all__ = ["JsonlTrace", "TraceError", "json_object", "natural_rate", "replay", "scaled"]
 
 
 class TraceError(ValueError):
@@ -52,6 +52,21 @@ def scaled(times: list[float], qps: float | None) -> tuple[float, float]:
     if not qps:
         return start, 1.0
     return start, natural_rate(times) / qps
+
+
+def json_object(line: bytes, where: str) -> dict:
+    """One trace line's JSON object.
+
+    Raises:
+        TraceError: not JSON, or not an object (naming ``where``: the file and the line).
+    """
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as err:
+        raise TraceError(f"{where}: not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise TraceError(f"{where}: a line must be a JSON object")
+    return doc
 
 
 def replay(rows: list[tuple[float, Draft]], qps: float | None, duration_s: float) -> Iterator[tuple[float, Draft]]:
@@ -94,12 +109,7 @@ class JsonlTrace:
 
     def _row(self, line: bytes, n: int, tok: Tokenizer) -> tuple[float, Draft]:
         where = f"{self.path}:{n}"
-        try:
-            doc = orjson.loads(line)
-        except orjson.JSONDecodeError as err:
-            raise TraceError(f"{where}: not JSON ({err})") from None
-        if not isinstance(doc, dict):
-            raise TraceError(f"{where}: a line must be a JSON object")
+        doc = json_object(line, where)
         t = doc.get("t")
         if not isinstance(t, int | float) or isinstance(t, bool) or t < 0:
             raise TraceError(f"{where}: field 't' must be a number >= 0 (seconds), got {t!r}")

@@ -149,7 +149,7 @@ def test_dynamo_learns_cached_blocks_from_kv_events_and_keeps_a_prefix_where_it_
     # 450 decode blocks against another's 450 prefill + 450 decode blocks
     result = run(RunSpec(_cluster(4), SharedPrefix(groups=1, users=1, output_tokens=50), 0.2, 60.0, drain_s=30.0),
                  lambda: policy)
-    assert any(policy.cached.values())
+    assert any(policy.index.cached.values())
     served = {r.endpoint for r in result.records[3:]}  # after the first has stored its blocks
     assert len(served) == 1
     assert point_figures(result)["prefix_hit_rate"] > 0.8
