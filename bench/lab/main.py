@@ -37,6 +37,7 @@ def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: 
         doc["wall_s"] = round(time.monotonic() - started, 1)
         doc["cpu_s"] = round(sum(f.get("cpu_s", 0.0) for f in finished[:upto]), 1)
         if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
         if plots_dir:
             for name, sc in doc["scenarios"].items():

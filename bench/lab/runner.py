@@ -77,7 +77,8 @@ def run_points(points: Sequence[Point], jobs: int = 1,
             if done is not None:
                 done(p, out[-1])
         return out
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs)
+    try:
         futures = [pool.submit(run_point, p) for p in points]
         results = []
         for p, f in zip(points, futures, strict=True):
@@ -85,6 +86,8 @@ def run_points(points: Sequence[Point], jobs: int = 1,
             if done is not None:
                 done(p, results[-1])
         return results
+    finally:  # on an error, the runs not started yet are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines: int | None, seed: int,
