@@ -176,7 +176,8 @@ def lab_section(doc: Mapping[str, Any], plots: str) -> str:
     slo = doc["slo_ttft_p90_ms"]
     lines = [BEGIN, f"Command: `{doc['command']}` · commit {doc['commit']} · {doc['date']} · seed {doc['seed']} · "
                     f"SLO: TTFT p90 <= {slo / 1000:g} s and errors <= 1 % · virtual time (deterministic; "
-                    f"{doc.get('wall_s', 0):.0f} s of wall time). How to read it: docs/benchmarks.md, Policy lab.", ""]
+                    f"{doc.get('wall_s', 0):.0f} s of wall time, {doc.get('cpu_s', 0):.0f} s of CPU in the runs). "
+                    f"How to read it: docs/benchmarks.md, Policy lab.", ""]
     found = checks(doc)
     if found:
         lines += ["Published results, reproduced?", "", *found, ""]

@@ -20,8 +20,9 @@ peers once the KV cache is full. Greedy, one request at a time: a ceiling in pra
 of optimality, and not always a ceiling: in the full lab's ``shared_prefix`` at 72 QPS (16 A100s,
 commit 1863558) its TTFT p90 was 320.6 s where llm-d's rule kept 88 ms. Its prediction counts the
 prefill queued before a request but not what a miss evicts for the requests after it, so under
-pressure it scatters the groups that the peers' prefix stickiness keeps. ``job`` engines (no prefix cache, no steps) are scored by their free memory and
-queue instead: the most free memory left after the request, then the fewest held.
+pressure it scatters the groups that the peers' prefix stickiness keeps. ``job`` engines (no prefix
+cache, no steps) are scored by their free memory and queue instead: the most free memory left
+after the request, then the fewest held.
 """
 
 from __future__ import annotations
