@@ -332,7 +332,7 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
 
 
 _BENCHES = {"picker": "bench.picker_cli:picker", "ext-proc-config": "bench.picker_cli:ext_proc_config",
-            "quality": "bench.quality.cli:quality", "soak": "bench.soak_cli:soak"}
+            "quality": "bench.quality.cli:quality", "soak": "bench.soak_cli:soak", "lab": "bench.lab.cli:lab"}
 
 
 @main.group(cls=LazyGroup, lazy=_BENCHES)

@@ -137,6 +137,14 @@ def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_
     }
 
 
+#: The picker settings inferlb runs with in the benchmarks (``inferlb bench quality`` and ``bench lab``): the
+#: picker reads each request's memory need from the trace's header and the prompt from the OpenAI body
+#: (prefix keys); a request no endpoint can hold waits, then gets a 429. The simulator reports its
+#: requests held and its free GPU memory on one page, so one scrape.
+PICKER: dict[str, Any] = {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
+                          "memory_count_in_sample": True, "body_max_bytes": 1 << 20}
+
+
 def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool, prometheus_url: str,
                    xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float,
                    shared_view: bool = True, view_interval_s: float = 0.01) -> dict:
@@ -165,13 +173,7 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
         "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"],
                    **no_memory[0], **scenario.engine},
-        # The picker reads each request's memory need from the trace's header and the prompt from the
-        # OpenAI body (prefix keys); a request no endpoint can hold waits, then gets a 429. The
-        # simulator reports its requests held and its free GPU memory on one page, so one scrape.
-        "picker": {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
-                   "memory_count_in_sample": True,
-                   "body_max_bytes": 1 << 20, "shared_view": shared_view, "shared_view_interval_s": view_interval_s,
-                   **no_memory[1]},
+        "picker": {**PICKER, "shared_view": shared_view, "shared_view_interval_s": view_interval_s, **no_memory[1]},
         "services": [{"name": SERVICE, "default_version": scenario.default_version, "models": [MODEL_NAME],
                       "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
     }

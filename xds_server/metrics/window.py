@@ -75,9 +75,10 @@ def _names(sel: Sel, scrapes: Sequence[Scrape], suffix: str) -> list[str]:
 def _series(scrape: Scrape, names: Iterable[str], sel: Sel, required: Mapping[str, str]) -> dict[Labels, float]:
     """``{(("__name__", name), *labels): value}`` of the matching series in one scrape."""
     out: dict[Labels, float] = {}
+    every = not sel.matchers and not required  # no label to check: each series matches
     for name in names:
         for labels, value in scrape.samples.get(name, ()):
-            if _match(labels, sel.matchers, required):
+            if every or _match(labels, sel.matchers, required):
                 key = (("__name__", name), *labels)
                 out[key] = out.get(key, 0.0) + value
     return out

@@ -130,11 +130,16 @@ class ScrapeSource:
 
     def ingest(self, instance: str, text: str, t: float) -> None:
         """Add one scrape of ``instance`` taken at ``t`` (Unix s). Raises ValueError on a garbage page."""
-        samples = parse_exposition(text, self._keep)
+        self.add(instance, Scrape(t, parse_exposition(text, self._keep)))
+
+    def add(self, instance: str, scrape: Scrape) -> None:
+        """Add one parsed scrape of ``instance`` (its samples by name, taken at ``scrape.t``); scrapes
+        older than the window (and one interval) are dropped. (``inferlb bench lab`` feeds its
+        simulated engines' samples here, in virtual time, without an exposition to parse.)"""
         with self._lock:
             w = self._windows.setdefault(instance, deque())
-            w.append(Scrape(t, samples))
-            while w and w[0].t <= t - self.window_s - self.interval_s:
+            w.append(scrape)
+            while w and w[0].t <= scrape.t - self.window_s - self.interval_s:
                 w.popleft()
 
     def fetch(self, instances: Iterable[str], now: float | None = None) -> dict[str, EndpointStats]:

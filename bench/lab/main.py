@@ -1,0 +1,68 @@
+"""The run behind ``inferlb bench lab``: plan -> runs -> JSON, plots and BENCHMARKS.md's lab section."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench.lab import plots, report
+from bench.lab.cluster import SlowLoopTiming
+from bench.lab.runner import Point, lab_document, plan, run_points
+from bench.markdown import replace_marked
+from bench.quality.report import git_commit, utc_now
+
+__all__ = ["run_lab"]
+
+
+def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: int | None, seed: int,
+            json_path: str | None, markdown_path: str | None, plots_dir: str | None, slo_ttft_p90_ms: float,
+            jobs: int, duration_s: float | None = None, timing: SlowLoopTiming | None = None) -> dict:
+    """Run the lab and write its outputs (``markdown_path`` / ``plots_dir`` None: not written); returns
+    the JSON document."""
+    points = plan(scenarios, policies, quick, engines, seed, timing, duration_s)
+    command = "inferlb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        "inferlb bench lab" + (" --quick" if quick else "") + "".join(f" --scenario {s}" for s in scenarios)
+    started = time.monotonic()
+    total = len(points)
+    finished: list[dict] = []
+    last_of = {p.scenario: i for i, p in enumerate(points)}
+
+    def write(upto: int) -> dict:
+        doc = lab_document(points[:upto], finished[:upto], seed=seed, commit=commit, command=command,
+                           date=utc_now(), slo_ttft_p90_ms=slo_ttft_p90_ms)
+        doc["wall_s"] = round(time.monotonic() - started, 1)
+        doc["cpu_s"] = round(sum(f.get("cpu_s", 0.0) for f in finished[:upto]), 1)
+        if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        if plots_dir:
+            for name, sc in doc["scenarios"].items():
+                plots.sweep_plots(name, sc, Path(plots_dir), slo_ttft_p90_ms)
+            (Path(plots_dir) / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        if markdown_path:
+            md = Path(markdown_path)
+            rel = os.path.relpath(plots_dir or ".", md.resolve().parent)
+            replace_marked(md, report.BEGIN, report.END, report.lab_section(doc, rel),
+                           "## Decision quality at field scale: the policy lab")
+        return doc
+
+    def done(p: Point, figures: dict) -> None:
+        finished.append(figures)
+        n = len(finished)
+        print(f"[{n}/{total}] {p.scenario} {p.policy} {p.qps:g} QPS: TTFT p90 {figures['ttft_p90_ms']} ms, "
+              f"{figures['output_tokens_per_s']} tok/s, cpu {figures['cpu_s']:.1f} s "
+              f"({time.monotonic() - started:.0f} s so far)", file=sys.stderr, flush=True)
+        if last_of[p.scenario] == n - 1 and n < total:  # a scenario is complete: its results are written at once
+            write(n)
+
+    commit = git_commit(Path.cwd())
+    print(f"inferlb bench lab: {total} runs ({len(scenarios)} scenarios x {len(policies)} policies x points)"
+          f"{' (quick)' if quick else ''}, {jobs} job(s)", file=sys.stderr, flush=True)
+    run_points(points, jobs, done)
+    doc = write(total)
+    print(f"inferlb bench lab: done in {doc['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    return doc

@@ -1,0 +1,282 @@
+"""``inferlb``: today's picker (ext_proc) deciding in the lab, driven as ``inferlb serve`` drives it.
+
+A first adapter, until the scheduler's filter -> scorer -> picker pipeline (issue 37) replaces it:
+it runs the real decision code and swaps only the I/O around it.
+
+- **The picker** is a real :class:`ext_proc.handler.PickerHandler` with its in-flight accounting
+  (:class:`ext_proc.inflight.InFlight`), session table (:class:`ext_proc.sessions.SessionTable`) and
+  cost model (:class:`ext_proc.costmodel.CostModel`), built from the cluster's inferlb config by
+  inferlb's own functions (:func:`inferlb.picker_config.routing_table`,
+  :func:`inferlb.picker_config.picker_settings`), on the lab's clock. Each request goes through the
+  handler's own request path: the body fields as body routing reads them (the handler's
+  ``_wants_body`` and ``_body_fields``: the model, the session fields, the prefix key of the first
+  messages, the prompt's size), then ``_route`` (``pick``: the scheduler's affinity, weighted bounded
+  loads and memory admission; the too-large check; the no-memory fallback; ``_commit``: the pick
+  counted in flight, the session's pin moved or kept). Only the wire encoding is swapped: the
+  handler's response encoder is replaced by one that hands back the :class:`~ext_proc.picker.Decision`.
+- **The endpoint view** is built from the lab's EDS as ``inferlb serve`` builds it from its
+  snapshot: a ``ClusterLoadAssignment`` per cluster (:func:`xds_server.resources.endpoints.build_assignment`:
+  weights, health, max concurrency and GPU class metadata, tiers as priorities) into
+  :meth:`ext_proc.view.ViewHolder.update`. Each slow-loop round also hands the picker its memory
+  samples (free GPU memory dated by the sample's age; with ``picker.memory_count_in_sample`` the
+  requests each engine held), as ``inferlb.serve`` does after each round.
+- **Completions** reach it as Envoy's access log reports them: every flush
+  (``picker.access_log_flush_s``) one serialized ``StreamAccessLogsMessage`` with an entry per
+  finished request (the cluster and override-host headers the picker set, ``x-request-id``, the
+  upstream address, status and connection-failure flags, and the times from the request's arrival:
+  first upstream byte, last byte), fed to the handler's ``access_log`` (the real decoder and
+  :func:`ext_proc.accesslog.record_completions`).
+- **Housekeeping** (:meth:`PickerHandler.tick`: expiries, session sweeps, the cost model's refit)
+  runs once a virtual second, on the first call after each second.
+
+Where today's code cannot be driven without its I/O shell: the handler's admission queue
+(``picker.admission`` / ``picker.memory_queue``: :class:`ext_proc.admission.Admission`) waits on
+asyncio futures and timers of the running event loop. With either on, this adapter keeps the
+queue itself, with the handler's own rules: :func:`ext_proc.admission.admit` on the cluster's slots,
+a request no endpoint has memory for waiting, FIFO with backfill (32 deep), each waiter decided
+again by the handler's ``_pick`` when a slot frees or memory returns, committed by ``_commit``, and
+a 429 at ``queue_timeout_s``. With one gateway the picker decides on the shared load view as
+``inferlb serve``'s in-process picker does by default (``picker.shared_view``: a
+:class:`ext_proc.shared_load.SharedLoad` whose view counts no other picker, so the memory samples'
+held counts apply); with several gateways each picker decides on its own requests alone: the
+view's sum over pickers and the memory grants between them (asyncio waits on the control plane's
+ledger) are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from envoy.config.core.v3 import address_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
+from ext_proc.admission import BACKFILL, admit
+from ext_proc.costmodel import CostModel
+from ext_proc.handler import PickerHandler, _body_fields
+from ext_proc.inflight import InFlight, MemorySamples
+from ext_proc.picker import NO_BODY, Decision
+from ext_proc.sessions import SessionTable
+from ext_proc.shared_load import Others, SharedLoad
+from ext_proc.view import ViewHolder
+from inferlb.picker_config import picker_settings, routing_table
+from inferlb.serve import largest_memory
+from xds_server.control import endpoint_specs
+from xds_server.resources.endpoints import build_assignment
+
+__all__ = ["Inferlb"]
+
+_PHASE = "request_headers"
+#: The handler's housekeeping period (:meth:`PickerHandler.maintain`'s default interval), s.
+TICK_S = 1.0
+
+
+class _Decisions:
+    """A response encoder that hands back the decision instead of its ext_proc bytes."""
+
+    def encode(self, decision: Decision, view: Any, present: Any, phase: str = _PHASE) -> Decision:
+        return decision
+
+
+def _ns(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(max(0, round(seconds * 1e9)))
+    return d
+
+
+class Inferlb(PolicyBase):
+    """inferlb's picker (see the module docstring for what runs for real and what is swapped)."""
+
+    name = "inferlb"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.needs = Needs(completion_flush_s=0.005)
+        self.handler: PickerHandler | None = None
+        self._sent: dict[int, tuple[Request, str, str, float]] = {}  # request -> (request, cluster, endpoint, sent)
+        self._queue: dict[str, deque[tuple[Request, float]]] = {}  # cluster -> (request, deadline) FIFO
+        self._next_tick = TICK_S
+        self._view_version = -1
+        self._queued = False
+        self._shared: SharedLoad | None = None
+
+    def start(self, ctx: Context) -> None:
+        super().start(ctx)
+        cfg = ctx.config
+        if cfg is None:
+            raise ValueError("the inferlb policy needs the cluster's inferlb config (Context.config)")
+        self.routing = routing_table(cfg)
+        s = picker_settings(cfg)
+        self.settings = s
+        self.needs = Needs(completion_flush_s=cfg.picker.access_log_flush_s)
+        self.handler = PickerHandler(
+            ViewHolder(), InFlight(s.inflight_expiry_s, clock=ctx.clock, failure_hold_s=s.failure_hold_s),
+            SessionTable(s.session_ttl_s, s.max_sessions, clock=ctx.clock), None,
+            costs=CostModel(s.cost_forget, s.cost_min_samples), pin_move_after=s.pin_move_after,
+            limit_concurrency=s.admission, memory_queue=s.memory_queue)
+        self.handler._encoder = _Decisions()  # type: ignore[assignment]
+        self.handler.access_log_opened()  # Envoy's access-log stream is up: completions can arrive
+        self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))
+        self._queued = s.admission or s.memory_queue
+        self._memory_count = cfg.picker.memory_count_in_sample
+        # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad whose
+        # view, each round, counts no other picker (the control plane sums its report alone).
+        self._shared = self.handler.share_load() if s.shared_view and ctx.gateways == 1 else None
+
+    # --- the slow loop's rounds --------------------------------------------------------------------
+
+    def on_eds(self, eds: Eds) -> None:
+        super().on_eds(eds)
+        handler = self.handler
+        assert handler is not None
+        self._tick()
+        if eds.version != self._view_version:
+            assignments = {
+                cluster: build_assignment(cluster, eps, {e.address: e.max_concurrency for e in eps},
+                                          {e.address: e.gpu_class for e in eps}, {e.address: e.tier for e in eps})
+                for cluster, eps in eds.clusters.items()}
+            handler.holder.update(assignments, self.routing)
+            self._view_version = eds.version
+        samples: dict[str, tuple[float, float]] = {}
+        held: dict[str, float] = {}
+        for address, st in eds.stats.items():
+            if st.sample_age_s is None:
+                continue
+            free = st.gpu_mem_free_mib
+            if free is None and st.gpu_mem_used_mib is not None:
+                memory = next((e.memory_mib for eps in eds.clusters.values() for e in eps if e.address == address),
+                              None)
+                free = None if memory is None else max(0.0, memory - st.gpu_mem_used_mib)
+            if free is None:
+                continue
+            samples[address] = (free, eds.at_s - st.sample_age_s)
+            if st.in_flight is not None:
+                held[address] = st.in_flight
+        if self._shared is not None:
+            self._shared.set_others(Others(pickers=1), at=eds.at_s)
+        handler.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _body(self, request: Request) -> Any:
+        handler = self.handler
+        assert handler is not None
+        view = handler.holder.current
+        if view.routing.body_max_bytes and handler._wants_body(request.headers, view):  # type: ignore[arg-type]
+            return _body_fields(request.body, view.routing) or NO_BODY
+        return NO_BODY
+
+    def decide(self, request: Request) -> Answer:
+        handler = self.handler
+        assert handler is not None
+        self._tick()
+        view = handler.holder.current
+        body = self._body(request)
+        headers = request.headers
+        if self._queued:
+            decision = handler._pick(headers, view, body)  # type: ignore[arg-type]
+            cluster = decision.cluster
+            largest = handler.largest_memory.get(cluster) if cluster is not None else None
+            if cluster is not None and decision.status is None and (largest is None or decision.mib <= largest):
+                queue = self._queue.setdefault(cluster, deque())
+                full = handler.limit_concurrency and admit(
+                    handler._taken(cluster), handler._capacity(view, cluster), len(queue),
+                    self.settings.max_queue) != "admit"
+                if full or (decision.reason == "no-memory" and self.settings.memory_queue):
+                    if len(queue) >= self.settings.max_queue:
+                        return Reject(429, "overloaded", self.settings.retry_after_s)
+                    queue.append((request, request.arrival_s + self.settings.queue_timeout_s))
+                    return Wait()
+        return self._answer(request, handler._route(headers, view, body, _PHASE))  # type: ignore[arg-type]
+
+    def _answer(self, request: Request, decision: Any) -> Answer:
+        assert isinstance(decision, Decision)
+        if decision.status is not None:
+            return Reject(decision.status, decision.reason, decision.retry_after_s)
+        if decision.cluster is None or decision.endpoint is None:
+            return Reject(503, decision.reason)  # not ready, or no healthy endpoint: nothing to pin
+        assert self.ctx is not None
+        self._sent[request.id] = (request, decision.cluster, decision.endpoint, self.ctx.clock())
+        return Route(decision.endpoint)
+
+    # --- the queue (admission / memory_queue: see the module docstring) -----------------------------
+
+    def poll(self, final: bool = False) -> Sequence[tuple[Request, Answer]]:
+        if not self._queue:
+            return ()
+        handler = self.handler
+        assert handler is not None and self.ctx is not None
+        now = self.ctx.clock()
+        out: list[tuple[Request, Answer]] = []
+        for cluster, queue in self._queue.items():
+            while queue and (final or queue[0][1] <= now):  # timed out: 429, as the queue's refuse()
+                request, _ = queue.popleft()
+                out.append((request, Reject(429, "overloaded", self.settings.retry_after_s)))
+            while queue and handler._room(cluster):
+                chosen = None
+                for i in range(min(BACKFILL, len(queue))):
+                    request, _ = queue[i]
+                    decision = handler._pick(request.headers, handler.holder.current, self._body(request))  # type: ignore[arg-type]
+                    if decision.reason != "no-memory":
+                        chosen = (i, request, decision)
+                        break
+                if chosen is None:
+                    break
+                i, request, decision = chosen
+                del queue[i]
+                committed = handler._commit(decision, handler.holder.current, request.headers, _PHASE)  # type: ignore[arg-type]
+                out.append((request, self._answer(request, committed)))
+        return out
+
+    def next_wake_s(self) -> float | None:
+        deadlines = [q[0][1] for q in self._queue.values() if q]
+        return min(deadlines) if deadlines else None
+
+    # --- completions, as Envoy's access log reports them --------------------------------------------
+
+    def on_progress(self, events: Sequence[Progress]) -> None:
+        handler = self.handler
+        assert handler is not None
+        self._tick()
+        message = als_pb2.StreamAccessLogsMessage()
+        routing = handler.holder.current.routing
+        for event in events:
+            if not isinstance(event, Finished):
+                continue
+            sent = self._sent.pop(event.request_id, None)
+            if sent is None:
+                continue
+            request, cluster, endpoint, sent_at = sent
+            entry = message.http_logs.log_entry.add()
+            entry.request.request_id = request.headers["x-request-id"].decode()
+            entry.request.request_headers[routing.cluster_header] = cluster
+            entry.request.request_headers[routing.override_host_header] = endpoint
+            props = entry.common_properties
+            host, _, port = endpoint.rpartition(":")
+            props.upstream_remote_address.CopyFrom(
+                address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))))
+            props.upstream_request_attempt_count = 1
+            waited = sent_at - request.arrival_s  # time in Envoy before it went upstream (the picker's queue)
+            props.time_to_first_upstream_tx_byte.CopyFrom(_ns(waited))
+            end = waited + event.duration_s
+            props.time_to_last_upstream_rx_byte.CopyFrom(_ns(end))
+            props.time_to_last_downstream_tx_byte.CopyFrom(_ns(end))
+            if event.ttft_s is not None:
+                props.time_to_first_upstream_rx_byte.CopyFrom(_ns(waited + event.ttft_s))
+            if event.status == 503:
+                props.response_flags.upstream_connection_failure = True
+            entry.response.response_code.value = event.status
+        if message.http_logs.log_entry:
+            handler.access_log(message.SerializeToString())
+
+    def _tick(self) -> None:
+        """The handler's housekeeping, once per virtual second (on the first call after it)."""
+        assert self.ctx is not None and self.handler is not None
+        now = self.ctx.clock()
+        if now >= self._next_tick:
+            self.handler.tick()
+            self._next_tick = (math.floor(now / TICK_S) + 1) * TICK_S

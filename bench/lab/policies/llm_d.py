@@ -1,0 +1,178 @@
+"""``llm_d``: the llm-d / Gateway API Inference Extension endpoint picker's default scheduling profile.
+
+Source read: llm-d/llm-d-inference-scheduler at commit 520af478 (2026-05-17, after v0.8.0; the
+EPP code of the Gateway API Inference Extension now lives there, Go module ``llm-d-router``):
+
+- the default profile (``config/charts/epplib/templates/_config.yaml``, ``default-plugins.yaml``):
+  ``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2, ``prefix-cache-scorer``
+  weight 3, and the ``max-score-picker`` the config loader adds (``pkg/epp/config/loader/defaults.go``);
+  no filter; scores are summed with their weights (``pkg/epp/scheduling/scheduler_profile.go``);
+- ``approx-prefix-cache-producer`` (``pkg/epp/framework/plugins/requestcontrol/dataproducer/
+  approximateprefix``): the prompt's bytes (``json.Marshal`` of the chat messages; a completion's
+  text) cut to ``maxPrefixBlocksToMatch`` (256) blocks of ``blockSizeTokens`` x 4 characters
+  (``averageCharactersPerToken``; the block size auto-tuned from the engines' ``cache_config_info``:
+  16 tokens, so 64 characters); a chain of hashes, the first seeded with the model name, each block
+  hashed with the one before, a partial last block included; per endpoint an LRU index of the
+  hashes of the requests it was *sent* (``PreRequest``), its capacity the endpoint's number of GPU
+  KV blocks (auto-tuned; 31 250 without metrics); the match walks the request's hashes in order,
+  counting for each endpoint the hashes it holds, and stops at the first hash no endpoint holds;
+- ``prefix-cache-scorer``: matched blocks / the request's blocks;
+- ``queue-scorer``: ``(max waiting - waiting) / (max - min)`` over the candidates, 1 when all equal;
+- ``kv-cache-utilization-scorer``: ``1 - kv_cache_usage``;
+- ``max-score-picker``: the highest total, ties broken by a shuffle;
+- the metrics (waiting queue, KV-cache usage, cache config) are scraped from every model server
+  every ``refresh-metrics-interval`` (50 ms, ``pkg/epp/server/options.go``);
+- admission: the default (legacy) admission sheds only requests of priority < 0; the requests here
+  have priority 0, so none is held or refused.
+
+Hashes here are BLAKE2b (theirs: xxHash64); the chain and what it covers are theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import lru_cache
+
+import orjson
+
+from bench.lab.policies.proxy import ProxyPolicy
+from bench.lab.policy import CACHE_BLOCK_SIZE, CACHE_BLOCKS, KV_USAGE, WAITING, Endpoint, Needs, Request, Sample
+
+__all__ = ["LlmD", "prompt_hashes"]
+
+#: ``averageCharactersPerToken`` of the approximate prefix producer.
+CHARS_PER_TOKEN = 4
+#: ``defaultMaxPrefixBlocks``.
+MAX_PREFIX_BLOCKS = 256
+#: ``defaultLRUCapacityPerServer`` (used while an endpoint's KV block count is unknown).
+DEFAULT_LRU_CAPACITY = 31250
+#: ``refresh-metrics-interval`` (s).
+REFRESH_METRICS_S = 0.05
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@lru_cache(maxsize=65536)
+def _chain(model: bytes, data: bytes, block_chars: int) -> tuple[int, ...]:
+    prev = _h(model)
+    out = []
+    for i in range(0, len(data), block_chars):
+        prev = _h(data[i:i + block_chars] + prev.to_bytes(8, "little"))
+        out.append(prev)
+    return tuple(out)
+
+
+def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[int, ...]:
+    """The approximate prefix producer's block hashes of ``request`` (none for a prompt shorter than
+    one block). Chat: the messages as JSON (``[{"role", "content"}, ...]``), completion: its text."""
+    prompt = request.prompt
+    if prompt.chat:
+        data = orjson.dumps([{"role": m.role, "content": m.text} for m in prompt.messages])
+    else:
+        data = prompt.text.encode()
+    block = block_tokens * CHARS_PER_TOKEN
+    if block <= 0 or len(data) < block:
+        return ()
+    return _chain((request.model or "").encode(), data[:max_blocks * block], block)
+
+
+class _Index:
+    """The approximate prefix producer's indexer: per endpoint an LRU of hashes, and hash -> endpoints."""
+
+    def __init__(self) -> None:
+        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self.capacity: dict[str, int] = {}
+        self.holders: dict[int, dict[str, None]] = {}
+
+    def add(self, hashes: Sequence[int], endpoint: str, capacity: int) -> None:
+        lru = self.lru.get(endpoint)
+        if lru is None:
+            lru = self.lru[endpoint] = OrderedDict()
+            self.capacity[endpoint] = capacity
+        cap = self.capacity[endpoint]
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                if len(lru) > cap:
+                    old, _ = lru.popitem(last=False)
+                    holders = self.holders[old]
+                    del holders[endpoint]
+                    if not holders:
+                        del self.holders[old]
+        for h in hashes:
+            self.holders.setdefault(h, {})[endpoint] = None
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """``{endpoint: hashes it holds}`` walking ``hashes`` until one no endpoint holds."""
+        out: dict[str, int] = {}
+        for h in hashes:
+            holders = self.holders.get(h)
+            if not holders:
+                break
+            for e in holders:
+                out[e] = out.get(e, 0) + 1
+        return out
+
+
+class LlmD(ProxyPolicy):
+    """llm-d's endpoint picker, default profile (see the module docstring for every rule's source).
+
+    Args:
+        queue_weight, kv_weight, prefix_weight: the scorers' weights (2, 2, 3).
+        block_tokens: the prefix block size in tokens when the engines do not report theirs (16).
+        scrape_interval_s: the metrics refresh interval (0.05 s).
+    """
+
+    name = "llm_d"
+
+    def __init__(self, queue_weight: float = 2.0, kv_weight: float = 2.0, prefix_weight: float = 3.0,
+                 block_tokens: int = 16, scrape_interval_s: float = REFRESH_METRICS_S) -> None:
+        super().__init__()
+        self.weights = (queue_weight, kv_weight, prefix_weight)
+        self.block_tokens = block_tokens
+        self.needs = Needs(scrape_interval_s=scrape_interval_s)
+        self.waiting: dict[str, float] = {}
+        self.kv_usage: dict[str, float] = {}
+        self.kv_blocks: dict[str, int] = {}
+        self.block_size: int | None = None
+        self.index = _Index()
+
+    def on_samples(self, samples: Sequence[Sample]) -> None:
+        for s in samples:
+            self.waiting[s.endpoint] = s.values.get(WAITING, 0.0)
+            self.kv_usage[s.endpoint] = s.values.get(KV_USAGE, 0.0)
+            blocks = s.values.get(CACHE_BLOCKS)
+            if blocks:
+                self.kv_blocks[s.endpoint] = int(blocks)
+            size = s.values.get(CACHE_BLOCK_SIZE)
+            if size and self.block_size is None:  # auto-tuned from the first endpoint that tells
+                self.block_size = int(size)
+
+    def choose(self, request: Request, cluster: str, endpoints: Sequence[Endpoint]) -> Endpoint:
+        assert self.ctx is not None
+        hashes = prompt_hashes(request, self.block_size or self.block_tokens)
+        matched = self.index.match(hashes) if hashes else {}
+        queues = [self.waiting.get(e.address, 0.0) for e in endpoints]
+        low, high = min(queues), max(queues)
+        wq, wk, wp = self.weights
+        order = list(range(len(endpoints)))
+        self.ctx.rng.shuffle(order)  # the max-score picker's shuffle: ties go to a random one
+        best, best_score = order[0], -1.0
+        for i in order:
+            e = endpoints[i]
+            queue = 1.0 if high == low else (high - queues[i]) / (high - low)
+            kv = 1.0 - self.kv_usage.get(e.address, 0.0)
+            prefix = matched.get(e.address, 0) / len(hashes) if hashes else 0.0
+            score = wq * min(max(queue, 0.0), 1.0) + wk * min(max(kv, 0.0), 1.0) + wp * prefix
+            if score > best_score:
+                best, best_score = i, score
+        chosen = endpoints[best]
+        if hashes:
+            self.index.add(hashes, chosen.address, self.kv_blocks.get(chosen.address, DEFAULT_LRU_CAPACITY))
+        return chosen

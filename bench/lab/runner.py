@@ -1,0 +1,127 @@
+"""Sweeps: every policy at every QPS point of a scenario, one run each, and the lab's JSON document.
+
+A point's run is a pure function of (scenario, policy, QPS, mode, engines, seed, timing): every
+policy sees the same seeded arrivals at a point. Runs are independent, so ``jobs`` > 1 spreads them
+over worker processes; the document does not depend on it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.lab.cluster import SlowLoopTiming
+from bench.lab.figures import DEFAULT_SLO_TTFT_P90_MS, max_qps_within_slo, point_figures
+from bench.lab.harness import RunSpec, run
+from bench.lab.policies import POLICIES
+from bench.lab.scenarios import FULL, QUICK, SCENARIOS, LabScenario, Mode, quality_mirror, trace_scenario
+
+__all__ = ["Point", "lab_document", "plan", "run_point", "run_points", "scenario_for"]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of the lab: ``scenario`` (a name of :data:`SCENARIOS`, or ``trace:PATH`` /
+    ``mooncake:PATH``), ``policy``, ``qps``, ``mode``, ``engines``, ``seed``, ``timing``."""
+
+    scenario: str
+    policy: str
+    qps: float
+    mode: Mode
+    engines: int
+    seed: int
+    timing: SlowLoopTiming = SlowLoopTiming()
+
+
+def scenario_for(name: str) -> LabScenario:
+    """The scenario ``name`` (``trace:PATH`` and ``mooncake:PATH``: a replay of that file;
+    ``quality:NAME``: :func:`~bench.lab.scenarios.quality_mirror`).
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    kind, _, rest = name.partition(":")
+    if rest and kind in ("trace", "mooncake"):
+        return trace_scenario(kind, Path(rest))
+    if rest and kind == "quality":
+        return quality_mirror(rest)
+    return SCENARIOS[name]
+
+
+def run_point(point: Point) -> dict[str, Any]:
+    """The figures of one run (:func:`bench.lab.figures.point_figures`) plus its wall time (s)."""
+    import time
+
+    sc = scenario_for(point.scenario)
+    mode = point.mode
+    spec = RunSpec(sc.cluster(point.engines), sc.workload(), point.qps, mode.duration_s, mode.warmup_s,
+                   mode.drain_s, point.seed, point.timing, sc.gateways, sc.faults(mode.duration_s, point.engines))
+    started = time.process_time()
+    figures = point_figures(run(spec, POLICIES[point.policy]))
+    figures["cpu_s"] = round(time.process_time() - started, 3)
+    return figures
+
+
+def run_points(points: Sequence[Point], jobs: int = 1,
+               done: Callable[[Point, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Every point's figures, in ``points`` order (``jobs`` worker processes; ``done`` is called as
+    each finishes)."""
+    if jobs <= 1:
+        out = []
+        for p in points:
+            out.append(run_point(p))
+            if done is not None:
+                done(p, out[-1])
+        return out
+    pool = ProcessPoolExecutor(max_workers=jobs)
+    try:
+        futures = [pool.submit(run_point, p) for p in points]
+        results = []
+        for p, f in zip(points, futures, strict=True):
+            results.append(f.result())
+            if done is not None:
+                done(p, results[-1])
+        return results
+    finally:  # on an error, the runs not started yet are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines: int | None, seed: int,
+         timing: SlowLoopTiming | None = None, duration_s: float | None = None) -> list[Point]:
+    """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the mode's;
+    ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion; a
+    scenario with a size and length of its own keeps them)."""
+    mode = QUICK if quick else FULL
+    if duration_s is not None:
+        k = duration_s / mode.duration_s
+        mode = replace(mode, duration_s=duration_s, warmup_s=mode.warmup_s * k, drain_s=mode.drain_s * k)
+    timing = timing or SlowLoopTiming()
+    out = []
+    for s in scenarios:
+        sc = scenario_for(s)
+        n = sc.engines or engines or mode.engines
+        out += [Point(s, p, q, sc.mode or mode, n, seed, sc.timing or timing) for q in sc.points(quick, n)
+                for p in policies]
+    return out
+
+
+def lab_document(points: Sequence[Point], results: Sequence[Mapping[str, Any]], *, seed: int, commit: str | None,
+                 command: str, date: str, slo_ttft_p90_ms: float = DEFAULT_SLO_TTFT_P90_MS) -> dict[str, Any]:
+    """The lab's JSON: ``{"scenarios": {NAME: {"policies": {POLICY: {"points": [...], "max_qps_within_slo":
+    ..}}, ...}}, "seed", "commit", "command", "date", "slo_ttft_p90_ms"}`` (points in QPS order)."""
+    scenarios: dict[str, Any] = {}
+    for p, figures in zip(points, results, strict=True):
+        sc = scenarios.setdefault(p.scenario, {
+            "title": scenario_for(p.scenario).title, "engines": p.engines, "duration_s": p.mode.duration_s,
+            "warmup_s": p.mode.warmup_s, "policies": {}})
+        sc["policies"].setdefault(p.policy, {"points": []})["points"].append(dict(figures))
+    for sc in scenarios.values():
+        for pol in sc["policies"].values():
+            pol["points"].sort(key=lambda f: f["qps"])
+            pol["max_qps_within_slo"] = max_qps_within_slo(pol["points"], slo_ttft_p90_ms)
+    return {"scenarios": scenarios, "seed": seed, "commit": commit, "command": command, "date": date,
+            "slo_ttft_p90_ms": slo_ttft_p90_ms, "cpus": os.cpu_count()}

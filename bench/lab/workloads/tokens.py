@@ -1,0 +1,69 @@
+"""Prompts that are cheap to build at 36 000 requests per QPS point: messages made once, shared.
+
+Synthetic messages (:class:`Synth`) draw their token ids with numpy from a seeded generator and
+render each id as four ASCII characters, so a router that reads text (llm-d's and SGLang's
+approximate prefix matching, inferlb's prefix key and its chars-per-token estimate of 4) sees
+exactly the prefixes the engine's token ids share. Real text (ShareGPT, a trace's prompts) is
+tokenized by :class:`Tokenizer`, each distinct text once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.lab.policy import Message
+from sim.tokens import VOCAB_SIZE, tokenize
+
+__all__ = ["CHARS_PER_TOKEN", "Synth", "Tokenizer", "render"]
+
+#: Characters per synthetic token: three base-36 digits and a space.
+CHARS_PER_TOKEN = 4
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+#: One int object per id, shared by every message (a message's tuple holds pointers, not new ints).
+_IDS = tuple(range(VOCAB_SIZE))
+_TABLE = np.array([(_DIGITS[i // 1296] + _DIGITS[i // 36 % 36] + _DIGITS[i % 36] + " ").encode()
+                   for i in range(VOCAB_SIZE)], dtype="S4")
+
+
+def render(ids: np.ndarray) -> str:
+    """The text of token ids (four characters each; distinct ids below the vocabulary's size, distinct
+    words; larger ids wrap around)."""
+    return _TABLE[ids % VOCAB_SIZE].tobytes().decode("ascii")
+
+
+class Synth:
+    """Synthetic messages from one seeded generator: :meth:`message` of ``n`` random token ids.
+
+    Args:
+        seed: the generator's seed (the same seed and calls give the same messages).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def message(self, role: str | None, n: int) -> Message:
+        """A message of ``n`` (>= 1) random token ids and their rendered text."""
+        ids = self._rng.integers(0, VOCAB_SIZE, size=max(1, n), dtype=np.int64)
+        return Message(role, render(ids), tuple(map(_IDS.__getitem__, ids.tolist())))
+
+    def ids(self, n: int) -> tuple[int, ...]:
+        """``n`` random token ids."""
+        return tuple(map(_IDS.__getitem__, self._rng.integers(0, VOCAB_SIZE, size=n, dtype=np.int64).tolist()))
+
+
+class Tokenizer:
+    """The engines' tokenizer (:func:`sim.tokens.tokenize`) with a cache: each distinct text is
+    tokenized once per instance."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, text: str) -> tuple[int, ...]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self._cache[text] = tuple(tokenize(text)) or (0,)
+        return ids
+
+    def message(self, role: str | None, text: str) -> Message:
+        """A message of ``text`` with its token ids."""
+        return Message(role, text, self(text))

@@ -1,0 +1,201 @@
+"""The lab's harness on the real engines: determinism, information delays, faults, sessions, KV events."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+from bench.lab.cluster import Cluster, Node
+from bench.lab.figures import point_figures
+from bench.lab.harness import Fault, RunSpec, run
+from bench.lab.policies.dynamo import DynamoKv
+from bench.lab.policies.inferlb import Inferlb
+from bench.lab.policies.oracle import Oracle
+from bench.lab.policies.round_robin import RoundRobin
+from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
+from bench.lab.runner import Point, lab_document, run_point
+from bench.lab.scenarios import QUICK, Mode
+from bench.lab.workloads.base import Draft, FollowUp, Sizing
+from bench.lab.workloads.sessions import ChatSessions
+from bench.lab.workloads.shared_prefix import SharedPrefix
+from bench.lab.workloads.tokens import Synth
+
+
+def _cluster(n: int = 2, **kw) -> Cluster:
+    return Cluster(tuple(Node(**kw) for _ in range(n)))
+
+
+def test_a_small_lab_gives_identical_json_twice() -> None:
+    mode = Mode(engines=2, duration_s=20.0, warmup_s=4.0, drain_s=20.0)
+    points = [Point("shared_prefix", p, 3.0, mode, 2, 5) for p in ("llm_d", "dynamo_kv", "inferlb", "oracle")]
+    docs = []
+    for _ in range(2):
+        results = [run_point(p) for p in points]
+        for r in results:
+            del r["cpu_s"]  # the only figure that is a measurement of this machine
+        docs.append(json.dumps(lab_document(points, results, seed=5, commit="x", command="c", date="d"),
+                               sort_keys=True))
+    assert docs[0] == docs[1]
+    doc = json.loads(docs[0])
+    llm_d = doc["scenarios"]["shared_prefix"]["policies"]["llm_d"]["points"][0]
+    assert llm_d["requests"] > 30 and llm_d["error_rate"] == 0.0 and llm_d["ttft_p90_ms"] > 0
+
+
+class _Recorder(PolicyBase):
+    """Round robin over the healthy endpoints that records when it learns of each completion."""
+
+    name = "recorder"
+
+    def __init__(self, flush: float | None = 0.0) -> None:
+        super().__init__()
+        self.needs = Needs(completion_flush_s=flush)
+        self.learned: list[tuple[float, Finished]] = []
+        self.n = 0
+
+    def decide(self, request: Request) -> Answer:
+        assert self.eds is not None
+        eps = self.eds.healthy("chat-v1")
+        if not eps:
+            return Reject(503, "none")
+        self.n += 1
+        return Route(eps[self.n % len(eps)].address)
+
+    def on_progress(self, events: Sequence[Progress]) -> None:
+        assert self.ctx is not None
+        self.learned += [(self.ctx.clock(), e) for e in events if isinstance(e, Finished)]
+
+
+def test_completions_reach_a_proxy_at_once_and_an_access_log_reader_at_its_flushes() -> None:
+    spec = RunSpec(_cluster(), SharedPrefix(groups=2), 2.0, 20.0, drain_s=30.0)
+    proxy, picker = _Recorder(0.0), _Recorder(0.5)
+    run(spec, lambda: proxy)
+    run(spec, lambda: picker)
+    assert proxy.learned and all(at == e.at_s for at, e in proxy.learned)
+    assert picker.learned
+    for at, e in picker.learned:
+        assert at >= e.at_s and at - e.at_s < 0.5 + 1e-9
+        assert abs(at / 0.5 - round(at / 0.5)) < 1e-9  # delivered on a flush tick
+
+
+def test_a_node_that_joins_gets_traffic_once_healthy_and_one_that_leaves_fails_its_requests() -> None:
+    nodes = (Node(), Node(), Node(present=False))
+    spec = RunSpec(Cluster(nodes), ChatSessions(anon_share=1.0, output_tokens=400), 6.0, 120.0, drain_s=30.0,
+                   faults=(Fault(30.0, "add", 2), Fault(80.0, "remove", 0)))
+    result = run(spec, RoundRobin)
+    joiner, leaver = Cluster.address(2), Cluster.address(0)
+    to_joiner = [r for r in result.records if r.endpoint == joiner]
+    assert to_joiner and min(r.sent_s for r in to_joiner) >= 30.0  # never before it joined
+    gone = [r for r in result.records if r.reason == "endpoint-gone"]
+    assert gone and all(r.endpoint == leaver and r.sent_s < 80.0 for r in gone)  # its requests in flight at 80 s
+    # after the removal, requests sent to it (before the next round) fail to connect; none after that round
+    late = [r for r in result.records if r.endpoint == leaver and r.sent_s is not None and r.sent_s >= 80.0]
+    assert all(r.reason == "connect-failure" for r in late)
+    assert all(r.sent_s < 80.0 + spec.timing.interval_s for r in late)
+
+
+def test_a_session_turn_comes_think_time_after_the_previous_one_ended() -> None:
+    synth = Synth(1)
+
+    class TwoTurns:
+        name = "two_turns"
+
+        def arrivals(self, qps: float, duration_s: float, sizing: Sizing, rng: random.Random):
+            second = Draft(Prompt((synth.message("user", 40),)), 8, 8, session=1)
+            first = Draft(second.prompt, 200, 200, session=1, next=FollowUp(3.0, lambda: second))
+            yield 1.0, first
+
+    result = run(RunSpec(_cluster(1), TwoTurns(), 1.0, 60.0), RoundRobin)
+    a, b = result.records
+    assert a.status == b.status == 200
+    assert b.arrival_s == a.end_s + 3.0
+    assert b.cached_tokens > 0  # the same prompt again: its blocks are still cached
+
+
+class _Holder(PolicyBase):
+    """Holds every request, answers them all 0.5 s later (a policy's queue)."""
+
+    name = "holder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Request] = []
+
+    def decide(self, request: Request) -> Answer:
+        self.held.append(request)
+        return Wait()
+
+    def poll(self, final: bool = False):
+        assert self.ctx is not None and self.eds is not None
+        now = self.ctx.clock()
+        ready = [r for r in self.held if r.arrival_s + 0.5 <= now]
+        self.held = [r for r in self.held if r.arrival_s + 0.5 > now]
+        return [(r, Route(self.eds.healthy("chat-v1")[0].address)) for r in ready]
+
+    def next_wake_s(self):
+        return min((r.arrival_s + 0.5 for r in self.held), default=None)
+
+
+def test_a_held_request_is_sent_when_the_policy_wakes_and_its_wait_counts_in_ttft() -> None:
+    result = run(RunSpec(_cluster(1), SharedPrefix(groups=1), 1.0, 20.0, drain_s=30.0), _Holder)
+    sent = [r for r in result.records if r.status == 200]
+    assert sent and all(abs(r.sent_s - (r.arrival_s + 0.5)) < 1e-9 for r in sent)
+    assert all(r.first_s - r.arrival_s > 0.5 for r in sent)
+
+
+def test_dynamo_learns_cached_blocks_from_kv_events_and_keeps_a_prefix_where_it_is() -> None:
+    policy = DynamoKv()
+    # one request at a time (50 output tokens, one arrival per 5 s): the worker holding the blocks costs
+    # 450 decode blocks against another's 450 prefill + 450 decode blocks
+    result = run(RunSpec(_cluster(4), SharedPrefix(groups=1, users=1, output_tokens=50), 0.2, 60.0, drain_s=30.0),
+                 lambda: policy)
+    assert any(policy.index.cached.values())
+    served = {r.endpoint for r in result.records[3:]}  # after the first has stored its blocks
+    assert len(served) == 1
+    assert point_figures(result)["prefix_hit_rate"] > 0.8
+
+
+def test_the_oracle_and_inferlb_keep_a_shared_prefix_on_one_engine_at_low_load() -> None:
+    for make in (Oracle, Inferlb):
+        result = run(RunSpec(_cluster(4), SharedPrefix(groups=1, users=1, output_tokens=50), 0.2, 60.0, drain_s=30.0),
+                     make)
+        assert len({r.endpoint for r in result.records[3:]}) == 1, make.name
+        assert point_figures(result)["prefix_hit_rate"] > 0.8, make.name
+
+
+def test_inferlb_pins_a_session_and_learns_completions_from_the_access_log() -> None:
+    policy = Inferlb()
+    spec = RunSpec(_cluster(4), ChatSessions(turns=(5, 5), think_s=0.5, output_tokens=32, system_tokens=0,
+                                             tenants=0), 2.0, 30.0, drain_s=30.0)
+    result = run(spec, lambda: policy)
+    by_session: dict[int, set[str]] = {}
+    for r in result.records:
+        if r.session is not None and r.endpoint is not None:
+            by_session.setdefault(r.session, set()).add(r.endpoint)
+    assert by_session and all(len(eps) == 1 for eps in by_session.values())
+    handler = policy.handler
+    assert handler is not None
+    # every completion but those of the last flush reached the picker's cost model through the access log
+    finished = sum(1 for r in result.records if r.status == 200)
+    observed = sum(s.n for s in handler.costs._sums.values())
+    assert finished - 3 <= observed <= finished
+    assert sum(handler.inflight.endpoints.values()) <= 3
+
+
+def test_quick_mode_is_a_small_cluster_and_a_minute() -> None:
+    assert (QUICK.engines, QUICK.duration_s) == (4, 60.0)
+
+
+def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
+    """Same seed, another process with another PYTHONHASHSEED: the same JSON (no set or str-hash order leaks in)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from bench.lab.runner import Point, run_point; from bench.lab.scenarios import Mode; "
+            "m = Mode(engines=2, duration_s=20.0, warmup_s=4.0, drain_s=20.0); "
+            "f = run_point(Point('sessions', 'inferlb', 6.0, m, 2, 3)); f.pop('cpu_s'); "
+            "print(json.dumps(f, sort_keys=True))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "4242")}
+    assert len(outs) == 1 and json.loads(outs.pop())["requests"] > 20
