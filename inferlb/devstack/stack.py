@@ -44,6 +44,17 @@ _handed_out: set[int] = set()
 _draw = random.Random(os.getpid() ^ time.time_ns())
 
 
+def _worker_share() -> tuple[int, int]:
+    """``(i, n)``: this process draws only ports ``p`` with ``p % n == i``. Under pytest-xdist each
+    worker (and what it starts, which inherits its environment) gets its own share, so two workers'
+    stacks never draw the same port (a full run once failed so: Envoy's "Address already in use").
+    Outside xdist: ``(0, 1)``, every port."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(worker[2:]) < int(count):
+        return int(worker[2:]), int(count)
+    return 0, 1
+
+
 def _ephemeral() -> range:
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
@@ -62,7 +73,8 @@ def free_port() -> int:
         StackError: no port of :data:`FREE_PORTS` binds.
     """
     ephemeral = _ephemeral()
-    candidates = [p for p in FREE_PORTS if p not in ephemeral and p not in _handed_out]
+    share, shares = _worker_share()
+    candidates = [p for p in FREE_PORTS if p not in ephemeral and p not in _handed_out and p % shares == share]
     _draw.shuffle(candidates)
     for port in candidates[:200]:
         with socket.socket() as s:

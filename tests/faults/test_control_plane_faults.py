@@ -291,7 +291,9 @@ def test_fail_closed_hung_picker_gives_504_and_killed_gives_500(cps: ProcStack):
     def one() -> int:
         return requests.post(f"{cps.listener}/v1/chat/completions", json={"max_tokens": 4}, timeout=5).status_code
 
-    assert cps.listener_in_effect(fail_open=False)
+    # The previous test made the listener fail-closed; Envoy may still be swapping listeners on a
+    # loaded machine (a warming or draining state in its config dump), so wait for it to settle.
+    wait_until(lambda: cps.listener_in_effect(fail_open=False), 10, 0.1, "the fail-closed listener to serve")
     before = cps.ext_proc_stats()
     os.kill(cps.cp.popen.pid, signal.SIGSTOP)
     try:
