@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xds_server.engine.settings import parse_scorers, parse_switchable
-from xds_server.metrics.presets import SAMPLE_TIME
+from xds_server.metrics.presets import GPU_MEMORY, PREALLOCATED, SAMPLE_TIME
 from xds_server.metrics.stats import SIGNAL_FIELDS
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -561,10 +561,19 @@ class EndpointConfig(_Strict):
 
 
 class VersionConfig(_Strict):
-    """One model version of a service: its own Envoy cluster ``<service>-<version>``."""
+    """One model version of a service: its own Envoy cluster ``<service>-<version>``.
+
+    ``gpu_memory``: how its servers hold GPU memory. ``preallocated``: the engine takes its KV-cache
+    pool at start (vLLM, SGLang, TGI, Triton with TensorRT-LLM): free GPU memory says nothing, a
+    request needs none of its own, and the headroom is the KV-cache usage. ``per_request``: each
+    request takes GPU memory while it runs (a model served a request at a time by its own wrapper):
+    free GPU memory is the headroom and the picker admits each request against it. None (default):
+    the engine preset's (``metrics.preset``: :data:`xds_server.metrics.presets.GPU_MEMORY`).
+    """
 
     name: str = Field(pattern=VERSION_RE)
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+    gpu_memory: Literal["preallocated", "per_request"] | None = None
 
     @field_validator("endpoints")
     @classmethod
@@ -1143,6 +1152,12 @@ class Config(_Strict):
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""
         return endpoint.gpu_memory_mib or self.gpu_classes[endpoint.gpu_class].memory_mib
+
+    def preallocates(self, version: VersionConfig) -> bool:
+        """True when ``version``'s servers hold a preallocated KV-cache pool (its ``gpu_memory``,
+        else the engine preset's, :data:`~xds_server.metrics.presets.GPU_MEMORY`), False when each
+        request takes GPU memory of its own."""
+        return (version.gpu_memory or GPU_MEMORY[self.metrics.preset]) == PREALLOCATED
 
 
 #: ``engine.stale_after_s`` must be at least this many of a source's sample interval: between two
