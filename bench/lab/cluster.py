@@ -17,9 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from bench.quality.policies import PICKER
-from sim.engines.hardware import GPU_CLASSES
 from xds_server.config import Config, cluster_name, parse_config
-from xds_server.config.model import DEFAULT_GPU_CLASSES
 
 __all__ = ["SERVICE", "Cluster", "Node", "SlowLoopTiming"]
 
@@ -29,16 +27,6 @@ SERVICE = "chat"
 NO_ROUTE_TIMEOUT_S = 86400.0
 #: The ``model`` name clients send (any name of the service's models means its default version).
 MODEL = "llama-3.1-8b"
-
-
-def _extra_gpu_classes(used: set[str]) -> dict[str, dict[str, float]]:
-    """inferlb ``gpu_classes`` entries for the engines' GPU classes its defaults lack (the L4): memory from
-    :data:`sim.engines.hardware.GPU_CLASSES`, capacity against an A100 as their memory-bandwidth ratio
-    (a decode step is memory-bound), as a user would state them."""
-    a100 = GPU_CLASSES["a100"]
-    return {c: {"capacity": round(GPU_CLASSES[c].bandwidth_gbs / a100.bandwidth_gbs, 3),
-                "memory_mib": float(GPU_CLASSES[c].memory_mib)}
-            for c in sorted(used) if c not in DEFAULT_GPU_CLASSES and c in GPU_CLASSES}
 
 
 @dataclass(frozen=True)
@@ -139,7 +127,6 @@ class Cluster:
                 endpoint["max_concurrency"] = limit
             versions.setdefault(node.version, []).append(endpoint)
         doc = {
-            "gpu_classes": _extra_gpu_classes({n.gpu_class for n in self.nodes}),
             # The lab has no route timeout (a request runs until it ends): the picker's in-flight expiry, which
             # follows Envoy's route timeout, must not count a long-queued request as lost.
             "envoy": {"route_timeout_s": NO_ROUTE_TIMEOUT_S},
