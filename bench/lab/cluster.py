@@ -3,7 +3,8 @@ that describes it (pure data).
 
 The config is what a user of ``inferlb serve`` would write for these nodes: one service, one
 version per cluster, each node an endpoint with its GPU class, memory, tier and max concurrency,
-the metrics presets of its engine kind, and the lab's slow-loop timing (:class:`SlowLoopTiming`).
+how its engines hold GPU memory (a version of job engines: per request), and the lab's slow-loop
+timing (:class:`SlowLoopTiming`); the metrics presets are inferlb's defaults (vLLM, DCGM).
 It is parsed by inferlb's own loader (:func:`xds_server.config.parse_config`), so every default the
 slow loop and the picker run with in the lab is the one ``inferlb serve`` would use.
 """
@@ -109,12 +110,18 @@ class Cluster:
         """Model version -> cluster."""
         return {v: cluster_name(SERVICE, v) for v in self.versions}
 
+    def _gpu_memory(self, version: str) -> dict[str, str]:
+        """A version of job engines says its servers take GPU memory per request (the engines speak
+        vLLM's metric names, and inferlb's default ``vllm`` preset means a preallocated KV-cache pool,
+        which the llm engines have)."""
+        kinds = {n.kind for n in self.nodes if n.version == version}
+        return {"gpu_memory": "per_request"} if kinds == {"job"} else {}
+
     def config(self, timing: SlowLoopTiming, max_concurrency: Mapping[int, int] | None = None) -> Config:
         """inferlb's config for this cluster (parsed and validated by inferlb's loader).
 
         ``max_concurrency``: per node index, the value when the node sets none (its engine's batch).
         """
-        kinds = {n.kind for n in self.nodes}
         versions: dict[str, list[dict[str, Any]]] = {}
         for i, node in enumerate(self.nodes):
             endpoint: dict[str, Any] = {"address": self.address(i), "gpu_class": node.gpu_class}
@@ -132,12 +139,10 @@ class Cluster:
             "envoy": {"route_timeout_s": NO_ROUTE_TIMEOUT_S},
             "loop": {"interval_s": timing.interval_s},
             "prometheus": {"window_s": timing.window_s, "scrape_interval_s": timing.scrape_interval_s},
-            # An llm engine's GPU memory is vLLM's (taken whole at start): its free memory tells nothing,
-            # so no GPU preset; a job engine's free memory is the signal (the DCGM exporter's).
-            "metrics": {"preset": "vllm", "gpu": "dcgm" if "job" in kinds else "none"},
             "engine": {"stale_after_s": timing.stale_after_s, **self.engine},
             "picker": {"access_log_flush_s": timing.access_log_flush_s, **PICKER, **self.picker},
             "services": [{"name": SERVICE, "default_version": self.versions[0], "models": [MODEL],
-                          "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
+                          "versions": [{"name": v, "endpoints": eps, **self._gpu_memory(v)}
+                                       for v, eps in sorted(versions.items())]}],
         }
         return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>")
