@@ -397,7 +397,8 @@ class Engine(_Strict):
     """Weight-engine parameters (see ``xds_server/engine`` and the README's weight-engine section).
 
     ``stale_after_s``: metrics older than this exclude an endpoint (never all of a cluster).
-    ``request_memory_mib``: GPU memory a typical request needs; ``memory_margin``: safety share on top (0–1).
+    ``request_memory_mib``: GPU memory a typical request needs on a per-request server (``VersionConfig.gpu_memory``;
+    0 on a preallocated KV-cache pool); ``memory_margin``: safety share on top (0–1).
     ``max_weight``: the weight of a perfect endpoint on an A100-class GPU; EDS weights are 1..max_weight x capacity.
     ``hysteresis``: relative weight change (0–1) below which the previous weight is kept.
     ``quantum``: weights snap to multiples of ``quantum x max_weight`` (at least 1).
