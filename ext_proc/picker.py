@@ -316,7 +316,8 @@ def pick(
         session cookie (when configured), else the body's ``user``, else its
         ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
         request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
-        (affinity, weighted bounded loads, memory admission; endpoints whose connections fail are
+        (affinity, weighted bounded loads, memory admission, which a cluster of
+        ``routing.preallocated`` never needs: its requests' need is 0; endpoints whose connections fail are
         skipped, unless every endpoint with memory for the request fails) among the endpoints of one
         tier (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
         ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
@@ -383,6 +384,8 @@ def pick(
         mib, prompt, output, declared = routing.default_request_mib, None, None, False
     else:
         mib, prompt, output, declared = request_need(headers, routing, body)
+    if cluster in routing.preallocated:  # a KV-cache pool taken at start: no GPU memory of its own
+        mib = 0.0
     work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
     live = getattr(loads, "cluster_work", None)
     if live is not None:

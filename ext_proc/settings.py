@@ -100,6 +100,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "cost_aware_affinity": routing.cost_aware_affinity,
             "spill_threshold": routing.spill_threshold,
             "protocol": routing.protocol,
+            "preallocated": sorted(routing.preallocated),
         },
         "settings": asdict(settings),
     }
@@ -157,6 +158,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         cost_aware_affinity=bool(r.get("cost_aware_affinity", False)),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
         protocol=r.get("protocol", "inferlb"),
+        preallocated=frozenset(r.get("preallocated", ())),
     )
     raw = doc["settings"]
     kinds = {f.name: f.type for f in fields(PickerSettings)}

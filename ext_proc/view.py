@@ -177,6 +177,10 @@ class RoutingTable:
         spill_threshold: a cluster with a spill tier (:attr:`ClusterEndpoints.spill`) sends a request
             there when its first tier's requests in flight are at least this share (0-1] of that
             tier's max concurrency (:func:`ext_proc.tiers.tier_for`).
+        preallocated: the clusters whose engines hold a preallocated KV-cache pool (vLLM, SGLang,
+            TGI: the control plane's ``VersionConfig.gpu_memory``): a request there needs no GPU
+            memory of its own (need 0, whatever its size says), so memory admission never decides
+            it; KV pressure is the engine scheduler's, seen through its queue and KV-cache usage.
         sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:
@@ -210,6 +214,7 @@ class RoutingTable:
     cost_aware_affinity: bool = False
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
+    preallocated: frozenset[str] = frozenset()
     sized: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +227,7 @@ class RoutingTable:
             raise ValueError(f"routing: session_headers must be header names, got {self.session_headers!r}")
         object.__setattr__(self, "session_headers", tuple(h.lower() for h in self.session_headers))
         object.__setattr__(self, "services", tuple(self.services))
+        object.__setattr__(self, "preallocated", frozenset(self.preallocated))
         if self.vnodes < 1:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
         if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:

@@ -44,6 +44,8 @@ def routing_table(cfg: Config) -> RoutingTable:
         prefix_max_bytes=cfg.picker.prefix_max_bytes,
         body_mode=cfg.picker.body_mode,
         protocol=cfg.picker.protocol,
+        preallocated=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions
+                               if cfg.preallocates(v)),
         services=tuple(
             ServiceRoute(
                 name=s.name,

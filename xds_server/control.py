@@ -56,6 +56,7 @@ def endpoint_specs(cfg: Config) -> list[EndpointSpec]:
             memory_mib=cfg.memory_mib(e),
             draining=e.drain,
             tier=e.tier,
+            preallocated=cfg.preallocates(v),
         )
         for s in cfg.services
         for v in s.versions

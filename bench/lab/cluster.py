@@ -3,7 +3,8 @@ that describes it (pure data).
 
 The config is what a user of ``inferlb serve`` would write for these nodes: one service, one
 version per cluster, each node an endpoint with its GPU class, memory, tier and max concurrency,
-the metrics presets of its engine kind, and the lab's slow-loop timing (:class:`SlowLoopTiming`).
+how its engines hold GPU memory (a version of job engines: per request), and the lab's slow-loop
+timing (:class:`SlowLoopTiming`); the metrics presets are inferlb's defaults (vLLM, DCGM).
 It is parsed by inferlb's own loader (:func:`xds_server.config.parse_config`), so every default the
 slow loop and the picker run with in the lab is the one ``inferlb serve`` would use.
 """
@@ -17,9 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from bench.quality.policies import PICKER
-from sim.engines.hardware import GPU_CLASSES
 from xds_server.config import Config, cluster_name, parse_config
-from xds_server.config.model import DEFAULT_GPU_CLASSES
 
 __all__ = ["SERVICE", "Cluster", "Node", "SlowLoopTiming"]
 
@@ -29,16 +28,6 @@ SERVICE = "chat"
 NO_ROUTE_TIMEOUT_S = 86400.0
 #: The ``model`` name clients send (any name of the service's models means its default version).
 MODEL = "llama-3.1-8b"
-
-
-def _extra_gpu_classes(used: set[str]) -> dict[str, dict[str, float]]:
-    """inferlb ``gpu_classes`` entries for the engines' GPU classes its defaults lack (the L4): memory from
-    :data:`sim.engines.hardware.GPU_CLASSES`, capacity against an A100 as their memory-bandwidth ratio
-    (a decode step is memory-bound), as a user would state them."""
-    a100 = GPU_CLASSES["a100"]
-    return {c: {"capacity": round(GPU_CLASSES[c].bandwidth_gbs / a100.bandwidth_gbs, 3),
-                "memory_mib": float(GPU_CLASSES[c].memory_mib)}
-            for c in sorted(used) if c not in DEFAULT_GPU_CLASSES and c in GPU_CLASSES}
 
 
 @dataclass(frozen=True)
@@ -121,12 +110,18 @@ class Cluster:
         """Model version -> cluster."""
         return {v: cluster_name(SERVICE, v) for v in self.versions}
 
+    def _gpu_memory(self, version: str) -> dict[str, str]:
+        """A version of job engines says its servers take GPU memory per request (the engines speak
+        vLLM's metric names, and inferlb's default ``vllm`` preset means a preallocated KV-cache pool,
+        which the llm engines have)."""
+        kinds = {n.kind for n in self.nodes if n.version == version}
+        return {"gpu_memory": "per_request"} if kinds == {"job"} else {}
+
     def config(self, timing: SlowLoopTiming, max_concurrency: Mapping[int, int] | None = None) -> Config:
         """inferlb's config for this cluster (parsed and validated by inferlb's loader).
 
         ``max_concurrency``: per node index, the value when the node sets none (its engine's batch).
         """
-        kinds = {n.kind for n in self.nodes}
         versions: dict[str, list[dict[str, Any]]] = {}
         for i, node in enumerate(self.nodes):
             endpoint: dict[str, Any] = {"address": self.address(i), "gpu_class": node.gpu_class}
@@ -139,18 +134,15 @@ class Cluster:
                 endpoint["max_concurrency"] = limit
             versions.setdefault(node.version, []).append(endpoint)
         doc = {
-            "gpu_classes": _extra_gpu_classes({n.gpu_class for n in self.nodes}),
             # The lab has no route timeout (a request runs until it ends): the picker's in-flight expiry, which
             # follows Envoy's route timeout, must not count a long-queued request as lost.
             "envoy": {"route_timeout_s": NO_ROUTE_TIMEOUT_S},
             "loop": {"interval_s": timing.interval_s},
             "prometheus": {"window_s": timing.window_s, "scrape_interval_s": timing.scrape_interval_s},
-            # An llm engine's GPU memory is vLLM's (taken whole at start): its free memory tells nothing,
-            # so no GPU preset; a job engine's free memory is the signal (the DCGM exporter's).
-            "metrics": {"preset": "vllm", "gpu": "dcgm" if "job" in kinds else "none"},
             "engine": {"stale_after_s": timing.stale_after_s, **self.engine},
             "picker": {"access_log_flush_s": timing.access_log_flush_s, **PICKER, **self.picker},
             "services": [{"name": SERVICE, "default_version": self.versions[0], "models": [MODEL],
-                          "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
+                          "versions": [{"name": v, "endpoints": eps, **self._gpu_memory(v)}
+                                       for v, eps in sorted(versions.items())]}],
         }
         return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>")

@@ -158,12 +158,6 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
     versions: dict[str, list[dict]] = {}
     for node, address in zip(scenario.nodes, addresses, strict=True):
         versions.setdefault(node.version, []).append(_endpoint(node, address))
-    # llm engines hold their whole KV cache from the start (vLLM's gpu_memory_utilization): DCGM shows
-    # ~90 % of the GPU used whatever runs, and a request needs no GPU memory of its own, so the memory
-    # need of a request (engine.request_memory_mib, picker.kv_mib_per_token) is 0 there, as an operator
-    # of vLLM backends configures it. The job engines' scenarios keep the per-request memory.
-    no_memory = ({"request_memory_mib": 0.0}, {"kv_mib_per_token": 0.0}) \
-        if all(n.engine == "llm" for n in scenario.nodes) else ({}, {})
     return {
         "listen": {"xds": f"127.0.0.1:{xds_port}", "ext_proc": "127.0.0.1:0", "admin": f"127.0.0.1:{admin_port}"},
         "envoy": {"listener": f"127.0.0.1:{listener_port}", "route_timeout_s": route_timeout_s, "picker": picker,
@@ -171,12 +165,18 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         "loop": {"interval_s": CONTROL["interval_s"], "timeout_s": CONTROL["query_timeout_s"]},
         "prometheus": {"url": prometheus_url, "window_s": CONTROL["window_s"]},
         "headers": {"version": VERSION_HEADER, "session": [SESSION_HEADER]},
-        "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"],
-                   **no_memory[0], **scenario.engine},
-        "picker": {**PICKER, "shared_view": shared_view, "shared_view_interval_s": view_interval_s, **no_memory[1]},
+        "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"], **scenario.engine},
+        "picker": {**PICKER, "shared_view": shared_view, "shared_view_interval_s": view_interval_s},
         "services": [{"name": SERVICE, "default_version": scenario.default_version, "models": [MODEL_NAME],
-                      "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
+                      "versions": [{"name": v, "endpoints": eps, **_gpu_memory(scenario.nodes, v)}
+                                   for v, eps in sorted(versions.items())]}],
     }
+
+
+def _gpu_memory(nodes: Sequence[Node], version: str) -> dict[str, str]:
+    """A version of job engines says its servers take GPU memory per request (the simulator speaks vLLM's
+    metric names, and the ``vllm`` preset means a preallocated KV-cache pool, as the llm engines have)."""
+    return {"gpu_memory": "per_request"} if all(n.engine == "job" for n in nodes if n.version == version) else {}
 
 
 def _endpoint(node: Node, address: str) -> dict:

@@ -163,3 +163,44 @@ def kv_cache_blocks(model: ModelSpec, gpu_memory_mib: float, *, block_size: int,
             f"{model.key} weights ({model.weights_gib:g} GiB) and the activation reserve "
             f"({ACTIVATION_RESERVE_GIB:g} GiB) with nothing to spare")
     return blocks
+
+
+#: The request the GPU classes' relative capacities are stated for (tokens): the defaults of vLLM's
+#: serving benchmark's random dataset (vllm-project/vllm ``benchmarks/benchmark_serving.py``,
+#: ``--random-input-len`` 1024, ``--random-output-len`` 128).
+REFERENCE_PROMPT_TOKENS = 1024
+REFERENCE_OUTPUT_TOKENS = 128
+
+
+def saturated_requests_per_s(model: ModelSpec, gpu: GpuClass, *, block_size: int,
+                             prompt_tokens: int = REFERENCE_PROMPT_TOKENS,
+                             output_tokens: int = REFERENCE_OUTPUT_TOKENS) -> float:
+    """Requests/s one ``llm`` engine of ``model`` on ``gpu`` completes when saturated with identical
+    requests of ``prompt_tokens`` + ``output_tokens`` (no prefix-cache hits).
+
+    Steady state at batch ``B`` = min(``gpu.max_num_seqs``, KV-cache tokens // (prompt + output)):
+    as many running requests as the slots and the KV cache (:func:`kv_cache_blocks` x
+    ``block_size``, every request holding its whole context) allow. Each request costs its prefill
+    (``beta1`` x prompt), its decode tokens (``beta2`` x output) and its share of the per-step
+    constant (``beta0`` x output / B: it takes part in ``output`` steps of ``B`` requests), so
+    ``rate = 1e6 / (beta1 P + beta2 O + beta0 O / B)`` (µs -> s). Raises ValueError when not even
+    one request fits in the KV cache."""
+    tokens = kv_cache_blocks(model, gpu.memory_mib, block_size=block_size) * block_size
+    batch = min(gpu.max_num_seqs, tokens // (prompt_tokens + output_tokens))
+    if batch < 1:
+        raise ValueError(f"one request of {prompt_tokens + output_tokens} tokens does not fit in the "
+                         f"{tokens}-token KV cache of {model.key} on {gpu.key}")
+    c = step_coefficients(model, gpu)
+    return 1e6 / (c.beta1_us * prompt_tokens + c.beta2_us * output_tokens + c.beta0_us * output_tokens / batch)
+
+
+def relative_capacity(gpu: str, *, block_size: int, model: str = DEFAULT_MODEL) -> float:
+    """:func:`saturated_requests_per_s` of ``gpu`` over the A100's, for ``model`` and the reference
+    request: the ``capacity`` of inferlb's GPU classes (``xds_server.config.model.DEFAULT_GPU_CLASSES``).
+
+    >>> round(relative_capacity("h100", block_size=16), 2), round(relative_capacity("l4", block_size=16), 2)
+    (2.92, 0.12)
+    """
+    m = MODELS[model]
+    return (saturated_requests_per_s(m, GPU_CLASSES[gpu], block_size=block_size)
+            / saturated_requests_per_s(m, GPU_CLASSES["a100"], block_size=block_size))

@@ -31,10 +31,14 @@ LLM_TIME_SCALE = "0.04"
 JOB_TIME_SCALE = "0.2"
 
 
+def is_job(args: list[str]) -> bool:
+    """True for a backend started with ``args`` that runs the ``job`` engine (a per-request server)."""
+    return any(a == "--engine" and b == "job" for a, b in zip(args, args[1:], strict=False))
+
+
 def sim_time_scale(args: list[str]) -> list[str]:
     """``--time-scale`` for a backend started with ``args`` (job engines: :data:`JOB_TIME_SCALE`)."""
-    job = any(a == "--engine" and b == "job" for a, b in zip(args, args[1:], strict=False))
-    return ["--time-scale", JOB_TIME_SCALE if job else LLM_TIME_SCALE]
+    return ["--time-scale", JOB_TIME_SCALE if is_job(args) else LLM_TIME_SCALE]
 
 
 def wait_until(check: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:
@@ -194,6 +198,11 @@ def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str
         cfg_path = workdir / "inferlb.yaml"
         url = prometheus_url(prom_port) if prometheus_url else f"http://127.0.0.1:{prom_port}"
         cfg_dict = backend_config(backends, url, listener_port)
+        # A version of job backends is one of per-request servers, as its operator would say (the sim
+        # speaks vLLM's metric names, and the vllm preset means a preallocated KV-cache pool).
+        for v in cfg_dict["services"][0]["versions"]:
+            if all(is_job(b.args) for b in backends if b.version == v["name"]):
+                v["gpu_memory"] = "per_request"
         cfg_dict["history"] = {"path": str(workdir / "history.sqlite3"), "keyframe_s": 5}
         cfg_path.write_text(yaml.safe_dump(merge(cfg_dict, config or {})))
         cfg = load_config(cfg_path)

@@ -195,19 +195,24 @@ def test_an_a10_a100_pool_gets_traffic_in_proportion_to_capacity(eng: Stack):
     total = sum(counts.values())
     assert total > 100 and all(r.status == 200 for r in traffic.results)
     share = {b.address: counts[b.address] / total for b in (*a100s, a10)}
-    target = 0.4 / 2.4  # capacity A10 / (A100 + A100 + A10)
-    assert target * 0.5 <= share[a10.address] <= target * 1.6, share  # round robin would give 1/3
+    # The A10's capacity (0.19 of an A100, docs/engine.md) is its saturated throughput; at this light
+    # load (6 requests in flight over 3 engines) the picker hands an idle A10 a request whatever its
+    # weight, and one request alone decodes only ~2x slower there (32 ms steps against 16.5 ms), so its
+    # share lies between its capacity's and round robin's 1/3 (measured: 0.18).
+    capacity = eng.cfg.gpu_classes["a10"].capacity
+    target = capacity / (2 + capacity)  # capacity A10 / (A100 + A100 + A10)
+    assert target * 0.5 <= share[a10.address] <= 0.25, share
     for b in a100s:
-        assert 0.3 <= share[b.address] <= 0.55, share
+        assert share[a10.address] < share[b.address] <= 0.6, share
     w = cluster(eng, "v1")
-    assert w[a10.address]["factors"]["capacity"] == pytest.approx(0.4)
-    # An llm engine holds 90 % of its GPU from the start (vLLM's gpu_memory_utilization), so the A10
-    # shows 2 458 MiB free, short of what this stack's large requests need (6 000 MiB + 20 %): the
-    # gpu_memory factor lowers it too. Its weight against the A100s' is its capacity times that.
-    memory = w[a10.address]["factors"].get("gpu_memory", 1.0)
-    assert memory < 1.0 and all(w[b.address]["factors"].get("gpu_memory", 1.0) == 1.0 for b in a100s)
-    ratio = w[a10.address]["weight"] / memory / max(w[b.address]["weight"] for b in a100s)
-    assert 0.2 <= ratio <= 0.65, {a: (d["weight"], d["factors"]) for a, d in w.items()}
+    assert w[a10.address]["factors"]["capacity"] == pytest.approx(capacity)
+    # An llm engine holds 90 % of its GPU from the start (vLLM's gpu_memory_utilization): the A10 shows
+    # 2 458 MiB free, less than this stack's large requests need (6 000 MiB + 20 %), but its version is
+    # a KV-cache pool's (the vllm preset): its memory headroom is its KV cache, which is far from full,
+    # so the gpu_memory factor leaves it alone. Its weight against the A100s' is its capacity.
+    assert all(w[b.address]["factors"].get("gpu_memory", 1.0) == 1.0 for b in (*a100s, a10))
+    ratio = w[a10.address]["weight"] / max(w[b.address]["weight"] for b in a100s)
+    assert 0.5 * capacity <= ratio <= 1.6 * capacity, {a: (d["weight"], d["factors"]) for a, d in w.items()}
 
 
 def test_a_long_tail_node_is_ejected_and_comes_back_after_it_recovers(eng: Stack):

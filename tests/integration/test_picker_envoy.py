@@ -281,8 +281,9 @@ def test_two_standalone_pickers_fed_over_ads_give_the_same_pins(picker_stack: St
         v1 = sorted(b.address for b in s.backends if b.version == "v1")
         # ... and with a picker in this process over the control plane's own view, fed the same
         # requests (the picks count as load in all three: no completion comes back on direct calls).
-        # 12 requests: their memory (2 GiB each) stays far below an A100's, so memory admission, fed
-        # by samples each picker gets at its own moment, never decides one of them.
+        # The backends are llm engines (the vllm preset: a KV-cache pool taken at start, 90 % of each
+        # GPU used whatever runs), so a request's GPU memory need is 0 and memory admission, fed by
+        # samples each picker gets at its own moment, decides none of the 12 requests.
         # A round can change the weights (and so the bounds) between two pickers' answers, and the
         # ADS push reaches the standalone pickers a few ms after the control plane's own view: an
         # attempt counts when the view stood for 0.3 s before it and through it; the next one uses

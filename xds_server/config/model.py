@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xds_server.engine.settings import parse_scorers, parse_switchable
-from xds_server.metrics.presets import SAMPLE_TIME
+from xds_server.metrics.presets import GPU_MEMORY, PREALLOCATED, SAMPLE_TIME
 from xds_server.metrics.stats import SIGNAL_FIELDS
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -23,10 +23,15 @@ VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<servic
 HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
 
 #: Per GPU class: relative capacity (throughput vs an A100) and GPU memory (MiB). Operators may override.
+#: Capacity: requests/s a saturated vLLM engine serving Llama-3.1-8B completes on the class over an
+#: A100's, for requests of 1 024 prompt + 128 output tokens (the defaults of vLLM's serving benchmark),
+#: from the simulator's engine physics (``sim.engines.hardware.relative_capacity``: BLIS's step-time
+#: fits, the batch the KV cache and ``max_num_seqs`` allow), rounded to 2 decimals; docs/engine.md.
 DEFAULT_GPU_CLASSES: dict[str, dict[str, float]] = {
     "a100": {"capacity": 1.0, "memory_mib": 81920},
-    "h100": {"capacity": 1.6, "memory_mib": 81920},
-    "a10": {"capacity": 0.4, "memory_mib": 24576},
+    "h100": {"capacity": 2.92, "memory_mib": 81920},
+    "a10": {"capacity": 0.19, "memory_mib": 24576},
+    "l4": {"capacity": 0.12, "memory_mib": 24576},
 }
 
 
@@ -392,7 +397,8 @@ class Engine(_Strict):
     """Weight-engine parameters (see ``xds_server/engine`` and the README's weight-engine section).
 
     ``stale_after_s``: metrics older than this exclude an endpoint (never all of a cluster).
-    ``request_memory_mib``: GPU memory a typical request needs; ``memory_margin``: safety share on top (0–1).
+    ``request_memory_mib``: GPU memory a typical request needs on a per-request server (``VersionConfig.gpu_memory``;
+    0 on a preallocated KV-cache pool); ``memory_margin``: safety share on top (0–1).
     ``max_weight``: the weight of a perfect endpoint on an A100-class GPU; EDS weights are 1..max_weight x capacity.
     ``hysteresis``: relative weight change (0–1) below which the previous weight is kept.
     ``quantum``: weights snap to multiples of ``quantum x max_weight`` (at least 1).
@@ -561,10 +567,19 @@ class EndpointConfig(_Strict):
 
 
 class VersionConfig(_Strict):
-    """One model version of a service: its own Envoy cluster ``<service>-<version>``."""
+    """One model version of a service: its own Envoy cluster ``<service>-<version>``.
+
+    ``gpu_memory``: how its servers hold GPU memory. ``preallocated``: the engine takes its KV-cache
+    pool at start (vLLM, SGLang, TGI, Triton with TensorRT-LLM): free GPU memory says nothing, a
+    request needs none of its own, and the headroom is the KV-cache usage. ``per_request``: each
+    request takes GPU memory while it runs (a model served a request at a time by its own wrapper):
+    free GPU memory is the headroom and the picker admits each request against it. None (default):
+    the engine preset's (``metrics.preset``: :data:`xds_server.metrics.presets.GPU_MEMORY`).
+    """
 
     name: str = Field(pattern=VERSION_RE)
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+    gpu_memory: Literal["preallocated", "per_request"] | None = None
 
     @field_validator("endpoints")
     @classmethod
@@ -1143,6 +1158,12 @@ class Config(_Strict):
     def memory_mib(self, endpoint: EndpointConfig) -> float:
         """GPU memory of ``endpoint`` in MiB: its own setting, else its GPU class's."""
         return endpoint.gpu_memory_mib or self.gpu_classes[endpoint.gpu_class].memory_mib
+
+    def preallocates(self, version: VersionConfig) -> bool:
+        """True when ``version``'s servers hold a preallocated KV-cache pool (its ``gpu_memory``,
+        else the engine preset's, :data:`~xds_server.metrics.presets.GPU_MEMORY`), False when each
+        request takes GPU memory of its own."""
+        return (version.gpu_memory or GPU_MEMORY[self.metrics.preset]) == PREALLOCATED
 
 
 #: ``engine.stale_after_s`` must be at least this many of a source's sample interval: between two

@@ -53,6 +53,7 @@ Array = np.ndarray
 _CAPACITY = operator.attrgetter("capacity")
 _MAX_CONCURRENCY = operator.attrgetter("max_concurrency")
 _MEMORY = operator.attrgetter("memory_mib")
+_PREALLOCATED = operator.attrgetter("preallocated")
 _ALL = operator.attrgetter(*STAT_FIELDS)
 #: Members per piece in :meth:`Columns.of` (one C call each, ~2 ms of the GIL).
 PIECE = 2048
@@ -62,13 +63,15 @@ PIECE = 2048
 class Columns:
     """One cluster's members as arrays: ``stats[field]`` (``float64``, NaN = no data) for every
     :class:`EndpointStats` field (the columns of ``matrix``, shape ``(n, len(STAT_FIELDS))``), and
-    the configured ``capacity``, ``max_concurrency`` and ``memory_mib`` (MiB) of each member; all
-    aligned, length ``n``."""
+    the configured ``capacity``, ``max_concurrency``, ``memory_mib`` (MiB) and ``preallocated`` (bool:
+    a preallocated KV-cache pool, :attr:`EndpointSpec.preallocated`) of each member; all aligned,
+    length ``n``."""
 
     matrix: Array
     capacity: Array
     max_concurrency: Array
     memory_mib: Array
+    preallocated: Array
     dirty: Array
     """Per member: its stats held a NaN or ±Inf (read here as no data; ``EndpointStats.sanitized`` says so)."""
     stats: Mapping[str, Array] = field(init=False)
@@ -94,12 +97,13 @@ class Columns:
                 _fill_any(matrix[rows], dirty[rows], piece)
         return Columns(matrix, np.array(list(map(_CAPACITY, specs)), dtype=float),
                        np.array(list(map(_MAX_CONCURRENCY, specs)), dtype=float),
-                       np.array(list(map(_MEMORY, specs)), dtype=float), dirty)
+                       np.array(list(map(_MEMORY, specs)), dtype=float),
+                       np.array(list(map(_PREALLOCATED, specs)), dtype=bool), dirty)
 
     def take(self, index: Array) -> Columns:
         """The rows at ``index`` (an integer array), in that order."""
         return Columns(self.matrix[index], self.capacity[index], self.max_concurrency[index], self.memory_mib[index],
-                       self.dirty[index])
+                       self.preallocated[index], self.dirty[index])
 
 
 

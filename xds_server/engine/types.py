@@ -17,7 +17,9 @@ HEALTHY, UNHEALTHY, DRAINING = "HEALTHY", "UNHEALTHY", "DRAINING"
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
     """An endpoint as configured. ``capacity``: relative to an A100 (> 0); ``memory_mib``: GPU memory;
-    ``tier``: ``edge`` or ``cloud`` (EDS priority 0 or 1)."""
+    ``tier``: ``edge`` or ``cloud`` (EDS priority 0 or 1); ``preallocated``: its engine holds a
+    preallocated KV-cache pool (its memory headroom is the KV-cache usage, not free GPU memory;
+    ``VersionConfig.gpu_memory``)."""
 
     cluster: str
     address: str
@@ -28,6 +30,7 @@ class EndpointSpec:
     memory_mib: float
     draining: bool = False
     tier: str = "edge"
+    preallocated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

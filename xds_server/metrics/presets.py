@@ -130,6 +130,20 @@ ENGINE_PRESETS: Mapping[str, Mapping[str, SignalSpec]] = MappingProxyType(
 GPU_PRESETS: Mapping[str, Mapping[str, SignalSpec]] = MappingProxyType(
     {"dcgm": DCGM, "triton": TRITON_GPU, "none": MappingProxyType({})})
 
+PREALLOCATED, PER_REQUEST = "preallocated", "per_request"
+#: How the GPU memory of each serving-engine preset's servers behaves: the default of a version's
+#: ``gpu_memory`` (``services[].versions[].gpu_memory``), the one place it is decided.
+#: ``preallocated``: the engine takes its KV-cache pool at start, so GPU memory looks ~full whatever
+#: runs and a request needs none of its own; its headroom is the KV-cache usage (``kv_cache``).
+#: vLLM sizes the pool from ``--gpu-memory-utilization`` (default 0.9 of the GPU; ``CacheConfig``),
+#: SGLang from ``--mem-fraction-static`` (``server_args.py``), TGI from the free memory at warm-up
+#: (``flash_causal_lm.py`` ``warmup``, with ``--cuda-memory-fraction``).
+#: ``per_request``: each request takes GPU memory of its own while it runs (a model served a request
+#: at a time by its own wrapper, most Triton backends): free GPU memory is the headroom. Triton with
+#: the TensorRT-LLM backend preallocates (``kv_cache_free_gpu_mem_fraction``): say so per version.
+GPU_MEMORY: Mapping[str, str] = MappingProxyType(
+    {"vllm": PREALLOCATED, "sglang": PREALLOCATED, "tgi": PREALLOCATED, "triton": PER_REQUEST})
+
 
 def preset(engine: str = "vllm", gpu: str = "dcgm") -> Mapping[str, SignalSpec]:
     """The specs of serving-engine preset ``engine`` merged with GPU preset ``gpu``.

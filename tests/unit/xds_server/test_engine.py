@@ -378,7 +378,7 @@ def test_a10_with_slower_latency_gets_a_lower_weight_than_a100s():
         {"address": "10.0.0.1:8000", "gpu_class": "a100"},
         {"address": "10.0.0.2:8000", "gpu_class": "a100"},
         {"address": "10.0.0.3:8000", "gpu_class": "a10"},
-    ])])])
+    ])])], gpu_classes={"a10": {"capacity": 0.4, "memory_mib": 24576}})
     eps = endpoint_specs(cfg)
     assert [e.capacity for e in eps] == [1.0, 1.0, pytest.approx(0.4)]
     seen = same_stats(eps, gpu_util=0.5, running=2.0, latency_mean_ms=100.0)
@@ -562,7 +562,7 @@ def test_endpoint_specs_from_config():
         ("llm-v1", "10.1.0.1:8000"), ("llm-v1", "10.1.0.2:8000"), ("llm-v2", "10.1.0.3:8000")]
     assert eps[0].capacity == cfg.gpu_classes["h100"].capacity and eps[0].max_concurrency == 32
     assert eps[1].instance == "dcgm-2:9400"
-    assert eps[2].memory_mib == 1000 and eps[2].capacity == pytest.approx(0.4)
+    assert eps[2].memory_mib == 1000 and eps[2].capacity == cfg.gpu_classes["a10"].capacity
     assert not any(e.draining for e in eps)
 
 

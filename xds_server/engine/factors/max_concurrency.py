@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from xds_server.engine.factors.shortage import shortage_factor
+from xds_server.engine.factors.shortage import ShortageParams, shortage_factor
 from xds_server.engine.plugin import Array, ClusterRound
 
 
-def _short(rnd: ClusterRound) -> Array:
+def _short(rnd: ClusterRound, _: ShortageParams) -> Array:
     running = rnd.stat("running")
     return np.where(np.isnan(running), np.nan, running >= rnd.columns.max_concurrency)
 
 
-PLUGIN = shortage_factor("max_concurrency", _short)
+PLUGIN = shortage_factor("max_concurrency", _short, ShortageParams)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from pydantic import Field
@@ -27,6 +28,9 @@ class ShortageParams(PluginParams):
 
     rounds: int = Field(3, ge=1)
     penalty: float = Field(0.5, gt=0, le=1)
+
+
+S = TypeVar("S", bound=ShortageParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +62,16 @@ def step(record: Shortage, short: bool | None, rounds: int) -> Shortage:
     return Shortage(0, n, record.derated and n < rounds)
 
 
-def shortage_factor(name: str, is_short: Callable[[ClusterRound], Array]) -> Factor[ShortageParams]:
+def shortage_factor(name: str, is_short: Callable[[ClusterRound, S], Array], params: type[S]) -> Factor[S]:
     """A factor plugin ``name`` that derates endpoints for which ``is_short`` held ``rounds`` rounds in a row.
 
-    ``is_short(round)``: per member 1.0 (short), 0.0 (not short) or NaN (no data). Only records that
+    ``is_short(round, params)``: per member 1.0 (short), 0.0 (not short) or NaN (no data); ``params``:
+    the plugin's parameter model (:class:`ShortageParams` or one that extends it). Only records that
     are short or derated are kept (a calm count matters only to a derated endpoint): the members
     without one and not short this round are walked as one array, not one by one."""
 
-    def run(rnd: ClusterRound, p: ShortageParams, state: State, weights: Array) -> tuple[Array, State]:
-        short = is_short(rnd)
+    def run(rnd: ClusterRound, p: S, state: State, weights: Array) -> tuple[Array, State]:
+        short = is_short(rnd, p)
         out = np.ones(len(rnd.addresses))
         new: dict[str, Shortage] = {}
         members = rnd.index() if state else {}
@@ -81,4 +86,4 @@ def shortage_factor(name: str, is_short: Callable[[ClusterRound], Array]) -> Fac
                 new[address] = r
         return out, new
 
-    return Factor(name, ShortageParams, run)
+    return Factor(name, params, run)

@@ -1,23 +1,23 @@
-"""``memory``: GPU-memory headroom ``(free - need) / (total - need)``, 0–1.
+"""``memory``: memory headroom for requests, 0–1 (:func:`~xds_server.engine.inputs.memory_headroom`).
 
-``need`` is a request plus the margin (``engine.request_memory_mib x (1 + memory_margin)``), ``total``
-the endpoint's configured GPU memory, ``free`` as the ``gpu_memory`` factor reads it. Bigger GPUs
-score higher, which is why the default weight is small (0.25).
+A per-request server: ``(free - need) / (total - need)``, ``need`` a request plus the margin
+(``engine.request_memory_mib x (1 + memory_margin)``), ``total`` the endpoint's configured GPU
+memory, ``free`` as the ``gpu_memory`` factor reads it; bigger GPUs score higher, which is why the
+default weight is small (0.25). An engine with a preallocated KV-cache pool: the pool's free share,
+``1 - kv_cache`` (its free GPU memory is ~10 % whatever runs: vLLM takes 0.9 of the GPU at start).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from xds_server.engine.inputs import free_mib, needed_mib
+from xds_server.engine.inputs import memory_headroom
 from xds_server.engine.plugin import Array, ClusterRound, NoParams, score_where, stateless_scorer
 
 
 def _score(rnd: ClusterRound, _: NoParams) -> Array:
-    free, need = free_mib(rnd), needed_mib(rnd)
-    room = rnd.columns.memory_mib - need
-    with np.errstate(divide="ignore", invalid="ignore"):  # room <= 0 scores 0 whatever the ratio
-        return score_where(~np.isnan(free), np.where(room > 0, (free - need) / room, 0.0))
+    headroom = memory_headroom(rnd)
+    return score_where(~np.isnan(headroom), headroom)
 
 
 PLUGIN = stateless_scorer("memory", NoParams, 0.25, _score)
