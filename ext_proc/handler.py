@@ -30,8 +30,7 @@ from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
-from ext_proc.scheduler import pin_after
-from ext_proc.sessions import SessionTable
+from ext_proc.sessions import SessionTable, pin_after
 from ext_proc.settings import PickerSettings
 from ext_proc.shared_load import SharedLoad
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
+from ext_proc.scheduling import build_profile
+from ext_proc.view import DEFAULT_PROFILE, RequestClass, RoutingTable, ServiceRoute
 
 __all__ = ["METADATA_KEY", "PickerSettings", "from_wire", "to_wire"]
 
@@ -67,6 +68,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "mixes": {m: [[upto, cluster] for upto, cluster in buckets] for m, buckets in s.mixes.items()},
             "models": sorted(m.decode() for m in s.models),
             "unavailable": sorted(s.unavailable),
+            "profile": s.profile,
         }
         for s in routing.services
     ]
@@ -79,8 +81,8 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "override_host_header": routing.override_host_header,
             "cluster_header": routing.cluster_header,
             "vnodes": routing.vnodes,
-            "load_factor": routing.load_factor,
             "services": services,
+            "profiles": {name: profile.wire() for name, profile in routing.profiles.items()},
             "memory_margin": routing.memory_margin,
             "default_request_mib": routing.default_request_mib,
             "kv_mib_per_token": routing.kv_mib_per_token,
@@ -94,10 +96,6 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
             "prefix_messages": routing.prefix_messages,
             "prefix_max_bytes": routing.prefix_max_bytes,
             "body_mode": routing.body_mode,
-            "min_bound": routing.min_bound,
-            "pinned_load_factor": routing.pinned_load_factor,
-            "affinity_slack": routing.affinity_slack,
-            "cost_aware_affinity": routing.cost_aware_affinity,
             "spill_threshold": routing.spill_threshold,
             "protocol": routing.protocol,
         },
@@ -125,6 +123,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
             mixes={m: tuple((int(upto), cluster) for upto, cluster in buckets) for m, buckets in s["mixes"].items()},
             models=frozenset(m.encode() for m in s.get("models", ())),
             unavailable=frozenset(s.get("unavailable", ())),
+            profile=s.get("profile", DEFAULT_PROFILE),
         )
         for s in r["services"]
     )
@@ -136,8 +135,8 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         override_host_header=r["override_host_header"],
         cluster_header=r["cluster_header"],
         vnodes=int(r["vnodes"]),
-        load_factor=float(r["load_factor"]),
         services=services,
+        profiles={name: build_profile(steps, name) for name, steps in r["profiles"].items()},
         memory_margin=float(r.get("memory_margin", 0.2)),
         default_request_mib=float(r.get("default_request_mib", 2048.0)),
         kv_mib_per_token=float(r.get("kv_mib_per_token", 0.5)),
@@ -151,10 +150,6 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
         prefix_messages=int(r.get("prefix_messages", 2)),
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
         body_mode=r.get("body_mode", "buffered"),
-        min_bound=float(r.get("min_bound", 2.0)),
-        pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
-        affinity_slack=_opt(r.get("affinity_slack")),
-        cost_aware_affinity=bool(r.get("cost_aware_affinity", False)),
         spill_threshold=float(r.get("spill_threshold", 0.6)),
         protocol=r.get("protocol", "inferlb"),
     )

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from ext_proc.scheduling import Profile, build_profile
 from ext_proc.settings import METADATA_KEY, PickerSettings, to_wire
-from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
+from ext_proc.view import DEFAULT_PROFILE, RequestClass, RoutingTable, ServiceRoute
 from xds_server.config import Config, cluster_name
 
 
@@ -24,11 +25,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         body_max_bytes=cfg.picker.body_max_bytes,
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
-        load_factor=cfg.picker.load_factor,
-        min_bound=cfg.picker.min_bound,
-        pinned_load_factor=cfg.picker.pinned_load_factor,
-        affinity_slack=cfg.picker.affinity_slack,
-        cost_aware_affinity=cfg.picker.cost_aware_affinity,
+        profiles={DEFAULT_PROFILE: _profile(cfg)},
         spill_threshold=cfg.picker.spill_threshold,
         memory_margin=(cfg.picker.memory_margin if cfg.picker.memory_margin is not None
                        else cfg.engine.memory_margin),
@@ -57,6 +54,21 @@ def routing_table(cfg: Config) -> RoutingTable:
             for s in cfg.services
         ),
     )
+
+
+def _profile(cfg: Config) -> Profile:
+    """The default scheduling profile with the picker's bounded-load and affinity-slack settings."""
+    p = cfg.picker
+    steps = [
+        {"plugin": "failed-endpoints"},
+        {"plugin": "memory-admission"},
+        {"plugin": "bounded-load", "params": {"load_factor": p.load_factor, "min_bound": p.min_bound,
+                                              "pinned_load_factor": p.pinned_load_factor}},
+    ]
+    if p.affinity_slack is not None or p.cost_aware_affinity:
+        steps.append({"plugin": "affinity-slack", "params": {"slack": p.affinity_slack,
+                                                             "cost_aware": p.cost_aware_affinity}})
+    return build_profile([*steps, {"plugin": "least-loaded"}, {"plugin": "ring-affinity"}])
 
 
 def picker_settings(cfg: Config) -> PickerSettings:

@@ -85,10 +85,14 @@ def test_body_routing_is_on_by_default_and_lets_the_picker_ask_for_bodies():
 
 
 def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
-    assert routing_table(config()).cost_aware_affinity is False
+    def steps(routing):
+        return [s.plugin for s in routing.profiles["default"].steps]
+
+    assert "affinity-slack" not in steps(routing_table(config()))
     routing = routing_table(config(picker={"cost_aware_affinity": True}))
-    assert routing.cost_aware_affinity is True
-    assert from_wire(to_wire(routing, picker_settings(config())))[0].cost_aware_affinity is True
+    slack = next(s for s in routing.profiles["default"].steps if s.plugin == "affinity-slack")
+    assert slack.params.cost_aware is True and slack.params.slack is None
+    assert from_wire(to_wire(routing, picker_settings(config())))[0].profiles == routing.profiles
     with pytest.raises(ConfigError, match="cost_aware_affinity"):
         config(picker={"cost_aware_affinity": "yes"})
 
