@@ -410,16 +410,15 @@ def pick(
     elif body.prefix is not None:
         kind = "prefix"
         position = body.prefix
-    spin = 0
-    if position is None:
-        rid = headers.get("x-request-id")
-        spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
+    rid = b""
+    if position is None:  # the picker's draws (ties, two choices) hash it: ext_proc.scheduling.spin
+        rid = headers.get("x-request-id") or b""
     margin = 0.0 if declared else routing.memory_margin  # a need the client declared is taken as it is
     need = mib * (1.0 + margin)
     if not free or need <= 0:
         free = None
     profile = routing.profiles[service.profile]
-    request = _new(Request, (cluster, pool, position, kind, pinned, spin, work, need, work_of, total, free, failed,
+    request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
                              prompt, costs))
     choice = profile.choose(request)
     if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier

@@ -23,14 +23,14 @@ from ext_proc.scheduling.api import (
     Request,
     Score,
     Scorer,
-    Stage,
     Without,
+    spin,
 )
 from ext_proc.scheduling.profile import DEFAULT_STEPS, Profile, ProfileError, Step, build_profile, default_profile
 from ext_proc.scheduling.registry import REGISTRY, register
 
 __all__ = [
     "DEFAULT_STEPS", "OUTCOMES", "REGISTRY", "SCAN_MAX", "Choice", "Filter", "Floor", "LoadPerShare", "NoParams",
-    "Picker", "PluginParams", "Profile", "ProfileError", "Request", "Score", "Scorer", "Stage", "Step", "Without",
-    "build_profile", "default_profile", "register",
+    "Picker", "PluginParams", "Profile", "ProfileError", "Request", "Score", "Scorer", "Step", "Without",
+    "build_profile", "default_profile", "register", "spin",
 ]

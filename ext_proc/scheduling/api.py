@@ -10,18 +10,19 @@ request, a **scheduling profile** (:class:`ext_proc.scheduling.profile.Profile`)
   for :mod:`~ext_proc.scheduling.plugins.ring_affinity`, by the request's affinity key first).
 
 Every plugin is an object built once per profile from its parameters (a frozen pydantic model, the
-one place for its defaults) and is pure: per request it reads a :class:`Request` and answers, never
-keeps state, never does I/O. A filter or scorer first *prepares* for the request (``prepare``): it
-reads what it needs from the request once and returns the per-endpoint rule, or None when it has
-nothing to say about this request (a memory filter for a request that needs no memory, a failure
-filter while nothing fails), which then costs nothing per endpoint.
+one place for its defaults) and is pure: it reads a :class:`Request` and answers, never does I/O,
+and keeps nothing that changes a decision.
 
-A prepared filter is a callable ``keep(endpoint) -> bool``. Two shapes are understood by the pickers
-without a call per endpoint (the scan of a 64-endpoint pool runs once per request without a key):
-:class:`Without` (turns away the endpoints of a container) and :class:`Floor` (turns away the
-endpoints whose value is below a floor); both are callables too. A prepared scorer is a callable
-``score(endpoints) -> [score, ...]`` (one call for the endpoints a picker compares; each score in
-[0, 1], 1 = best), or a :class:`LoadPerShare` (the share-weighted least-load score, computed inline).
+- A filter's rule is ``keep(request, endpoint) -> bool``. Pickers ask it of the few endpoints an
+  affinity walk visits. For the pickers that test every endpoint of a pool (the scan of a request
+  without a key: once per request on up to 64 endpoints), a filter may also give the rule for one
+  request at once, ``rule(request)``: a :class:`Without` (turns away the endpoints of a container)
+  or a :class:`Floor` (turns away the endpoints whose value is below a floor), both tested inline
+  without a call per endpoint, or any ``check(endpoint) -> bool``; None when it keeps every
+  endpoint for this request. Without ``rule``, ``keep`` is asked per endpoint.
+- A scorer's rule is ``score(request, endpoints) -> [score in [0, 1], ...]`` (1 = best). It may also
+  give ``rule(request)``: a :class:`LoadPerShare` (computed inline), any ``score(endpoints)``, or
+  None when every endpoint scores alike for this request (it then costs nothing).
 
 A filter is **hard** (an endpoint it turns away is never chosen by this run of the profile:
 failing connections, memory) or **soft** (a preference of affinity: when it turns away every
@@ -43,12 +44,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol, 
 
 from pydantic import BaseModel, ConfigDict
 
+from ext_proc.ring import key_hash
+
 if TYPE_CHECKING:
     from ext_proc.view import ClusterEndpoints
 
 __all__ = [
     "INF", "OUTCOMES", "SCAN_MAX", "Check", "Choice", "Filter", "Floor", "LoadPerShare", "NoParams", "PluginParams",
-    "Picker", "Request", "Score", "Scorer", "Stage", "Without",
+    "Picker", "Request", "Score", "Scorer", "Without", "spin",
 ]
 
 INF = float("inf")
@@ -90,8 +93,8 @@ class Request(NamedTuple):
         position: the affinity key's ring position (64-bit hash), None without a key.
         key: what the key is: ``"session"``, ``"prefix"`` or ``"none"``.
         pinned: the session's pinned endpoint (None: no session, or no pin yet).
-        spin: without a key, a 64-bit hash of the request id (its two 32-bit halves are two
-            independent draws); 0 with a key.
+        request_id: without a key, the request's ``x-request-id`` (b"" with a key or without one):
+            :func:`spin` hashes it when a picker draws.
         work: the request's predicted work (> 0; 1 = a typical request of the cluster's main class).
         need_mib: its GPU memory need with the admission margin (MiB; 0: admitted everywhere).
         loads: ``{endpoint: work in flight}`` (missing = 0), this tier's and the others'.
@@ -108,7 +111,7 @@ class Request(NamedTuple):
     position: int | None
     key: str
     pinned: str | None
-    spin: int
+    request_id: bytes
     work: float
     need_mib: float
     loads: Mapping[str, float]
@@ -119,8 +122,16 @@ class Request(NamedTuple):
     costs: Any
 
 
+def spin(request: Request) -> int:
+    """The request id's 64-bit hash (:func:`ext_proc.ring.key_hash`; its two 32-bit halves are two
+    independent draws, the same in every process), 0 without one. Hashed only when a picker draws
+    (ties, two choices): ~0.5 µs a request otherwise spent."""
+    rid = request.request_id
+    return key_hash(rid) if rid else 0
+
+
 class Without(NamedTuple):
-    """A prepared filter that turns away the endpoints in ``endpoints`` (a container)."""
+    """A filter's rule for one request: turns away the endpoints in ``endpoints`` (a container)."""
 
     endpoints: Container[str]
 
@@ -130,8 +141,8 @@ class Without(NamedTuple):
 
 
 class Floor(NamedTuple):
-    """A prepared filter that turns away an endpoint whose ``values`` entry is below ``floor``
-    (an endpoint without an entry is kept: unknown)."""
+    """A filter's rule for one request: turns away an endpoint whose ``values`` entry is below
+    ``floor`` (an endpoint without an entry is kept: unknown)."""
 
     values: Mapping[str, float]
     floor: float
@@ -142,7 +153,7 @@ class Floor(NamedTuple):
 
 
 class LoadPerShare(NamedTuple):
-    """A prepared scorer: ``1 / (1 + load / share)`` per endpoint (1 idle; lower as its work in flight
+    """A scorer's rule for one request: ``1 / (1 + load / share)`` per endpoint (1 idle; lower as its work in flight
     per share of the cluster's weight grows; ``loads`` missing = 0)."""
 
     loads: Mapping[str, float]
@@ -154,9 +165,9 @@ class LoadPerShare(NamedTuple):
         return [1.0 / (1.0 + get(e, 0.0) / shares[e]) for e in endpoints]
 
 
-#: A prepared filter: ``keep(endpoint) -> bool``.
+#: A filter's rule for one request (``Filter.rule``): ``check(endpoint) -> bool``.
 Check = Callable[[str], bool]
-#: A prepared scorer: ``score(endpoints) -> [score in [0, 1], ...]``.
+#: A scorer's rule for one request (``Scorer.rule``): ``score(endpoints) -> [score in [0, 1], ...]``.
 Score = Callable[[Sequence[str]], Sequence[float]]
 
 
@@ -165,8 +176,8 @@ class Filter(Protocol):
     """A filter plugin (an instance per profile, built with its parameters).
 
     Class attributes: ``name`` (its registry name), ``Params`` (its parameter model), ``soft``,
-    ``outcome`` (``"spilled"`` or ``"memory"``) and ``repins`` (see the module
-    docstring)."""
+    ``outcome`` (``"spilled"`` or ``"memory"``) and ``repins`` (see the module docstring). Optional:
+    ``rule(request) -> Check | None``, the same rule for one request at once."""
 
     name: ClassVar[str]
     Params: ClassVar[type[PluginParams]]
@@ -174,39 +185,23 @@ class Filter(Protocol):
     outcome: ClassVar[Literal["spilled", "memory"]]
     repins: ClassVar[bool]
 
-    def prepare(self, request: Request) -> Check | None:
-        """The rule for this request (``keep(endpoint) -> bool``), None: keeps every endpoint."""
+    def keep(self, request: Request, endpoint: str) -> bool:
+        """True when ``endpoint`` may take ``request``."""
         ...
 
 
 @runtime_checkable
 class Scorer(Protocol):
-    """A scorer plugin; its weight comes from the profile (``default_weight`` when none is given)."""
+    """A scorer plugin; its weight comes from the profile (``default_weight`` when none is given).
+    Optional: ``rule(request) -> Score | None``, the same scores for one request."""
 
     name: ClassVar[str]
     Params: ClassVar[type[PluginParams]]
     default_weight: ClassVar[float]
 
-    def prepare(self, request: Request) -> Score | None:
-        """The scores for this request (``score(endpoints)``), None: every endpoint alike."""
+    def score(self, request: Request, endpoints: Sequence[str]) -> Sequence[float]:
+        """Each endpoint's score for ``request``, in [0, 1] (1 = best), in order."""
         ...
-
-
-class Stage(NamedTuple):
-    """A profile prepared for one request, as its picker gets it.
-
-    Attributes:
-        checks: each filter's prepared check, aligned with ``profile.filters`` (None: the filter keeps
-            every endpoint for this request, and costs nothing per endpoint).
-        profile: the :class:`~ext_proc.scheduling.profile.Profile` (its filters, their bits and
-            flags, :meth:`~ext_proc.scheduling.profile.Profile.scores` to prepare the scorers when
-            the picker needs them, :meth:`~ext_proc.scheduling.profile.Profile.label`).
-        request: the request.
-    """
-
-    checks: list[Check | None]
-    profile: Any
-    request: Request
 
 
 class Choice(NamedTuple):
@@ -220,12 +215,13 @@ class Choice(NamedTuple):
 
 @runtime_checkable
 class Picker(Protocol):
-    """The picker plugin of a profile: chooses one endpoint of ``request.pool`` from a prepared
-    :class:`Stage`."""
+    """The picker plugin of a profile: chooses one endpoint of ``request.pool``, asking the profile's
+    filters and scorers (:class:`~ext_proc.scheduling.profile.Profile`: ``filters``, ``keeps``,
+    ``rules``, ``scores``, ``label``)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[PluginParams]]
 
-    def pick(self, request: Request, stage: Stage) -> Choice:
+    def pick(self, request: Request, profile: Any) -> Choice:
         """The endpoint for ``request`` (None with outcome ``no-memory`` when none is left)."""
         ...

@@ -11,14 +11,13 @@ refusal. The wire form (:meth:`Profile.wire`) is derived from the steps and thei
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from ext_proc.scheduling.api import Check, Choice, Filter, PluginParams, Request, Score, Scorer, Stage
+from ext_proc.scheduling.api import Check, Choice, Filter, PluginParams, Request, Score, Scorer
 from ext_proc.scheduling.registry import REGISTRY, kind_of
-
-_new = tuple.__new__
 
 __all__ = ["DEFAULT_STEPS", "Profile", "ProfileError", "Step", "build_profile", "default_profile"]
 
@@ -117,13 +116,14 @@ class Profile:
     """A built profile: its filters (in order), its weighted scorers and its picker.
 
     Equal when the names and steps are. Attributes (read by pickers): ``steps`` (the :class:`Step`
-    list it was built from); ``filters`` (the filter plugins, in order), ``filter_bits`` (each one's
-    bit in a label mask), ``soft_bits`` (the mask of the soft ones); ``scorers`` (``(bit, weight,
-    plugin)``); ``picker_bit`` and ``picker_label`` (the picker's name).
+    list it was built from); ``filters`` (the filter plugins, in order), ``keeps`` (their ``keep``
+    methods), ``filter_bits`` (each one's bit in a label mask), ``soft_bits`` (the mask of the soft
+    ones); ``scorers`` (``(bit, weight, plugin)``, weights > 0); ``picker_bit`` and ``picker_label``
+    (the picker's name).
     """
 
-    __slots__ = ("name", "steps", "filters", "filter_bits", "soft_bits", "scorers", "picker_bit", "picker_label",
-                 "_prepare", "_pick", "_names", "_labels")
+    __slots__ = ("name", "steps", "filters", "keeps", "filter_bits", "soft_bits", "scorers", "picker_bit",
+                 "picker_label", "_pick", "_names", "_labels", "_rules", "_scores")
 
     def __init__(self, name: str, steps: tuple[Step, ...]) -> None:
         self.name = name
@@ -150,9 +150,12 @@ class Profile:
                 self._pick = plugin.pick
                 self.picker_bit = bit
         self.filters: tuple[Filter, ...] = tuple(filters)
+        self.keeps: tuple[Callable[[Request, str], bool], ...] = tuple(f.keep for f in filters)
         self.filter_bits: tuple[int, ...] = tuple(bits)
         self.scorers: tuple[tuple[int, float, Scorer], ...] = tuple(scorers)
-        self._prepare = _prepare_all(tuple(f.prepare for f in filters))
+        # Each filter's (soft, rule or None, keep) and each scorer's (bit, weight, rule or None, score).
+        self._rules = tuple((f.soft, getattr(f, "rule", None), f.keep) for f in filters)
+        self._scores = tuple((bit, w, getattr(s, "rule", None), s.score) for bit, w, s in scorers)
         self._labels: dict[int, str] = {}
         self.picker_label = self.label(self.picker_bit)
 
@@ -174,23 +177,34 @@ class Profile:
         return text
 
     def choose(self, request: Request) -> Choice:
-        """Run the profile for ``request`` (the request and its cluster's tier): prepare the filters,
-        then run the picker (which prepares the scorers if it needs them: :meth:`scores`)."""
-        return self._pick(request, _new(Stage, (self._prepare(request), self, request)))
+        """Run the profile for ``request`` (the request and its cluster's tier): its picker, which asks
+        the filters and scorers what it needs."""
+        return self._pick(request, self)
+
+    def rules(self, request: Request, hard_only: bool = False) -> list[Check]:
+        """The filters' rules for ``request`` (``hard_only``: the hard filters'), in order, without
+        those that keep every endpoint: each filter's ``rule(request)``, or its ``keep`` per endpoint."""
+        out = []
+        for soft, rule, keep in self._rules:
+            if soft and hard_only:
+                continue
+            if rule is None:
+                out.append(partial(keep, request))
+            else:
+                check = rule(request)
+                if check is not None:
+                    out.append(check)
+        return out
 
     def scores(self, request: Request) -> tuple[list[tuple[float, Score]], int]:
-        """The scorers prepared for ``request``: ``([(weight, score), ...], mask of their bits)``,
-        without those that score every endpoint alike."""
-        if len(self.scorers) == 1:  # the common case (the default profile): no loop
-            bit, weight, scorer = self.scorers[0]
-            score = scorer.prepare(request)
-            return ([(weight, score)], bit) if score is not None else ([], 0)
+        """The scorers' rules for ``request``: ``([(weight, score), ...], mask of their bits)``, without
+        those that score every endpoint alike (each scorer's ``rule(request)``, or its ``score``)."""
         scores = []
         mask = 0
-        for bit, weight, scorer in self.scorers:
-            score = scorer.prepare(request)
-            if score is not None:
-                scores.append((weight, score))
+        for bit, weight, rule, score in self._scores:
+            s = partial(score, request) if rule is None else rule(request)
+            if s is not None:
+                scores.append((weight, s))
                 mask |= bit
         return scores, mask
 
@@ -198,18 +212,6 @@ class Profile:
         """The steps as JSON-able objects ``{plugin, weight, params}`` (params from their models)."""
         return [{"plugin": s.plugin, "weight": s.weight, "params": s.params.model_dump(mode="json")}
                 for s in self.steps]
-
-
-def _prepare_all(prepares: tuple[Callable[[Request], Check | None], ...]) -> Callable[[Request], list[Check | None]]:
-    """``prepare(request) -> [each filter's check]``, unrolled for up to four filters (a loop costs
-    ~0.1 µs more a request)."""
-    if len(prepares) == 3:
-        p0, p1, p2 = prepares
-        return lambda r: [p0(r), p1(r), p2(r)]
-    if len(prepares) == 4:
-        p0, p1, p2, p3 = prepares
-        return lambda r: [p0(r), p1(r), p2(r), p3(r)]
-    return lambda r: [p(r) for p in prepares]
 
 
 _DEFAULT: list[Profile] = []

@@ -31,20 +31,21 @@ T = TypeVar("T", bound=type)
 
 
 def kind_of(plugin: type) -> Kind:
-    """What ``plugin`` is: a picker (``pick``), a scorer (``default_weight``) or a filter (``soft``).
+    """What ``plugin`` is: a picker (``pick``), a scorer (``score`` and ``default_weight``) or a filter
+    (``keep`` and ``soft``).
 
     Raises:
         TypeError: it is none of them.
     """
     if callable(getattr(plugin, "pick", None)):
         return "picker"
-    if callable(getattr(plugin, "prepare", None)) and isinstance(getattr(plugin, "default_weight", None),
-                                                                 int | float):
+    if callable(getattr(plugin, "score", None)) and isinstance(getattr(plugin, "default_weight", None),
+                                                               int | float):
         return "scorer"
-    if callable(getattr(plugin, "prepare", None)) and isinstance(getattr(plugin, "soft", None), bool):
+    if callable(getattr(plugin, "keep", None)) and isinstance(getattr(plugin, "soft", None), bool):
         return "filter"
-    raise TypeError(f"{plugin!r} is no scheduling plugin: a picker has pick(request, stage), a scorer "
-                    "prepare(request) and default_weight, a filter prepare(request) and soft")
+    raise TypeError(f"{plugin!r} is no scheduling plugin: a picker has pick(request, profile), a scorer "
+                    "score(request, endpoints) and default_weight, a filter keep(request, endpoint) and soft")
 
 
 class Registry:

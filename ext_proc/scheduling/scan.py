@@ -4,15 +4,16 @@
 share-weighted load (:class:`~ext_proc.scheduling.api.LoadPerShare`), it is the lowest load per
 share, computed inline (one loop, no call per endpoint: the scan of a 64-endpoint pool runs once
 per request without a key). Ties are values within :data:`TIE` of the best in those terms (load
-per share, or total score). Filters of the shapes :class:`~ext_proc.scheduling.api.Without` and
-:class:`~ext_proc.scheduling.api.Floor` are evaluated inline too.
+per share, or total score). Filter rules of the shapes :class:`~ext_proc.scheduling.api.Without`
+and :class:`~ext_proc.scheduling.api.Floor` are evaluated inline too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
+from typing import Any
 
-from ext_proc.scheduling.api import INF, Check, Choice, Floor, LoadPerShare, Score, Stage, Without
+from ext_proc.scheduling.api import INF, Check, Choice, Floor, LoadPerShare, Request, Score, Without
 
 __all__ = ["TIE", "Scores", "draw", "kept", "lowest", "lowest_first", "nothing_left", "refusal", "soft_active",
            "values"]
@@ -20,68 +21,62 @@ __all__ = ["TIE", "Scores", "draw", "kept", "lowest", "lowest_first", "nothing_l
 #: Two values this close are a tie.
 TIE = 1e-12
 
-#: Prepared scorers: ``[(weight, score), ...]`` (:meth:`ext_proc.scheduling.profile.Profile.scores`).
+#: Scorer rules: ``[(weight, score), ...]`` (:meth:`ext_proc.scheduling.profile.Profile.scores`).
 Scores = Sequence[tuple[float, Score]]
 
 _new = tuple.__new__
 _NOTHING: frozenset[str] = frozenset()
 
 
-def refusal(stage: Stage, endpoint: str, hard_only: bool = False) -> int:
-    """The index (in ``stage.profile.filters``) of the first filter that turns ``endpoint`` away
+def refusal(request: Request, profile: Any, endpoint: str, hard_only: bool = False) -> int:
+    """The index (in ``profile.filters``) of the first filter that turns ``endpoint`` away
     (``hard_only``: of the hard ones), -1 when every one keeps it."""
-    soft = stage.profile.soft_bits if hard_only else 0
-    bits = stage.profile.filter_bits
-    for k, check in enumerate(stage.checks):
-        if check is not None and not check(endpoint) and not soft & bits[k]:
+    soft = profile.soft_bits if hard_only else 0
+    bits = profile.filter_bits
+    for k, keep in enumerate(profile.keeps):
+        if not keep(request, endpoint) and not soft & bits[k]:
             return k
     return -1
 
 
-def soft_active(stage: Stage) -> bool:
-    """True when a soft filter has something to say about this request."""
-    soft, bits = stage.profile.soft_bits, stage.profile.filter_bits
-    return any(check is not None and soft & bits[k] for k, check in enumerate(stage.checks))
+def soft_active(request: Request, profile: Any) -> bool:
+    """True when a soft filter may turn an endpoint away for this request."""
+    for f, bit in zip(profile.filters, profile.filter_bits, strict=True):
+        if profile.soft_bits & bit:
+            rule = getattr(f, "rule", None)
+            if rule is None or rule(request) is not None:
+                return True
+    return False
 
 
-def _active(stage: Stage, hard_only: bool) -> list[Check]:
-    soft, bits = stage.profile.soft_bits if hard_only else 0, stage.profile.filter_bits
-    return [c for k, c in enumerate(stage.checks) if c is not None and not soft & bits[k]]
-
-
-def _shapes(stage: Stage, hard_only: bool) -> tuple[Container[str], Mapping[str, float] | None, float,
-                                                   list[Check] | None]:
-    """The active checks as ``(endpoints turned away, values, floor, other checks)``: one
-    :class:`Without` and one :class:`Floor` (the built-in hard filters) inline, the rest (and any
-    second one of a shape) in ``other`` (None: none)."""
-    soft, bits = stage.profile.soft_bits if hard_only else 0, stage.profile.filter_bits
+def _shapes(rules: list[Check]) -> tuple[Container[str], Mapping[str, float] | None, float, list[Check] | None]:
+    """``rules`` as ``(endpoints turned away, values, floor, other rules)``: one :class:`Without` and one
+    :class:`Floor` (the built-in hard filters) inline, the rest (and a second one of a shape) in
+    ``other`` (None: none)."""
     out: Container[str] = _NOTHING
     values: Mapping[str, float] | None = None
     floor = 0.0
     other: list[Check] | None = None
-    k = -1
-    for check in stage.checks:
-        k += 1
-        if check is None or soft & bits[k]:
-            continue
-        kind = type(check)
+    for rule in rules:
+        kind = type(rule)
         if kind is Without and out is _NOTHING:
-            out = check[0]
+            out = rule[0]
         elif kind is Floor and values is None:
-            values, floor = check
+            values, floor = rule
         elif other is None:
-            other = [check]
+            other = [rule]
         else:
-            other.append(check)
+            other.append(rule)
     return out, values, floor, other
 
 
-def kept(stage: Stage, endpoints: Sequence[str], hard_only: bool = False, skip: str | None = None) -> list[str]:
+def kept(request: Request, profile: Any, endpoints: Sequence[str], hard_only: bool = False,
+         skip: str | None = None) -> list[str]:
     """The endpoints every filter (``hard_only``: every hard filter) keeps, in order, without ``skip``."""
-    out, values, floor, other = _shapes(stage, hard_only)
+    rules = profile.rules(request, hard_only)
+    out, values, floor, other = _shapes(rules)
     if other is not None:
-        checks = _active(stage, hard_only)
-        return [e for e in endpoints if e != skip and all(check(e) for check in checks)]
+        return [e for e in endpoints if e != skip and all(rule(e) for rule in rules)]
     if values is None:
         return [e for e in endpoints if e not in out and e != skip]
     get = values.get
@@ -105,12 +100,12 @@ def values(scores: Scores) -> Callable[[Sequence[str]], list[float]]:
     return totals
 
 
-def lowest(stage: Stage, scores: Scores, endpoints: Sequence[str], shares: Mapping[str, float],
+def lowest(request: Request, profile: Any, scores: Scores, endpoints: Sequence[str], shares: Mapping[str, float],
            hard_only: bool = False) -> tuple[list[str], float]:
     """Of the endpoints every filter (``hard_only``: every hard filter) keeps: those tied for the
     lowest value (in ``endpoints`` order; a later value more than :data:`TIE` lower starts the ties
     again) and the sum of their ``shares``."""
-    out, free, need, other = _shapes(stage, hard_only)
+    out, free, need, other = _shapes(profile.rules(request, hard_only))
     low, tied, tied_share = INF, [], 0.0
     if other is None and len(scores) == 1 and type(scores[0][1]) is LoadPerShare:
         # The default profile: the lowest load per share, one loop.
@@ -125,7 +120,7 @@ def lowest(stage: Stage, scores: Scores, endpoints: Sequence[str], shares: Mappi
                 tied.append(e)
                 tied_share += shares[e]
         return tied, tied_share
-    candidates = kept(stage, endpoints, hard_only)
+    candidates = kept(request, profile, endpoints, hard_only)
     for e, v in zip(candidates, values(scores)(candidates), strict=True):
         if v < low - TIE:
             low, tied, tied_share = v, [e], shares[e]
@@ -154,13 +149,13 @@ def draw(tied: Sequence[str], tied_share: float, shares: Mapping[str, float], sp
     return tied[-1]
 
 
-def nothing_left(stage: Stage) -> Choice:
+def nothing_left(request: Request, profile: Any) -> Choice:
     """The choice when no endpoint is left (outcome ``no-memory``): its plugins are the filters that
     turned an endpoint away."""
     mask = 0
-    bits = stage.profile.filter_bits
-    for e in stage.request.pool.endpoints:
-        k = refusal(stage, e)
+    bits = profile.filter_bits
+    for e in request.pool.endpoints:
+        k = refusal(request, profile, e)
         if k >= 0:
             mask |= bits[k]
-    return _new(Choice, (None, "no-memory", stage.profile.label(mask or stage.profile.picker_bit)))
+    return _new(Choice, (None, "no-memory", profile.label(mask or profile.picker_bit)))

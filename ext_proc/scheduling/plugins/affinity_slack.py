@@ -19,6 +19,8 @@ affinity only: a request without a key is kept everywhere.
 
 from __future__ import annotations
 
+from functools import partial
+
 from pydantic import Field, model_validator
 
 from ext_proc.scheduling.api import INF, SCAN_MAX, Check, PluginParams, Request
@@ -53,33 +55,47 @@ class AffinitySlack:
 
     def __init__(self, params: Params) -> None:
         self.params = params
+        self._memo: tuple[Request, float | None] | None = None
 
-    def prepare(self, request: Request) -> Check | None:
-        """``(load + work) / share <= cap`` per endpoint; None without a key, without a slack, or
-        above ``scan_max`` endpoints."""
+    def _cap(self, request: Request) -> float | None:
+        """The cap on ``(load + work) / share`` for ``request`` (None: no slack): the lowest over the
+        admitted endpoints (not failing, memory for the request), plus ``slack`` typical requests on
+        an average endpoint. A scan of the pool, once per request (kept with the request it is of)."""
+        memo = self._memo
+        if memo is not None and memo[0] is request:
+            return memo[1]
         p = self.params
         pool = request.pool
-        if request.position is None or len(pool.endpoints) > p.scan_max:
-            return None
         slack = p.slack
         if p.cost_aware and request.costs is not None and request.prompt_tokens is not None:
             learned = request.costs.affinity_slack(pool.main_class, request.prompt_tokens)
             if learned is not None:
                 slack = learned
-        if slack is None:
+        cap = None
+        if slack is not None:
+            work, shares, get = request.work, pool.shares, request.loads.get
+            free, need, failed = request.free_mib, request.need_mib, request.failed
+            low = INF
+            for e in pool.endpoints:
+                if e in failed or (free is not None and free.get(e, INF) < need):
+                    continue
+                r = (get(e, 0.0) + work) / shares[e]
+                if r < low:
+                    low = r
+            cap = low + slack * len(pool.endpoints) + 1e-9
+        self._memo = (request, cap)
+        return cap
+
+    def keep(self, request: Request, endpoint: str) -> bool:
+        """``(load + work) / share <= cap``; True without a key, without a slack, or above
+        ``scan_max`` endpoints."""
+        if request.position is None or len(request.pool.endpoints) > self.params.scan_max:
+            return True
+        cap = self._cap(request)
+        return cap is None or (request.loads.get(endpoint, 0.0) + request.work) / request.pool.shares[endpoint] <= cap
+
+    def rule(self, request: Request) -> Check | None:
+        """:meth:`keep` for ``request``; None where it keeps every endpoint."""
+        if request.position is None or len(request.pool.endpoints) > self.params.scan_max:
             return None
-        work, shares, get = request.work, pool.shares, request.loads.get
-        free, need, failed = request.free_mib, request.need_mib, request.failed
-        low = INF
-        for e in pool.endpoints:
-            if e in failed or (free is not None and free.get(e, INF) < need):
-                continue
-            r = (get(e, 0.0) + work) / shares[e]
-            if r < low:
-                low = r
-        cap = low + slack * len(pool.endpoints) + 1e-9
-
-        def keep(endpoint: str) -> bool:
-            return (get(endpoint, 0.0) + work) / shares[endpoint] <= cap
-
-        return keep
+        return None if self._cap(request) is None else partial(self.keep, request)

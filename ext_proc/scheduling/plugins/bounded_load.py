@@ -18,6 +18,8 @@ endpoint is the least loaded), so this filter keeps every endpoint for it.
 
 from __future__ import annotations
 
+from functools import partial
+
 from pydantic import Field
 
 from ext_proc.scheduling.api import Check, PluginParams, Request
@@ -56,18 +58,15 @@ class BoundedLoad:
         self.params = params
         self._c, self._pinned_c, self._floor = params.load_factor, params.pinned_load_factor, params.min_bound
 
-    def prepare(self, request: Request) -> Check | None:
-        """``load < max(c x (total + work) x share, min_bound)`` per endpoint; None without a key."""
+    def keep(self, request: Request, endpoint: str) -> bool:
+        """``load < max(c x (total + work) x share, min_bound)``; True for a request without a key."""
         if request.position is None:
-            return None
-        scale = self._c * (request.total + request.work)
-        pinned = request.pinned
-        pinned_scale = self._pinned_c * (request.total + request.work)
+            return True
+        bound = ((self._pinned_c if endpoint == request.pinned else self._c) * (request.total + request.work)
+                 * request.pool.shares[endpoint])
         floor = self._floor
-        get, shares = request.loads.get, request.pool.shares
+        return request.loads.get(endpoint, 0.0) < (bound if bound > floor else floor)
 
-        def keep(endpoint: str) -> bool:
-            bound = (pinned_scale if endpoint == pinned else scale) * shares[endpoint]
-            return get(endpoint, 0.0) < (bound if bound > floor else floor)
-
-        return keep
+    def rule(self, request: Request) -> Check | None:
+        """:meth:`keep` for ``request``; None for a request without a key."""
+        return None if request.position is None else partial(self.keep, request)

@@ -32,7 +32,11 @@ class FailedEndpoints:
     def __init__(self, params: NoParams) -> None:
         self.params = params
 
-    def prepare(self, request: Request) -> Check | None:
+    def keep(self, request: Request, endpoint: str) -> bool:
+        """True unless ``endpoint`` is failing."""
+        return endpoint not in request.failed
+
+    def rule(self, request: Request) -> Check | None:
         """:class:`~ext_proc.scheduling.api.Without` the failing endpoints; None while none fails."""
         failed = request.failed
         return _new(Without, (failed,)) if failed else None

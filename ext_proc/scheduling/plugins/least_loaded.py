@@ -4,11 +4,13 @@ the work at the same score).
 
 The default profile's only scorer: it chooses the endpoint of a request without an affinity key (the
 lowest load per share; ties, such as an idle pool, drawn by weight from the request id), and the
-endpoint of a request whose affinity found every endpoint over its bound. Pickers read the prepared
-:class:`~ext_proc.scheduling.api.LoadPerShare` without a call per endpoint.
+endpoint of a request whose affinity found every endpoint over its bound. Pickers read its rule, a
+:class:`~ext_proc.scheduling.api.LoadPerShare`, without a call per endpoint.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ext_proc.scheduling.api import LoadPerShare, NoParams, Request
 
@@ -27,6 +29,10 @@ class LeastLoaded:
     def __init__(self, params: NoParams) -> None:
         self.params = params
 
-    def prepare(self, request: Request) -> LoadPerShare:
+    def score(self, request: Request, endpoints: Sequence[str]) -> list[float]:
+        """``1 / (1 + load / share)`` of each endpoint."""
+        return self.rule(request)(endpoints)
+
+    def rule(self, request: Request) -> LoadPerShare:
         """The request's loads over its pool's shares."""
         return _new(LoadPerShare, (request.loads, request.pool.shares))

@@ -13,7 +13,9 @@ O(endpoints) per request.
 
 from __future__ import annotations
 
-from ext_proc.scheduling.api import Choice, NoParams, Request, Stage
+from typing import Any
+
+from ext_proc.scheduling.api import Choice, NoParams, Request, spin
 from ext_proc.scheduling.scan import draw, lowest, nothing_left, refusal, soft_active
 
 __all__ = ["MaxScore"]
@@ -28,25 +30,24 @@ class MaxScore:
     def __init__(self, params: NoParams) -> None:
         self.params = params
 
-    def pick(self, request: Request, stage: Stage) -> Choice:
+    def pick(self, request: Request, profile: Any) -> Choice:
         """The best-scored endpoint for ``request`` (see the module docstring)."""
         pool = request.pool
-        profile = stage.profile
         scores, score_bits = profile.scores(request)
-        tied, tied_share = lowest(stage, scores, pool.endpoints, pool.shares)
+        tied, tied_share = lowest(request, profile, scores, pool.endpoints, pool.shares)
         mask = score_bits or profile.picker_bit
-        if not tied and soft_active(stage):
-            tied, tied_share = lowest(stage, scores, pool.endpoints, pool.shares, hard_only=True)
+        if not tied and soft_active(request, profile):
+            tied, tied_share = lowest(request, profile, scores, pool.endpoints, pool.shares, hard_only=True)
             mask |= profile.soft_bits
         if not tied:
-            return nothing_left(stage)
-        chosen = draw(tied, tied_share, pool.shares, request.spin)
+            return nothing_left(request, profile)
+        chosen = draw(tied, tied_share, pool.shares, spin(request)) if len(tied) > 1 else tied[0]
         pinned = request.pinned
         if pinned is None:
             return Choice(chosen, "least-loaded", profile.label(mask))
         if chosen == pinned:
             return Choice(chosen, "affinity", profile.label(mask))
-        k = refusal(stage, pinned) if pinned in pool.members else -2
+        k = refusal(request, profile, pinned) if pinned in pool.members else -2
         if k == -2 or (k >= 0 and profile.filters[k].repins):
             return Choice(chosen, "repinned", profile.label(mask))
         if k >= 0:

@@ -12,7 +12,7 @@ the request waits in the queue or gets a 429.
 
 from __future__ import annotations
 
-from ext_proc.scheduling.api import Check, Floor, NoParams, Request
+from ext_proc.scheduling.api import INF, Check, Floor, NoParams, Request
 
 __all__ = ["MemoryAdmission"]
 
@@ -31,7 +31,12 @@ class MemoryAdmission:
     def __init__(self, params: NoParams) -> None:
         self.params = params
 
-    def prepare(self, request: Request) -> Check | None:
+    def keep(self, request: Request, endpoint: str) -> bool:
+        """True when ``endpoint``'s estimated free memory (unknown: admitted) is at least the need."""
+        free = request.free_mib
+        return free is None or free.get(endpoint, INF) >= request.need_mib
+
+    def rule(self, request: Request) -> Check | None:
         """:class:`~ext_proc.scheduling.api.Floor` free memory >= need; None when the request needs no
         memory or no endpoint has a sample."""
         free = request.free_mib

@@ -27,10 +27,11 @@ Deterministic: the same view, loads and request give the same answer in every pr
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import Any
 
 from pydantic import Field
 
-from ext_proc.scheduling.api import INF, SCAN_MAX, Choice, PluginParams, Request, Stage
+from ext_proc.scheduling.api import INF, SCAN_MAX, Choice, PluginParams, Request, spin
 from ext_proc.scheduling.scan import (
     draw,
     kept,
@@ -64,55 +65,53 @@ class RingAffinity:
         self.params = params
         self._scan_max = params.scan_max
 
-    def pick(self, request: Request, stage: Stage) -> Choice:
+    def pick(self, request: Request, profile: Any) -> Choice:
         """The endpoint for ``request`` (see the module docstring)."""
         pinned = request.pinned
         if pinned is not None:
-            profile = stage.profile
             if pinned in request.pool.members:
                 k = -1
-                for i, check in enumerate(stage.checks):
-                    if check is not None and not check(pinned):
+                for i, keep in enumerate(profile.keeps):
+                    if not keep(request, pinned):
                         k = i
                         break
                 if k < 0:
                     return _new(Choice, (pinned, "affinity", profile.picker_label))
                 f = profile.filters[k]
                 if not f.repins:
-                    choice = _walk(request, stage, pinned, profile.picker_bit | profile.filter_bits[k])
+                    choice = _walk(request, profile, pinned, profile.picker_bit | profile.filter_bits[k])
                     if choice.endpoint is not None and f.outcome == "memory":
                         return choice._replace(outcome="memory")
                     return choice
                 mask = profile.picker_bit | profile.filter_bits[k]
             else:
                 mask = profile.picker_bit
-            choice = _walk(request, stage, None, mask)
+            choice = _walk(request, profile, None, mask)
             if choice.endpoint is not None and choice.outcome in ("affinity", "spilled"):
                 return choice._replace(outcome="repinned")
             return choice
         if request.position is not None:
-            return _walk(request, stage, None, stage.profile.picker_bit)
+            return _walk(request, profile, None, profile.picker_bit)
         # No key: the best-scored endpoint.
         pool = request.pool
         endpoints = pool.endpoints
-        profile = stage.profile
         scores, score_bits = profile.scores(request)
         label = profile.label(score_bits or profile.picker_bit)
         if len(endpoints) <= self._scan_max:
-            tied, tied_share = lowest(stage, scores, endpoints, pool.shares)
-            if not tied and soft_active(stage):  # the soft filters turned every endpoint away: the hard ones
-                tied, tied_share = lowest(stage, scores, endpoints, pool.shares, hard_only=True)
+            tied, tied_share = lowest(request, profile, scores, endpoints, pool.shares)
+            if not tied and soft_active(request, profile):  # every endpoint turned away: the hard filters'
+                tied, tied_share = lowest(request, profile, scores, endpoints, pool.shares, hard_only=True)
             if not tied:
-                return nothing_left(stage)
-            chosen = tied[0] if len(tied) == 1 else draw(tied, tied_share, pool.shares, request.spin)
+                return nothing_left(request, profile)
+            chosen = tied[0] if len(tied) == 1 else draw(tied, tied_share, pool.shares, spin(request))
             return _new(Choice, (chosen, "least-loaded", label))
-        spin = request.spin
+        draws = spin(request)
         cumulative = pool.cumulative
         last = len(endpoints) - 1
         drawn = []
-        for u in ((spin & 0xFFFFFFFF) / 4294967296.0, (spin >> 32 & 0xFFFFFFFF) / 4294967296.0):
+        for u in ((draws & 0xFFFFFFFF) / 4294967296.0, (draws >> 32 & 0xFFFFFFFF) / 4294967296.0):
             e = endpoints[min(last, bisect_right(cumulative, u))]
-            if refusal(stage, e) < 0:
+            if refusal(request, profile, e) < 0:
                 drawn.append(e)
         if drawn:
             best, best_value = None, INF
@@ -120,11 +119,11 @@ class RingAffinity:
                 if best is None or v < best_value:
                     best, best_value = e, v
             return _new(Choice, (best, "least-loaded", label))
-        best = lowest_first(scores, kept(stage, endpoints, hard_only=True))
-        return _new(Choice, (best, "least-loaded", label)) if best is not None else nothing_left(stage)
+        best = lowest_first(scores, kept(request, profile, endpoints, hard_only=True))
+        return _new(Choice, (best, "least-loaded", label)) if best is not None else nothing_left(request, profile)
 
 
-def _walk(request: Request, stage: Stage, skip: str | None, mask: int) -> Choice:
+def _walk(request: Request, profile: Any, skip: str | None, mask: int) -> Choice:
     """Clockwise from the key's position (or the ring's start): the first endpoint (but ``skip``)
     every filter keeps; none: the best-scored endpoint every hard filter keeps (but ``skip``)."""
     pool = request.pool
@@ -134,8 +133,7 @@ def _walk(request: Request, stage: Stage, skip: str | None, mask: int) -> Choice
     n = len(pool.endpoints)
     position = request.position
     i = ring.start_index(position) if position is not None else 0
-    checks, profile = stage.checks, stage.profile
-    filters, bits = profile.filters, profile.filter_bits
+    keeps, filters, bits = profile.keeps, profile.filters, profile.filter_bits
     seen: set[str] | None = None
     memory = False
     first = True
@@ -143,8 +141,8 @@ def _walk(request: Request, stage: Stage, skip: str | None, mask: int) -> Choice
         e = owners[i]
         if seen is None or e not in seen:
             if e != skip:
-                for k, check in enumerate(checks):
-                    if check is not None and not check(e):
+                for k, keep in enumerate(keeps):
+                    if not keep(request, e):
                         mask |= bits[k]
                         if filters[k].outcome == "memory":
                             memory = True
@@ -165,8 +163,8 @@ def _walk(request: Request, stage: Stage, skip: str | None, mask: int) -> Choice
             i = 0
     # Nothing every filter keeps: the best-scored endpoint every hard filter keeps.
     scores, score_bits = profile.scores(request)
-    best = lowest_first(scores, kept(stage, pool.endpoints, hard_only=True, skip=skip))
+    best = lowest_first(scores, kept(request, profile, pool.endpoints, hard_only=True, skip=skip))
     if best is None:
-        return nothing_left(stage)
+        return nothing_left(request, profile)
     return _new(Choice, (best, "memory", profile.label(score_bits | (mask & profile.soft_bits)
                                                        or profile.picker_bit)))

@@ -9,6 +9,7 @@ picker keeps a pin by itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from ext_proc.scheduling.api import NoParams, Request, Score
 
@@ -25,13 +26,11 @@ class SessionAffinity:
     def __init__(self, params: NoParams) -> None:
         self.params = params
 
-    def prepare(self, request: Request) -> Score | None:
-        """1 for the pin, 0 elsewhere; None without a pin."""
+    def score(self, request: Request, endpoints: Sequence[str]) -> list[float]:
+        """1 for the pin, 0 elsewhere."""
         pinned = request.pinned
-        if pinned is None:
-            return None
+        return [1.0 if e == pinned else 0.0 for e in endpoints]
 
-        def score(endpoints: Sequence[str]) -> list[float]:
-            return [1.0 if e == pinned else 0.0 for e in endpoints]
-
-        return score
+    def rule(self, request: Request) -> Score | None:
+        """:meth:`score` for ``request``; None without a pin (every endpoint alike)."""
+        return None if request.pinned is None else partial(self.score, request)

@@ -28,12 +28,12 @@ from tests.unit.ext_proc.test_scheduling_equivalence import new_choose
 
 
 def choose(p, position, pinned, loads, total, work=1.0, need_mib=0.0, free_mib=None, failed=frozenset(),
-           load_factor=1.25, margin=0.2, spin=0, min_bound=0.0, pinned_load_factor=None, affinity_slack=None):
+           load_factor=1.25, margin=0.2, request_id=b"", min_bound=0.0, pinned_load_factor=None, affinity_slack=None):
     """``(endpoint, outcome)`` of the default profile's rules on a hand-made case: ``bounded-load`` with
     ``load_factor``, ``min_bound`` and ``pinned_load_factor`` (None: ``load_factor``), ``affinity-slack``
     with ``affinity_slack`` when it is set."""
-    return new_choose(p, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin, spin,
-                      min_bound, pinned_load_factor or load_factor, affinity_slack)
+    return new_choose(p, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin,
+                      request_id, min_bound, pinned_load_factor or load_factor, affinity_slack)
 
 FOUR = [f"10.0.0.{i}:8000" for i in range(4)]
 

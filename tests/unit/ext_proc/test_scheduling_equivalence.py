@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ext_proc.ring import HashRing
+from ext_proc.ring import HashRing, key_hash
 from ext_proc.scheduling import Request, build_profile
 from ext_proc.view import ClusterEndpoints
 
@@ -231,13 +231,14 @@ def profile_for(load_factor: float, min_bound: float, pinned_load_factor: float,
     return build_profile(steps)
 
 
-def new_choose(pool, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin, spin,
-               min_bound, pinned_load_factor, slack):
-    """The new default profile on the same inputs, the request built as ``ext_proc.picker.pick`` builds it."""
+def new_choose(pool, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin,
+               request_id, min_bound, pinned_load_factor, slack):
+    """The new default profile on the same inputs, the request built as ``ext_proc.picker.pick`` builds it
+    (``request_id``: the ``x-request-id``; the old function got its hash, ``spin``)."""
     need = need_mib * (1.0 + margin)
     free = free_mib if (free_mib and need > 0) else None
     request = Request("c", pool, position, "session" if pinned else "prefix", pinned,
-                      spin if position is None else 0, work, need, loads, total, free, failed, None, None)
+                      request_id if position is None else b"", work, need, loads, total, free, failed, None, None)
     choice = profile_for(load_factor, min_bound, pinned_load_factor, slack).choose(request)
     return choice.endpoint, choice.outcome
 
@@ -260,7 +261,8 @@ def random_case(rng: random.Random) -> dict[str, Any]:
     return dict(pool=pool, position=position, pinned=pinned, loads=loads, total=total,
                 work=1.0 if rng.random() < 0.5 else rng.uniform(0.1, 3.0), need_mib=need, free_mib=free,
                 failed=failed, load_factor=rng.choice([1.0, 1.25, rng.uniform(1.0, 3.0)]),
-                margin=rng.choice([0.0, 0.2, rng.uniform(0, 0.5)]), spin=rng.getrandbits(64),
+                margin=rng.choice([0.0, 0.2, rng.uniform(0, 0.5)]),
+                request_id=b"" if rng.random() < 0.05 else b"%x" % rng.getrandbits(64),
                 min_bound=rng.choice([0.0, 0.5, 2.0, rng.uniform(0, 4)]),
                 pinned_load_factor=rng.choice([2.0, rng.uniform(1.0, 3.0)]),
                 slack=None if rng.random() < 0.5 else rng.choice([0.0, 1.0, rng.uniform(0, 3)]))
@@ -272,9 +274,10 @@ def test_the_default_profile_decides_as_the_old_scheduler(seed):
     outcomes: dict[str, int] = {}
     for _ in range(2500):
         case = random_case(rng)
+        spin = key_hash(case["request_id"]) if case["request_id"] else 0  # as the old pick() hashed it
         old = old_choose(case["pool"], case["position"], case["pinned"], case["loads"], case["total"], case["work"],
                          case["need_mib"], case["free_mib"], case["failed"], case["load_factor"], case["margin"],
-                         case["spin"], case["min_bound"], case["pinned_load_factor"], case["slack"])
+                         spin, case["min_bound"], case["pinned_load_factor"], case["slack"])
         new = new_choose(**case)
         assert new == old, case
         outcomes[old[1]] = outcomes.get(old[1], 0) + 1
