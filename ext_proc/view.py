@@ -153,6 +153,8 @@ class RoutingTable:
         services: matched in order against the request's authority.
         profiles: the scheduling profiles by name (:class:`ext_proc.scheduling.Profile`); one is
             :data:`DEFAULT_PROFILE`, the profile of every service that names none.
+        plugin_modules: the modules that register plugins of the profiles (imported by a picker that
+            reads this table from the wire before it builds them: :func:`ext_proc.settings.from_wire`).
         memory_margin: memory admission: an endpoint takes a request only if its estimated free
             GPU memory >= need x (1 + margin) (0-10; the seed rule's 20 %).
         default_request_mib: the need of a request whose class is unknown (MiB; the engine's
@@ -193,6 +195,7 @@ class RoutingTable:
     vnodes: int = 160
     services: tuple[ServiceRoute, ...] = ()
     profiles: Mapping[str, Profile] = field(default_factory=lambda: {DEFAULT_PROFILE: default_profile()}, hash=False)
+    plugin_modules: tuple[str, ...] = ()
     memory_margin: float = 0.2
     default_request_mib: float = 2048.0
     kv_mib_per_token: float = 0.5

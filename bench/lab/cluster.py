@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from bench.quality.policies import PICKER
+from inferlb.picker_config import CONFIG_CHECKS
 from sim.engines.hardware import GPU_CLASSES
 from xds_server.config import Config, cluster_name, parse_config
 from xds_server.config.model import DEFAULT_GPU_CLASSES
@@ -153,4 +154,4 @@ class Cluster:
             "services": [{"name": SERVICE, "default_version": self.versions[0], "models": [MODEL],
                           "versions": [{"name": v, "endpoints": eps} for v, eps in sorted(versions.items())]}],
         }
-        return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>")
+        return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>", CONFIG_CHECKS)

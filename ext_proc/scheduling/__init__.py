@@ -27,10 +27,10 @@ from ext_proc.scheduling.api import (
     spin,
 )
 from ext_proc.scheduling.profile import DEFAULT_STEPS, Profile, ProfileError, Step, build_profile, default_profile
-from ext_proc.scheduling.registry import REGISTRY, register
+from ext_proc.scheduling.registry import REGISTRY, import_plugins, register
 
 __all__ = [
     "DEFAULT_STEPS", "OUTCOMES", "REGISTRY", "SCAN_MAX", "Choice", "Filter", "Floor", "LoadPerShare", "NoParams",
     "Picker", "PluginParams", "Profile", "ProfileError", "Request", "Score", "Scorer", "Step", "Without",
-    "build_profile", "default_profile", "register", "spin",
+    "build_profile", "default_profile", "import_plugins", "register", "spin",
 ]

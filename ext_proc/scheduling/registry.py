@@ -18,12 +18,14 @@ and attributes of one kind (:class:`~ext_proc.scheduling.api.Filter`,
 
 from __future__ import annotations
 
+import importlib
 import re
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from ext_proc.scheduling.api import PluginParams
 
-__all__ = ["REGISTRY", "Kind", "Registry", "kind_of", "register"]
+__all__ = ["REGISTRY", "Kind", "Registry", "import_plugins", "kind_of", "register"]
 
 Kind = Literal["filter", "scorer", "picker"]
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
@@ -106,3 +108,18 @@ REGISTRY = Registry()
 """The process's registry: the built-ins and every module named in ``picker.plugin_modules``."""
 
 register = REGISTRY.register
+
+
+def import_plugins(modules: Sequence[str]) -> None:
+    """Import each of ``modules`` (dotted paths, ``picker.plugin_modules``): each registers its plugins
+    when imported (:func:`register`). A module imported before is not imported again.
+
+    Raises:
+        ValueError: a module cannot be imported, or registering its plugins failed (the message
+            names the module and the cause).
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # any error of a third-party module's import: refused with its name
+            raise ValueError(f"cannot import plugin module {module!r}: {type(err).__name__}: {err}") from err
