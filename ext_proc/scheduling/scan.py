@@ -150,12 +150,12 @@ def draw(tied: Sequence[str], tied_share: float, shares: Mapping[str, float], sp
 
 
 def nothing_left(request: Request, profile: Any) -> Choice:
-    """The choice when no endpoint is left (outcome ``no-memory``): its plugins are the filters that
-    turned an endpoint away."""
+    """The choice when no endpoint is left (outcome ``no-memory``): its plugins are the hard filters
+    that turned an endpoint away (the soft ones gave way)."""
     mask = 0
     bits = profile.filter_bits
     for e in request.pool.endpoints:
-        k = refusal(request, profile, e)
+        k = refusal(request, profile, e, hard_only=True)
         if k >= 0:
             mask |= bits[k]
     return _new(Choice, (None, "no-memory", profile.label(mask or profile.picker_bit)))
