@@ -30,8 +30,7 @@ from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
-from ext_proc.scheduler import pin_after
-from ext_proc.sessions import SessionTable
+from ext_proc.sessions import SessionTable, pin_after
 from ext_proc.settings import PickerSettings
 from ext_proc.shared_load import SharedLoad
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
@@ -320,8 +319,9 @@ class PickerHandler:
                    pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue)
 
     @staticmethod
-    def _count(reason: str) -> None:
-        OUTCOMES[reason] = OUTCOMES.get(reason, 0) + 1
+    def _count(reason: str, plugins: str = "") -> None:
+        key = (reason, plugins)
+        OUTCOMES[key] = OUTCOMES.get(key, 0) + 1
 
     def process(self, stream: StreamState, data: bytes) -> tuple[bytes | asyncio.Future[bytes] | None, bool]:
         """Answer one serialized ``ProcessingRequest`` of ``stream``.
@@ -496,7 +496,7 @@ class PickerHandler:
                     if moved and decision.reason != "repinned":
                         self._count("pin-moved")
                 self.sessions.touch(slot, pin)
-        self._count(decision.reason)
+        self._count(decision.reason, decision.plugins)
         if self._sample is not None:
             self._sample(headers, view.routing, decision)
         return self._encoder.encode(decision, view, headers, phase)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
 from ext_proc.ring import key_hash
-from ext_proc.scheduler import choose
+from ext_proc.scheduling import Request
 from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
@@ -45,9 +45,9 @@ class Decision(NamedTuple):
         status: HTTP status of an immediate rejection, None when routing.
         body: the rejection's body, an OpenAI error object (:func:`ext_proc.errors.error_body`: ``code``
             is ``reason`` with underscores), empty when routing.
-        reason: why, a short stable label (a metrics label value): the scheduler's reasons
-            ("affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"; see
-            :mod:`ext_proc.scheduler`), the handler's "pin-moved" and memory grant outcomes
+        reason: why, a short stable label (a metrics label value): the scheduling profile's outcomes
+            (:data:`ext_proc.scheduling.OUTCOMES`: "affinity", "spilled", "memory", "repinned",
+            "least-loaded", "no-memory"), the handler's "pin-moved" and memory grant outcomes
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
             own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
             "unknown-service", "unknown-version", "model-not-found", "invalid-version", "version-unavailable",
@@ -62,6 +62,9 @@ class Decision(NamedTuple):
         prompt_tokens, output_tokens: the tokens the need and work came from (None: unknown).
         gpu_class: the chosen endpoint's GPU class ("" unknown).
         margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
+        plugins: the plugins of the scheduling profile that decided it, joined with ``+`` (a metrics
+            label value, one of a bounded set per profile: :meth:`ext_proc.scheduling.Profile.label`);
+            "" when no profile ran.
     """
 
     cluster: str | None
@@ -79,6 +82,7 @@ class Decision(NamedTuple):
     output_tokens: float | None = None
     gpu_class: str = ""
     margin: float = 0.0
+    plugins: str = ""
 
     @property
     def rejected(self) -> bool:
@@ -271,10 +275,9 @@ class _Costs(Protocol):
     def relative_work(self, gpu_class: str | None, prompt_tokens: float | None,
                       output_tokens: float | None, /) -> float: ...
 
-    def affinity_slack(self, gpu_class: str | None, prompt_tokens: float | None, /) -> float | None: ...
-
 
 _NO_LOADS: Mapping[str, float] = {}
+_new = tuple.__new__  # a named tuple without its Python-level __new__ (~0.1 µs a request)
 
 
 def pick(
@@ -296,10 +299,8 @@ def pick(
             load yet).
         pins: the session table (read only: ``pins.get(slot)`` -> endpoint or None).
         body: fields of the JSON body, when body routing read it.
-        costs: the request cost model (None: every request weighs 1). With
-            ``routing.cost_aware_affinity`` and a known prompt, its learned affinity slack
-            (:meth:`ext_proc.costmodel.CostModel.affinity_slack`) replaces ``routing.affinity_slack``
-            once the GPU class's fit can tell it.
+        costs: the request cost model (None: every request weighs 1); plugins read it too (the
+            ``affinity-slack`` filter's learned slack).
 
     Returns:
         A :class:`Decision`. Rejections: 404 when no service takes the authority's host,
@@ -315,10 +316,11 @@ def pick(
         ``x-request-id``). The session key is the first non-empty session header, else the
         session cookie (when configured), else the body's ``user``, else its
         ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
-        request with a healthy endpoint is pinned, by :func:`ext_proc.scheduler.choose`
-        (affinity, weighted bounded loads, memory admission, which a cluster of
-        ``routing.preallocated`` never needs: its requests' need is 0; endpoints whose connections fail are
-        skipped, unless every endpoint with memory for the request fails) among the endpoints of one
+        request with a healthy endpoint is pinned, by the service's scheduling profile
+        (:meth:`ext_proc.scheduling.Profile.choose`; the default: affinity, weighted bounded loads,
+        memory admission, which a cluster of ``routing.preallocated`` never needs: its requests'
+        need is 0; endpoints whose connections fail skipped, unless every endpoint with memory for
+        the request fails: then it decides again as if none had failed) among the endpoints of one
         tier (:func:`ext_proc.tiers.tier_for`: the edge, or the cloud above the edge's
         ``spill_threshold`` or when no edge endpoint has the memory); reason "no-memory" (endpoint None)
         when no endpoint can hold it. Without a healthy endpoint nothing is pinned. Before the
@@ -411,28 +413,23 @@ def pick(
     elif body.prefix is not None:
         kind = "prefix"
         position = body.prefix
-    spin = 0
-    if position is None:
-        rid = headers.get("x-request-id")
-        spin = key_hash(rid) if rid else 0  # two independent 32-bit draws, deterministic for the id
+    rid = b""
+    if position is None:  # the picker's draws (ties, two choices) hash it: ext_proc.scheduling.spin
+        rid = headers.get("x-request-id") or b""
     margin = 0.0 if declared else routing.memory_margin  # a need the client declared is taken as it is
-    slack = routing.affinity_slack
-    if routing.cost_aware_affinity and costs is not None and prompt is not None:
-        learned = costs.affinity_slack(pool.main_class, prompt)
-        if learned is not None:
-            slack = learned
-    endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                              routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              slack)
-    if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
+    need = mib * (1.0 + margin)
+    if not free or need <= 0:
+        free = None
+    profile = routing.profiles[service.profile]
+    request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
+                             prompt, costs))
+    choice = profile.choose(request)
+    if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
-        total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
-        endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
-                                  routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  slack)
-    if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
-        endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
-                                  routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  slack)
+        request = request._replace(pool=pool, total=float(sum(work_of.get(e, 0.0) for e in pool.endpoints)))
+        choice = profile.choose(request)
+    if choice.endpoint is None and failed:  # every endpoint with memory for it fails: not a reason to refuse
+        choice = profile.choose(request._replace(failed=_NO_LOADS))
+    endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin)
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins)

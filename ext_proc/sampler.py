@@ -40,6 +40,7 @@ class SampledDecision:
         key: the affinity key the request had: "session", "prefix" or "none".
         work: its predicted work (1 = a typical request).
         memory_mib: its GPU memory need (MiB, before the margin).
+        plugins: the scheduling plugins that decided it (:attr:`ext_proc.picker.Decision.plugins`).
     """
 
     at: float
@@ -52,12 +53,13 @@ class SampledDecision:
     key: str = "none"
     work: float = 1.0
     memory_mib: float = 0.0
+    plugins: str = ""
 
     def as_dict(self) -> dict:
         """JSON-ready form (keys as the attributes)."""
         return {"at": self.at, "session": self.session, "version": self.version, "cluster": self.cluster,
                 "endpoint": self.endpoint, "reason": self.reason, "status": self.status, "key": self.key,
-                "work": self.work, "memory_mib": self.memory_mib}
+                "work": self.work, "memory_mib": self.memory_mib, "plugins": self.plugins}
 
 
 class DecisionSampler:
@@ -100,7 +102,7 @@ class DecisionSampler:
         session = hashlib.blake2b(key, digest_size=8, key=self._key).hexdigest() if key else None
         shown = version[:256].decode("utf-8", errors="backslashreplace") if version else None
         return SampledDecision(at, session, shown, decision.cluster, decision.endpoint, decision.reason,
-                               decision.status, decision.key, decision.work, decision.mib)
+                               decision.status, decision.key, decision.work, decision.mib, decision.plugins)
 
     def recent(self, limit: int | None = None) -> list[SampledDecision]:
         """The kept samples, newest first (at most ``limit``)."""

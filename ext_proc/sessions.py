@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["SessionTable", "session_slot"]
+__all__ = ["SessionTable", "pin_after", "session_slot"]
 
 SESSIONS = Gauge("inferlb_ext_proc_sessions", "Sessions in the picker's session table.")
 EVICTIONS = Counter("inferlb_ext_proc_session_evictions_total", "Sessions dropped from the table, by cause.",
@@ -30,6 +30,38 @@ _MASK = (1 << 64) - 1
 def session_slot(key_hash: int, cluster_hash: int) -> int:
     """The table key of one session in one cluster: the two 64-bit hashes mixed (XOR)."""
     return (key_hash ^ cluster_hash) & _MASK
+
+
+def pin_after(pinned: str | None, chosen: str, reason: str, spills: int, move_after: int
+              ) -> tuple[str, int, bool]:
+    """How a session's pin changes after one decision (pure).
+
+    Args:
+        pinned: the pin before (None: a new session).
+        chosen: the endpoint the request went to.
+        reason: the decision's outcome (:data:`ext_proc.scheduling.OUTCOMES`).
+        spills: the session's spills in a row before this request.
+        move_after: spills in a row that move the pin (>= 1; 1 = move at the first spill).
+
+    Returns:
+        ``(pin, spills in a row, moved)``: a new session, or one whose pinned endpoint is gone
+        (``repinned``), is pinned to ``chosen``; a spill (``spilled``, ``memory``) keeps the old pin
+        until ``move_after`` spills in a row (a burst does not scatter a conversation), then the
+        pin moves there.
+
+    >>> pin_after("a", "b", "spilled", 0, 3), pin_after("a", "b", "spilled", 2, 3)
+    (('a', 1, False), ('b', 0, True))
+    >>> pin_after("a", "a", "affinity", 2, 3)
+    ('a', 0, False)
+    """
+    if pinned is None or pinned == chosen:
+        return chosen, 0, False
+    if reason in ("spilled", "memory"):
+        spills += 1
+        if spills >= move_after:
+            return chosen, 0, True
+        return pinned, spills, False
+    return chosen, 0, True
 
 
 class SessionTable:

@@ -7,10 +7,15 @@ The control plane writes them into the metadata of the ``inferlb_ext_proc`` clus
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from functools import cache
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
+from ext_proc.scheduling import Profile, build_profile, import_plugins
+from ext_proc.view import RoutingTable
 
 __all__ = ["METADATA_KEY", "PickerSettings", "from_wire", "to_wire"]
 
@@ -57,111 +62,83 @@ class PickerSettings:
 
 
 def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
-    """A JSON-able object carrying ``routing`` and ``settings`` (numbers, strings, lists, objects)."""
-    services = [
-        {
-            "name": s.name,
-            "hosts": list(s.hosts),
-            "default_version": s.default_version,
-            "clusters": dict(s.clusters),
-            "mixes": {m: [[upto, cluster] for upto, cluster in buckets] for m, buckets in s.mixes.items()},
-            "models": sorted(m.decode() for m in s.models),
-            "unavailable": sorted(s.unavailable),
-        }
-        for s in routing.services
-    ]
-    return {
-        "routing": {
-            "version_header": routing.version_header,
-            "session_headers": list(routing.session_headers),
-            "session_cookie": routing.session_cookie or "",
-            "body_max_bytes": routing.body_max_bytes,
-            "override_host_header": routing.override_host_header,
-            "cluster_header": routing.cluster_header,
-            "vnodes": routing.vnodes,
-            "load_factor": routing.load_factor,
-            "services": services,
-            "memory_margin": routing.memory_margin,
-            "default_request_mib": routing.default_request_mib,
-            "kv_mib_per_token": routing.kv_mib_per_token,
-            "default_max_tokens": routing.default_max_tokens,
-            "chars_per_token": routing.chars_per_token,
-            "request_memory_header": routing.request_memory_header or "",
-            "request_class_header": routing.request_class_header,
-            "request_classes": {k.decode(): {"memory_mib": c.memory_mib, "prompt_tokens": c.prompt_tokens,
-                                             "output_tokens": c.output_tokens}
-                                for k, c in routing.request_classes.items()},
-            "prefix_messages": routing.prefix_messages,
-            "prefix_max_bytes": routing.prefix_max_bytes,
-            "body_mode": routing.body_mode,
-            "min_bound": routing.min_bound,
-            "pinned_load_factor": routing.pinned_load_factor,
-            "affinity_slack": routing.affinity_slack,
-            "cost_aware_affinity": routing.cost_aware_affinity,
-            "spill_threshold": routing.spill_threshold,
-            "protocol": routing.protocol,
-            "preallocated": sorted(routing.preallocated),
-        },
-        "settings": asdict(settings),
-    }
-
-
-def _opt(value: Any) -> float | None:
-    return None if value is None else float(value)
+    """A JSON-able object carrying ``routing`` and ``settings`` (numbers, strings, lists, objects),
+    derived from their fields: every init field of :class:`RoutingTable`, :class:`ServiceRoute` and
+    :class:`RequestClass`, each profile as its steps (:meth:`ext_proc.scheduling.Profile.wire`)."""
+    return {"routing": _out(routing), "settings": _out(settings)}
 
 
 def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
-    """Read what :func:`to_wire` wrote (numbers may come back as floats: protobuf Struct).
+    """Read what :func:`to_wire` wrote (numbers may come back as floats: protobuf Struct), each value
+    read by its field's type; a field missing keeps its default. The routing table's
+    ``plugin_modules`` are imported before its profiles are built.
 
     Raises:
-        ValueError / KeyError / TypeError: the object is not a valid picker configuration.
+        ValueError / KeyError / TypeError: the object is not a valid picker configuration (an
+            unknown plugin, a plugin module that cannot be imported, bad parameters, bad values).
     """
-    r = doc["routing"]
-    services = tuple(
-        ServiceRoute(
-            name=s["name"],
-            hosts=tuple(s["hosts"]),
-            default_version=s["default_version"],
-            clusters=dict(s["clusters"]),
-            mixes={m: tuple((int(upto), cluster) for upto, cluster in buckets) for m, buckets in s["mixes"].items()},
-            models=frozenset(m.encode() for m in s.get("models", ())),
-            unavailable=frozenset(s.get("unavailable", ())),
-        )
-        for s in r["services"]
-    )
-    routing = RoutingTable(
-        version_header=r["version_header"],
-        session_headers=tuple(r["session_headers"]),
-        session_cookie=r["session_cookie"] or None,
-        body_max_bytes=int(r["body_max_bytes"]),
-        override_host_header=r["override_host_header"],
-        cluster_header=r["cluster_header"],
-        vnodes=int(r["vnodes"]),
-        load_factor=float(r["load_factor"]),
-        services=services,
-        memory_margin=float(r.get("memory_margin", 0.2)),
-        default_request_mib=float(r.get("default_request_mib", 2048.0)),
-        kv_mib_per_token=float(r.get("kv_mib_per_token", 0.5)),
-        default_max_tokens=int(r.get("default_max_tokens", 128)),
-        chars_per_token=float(r.get("chars_per_token", 4.0)),
-        request_memory_header=r.get("request_memory_header") or None,
-        request_class_header=r.get("request_class_header", "x-inferlb-request-class"),
-        request_classes={k: RequestClass(float(c["memory_mib"]), _opt(c.get("prompt_tokens")),
-                                         _opt(c.get("output_tokens")))
-                         for k, c in r.get("request_classes", {}).items()},
-        prefix_messages=int(r.get("prefix_messages", 2)),
-        prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
-        body_mode=r.get("body_mode", "buffered"),
-        min_bound=float(r.get("min_bound", 2.0)),
-        pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
-        affinity_slack=_opt(r.get("affinity_slack")),
-        cost_aware_affinity=bool(r.get("cost_aware_affinity", False)),
-        spill_threshold=float(r.get("spill_threshold", 0.6)),
-        protocol=r.get("protocol", "inferlb"),
-        preallocated=frozenset(r.get("preallocated", ())),
-    )
-    raw = doc["settings"]
-    kinds = {f.name: f.type for f in fields(PickerSettings)}
-    values = {k: (int(v) if kinds[k] == "int" else bool(v) if kinds[k] == "bool" else float(v))
-              for k, v in raw.items() if k in kinds}
-    return routing, PickerSettings(**values)
+    r = dict(doc["routing"])
+    import_plugins([str(m) for m in r.get("plugin_modules", ())])
+    profiles = {name: build_profile(steps, name) for name, steps in r.pop("profiles", {}).items()}
+    if profiles:
+        r["profiles"] = profiles
+    return _in(RoutingTable, r), _in(PickerSettings, doc["settings"])
+
+
+def _out(value: Any) -> Any:
+    """``value`` as JSON-able data: dataclasses as objects of their init fields, profiles as their
+    steps, bytes as text, sets sorted, tuples as lists."""
+    if isinstance(value, Profile):
+        return value.wire()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _out(getattr(value, f.name)) for f in fields(value) if f.init}
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, Mapping):
+        return {_out(k): _out(v) for k, v in value.items()}
+    if isinstance(value, frozenset | set):
+        return sorted(_out(v) for v in value)
+    if isinstance(value, tuple | list):
+        return [_out(v) for v in value]
+    return value
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls, vars(sys.modules[cls.__module__]))
+
+
+def _in(kind: Any, value: Any) -> Any:
+    """``value`` (from :func:`_out`, through JSON) read as type ``kind``."""
+    origin, args = get_origin(kind), get_args(kind)
+    if origin is UnionType or origin is Union:
+        if value is None:
+            return None
+        kind = next(a for a in args if a is not type(None))
+        origin, args = get_origin(kind), get_args(kind)
+    if kind is Profile:  # built already (from_wire: its name is its key)
+        return value
+    if is_dataclass(kind):
+        hints = _hints(kind)
+        names = {f.name for f in fields(kind) if f.init}
+        return kind(**{k: _in(hints[k], v) for k, v in value.items() if k in names})
+    if kind is bytes:
+        return value.encode()
+    if kind is int or kind is float or kind is str or kind is bool:
+        return kind(value)
+    if origin is tuple:
+        return tuple(_in(args[0], v) for v in value)
+    if origin is frozenset:
+        return frozenset(_in(args[0], v) for v in value)
+    if origin is Mapping or origin is dict:
+        return {_in(args[0], k): _in(args[1], v) for k, v in value.items()}
+    return _frozen(value)
+
+
+def _frozen(value: Any) -> Any:
+    """Untyped data (``Any``) with lists as tuples, at every depth."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value

@@ -1,9 +1,12 @@
 """The picker's metrics and its rate-limited error log.
 
 Metrics live on prometheus_client's default registry:
-- ``inferlb_ext_proc_decisions_total{outcome}``: decisions by :attr:`Decision.reason`. Counted
-  per request in a plain dict (:data:`OUTCOMES`, no lock: prometheus_client's own counters take
-  one per increment) and read at scrape time.
+- ``inferlb_ext_proc_decisions_total{outcome, plugins}``: decisions by :attr:`Decision.reason` and
+  the scheduling plugins that decided them (:attr:`Decision.plugins`, "" for outcomes no profile
+  decides: rejections, pin moves, grants; a bounded set per profile:
+  :meth:`ext_proc.scheduling.Profile.label`). Counted per request in a plain dict
+  (:data:`OUTCOMES`, no lock: prometheus_client's own counters take one per increment) and read at
+  scrape time.
 - ``inferlb_ext_proc_errors_total{kind}``: malformed or unexpected input and internal errors.
 - ``inferlb_ext_proc_decision_seconds``: time spent in ``pick`` (seconds; buckets from 1 µs),
   sampled: one decision in :data:`SAMPLE_EVERY`.
@@ -21,8 +24,8 @@ from prometheus_client.registry import Collector
 
 __all__ = ["DECISION_SECONDS", "ERRORS", "OUTCOMES", "SAMPLE_EVERY", "ErrorReporter"]
 
-OUTCOMES: dict[str, int] = {}
-"""Decisions by outcome, incremented on the request path (one event loop per picker process)."""
+OUTCOMES: dict[tuple[str, str], int] = {}
+"""Decisions by ``(outcome, plugins)``, incremented on the request path (one event loop per picker process)."""
 
 SAMPLE_EVERY = 64
 """One decision in this many is timed into ``inferlb_ext_proc_decision_seconds``."""
@@ -31,9 +34,10 @@ SAMPLE_EVERY = 64
 class _Outcomes(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily("inferlb_ext_proc_decisions",
-                                     "ext_proc picker decisions by outcome (the decision reason).", labels=["outcome"])
-        for outcome, n in sorted(OUTCOMES.items()):
-            family.add_metric([outcome], n)
+                                     "ext_proc picker decisions by outcome (the decision reason) and the scheduling "
+                                     "plugins that decided them.", labels=["outcome", "plugins"])
+        for (outcome, plugins), n in sorted(OUTCOMES.items()):
+            family.add_metric([outcome, plugins], n)
         yield family
 
 

@@ -20,8 +20,10 @@ from envoy.config.core.v3 import base_pb2, health_check_pb2
 
 from ext_proc.eds_wire import Assignment, assignment_endpoints
 from ext_proc.ring import HashRing, key_hash
+from ext_proc.scheduling import Profile, default_profile
 
 __all__ = [
+    "DEFAULT_PROFILE",
     "MIX_BUCKETS",
     "ClusterDetails",
     "ClusterEndpoints",
@@ -43,6 +45,9 @@ _PINNABLE_HEALTH = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY
 MIX_BUCKETS = 10_000
 """A mix splits session hashes into this many buckets (shares have a resolution of 0.01 %)."""
 
+DEFAULT_PROFILE = "default"
+"""The name of the scheduling profile of a service that names none."""
+
 
 @dataclass(frozen=True)
 class ServiceRoute:
@@ -61,6 +66,8 @@ class ServiceRoute:
         models: model names (UTF-8 bytes, as requests carry them) that mean ``default_version``.
         unavailable: versions with no endpoints now (every node of them left): a request for one
             gets 503, never another version.
+        profile: the name of the scheduling profile that chooses its endpoints (a key of
+            :attr:`RoutingTable.profiles`).
 
     Raises:
         ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
@@ -74,6 +81,7 @@ class ServiceRoute:
     mixes: Mapping[str, Any] = field(default_factory=dict, hash=False)
     models: frozenset[bytes] = frozenset()
     unavailable: frozenset[str] = frozenset()
+    profile: str = DEFAULT_PROFILE
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
@@ -142,8 +150,11 @@ class RoutingTable:
         cluster_header: header the picker sets to the cluster name (read by the route's
             ``cluster_header``).
         vnodes: virtual nodes per endpoint on each cluster's ring.
-        load_factor: bounded-loads factor ``c`` (>= 1.0).
         services: matched in order against the request's authority.
+        profiles: the scheduling profiles by name (:class:`ext_proc.scheduling.Profile`); one is
+            :data:`DEFAULT_PROFILE`, the profile of every service that names none.
+        plugin_modules: the modules that register plugins of the profiles (imported by a picker that
+            reads this table from the wire before it builds them: :func:`ext_proc.settings.from_wire`).
         memory_margin: memory admission: an endpoint takes a request only if its estimated free
             GPU memory >= need x (1 + margin) (0-10; the seed rule's 20 %).
         default_request_mib: the need of a request whose class is unknown (MiB; the engine's
@@ -161,15 +172,6 @@ class RoutingTable:
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
-        min_bound: every endpoint's load bound is at least this much work (typical requests).
-        pinned_load_factor: the bounded-loads ``c`` for a session's existing pin (>= 1.0).
-        affinity_slack: a candidate endpoint's load after the request, per share, is within this many
-            typical requests of the least loaded admitted endpoint's (>= 0; None: no such limit; see
-            :func:`ext_proc.scheduler.choose`).
-        cost_aware_affinity: a request whose prompt is known gets the slack the cost model learned
-            for its cluster's GPU class (:meth:`ext_proc.costmodel.CostModel.affinity_slack`: the
-            prefill a KV-cache hit saves against what a request of imbalance costs) instead of
-            ``affinity_slack``, once that class's fit can tell it.
         protocol: how the picker answers Envoy: "inferlb" (the cluster and override-host headers, for
             the listener inferlb renders) or "gateway-api" (the Gateway API Inference Extension's
             endpoint-picker protocol, :mod:`ext_proc.gateway`, for a gateway that routes to an
@@ -184,8 +186,8 @@ class RoutingTable:
         sized: derived: a header can give a request's size (classes or a memory header configured).
 
     Raises:
-        ValueError: an empty header name, ``vnodes`` < 1, ``load_factor`` < 1.0, or a negative
-            memory setting.
+        ValueError: an empty header name, ``vnodes`` < 1, a negative memory setting, no default
+            profile, or a service naming an unknown profile.
     """
 
     version_header: str = "model-version"
@@ -195,8 +197,9 @@ class RoutingTable:
     override_host_header: str = "x-gateway-destination-endpoint"
     cluster_header: str = "x-inferlb-cluster"
     vnodes: int = 160
-    load_factor: float = 1.25
     services: tuple[ServiceRoute, ...] = ()
+    profiles: Mapping[str, Profile] = field(default_factory=lambda: {DEFAULT_PROFILE: default_profile()}, hash=False)
+    plugin_modules: tuple[str, ...] = ()
     memory_margin: float = 0.2
     default_request_mib: float = 2048.0
     kv_mib_per_token: float = 0.5
@@ -208,10 +211,6 @@ class RoutingTable:
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
     body_mode: str = "buffered"
-    min_bound: float = 2.0
-    pinned_load_factor: float = 2.0
-    affinity_slack: float | None = None
-    cost_aware_affinity: bool = False
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
     preallocated: frozenset[str] = frozenset()
@@ -230,14 +229,16 @@ class RoutingTable:
         object.__setattr__(self, "preallocated", frozenset(self.preallocated))
         if self.vnodes < 1:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
-        if self.load_factor < 1.0 or self.pinned_load_factor < 1.0:
-            raise ValueError(f"routing: load_factor and pinned_load_factor must be >= 1.0, got "
-                             f"{self.load_factor}, {self.pinned_load_factor}")
         if not 0 < self.spill_threshold <= 1:
             raise ValueError(f"routing: spill_threshold must be in (0, 1], got {self.spill_threshold}")
-        if self.affinity_slack is not None and not self.affinity_slack >= 0:
-            raise ValueError(f"routing: affinity_slack must be >= 0 or None, got {self.affinity_slack}")
-        for name in ("min_bound", "memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
+        if DEFAULT_PROFILE not in self.profiles:
+            raise ValueError(f"routing: profiles must include {DEFAULT_PROFILE!r}, got {sorted(self.profiles)}")
+        for service in self.services:
+            if service.profile not in self.profiles:
+                raise ValueError(f"routing: service {service.name!r} names profile {service.profile!r}; known: "
+                                 f"{', '.join(sorted(self.profiles))}")
+        object.__setattr__(self, "profiles", MappingProxyType(dict(self.profiles)))
+        for name in ("memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
                      "prefix_max_bytes", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")

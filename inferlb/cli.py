@@ -63,10 +63,11 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def _load(path: str):
+    from inferlb.picker_config import CONFIG_CHECKS
     from xds_server.config import ConfigError, load_config
 
     try:
-        return load_config(path)
+        return load_config(path, CONFIG_CHECKS)
     except ConfigError as err:
         click.echo(f"invalid config:\n{err}", err=True)
         sys.exit(2)

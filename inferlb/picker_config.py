@@ -9,10 +9,12 @@ types: the only module that knows both.
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
+from ext_proc.scheduling import DEFAULT_STEPS, Profile, ProfileError, build_profile, import_plugins
 from ext_proc.settings import METADATA_KEY, PickerSettings, to_wire
-from ext_proc.view import RequestClass, RoutingTable, ServiceRoute
-from xds_server.config import Config, cluster_name
+from ext_proc.view import DEFAULT_PROFILE, RequestClass, RoutingTable, ServiceRoute
+from xds_server.config import Config, ConfigError, FieldProblem, ProfileStep, cluster_name
 
 
 def routing_table(cfg: Config) -> RoutingTable:
@@ -24,11 +26,8 @@ def routing_table(cfg: Config) -> RoutingTable:
         body_max_bytes=cfg.picker.body_max_bytes,
         override_host_header=cfg.headers.override_host,
         cluster_header=cfg.headers.cluster,
-        load_factor=cfg.picker.load_factor,
-        min_bound=cfg.picker.min_bound,
-        pinned_load_factor=cfg.picker.pinned_load_factor,
-        affinity_slack=cfg.picker.affinity_slack,
-        cost_aware_affinity=cfg.picker.cost_aware_affinity,
+        profiles=profiles(cfg),
+        plugin_modules=tuple(cfg.picker.plugin_modules),
         spill_threshold=cfg.picker.spill_threshold,
         memory_margin=(cfg.picker.memory_margin if cfg.picker.memory_margin is not None
                        else cfg.engine.memory_margin),
@@ -55,10 +54,60 @@ def routing_table(cfg: Config) -> RoutingTable:
                 mixes=s.mixes,
                 models=frozenset(m.encode() for m in s.models),
                 unavailable=frozenset(s.unavailable_versions),
+                profile=s.picker_profile or DEFAULT_PROFILE,
             )
             for s in cfg.services
         ),
     )
+
+
+def profiles(cfg: Config) -> dict[str, Profile]:
+    """The picker's scheduling profiles: ``picker.profile`` as the default one (null: the built-in
+    default, :data:`ext_proc.scheduling.DEFAULT_STEPS`) and ``picker.profiles`` by name, after
+    importing ``picker.plugin_modules``.
+
+    Raises:
+        ConfigError: :func:`profile_problems` found a problem.
+    """
+    problems = profile_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(f"{'.'.join(map(str, p.loc))}: {p}" for p in problems))
+    p = cfg.picker
+    out = {DEFAULT_PROFILE: build_profile(_steps(p.profile) if p.profile is not None else DEFAULT_STEPS)}
+    out.update((name, build_profile(_steps(steps), name)) for name, steps in p.profiles.items())
+    return out
+
+
+def _steps(steps: tuple[ProfileStep, ...]) -> list[dict[str, Any]]:
+    return [step.model_dump() for step in steps]
+
+
+def profile_problems(cfg: Config) -> list[FieldProblem]:
+    """What is wrong with the picker's plugins: a ``picker.plugin_modules`` entry that cannot be
+    imported; a profile step naming an unknown plugin, a weight on a plugin that is no scorer, params
+    its plugin's model refuses, a plugin twice, not exactly one picker. Each problem names its field
+    (``picker.profile[2].params.load_factor``). A check for :func:`xds_server.config.parse_config`."""
+    p = cfg.picker
+    for i, module in enumerate(p.plugin_modules):
+        try:
+            import_plugins([module])
+        except ValueError as err:
+            return [FieldProblem(("picker", "plugin_modules", i), str(err))]
+    found = []
+    named = [(("picker", "profile"), p.profile), *((("picker", "profiles", name), steps)
+                                                   for name, steps in p.profiles.items())]
+    for loc, steps in named:
+        if steps is None:
+            continue
+        try:
+            build_profile(_steps(steps), loc[-1])
+        except ProfileError as err:
+            found += [FieldProblem((*loc, *where), message) for where, message in err.problems]
+    return found
+
+
+#: The checks the app adds to the config model's own (:func:`xds_server.config.load_config`'s ``checks``).
+CONFIG_CHECKS = (profile_problems,)
 
 
 def picker_settings(cfg: Config) -> PickerSettings:

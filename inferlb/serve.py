@@ -42,7 +42,7 @@ from ext_proc.shared_load import SharedLoad
 from ext_proc.transport.base import Server, TlsFiles, ssl_context
 from ext_proc.view import EndpointView, ViewHolder
 from inferlb.listeners import binding
-from inferlb.picker_config import picker_metadata, picker_settings, routing_table
+from inferlb.picker_config import CONFIG_CHECKS, picker_metadata, picker_settings, routing_table
 from xds_server.admin.app import WriteAuth, make_admin_app
 from xds_server.ads.cache import SnapshotCache
 from xds_server.ads.server import AdsServicer, start_ads_server
@@ -408,7 +408,7 @@ class InferLB:
         if self.config_path is None:
             return False, "no config file to reload (started from an in-memory config)"
         try:
-            base = load_config(self.config_path)
+            base = load_config(self.config_path, CONFIG_CHECKS)
             new = self._compose(base, self.discovered, self.discovered_etcd)
         except ConfigError as err:
             return self._refused("invalid", f"config reload refused, the last good config keeps serving:\n{err}")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from bench.quality.policies import PICKER
+from inferlb.picker_config import CONFIG_CHECKS
 from xds_server.config import Config, cluster_name, parse_config
 
 __all__ = ["SERVICE", "Cluster", "Node", "SlowLoopTiming"]
@@ -145,4 +146,4 @@ class Cluster:
                           "versions": [{"name": v, "endpoints": eps, **self._gpu_memory(v)}
                                        for v, eps in sorted(versions.items())]}],
         }
-        return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>")
+        return parse_config(yaml.safe_dump(doc, sort_keys=False), "<bench lab cluster>", CONFIG_CHECKS)

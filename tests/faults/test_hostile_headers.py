@@ -33,7 +33,9 @@ def raw_request(s: Stack, headers: list[tuple[str, bytes]]) -> tuple[int, bytes,
 
 
 def decisions(outcome: str) -> float:
-    return REGISTRY.get_sample_value("inferlb_ext_proc_decisions_total", {"outcome": outcome}) or 0.0
+    """Decisions with ``outcome``, whichever plugins decided them."""
+    return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples
+               if sample.name == "inferlb_ext_proc_decisions_total" and sample.labels.get("outcome") == outcome)
 
 
 def settled_request(s: Stack, headers: list[tuple[str, bytes]]) -> tuple[int, bytes, dict[str, str]]:

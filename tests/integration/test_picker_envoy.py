@@ -441,11 +441,10 @@ def _v1_healthy(s: Stack) -> dict[str, dict]:
 
 
 def _decisions(s: Stack, outcome: str) -> float:
+    """Decisions with ``outcome``, whichever plugins decided them (summed over the ``plugins`` label)."""
     text = requests.get(f"{s.admin}/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(f'inferlb_ext_proc_decisions_total{{outcome="{outcome}"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f'inferlb_ext_proc_decisions_total{{outcome="{outcome}",'))
 
 
 def test_a_hung_picker_delays_requests_by_at_most_message_timeout(picker_stack: Stack):

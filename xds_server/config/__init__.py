@@ -10,6 +10,7 @@ from xds_server.config.model import (
     EtcdDiscovery,
     EtcdService,
     EtcdTls,
+    FieldProblem,
     History,
     KubernetesDiscovery,
     KubernetesInferencePool,
@@ -17,6 +18,7 @@ from xds_server.config.model import (
     Listen,
     Loop,
     OutlierDetection,
+    ProfileStep,
     ServiceConfig,
     TlsConfig,
     cluster_name,
@@ -25,7 +27,7 @@ from xds_server.config.model import (
 
 __all__ = [
     "CircuitBreakers", "Config", "ConfigError", "EndpointConfig", "EnvoySide", "EnvoyTls", "EtcdDiscovery",
-    "EtcdService", "EtcdTls", "History", "KubernetesDiscovery", "KubernetesInferencePool",
-    "KubernetesService", "Listen", "Loop",
-    "OutlierDetection", "ServiceConfig", "TlsConfig", "cluster_name", "load_config", "parse_config", "split_hostport",
+    "EtcdService", "EtcdTls", "FieldProblem", "History", "KubernetesDiscovery", "KubernetesInferencePool",
+    "KubernetesService", "Listen", "Loop", "OutlierDetection", "ProfileStep", "ServiceConfig", "TlsConfig",
+    "cluster_name", "load_config", "parse_config", "split_hostport",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,24 @@ def duplicate_keys(node: yaml.Node | None) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def parse_config(text: str, source: str = "<config>") -> Config:
-    """Parse and validate YAML ``text``.
+#: A check the app adds to the model's own (``parse_config(checks=...)``): the config -> its problems,
+#: each a :class:`FieldProblem` naming its field (for example the picker's plugins and their
+#: parameters, which only the app that loads them can check).
+Check = Callable[[Config], Sequence[FieldProblem]]
+
+
+def _report(node: yaml.Node | None, source: str, problems: Sequence[tuple[tuple[Any, ...], str]]) -> ConfigError:
+    """``ConfigError`` listing ``(location, message)`` problems as ``SOURCE:LINE: FIELD: message``."""
+    lines = []
+    for loc, message in problems:
+        line = _line_of(node, loc)
+        where = f"{source}:{line}" if line else source
+        lines.append(f"{where}: {_path(loc)}: {message}")
+    return ConfigError("\n".join(lines))
+
+
+def parse_config(text: str, source: str = "<config>", checks: Sequence[Check] = ()) -> Config:
+    """Parse and validate YAML ``text``; then run ``checks`` on the valid config.
 
     Raises:
         ConfigError: listing each problem as ``SOURCE:LINE: FIELD: message`` (a key given twice:
@@ -130,7 +147,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(data).__name__}")
     try:
-        return Config.model_validate(_deprecated(data, source))
+        cfg = Config.model_validate(_deprecated(data, source))
     except RecursionError:
         raise ConfigError(f"{source}: {_TOO_DEEP}") from None
     except ValidationError as err:
@@ -147,19 +164,19 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             (loc, e) for loc, e in errors
             if not (e["type"] == "too_short" and any(o[: len(loc)] == loc and o != loc for o, _ in errors))
         ]
-        lines = []
-        for loc, e in errors:
-            line = _line_of(node, loc)
-            where = f"{source}:{line}" if line else source
-            lines.append(f"{where}: {_path(loc)}: {e['msg']}")
-        raise ConfigError("\n".join(lines)) from None
+        raise _report(node, source, [(loc, e["msg"]) for loc, e in errors]) from None
+    found = [(p.loc, str(p)) for check in checks for p in check(cfg)]
+    if found:
+        raise _report(node, source, found)
+    return cfg
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, checks: Sequence[Check] = ()) -> Config:
     """Read and validate the YAML file at ``path``.
 
     Raises:
-        ConfigError: the file is missing, unreadable or invalid (each problem names field and line).
+        ConfigError: the file is missing, unreadable or invalid, or a check of ``checks`` found a
+            problem (each problem names field and line).
     """
     try:
         raw = Path(path).read_bytes()
@@ -171,4 +188,4 @@ def load_config(path: str | Path) -> Config:
         line = raw.count(b"\n", 0, err.start) + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); "
                           "a YAML config must be UTF-8") from None
-    return parse_config(text, str(path))
+    return parse_config(text, str(path), checks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -612,6 +612,8 @@ class ServiceConfig(_Strict):
     sets it when every node of the configured ``default_version`` has left; ``default_version`` may
     name one). A request for one, by name or as the default, gets a 503 that names the version (from
     the picker, or from Envoy's route without it), never another version's model.
+    ``picker_profile``: the name of the scheduling profile (``picker.profiles``) that chooses its
+    endpoints; null: the default profile (``picker.profile``).
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -624,6 +626,7 @@ class ServiceConfig(_Strict):
     mixes: dict[str, dict[str, float]] = Field(default_factory=dict)
     models: tuple[str, ...] = ()
     unavailable_versions: tuple[str, ...] = ()
+    picker_profile: str | None = None
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
@@ -700,6 +703,35 @@ class RequestClassConfig(_Strict):
     output_tokens: float | None = Field(None, ge=0)
 
 
+PLUGIN_RE = r"^[a-z][a-z0-9-]{0,62}$"
+MODULE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as YAML writes a scalar (``true``, ``null``, ``1.5``)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+class ProfileStep(_Strict):
+    """One step of a scheduling profile: a per-request plugin by name, a scorer's ``weight`` (>= 0;
+    default: the scorer's own) and the plugin's ``params`` (checked against the plugin's own parameter
+    model when the picker's plugins are loaded: ``inferlb.picker_config.profile_problems``)."""
+
+    plugin: str = Field(pattern=PLUGIN_RE)
+    weight: float | None = Field(None, ge=0, le=1_000_000)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+#: Picker settings the scheduling profile replaced: old name -> (plugin, its parameter).
+REMOVED_PICKER_FIELDS = {
+    "load_factor": ("bounded-load", "load_factor"),
+    "pinned_load_factor": ("bounded-load", "pinned_load_factor"),
+    "min_bound": ("bounded-load", "min_bound"),
+    "affinity_slack": ("affinity-slack", "slack"),
+    "cost_aware_affinity": ("affinity-slack", "cost_aware"),
+}
+
+
 class Picker(_Strict):
     """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
 
@@ -730,14 +762,12 @@ class Picker(_Strict):
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
     answer 429 with ``Retry-After: retry_after_s`` past either bound.
-    The scheduler (every request): ``load_factor`` is the bounded-loads ``c``; ``min_bound`` the
-    least load bound of any endpoint (work, typical requests); ``pinned_load_factor`` the ``c`` of a
-    session's existing pin (its KV cache is there); ``affinity_slack`` (typical requests; null, the
-    default: off): an endpoint is a candidate only while its load after the request, per share, is
-    within this of the least loaded admitted endpoint's (docs/picker.md); ``cost_aware_affinity``
-    (off by default): a request whose prompt is known gets the slack the cost model learned for its
-    GPU class instead (the prefill a KV-cache hit saves over twice what one more request in flight
-    costs; docs/picker.md), once that class has enough completions; ``memory_margin``
+    The scheduler (every request; docs/picker.md, "The scheduling pipeline"): ``profile`` is the
+    default scheduling profile, a list of steps ``{plugin, weight, params}`` (filters, weighted
+    scorers, one picker; null: the built-in default profile, ``failed-endpoints``,
+    ``memory-admission``, ``bounded-load``, ``least-loaded``, ``ring-affinity``); ``profiles`` are named
+    profiles a service may choose (``services[].picker_profile``); ``plugin_modules`` are Python
+    modules imported at start that register plugins of their own. ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
     ``request_memory_header`` (MiB; declared, so admitted without the margin), the body
     (``kv_mib_per_token`` x (prompt tokens, estimated at
@@ -779,11 +809,9 @@ class Picker(_Strict):
     session_ttl_s: float = Field(1800.0, gt=0)
     max_sessions: int = Field(1_000_000, ge=1)
     session_cookie: str | None = Field(None, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
-    load_factor: float = Field(1.25, ge=1.0, le=100)
-    min_bound: float = Field(2.0, ge=0, le=1_000_000)
-    pinned_load_factor: float = Field(2.0, ge=1.0, le=100)
-    affinity_slack: float | None = Field(None, ge=0, le=1_000_000)
-    cost_aware_affinity: bool = False
+    profile: tuple[ProfileStep, ...] | None = Field(None, min_length=1)
+    profiles: dict[str, tuple[ProfileStep, ...]] = Field(default_factory=dict)
+    plugin_modules: tuple[Annotated[str, Field(pattern=MODULE_RE)], ...] = ()
     memory_margin: float | None = Field(None, ge=0, le=10)
     kv_mib_per_token: float = Field(0.5, ge=0)
     default_max_tokens: int = Field(128, ge=0)
@@ -804,6 +832,50 @@ class Picker(_Strict):
     cost_forget: float = Field(0.999, gt=0, le=1)
     cost_min_samples: int = Field(20, ge=3)
     spill_threshold: float = Field(0.6, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        """Settings the scheduling profile replaced are refused, with the profile to write instead
+        (the default profile's steps with their values)."""
+        if not isinstance(data, dict):
+            return data
+        given = [name for name in REMOVED_PICKER_FIELDS if name in data]
+        if not given:
+            return data
+        params: dict[str, dict[str, Any]] = {}
+        for name in given:
+            plugin, param = REMOVED_PICKER_FIELDS[name]
+            params.setdefault(plugin, {})[param] = data[name]
+        slack = params.get("affinity-slack")
+        if slack is not None:  # the old slack's default was null (off)
+            slack.setdefault("slack", None)
+            if slack["slack"] is None and not slack.get("cost_aware"):
+                del params["affinity-slack"]
+
+        def step(plugin: str) -> str:
+            if plugin not in params:
+                return f"{{plugin: {plugin}}}"
+            shown = ", ".join(f"{k}: {_yaml(v)}" for k, v in params[plugin].items())
+            return f"{{plugin: {plugin}, params: {{{shown}}}}}"
+
+        plugins = ["failed-endpoints", "memory-admission", "bounded-load",
+                   *(["affinity-slack"] if "affinity-slack" in params else []), "least-loaded", "ring-affinity"]
+        raise FieldProblem(("picker", given[0]), (
+            f"{', '.join('picker.' + n for n in given)} {'was' if len(given) == 1 else 'were'} removed: the "
+            f"scheduling profile's plugins have these parameters now; write picker.profile: "
+            f"[{', '.join(map(step, plugins))}] (docs/picker.md)"))
+
+    @field_validator("profiles")
+    @classmethod
+    def _profile_names(cls, v: dict[str, tuple[ProfileStep, ...]]) -> dict[str, tuple[ProfileStep, ...]]:
+        for name, steps in v.items():
+            if name == "default" or not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"profile name {name!r}: a name of its own ({NAME_RE}); the default profile is "
+                                 "picker.profile")
+            if not steps:
+                raise ValueError(f"profile {name!r} has no steps")
+        return v
 
 
 class Autoscaling(_Strict):
@@ -1062,6 +1134,11 @@ class Config(_Strict):
                                            "addresses are compared in their canonical spelling (port without "
                                            "leading zeros, IPv6 compressed)")
                     seen[e.address] = where
+        for i, s in enumerate(self.services):
+            if s.picker_profile is not None and s.picker_profile not in self.picker.profiles:
+                raise FieldProblem(("services", i, "picker_profile"),
+                                   f"unknown profile {s.picker_profile!r}; picker.profiles has "
+                                   f"{sorted(self.picker.profiles) or 'none'}")
         names = [s.name for s in self.services]
         for group, g in self.node_groups.items():
             unknown = sorted(set(g.services or ()) - set(names))

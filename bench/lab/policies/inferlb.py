@@ -1,7 +1,8 @@
-"""``inferlb``: today's picker (ext_proc) deciding in the lab, driven as ``inferlb serve`` drives it.
+"""``inferlb``: the picker (ext_proc) deciding in the lab, driven as ``inferlb serve`` drives it.
 
-A first adapter, until the scheduler's filter -> scorer -> picker pipeline (issue 37) replaces it:
-it runs the real decision code and swaps only the I/O around it.
+It runs the real decision code, the cluster config's scheduling profile included (``picker.profile``,
+``picker.profiles``: :mod:`ext_proc.scheduling`; the default profile without them), and swaps only
+the I/O around it.
 
 - **The picker** is a real :class:`ext_proc.handler.PickerHandler` with its in-flight accounting
   (:class:`ext_proc.inflight.InFlight`), session table (:class:`ext_proc.sessions.SessionTable`) and
@@ -10,10 +11,11 @@ it runs the real decision code and swaps only the I/O around it.
   :func:`inferlb.picker_config.picker_settings`), on the lab's clock. Each request goes through the
   handler's own request path: the body fields as body routing reads them (the handler's
   ``_wants_body`` and ``_body_fields``: the model, the session fields, the prefix key of the first
-  messages, the prompt's size), then ``_route`` (``pick``: the scheduler's affinity, weighted bounded
-  loads and memory admission; the too-large check; the no-memory fallback; ``_commit``: the pick
-  counted in flight, the session's pin moved or kept). Only the wire encoding is swapped: the
-  handler's response encoder is replaced by one that hands back the :class:`~ext_proc.picker.Decision`.
+  messages, the prompt's size), then ``_route`` (``pick``: the service's scheduling profile, by
+  default ring affinity, weighted bounded loads and memory admission; the too-large check; the
+  no-memory fallback; ``_commit``: the pick counted in flight, the session's pin moved or kept).
+  Only the wire encoding is swapped: the handler's response encoder is replaced by one that hands
+  back the :class:`~ext_proc.picker.Decision`.
 - **The endpoint view** is built from the lab's EDS as ``inferlb serve`` builds it from its
   snapshot: a ``ClusterLoadAssignment`` per cluster (:func:`xds_server.resources.endpoints.build_assignment`:
   weights, health, max concurrency and GPU class metadata, tiers as priorities) into

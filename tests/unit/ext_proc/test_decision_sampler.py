@@ -36,6 +36,9 @@ def test_every_nth_decision_is_kept_newest_first_and_bounded():
     assert len(kept) == 2 and [d.at for d in kept] == [2, 1]  # decisions 0, 3, 6 sampled; the newest 2 kept
     assert all(d.reason in ("affinity", "spilled") and d.cluster == "llm-v1" and d.endpoint.startswith("10.0.0.")
                for d in kept)
+    # Each names the scheduling plugins that decided it (the admin API shows them).
+    assert {d.plugins for d in kept} <= {"ring-affinity", "bounded-load+ring-affinity"}
+    assert kept[0].as_dict()["plugins"] == kept[0].plugins
     assert sampler.recent(limit=1) == kept[:1]
 
 

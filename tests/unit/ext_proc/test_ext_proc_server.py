@@ -43,7 +43,9 @@ def headers_request(**headers: str | bytes) -> pb.ProcessingRequest:
 
 
 def counter(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 @pytest.fixture
@@ -90,6 +92,7 @@ def set_headers(response: pb.ProcessingResponse) -> dict[str, bytes]:
 
 async def test_session_request_sets_cluster_and_override_host(stub, handler):
     before = counter("inferlb_ext_proc_decisions_total", outcome="affinity")
+    by_ring = counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="ring-affinity")
     [response] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert response.WhichOneof("response") == "request_headers"
     assert response.request_headers.response.clear_route_cache is True
@@ -102,6 +105,8 @@ async def test_session_request_sets_cluster_and_override_host(stub, handler):
     [again] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert set_headers(again) == got
     assert counter("inferlb_ext_proc_decisions_total", outcome="affinity") == before + 2
+    # The plugins that decided: the default profile's picker kept the key's endpoint, then the pin.
+    assert counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="ring-affinity") == by_ring + 2
 
 
 async def test_a_request_without_session_is_pinned_too(stub):

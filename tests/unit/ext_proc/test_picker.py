@@ -180,7 +180,7 @@ def test_a_request_without_session_goes_to_the_least_loaded_endpoint():
 
 
 def test_large_pools_use_two_weighted_choices():
-    from ext_proc.scheduler import SCAN_MAX
+    from ext_proc.scheduling import SCAN_MAX
     hosts = [(f"10.1.{i // 250}.{i % 250}", HEALTHY) for i in range(SCAN_MAX + 36)]
     view = make_view({"llm-v1": cla("llm-v1", hosts)})
     loads = {f"{ip}:8000": 5.0 for ip, _ in hosts}
@@ -330,8 +330,10 @@ def test_holder_starts_not_ready_and_swaps():
 def test_routing_validation_names_the_field():
     with pytest.raises(ValueError, match="default_version"):
         ServiceRoute("s", ("h",), "v3", {"v1": "c"})
-    with pytest.raises(ValueError, match="load_factor"):
-        RoutingTable(load_factor=0.5)
+    with pytest.raises(ValueError, match="profiles must include 'default'"):
+        RoutingTable(profiles={})
+    with pytest.raises(ValueError, match="service 's' names profile 'fast'"):
+        RoutingTable(services=(ServiceRoute("s", ("h",), "v1", {"v1": "c"}, profile="fast"),))
     with pytest.raises(ValueError, match="hosts"):
         ServiceRoute("s", (), "v1", {"v1": "c"})
 

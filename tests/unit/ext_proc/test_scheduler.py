@@ -19,10 +19,21 @@ from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY as NO_BODY_FIELDS
 from ext_proc.picker import BodyFields, pick, request_need
 from ext_proc.ring import HashRing
-from ext_proc.scheduler import choose, pin_after, under_bound
-from ext_proc.sessions import SessionTable
+from ext_proc.scheduling import build_profile
+from ext_proc.scheduling.plugins.bounded_load import under_bound
+from ext_proc.sessions import SessionTable, pin_after
 from ext_proc.transport.base import StreamState
 from ext_proc.view import ClusterEndpoints, EndpointView, RequestClass, RoutingTable, ServiceRoute, ViewHolder
+from tests.unit.ext_proc.test_scheduling_equivalence import new_choose
+
+
+def choose(p, position, pinned, loads, total, work=1.0, need_mib=0.0, free_mib=None, failed=frozenset(),
+           load_factor=1.25, margin=0.2, request_id=b"", min_bound=0.0, pinned_load_factor=None, affinity_slack=None):
+    """``(endpoint, outcome)`` of the default profile's rules on a hand-made case: ``bounded-load`` with
+    ``load_factor``, ``min_bound`` and ``pinned_load_factor`` (None: ``load_factor``), ``affinity-slack``
+    with ``affinity_slack`` when it is set."""
+    return new_choose(p, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin,
+                      request_id, min_bound, pinned_load_factor or load_factor, affinity_slack)
 
 FOUR = [f"10.0.0.{i}:8000" for i in range(4)]
 
@@ -577,7 +588,11 @@ class _Pinned:
 
 def test_cost_aware_affinity_keeps_a_long_prompt_on_its_pin_and_spreads_a_short_one():
     from dataclasses import replace
-    routing = replace(ROUTING, cost_aware_affinity=True)
+    cost_aware = build_profile([{"plugin": "failed-endpoints"}, {"plugin": "memory-admission"},
+                                {"plugin": "bounded-load"},
+                                {"plugin": "affinity-slack", "params": {"slack": None, "cost_aware": True}},
+                                {"plugin": "least-loaded"}, {"plugin": "ring-affinity"}])
+    routing = replace(ROUTING, profiles={"default": cost_aware})
     v = view(routing=routing)
     home = v.clusters["c"].ring.lookup(b"s")
     loads = {home: 1.0}  # the pin has one request in flight, the others none: under its bound of 2
@@ -797,8 +812,13 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     from google.protobuf import json_format, struct_pb2
 
     from ext_proc.settings import PickerSettings, from_wire, to_wire
-    routing = RoutingTable(services=ROUTING.services, load_factor=1.5, min_bound=3.0, memory_margin=0.3,
-                           pinned_load_factor=3.0, affinity_slack=0.75, cost_aware_affinity=True,
+    slack = build_profile([{"plugin": "bounded-load", "params": {"load_factor": 1.5, "min_bound": 3.0,
+                                                                 "pinned_load_factor": 3.0}},
+                           {"plugin": "affinity-slack", "params": {"slack": 0.75, "cost_aware": True}},
+                           {"plugin": "least-loaded", "weight": 2}, {"plugin": "max-score"}], "slack")
+    services = (ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, profile="slack"),)
+    routing = RoutingTable(services=services, memory_margin=0.3,
+                           profiles={"default": build_profile([{"plugin": "ring-affinity"}]), "slack": slack},
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
                            chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
                            request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
@@ -810,12 +830,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_
-    for name in ("load_factor", "pinned_load_factor", "affinity_slack", "cost_aware_affinity", "min_bound",
-                 "memory_margin",
-                 "default_request_mib", "kv_mib_per_token", "default_max_tokens", "chars_per_token",
-                 "request_memory_header",
-                 "prefix_messages", "prefix_max_bytes", "body_mode", "request_class_header"):
-        assert getattr(back_routing, name) == getattr(routing, name), name
+    assert back_routing == routing  # every field: the wire form is derived from them
     assert dict(back_routing.request_classes) == dict(routing.request_classes)
 
 
@@ -878,7 +893,7 @@ def test_the_chosen_endpoint_is_always_within_the_slack_of_the_least_loaded(weig
 
 
 def test_pools_above_the_scan_size_keep_the_bounded_loads_alone():
-    from ext_proc.scheduler import SCAN_MAX
+    from ext_proc.scheduling import SCAN_MAX
     eps = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(SCAN_MAX + 1)]
     p = pool(eps)
     home, _ = choose(p, 11, None, {}, 0.0)

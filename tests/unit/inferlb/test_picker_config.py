@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
+from ext_proc.scheduling import DEFAULT_STEPS, build_profile
 from ext_proc.settings import from_wire, to_wire
-from inferlb.picker_config import picker_settings, routing_table
+from inferlb.picker_config import CONFIG_CHECKS, picker_settings, routing_table
 from tests.support.factories import config, service, version
-from xds_server.config import ConfigError
+from xds_server.config import ConfigError, load_config
 from xds_server.resources.listener import build_listener
 from xds_server.resources.routes import build_route_config
 
@@ -84,13 +85,79 @@ def test_body_routing_is_on_by_default_and_lets_the_picker_ask_for_bodies():
     assert ext(on)["processingMode"].get("requestBodyMode", "NONE") == "NONE"
 
 
-def test_cost_aware_affinity_reaches_the_picker_and_is_off_by_default():
-    assert routing_table(config()).cost_aware_affinity is False
-    routing = routing_table(config(picker={"cost_aware_affinity": True}))
-    assert routing.cost_aware_affinity is True
-    assert from_wire(to_wire(routing, picker_settings(config())))[0].cost_aware_affinity is True
-    with pytest.raises(ConfigError, match="cost_aware_affinity"):
-        config(picker={"cost_aware_affinity": "yes"})
+def test_the_default_profile_is_the_built_in_one_and_a_configured_one_reaches_a_standalone_picker():
+    routing = routing_table(config())
+    assert routing.profiles["default"] == build_profile(DEFAULT_STEPS)
+    steps = [{"plugin": "failed-endpoints"}, {"plugin": "memory-admission"},
+             {"plugin": "bounded-load", "params": {"load_factor": 1.5}},
+             {"plugin": "affinity-slack", "params": {"slack": None, "cost_aware": True}},
+             {"plugin": "least-loaded"}, {"plugin": "ring-affinity"}]
+    routing = routing_table(config(picker={"profile": steps}))
+    profile = routing.profiles["default"]
+    assert [s.plugin for s in profile.steps] == [s["plugin"] for s in steps]
+    assert profile.steps[2].params.load_factor == 1.5 and profile.steps[2].params.min_bound == 2.0  # its default
+    assert profile.steps[3].params.cost_aware is True and profile.steps[3].params.slack is None
+    struct = json_format.ParseDict(to_wire(routing, picker_settings(config())), struct_pb2.Struct())
+    assert from_wire(json_format.MessageToDict(struct))[0] == routing
+
+
+def test_a_service_chooses_a_named_profile():
+    profiles = {"llmd": [{"plugin": "memory-admission"}, {"plugin": "session-affinity", "weight": 3},
+                         {"plugin": "least-loaded", "weight": 1}, {"plugin": "max-score"}]}
+    cfg = config([two_versions(picker_profile="llmd"), service("other", [version("v1", 1)], hosts=["other"])],
+                 picker={"profiles": profiles})
+    routing = routing_table(cfg)
+    assert [s.profile for s in routing.services] == ["llmd", "default"]
+    llmd = routing.profiles["llmd"]
+    assert [(s.plugin, s.weight) for s in llmd.steps] == [
+        ("memory-admission", None), ("session-affinity", 3.0), ("least-loaded", 1.0), ("max-score", None)]
+    with pytest.raises(ConfigError, match=r"services\[0\]\.picker_profile: unknown profile 'fast'"):
+        config([two_versions(picker_profile="fast")], picker={"profiles": profiles})
+    with pytest.raises(ConfigError, match="the default profile is picker.profile"):
+        config(picker={"profiles": {"default": profiles["llmd"]}})
+
+
+@pytest.mark.parametrize(("picker", "needle"), [
+    ({"profile": [{"plugin": "ring-affinity"}, {"plugin": "nope"}]},
+     r"picker\.profile\[1\]\.plugin: unknown plugin 'nope'; known: affinity-slack, "),
+    ({"profile": [{"plugin": "bounded-load", "params": {"load_factor": 0.5}}, {"plugin": "ring-affinity"}]},
+     r"picker\.profile\[0\]\.params\.load_factor: Input should be greater than or equal to 1"),
+    ({"profile": [{"plugin": "bounded-load", "params": {"c": 2}}, {"plugin": "ring-affinity"}]},
+     r"picker\.profile\[0\]\.params\.c: Extra inputs are not permitted"),
+    ({"profile": [{"plugin": "ring-affinity", "weight": 2}]},
+     r"picker\.profile\[0\]\.weight: 'ring-affinity' is a picker: only scorers have a weight"),
+    ({"profile": [{"plugin": "least-loaded"}]}, r"picker\.profile: a profile has exactly one picker"),
+    ({"profile": [{"plugin": "ring-affinity"}, {"plugin": "max-score"}]}, r"exactly one picker .* got 2"),
+    ({"profile": [{"plugin": "ring-affinity"}, {"plugin": "ring-affinity"}]},
+     r"picker\.profile\[1\]\.plugin: 'ring-affinity' is already step 0"),
+    ({"profiles": {"fast": [{"plugin": "affinity-slack", "params": {"slack": None}}, {"plugin": "max-score"}]}},
+     r"picker\.profiles\.fast\[0\]\.params: Value error, slack is null and cost_aware is false"),
+    ({"plugin_modules": ["no_such_module_here"]},
+     r"picker\.plugin_modules\[0\]: cannot import plugin module 'no_such_module_here': ModuleNotFoundError"),
+])
+def test_a_bad_profile_is_refused_at_startup_naming_the_field(tmp_path, picker, needle):
+    import yaml
+
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(yaml.safe_dump({"services": [two_versions()], "picker": picker}))
+    with pytest.raises(ConfigError, match=needle):
+        load_config(path, CONFIG_CHECKS)
+    with pytest.raises(ConfigError):  # and the picker's tables are never built from it
+        routing_table(load_config(path))
+
+
+@pytest.mark.parametrize(("old", "write"), [
+    ({"load_factor": 1.5}, "{plugin: bounded-load, params: {load_factor: 1.5}}"),
+    ({"pinned_load_factor": 4, "min_bound": 3},
+     "{plugin: bounded-load, params: {pinned_load_factor: 4, min_bound: 3}}"),
+    ({"affinity_slack": 1}, "{plugin: affinity-slack, params: {slack: 1}}"),
+    ({"cost_aware_affinity": True}, "{plugin: affinity-slack, params: {cost_aware: true, slack: null}}"),
+])
+def test_the_knobs_the_profile_replaced_are_refused_with_what_to_write(old, write):
+    with pytest.raises(ConfigError, match="removed") as err:
+        config(picker=old)
+    assert write in str(err.value) and all(f"picker.{name}" in str(err.value) for name in old)
+    assert "{plugin: ring-affinity}" in str(err.value)  # the whole profile to write: today's with the value
 
 
 def test_the_pickers_protocol_reaches_a_standalone_picker_and_bad_ones_are_refused():

@@ -1,60 +1,28 @@
-"""The per-request endpoint choice: soft affinity, weighted bounded loads, memory admission (pure).
+"""The default scheduling profile decides as the scheduler it replaced: a differential test.
 
-For one request of one cluster (its pinnable endpoints and ring precomputed per view) and the live
-load the picker keeps (:class:`ext_proc.inflight.InFlight`), :func:`choose` returns the endpoint
-and why. The rules, each with its source:
-
-- **Weighted bounded loads.** An endpoint is *under its bound* when its load is below
-  ``max(c x (total + work) x w_i / sum(w), min_bound)`` (a session's existing pin uses
-  ``pinned_load_factor`` as ``c``): ``total`` is the cluster's load in flight, ``work`` this
-  request's, ``w_i`` its EDS weight (capacity carries into pinned traffic). With equal weights and
-  unit work this is the bound of Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with
-  Bounded Loads" (SODA 2018): ``load < c x (total + 1) / n``. The bounds sum to
-  ``c x (total + work) > total``, so some endpoint is always under its bound.
-- **Memory admission** (the seed rule): an endpoint is a candidate only if its estimated free GPU
-  memory (reported free minus the memory of requests sent since that sample) is at least the
-  request's need x (1 + margin). Unknown free memory admits.
-- **Soft affinity.** A request with a key (a session, or a prefix of its prompt) prefers its
-  pinned endpoint (sessions), else the owner of the key's ring position; the preferred endpoint
-  is kept while under its bound and admitted for memory, otherwise the request spills to the next
-  candidate clockwise on the ring. Without a key, the least loaded (relative to its share)
-  admitted endpoint wins.
-- **Affinity slack** (``affinity_slack``, typical requests; None: off). Bounded loads compare an
-  endpoint with the *average*, so at a few requests per endpoint a pin may hold two or three while
-  another endpoint is idle, and every request running beside them decodes slower. With a slack, an
-  endpoint is also a candidate only while its load after this request, per share, is within the
-  slack of the least loaded admitted endpoint's: ``(load_i + work) / s_i <= min_j (load_j + work) /
-  s_j + slack x n`` (``s_i`` its share, ``n`` endpoints; equal shares: at most ``slack`` more
-  requests than the least loaded). Keeping a conversation's KV cache is worth a prefill, joining
-  a busy batch costs every request in it a slower decode step; the slack says how many requests
-  of imbalance a cache hit is worth (the cost model behind Dynamo's KV router and llm-d's
-  scorers: prefix overlap against load). Applies to pools up to :data:`SCAN_MAX` endpoints (the
-  least load is a scan); larger pools keep the bounded loads alone.
-- Endpoints whose connections just failed (Envoy's access log: connect failure or reset, issue
-  15 item 13) are skipped.
-
-Reasons (a stable label, counted and sampled): ``affinity`` (the preferred endpoint took it),
-``spilled`` (it was over its bound: next clockwise), ``memory`` (it lacked memory, or every endpoint
-under its bound did: the admitted endpoint with the lowest relative load), ``repinned`` (the pinned
-endpoint is gone, unhealthy or failing), ``least-loaded`` (no key), ``no-memory`` (no endpoint can
-hold the request: queue or 429).
-
-Deterministic: the same view, loads and request give the same answer in every process.
+``old_choose`` below is a frozen copy of ``ext_proc/scheduler.py:choose`` (and its helpers) as it was
+at commit c145a78, the last one with that module, kept here only for this comparison. Many seeded
+random cases (pools of 1-12 and 60-80 endpoints, random weights, loads, totals, works, memory needs
+and estimates, failing endpoints, keys, pins, bound parameters and affinity slacks) are decided by
+both, and their endpoints and outcomes must be equal.
 """
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_right
 from collections.abc import Container, Mapping
 from typing import Any
 
+import pytest
+
+from ext_proc.ring import HashRing, key_hash
+from ext_proc.scheduling import Request, build_profile
 from ext_proc.view import ClusterEndpoints
 
-__all__ = ["SCAN_MAX", "choose", "pin_after", "under_bound"]
-
-#: Without a key, pools up to this size are scanned for the lowest load per share (O(n)); larger
-#: ones use the power of two choices (O(log n)).
 SCAN_MAX = 64
+_EMPTY: frozenset[str] = frozenset()
+
 
 _INF = float("inf")
 _EMPTY: frozenset[str] = frozenset()
@@ -69,7 +37,7 @@ def under_bound(load: float, total: float, work: float, share: float, load_facto
     return load < load_factor * (total + work) * share
 
 
-def choose(
+def old_choose(
     pool: ClusterEndpoints,
     position: int | None,
     pinned: str | None,
@@ -247,32 +215,71 @@ def _least_relative(pool: ClusterEndpoints, loads: Mapping[str, float], free: Ma
     return best
 
 
-def pin_after(pinned: str | None, chosen: str, reason: str, spills: int, move_after: int
-              ) -> tuple[str, int, bool]:
-    """How a session's pin changes after one decision (pure).
 
-    Args:
-        pinned: the pin before (None: a new session).
-        chosen: the endpoint the request went to.
-        reason: the decision's reason.
-        spills: the session's spills in a row before this request.
-        move_after: spills in a row that move the pin (>= 1; 1 = move at the first spill).
 
-    Returns:
-        ``(pin, spills in a row, moved)``: a new session, or one whose pinned endpoint is gone
-        (``repinned``), is pinned to ``chosen``; a spill keeps the old pin until ``move_after``
-        spills in a row (a burst does not scatter a conversation), then the pin moves there.
+def profile_for(load_factor: float, min_bound: float, pinned_load_factor: float, slack: float | None):
+    """The default profile's steps with these parameters (the affinity slack added when set)."""
+    steps: list[dict[str, Any]] = [
+        {"plugin": "failed-endpoints"},
+        {"plugin": "memory-admission"},
+        {"plugin": "bounded-load", "params": {"load_factor": load_factor, "min_bound": min_bound,
+                                              "pinned_load_factor": pinned_load_factor}},
+    ]
+    if slack is not None:
+        steps.append({"plugin": "affinity-slack", "params": {"slack": slack}})
+    steps += [{"plugin": "least-loaded"}, {"plugin": "ring-affinity"}]
+    return build_profile(steps)
 
-    >>> pin_after("a", "b", "spilled", 0, 3), pin_after("a", "b", "spilled", 2, 3)
-    (('a', 1, False), ('b', 0, True))
-    >>> pin_after("a", "a", "affinity", 2, 3)
-    ('a', 0, False)
-    """
-    if pinned is None or pinned == chosen:
-        return chosen, 0, False
-    if reason in ("spilled", "memory"):
-        spills += 1
-        if spills >= move_after:
-            return chosen, 0, True
-        return pinned, spills, False
-    return chosen, 0, True
+
+def new_choose(pool, position, pinned, loads, total, work, need_mib, free_mib, failed, load_factor, margin,
+               request_id, min_bound, pinned_load_factor, slack):
+    """The new default profile on the same inputs, the request built as ``ext_proc.picker.pick`` builds it
+    (``request_id``: the ``x-request-id``; the old function got its hash, ``spin``)."""
+    need = need_mib * (1.0 + margin)
+    free = free_mib if (free_mib and need > 0) else None
+    request = Request("c", pool, position, "session" if pinned else "prefix", pinned,
+                      request_id if position is None else b"", work, need, loads, total, free, failed, None, None)
+    choice = profile_for(load_factor, min_bound, pinned_load_factor, slack).choose(request)
+    return choice.endpoint, choice.outcome
+
+
+def random_case(rng: random.Random) -> dict[str, Any]:
+    n = rng.choice([1, 2, 3, 4, 5, 8, 12]) if rng.random() < 0.85 else rng.randint(SCAN_MAX - 4, SCAN_MAX + 16)
+    endpoints = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(n)]
+    weights = {} if rng.random() < 0.4 else {e: rng.randint(1, 5) for e in endpoints}
+    pool = ClusterEndpoints("c", tuple(endpoints), HashRing(endpoints, rng.choice([1, 4, 160])), 0, weights, {})
+    integer = rng.random() < 0.5
+    loads = {e: float(rng.randint(0, 6)) if integer else rng.uniform(0, 6) for e in endpoints if rng.random() < 0.8}
+    total = sum(loads.values()) if rng.random() < 0.9 else rng.uniform(0, 30)
+    position = None if rng.random() < 0.3 else rng.getrandbits(64)
+    pinned = None
+    if position is not None and rng.random() < 0.5:
+        pinned = rng.choice(endpoints) if rng.random() < 0.9 else "9.9.9.9:1"
+    need = 0.0 if rng.random() < 0.2 else rng.uniform(0, 3000)
+    free = None if rng.random() < 0.3 else {e: rng.uniform(-500, 5000) for e in endpoints if rng.random() < 0.8}
+    failed = frozenset(e for e in endpoints if rng.random() < (0.15 if rng.random() < 0.8 else 0.9))
+    return dict(pool=pool, position=position, pinned=pinned, loads=loads, total=total,
+                work=1.0 if rng.random() < 0.5 else rng.uniform(0.1, 3.0), need_mib=need, free_mib=free,
+                failed=failed, load_factor=rng.choice([1.0, 1.25, rng.uniform(1.0, 3.0)]),
+                margin=rng.choice([0.0, 0.2, rng.uniform(0, 0.5)]),
+                request_id=b"" if rng.random() < 0.05 else b"%x" % rng.getrandbits(64),
+                min_bound=rng.choice([0.0, 0.5, 2.0, rng.uniform(0, 4)]),
+                pinned_load_factor=rng.choice([2.0, rng.uniform(1.0, 3.0)]),
+                slack=None if rng.random() < 0.5 else rng.choice([0.0, 1.0, rng.uniform(0, 3)]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_default_profile_decides_as_the_old_scheduler(seed):
+    rng = random.Random(seed)
+    outcomes: dict[str, int] = {}
+    for _ in range(2500):
+        case = random_case(rng)
+        spin = key_hash(case["request_id"]) if case["request_id"] else 0  # as the old pick() hashed it
+        old = old_choose(case["pool"], case["position"], case["pinned"], case["loads"], case["total"], case["work"],
+                         case["need_mib"], case["free_mib"], case["failed"], case["load_factor"], case["margin"],
+                         spin, case["min_bound"], case["pinned_load_factor"], case["slack"])
+        new = new_choose(**case)
+        assert new == old, case
+        outcomes[old[1]] = outcomes.get(old[1], 0) + 1
+    # The cases reach every outcome, so the comparison covers every rule.
+    assert set(outcomes) == {"affinity", "spilled", "memory", "repinned", "least-loaded", "no-memory"}, outcomes
