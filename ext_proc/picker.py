@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
+from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 from ext_proc.scheduler import choose
 from ext_proc.sessions import session_slot
@@ -62,6 +63,8 @@ class Decision(NamedTuple):
         prompt_tokens, output_tokens: the tokens the need and work came from (None: unknown).
         gpu_class: the chosen endpoint's GPU class ("" unknown).
         margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
+        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
+            unknown): the picker's prefix index records them for ``endpoint`` when committed.
     """
 
     cluster: str | None
@@ -79,6 +82,7 @@ class Decision(NamedTuple):
     output_tokens: float | None = None
     gpu_class: str = ""
     margin: float = 0.0
+    blocks: tuple[int, ...] = ()
 
     @property
     def rejected(self) -> bool:
@@ -208,6 +212,8 @@ class BodyFields:
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
         subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
             gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
+        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`), empty
+            when the prefix index is off or the body has no prompt of a block.
     """
 
     model: bytes | None = None
@@ -217,6 +223,7 @@ class BodyFields:
     prompt_tokens: float | None = None
     max_tokens: int | None = None
     subset: frozenset[str] | None = None
+    blocks: tuple[int, ...] = ()
 
 
 NO_BODY = BodyFields()
@@ -284,6 +291,7 @@ def pick(
     pins: _Pins | None = None,
     body: BodyFields = NO_BODY,
     costs: _Costs | None = None,
+    prefixes: PrefixIndex | None = None,
 ) -> Decision:
     """Decide the cluster and the pinned endpoint of one request.
 
@@ -296,6 +304,9 @@ def pick(
             load yet).
         pins: the session table (read only: ``pins.get(slot)`` -> endpoint or None).
         body: fields of the JSON body, when body routing read it.
+        prefixes: the picker's prefix-cache index (None: none): a request without a pin whose
+            body gave its prompt blocks is placed by its cached share and load
+            (:func:`ext_proc.prefix_choice.choose_cached`).
         costs: the request cost model (None: every request weighs 1). With
             ``routing.cost_aware_affinity`` and a known prompt, its learned affinity slack
             (:meth:`ext_proc.costmodel.CostModel.affinity_slack`) replaces ``routing.affinity_slack``
@@ -405,7 +416,7 @@ def pick(
         slot = session_slot(position, pool.salt)
         if pins is not None:
             pinned = pins.get(slot)
-    elif body.prefix is not None:
+    elif body.prefix is not None or body.blocks:
         kind = "prefix"
         position = body.prefix
     spin = 0
@@ -420,16 +431,16 @@ def pick(
             slack = learned
     endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                               routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                              slack)
+                              slack, body.blocks, prefixes)
     if endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, failed,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  slack)
+                                  slack, body.blocks, prefixes)
     if endpoint is None and failed:  # every endpoint with memory for it is failing: not a reason to refuse
         endpoint, reason = choose(pool, position, pinned, work_of, total, work, mib, free, _NO_LOADS,
                                   routing.load_factor, margin, spin, routing.min_bound, routing.pinned_load_factor,
-                                  slack)
+                                  slack, body.blocks, prefixes)
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin)
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, body.blocks)

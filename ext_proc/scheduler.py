@@ -30,6 +30,10 @@ and why. The rules, each with its source:
   of imbalance a cache hit is worth (the cost model behind Dynamo's KV router and llm-d's
   scorers: prefix overlap against load). Applies to pools up to :data:`SCAN_MAX` endpoints (the
   least load is a scan); larger pools keep the bounded loads alone.
+- **Prefix cache.** A request without a pin whose prompt blocks are known (body routing) is placed
+  by :func:`ext_proc.prefix_choice.choose_cached` among the admitted endpoints: the share of its
+  prompt the picker's prefix index says each holds against its extra load, or, cached nowhere,
+  the next in weighted turn among the not overloaded (pools up to :data:`SCAN_MAX` endpoints).
 - Endpoints whose connections just failed (Envoy's access log: connect failure or reset, issue
   15 item 13) are skipped.
 
@@ -45,9 +49,11 @@ Deterministic: the same view, loads and request give the same answer in every pr
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
+from ext_proc.prefix_choice import choose_cached
+from ext_proc.prefix_index import PrefixIndex
 from ext_proc.view import ClusterEndpoints
 
 __all__ = ["SCAN_MAX", "choose", "pin_after", "under_bound"]
@@ -85,6 +91,8 @@ def choose(
     min_bound: float = 0.0,
     pinned_load_factor: float | None = None,
     affinity_slack: float | None = None,
+    blocks: Sequence[int] = (),
+    index: PrefixIndex | None = None,
 ) -> tuple[str | None, str]:
     """Choose the endpoint of one request of ``pool`` (non-empty).
 
@@ -110,6 +118,10 @@ def choose(
             placing a new one costs nothing, so the pin gets the looser bound.
         affinity_slack: the affinity slack (typical requests, >= 0; None: off): an endpoint is a
             candidate only within this many requests of the least loaded admitted one (per share).
+        blocks, index: the prompt's chained block keys and the picker's prefix index: a request
+            without a pin whose blocks are known is placed by :func:`ext_proc.prefix_choice.choose_cached`
+            (its cached share against its load) among the admitted endpoints, in pools up to
+            :data:`SCAN_MAX` endpoints; otherwise (or without an index) by the rules above.
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -117,6 +129,9 @@ def choose(
     shares = pool.shares
     need = need_mib * (1.0 + margin)
     free = free_mib if (free_mib and need > 0) else None
+    if pinned is None and blocks and index is not None and len(pool.endpoints) <= SCAN_MAX:
+        admitted = [e for e in pool.endpoints if e not in failed and (free is None or free.get(e, _INF) >= need)]
+        return choose_cached(blocks, admitted, loads, shares, index, work, pool.capacity / len(pool.endpoints))
     scale = load_factor * (total + work)
     cap = (_INF if affinity_slack is None or len(pool.endpoints) > SCAN_MAX
            else _cap(pool, loads, work, free, need, failed, affinity_slack))

@@ -93,6 +93,7 @@ def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:
                                 for k, c in routing.request_classes.items()},
             "prefix_messages": routing.prefix_messages,
             "prefix_max_bytes": routing.prefix_max_bytes,
+            "prefix_cache_tokens": routing.prefix_cache_tokens,
             "body_mode": routing.body_mode,
             "min_bound": routing.min_bound,
             "pinned_load_factor": routing.pinned_load_factor,
@@ -150,6 +151,7 @@ def from_wire(doc: dict[str, Any]) -> tuple[RoutingTable, PickerSettings]:
                          for k, c in r.get("request_classes", {}).items()},
         prefix_messages=int(r.get("prefix_messages", 2)),
         prefix_max_bytes=int(r.get("prefix_max_bytes", 4096)),
+        prefix_cache_tokens=int(r.get("prefix_cache_tokens", 0)),  # an older control plane: no index
         body_mode=r.get("body_mode", "buffered"),
         min_bound=float(r.get("min_bound", 2.0)),
         pinned_load_factor=float(r.get("pinned_load_factor", 2.0)),
