@@ -31,9 +31,12 @@ and why. The rules, each with its source:
   scorers: prefix overlap against load). Applies to pools up to :data:`SCAN_MAX` endpoints (the
   least load is a scan); larger pools keep the bounded loads alone.
 - **Prefix cache.** A request without a pin whose prompt blocks are known (body routing) is placed
-  by :func:`ext_proc.prefix_choice.choose_cached` among the admitted endpoints: the share of its
-  prompt the picker's prefix index says each holds against its extra load, or, cached nowhere,
-  the next in weighted turn among the not overloaded (pools up to :data:`SCAN_MAX` endpoints).
+  by :func:`ext_proc.prefix_choice.choose_cached`: the share of its prompt the picker's prefix
+  index says each endpoint holds against its extra load, or, cached nowhere, the next in weighted
+  turn among the not overloaded (pools up to :data:`SCAN_MAX` endpoints). Not where memory
+  admission applies to the request (a need and free-memory samples: per-request GPU servers,
+  whose scarce resource is memory; engines with a prefix cache hold their KV cache from the start
+  and are configured with no per-request memory): there the rules below decide.
 - Endpoints whose connections just failed (Envoy's access log: connect failure or reset, issue
   15 item 13) are skipped.
 
@@ -120,8 +123,10 @@ def choose(
             candidate only within this many requests of the least loaded admitted one (per share).
         blocks, index: the prompt's chained block keys and the picker's prefix index: a request
             without a pin whose blocks are known is placed by :func:`ext_proc.prefix_choice.choose_cached`
-            (its cached share against its load) among the admitted endpoints, in pools up to
-            :data:`SCAN_MAX` endpoints; otherwise (or without an index) by the rules above.
+            (its cached share against its load) among the endpoints not failing, in pools up to
+            :data:`SCAN_MAX` endpoints, unless memory admission applies to it (a need and free
+            memory samples: a per-request GPU server, where memory is the scarce resource and
+            not a prefix cache); otherwise (or without an index) by the rules above.
 
     Returns:
         ``(endpoint or None, reason)``; None only with reason ``no-memory``.
@@ -129,9 +134,9 @@ def choose(
     shares = pool.shares
     need = need_mib * (1.0 + margin)
     free = free_mib if (free_mib and need > 0) else None
-    if pinned is None and blocks and index is not None and len(pool.endpoints) <= SCAN_MAX:
-        admitted = [e for e in pool.endpoints if e not in failed and (free is None or free.get(e, _INF) >= need)]
-        return choose_cached(blocks, admitted, loads, shares, index, work, pool.capacity / len(pool.endpoints))
+    if pinned is None and blocks and index is not None and free is None and len(pool.endpoints) <= SCAN_MAX:
+        admitted = [e for e in pool.endpoints if e not in failed]
+        return choose_cached(blocks, admitted, loads, shares, index, work, min_bound)
     scale = load_factor * (total + work)
     cap = (_INF if affinity_slack is None or len(pool.endpoints) > SCAN_MAX
            else _cap(pool, loads, work, free, need, failed, affinity_slack))
