@@ -27,6 +27,7 @@ from ext_proc.costmodel import CostModel
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
+from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, prompt_bytes
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -186,6 +187,7 @@ def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
         prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes),
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
+        blocks=block_hashes(prompt_bytes(doc)) if routing.prefix_cache_tokens else (),
     )
 
 
@@ -303,6 +305,8 @@ class PickerHandler:
         """``{cluster: its largest endpoint's whole GPU memory, MiB}`` (:meth:`set_largest_memory`)."""
         self._timed = 0
         self._gateway = EndpointPicker(self, holder)
+        self.prefixes = PrefixIndex()
+        """The prefix-cache index: the prompt blocks each endpoint was sent (:mod:`ext_proc.prefix_index`)."""
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
@@ -467,17 +471,22 @@ class PickerHandler:
         loads = self.loads if body.subset is None else Within(self.loads, body.subset)
         self._timed += 1
         if self._timed < SAMPLE_EVERY:
-            decision = pick(headers, view, loads, self.sessions, body, self.costs)
+            decision = pick(headers, view, loads, self.sessions, body, self.costs, self.prefixes)
         else:
             self._timed = 0
             start = time.perf_counter()
-            decision = pick(headers, view, loads, self.sessions, body, self.costs)
+            decision = pick(headers, view, loads, self.sessions, body, self.costs, self.prefixes)
             DECISION_SECONDS.observe(time.perf_counter() - start)
         return decision if view.routing.protocol != GATEWAY_API else settle_destination(decision, body.subset)
 
     def _commit(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
-        """Count the pick in flight, move or refresh the session's pin, and encode the answer."""
+        """Count the pick in flight, move or refresh the session's pin, record the prompt's blocks in
+        the prefix index, and encode the answer."""
         endpoint = decision.endpoint
+        if decision.blocks and endpoint is not None:
+            routing = view.routing
+            self.prefixes.insert(endpoint, decision.blocks,
+                                 capacity_blocks(routing.prefix_cache_tokens, routing.chars_per_token))
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)
@@ -759,7 +768,10 @@ class PickerHandler:
 
     def tick(self) -> None:
         """Housekeeping, about once a second: expire lost picks and failure holds, forget idle
-        sessions, refit the cost model."""
+        sessions, refit the cost model, forget the prefix index of endpoints no longer pinnable."""
+        if len(self.prefixes):
+            tiers = [t for p in self.holder.current.clusters.values() for t in (p, p.spill) if t is not None]
+            self.prefixes.retain([e for t in tiers for e in t.endpoints])
         self.inflight.expire()
         self.sessions.sweep()
         self.costs.refit()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
+from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 from ext_proc.scheduling import Request
 from ext_proc.sessions import session_slot
@@ -65,6 +66,8 @@ class Decision(NamedTuple):
         plugins: the plugins of the scheduling profile that decided it, joined with ``+`` (a metrics
             label value, one of a bounded set per profile: :meth:`ext_proc.scheduling.Profile.label`);
             "" when no profile ran.
+        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
+            unknown): the picker's prefix index records them for ``endpoint`` when committed.
     """
 
     cluster: str | None
@@ -83,6 +86,7 @@ class Decision(NamedTuple):
     gpu_class: str = ""
     margin: float = 0.0
     plugins: str = ""
+    blocks: tuple[int, ...] = ()
 
     @property
     def rejected(self) -> bool:
@@ -212,6 +216,8 @@ class BodyFields:
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
         subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
             gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
+        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`), empty
+            when the prefix index is off or the body has no prompt of a block.
     """
 
     model: bytes | None = None
@@ -221,6 +227,7 @@ class BodyFields:
     prompt_tokens: float | None = None
     max_tokens: int | None = None
     subset: frozenset[str] | None = None
+    blocks: tuple[int, ...] = ()
 
 
 NO_BODY = BodyFields()
@@ -287,6 +294,7 @@ def pick(
     pins: _Pins | None = None,
     body: BodyFields = NO_BODY,
     costs: _Costs | None = None,
+    prefixes: PrefixIndex | None = None,
 ) -> Decision:
     """Decide the cluster and the pinned endpoint of one request.
 
@@ -299,6 +307,9 @@ def pick(
             load yet).
         pins: the session table (read only: ``pins.get(slot)`` -> endpoint or None).
         body: fields of the JSON body, when body routing read it.
+        prefixes: the picker's prefix-cache index (None: none): a request without a pin whose
+            body gave its prompt blocks is placed by its cached share and load
+            (:func:`ext_proc.prefix_choice.choose_cached`).
         costs: the request cost model (None: every request weighs 1); plugins read it too (the
             ``affinity-slack`` filter's learned slack).
 
@@ -410,7 +421,7 @@ def pick(
         slot = session_slot(position, pool.salt)
         if pins is not None:
             pinned = pins.get(slot)
-    elif body.prefix is not None:
+    elif body.prefix is not None or body.blocks:
         kind = "prefix"
         position = body.prefix
     rid = b""
@@ -422,7 +433,7 @@ def pick(
         free = None
     profile = routing.profiles[service.profile]
     request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
-                             prompt, costs))
+                             prompt, costs, body.blocks, prefixes))
     choice = profile.choose(request)
     if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
         pool = pool.spill
@@ -432,4 +443,4 @@ def pick(
         choice = profile.choose(request._replace(failed=_NO_LOADS))
     endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins)
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, body.blocks)

@@ -169,6 +169,9 @@ class RoutingTable:
         prefix_messages: the prefix key hashes the first this many chat messages (system prompt
             and first turns; 0 = no prefix keys).
         prefix_max_bytes: ... and at most this many bytes of them (or of a completion's prompt).
+        prefix_cache_tokens: the KV cache of an endpoint (tokens) the picker's prefix index mirrors
+            (:mod:`ext_proc.prefix_index`); 0 (a table built without the config): no index, the
+            prefix key's ring places requests.
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
@@ -210,6 +213,7 @@ class RoutingTable:
     request_classes: Mapping[str, RequestClass] = field(default_factory=dict, hash=False)
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
+    prefix_cache_tokens: int = 0
     body_mode: str = "buffered"
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
@@ -239,7 +243,7 @@ class RoutingTable:
                                  f"{', '.join(sorted(self.profiles))}")
         object.__setattr__(self, "profiles", MappingProxyType(dict(self.profiles)))
         for name in ("memory_margin", "default_request_mib", "kv_mib_per_token", "prefix_messages",
-                     "prefix_max_bytes", "default_max_tokens"):
+                     "prefix_max_bytes", "prefix_cache_tokens", "default_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing: {name} must be >= 0, got {getattr(self, name)}")
         if self.protocol not in ("inferlb", "gateway-api"):

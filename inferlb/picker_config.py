@@ -41,6 +41,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                          for name, c in cfg.picker.request_classes.items()},
         prefix_messages=cfg.picker.prefix_messages,
         prefix_max_bytes=cfg.picker.prefix_max_bytes,
+        prefix_cache_tokens=cfg.picker.prefix_cache_tokens,
         body_mode=cfg.picker.body_mode,
         protocol=cfg.picker.protocol,
         preallocated=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions

@@ -104,6 +104,10 @@ class Request(NamedTuple):
         failed: endpoints whose connections failed lately (``e in failed``).
         prompt_tokens: the prompt's tokens (None: unknown).
         costs: the request cost model (:class:`ext_proc.costmodel.CostModel`), None without one.
+        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
+            unknown).
+        prefixes: the picker's prefix-cache index (:class:`ext_proc.prefix_index.PrefixIndex`), None
+            without one.
     """
 
     cluster: str
@@ -120,6 +124,8 @@ class Request(NamedTuple):
     failed: Container[str]
     prompt_tokens: float | None
     costs: Any
+    blocks: tuple[int, ...] = ()
+    prefixes: Any = None
 
 
 def spin(request: Request) -> int:

@@ -32,14 +32,15 @@ class Step(NamedTuple):
 
 
 #: The default profile, today's rules: skip failing endpoints, admit by memory, bound the affinity's
-#: load, and choose on the ring (session pin, then the key's endpoint clockwise), or the least loaded
-#: per share without a key. Each plugin with its own defaults.
+#: load, and choose by cached prefix against load (a request without a pin whose prompt blocks are
+#: known), else on the ring (session pin, then the key's endpoint clockwise), or the least loaded per
+#: share without a key. Each plugin with its own defaults.
 DEFAULT_STEPS: tuple[Mapping[str, Any], ...] = (
     {"plugin": "failed-endpoints"},
     {"plugin": "memory-admission"},
     {"plugin": "bounded-load"},
     {"plugin": "least-loaded"},
-    {"plugin": "ring-affinity"},
+    {"plugin": "prefix-cache"},
 )
 
 

@@ -765,7 +765,7 @@ class Picker(_Strict):
     The scheduler (every request; docs/picker.md, "The scheduling pipeline"): ``profile`` is the
     default scheduling profile, a list of steps ``{plugin, weight, params}`` (filters, weighted
     scorers, one picker; null: the built-in default profile, ``failed-endpoints``,
-    ``memory-admission``, ``bounded-load``, ``least-loaded``, ``ring-affinity``); ``profiles`` are named
+    ``memory-admission``, ``bounded-load``, ``least-loaded``, ``prefix-cache``); ``profiles`` are named
     profiles a service may choose (``services[].picker_profile``); ``plugin_modules`` are Python
     modules imported at start that register plugins of their own. ``memory_margin``
     (default: ``engine.memory_margin``) the memory-admission margin; a request's need comes from
@@ -773,7 +773,12 @@ class Picker(_Strict):
     (``kv_mib_per_token`` x (prompt tokens, estimated at
     ``chars_per_token``, + ``max_tokens`` or ``default_max_tokens``)), ``request_class_header`` +
     ``request_classes``, else ``engine.request_memory_mib``. ``prefix_messages`` /
-    ``prefix_max_bytes``: what the prefix key hashes. ``memory_queue``: a request no endpoint has
+    ``prefix_max_bytes``: what the prefix key hashes. ``prefix_cache_tokens``: the KV cache of one
+    endpoint (tokens; vLLM logs it at start, ``num_gpu_blocks`` x ``block_size``): the picker's prefix
+    index keeps, per endpoint, the prompt blocks it sent there up to this much and places a request
+    without a session by the share of its prompt cached there against its load (docs/picker.md,
+    "Prefix-cache index"); the default is llm-d's default index capacity (31 250 blocks of 16 tokens);
+    0 turns the index off (the prefix key's ring places those requests). ``memory_queue``: a request no endpoint has
     memory for waits in the queue then gets 429 (false, the default: it is pinned to the endpoint
     with the most estimated free memory). ``memory_count_in_sample`` (off by default): the backends
     report the requests they hold (running + waiting) in the same scrape or push as their free GPU
@@ -821,6 +826,7 @@ class Picker(_Strict):
     request_classes: dict[str, RequestClassConfig] = Field(default_factory=dict)
     prefix_messages: int = Field(2, ge=0, le=1000)
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
+    prefix_cache_tokens: int = Field(500_000, ge=0, le=1_000_000_000)
     body_mode: Literal["streamed", "buffered"] = "buffered"
     shared_view: bool = True
     shared_view_interval_s: float = Field(0.01, gt=0, le=10)
@@ -860,7 +866,7 @@ class Picker(_Strict):
             return f"{{plugin: {plugin}, params: {{{shown}}}}}"
 
         plugins = ["failed-endpoints", "memory-admission", "bounded-load",
-                   *(["affinity-slack"] if "affinity-slack" in params else []), "least-loaded", "ring-affinity"]
+                   *(["affinity-slack"] if "affinity-slack" in params else []), "least-loaded", "prefix-cache"]
         raise FieldProblem(("picker", given[0]), (
             f"{', '.join('picker.' + n for n in given)} {'was' if len(given) == 1 else 'were'} removed: the "
             f"scheduling profile's plugins have these parameters now; write picker.profile: "

@@ -1,0 +1,216 @@
+"""The approximate prefix-cache index: which leading blocks of a prompt each endpoint was sent (pure).
+
+An engine with a prefix cache (vLLM's automatic prefix caching, SGLang's radix cache) keeps the KV
+blocks of the prompts it served and reuses the leading ones a new prompt shares; what it does not
+hold it must prefill. The picker cannot see those caches, but it chose where every prompt went, so
+it keeps, per endpoint, the chained hashes of the prompt blocks it sent there, bounded like the
+engine's cache: the approximate index of llm-d's ``approx-prefix-cache-producer`` (a per-endpoint
+LRU of the block hashes it routed, capacity the endpoint's KV blocks) and of SGLang's router (an
+approximate radix tree per worker, fed by its own routing).
+
+- **Blocks.** A prompt is its canonical bytes (:func:`prompt_bytes`: chat messages as role and text,
+  or a completion's prompt) cut into :data:`BLOCK_BYTES`-byte blocks; a partial last block is left
+  out (engines cache full blocks only) and at most :data:`MAX_BLOCKS` are kept.
+- **Chained hashes.** Block ``i``'s key covers blocks ``0..i``: two prompts share key ``i`` only if
+  their first ``i + 1`` blocks are equal, so a key stands for a whole prefix, as the engine's block
+  hashes do. The key is 64 bits: a CRC-32 and an Adler-32 of the whole prefix, each continued block
+  by block (zlib's, so the same key in every process and replica; not Python's ``hash()``). Both
+  are checksums, not cryptographic hashes, like the xxHash64 llm-d uses: a client that crafts a
+  collision only steers its own request's preference.
+- **Bound and eviction.** Each endpoint holds at most ``capacity`` keys (what its KV cache can
+  hold, in these blocks) and forgets the least recently sent first. A prompt's keys are refreshed
+  last block first, so a block's predecessor is always more recent than the block itself and is
+  evicted after it: an endpoint's keys are *prefix-closed* (it holds block ``i`` only if it holds
+  ``0..i-1``), as vLLM frees a finished request's blocks tail first so its prefix outlives its
+  tail. That is what makes the longest match a binary search.
+- **Score.** :meth:`PrefixIndex.matched` gives each endpoint's longest cached prefix (blocks);
+  matched / the prompt's blocks is the share of the prompt already cached there (0-1): the part the
+  engine will not prefill again.
+
+Approximate: the index learns only from the picker's own routing, so it does not see an engine's
+own evictions (KV pressure, a restart) nor the requests other gateways sent; the LRU bound keeps
+it from believing an endpoint holds more than its cache can. Deterministic: the same inserts give
+the same state and answers in every process.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "capacity_blocks", "prompt_bytes"]
+
+#: Bytes of prompt text per block: about 128 tokens at 4 characters a token (vLLM's KV blocks are
+#: 16 tokens; llm-d's approximate producer hashes 64-character blocks). Larger blocks cost fewer
+#: hash steps per request (a 6 000-token prompt is ~47 blocks) at the price of up to one block of
+#: match left uncounted at the end of a shared prefix.
+BLOCK_BYTES = 512
+#: Blocks hashed per prompt at most (128 KiB of text, ~32 000 tokens): llm-d's producer caps at 256 too.
+MAX_BLOCKS = 256
+
+_crc32 = zlib.crc32
+_adler32 = zlib.adler32
+
+
+def _text(content: object) -> str:
+    """The text of a chat message's ``content`` (a string, or a list of ``{"type": "text", "text"}`` parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def prompt_bytes(doc: Mapping[str, object]) -> bytes:
+    """The canonical bytes of an OpenAI body's prompt; ``b""`` when it has none.
+
+    Chat (``messages``): each message's role and text, ``role \\x1f text \\x1e``, in order (what a
+    chat template feeds the engine, without the template: the same messages give the same bytes
+    whatever the JSON's spacing or key order). Completions (``prompt``): the prompt string (the first
+    of a list of strings). UTF-8, lone surrogates kept.
+
+    >>> prompt_bytes({"messages": [{"role": "system", "content": "Hi"}]})
+    b'system\\x1fHi\\x1e'
+    >>> prompt_bytes({"prompt": ["abc", "def"]}), prompt_bytes({})
+    (b'abc', b'')
+    """
+    chat = doc.get("messages")
+    if isinstance(chat, list):
+        parts = []
+        for m in chat:
+            if isinstance(m, dict):
+                role = m.get("role")
+                parts.append(f"{role if isinstance(role, str) else ''}\x1f{_text(m.get('content'))}\x1e")
+        return "".join(parts).encode("utf-8", "surrogatepass")
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    return b""
+
+
+def block_hashes(data: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
+    """The chained 64-bit keys of ``data``'s full blocks (at most ``max_blocks``): key ``i`` covers
+    blocks ``0..i`` (see the module docstring); ``()`` for data shorter than one block.
+
+    Raises:
+        ValueError: ``block_bytes`` < 1.
+
+    >>> a, b = block_hashes(b"x" * 1100), block_hashes(b"x" * 1024 + b"y" * 512)
+    >>> len(a), a == b[:2], a[1] == b[1], len(b)
+    (2, True, True, 3)
+    """
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+    end = min(len(data) // block_bytes, max_blocks) * block_bytes
+    out = []
+    c, a = 0, 1
+    for i in range(block_bytes, end + 1, block_bytes):
+        block = data[i - block_bytes:i]
+        c = _crc32(block, c)
+        a = _adler32(block, a)
+        out.append(c << 32 | a)
+    return tuple(out)
+
+
+def capacity_blocks(kv_tokens: int, chars_per_token: float, block_bytes: int = BLOCK_BYTES) -> int:
+    """How many index blocks an endpoint whose KV cache holds ``kv_tokens`` tokens can hold (>= 1 for
+    a positive cache): a block is ``block_bytes`` of text, ``block_bytes / chars_per_token`` tokens.
+
+    >>> capacity_blocks(500_000, 4.0), capacity_blocks(1, 4.0), capacity_blocks(0, 4.0)
+    (3906, 1, 0)
+    """
+    if kv_tokens <= 0:
+        return 0
+    return max(1, int(kv_tokens * chars_per_token // block_bytes))
+
+
+class PrefixIndex:
+    """Per endpoint, an LRU set of the chained block keys the picker sent there (see the module
+    docstring), and when it was last sent a prompt (counted in prompts recorded, not in time).
+
+    Not thread-safe: the picker's single event loop owns it. Memory: one dictionary entry per held
+    key, at most the sum of the endpoints' capacities.
+    """
+
+    __slots__ = ("_held", "_last", "_seq")
+
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._last: dict[str, int] = {}
+        self._seq = 0
+
+    def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
+        """Record that ``endpoint`` was sent a prompt of keys ``blocks``: they become its most recently
+        used (last block first, so the prefix is the freshest), then its least recently used keys go
+        until it holds at most ``capacity`` (``capacity`` <= 0: nothing is kept for it)."""
+        self._seq += 1
+        self._last[endpoint] = self._seq
+        held = self._held.get(endpoint)
+        if held is None:
+            if capacity <= 0 or not blocks:
+                return
+            held = self._held[endpoint] = OrderedDict()
+        move = held.move_to_end
+        for key in reversed(blocks):
+            if key in held:
+                move(key)
+            else:
+                held[key] = None
+        while len(held) > capacity:
+            held.popitem(last=False)
+        if not held:
+            del self._held[endpoint]
+
+    def matched(self, blocks: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """``{endpoint: leading blocks of blocks it holds}`` for those of ``endpoints`` that hold at
+        least the first (missing: 0). A binary search per endpoint (its keys are prefix-closed):
+        ``O(log len(blocks))`` dictionary reads for each endpoint holding the first block, one for
+        the others."""
+        out: dict[str, int] = {}
+        if not blocks:
+            return out
+        first = blocks[0]
+        last = len(blocks) - 1
+        held_by = self._held
+        for e in endpoints:
+            held = held_by.get(e)
+            if held is None or first not in held:
+                continue
+            if blocks[last] in held:
+                out[e] = last + 1
+                continue
+            lo, hi = 0, last  # blocks[lo] held, blocks[hi] not
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if blocks[mid] in held:
+                    lo = mid
+                else:
+                    hi = mid
+            out[e] = lo + 1
+        return out
+
+    def last_sent(self, endpoint: str) -> int:
+        """The insert count when ``endpoint`` was last sent a prompt (0: never)."""
+        return self._last.get(endpoint, 0)
+
+    def held(self, endpoint: str) -> int:
+        """How many keys ``endpoint`` holds."""
+        held = self._held.get(endpoint)
+        return 0 if held is None else len(held)
+
+    def keys(self, endpoint: str) -> tuple[int, ...]:
+        """``endpoint``'s keys, least recently used first (for tests and the admin API)."""
+        return tuple(self._held.get(endpoint, ()))
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        """Forget every endpoint not in ``endpoints`` (it left the view)."""
+        keep = set(endpoints)
+        for e in [e for e in self._held if e not in keep]:
+            del self._held[e]
+
+    def __len__(self) -> int:
+        """Endpoints with at least one key."""
+        return len(self._held)

@@ -1,0 +1,222 @@
+"""The prefix-cache index (ext_proc/prefix_index.py): blocks and chained keys, the LRU bound, the
+eviction order (tails first), the longest match, determinism across processes, and its cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.prefix_index import (
+    BLOCK_BYTES,
+    MAX_BLOCKS,
+    PrefixIndex,
+    block_hashes,
+    capacity_blocks,
+    prompt_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def chat(*messages: tuple[str, str]) -> dict:
+    return {"messages": [{"role": r, "content": c} for r, c in messages]}
+
+
+# --- blocks and keys ------------------------------------------------------------------------------
+
+
+def test_prompt_bytes_reads_chat_parts_and_completions_alike():
+    assert prompt_bytes(chat(("system", "be brief"), ("user", "hi"))) == b"system\x1fbe brief\x1euser\x1fhi\x1e"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"},
+                                                       {"type": "text", "text": "b"}]}]}
+    assert prompt_bytes(parts) == b"user\x1fab\x1e"
+    assert prompt_bytes({"prompt": "once upon"}) == b"once upon"
+    assert prompt_bytes({"prompt": ["first", "second"]}) == b"first"
+    assert prompt_bytes({"model": "m"}) == b"" and prompt_bytes({"messages": "nope"}) == b""
+
+
+def test_json_spacing_and_key_order_do_not_change_the_keys():
+    doc = chat(("system", "s" * 3000), ("user", "q" * 700))
+    spaced = json.loads(json.dumps(doc, indent=3, sort_keys=True))
+    assert block_hashes(prompt_bytes(doc)) == block_hashes(prompt_bytes(spaced))
+    assert len(block_hashes(prompt_bytes(doc))) == len(prompt_bytes(doc)) // BLOCK_BYTES
+
+
+def test_only_full_blocks_count_and_at_most_max_blocks():
+    assert block_hashes(b"x" * (BLOCK_BYTES - 1)) == ()
+    assert len(block_hashes(b"x" * (BLOCK_BYTES * 3 + 7))) == 3
+    assert len(block_hashes(b"x" * BLOCK_BYTES * (MAX_BLOCKS + 5))) == MAX_BLOCKS
+    with pytest.raises(ValueError):
+        block_hashes(b"abc", block_bytes=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=0, max_size=3000), st.binary(min_size=1, max_size=2000), st.binary(min_size=1, max_size=2000),
+       st.integers(1, 300))
+def test_key_i_covers_exactly_blocks_0_to_i(shared, tail_a, tail_b, block):
+    """Two prompts share key i iff their first i + 1 blocks are equal (no collision in these draws)."""
+    a, b = shared + tail_a, shared + tail_b
+    ka, kb = block_hashes(a, block, 10_000), block_hashes(b, block, 10_000)
+    for i in range(min(len(ka), len(kb))):
+        same = a[:(i + 1) * block] == b[:(i + 1) * block]
+        assert (ka[i] == kb[i]) == same
+
+
+def test_capacity_in_blocks_follows_the_kv_cache():
+    assert capacity_blocks(500_000, 4.0) == 500_000 * 4 // BLOCK_BYTES
+    assert capacity_blocks(500_000, 2.0) == capacity_blocks(250_000, 4.0)
+    assert capacity_blocks(0, 4.0) == 0 and capacity_blocks(10, 4.0) == 1
+
+
+# --- the index: bound, eviction, longest match ----------------------------------------------------
+
+
+def keys(text: bytes) -> tuple[int, ...]:
+    return block_hashes(text, block_bytes=4, max_blocks=1000)
+
+
+def test_longest_match_per_endpoint():
+    index = PrefixIndex()
+    index.insert("a", keys(b"aaaabbbbcccc"), 100)
+    index.insert("b", keys(b"aaaabbbbdddd"), 100)
+    index.insert("c", keys(b"zzzzbbbbcccc"), 100)
+    assert index.matched(keys(b"aaaabbbbccccdddd"), ["a", "b", "c", "d"]) == {"a": 3, "b": 2}
+    assert index.matched(keys(b"aaaa"), ["a", "b", "c"]) == {"a": 1, "b": 1}
+    assert index.matched(keys(b"qqqq"), ["a", "b", "c"]) == {}
+    assert index.matched((), ["a"]) == {}
+    assert index.matched(keys(b"aaaabbbbcccc"), ["b"]) == {"b": 2}  # only the endpoints asked about
+
+
+def test_the_bound_holds_and_the_least_recently_sent_goes_first():
+    index = PrefixIndex()
+    one, two, three = keys(b"1111aaaa"), keys(b"2222bbbb"), keys(b"3333cccc")
+    index.insert("e", one, 4)
+    index.insert("e", two, 4)
+    assert index.held("e") == 4
+    index.insert("e", one, 4)  # refreshed: now two is the least recently sent
+    index.insert("e", three, 4)
+    assert index.held("e") == 4
+    assert index.matched(one, ["e"]) == {"e": 2} and index.matched(three, ["e"]) == {"e": 2}
+    assert index.matched(two, ["e"]) == {}
+
+
+def test_a_prompt_is_evicted_tail_first_so_its_prefix_outlives_it():
+    index = PrefixIndex()
+    long = keys(b"pppp" * 6)
+    index.insert("e", long, 6)
+    index.insert("e", keys(b"xxxxyyyy"), 6)  # two more blocks: two of long's must go
+    assert index.matched(long, ["e"]) == {"e": 4}
+    assert index.keys("e")[:2] == long[2:4][::-1]  # the next to go: long's tail, its last block first
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.lists(st.sampled_from([b"aaaa", b"bbbb", b"cccc"]),
+                                                           min_size=1, max_size=6)), min_size=1, max_size=40),
+       st.integers(1, 12))
+def test_bounded_prefix_closed_and_matches_a_plain_scan(inserts, capacity):
+    """Whatever is inserted: each endpoint holds at most ``capacity`` keys, its keys are prefix-closed,
+    and the binary-search match equals a walk over the blocks."""
+    index = PrefixIndex()
+    sent = []
+    for endpoint, parts in inserts:
+        ks = keys(b"".join(parts))
+        sent.append(ks)
+        index.insert(endpoint, ks, capacity)
+        assert index.held(endpoint) <= capacity
+    for e in "ab":
+        held = set(index.keys(e))
+        for ks in sent:
+            for i, k in enumerate(ks):
+                if k in held:
+                    assert set(ks[:i]) <= held
+            walked = 0
+            while walked < len(ks) and ks[walked] in held:
+                walked += 1
+            assert index.matched(ks, [e]).get(e, 0) == walked
+
+
+def test_no_capacity_keeps_nothing_and_retain_forgets_departed_endpoints():
+    index = PrefixIndex()
+    index.insert("a", keys(b"aaaa"), 0)
+    assert index.held("a") == 0 and len(index) == 0
+    index.insert("a", keys(b"aaaa"), 5)
+    index.insert("b", keys(b"bbbb"), 5)
+    index.retain(["b"])
+    assert index.held("a") == 0 and index.held("b") == 1 and len(index) == 1
+
+
+def test_last_sent_counts_prompts_recorded():
+    index = PrefixIndex()
+    assert index.last_sent("a") == 0
+    index.insert("a", keys(b"aaaa"), 5)
+    index.insert("b", keys(b"bbbb"), 5)
+    index.insert("a", keys(b"cccc"), 5)
+    assert (index.last_sent("a"), index.last_sent("b")) == (3, 2)
+
+
+# --- determinism across processes, cost ---------------------------------------------------------
+
+_CHILD = """
+import json, sys
+from ext_proc.prefix_index import PrefixIndex, block_hashes, prompt_bytes
+docs = json.loads(sys.stdin.read())
+index = PrefixIndex()
+out = []
+for i, doc in enumerate(docs):
+    ks = block_hashes(prompt_bytes(doc))
+    out.append([list(ks), index.matched(ks, ["a", "b", "c"])])
+    index.insert("abc"[i % 3], ks, 40)
+print(json.dumps([out, {e: list(index.keys(e)) for e in "abc"}]))
+"""
+
+
+def test_the_same_prompts_give_the_same_keys_and_index_in_another_process():
+    system = "You are a careful assistant. " * 80
+    docs = [chat(("system", system), ("user", f"question {i} " * (40 + i))) for i in range(12)]
+    docs.append({"prompt": "é☃\ud800 lone surrogate " * 60})
+    runs = []
+    for seed in ("0", "12345"):  # Python's own hash() differs between these: the keys must not
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(docs), capture_output=True, text=True,
+                              cwd=ROOT, env=env, check=True)
+        runs.append(json.loads(done.stdout))
+    assert runs[0] == runs[1]
+    assert runs[0][0][0][0] == list(block_hashes(prompt_bytes(docs[0])))  # and equal to this process's
+    assert any(m for _, m in runs[0][0][1:])  # the shared system prompt matched somewhere
+
+
+def test_cost_of_a_6000_token_prompt(capsys):
+    """Keys of a 6 000-token chat prompt (24 000 characters) and one lookup over 16 endpoints."""
+    doc = chat(("system", "s" * 24_000), ("user", "q" * 4_800))
+    data = prompt_bytes(doc)
+    index = PrefixIndex()
+    ks = block_hashes(data)
+    for i in range(16):
+        index.insert(f"10.0.0.{i}:8000", ks if i == 3 else block_hashes(bytes([i]) * len(data)), 4000)
+    endpoints = [f"10.0.0.{i}:8000" for i in range(16)]
+    assert index.matched(ks, endpoints) == {"10.0.0.3:8000": len(ks)}
+
+    def best_of(fn, n=200):
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - start) / n)
+        return best * 1e6
+
+    keys_us = best_of(lambda: block_hashes(prompt_bytes(doc)))
+    match_us = best_of(lambda: index.matched(ks, endpoints))
+    insert_us = best_of(lambda: index.insert("10.0.0.3:8000", ks, 4000))
+    with capsys.disabled():
+        print(f"\nprefix index, 6 000-token prompt ({len(ks)} blocks): keys {keys_us:.1f} us, "
+              f"match over 16 endpoints {match_us:.1f} us, insert {insert_us:.1f} us")
+    assert match_us < 100 and keys_us < 500 and insert_us < 500  # generous: a shared 2-core machine
