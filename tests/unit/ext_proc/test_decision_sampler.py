@@ -37,7 +37,7 @@ def test_every_nth_decision_is_kept_newest_first_and_bounded():
     assert all(d.reason in ("affinity", "spilled") and d.cluster == "llm-v1" and d.endpoint.startswith("10.0.0.")
                for d in kept)
     # Each names the scheduling plugins that decided it (the admin API shows them).
-    assert {d.plugins for d in kept} <= {"ring-affinity", "bounded-load+ring-affinity"}
+    assert {d.plugins for d in kept} <= {"prefix-cache", "bounded-load+prefix-cache"}
     assert kept[0].as_dict()["plugins"] == kept[0].plugins
     assert sampler.recent(limit=1) == kept[:1]
 

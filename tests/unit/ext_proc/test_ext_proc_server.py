@@ -92,7 +92,7 @@ def set_headers(response: pb.ProcessingResponse) -> dict[str, bytes]:
 
 async def test_session_request_sets_cluster_and_override_host(stub, handler):
     before = counter("inferlb_ext_proc_decisions_total", outcome="affinity")
-    by_ring = counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="ring-affinity")
+    by_ring = counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="prefix-cache")
     [response] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert response.WhichOneof("response") == "request_headers"
     assert response.request_headers.response.clear_route_cache is True
@@ -106,7 +106,7 @@ async def test_session_request_sets_cluster_and_override_host(stub, handler):
     assert set_headers(again) == got
     assert counter("inferlb_ext_proc_decisions_total", outcome="affinity") == before + 2
     # The plugins that decided: the default profile's picker kept the key's endpoint, then the pin.
-    assert counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="ring-affinity") == by_ring + 2
+    assert counter("inferlb_ext_proc_decisions_total", outcome="affinity", plugins="prefix-cache") == by_ring + 2
 
 
 async def test_a_request_without_session_is_pinned_too(stub):

@@ -152,10 +152,10 @@ def test_the_default_profiles_decisions_name_their_plugins_from_a_bounded_set():
     labels = set().union(*seen.values())
     assert all(set(label.split("+")) <= names for label in labels)
     assert len(labels) <= 2 ** len(DEFAULT_STEPS)
-    assert seen["affinity"] <= {"ring-affinity", "failed-endpoints+ring-affinity"}  # (a repin's walk)
+    assert seen["affinity"] <= {"prefix-cache", "failed-endpoints+prefix-cache"}  # (a repin's walk)
     assert seen["least-loaded"] == {"least-loaded"}
-    assert "bounded-load+ring-affinity" in seen["spilled"]
-    assert "memory-admission+ring-affinity" in seen["memory"] and "bounded-load+least-loaded" in seen["memory"]
+    assert "bounded-load+prefix-cache" in seen["spilled"]
+    assert "memory-admission+prefix-cache" in seen["memory"] and "bounded-load+least-loaded" in seen["memory"]
     assert seen["no-memory"] <= {"memory-admission", "failed-endpoints+memory-admission", "failed-endpoints"}
 
 

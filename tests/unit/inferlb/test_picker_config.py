@@ -157,7 +157,7 @@ def test_the_knobs_the_profile_replaced_are_refused_with_what_to_write(old, writ
     with pytest.raises(ConfigError, match="removed") as err:
         config(picker=old)
     assert write in str(err.value) and all(f"picker.{name}" in str(err.value) for name in old)
-    assert "{plugin: ring-affinity}" in str(err.value)  # the whole profile to write: today's with the value
+    assert "{plugin: prefix-cache}" in str(err.value)  # the whole profile to write: today's with the value
 
 
 def test_the_pickers_protocol_reaches_a_standalone_picker_and_bad_ones_are_refused():
