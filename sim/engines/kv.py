@@ -51,11 +51,13 @@ def chain_hashes(tokens: Sequence[int], block_size: int, *, start: int = 0,
     processes and runs.
     """
     out: list[int] = []
+    append = out.append
     prev = parent
     tokens = tuple(tokens)
-    for i in range(start, len(tokens) // block_size):
-        prev = hash((prev, tokens[i * block_size:(i + 1) * block_size]))
-        out.append(prev)
+    blocks = iter(tokens[start * block_size:len(tokens) // block_size * block_size])
+    for block in zip(*[blocks] * block_size, strict=False):  # the blocks' tuples, cut in C (the tail is whole)
+        prev = hash((prev, block))
+        append(prev)
     return out
 
 
@@ -110,24 +112,21 @@ class BlockPool:
         """Blocks with a key (in use or not)."""
         return len(self._cached)
 
-    def is_free(self, block: int) -> bool:
-        """True when no request uses ``block``."""
-        return self._ref[block] == 0
-
     # --- the prefix cache -----------------------------------------------------------------------
 
     def hits(self, keys: Sequence[int], max_blocks: int) -> list[int]:
         """Blocks of the longest run of leading ``keys`` (at most ``max_blocks``) that are cached."""
-        out: list[int] = []
-        if not self.caching:
-            return out
         cached = self._cached
-        for key in keys[:max_blocks]:
-            block = cached.get(key)
-            if block is None:
-                break
-            out.append(block)
+        if not self.caching or max_blocks <= 0 or not keys or keys[0] not in cached:
+            return []
+        out = list(map(cached.get, keys[:max_blocks]))  # looked up in C; cut at the first miss
+        if None in out:
+            del out[out.index(None):]
         return out
+
+    def count_free(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` no request uses."""
+        return list(map(self._ref.__getitem__, blocks)).count(0)
 
     def store(self, blocks: Sequence[int], keys: Sequence[int], token_ids: Sequence[int],
               parent: int | None, now_s: float) -> None:
@@ -135,13 +134,22 @@ class BlockPool:
         ``parent``: the key before the first (None at a sequence's start). One ``BlockStored``."""
         if not self.caching or not blocks:
             return
-        stored: list[int] = []
-        for block, key in zip(blocks, keys, strict=True):
-            if key in self._cached or self._key[block] is not None:
-                continue
-            self._key[block] = key
-            self._cached[key] = block
-            stored.append(key)
+        cached, block_key = self._cached, self._key
+        new = dict(zip(keys, blocks, strict=True))
+        if (len(new) == len(keys) and cached.keys().isdisjoint(new)
+                and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)):
+            cached.update(new)  # the usual case, in C: fresh blocks, keys not cached yet
+            for block, key in zip(blocks, keys, strict=True):
+                block_key[block] = key
+            stored = list(keys)
+        else:
+            stored = []
+            for block, key in zip(blocks, keys, strict=True):
+                if key in cached or block_key[block] is not None:
+                    continue
+                block_key[block] = key
+                cached[key] = block
+                stored.append(key)
         if stored and self._events is not None:
             self._events.append(BlockStored(now_s, tuple(stored), parent, tuple(token_ids), self.block_size))
 

@@ -278,7 +278,13 @@ class LlmEngine:
                 "Please reduce the length of the messages or completion."))
             return
         if self.spec.prefix_caching:
-            s.keys = self._chain(s, 0, s.n_prompt // self._bs)
+            if request.block_keys is None:
+                s.keys = self._chain(s, 0, s.n_prompt // self._bs)
+            elif len(request.block_keys) == s.n_prompt // self._bs:
+                s.keys = list(request.block_keys)
+            else:
+                raise ValueError(f"request {request.request_id!r}: {len(request.block_keys)} block keys for "
+                                 f"{s.n_prompt // self._bs} full blocks of {self._bs} tokens")
         self._by_id[request.request_id] = s
         if not self._running and not self._waiting and self._plan is None:
             self._t = max(self._t, now_s)  # an idle engine starts a step at once
@@ -449,7 +455,7 @@ class LlmEngine:
         computed = len(hits) * self._bs
         chunk = min(n_tok - computed, budget)
         new = -(-(computed + chunk) // self._bs) - len(hits)
-        return hits, chunk, new + sum(1 for b in hits if self._pool.is_free(b))
+        return hits, chunk, new + self._pool.count_free(hits)
 
     def _plan_step(self) -> _Step:
         """One step with prefill work: decoders, running prefills (chunked), then admissions."""
