@@ -89,6 +89,9 @@ class BlockPool:
         self._events: list[KvEvent] | None = [] if record_events else None
         self._anonymous = 0  # blocks held anonymously
         self.evicted = 0
+        #: Grows whenever the prefix cache or a block's users change (what :meth:`hits` and
+        #: :meth:`count_free` answer): a caller may keep their answers while it stays the same.
+        self.version = 0
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -150,6 +153,8 @@ class BlockPool:
                 block_key[block] = key
                 cached[key] = block
                 stored.append(key)
+        if stored:
+            self.version += 1
         if stored and self._events is not None:
             self._events.append(BlockStored(now_s, tuple(stored), parent, tuple(token_ids), self.block_size))
 
@@ -157,11 +162,15 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """A request starts using ``blocks`` (its prefix-cache hits): off the free queue, one more user."""
+        self.version += 1
         ref = self._ref
+        was_free = 0
         for b in blocks:
-            if ref[b] == 0:
-                self._num_free -= 1  # its queue entry goes stale
-            ref[b] += 1
+            r = ref[b]
+            if not r:
+                was_free += 1  # its queue entry goes stale
+            ref[b] = r + 1
+        self._num_free -= was_free
 
     def take(self, n: int, now_s: float) -> list[int]:
         """``n`` blocks from the head of the free queue, evicting their keys. Raises ValueError when
@@ -180,8 +189,10 @@ class BlockPool:
         """Take ``n`` blocks from the queue's head: by id into ``out``, or anonymously (None)."""
         if n > self._num_free:
             raise ValueError(f"{n} KV blocks asked, {self._num_free} free")
+        self.version += 1
         evicted: list[int] = []
-        queue, stamp, ref, keys, spare = self._queue, self._stamp, self._ref, self._key, self._spare
+        queue, stamp, ref, keys, spare, cached = \
+            self._queue, self._stamp, self._ref, self._key, self._spare, self._cached
         need = n
         while need:
             entry = queue.popleft()
@@ -203,7 +214,7 @@ class BlockPool:
             key = keys[b]
             if key is not None:
                 keys[b] = None
-                del self._cached[key]
+                del cached[key]
                 evicted.append(key)
             need -= 1
             if out is None:
@@ -224,6 +235,7 @@ class BlockPool:
             raise ValueError(f"{n} anonymous KV blocks asked, {self._anonymous} held")
         if not n:
             return []
+        self.version += 1
         self._anonymous -= n
         out = self._spare[-n:]
         del self._spare[-n:]
@@ -250,23 +262,36 @@ class BlockPool:
     def release(self, blocks: Sequence[int]) -> None:
         """A request gives ``blocks`` back (tail first): a block no one uses joins the free queue's
         end and keeps its key until taken (an unkeyed one joins as part of a run, without its id)."""
+        self.version += 1
         ref, stamp, keys, queue, spare = self._ref, self._stamp, self._key, self._queue, self._spare
+        run = 0  # unkeyed blocks freed since the last keyed one: they join as one run
+        keyed = 0
         for b in reversed(blocks):
-            ref[b] -= 1
-            if ref[b] == 0:
-                stamp[b] += 1
-                if keys[b] is None:
-                    spare.append(b)
-                    self._append_run(1)
-                else:
-                    queue.append(stamp[b] << _ID_BITS | b)
-                    self._num_free += 1
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            st = stamp[b] + 1
+            stamp[b] = st
+            if keys[b] is None:
+                spare.append(b)
+                run += 1
+            else:
+                if run:
+                    self._append_run(run)
+                    run = 0
+                queue.append(st << _ID_BITS | b)
+                keyed += 1
+        if run:
+            self._append_run(run)
+        self._num_free += keyed
 
     def reset(self, now_s: float) -> bool:
         """Drop every key (vLLM's ``reset_prefix_cache``); refused (False) while a request holds
         blocks. One ``AllBlocksCleared``."""
         if self.num_used:
             return False
+        self.version += 1
         self._cached.clear()
         self._key = [None] * self.num_blocks
         if self._events is not None:
