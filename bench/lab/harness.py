@@ -42,6 +42,7 @@ from bench.lab.policy import (
 )
 from bench.lab.slowloop import EndpointCounters, SlowLoop
 from bench.lab.workloads.base import Draft, Sizing, Workload
+from bench.lab.workloads.tokens import prompt_keys
 from sim.engines.api import FAIL_OOM, EngineRequest, Failed
 from sim.engines.api import Finished as EngineFinished
 from sim.engines.api import FirstToken as EngineFirstToken
@@ -333,8 +334,9 @@ class _Run:
         p = self.long_tail.get(address, 0.0)
         slowdown = LONG_TAIL_FACTOR if p and self.rng.random() < p else 1.0
         self.by_request[rec.id] = (address, g)
+        keys = prompt_keys(draft.prompt, handle.block_size) if handle.kind == "llm" else None
         handle.engine.submit(EngineRequest(str(rec.id), draft.prompt.token_ids, draft.output_tokens, now,
-                                           draft.memory_mib, slowdown), now)
+                                           draft.memory_mib, slowdown, keys), now)
         self.rekey(address)
         self.drain_kv(address)
 

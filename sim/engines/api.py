@@ -63,7 +63,10 @@ class EngineRequest:
     e.g. an image job; MiB; None = from its tokens; the ``llm`` engine ignores it).
     ``slowdown``: the simulator's long-tail fault: the request runs this many times slower
     (``job``: every time x ``slowdown``; ``llm``: it takes part in one step out of ``slowdown``,
-    rounded; 1 = normal).
+    rounded; 1 = normal). ``block_keys``: the keys of the prompt's full blocks
+    (:func:`sim.engines.kv.chain_hashes` at the engine's block size) when the caller has them, so a
+    prompt sent many times is hashed once (the policy lab keeps them per prompt); None: the engine
+    computes them.
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class EngineRequest:
     arrival_s: float
     memory_mib: float | None = None
     slowdown: float = 1.0
+    block_keys: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -51,11 +51,13 @@ def chain_hashes(tokens: Sequence[int], block_size: int, *, start: int = 0,
     processes and runs.
     """
     out: list[int] = []
+    append = out.append
     prev = parent
     tokens = tuple(tokens)
-    for i in range(start, len(tokens) // block_size):
-        prev = hash((prev, tokens[i * block_size:(i + 1) * block_size]))
-        out.append(prev)
+    blocks = iter(tokens[start * block_size:len(tokens) // block_size * block_size])
+    for block in zip(*[blocks] * block_size, strict=False):  # the blocks' tuples, cut in C (the tail is whole)
+        prev = hash((prev, block))
+        append(prev)
     return out
 
 
@@ -87,6 +89,9 @@ class BlockPool:
         self._events: list[KvEvent] | None = [] if record_events else None
         self._anonymous = 0  # blocks held anonymously
         self.evicted = 0
+        #: Grows whenever the prefix cache or a block's users change (what :meth:`hits` and
+        #: :meth:`count_free` answer): a caller may keep their answers while it stays the same.
+        self.version = 0
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -110,24 +115,21 @@ class BlockPool:
         """Blocks with a key (in use or not)."""
         return len(self._cached)
 
-    def is_free(self, block: int) -> bool:
-        """True when no request uses ``block``."""
-        return self._ref[block] == 0
-
     # --- the prefix cache -----------------------------------------------------------------------
 
     def hits(self, keys: Sequence[int], max_blocks: int) -> list[int]:
         """Blocks of the longest run of leading ``keys`` (at most ``max_blocks``) that are cached."""
-        out: list[int] = []
-        if not self.caching:
-            return out
         cached = self._cached
-        for key in keys[:max_blocks]:
-            block = cached.get(key)
-            if block is None:
-                break
-            out.append(block)
+        if not self.caching or max_blocks <= 0 or not keys or keys[0] not in cached:
+            return []
+        out = list(map(cached.get, keys[:max_blocks]))  # looked up in C; cut at the first miss
+        if None in out:
+            del out[out.index(None):]
         return out
+
+    def count_free(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` no request uses."""
+        return list(map(self._ref.__getitem__, blocks)).count(0)
 
     def store(self, blocks: Sequence[int], keys: Sequence[int], token_ids: Sequence[int],
               parent: int | None, now_s: float) -> None:
@@ -135,13 +137,24 @@ class BlockPool:
         ``parent``: the key before the first (None at a sequence's start). One ``BlockStored``."""
         if not self.caching or not blocks:
             return
-        stored: list[int] = []
-        for block, key in zip(blocks, keys, strict=True):
-            if key in self._cached or self._key[block] is not None:
-                continue
-            self._key[block] = key
-            self._cached[key] = block
-            stored.append(key)
+        cached, block_key = self._cached, self._key
+        new = dict(zip(keys, blocks, strict=True))
+        if (len(new) == len(keys) and cached.keys().isdisjoint(new)
+                and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)):
+            cached.update(new)  # the usual case, in C: fresh blocks, keys not cached yet
+            for block, key in zip(blocks, keys, strict=True):
+                block_key[block] = key
+            stored = list(keys)
+        else:
+            stored = []
+            for block, key in zip(blocks, keys, strict=True):
+                if key in cached or block_key[block] is not None:
+                    continue
+                block_key[block] = key
+                cached[key] = block
+                stored.append(key)
+        if stored:
+            self.version += 1
         if stored and self._events is not None:
             self._events.append(BlockStored(now_s, tuple(stored), parent, tuple(token_ids), self.block_size))
 
@@ -149,11 +162,15 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """A request starts using ``blocks`` (its prefix-cache hits): off the free queue, one more user."""
+        self.version += 1
         ref = self._ref
+        was_free = 0
         for b in blocks:
-            if ref[b] == 0:
-                self._num_free -= 1  # its queue entry goes stale
-            ref[b] += 1
+            r = ref[b]
+            if not r:
+                was_free += 1  # its queue entry goes stale
+            ref[b] = r + 1
+        self._num_free -= was_free
 
     def take(self, n: int, now_s: float) -> list[int]:
         """``n`` blocks from the head of the free queue, evicting their keys. Raises ValueError when
@@ -172,8 +189,10 @@ class BlockPool:
         """Take ``n`` blocks from the queue's head: by id into ``out``, or anonymously (None)."""
         if n > self._num_free:
             raise ValueError(f"{n} KV blocks asked, {self._num_free} free")
+        self.version += 1
         evicted: list[int] = []
-        queue, stamp, ref, keys, spare = self._queue, self._stamp, self._ref, self._key, self._spare
+        queue, stamp, ref, keys, spare, cached = \
+            self._queue, self._stamp, self._ref, self._key, self._spare, self._cached
         need = n
         while need:
             entry = queue.popleft()
@@ -195,7 +214,7 @@ class BlockPool:
             key = keys[b]
             if key is not None:
                 keys[b] = None
-                del self._cached[key]
+                del cached[key]
                 evicted.append(key)
             need -= 1
             if out is None:
@@ -216,6 +235,7 @@ class BlockPool:
             raise ValueError(f"{n} anonymous KV blocks asked, {self._anonymous} held")
         if not n:
             return []
+        self.version += 1
         self._anonymous -= n
         out = self._spare[-n:]
         del self._spare[-n:]
@@ -242,23 +262,36 @@ class BlockPool:
     def release(self, blocks: Sequence[int]) -> None:
         """A request gives ``blocks`` back (tail first): a block no one uses joins the free queue's
         end and keeps its key until taken (an unkeyed one joins as part of a run, without its id)."""
+        self.version += 1
         ref, stamp, keys, queue, spare = self._ref, self._stamp, self._key, self._queue, self._spare
+        run = 0  # unkeyed blocks freed since the last keyed one: they join as one run
+        keyed = 0
         for b in reversed(blocks):
-            ref[b] -= 1
-            if ref[b] == 0:
-                stamp[b] += 1
-                if keys[b] is None:
-                    spare.append(b)
-                    self._append_run(1)
-                else:
-                    queue.append(stamp[b] << _ID_BITS | b)
-                    self._num_free += 1
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            st = stamp[b] + 1
+            stamp[b] = st
+            if keys[b] is None:
+                spare.append(b)
+                run += 1
+            else:
+                if run:
+                    self._append_run(run)
+                    run = 0
+                queue.append(st << _ID_BITS | b)
+                keyed += 1
+        if run:
+            self._append_run(run)
+        self._num_free += keyed
 
     def reset(self, now_s: float) -> bool:
         """Drop every key (vLLM's ``reset_prefix_cache``); refused (False) while a request holds
         blocks. One ``AllBlocksCleared``."""
         if self.num_used:
             return False
+        self.version += 1
         self._cached.clear()
         self._key = [None] * self.num_blocks
         if self._events is not None:

@@ -124,7 +124,7 @@ class _Seq:
 
     __slots__ = ("req", "order", "n_prompt", "target", "pace", "keys", "blocks", "n_keyed", "phase",
                  "computed", "base", "g0", "run_seq", "cached_tokens", "preemptions", "scheduled_s",
-                 "first_token_s", "reported", "report_s", "ver", "alive")
+                 "first_token_s", "reported", "report_s", "ver", "alive", "hit_memo")
 
     def __init__(self, req: EngineRequest, order: int, pace: int) -> None:
         self.req = req
@@ -148,6 +148,7 @@ class _Seq:
         self.report_s = 0.0            # time of the last reported token
         self.ver = 0                   # bumped whenever entries scheduled for it go stale
         self.alive = True
+        self.hit_memo: tuple[int, int, list[int], int] | None = None  # (pool version, max hit, hits, free)
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Ids of the sequence's tokens ``start``..``end - 1`` (prompt, then generated)."""
@@ -278,7 +279,13 @@ class LlmEngine:
                 "Please reduce the length of the messages or completion."))
             return
         if self.spec.prefix_caching:
-            s.keys = self._chain(s, 0, s.n_prompt // self._bs)
+            if request.block_keys is None:
+                s.keys = self._chain(s, 0, s.n_prompt // self._bs)
+            elif len(request.block_keys) == s.n_prompt // self._bs:
+                s.keys = list(request.block_keys)
+            else:
+                raise ValueError(f"request {request.request_id!r}: {len(request.block_keys)} block keys for "
+                                 f"{s.n_prompt // self._bs} full blocks of {self._bs} tokens")
         self._by_id[request.request_id] = s
         if not self._running and not self._waiting and self._plan is None:
             self._t = max(self._t, now_s)  # an idle engine starts a step at once
@@ -441,15 +448,23 @@ class LlmEngine:
         waiting ``s`` with ``budget`` tokens left."""
         n_tok = s.n_prompt + s.base
         hits: list[int] = []
+        free = 0
         if self.spec.prefix_caching:
             max_hit = (n_tok - 1) // self._bs  # the last token is always computed (its logits)
-            if len(s.keys) < max_hit:
-                s.keys += self._chain(s, len(s.keys), max_hit)
-            hits = self._pool.hits(s.keys, max_hit)
+            pool = self._pool
+            memo = s.hit_memo
+            if memo is not None and memo[0] == pool.version and memo[1] == max_hit:
+                hits, free = memo[2], memo[3]  # asked again with the cache unchanged (the head of the queue)
+            else:
+                if len(s.keys) < max_hit:
+                    s.keys += self._chain(s, len(s.keys), max_hit)
+                hits = pool.hits(s.keys, max_hit)
+                free = pool.count_free(hits)
+                s.hit_memo = (pool.version, max_hit, hits, free)
         computed = len(hits) * self._bs
         chunk = min(n_tok - computed, budget)
         new = -(-(computed + chunk) // self._bs) - len(hits)
-        return hits, chunk, new + sum(1 for b in hits if self._pool.is_free(b))
+        return hits, chunk, new + free
 
     def _plan_step(self) -> _Step:
         """One step with prefill work: decoders, running prefills (chunked), then admissions."""

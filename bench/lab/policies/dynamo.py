@@ -18,34 +18,23 @@ design they describe:
   there) / block_size + (active decode blocks + this request's blocks)``; the lowest cost wins,
   ties drawn at random.
 
-The block keys are the engines' own (:func:`sim.engines.kv.chain_hashes`): a request's keys are
-computed from its tokens exactly as the engine keys the blocks it reports. The router's active
+The block keys are the engines' own (:func:`sim.engines.kv.chain_hashes`, via
+:func:`bench.lab.workloads.tokens.prompt_keys`): a request's keys are computed from its tokens exactly as
+the engine keys the blocks it reports. The router's active
 blocks grow with the prompt only (this router sees no per-token stream from the lab's engines: a
 request's output blocks are not counted until it ends).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 from bench.lab.policies.kvindex import KvIndex
 from bench.lab.policies.proxy import ProxyPolicy
-from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Prompt, Request
-from sim.engines.kv import chain_hashes
+from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Request
+from bench.lab.workloads.tokens import prompt_keys
 
 __all__ = ["DynamoKv"]
-
-_KEYS: weakref.WeakKeyDictionary[Prompt, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def prompt_keys(prompt: Prompt, block_size: int) -> tuple[int, ...]:
-    """The engine's block keys of ``prompt``'s full blocks (kept per prompt object)."""
-    got = _KEYS.get(prompt)
-    if got is None or got[0] != block_size:
-        got = _KEYS[prompt] = (block_size, tuple(chain_hashes(prompt.token_ids, block_size)))
-    return got[1]
-
 
 class DynamoKv(ProxyPolicy):
     """Dynamo's KV router (see the module docstring for the source of each rule).

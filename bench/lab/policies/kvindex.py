@@ -38,11 +38,7 @@ class KvIndex:
     def overlap(self, keys: Sequence[int], endpoint: str) -> int:
         """Leading blocks of ``keys`` the endpoint holds."""
         held = self.cached.get(endpoint)
-        if not held:
+        if not held or not keys or keys[0] not in held:
             return 0
-        n = 0
-        for k in keys:
-            if k not in held:
-                break
-            n += 1
-        return n
+        found = list(map(held.__contains__, keys))  # looked up in C; the walk stops at the first miss
+        return found.index(False) if False in found else len(found)

@@ -31,9 +31,10 @@ Hashes here are BLAKE2b (theirs: xxHash64); the chain and what it covers are the
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import chain, repeat
 
 import orjson
 
@@ -89,35 +90,44 @@ class _Index:
         self.holders: dict[int, dict[str, None]] = {}
 
     def add(self, hashes: Sequence[int], endpoint: str, capacity: int) -> None:
+        """``hashes`` were sent to ``endpoint``: each moves to the newest end of its LRU (inserted
+        when absent), the oldest going out while the LRU holds more than its capacity."""
         lru = self.lru.get(endpoint)
         if lru is None:
             lru = self.lru[endpoint] = OrderedDict()
             self.capacity[endpoint] = capacity
         cap = self.capacity[endpoint]
+        holders = self.holders
+        if cap < len(hashes) or len(dict.fromkeys(hashes)) < len(hashes):
+            for h in hashes:  # one by one: a hash may go out before its turn comes
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    lru[h] = None
+                    if len(lru) > cap:
+                        self._drop(lru.popitem(last=False)[0], endpoint)
+        else:
+            # the same result in bulk: the hashes leave and join the newest end in order, then the
+            # oldest go (none of them, as the capacity holds them all)
+            deque(map(lru.pop, hashes, repeat(None)), maxlen=0)
+            lru.update(dict.fromkeys(hashes))
+            while len(lru) > cap:
+                self._drop(lru.popitem(last=False)[0], endpoint)
         for h in hashes:
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                if len(lru) > cap:
-                    old, _ = lru.popitem(last=False)
-                    holders = self.holders[old]
-                    del holders[endpoint]
-                    if not holders:
-                        del self.holders[old]
-        for h in hashes:
-            self.holders.setdefault(h, {})[endpoint] = None
+            holders.setdefault(h, {})[endpoint] = None
+
+    def _drop(self, h: int, endpoint: str) -> None:
+        held = self.holders[h]
+        del held[endpoint]
+        if not held:
+            del self.holders[h]
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """``{endpoint: hashes it holds}`` walking ``hashes`` until one no endpoint holds."""
-        out: dict[str, int] = {}
-        for h in hashes:
-            holders = self.holders.get(h)
-            if not holders:
-                break
-            for e in holders:
-                out[e] = out.get(e, 0) + 1
-        return out
+        found = list(map(self.holders.get, hashes))  # looked up in C; cut at the first hash no one holds
+        if None in found:
+            del found[found.index(None):]
+        return Counter(chain.from_iterable(found))
 
 
 class LlmD(ProxyPolicy):

@@ -31,10 +31,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from bench.lab.policies.dynamo import prompt_keys
 from bench.lab.policies.kvindex import KvIndex
 from bench.lab.policies.proxy import ProxyPolicy
 from bench.lab.policy import Endpoint, Finished, FirstToken, KvEvents, Needs, Progress, Request
+from bench.lab.workloads.tokens import prompt_keys
 
 __all__ = ["Oracle"]
 

@@ -9,12 +9,15 @@ tokenized by :class:`Tokenizer`, each distinct text once.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
-from bench.lab.policy import Message
+from bench.lab.policy import Message, Prompt
+from sim.engines.kv import chain_hashes
 from sim.tokens import VOCAB_SIZE, tokenize
 
-__all__ = ["CHARS_PER_TOKEN", "Synth", "Tokenizer", "render"]
+__all__ = ["CHARS_PER_TOKEN", "Synth", "Tokenizer", "prompt_keys", "render"]
 
 #: Characters per synthetic token: three base-36 digits and a space.
 CHARS_PER_TOKEN = 4
@@ -67,3 +70,17 @@ class Tokenizer:
     def message(self, role: str | None, text: str) -> Message:
         """A message of ``text`` with its token ids."""
         return Message(role, text, self(text))
+
+
+_KEYS: weakref.WeakKeyDictionary[Prompt, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def prompt_keys(prompt: Prompt, block_size: int) -> tuple[int, ...]:
+    """The engines' keys of ``prompt``'s full blocks of ``block_size`` tokens
+    (:func:`sim.engines.kv.chain_hashes`), made once per prompt object and kept while it lives: a
+    prompt sent many times (a shared prefix's users) is hashed once for the engines
+    (:attr:`sim.engines.api.EngineRequest.block_keys`) and the routers that key it (Dynamo's, the oracle)."""
+    got = _KEYS.get(prompt)
+    if got is None or got[0] != block_size:
+        got = _KEYS[prompt] = (block_size, tuple(chain_hashes(prompt.token_ids, block_size)))
+    return got[1]

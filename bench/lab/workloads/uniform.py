@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from bench.lab.policy import Message, Prompt
 from bench.lab.workloads.base import Draft, Sizing, poisson
-from bench.lab.workloads.tokens import Synth, render
+from bench.lab.workloads.tokens import CHARS_PER_TOKEN, Synth, render
 
 __all__ = ["Uniform"]
 
@@ -37,18 +38,24 @@ class Uniform:
     pool_tokens: int = 1 << 20
     seed: int = 2
     name: str = "uniform"
-    _pool: np.ndarray | None = field(default=None, repr=False)
 
     def arrivals(self, qps: float, duration_s: float, sizing: Sizing, rng: random.Random
                  ) -> Iterator[tuple[float, Draft]]:
-        if self._pool is None:
-            self._pool = np.asarray(Synth(self.seed).ids(self.pool_tokens), dtype=np.int64)
-        pool = self._pool
+        ids, text = _token_pool(self.seed, self.pool_tokens)
         lo, hi = self.prompt_tokens
         for t in poisson(rng, qps, 0.0, duration_s):
             n = rng.randint(lo, hi)
-            start = rng.randrange(len(pool) - n)
-            ids = pool[start:start + n]
-            prompt = Prompt((Message("user", render(ids), tuple(ids.tolist())),))
+            start = rng.randrange(len(ids) - n)
+            prompt = Prompt((Message("user", text[CHARS_PER_TOKEN * start:CHARS_PER_TOKEN * (start + n)],
+                                     ids[start:start + n]),))
             out = rng.randint(*self.output_tokens)
             yield t, Draft(prompt, out, out)
+
+
+@lru_cache(maxsize=2)
+def _token_pool(seed: int, n: int) -> tuple[tuple[int, ...], str]:
+    """The pool of ``n`` token ids of ``seed`` and its text (:func:`~bench.lab.workloads.tokens.render`:
+    :data:`~bench.lab.workloads.tokens.CHARS_PER_TOKEN` characters per id, so a slice of ids and the
+    same slice of the text go together), made once per process: a prompt is two slices."""
+    ids = Synth(seed).ids(n)
+    return ids, render(np.asarray(ids, dtype=np.int64))

@@ -430,6 +430,20 @@ def test_kv_events_as_vllm_publishes_them():
     assert eng.drain_kv_events() == [AllBlocksCleared(t)]
 
 
+def test_block_keys_given_by_the_caller_are_the_ones_the_engine_would_compute():
+    shared = prompt(5, 160)
+    runs = []
+    for given in (False, True):
+        eng = LlmEngine("a10", kv_events=True)
+        arrivals = [(0.1 * i, EngineRequest(f"r{i}", shared + prompt(10 + i, 40 + i), 8, 0.1 * i,
+                                            block_keys=tuple(chain_hashes(shared + prompt(10 + i, 40 + i), 16))
+                                            if given else None)) for i in range(6)]
+        runs.append((drive(eng, arrivals), eng.drain_kv_events(), eng.stats()))
+    assert runs[0] == runs[1] and runs[0][2].prefix_hits > 0
+    with pytest.raises(ValueError, match="block keys"):
+        LlmEngine("a10").submit(EngineRequest("x", shared, 8, 0.0, block_keys=(1, 2)), 0.0)
+
+
 def test_capacity_from_memory():
     """(80 GiB x 0.9 - 14.96 GiB weights - 3.05 GiB reserve) / 2 MiB per block (16 x 128 KiB)."""
     assert kv_cache_blocks(LLAMA, 81920, block_size=16) == int((72 - 14.96 - 3.05) * 1024 / 2)

@@ -167,8 +167,9 @@ def test_sglang_sends_a_miss_to_the_worker_with_the_smallest_tree() -> None:
 
 
 def test_dynamo_cost_is_overlap_weight_times_uncached_prefill_plus_active_decode_blocks() -> None:
-    from bench.lab.policies.dynamo import DynamoKv, prompt_keys
+    from bench.lab.policies.dynamo import DynamoKv
     from bench.lab.policy import KvEvents
+    from bench.lab.workloads.tokens import prompt_keys
     from sim.engines.api import BlockStored
 
     p = _started(DynamoKv(), _eds({A: 1, B: 1}))
