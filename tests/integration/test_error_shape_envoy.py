@@ -20,7 +20,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def s(tmp_path_factory) -> Iterator[Stack]:
+    # v2 runs the seed's per-request `job` engine (gpu_memory: per_request), where a request's declared
+    # GPU memory is admitted against free memory; v1's llm engine holds a preallocated KV-cache pool.
     stack = start_stack(tmp_path_factory.mktemp("errors"), [("v1", "a100"), ("v2", "a100")],
+                        backend_args={1: ["--engine", "job"]},
                         config={"picker": {"request_memory_header": "x-sim-memory-mib"}})
     yield stack
     stop_stack(stack)
@@ -45,7 +48,7 @@ def test_the_pickers_errors(s: Stack):
     assert (e.status_code, e.code, e.type, e.param) == (400, "unknown_version", "invalid_request_error",
                                                         "model-version")
     assert e.body["message"] == "unknown model version 'v9' in header 'model-version'; known versions: v1, v2"
-    e = ask(s, openai.InternalServerError, **{"x-sim-memory-mib": "900000"})
+    e = ask(s, openai.InternalServerError, **{"x-sim-memory-mib": "900000", "model-version": "v2"})
     assert (e.status_code, e.code, e.type) == (503, "too_large", "server_error")
     assert "no endpoint with 900000 MiB of GPU memory" in e.body["message"]
 
