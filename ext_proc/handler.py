@@ -27,7 +27,7 @@ from ext_proc.costmodel import CostModel
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
-from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, prompt_bytes
+from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, message_text, prompt_bytes
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -86,7 +86,7 @@ def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
         for message in chat[:messages]:
             if not isinstance(message, dict):
                 continue
-            text = _text(message.get("content"))
+            text = message_text(message.get("content"))
             role = message.get("role")
             part = f"{role if isinstance(role, str) else ''}\x1f{text}\x1e".encode("utf-8", "surrogatepass")
             parts.append(part)
@@ -104,19 +104,10 @@ def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
     return key_hash(b"".join(parts)[:max_bytes])
 
 
-def _text(content: object) -> str:
-    """The text of a chat message's ``content`` (a string, or a list of ``{"type": "text", "text"}`` parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
 def _prompt_chars(doc: dict) -> int | None:
     chat = doc.get("messages")
     if isinstance(chat, list):
-        return sum(len(_text(m.get("content"))) for m in chat if isinstance(m, dict))
+        return sum(len(message_text(m.get("content"))) for m in chat if isinstance(m, dict))
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)

@@ -39,7 +39,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "capacity_blocks", "prompt_bytes"]
+__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "capacity_blocks", "message_text",
+           "prompt_bytes"]
 
 #: Bytes of prompt text per block: about 128 tokens at 4 characters a token (vLLM's KV blocks are
 #: 16 tokens; llm-d's approximate producer hashes 64-character blocks). Larger blocks cost fewer
@@ -53,7 +54,7 @@ _crc32 = zlib.crc32
 _adler32 = zlib.adler32
 
 
-def _text(content: object) -> str:
+def message_text(content: object) -> str:
     """The text of a chat message's ``content`` (a string, or a list of ``{"type": "text", "text"}`` parts)."""
     if isinstance(content, str):
         return content
@@ -81,7 +82,7 @@ def prompt_bytes(doc: Mapping[str, object]) -> bytes:
         for m in chat:
             if isinstance(m, dict):
                 role = m.get("role")
-                parts.append(f"{role if isinstance(role, str) else ''}\x1f{_text(m.get('content'))}\x1e")
+                parts.append(f"{role if isinstance(role, str) else ''}\x1f{message_text(m.get('content'))}\x1e")
         return "".join(parts).encode("utf-8", "surrogatepass")
     prompt = doc.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
