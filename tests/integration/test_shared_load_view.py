@@ -59,9 +59,18 @@ def saturation(s: Stack) -> float:
     return value
 
 
-def send(listener: str, headers: dict[str, str] | None = None) -> requests.Response:
+def send(listener: str, headers: dict[str, str] | None = None, timeout: float = 30) -> requests.Response:
     return requests.post(f"{listener}/v1/chat/completions", json={"max_tokens": 8, "messages": []},
-                         headers={"model-version": "v1", **(headers or {})}, timeout=30)
+                         headers={"model-version": "v1", **(headers or {})}, timeout=timeout)
+
+
+def served_by(listener: str) -> str:
+    """The endpoint that answered one request through ``listener``; ``"held"`` when it did not answer
+    within 10 s (a request sent to the endpoint whose requests the test holds)."""
+    try:
+        return send(listener, timeout=10).headers["x-served-by"]
+    except requests.Timeout:
+        return "held"
 
 
 def test_the_second_picker_sees_the_first_pickers_requests_in_flight(two_gateways):
@@ -69,8 +78,13 @@ def test_the_second_picker_sees_the_first_pickers_requests_in_flight(two_gateway
     wait_until(lambda: {"gw-1", "gw-2"} <= set(pickers(s)), 15, what="both pickers report")
     for r in (send(gw1), send(gw2)):  # both gateways route (and their pickers pin: x-served-by is a backend)
         assert r.status_code == 200, r.text
-    for b in s.backends:
-        b.fault(slow_factor=400.0)  # ~4 s per request at time scale 0.04
+    # The heavy session's endpoint holds its requests until the test lets them go (the "hang" fault), so
+    # they stay in flight however slowly this machine runs; the other endpoint answers at once.
+    first = send(gw1, {"x-session-id": "heavy"})
+    assert first.status_code == 200, first.text
+    busy = first.headers["x-served-by"]
+    [held] = [b for b in s.backends if b.address == busy]
+    held.fault(hang=True)
     heavy: list[requests.Response] = []
     threads = [threading.Thread(target=lambda: heavy.append(send(gw1, {"x-session-id": "heavy"})))
                for _ in range(HEAVY)]
@@ -80,20 +94,19 @@ def test_the_second_picker_sees_the_first_pickers_requests_in_flight(two_gateway
         loaded = wait_until(lambda: (p := pickers(s)).get("gw-1", {}).get("in_flight") == HEAVY and p, 10,
                             what="gateway 1's requests in flight in the view")
         [row] = loaded["gw-1"]["endpoints"]
-        busy = row["endpoint"]
+        assert row["endpoint"] == busy  # the session stayed on its endpoint
         assert loaded["gw-1"]["share"] == 1.0 and loaded["gw-2"]["in_flight"] == 0
         # The autoscaling signal counts the fleet's requests, not only the in-process picker's (0 here).
         capacity = sum(e.max_concurrency for e in s.cfg.services[0].versions[0].endpoints)
         assert saturation(s) == pytest.approx(HEAVY / capacity)
         seq = loaded["gw-2"]["seq"]
         wait_until(lambda: pickers(s)["gw-2"]["seq"] >= seq + 2, 5, what="gateway 2 got a view since")
-        for b in s.backends:
-            b.fault(reset=True)  # new requests are fast again; the heavy ones stay in flight
-        served = Counter(send(gw2).headers["x-served-by"] for _ in range(10))
+        served = Counter(served_by(gw2) for _ in range(10))
         # Alone, picker 2 sees two idle endpoints and draws between them (about half each); with the
         # view, the endpoint holding gateway 1's requests is the more loaded one.
         assert set(served) == {b.address for b in s.backends} - {busy}, served
     finally:
+        held.fault(reset=True)
         for t in threads:
             t.join(30)
     assert [r.status_code for r in heavy] == [200] * HEAVY
