@@ -89,6 +89,7 @@ class BlockPool:
         self._events: list[KvEvent] | None = [] if record_events else None
         self._anonymous = 0  # blocks held anonymously
         self.evicted = 0
+        self._idle_cached = 0  # blocks with a key that no request uses (cached, evictable)
         #: Grows whenever the prefix cache or a block's users change (what :meth:`hits` and
         #: :meth:`count_free` answer): a caller may keep their answers while it stays the same.
         self.version = 0
@@ -111,6 +112,11 @@ class BlockPool:
         return (self.num_blocks - self._num_free) / self.num_blocks
 
     @property
+    def num_idle_cached(self) -> int:
+        """Blocks with a key that no request uses: free, but taking them evicts a cached block."""
+        return self._idle_cached
+
+    @property
     def num_cached(self) -> int:
         """Blocks with a key (in use or not)."""
         return len(self._cached)
@@ -129,7 +135,11 @@ class BlockPool:
 
     def count_free(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` no request uses."""
-        return list(map(self._ref.__getitem__, blocks)).count(0)
+        return self.users(blocks).count(0)
+
+    def users(self, blocks: Sequence[int]) -> list[int]:
+        """How many requests use each of ``blocks``."""
+        return list(map(self._ref.__getitem__, blocks))
 
     def store(self, blocks: Sequence[int], keys: Sequence[int], token_ids: Sequence[int],
               parent: int | None, now_s: float) -> None:
@@ -171,6 +181,7 @@ class BlockPool:
                 was_free += 1  # its queue entry goes stale
             ref[b] = r + 1
         self._num_free -= was_free
+        self._idle_cached -= was_free  # hits are keyed
 
     def take(self, n: int, now_s: float) -> list[int]:
         """``n`` blocks from the head of the free queue, evicting their keys. Raises ValueError when
@@ -216,6 +227,7 @@ class BlockPool:
                 keys[b] = None
                 del cached[key]
                 evicted.append(key)
+                self._idle_cached -= 1
             need -= 1
             if out is None:
                 stamp[b] += 1
@@ -285,6 +297,7 @@ class BlockPool:
         if run:
             self._append_run(run)
         self._num_free += keyed
+        self._idle_cached += keyed
 
     def reset(self, now_s: float) -> bool:
         """Drop every key (vLLM's ``reset_prefix_cache``); refused (False) while a request holds
@@ -292,6 +305,7 @@ class BlockPool:
         if self.num_used:
             return False
         self.version += 1
+        self._idle_cached = 0
         self._cached.clear()
         self._key = [None] * self.num_blocks
         if self._events is not None:

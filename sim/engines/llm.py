@@ -51,7 +51,9 @@ simulator's tokenizer does not map back to these ids), so their keys could never
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.engines.api import (
@@ -363,6 +365,34 @@ class LlmEngine:
     def evicted_blocks(self) -> int:
         """Cached blocks evicted so far."""
         return self._pool.evicted
+
+    def step_end_s(self, now_s: float) -> float:
+        """When the step in flight at ``now_s`` ends: the earliest a request that arrives then can be
+        scheduled (``now_s`` when the engine is idle). A read: nothing changes."""
+        p = self._plan
+        if p is None:
+            return max(now_s, self._t)
+        if isinstance(p, _Step):
+            return max(now_s, p.t0 + p.d)
+        if now_s <= p.t0:
+            return p.t0
+        return min(p.t0 + math.ceil((now_s - p.t0) / p.d) * p.d, p.t0 + p.k * p.d) if p.d > 0 else now_s
+
+    @property
+    def idle_cached_blocks(self) -> int:
+        """Cached blocks no request is using: free, but a request that takes one evicts what it holds."""
+        return self._pool.num_idle_cached
+
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens already prefilled, beyond the prefix they found cached, of the requests still
+        prefilling (their first token not out yet). A read: nothing changes."""
+        return sum(s.computed - max(0, s.cached_tokens) for s in self._prefilling.values())
+
+    def prefix_users(self, keys: Sequence[int]) -> list[int]:
+        """For each leading block of ``keys`` (:func:`sim.engines.kv.chain_hashes` at this engine's
+        block size) that its prefix cache holds now, how many requests use it (0: cached, idle, the
+        next to be evicted when it reaches the head of the free queue). A read: nothing changes."""
+        return self._pool.users(self._pool.hits(keys, len(keys)))
 
     # --- time -----------------------------------------------------------------------------------
 

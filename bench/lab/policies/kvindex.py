@@ -10,6 +10,7 @@ at the first miss, as Dynamo's radix-tree match does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import takewhile
 
 from bench.lab.policy import KvEvents
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
@@ -40,5 +41,4 @@ class KvIndex:
         held = self.cached.get(endpoint)
         if not held or not keys or keys[0] not in held:
             return 0
-        found = list(map(held.__contains__, keys))  # looked up in C; the walk stops at the first miss
-        return found.index(False) if False in found else len(found)
+        return len(list(takewhile(held.__contains__, keys)))  # the walk, in C

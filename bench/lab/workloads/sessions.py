@@ -11,9 +11,13 @@ a system prompt per tenant made once, a user message and a reply per turn.
 
 from __future__ import annotations
 
+import math
 import random
+from bisect import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
 
 from bench.lab.policy import Message, Prompt
 from bench.lab.workloads.base import Draft, FollowUp, Sizing, poisson
@@ -34,8 +38,20 @@ def burst_factor(burst: tuple[float, float, float] | None) -> tuple[Callable[[fl
 
 
 def _pick(rng: random.Random, choices: Sequence[tuple[object, float]]) -> object:
+    """One of ``choices``' values drawn by their shares: ``rng.choices(values, weights=shares)[0]``,
+    the same draw and the same arithmetic, with the cumulative shares made once per ``choices``."""
+    values, cum, total = _cumulative(tuple(choices))
+    return values[bisect(cum, rng.random() * total, 0, len(values) - 1)]
+
+
+@lru_cache(maxsize=64)
+def _cumulative(choices: tuple[tuple[object, float], ...]) -> tuple[tuple[object, ...], list[float], float]:
     values, shares = zip(*choices, strict=True)
-    return rng.choices(values, weights=shares)[0]
+    cum = list(accumulate(shares))
+    total = cum[-1] + 0.0
+    if not 0.0 < total < math.inf:
+        raise ValueError(f"the shares must add up to a positive finite number, got {shares}")
+    return values, cum, total
 
 
 @dataclass

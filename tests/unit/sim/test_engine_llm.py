@@ -444,6 +444,31 @@ def test_block_keys_given_by_the_caller_are_the_ones_the_engine_would_compute():
         LlmEngine("a10").submit(EngineRequest("x", shared, 8, 0.0, block_keys=(1, 2)), 0.0)
 
 
+def test_what_the_oracle_reads_matches_the_engine_state():
+    eng = LlmEngine("a10")
+    pool = eng._pool
+    shared = prompt(6, 320)
+    todo = [(0.05 * i, EngineRequest(f"r{i}", shared + prompt(20 + i, 600 + 64 * i), 40, 0.05 * i)) for i in range(30)]
+    seen_prefill = False
+    while todo or eng.next_event_s() is not None:
+        nxt = eng.next_event_s()
+        if todo and (nxt is None or todo[0][0] <= nxt):
+            t, r = todo.pop(0)
+            eng.advance(t)
+            eng.submit(r, t)
+        else:
+            t = nxt
+            eng.advance(t)
+        idle = sum(1 for b in range(pool.num_blocks) if pool._ref[b] == 0 and pool._key[b] is not None)
+        assert eng.idle_cached_blocks == idle
+        assert eng.step_end_s(t) >= t
+        seen_prefill |= eng.prefilled_tokens() > 0
+    assert seen_prefill and eng.idle_cached_blocks > 0
+    keys = chain_hashes(shared, 16)
+    assert eng.prefix_users(keys) == [0] * 20  # cached, no request uses them now
+    assert eng.step_end_s(1e6) == 1e6 and eng.prefilled_tokens() == 0  # idle: a request starts at once
+
+
 def test_capacity_from_memory():
     """(80 GiB x 0.9 - 14.96 GiB weights - 3.05 GiB reserve) / 2 MiB per block (16 x 128 KiB)."""
     assert kv_cache_blocks(LLAMA, 81920, block_size=16) == int((72 - 14.96 - 3.05) * 1024 / 2)

@@ -198,3 +198,28 @@ def test_the_cli_names_every_scenario_and_policy_of_the_registries() -> None:
 
     assert CLI_POLICIES == POLICY_NAMES
     assert CLI_SCENARIOS == tuple(SCENARIOS)
+
+
+def test_the_oracle_prices_the_cached_blocks_a_miss_evicts_and_follows_a_cached_prefix() -> None:
+    from bench.lab.policies.oracle import Oracle
+    from sim.engines.api import EngineRequest
+    from sim.engines.llm import LlmEngine
+
+    engines = {A: LlmEngine("a10"), B: LlmEngine("a10")}  # 1 838 blocks of 16 tokens each
+    cached = tuple(random.Random(1).randrange(32000) for _ in range(1500 * 16))
+    engines[B].submit(EngineRequest("warm", cached, 1, 0.0), 0.0)
+    while (t := engines[B].next_event_s()) is not None:
+        engines[B].advance(t)
+    assert engines[B].idle_cached_blocks == 1500  # B holds a prefix no request uses; 338 blocks hold nothing
+    clock = [100.0]
+    p = Oracle()
+    p.start(Context(clock=lambda: clock[0], rng=random.Random(7), engines=engines))
+    p.on_eds(_eds({A: 1, B: 1}))
+    p.came_back, p.gone = 9.0, 1.0  # evicted blocks mostly come back: an eviction costs their prefill again
+
+    def request(i: int, tokens: tuple[int, ...]) -> Request:
+        return Request(i, clock[0], {}, Prompt((Message("user", "x", tokens),)), max_tokens=16)
+
+    other = tuple(random.Random(2).randrange(32000) for _ in range(400 * 16))  # 401 blocks with its output
+    assert _routed(p, request(1, other)) == A  # on B it would evict 63 cached blocks; on A none
+    assert _routed(p, request(2, cached[:1400 * 16] + other[:16])) == B  # its prefix is cached on B
