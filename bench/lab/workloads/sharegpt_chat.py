@@ -10,9 +10,10 @@ the middle of a conversation): the complete conversations before the cut are rea
 As KubeAI's prefix-aware benchmark does (docs/benchmarks/prefix-aware-load-balancing.md: ShareGPT
 conversations replayed as growing prefixes), each turn sends the whole conversation so far (the
 user's messages and the assistant's real replies) plus the user's next message, as chat clients
-do; the engine generates the real reply's length. Between turns the user thinks (exponential,
-mean :attr:`ShareGptChat.think_s`) after reading the reply, so a session's pace follows its
-latency. Conversations are those with at least :attr:`ShareGptChat.min_turns` user turns, cut
+do; the engine generates the real reply (its token ids: a chat client resends the reply it got, so
+the engine's cached blocks of it serve the next turn, as vLLM's prefix cache does). Between turns
+the user thinks (exponential, mean :attr:`ShareGptChat.think_s`) after reading the reply, so a
+session's pace follows its latency. Conversations are those with at least :attr:`ShareGptChat.min_turns` user turns, cut
 where prompt + reply would pass the model's context. Each distinct message text is tokenized
 once (:class:`~bench.lab.workloads.tokens.Tokenizer`).
 """
@@ -74,13 +75,14 @@ class ShareGptChat:
     """Multi-turn ShareGPT conversations, history resent each turn.
 
     Attributes:
-        min_turns: conversations with at least this many user turns (KubeAI's: 16 messages, 8 turns).
+        min_turns: conversations with at least this many user turns (KubeAI's benchmark reads
+            ``sharegpt_16_messages_or_more.json``: 16 messages, 8 turns).
         think_s: mean think time between a reply and the next user turn (s, exponential).
         session_header: sessions also send ``x-session-id`` (False: only the prompt tells them apart,
             as most OpenAI-style clients).
     """
 
-    min_turns: int = 4
+    min_turns: int = 8
     think_s: float = 5.0
     session_header: bool = False
     name: str = "sharegpt_chat"
@@ -127,4 +129,4 @@ class ShareGptChat:
                           lambda: self._turn(conv, (*messages, reply), turn + 1, session, limit, rng))
         headers = ((("x-session-id", f"chat-{session:06d}".encode()),) if self.session_header else ())
         return Draft(prompt, len(reply.tokens), len(reply.tokens), headers, session=session,
-                     next=follow if 2 * turn + 3 < len(conv) else None)
+                     next=follow if 2 * turn + 3 < len(conv) else None, output_ids=reply.tokens)
