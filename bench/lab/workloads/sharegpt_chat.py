@@ -13,9 +13,13 @@ user's messages and the assistant's real replies) plus the user's next message, 
 do; the engine generates the real reply (its token ids: a chat client resends the reply it got, so
 the engine's cached blocks of it serve the next turn, as vLLM's prefix cache does). Between turns
 the user thinks (exponential, mean :attr:`ShareGptChat.think_s`) after reading the reply, so a
-session's pace follows its latency. Conversations are those with at least :attr:`ShareGptChat.min_turns` user turns, cut
-where prompt + reply would pass the model's context. Each distinct message text is tokenized
-once (:class:`~bench.lab.workloads.tokens.Tokenizer`).
+session's pace follows its latency. Conversations are those with at least
+:attr:`ShareGptChat.min_turns` user turns, cut where prompt + reply would pass the model's context.
+Sessions take the conversations in a shuffled order and start over when all are taken; each opens
+with a system line of its own (``Conversation N.``), so two sessions replaying one conversation are
+two users' chats, whose prompts share no block (KubeAI's benchmark sends each of its 800 prompts
+~10 times, hits across users that real chats would not have). Each distinct message text is
+tokenized once (:class:`~bench.lab.workloads.tokens.Tokenizer`).
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class ShareGptChat:
         rng.shuffle(order)
         rate = qps / self.mean_turns()
         for n, t in enumerate(poisson(rng, rate, 0.0, duration_s)):
-            draft = self._turn(pool[order[n % len(order)]], (), 0, n, sizing.max_model_len,
+            opening = self._tokenizer.message("system", f"Conversation {n}.")
+            draft = self._turn(pool[order[n % len(order)]], (opening,), 0, n, sizing.max_model_len,
                                random.Random(rng.getrandbits(64)))
             if draft is not None:
                 yield t, draft
