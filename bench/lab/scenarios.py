@@ -174,7 +174,7 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
              "dozen conversations, so a turn sent elsewhere prefills its whole history again",
         nodes=_l4,
         workload=ShareGptChat,
-        qps_per_engine=(8.0, 12.0, 14.0, 16.0),
+        qps_per_engine=(6.0, 8.0, 10.0, 12.0),
         quick_qps_per_engine=(0.5, 1.5, 3.0),
         full_engines=8,
         # What one engine's KV cache holds, as docs/picker.md asks an operator to set it (llm-d's
