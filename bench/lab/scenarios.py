@@ -170,8 +170,9 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         name="sharegpt_chat",
         title="Real multi-turn chats (ShareGPT) on L4s, history resent each turn",
         trap="each turn resends the whole conversation and no session header tells where its KV cache is: "
-             "only the prompt does; on L4s (KubeAI's benchmark: 8 x L4) each engine's KV cache holds a few "
-             "dozen conversations, so a turn sent elsewhere prefills its whole history again",
+             "only the prompt does; on KubeAI's 8 L4s each engine's KV cache holds about 90 whole conversations, "
+             "so a turn sent elsewhere prefills its whole history again, and past the knee the conversations in "
+             "flight overflow the caches",
         nodes=_l4,
         workload=ShareGptChat,
         qps_per_engine=(6.0, 8.0, 10.0, 12.0),
