@@ -614,6 +614,15 @@ class ServiceConfig(_Strict):
     the picker, or from Envoy's route without it), never another version's model.
     ``picker_profile``: the name of the scheduling profile (``picker.profiles``) that chooses its
     endpoints; null: the default profile (``picker.profile``).
+    ``session_affinity``: what a session (``headers.session``, the session cookie, the body's ``user``
+    or ``prompt_cache_key``) is promised. ``strict`` (default): every request of a session goes to
+    the endpoint its first one went to, whatever that endpoint's load; the session moves only when
+    its endpoint is unhealthy, ejected, draining, removed or refusing connections (for backends
+    that keep a conversation's state on the node, and what a client that names a session expects).
+    ``soft``: the endpoint's KV cache is all a session keeps there (OpenAI-style clients resend the
+    history each turn): a turn spills to another endpoint when its own is over its load bound, and
+    the session moves after ``picker.pin_move_after`` spills in a row. docs/configuration.md says
+    how to choose; docs/picker.md, "Session affinity", gives the rules.
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -627,6 +636,7 @@ class ServiceConfig(_Strict):
     models: tuple[str, ...] = ()
     unavailable_versions: tuple[str, ...] = ()
     picker_profile: str | None = None
+    session_affinity: Literal["strict", "soft"] = "strict"
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
