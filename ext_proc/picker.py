@@ -66,7 +66,8 @@ class Decision(NamedTuple):
         margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
         plugins: the plugins of the scheduling profile that decided it, joined with ``+`` (a metrics
             label value, one of a bounded set per profile: :meth:`ext_proc.scheduling.Profile.label`);
-            "" when no profile ran.
+            ``strict-affinity`` (with the hard filter that made it wait, if one did) for a session of a
+            strict service kept on its pin (:mod:`ext_proc.scheduling.affinity`); "" when no profile ran.
         blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
             unknown): the picker's prefix index records them for ``endpoint`` when committed.
     """
@@ -327,7 +328,10 @@ def pick(
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
         session cookie (when configured), else the body's ``user``, else its
-        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
+        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. A session
+        of a service whose ``affinity`` is ``strict`` goes to its pinned endpoint while that is
+        pinnable and the profile's hard filters keep it, whatever its load and in either tier, or
+        waits for it (:func:`ext_proc.scheduling.affinity.strict_choice`). Every other
         request with a healthy endpoint is pinned, by the service's scheduling profile
         (:meth:`ext_proc.scheduling.Profile.choose`; the default: affinity, weighted bounded loads,
         memory admission, which a cluster of ``routing.preallocated`` never needs: its requests'
@@ -417,9 +421,9 @@ def pick(
     else:  # a plain {endpoint: load} mapping
         work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
     tiers = pool.spill is not None
-    if tiers:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
-        if strict and pinned in pool.spill.members:  # type: ignore[union-attr]
-            pool = pool.spill  # type: ignore[assignment]  # a strict session stays in its pin's tier
+    if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
+        if strict and pinned in pool.spill.members:
+            pool = pool.spill  # a strict session stays in its pin's tier
         elif loads is not None and not (strict and pinned in pool.members):
             pool = tier_for(pool, loads.endpoints if live is not None else loads,  # type: ignore[union-attr]
                             routing.spill_threshold)
