@@ -18,6 +18,7 @@ from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import pick
 from ext_proc.ring import key_hash
+from ext_proc.sampler import DecisionSampler
 from ext_proc.scheduling import Request, default_profile
 from ext_proc.scheduling.affinity import STRICT_PLUGIN, strict_choice
 from ext_proc.sessions import SessionTable, session_slot
@@ -83,12 +84,15 @@ def load(handler: PickerHandler, endpoint: str, n: int) -> None:
 
 
 def test_strict_keeps_every_turn_on_a_loaded_endpoint_and_names_the_contract():
-    h = handler_for("strict")
+    sampler = DecisionSampler(every=1)
+    h = handler_for("strict", sampler=sampler)
     home = turn(h)
     load(h, home, 40)  # far over any bound: 40 of 40 in flight on one of four endpoints
     before = OUTCOMES.get(("affinity", STRICT_PLUGIN), 0)
     assert [turn(h) for _ in range(10)] == [home] * 10
     assert OUTCOMES.get(("affinity", STRICT_PLUGIN), 0) == before + 10  # counted as strict pins
+    [last, *_] = sampler.recent()
+    assert (last.endpoint, last.reason, last.plugins) == (home, "affinity", STRICT_PLUGIN)  # and sampled
 
 
 def test_soft_spills_under_the_same_load_then_moves_the_session_as_today():
