@@ -797,7 +797,8 @@ class Picker(_Strict):
     latest requests the memory sample already held, instead of assuming the worst for them
     (docs/picker.md, "Memory admission"). ``pin_move_after``:
     spills in a row that move a session (of a service whose ``session_affinity`` is ``soft``).
-    ``failure_hold_s``: an endpoint whose connections fail is not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
+    ``failure_hold_s``: an endpoint whose connections fail is not picked for this long (s).
+    ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
     plane when it changed and other pickers are in the view, at most once per ``shared_view_interval_s``
