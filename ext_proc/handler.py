@@ -31,6 +31,7 @@ from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, me
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
+from ext_proc.scheduling.affinity import STRICT_PLUGIN
 from ext_proc.sessions import SessionTable, pin_after
 from ext_proc.settings import PickerSettings
 from ext_proc.shared_load import SharedLoad
@@ -267,13 +268,17 @@ class PickerHandler:
         memory_queue: with ``admission``, a request no endpoint has memory for waits in the queue
             (then 429); False, or without ``admission``: it is pinned to the endpoint with the most
             estimated free memory.
+        retry_after_s: the ``Retry-After`` (s) of the 429 a strict session whose pinned endpoint
+            has no memory for its request gets without the memory queue
+            (:mod:`ext_proc.scheduling.affinity`); with the queue, the queue's.
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
                  errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
                  completions: CompletionSink | None = None, costs: CostModel | None = None,
-                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True) -> None:
+                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True,
+                 retry_after_s: int = 1) -> None:
         if pin_move_after < 1:
             raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
@@ -290,6 +295,7 @@ class PickerHandler:
         self.pin_move_after = pin_move_after
         self.limit_concurrency = limit_concurrency
         self.memory_queue = memory_queue
+        self.retry_after_s = retry_after_s
         self.spills: dict[int, int] = {}
         """Session slot -> spills in a row (only sessions spilling now)."""
         self.largest_memory: dict[str, float] = {}
@@ -311,7 +317,8 @@ class PickerHandler:
         return cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
                    SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
                    completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
-                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue)
+                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue,
+                   retry_after_s=s.retry_after_s)
 
     @staticmethod
     def _count(reason: str, plugins: str = "") -> None:
@@ -675,13 +682,21 @@ class PickerHandler:
 
         Without the queue (``memory_queue`` off) the request is pinned to the endpoint with the
         most estimated free memory (best effort: the estimate may be stale; Envoy's fallback would
-        choose blind).
+        choose blind), unless it is a strict session waiting for its pinned endpoint
+        (:data:`~ext_proc.scheduling.affinity.STRICT_PLUGIN` in its plugins): it gets a 429 with
+        ``Retry-After``, never another endpoint.
         """
         cluster = decision.cluster
         assert cluster is not None
         pool = view.clusters[cluster]
         admission = self.admission
         if admission is None or not self.memory_queue:
+            if decision.plugins.endswith(STRICT_PLUGIN):
+                rejection = overloaded(cluster, self.retry_after_s,
+                                       f"has no GPU memory free for this request on the endpoint of its session "
+                                       f"({decision.mib:.0f} MiB; session_affinity: strict)")
+                self._count("no-memory", decision.plugins)
+                return self._encoder.encode(rejection, view, headers, phase)
             loads = self.loads
             allowed = [e for e in pool.endpoints if body.subset is None or e in body.subset]
             candidates = [e for e in allowed if e not in loads.failed] or allowed

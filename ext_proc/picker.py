@@ -15,6 +15,7 @@ from ext_proc.errors import error_body
 from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 from ext_proc.scheduling import Request
+from ext_proc.scheduling.affinity import STRICT, strict_choice
 from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
@@ -65,7 +66,8 @@ class Decision(NamedTuple):
         margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
         plugins: the plugins of the scheduling profile that decided it, joined with ``+`` (a metrics
             label value, one of a bounded set per profile: :meth:`ext_proc.scheduling.Profile.label`);
-            "" when no profile ran.
+            ``strict-affinity`` (with the hard filter that made it wait, if one did) for a session of a
+            strict service kept on its pin (:mod:`ext_proc.scheduling.affinity`); "" when no profile ran.
         blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
             unknown): the picker's prefix index records them for ``endpoint`` when committed.
     """
@@ -326,7 +328,10 @@ def pick(
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
         session cookie (when configured), else the body's ``user``, else its
-        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
+        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. A session
+        of a service whose ``affinity`` is ``strict`` goes to its pinned endpoint while that is
+        pinnable and the profile's hard filters keep it, whatever its load and in either tier, or
+        waits for it (:func:`ext_proc.scheduling.affinity.strict_choice`). Every other
         request with a healthy endpoint is pinned, by the service's scheduling profile
         (:meth:`ext_proc.scheduling.Profile.choose`; the default: affinity, weighted bounded loads,
         memory admission, which a cluster of ``routing.preallocated`` never needs: its requests'
@@ -400,28 +405,33 @@ def pick(
     if cluster in routing.preallocated:  # a KV-cache pool taken at start: no GPU memory of its own
         mib = 0.0
     work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
-    live = getattr(loads, "cluster_work", None)
-    if live is not None:
-        work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
-        total = live.get(cluster, 0.0)
-        if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
-            pool = tier_for(pool, loads.endpoints, routing.spill_threshold)  # type: ignore[union-attr]
-            total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
-    elif loads is None:
-        work_of, total, free, failed = _NO_LOADS, 0.0, None, _NO_LOADS
-    else:  # a plain {endpoint: load} mapping
-        work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
-        if pool.spill is not None:
-            pool = tier_for(pool, loads, routing.spill_threshold)  # type: ignore[arg-type]
-        total = float(sum(loads.get(e, 0) for e in pool.endpoints))  # type: ignore[union-attr]
     slot = pinned = None
     kind = "none"
     if position is not None:
         kind = "session"
-        slot = session_slot(position, pool.salt)
+        slot = session_slot(position, pool.salt)  # both tiers share the cluster's name, so its salt
         if pins is not None:
             pinned = pins.get(slot)
-    elif body.prefix is not None or body.blocks:
+    strict = pinned is not None and service.affinity == STRICT
+    live = getattr(loads, "cluster_work", None)
+    if live is not None:
+        work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
+    elif loads is None:
+        work_of, free, failed = _NO_LOADS, None, _NO_LOADS
+    else:  # a plain {endpoint: load} mapping
+        work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
+    tiers = pool.spill is not None
+    if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
+        if strict and pinned in pool.spill.members:
+            pool = pool.spill  # a strict session stays in its pin's tier
+        elif loads is not None and not (strict and pinned in pool.members):
+            pool = tier_for(pool, loads.endpoints if live is not None else loads,  # type: ignore[union-attr]
+                            routing.spill_threshold)
+    if live is not None and not tiers:
+        total = live.get(cluster, 0.0)
+    else:
+        total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints)) if loads is not None else 0.0
+    if position is None and (body.prefix is not None or body.blocks):
         kind = "prefix"
         position = body.prefix
     rid = b""
@@ -434,13 +444,17 @@ def pick(
     profile = routing.profiles[service.profile]
     request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
                              prompt, costs, body.blocks, prefixes))
-    choice = profile.choose(request)
-    if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
-        pool = pool.spill
-        request = request._replace(pool=pool, total=float(sum(work_of.get(e, 0.0) for e in pool.endpoints)))
+    # strict: the pin, or a wait for it (None: the pin is unusable, the profile moves the session)
+    choice = strict_choice(request, profile) if strict else None
+    if choice is None:
         choice = profile.choose(request)
-    if choice.endpoint is None and failed:  # every endpoint with memory for it fails: not a reason to refuse
-        choice = profile.choose(request._replace(failed=_NO_LOADS))
+        if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
+            pool = pool.spill
+            request = request._replace(pool=pool, total=float(sum(work_of.get(e, 0.0) for e in pool.endpoints)))
+            choice = profile.choose(request)
+        if choice.endpoint is None and failed:  # every endpoint with memory for it fails: not a reason to refuse
+            request = request._replace(failed=_NO_LOADS)
+            choice = (strict and strict_choice(request, profile)) or profile.choose(request)
     endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, body.blocks)

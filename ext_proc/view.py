@@ -21,6 +21,7 @@ from envoy.config.core.v3 import base_pb2, health_check_pb2
 from ext_proc.eds_wire import Assignment, assignment_endpoints
 from ext_proc.ring import HashRing, key_hash
 from ext_proc.scheduling import Profile, default_profile
+from ext_proc.scheduling.affinity import CONTRACTS
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -68,10 +69,14 @@ class ServiceRoute:
             gets 503, never another version.
         profile: the name of the scheduling profile that chooses its endpoints (a key of
             :attr:`RoutingTable.profiles`).
+        affinity: its session-affinity contract, ``"strict"`` or ``"soft"``
+            (:mod:`ext_proc.scheduling.affinity`); keyword-only and required: its default is the
+            config's (``services[].session_affinity``), the one place it is decided.
 
     Raises:
-        ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
-            clashing with a version, unknown version, negative share, shares not summing to 100).
+        ValueError: no hosts, no clusters, ``default_version`` unknown, a bad mix (name clashing
+            with a version, unknown version, negative share, shares not summing to 100), or an
+            unknown ``affinity``.
     """
 
     name: str
@@ -82,11 +87,15 @@ class ServiceRoute:
     models: frozenset[bytes] = frozenset()
     unavailable: frozenset[str] = frozenset()
     profile: str = DEFAULT_PROFILE
+    affinity: str = field(kw_only=True)
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
         if not hosts or any(not h for h in hosts):
             raise ValueError(f"service {self.name!r}: hosts must be non-empty names, got {self.hosts!r}")
+        if self.affinity not in CONTRACTS:
+            raise ValueError(f"service {self.name!r}: affinity must be one of {', '.join(CONTRACTS)}, "
+                             f"got {self.affinity!r}")
         if not self.clusters:
             raise ValueError(f"service {self.name!r}: clusters must map at least one version")
         mixes = {name: self._buckets(name, shares) for name, shares in self.mixes.items()}

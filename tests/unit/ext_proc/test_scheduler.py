@@ -56,7 +56,8 @@ def cla(name: str, weights: dict[str, int], classes: dict[str, str] | None = Non
     return assignment
 
 
-ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}),), body_max_bytes=1 << 20)
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, affinity="soft"),),
+                       body_max_bytes=1 << 20)
 
 
 def view(weights=None, routing=ROUTING, classes=None) -> EndpointView:
@@ -816,7 +817,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
                                                                  "pinned_load_factor": 3.0}},
                            {"plugin": "affinity-slack", "params": {"slack": 0.75, "cost_aware": True}},
                            {"plugin": "least-loaded", "weight": 2}, {"plugin": "max-score"}], "slack")
-    services = (ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, profile="slack"),)
+    services = (ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, profile="slack", affinity="strict"),)
     routing = RoutingTable(services=services, memory_margin=0.3,
                            profiles={"default": build_profile([{"plugin": "ring-affinity"}]), "slack": slack},
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
