@@ -39,8 +39,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "capacity_blocks", "message_text",
-           "prompt_bytes"]
+__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "block_hashes_py", "capacity_blocks",
+           "message_text", "prompt_bytes"]
 
 #: Bytes of prompt text per block: about 128 tokens at 4 characters a token (vLLM's KV blocks are
 #: 16 tokens; llm-d's approximate producer hashes 64-character blocks). Larger blocks cost fewer
@@ -92,9 +92,10 @@ def prompt_bytes(doc: Mapping[str, object]) -> bytes:
     return b""
 
 
-def block_hashes(data: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
+def block_hashes_py(data: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
     """The chained 64-bit keys of ``data``'s full blocks (at most ``max_blocks``): key ``i`` covers
-    blocks ``0..i`` (see the module docstring); ``()`` for data shorter than one block.
+    blocks ``0..i`` (see the module docstring); ``()`` for data shorter than one block. The reference
+    of :func:`block_hashes`, in Python over :mod:`zlib`.
 
     Raises:
         ValueError: ``block_bytes`` < 1.
@@ -114,6 +115,25 @@ def block_hashes(data: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = 
         a = _adler32(block, a)
         out.append(c << 32 | a)
     return tuple(out)
+
+
+def _compiled_block_hashes(data: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS
+                           ) -> tuple[int, ...]:
+    """:func:`block_hashes_py` in one call of the compiled ``ext_proc._wire.block_keys`` (a 20 KiB
+    prompt: 2.8 µs against 24.6 µs; CRC-32 and Adler-32 by vector instructions where the CPU has them).
+
+    Raises:
+        ValueError: ``block_bytes`` < 1 (or ``max_blocks`` < 0).
+    """
+    return _block_keys(data, block_bytes, max(0, max_blocks))
+
+
+try:
+    from ext_proc._wire import block_keys as _block_keys
+except ImportError:  # not built (no C compiler where the package was installed)
+    block_hashes = block_hashes_py
+else:
+    block_hashes = _compiled_block_hashes
 
 
 def capacity_blocks(kv_tokens: int, chars_per_token: float, block_bytes: int = BLOCK_BYTES) -> int:

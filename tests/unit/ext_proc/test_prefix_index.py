@@ -14,11 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc import _wire  # built by pip install / scripts/setup.sh
 from ext_proc.prefix_index import (
     BLOCK_BYTES,
     MAX_BLOCKS,
     PrefixIndex,
     block_hashes,
+    block_hashes_py,
     capacity_blocks,
     prompt_bytes,
 )
@@ -68,6 +70,33 @@ def test_key_i_covers_exactly_blocks_0_to_i(shared, tail_a, tail_b, block):
     for i in range(min(len(ka), len(kb))):
         same = a[:(i + 1) * block] == b[:(i + 1) * block]
         assert (ka[i] == kb[i]) == same
+
+
+def test_the_picker_uses_the_compiled_block_keys_here():
+    """scripts/setup.sh (pip install) builds ext_proc._wire on this kind of machine."""
+    data = bytes(range(256)) * 9
+    assert block_hashes(data) == _wire.block_keys(data, BLOCK_BYTES, MAX_BLOCKS) == block_hashes_py(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=5000), st.integers(0, 40_000).map(lambda n: b"\xff" * n),
+                 st.integers(0, 40_000).map(lambda n: bytes(range(256)) * (n // 256))),
+       st.sampled_from([1, 3, 15, 16, 17, 63, 64, 65, 127, 512, 513, 5552, 5553, 12_000]),
+       st.sampled_from([-1, 0, 1, 2, 7, MAX_BLOCKS, 100_000]), st.booleans())
+def test_compiled_keys_are_zlibs_crc32_and_adler32_chained(data, block, max_blocks, simd):
+    """The compiled keys (vector CRC-32 and Adler-32, or the portable C ones) equal the reference in
+    Python over zlib: every length around the 16- and 64-byte steps, and bytes of 0xFF (the largest
+    sums, for Adler-32's overflow bound of 5 552 bytes)."""
+    assert _wire.block_keys(data, block, max(0, max_blocks), simd) == block_hashes_py(data, block, max_blocks)
+    assert block_hashes(data, block, max_blocks) == block_hashes_py(data, block, max_blocks)
+
+
+def test_compiled_keys_refuse_what_the_reference_refuses():
+    for fn in (block_hashes, block_hashes_py):
+        with pytest.raises(ValueError):
+            fn(b"abc", block_bytes=0)
+    with pytest.raises(TypeError):
+        _wire.block_keys("text", 4, 1)
 
 
 def test_capacity_in_blocks_follows_the_kv_cache():
