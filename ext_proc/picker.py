@@ -19,8 +19,8 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "model_not_found", "overloaded", "pick",
-           "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "header_session_key", "model_not_found",
+           "overloaded", "pick", "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -203,6 +203,19 @@ def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
     return None
 
 
+def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> bytes | None:
+    """The session key the headers give: the first non-empty of ``routing.session_headers``, else
+    the ``routing.session_cookie`` cookie (when configured); None when neither (then the body's
+    ``user``, else its ``prompt_cache_key``, is the key: :func:`pick`)."""
+    for name in routing.session_headers:
+        key = headers.get(name)
+        if key:
+            return key
+    if routing.session_cookie is not None:
+        return session_cookie(headers.get("cookie"), routing.session_cookie.encode())
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFields:
     """What the picker reads from an OpenAI-style JSON request body.
@@ -211,7 +224,8 @@ class BodyFields:
         model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
         user: the ``user`` field (a session key), raw bytes, or None.
         prompt_cache_key: OpenAI's ``prompt_cache_key`` (a session key), raw bytes, or None.
-        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
+        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None (also
+            when the request has a session key, which places it instead: not computed then).
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
         subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
@@ -348,15 +362,7 @@ def pick(
     if service is None:
         return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
-    key = None
-    for name in routing.session_headers:
-        key = headers.get(name)
-        if key:
-            break
-    if not key and routing.session_cookie is not None:
-        key = session_cookie(headers.get("cookie"), routing.session_cookie.encode())
-    if not key:
-        key = body.user or body.prompt_cache_key
+    key = header_session_key(headers, routing) or body.user or body.prompt_cache_key
     position = key_hash(key) if key else None
 
     raw = headers.get(routing.version_header)

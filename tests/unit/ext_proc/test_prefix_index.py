@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc import _wire  # built by pip install / scripts/setup.sh
+from ext_proc.handler import prefix_hash
 from ext_proc.prefix_index import (
     BLOCK_BYTES,
     MAX_BLOCKS,
@@ -22,8 +23,11 @@ from ext_proc.prefix_index import (
     block_hashes,
     block_hashes_py,
     capacity_blocks,
+    message_text,
     prompt_bytes,
+    prompt_of,
 )
+from ext_proc.ring import key_hash
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -97,6 +101,48 @@ def test_compiled_keys_refuse_what_the_reference_refuses():
             fn(b"abc", block_bytes=0)
     with pytest.raises(TypeError):
         _wire.block_keys("text", 4, 1)
+
+
+def _prompt_chars(doc: dict) -> int | None:
+    """The handler's prompt length before prompt_of (frozen copy): its reference."""
+    chat = doc.get("messages")
+    if isinstance(chat, list):
+        return sum(len(message_text(m.get("content"))) for m in chat if isinstance(m, dict))
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return None
+
+
+_texts = st.one_of(st.text(max_size=300), st.text(alphabet="ab ", max_size=3000),
+                   st.text(alphabet=st.characters(min_codepoint=0x80), max_size=800),
+                   st.sampled_from(["\ud800 lone", "é☃" * 900, ""]))
+_contents = st.one_of(_texts, st.none(), st.integers(), st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _texts}), st.just({"type": "image_url"}),
+    st.just({"text": 5}), st.just("bare")), max_size=4))
+_messages = st.lists(st.one_of(st.fixed_dictionaries({}, optional={"role": st.one_of(st.sampled_from(
+    ["system", "user", "assistant", "tool"]), st.none(), st.integers()), "content": _contents}), st.just("x"),
+    st.just(3)), max_size=6)
+_bodies = st.one_of(
+    st.fixed_dictionaries({"messages": _messages}),
+    st.fixed_dictionaries({"prompt": st.one_of(_texts, st.lists(st.one_of(_texts, st.integers()), max_size=3),
+                                               st.integers(), st.none())}),
+    st.fixed_dictionaries({"messages": st.one_of(st.just("nope"), st.none()), "prompt": _texts}),
+    st.just({}), st.just({"input": "x"}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_bodies, st.integers(-1, 7), st.sampled_from([0, 1, 2, 5, 100, 4096, 100_000]))
+def test_prompt_of_gives_what_the_three_readings_gave(doc, messages, max_bytes):
+    """One pass: the canonical bytes (prompt_bytes), the prefix key's bytes (prefix_hash hashes
+    them) and the characters (the handler's count before), on random chat and completion bodies:
+    parts, non-dict messages, roles that are not strings, non-ASCII text, lone surrogates."""
+    data, lead, chars = prompt_of(doc, messages, max_bytes)
+    assert data == prompt_bytes(doc)
+    assert (key_hash(lead) if lead is not None else None) == prefix_hash(doc, messages, max_bytes)
+    assert chars == _prompt_chars(doc)
 
 
 def test_capacity_in_blocks_follows_the_kv_cache():
