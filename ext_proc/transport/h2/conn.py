@@ -566,7 +566,8 @@ class Connection:
                 return
             if len(buf) < 5 + length:
                 return
-            message = bytes(buf[5: 5 + length])
+            with memoryview(buf) as view:  # one copy (a bytearray's slice is a second one)
+                message = bytes(view[5: 5 + length])
             del buf[: 5 + length]
             if stream.waiting is not None:
                 # Envoy's FULL_DUPLEX_STREAMED body mode sends on while an answer waits: in order, after it.
