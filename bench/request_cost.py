@@ -12,8 +12,8 @@ half of them with an ``x-session-id`` of 64):
    ``ProcessingRequest`` (9 headers in ``raw_value``, as Envoy 1.40 sends them); the picker holds
    the request for its body;
 2. DATA frames (at most 16 KiB each, the default ``MAX_FRAME_SIZE``) carrying the request-body
-   ``ProcessingRequest`` (an OpenAI chat body of ``body_kb`` KiB, :func:`bench.picker.body_json`'s
-   shape, with ``end_of_stream``), then the stream's END_STREAM once answered;
+   ``ProcessingRequest`` (the OpenAI chat body of ``body_kb`` KiB of :func:`bench.picker.body_json`,
+   with ``end_of_stream``), then the stream's END_STREAM once answered;
 3. per batch, one access-log message with an entry per request of the batch (the cluster and
    override-host headers the picker set, a 200 and its timings), as Envoy's completion log sends.
 
@@ -52,6 +52,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
+from bench.picker import body_json
 from ext_proc.handler import PickerHandler
 from ext_proc.transport.h2.conn import Connection, Limits
 from ext_proc.view import ViewHolder
@@ -65,14 +66,6 @@ DATA, HEADERS, WINDOW_UPDATE = 0, 1, 8
 END_STREAM, END_HEADERS = 0x1, 0x4
 MAX_FRAME = 16384
 SESSIONS = 64
-
-
-def body_json(kb: int) -> bytes:
-    """A chat-completions JSON body of about ``kb`` KiB (``inferlb bench picker``'s: model, user,
-    max_tokens, a system prompt and a user turn)."""
-    filler = ("You are a careful assistant. " * (kb * 1024 // 29 + 1))[: max(0, kb * 1024 - 160)]
-    return json.dumps({"model": "bench", "user": "u1", "max_tokens": 64, "messages": [
-        {"role": "system", "content": filler}, {"role": "user", "content": "hello"}]}).encode()
 
 
 def _config(endpoints: int) -> str:
@@ -174,7 +167,10 @@ def _duration(ns: int) -> duration_pb2.Duration:
     return duration_pb2.Duration(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000)
 
 
-def _access_log(done: list[tuple[str, str]], cluster_header: str, pin_header: str, first: bool) -> bytes:
+def _access_log(done: list[tuple[str, str]], cluster: str, cluster_header: str, pin_header: str,
+                first: bool) -> bytes:
+    """A ``StreamAccessLogsMessage`` with one completed entry per ``(request id, pin)`` of ``cluster``
+    (the first of a stream carries Envoy's identifier)."""
     message = als_pb2.StreamAccessLogsMessage()
     if first:
         message.identifier.log_name = "inferlb_completions"
@@ -182,7 +178,7 @@ def _access_log(done: list[tuple[str, str]], cluster_header: str, pin_header: st
     for rid, pin in done:
         e = message.http_logs.log_entry.add()
         e.request.request_id = rid
-        e.request.request_headers[cluster_header] = CLUSTER_NAME[0]
+        e.request.request_headers[cluster_header] = cluster
         e.request.request_headers[pin_header] = pin
         host, _, port = pin.rpartition(":")
         props = e.common_properties
@@ -197,20 +193,19 @@ def _access_log(done: list[tuple[str, str]], cluster_header: str, pin_header: st
     return message.SerializeToString()
 
 
-CLUSTER_NAME = [""]
-
-
 class Client:
     """Envoy's side of one HTTP/2 connection to the picker: frames in, answers read (untimed)."""
 
-    def __init__(self, handler: PickerHandler, body_kb: int) -> None:
+    def __init__(self, handler: PickerHandler, cluster: str, body_kb: int) -> None:
         self.conn = Connection(handler, Limits(), self._late, self._no_timer)
+        self.cluster = cluster
         routing = handler.holder.current.routing
         self.cluster_header, self.pin_header = routing.cluster_header, routing.override_host_header
         self.encoder = hpack.Encoder()
         self.next_id = 1
-        self.body = body_message(body_json(body_kb)) if body_kb else None
-        self.body_bytes = len(body_json(body_kb)) if body_kb else 0
+        body = body_json(body_kb).encode() if body_kb else b""
+        self.body = body_message(body) if body_kb else None
+        self.body_bytes = len(body)
         self.cpu = 0.0
         self.requests = 0
         self.sent = 0
@@ -259,7 +254,7 @@ class Client:
         for i, sid in zip(range(first, first + n), sids, strict=True):
             (answer,) = answers[sid]
             done.append((f"req-{i:032d}", _pin(answer, self.pin_header)))
-        log = _access_log(done, self.cluster_header, self.pin_header, not self.log_sent)
+        log = _access_log(done, self.cluster, self.cluster_header, self.pin_header, not self.log_sent)
         self.log_sent = True
         self._receive(_data_frames(self.log_id, _grpc(log)))
         if self.sent > (1 << 20):  # keep the connection's send window open, as Envoy's WINDOW_UPDATEs do
@@ -285,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds (the fastest is printed)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of one round instead")
     args = ap.parse_args(argv)
-    handler, CLUSTER_NAME[0] = handler_for(args.endpoints)
-    client = Client(handler, args.body_kb)
+    handler, cluster = handler_for(args.endpoints)
+    client = Client(handler, cluster, args.body_kb)
     one_round(client, args.requests, args.batch)  # warm: sessions pinned, caches filled
     if args.profile:
         profiler = cProfile.Profile()
