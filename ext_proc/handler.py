@@ -36,7 +36,7 @@ from ext_proc.picker import (
     too_deep,
     too_large,
 )
-from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, message_text, prompt_of
+from ext_proc.prefix_index import PrefixIndex, block_hashes, message_text, prompt_of
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -480,9 +480,7 @@ class PickerHandler:
         the prefix index, and encode the answer."""
         endpoint = decision.endpoint
         if decision.blocks and endpoint is not None:
-            routing = view.routing
-            self.prefixes.insert(endpoint, decision.blocks,
-                                 capacity_blocks(routing.prefix_cache_tokens, routing.chars_per_token))
+            self.prefixes.insert(endpoint, decision.blocks, view.routing.prefix_blocks)
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)

@@ -36,7 +36,7 @@ the same state and answers in every process.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "block_hashes_py", "capacity_blocks",
@@ -233,7 +233,13 @@ class PrefixIndex:
                 return
             held = self._held[endpoint] = OrderedDict()
         move = held.move_to_end
-        for key in reversed(blocks):
+        keys = reversed(blocks)
+        if blocks and blocks[-1] in held:  # prefix-closed: it holds them all (a prompt sent there again), moved in C
+            try:
+                deque(map(move, keys), 0)
+            except KeyError as missing:  # a key it lacks after all (a collision): the loop takes over
+                held[missing.args[0]] = None
+        for key in keys:
             if key in held:
                 move(key)
             else:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,38 @@ def test_capacity_in_blocks_follows_the_kv_cache():
 
 def keys(text: bytes) -> tuple[int, ...]:
     return block_hashes(text, block_bytes=4, max_blocks=1000)
+
+
+def _old_insert(held: dict, index_keys: OrderedDict, blocks: tuple, capacity: int) -> None:
+    """PrefixIndex.insert's LRU update before its fast path (frozen copy): its reference."""
+    keys = held.get("k")
+    if keys is None:
+        if capacity <= 0 or not blocks:
+            return
+        keys = held["k"] = index_keys
+    for key in reversed(blocks):
+        if key in keys:
+            keys.move_to_end(key)
+        else:
+            keys[key] = None
+    while len(keys) > capacity:
+        keys.popitem(last=False)
+    if not keys:
+        del held["k"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 12), max_size=8).map(tuple), st.integers(0, 12)), max_size=40))
+def test_insert_orders_keys_as_the_loop_did(inserts):
+    """The fast path (a prompt whose last key is held: every key moved in C) leaves the same keys in
+    the same LRU order as the key-by-key loop, also for key tuples that are not prefix-closed (what a
+    collision would give: the loop takes over at the first key missing) and with evictions."""
+    index = PrefixIndex()
+    old: dict = {}
+    for blocks, capacity in inserts:
+        index.insert("e", blocks, capacity)
+        _old_insert(old, old.get("k", OrderedDict()), blocks, capacity)
+        assert index.keys("e") == tuple(old.get("k", ()))
 
 
 def test_longest_match_per_endpoint():
