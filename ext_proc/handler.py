@@ -26,8 +26,17 @@ from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
-from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, message_text, prompt_bytes
+from ext_proc.picker import (
+    NO_BODY,
+    BodyFields,
+    Decision,
+    header_session_key,
+    overloaded,
+    pick,
+    too_deep,
+    too_large,
+)
+from ext_proc.prefix_index import PrefixIndex, block_hashes, message_text, prompt_of
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -105,18 +114,6 @@ def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
     return key_hash(b"".join(parts)[:max_bytes])
 
 
-def _prompt_chars(doc: dict) -> int | None:
-    chat = doc.get("messages")
-    if isinstance(chat, list):
-        return sum(len(message_text(m.get("content"))) for m in chat if isinstance(m, dict))
-    prompt = doc.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return None
-
-
 MAX_JSON_DEPTH = 1024
 """The deepest nesting of arrays and objects a request body may have (levels): orjson's limit (since
 orjson 3.9.15, CVE-2024-27454: a parser without one can be made to recurse until the process dies).
@@ -151,8 +148,13 @@ def read_json(data: bytes) -> Any:
         raise JsonTooDeep(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
 
 
-def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
+def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> BodyFields | None:
     """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable.
+
+    ``keyed``: the request's headers give its session key (:func:`ext_proc.picker.header_session_key`),
+    so, as when the body names one (``user``, ``prompt_cache_key``), the prefix key would place
+    nothing and is not computed (``prefix`` None; a BLAKE2b of up to ``prefix_max_bytes``: 5 µs for
+    4 KiB).
 
     Raises:
         JsonTooDeep: see :func:`read_json`.
@@ -171,15 +173,17 @@ def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
     max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens"))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens < 10_000_000:
         max_tokens = None
-    chars = _prompt_chars(doc)
+    user = user.encode() if isinstance(user, str) else None
+    cache_key = cache_key.encode() if isinstance(cache_key, str) and cache_key else None
+    prompt, lead, chars = prompt_of(doc, routing.prefix_messages, routing.prefix_max_bytes)
     return BodyFields(
         model.encode() if isinstance(model, str) else None,
-        user.encode() if isinstance(user, str) else None,
-        cache_key.encode() if isinstance(cache_key, str) and cache_key else None,
-        prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes),
+        user,
+        cache_key,
+        key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
-        blocks=block_hashes(prompt_bytes(doc)) if routing.prefix_cache_tokens else (),
+        blocks=block_hashes(prompt) if routing.prefix_cache_tokens else (),
     )
 
 
@@ -376,7 +380,8 @@ class PickerHandler:
                     view = self.holder.current
                     try:
                         if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                            fields = _body_fields(chunk.body, view.routing)
+                            routing = view.routing
+                            fields = _body_fields(chunk.body, routing, header_session_key(headers, routing) is not None)
                             if fields is None:
                                 self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
                             return self._route(headers, view, fields or NO_BODY, "request_body"), True
@@ -441,7 +446,7 @@ class PickerHandler:
             if body is None:
                 fields = NO_BODY
             elif whole:
-                fields = _body_fields(body, view.routing)
+                fields = _body_fields(body, view.routing, header_session_key(headers, view.routing) is not None)
                 if fields is None:
                     self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
                     fields = NO_BODY
@@ -482,9 +487,7 @@ class PickerHandler:
         the prefix index, and encode the answer."""
         endpoint = decision.endpoint
         if decision.blocks and endpoint is not None:
-            routing = view.routing
-            self.prefixes.insert(endpoint, decision.blocks,
-                                 capacity_blocks(routing.prefix_cache_tokens, routing.chars_per_token))
+            self.prefixes.insert(endpoint, decision.blocks, view.routing.prefix_blocks)
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)

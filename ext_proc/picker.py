@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
@@ -20,8 +21,8 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "model_not_found", "overloaded", "pick",
-           "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "header_session_key", "model_not_found",
+           "overloaded", "pick", "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -131,8 +132,10 @@ def _quote(raw: bytes) -> str:
     return text + "..." if len(raw) > _MAX_QUOTED else text
 
 
+@lru_cache(maxsize=1024)
 def _authority_host(authority: bytes) -> str:
-    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable."""
+    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable.
+    Pure, so its answers are kept (a request's own authority is one of a few: 0.1 µs against 1 µs)."""
     if authority.startswith(b"["):
         end = authority.find(b"]")
         host = authority[: end + 1] if end > 0 else authority
@@ -205,6 +208,19 @@ def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
     return None
 
 
+def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> bytes | None:
+    """The session key the headers give: the first non-empty of ``routing.session_headers``, else
+    the ``routing.session_cookie`` cookie (when configured); None when neither (then the body's
+    ``user``, else its ``prompt_cache_key``, is the key: :func:`pick`)."""
+    for name in routing.session_headers:
+        key = headers.get(name)
+        if key:
+            return key
+    if routing.session_cookie is not None:
+        return session_cookie(headers.get("cookie"), routing.session_cookie.encode())
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFields:
     """What the picker reads from an OpenAI-style JSON request body.
@@ -213,7 +229,8 @@ class BodyFields:
         model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
         user: the ``user`` field (a session key), raw bytes, or None.
         prompt_cache_key: OpenAI's ``prompt_cache_key`` (a session key), raw bytes, or None.
-        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
+        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None (also
+            when the request has a session key, which places it instead: not computed then).
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
         subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
@@ -353,15 +370,7 @@ def pick(
     if service is None:
         return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
-    key = None
-    for name in routing.session_headers:
-        key = headers.get(name)
-        if key:
-            break
-    if not key and routing.session_cookie is not None:
-        key = session_cookie(headers.get("cookie"), routing.session_cookie.encode())
-    if not key:
-        key = body.user or body.prompt_cache_key
+    key = header_session_key(headers, routing) or body.user or body.prompt_cache_key
     position = key_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
