@@ -51,7 +51,7 @@ def _view(n: int, rng: random.Random) -> EndpointView:
         lb.endpoint.address.socket_address.address = f"10.0.{i // 250}.{i % 250}"
         lb.endpoint.address.socket_address.port_value = 8000
         lb.load_balancing_weight.value = rng.choice((50, 100, 160))
-    routing = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}),))
+    routing = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, affinity="soft"),))
     return EndpointView.build({"c": cla}, routing)
 
 

@@ -43,7 +43,8 @@ def holder() -> ViewHolder:
         lb.endpoint.address.socket_address.address = f"10.0.0.{i}"
         lb.endpoint.address.socket_address.port_value = 8000
     h = ViewHolder()
-    h.update({"llm-v1": cla}, RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),)))
+    service = ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}, affinity="soft")
+    h.update({"llm-v1": cla}, RoutingTable(services=(service,)))
     return h
 
 

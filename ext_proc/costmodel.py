@@ -86,44 +86,57 @@ class Fit:
 
 
 class _Sums:
-    """Forgetting-weighted sufficient statistics of one class: X'X, X'y for both fits, and the means."""
+    """Forgetting-weighted sufficient statistics of one class: X'X and X'y of both fits
+    (:func:`_accumulate`), and the means."""
 
-    __slots__ = ("xx", "xy", "tt", "ty", "w", "wy", "wl", "n", "nt", "misses")
+    __slots__ = ("duration", "ttft", "w", "wy", "wl", "n", "nt", "misses")
 
     def __init__(self) -> None:
-        self.xx = [0.0] * 16
-        self.xy = [0.0] * 4
-        self.tt = [0.0] * 16
-        self.ty = [0.0] * 4
+        self.duration = self.ttft = _NO_STATS
         self.w = self.wy = self.wl = 0.0
         self.n = self.nt = self.misses = 0
 
     def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float) -> None:
-        _accumulate(self.xx, self.xy, (1.0, p, o, load), y, forget)
+        self.duration = _accumulate(self.duration, 1.0, p, o, load, y, forget)
         self.w = self.w * forget + 1.0
         self.wy = self.wy * forget + y
         self.wl = self.wl * forget + load
         self.n += 1
         if ttft is not None:
             f = 1.0 if miss else 0.0
-            _accumulate(self.tt, self.ty, (1.0, p, f, f * p), ttft, forget)
+            self.ttft = _accumulate(self.ttft, 1.0, p, f, f * p, ttft, forget)
             self.nt += 1
             self.misses += miss
 
 
-def _accumulate(xx: list[float], xy: list[float], x: tuple[float, ...], y: float, forget: float) -> None:
-    k = len(x)
-    for i in range(k):
-        xy[i] = xy[i] * forget + x[i] * y
-        for j in range(k):
-            xx[k * i + j] = xx[k * i + j] * forget + x[i] * x[j]
+_NO_STATS = (0.0,) * 14
 
 
-def _solve(xx: list[float], xy: list[float], k: int) -> tuple[float, ...] | None:
-    a = np.array(xx, dtype=float).reshape(k, k)
-    a += np.eye(k) * _RIDGE * max(1.0, float(np.trace(a)))
+def _accumulate(stats: tuple[float, ...], a: float, b: float, c: float, d: float, y: float, forget: float
+                ) -> tuple[float, ...]:
+    """One more observation ``x = (a, b, c, d)``, ``y`` of a least-squares fit with forgetting:
+    ``stats`` (X'X's upper triangle row by row, 10 values, then X'y, 4) each times ``forget`` plus
+    the observation's term. X'X is symmetric, so its lower triangle is the upper one (each value is
+    the same product, ``x_i x_j = x_j x_i`` exactly) and is not kept; one tuple of locals, not a loop
+    over 20 list items (0.5 µs against 2.1 µs an observation, timeit)."""
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, t0, t1, t2, t3 = stats
+    f = forget
+    return (s0 * f + a * a, s1 * f + a * b, s2 * f + a * c, s3 * f + a * d, s4 * f + b * b, s5 * f + b * c,
+            s6 * f + b * d, s7 * f + c * c, s8 * f + c * d, s9 * f + d * d,
+            t0 * f + a * y, t1 * f + b * y, t2 * f + c * y, t3 * f + d * y)
+
+
+#: Where X'X's upper triangle (``_accumulate``'s first 10 values) goes in the 4 x 4 matrix.
+_ROWS, _COLS = np.triu_indices(4)
+
+
+def _solve(stats: tuple[float, ...]) -> tuple[float, ...] | None:
+    a = np.zeros((4, 4))
+    a[_ROWS, _COLS] = stats[:10]
+    a[_COLS, _ROWS] = stats[:10]
+    a += np.eye(4) * _RIDGE * max(1.0, float(np.trace(a)))
     try:
-        coef = np.linalg.solve(a, np.array(xy, dtype=float))
+        coef = np.linalg.solve(a, np.array(stats[10:], dtype=float))
     except np.linalg.LinAlgError:
         return None
     if not np.all(np.isfinite(coef)):
@@ -176,12 +189,12 @@ class CostModel:
         for gpu_class, s in self._sums.items():
             if s.n < self.min_samples or s.w <= 0:
                 continue
-            duration = _solve(s.xx, s.xy, 4)
+            duration = _solve(s.duration)
             if duration is None:
                 continue
             ttft = None
             if s.nt >= self.min_samples and min(s.misses, s.nt - s.misses) >= _MIN_EACH:
-                ttft = _solve(s.tt, s.ty, 4)
+                ttft = _solve(s.ttft)
             fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n)  # type: ignore[arg-type]
         self.fits = fits
         return fits

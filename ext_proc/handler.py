@@ -26,11 +26,21 @@ from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY, BodyFields, Decision, overloaded, pick, too_deep, too_large
-from ext_proc.prefix_index import PrefixIndex, block_hashes, capacity_blocks, message_text, prompt_bytes
+from ext_proc.picker import (
+    NO_BODY,
+    BodyFields,
+    Decision,
+    header_session_key,
+    overloaded,
+    pick,
+    too_deep,
+    too_large,
+)
+from ext_proc.prefix_index import PrefixIndex, block_hashes, message_text, prompt_of
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
+from ext_proc.scheduling.affinity import STRICT_PLUGIN
 from ext_proc.sessions import SessionTable, pin_after
 from ext_proc.settings import PickerSettings
 from ext_proc.shared_load import SharedLoad
@@ -104,18 +114,6 @@ def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
     return key_hash(b"".join(parts)[:max_bytes])
 
 
-def _prompt_chars(doc: dict) -> int | None:
-    chat = doc.get("messages")
-    if isinstance(chat, list):
-        return sum(len(message_text(m.get("content"))) for m in chat if isinstance(m, dict))
-    prompt = doc.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return None
-
-
 MAX_JSON_DEPTH = 1024
 """The deepest nesting of arrays and objects a request body may have (levels): orjson's limit (since
 orjson 3.9.15, CVE-2024-27454: a parser without one can be made to recurse until the process dies).
@@ -150,8 +148,13 @@ def read_json(data: bytes) -> Any:
         raise JsonTooDeep(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
 
 
-def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
+def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> BodyFields | None:
     """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable.
+
+    ``keyed``: the request's headers give its session key (:func:`ext_proc.picker.header_session_key`),
+    so, as when the body names one (``user``, ``prompt_cache_key``), the prefix key would place
+    nothing and is not computed (``prefix`` None; a BLAKE2b of up to ``prefix_max_bytes``: 5 µs for
+    4 KiB).
 
     Raises:
         JsonTooDeep: see :func:`read_json`.
@@ -170,15 +173,17 @@ def _body_fields(data: bytes, routing: RoutingTable) -> BodyFields | None:
     max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens"))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens < 10_000_000:
         max_tokens = None
-    chars = _prompt_chars(doc)
+    user = user.encode() if isinstance(user, str) else None
+    cache_key = cache_key.encode() if isinstance(cache_key, str) and cache_key else None
+    prompt, lead, chars = prompt_of(doc, routing.prefix_messages, routing.prefix_max_bytes)
     return BodyFields(
         model.encode() if isinstance(model, str) else None,
-        user.encode() if isinstance(user, str) else None,
-        cache_key.encode() if isinstance(cache_key, str) and cache_key else None,
-        prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes),
+        user,
+        cache_key,
+        key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
-        blocks=block_hashes(prompt_bytes(doc)) if routing.prefix_cache_tokens else (),
+        blocks=block_hashes(prompt) if routing.prefix_cache_tokens else (),
     )
 
 
@@ -267,13 +272,17 @@ class PickerHandler:
         memory_queue: with ``admission``, a request no endpoint has memory for waits in the queue
             (then 429); False, or without ``admission``: it is pinned to the endpoint with the most
             estimated free memory.
+        retry_after_s: the ``Retry-After`` (s) of the 429 a strict session whose pinned endpoint
+            has no memory for its request gets without the memory queue
+            (:mod:`ext_proc.scheduling.affinity`); with the queue, the queue's.
     """
 
     def __init__(self, holder: ViewHolder, inflight: InFlight | None = None,
                  sessions: SessionTable | None = None, admission: Admission | None = None,
                  errors: ErrorReporter | None = None, sampler: DecisionSampler | None = None,
                  completions: CompletionSink | None = None, costs: CostModel | None = None,
-                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True) -> None:
+                 pin_move_after: int = 3, limit_concurrency: bool = True, memory_queue: bool = True,
+                 retry_after_s: int = 1) -> None:
         if pin_move_after < 1:
             raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
@@ -290,6 +299,7 @@ class PickerHandler:
         self.pin_move_after = pin_move_after
         self.limit_concurrency = limit_concurrency
         self.memory_queue = memory_queue
+        self.retry_after_s = retry_after_s
         self.spills: dict[int, int] = {}
         """Session slot -> spills in a row (only sessions spilling now)."""
         self.largest_memory: dict[str, float] = {}
@@ -311,7 +321,8 @@ class PickerHandler:
         return cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
                    SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
                    completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
-                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue)
+                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue,
+                   retry_after_s=s.retry_after_s)
 
     @staticmethod
     def _count(reason: str, plugins: str = "") -> None:
@@ -369,7 +380,8 @@ class PickerHandler:
                     view = self.holder.current
                     try:
                         if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                            fields = _body_fields(chunk.body, view.routing)
+                            routing = view.routing
+                            fields = _body_fields(chunk.body, routing, header_session_key(headers, routing) is not None)
                             if fields is None:
                                 self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
                             return self._route(headers, view, fields or NO_BODY, "request_body"), True
@@ -434,7 +446,7 @@ class PickerHandler:
             if body is None:
                 fields = NO_BODY
             elif whole:
-                fields = _body_fields(body, view.routing)
+                fields = _body_fields(body, view.routing, header_session_key(headers, view.routing) is not None)
                 if fields is None:
                     self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
                     fields = NO_BODY
@@ -475,9 +487,7 @@ class PickerHandler:
         the prefix index, and encode the answer."""
         endpoint = decision.endpoint
         if decision.blocks and endpoint is not None:
-            routing = view.routing
-            self.prefixes.insert(endpoint, decision.blocks,
-                                 capacity_blocks(routing.prefix_cache_tokens, routing.chars_per_token))
+            self.prefixes.insert(endpoint, decision.blocks, view.routing.prefix_blocks)
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)
@@ -675,13 +685,21 @@ class PickerHandler:
 
         Without the queue (``memory_queue`` off) the request is pinned to the endpoint with the
         most estimated free memory (best effort: the estimate may be stale; Envoy's fallback would
-        choose blind).
+        choose blind), unless it is a strict session waiting for its pinned endpoint
+        (:data:`~ext_proc.scheduling.affinity.STRICT_PLUGIN` in its plugins): it gets a 429 with
+        ``Retry-After``, never another endpoint.
         """
         cluster = decision.cluster
         assert cluster is not None
         pool = view.clusters[cluster]
         admission = self.admission
         if admission is None or not self.memory_queue:
+            if decision.plugins.endswith(STRICT_PLUGIN):
+                rejection = overloaded(cluster, self.retry_after_s,
+                                       f"has no GPU memory free for this request on the endpoint of its session "
+                                       f"({decision.mib:.0f} MiB; session_affinity: strict)")
+                self._count("no-memory", decision.plugins)
+                return self._encoder.encode(rejection, view, headers, phase)
             loads = self.loads
             allowed = [e for e in pool.endpoints if body.subset is None or e in body.subset]
             candidates = [e for e in allowed if e not in loads.failed] or allowed

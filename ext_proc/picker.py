@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
 from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 from ext_proc.scheduling import Request
+from ext_proc.scheduling.affinity import STRICT, strict_choice
 from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "model_not_found", "overloaded", "pick",
-           "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
+__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "header_session_key", "model_not_found",
+           "overloaded", "pick", "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -65,7 +67,8 @@ class Decision(NamedTuple):
         margin: the memory margin admission added to ``mib`` (a share; 0 for a declared need).
         plugins: the plugins of the scheduling profile that decided it, joined with ``+`` (a metrics
             label value, one of a bounded set per profile: :meth:`ext_proc.scheduling.Profile.label`);
-            "" when no profile ran.
+            ``strict-affinity`` (with the hard filter that made it wait, if one did) for a session of a
+            strict service kept on its pin (:mod:`ext_proc.scheduling.affinity`); "" when no profile ran.
         blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
             unknown): the picker's prefix index records them for ``endpoint`` when committed.
     """
@@ -129,8 +132,10 @@ def _quote(raw: bytes) -> str:
     return text + "..." if len(raw) > _MAX_QUOTED else text
 
 
+@lru_cache(maxsize=1024)
 def _authority_host(authority: bytes) -> str:
-    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable."""
+    """Lower-case host of an authority (``host``, ``host:port``, ``[v6]:port``), "" if unusable.
+    Pure, so its answers are kept (a request's own authority is one of a few: 0.1 µs against 1 µs)."""
     if authority.startswith(b"["):
         end = authority.find(b"]")
         host = authority[: end + 1] if end > 0 else authority
@@ -203,6 +208,19 @@ def session_cookie(cookie: bytes | None, name: bytes) -> bytes | None:
     return None
 
 
+def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> bytes | None:
+    """The session key the headers give: the first non-empty of ``routing.session_headers``, else
+    the ``routing.session_cookie`` cookie (when configured); None when neither (then the body's
+    ``user``, else its ``prompt_cache_key``, is the key: :func:`pick`)."""
+    for name in routing.session_headers:
+        key = headers.get(name)
+        if key:
+            return key
+    if routing.session_cookie is not None:
+        return session_cookie(headers.get("cookie"), routing.session_cookie.encode())
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFields:
     """What the picker reads from an OpenAI-style JSON request body.
@@ -211,7 +229,8 @@ class BodyFields:
         model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
         user: the ``user`` field (a session key), raw bytes, or None.
         prompt_cache_key: OpenAI's ``prompt_cache_key`` (a session key), raw bytes, or None.
-        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None.
+        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None (also
+            when the request has a session key, which places it instead: not computed then).
         prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
         max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
         subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
@@ -326,7 +345,10 @@ def pick(
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
         session cookie (when configured), else the body's ``user``, else its
-        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. Every
+        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. A session
+        of a service whose ``affinity`` is ``strict`` goes to its pinned endpoint while that is
+        pinnable and the profile's hard filters keep it, whatever its load and in either tier, or
+        waits for it (:func:`ext_proc.scheduling.affinity.strict_choice`). Every other
         request with a healthy endpoint is pinned, by the service's scheduling profile
         (:meth:`ext_proc.scheduling.Profile.choose`; the default: affinity, weighted bounded loads,
         memory admission, which a cluster of ``routing.preallocated`` never needs: its requests'
@@ -348,15 +370,7 @@ def pick(
     if service is None:
         return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
-    key = None
-    for name in routing.session_headers:
-        key = headers.get(name)
-        if key:
-            break
-    if not key and routing.session_cookie is not None:
-        key = session_cookie(headers.get("cookie"), routing.session_cookie.encode())
-    if not key:
-        key = body.user or body.prompt_cache_key
+    key = header_session_key(headers, routing) or body.user or body.prompt_cache_key
     position = key_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
@@ -400,28 +414,33 @@ def pick(
     if cluster in routing.preallocated:  # a KV-cache pool taken at start: no GPU memory of its own
         mib = 0.0
     work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
-    live = getattr(loads, "cluster_work", None)
-    if live is not None:
-        work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
-        total = live.get(cluster, 0.0)
-        if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
-            pool = tier_for(pool, loads.endpoints, routing.spill_threshold)  # type: ignore[union-attr]
-            total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints))
-    elif loads is None:
-        work_of, total, free, failed = _NO_LOADS, 0.0, None, _NO_LOADS
-    else:  # a plain {endpoint: load} mapping
-        work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
-        if pool.spill is not None:
-            pool = tier_for(pool, loads, routing.spill_threshold)  # type: ignore[arg-type]
-        total = float(sum(loads.get(e, 0) for e in pool.endpoints))  # type: ignore[union-attr]
     slot = pinned = None
     kind = "none"
     if position is not None:
         kind = "session"
-        slot = session_slot(position, pool.salt)
+        slot = session_slot(position, pool.salt)  # both tiers share the cluster's name, so its salt
         if pins is not None:
             pinned = pins.get(slot)
-    elif body.prefix is not None or body.blocks:
+    strict = pinned is not None and service.affinity == STRICT
+    live = getattr(loads, "cluster_work", None)
+    if live is not None:
+        work_of, free, failed = loads.work, loads.free, loads.failed  # type: ignore[union-attr]
+    elif loads is None:
+        work_of, free, failed = _NO_LOADS, None, _NO_LOADS
+    else:  # a plain {endpoint: load} mapping
+        work_of, free, failed = loads, None, _NO_LOADS  # type: ignore[assignment]
+    tiers = pool.spill is not None
+    if pool.spill is not None:  # two tiers: the edge's or the cloud's endpoints, and that tier's load
+        if strict and pinned in pool.spill.members:
+            pool = pool.spill  # a strict session stays in its pin's tier
+        elif loads is not None and not (strict and pinned in pool.members):
+            pool = tier_for(pool, loads.endpoints if live is not None else loads,  # type: ignore[union-attr]
+                            routing.spill_threshold)
+    if live is not None and not tiers:
+        total = live.get(cluster, 0.0)
+    else:
+        total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints)) if loads is not None else 0.0
+    if position is None and (body.prefix is not None or body.blocks):
         kind = "prefix"
         position = body.prefix
     rid = b""
@@ -434,13 +453,17 @@ def pick(
     profile = routing.profiles[service.profile]
     request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
                              prompt, costs, body.blocks, prefixes))
-    choice = profile.choose(request)
-    if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
-        pool = pool.spill
-        request = request._replace(pool=pool, total=float(sum(work_of.get(e, 0.0) for e in pool.endpoints)))
+    # strict: the pin, or a wait for it (None: the pin is unusable, the profile moves the session)
+    choice = strict_choice(request, profile) if strict else None
+    if choice is None:
         choice = profile.choose(request)
-    if choice.endpoint is None and failed:  # every endpoint with memory for it fails: not a reason to refuse
-        choice = profile.choose(request._replace(failed=_NO_LOADS))
+        if choice.endpoint is None and pool.spill is not None:  # no edge endpoint has the memory: the cloud tier
+            pool = pool.spill
+            request = request._replace(pool=pool, total=float(sum(work_of.get(e, 0.0) for e in pool.endpoints)))
+            choice = profile.choose(request)
+        if choice.endpoint is None and failed:  # every endpoint with memory for it fails: not a reason to refuse
+            request = request._replace(failed=_NO_LOADS)
+            choice = (strict and strict_choice(request, profile)) or profile.choose(request)
     endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
                     pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, body.blocks)

@@ -19,8 +19,10 @@ import numpy as np
 from envoy.config.core.v3 import base_pb2, health_check_pb2
 
 from ext_proc.eds_wire import Assignment, assignment_endpoints
+from ext_proc.prefix_index import capacity_blocks
 from ext_proc.ring import HashRing, key_hash
 from ext_proc.scheduling import Profile, default_profile
+from ext_proc.scheduling.affinity import CONTRACTS
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -68,10 +70,14 @@ class ServiceRoute:
             gets 503, never another version.
         profile: the name of the scheduling profile that chooses its endpoints (a key of
             :attr:`RoutingTable.profiles`).
+        affinity: its session-affinity contract, ``"strict"`` or ``"soft"``
+            (:mod:`ext_proc.scheduling.affinity`); keyword-only and required: its default is the
+            config's (``services[].session_affinity``), the one place it is decided.
 
     Raises:
-        ValueError: no hosts, no clusters, ``default_version`` unknown, or a bad mix (name
-            clashing with a version, unknown version, negative share, shares not summing to 100).
+        ValueError: no hosts, no clusters, ``default_version`` unknown, a bad mix (name clashing
+            with a version, unknown version, negative share, shares not summing to 100), or an
+            unknown ``affinity``.
     """
 
     name: str
@@ -82,11 +88,15 @@ class ServiceRoute:
     models: frozenset[bytes] = frozenset()
     unavailable: frozenset[str] = frozenset()
     profile: str = DEFAULT_PROFILE
+    affinity: str = field(kw_only=True)
 
     def __post_init__(self) -> None:
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
         if not hosts or any(not h for h in hosts):
             raise ValueError(f"service {self.name!r}: hosts must be non-empty names, got {self.hosts!r}")
+        if self.affinity not in CONTRACTS:
+            raise ValueError(f"service {self.name!r}: affinity must be one of {', '.join(CONTRACTS)}, "
+                             f"got {self.affinity!r}")
         if not self.clusters:
             raise ValueError(f"service {self.name!r}: clusters must map at least one version")
         mixes = {name: self._buckets(name, shares) for name, shares in self.mixes.items()}
@@ -187,6 +197,8 @@ class RoutingTable:
             memory of its own (need 0, whatever its size says), so memory admission never decides
             it; KV pressure is the engine scheduler's, seen through its queue and KV-cache usage.
         sized: derived: a header can give a request's size (classes or a memory header configured).
+        prefix_blocks: derived: the prefix index's bound per endpoint, in its blocks
+            (:func:`ext_proc.prefix_index.capacity_blocks` of ``prefix_cache_tokens``).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, a negative memory setting, no default
@@ -219,6 +231,7 @@ class RoutingTable:
     protocol: str = "inferlb"
     preallocated: frozenset[str] = frozenset()
     sized: bool = field(default=False, init=False, compare=False)
+    prefix_blocks: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("version_header", "override_host_header", "cluster_header"):
@@ -258,6 +271,7 @@ class RoutingTable:
         classes = {k.encode() if isinstance(k, str) else k: v for k, v in self.request_classes.items()}
         object.__setattr__(self, "request_classes", MappingProxyType(classes))
         object.__setattr__(self, "sized", bool(classes) or self.request_memory_header is not None)
+        object.__setattr__(self, "prefix_blocks", capacity_blocks(self.prefix_cache_tokens, self.chars_per_token))
 
 
 @dataclass(frozen=True)

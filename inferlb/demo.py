@@ -32,7 +32,7 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, MODEL_NAME, Traffic, drive, make_sessions
-from inferlb.output import demo_summary_text, plot_history, weights_rich_table, weights_table
+from inferlb.output import AFFINITY_TEXT, demo_summary_text, plot_history, weights_rich_table, weights_table
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
@@ -376,7 +376,8 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             return serve_outside_clients(demo)
         backends, cfg, admin, envoy_admin = demo.backends, demo.cfg, demo.admin, demo.envoy_admin
         print(f"inferlb demo: stack up; driving traffic for {duration:g} s through "
-              f"http://127.0.0.1:{ENVOY_LISTENER}", flush=True)
+              f"http://127.0.0.1:{ENVOY_LISTENER}; session affinity "
+              f"{AFFINITY_TEXT[cfg.services[0].session_affinity]}", flush=True)
         traffic = Traffic()
         traffic_started = time.monotonic()
         stopped_by = asyncio.run(_traffic(duration, concurrency, admin, live, traffic))
@@ -390,6 +391,7 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
             "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
             "envoy_version": stack.envoy_version(),
             "xds_protocol": _xds_protocol(admin, "inferlb-demo"),
+            "session_affinity": cfg.services[0].session_affinity,
             **traffic.summary(default_version=cfg.services[0].default),
             "weights": _settled_weights(admin, envoy_admin),
             "backends": [{"address": f"127.0.0.1:{p}", "version": v, "gpu_class": g} for v, g, p in backends],

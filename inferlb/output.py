@@ -149,10 +149,20 @@ def plot_history(doc: dict, path: str | Path, title: str = "inferlb: EDS weight 
     return drawn
 
 
+#: What each session-affinity contract (``services[].session_affinity``) promises, as the demo says it.
+AFFINITY_TEXT = {
+    "strict": "strict (a session moves only when its backend is unhealthy, ejected, draining or gone; never for "
+              "load)",
+    "soft": "soft (a turn spills to another backend when its own is over its load bound; the session moves "
+            "when spills persist)",
+}
+
+
 def demo_summary_text(s: dict) -> str:
     """The demo's summary (``inferlb demo --json``'s document) as lines a person reads: what each
-    figure means, including what ``sticky`` counts, whether Envoy's weights equal the control
-    plane's, which metrics source answered, and every health change of the run."""
+    figure means, including what ``sticky`` counts under the session-affinity contract the demo ran
+    (:data:`AFFINITY_TEXT`), whether Envoy's weights equal the control plane's, which metrics source
+    answered, and every health change of the run."""
     req, sessions, lat, ttft = s["requests"], s["sessions"], s["latency_ms"], s["ttft_ms"]
     lines = [
         f"metrics source: {s['metrics_source']}"
@@ -160,7 +170,8 @@ def demo_summary_text(s: dict) -> str:
            else " (the control plane scraping the backends' /metrics itself)"),
         f"requests: {req['total']} ({req['ok']} ok, {req['errors']} errors, {req['streamed']} streamed)",
         f"sessions: {sessions['sticky']} of {sessions['total']} sticky (every turn of the session answered by "
-        "one backend, where its earlier turns' KV cache is)",
+        "one backend, where its earlier turns' KV cache is); session affinity "
+        f"{AFFINITY_TEXT[s['session_affinity']]}",
     ]
     for version, v in sorted(s["versions"].items()):
         lines.append(f"version {version}: {v['correct']} of {v['requests']} requests answered by a {version} backend")

@@ -56,6 +56,7 @@ def routing_table(cfg: Config) -> RoutingTable:
                 models=frozenset(m.encode() for m in s.models),
                 unavailable=frozenset(s.unavailable_versions),
                 profile=s.picker_profile or DEFAULT_PROFILE,
+                affinity=s.session_affinity,
             )
             for s in cfg.services
         ),

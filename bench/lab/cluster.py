@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from bench.quality.policies import PICKER
+from bench.quality.policies import PICKER, SESSION_AFFINITY
 from inferlb.picker_config import CONFIG_CHECKS
 from xds_server.config import Config, cluster_name, parse_config
 
@@ -143,6 +143,7 @@ class Cluster:
             "engine": {"stale_after_s": timing.stale_after_s, **self.engine},
             "picker": {"access_log_flush_s": timing.access_log_flush_s, **PICKER, **self.picker},
             "services": [{"name": SERVICE, "default_version": self.versions[0], "models": [MODEL],
+                          "session_affinity": SESSION_AFFINITY,
                           "versions": [{"name": v, "endpoints": eps, **self._gpu_memory(v)}
                                        for v, eps in sorted(versions.items())]}],
         }

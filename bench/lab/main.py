@@ -22,7 +22,9 @@ def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: 
             json_path: str | None, markdown_path: str | None, plots_dir: str | None, slo_ttft_p90_ms: float,
             jobs: int, duration_s: float | None = None, timing: SlowLoopTiming | None = None) -> dict:
     """Run the lab and write its outputs (``markdown_path`` / ``plots_dir`` None: not written); returns
-    the JSON document."""
+    the JSON document of this run. The plots, ``plots_dir``'s ``results.json`` and the markdown show
+    the stored results with this run's rows in place of theirs (:func:`bench.lab.report.merge_results`),
+    so a run of some scenarios or policies updates the page without dropping the rest."""
     points = plan(scenarios, policies, quick, engines, seed, timing, duration_s)
     command = "inferlb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         "inferlb bench lab" + (" --quick" if quick else "") + "".join(f" --scenario {s}" for s in scenarios)
@@ -39,14 +41,18 @@ def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: 
         if json_path:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        page = doc
         if plots_dir:
-            for name, sc in doc["scenarios"].items():
-                plots.sweep_plots(name, sc, Path(plots_dir), slo_ttft_p90_ms)
-            (Path(plots_dir) / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+            store = Path(plots_dir) / "results.json"
+            page = report.merge_results(json.loads(store.read_text()) if store.exists() else None, doc)
+            for name in doc["scenarios"]:
+                plots.sweep_plots(name, page["scenarios"][name], Path(plots_dir), slo_ttft_p90_ms)
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps(page, indent=1) + "\n")
         if markdown_path:
             md = Path(markdown_path)
             rel = os.path.relpath(plots_dir or ".", md.resolve().parent)
-            replace_marked(md, report.BEGIN, report.END, report.lab_section(doc, rel),
+            replace_marked(md, report.BEGIN, report.END, report.lab_section(page, rel),
                            "## Decision quality at field scale: the policy lab")
         return doc
 

@@ -6,6 +6,10 @@ points): each policy's highest QPS within the SLO, its TTFT p90 at every point a
 the published comparisons are made), its output tokens per s, prefix hits and errors; the two
 plots; where inferlb stands against each peer, in one line. Then the traps (one point each) in one
 table, TTFT p90 and errors per scenario and policy, and inferlb's standing per trap.
+
+The stored results (``results.json`` beside the plots) are the page's source: a run of some
+scenarios or policies replaces only their rows there (:func:`merge_results`), and the section's
+first line says which rows came from which later run.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from bench.lab.scenarios import SCENARIOS
 
-__all__ = ["BEGIN", "END", "PEERS", "PREFIX_PEERS", "checks", "headline_qps", "lab_section"]
+__all__ = ["BEGIN", "END", "PEERS", "PREFIX_PEERS", "checks", "headline_qps", "lab_section", "merge_results"]
 
 BEGIN, END = "<!-- lab:start -->", "<!-- lab:end -->"
 #: The peers' published algorithms that read the prompt.
@@ -171,13 +175,57 @@ def checks(doc: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def merge_results(stored: Mapping[str, Any] | None, run: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored results with ``run``'s rows in place of theirs (pure; both lab JSON documents).
+
+    A run that covers every (scenario, policy) row of ``stored`` replaces it whole (None: nothing
+    stored). Otherwise each of ``run``'s scenarios replaces its settings (title, engines, ...) and its
+    policies' rows, every other row stays, and ``reruns`` (oldest first) gains
+    ``{"command", "commit", "date", "wall_s", "rows": {scenario: [policy, ...]}}``; a row re-run
+    again is named by its latest run only. The base run's ``command``, ``commit`` and ``date`` stay.
+    """
+    rows = {name: list(sc["policies"]) for name, sc in run["scenarios"].items()}
+    if stored is None or all(set(sc["policies"]) <= set(rows.get(name, ()))
+                             for name, sc in stored["scenarios"].items()):
+        return dict(run)
+    merged = dict(stored)
+    merged["scenarios"] = {name: dict(sc, policies=dict(sc["policies"])) for name, sc in stored["scenarios"].items()}
+    for name, sc in run["scenarios"].items():
+        into = merged["scenarios"].setdefault(name, {"policies": {}})
+        into.update({k: v for k, v in sc.items() if k != "policies"})
+        into["policies"].update(sc["policies"])
+    earlier = []
+    for rerun in stored.get("reruns", []):
+        left = {name: [p for p in pols if p not in rows.get(name, ())] for name, pols in rerun["rows"].items()}
+        left = {name: pols for name, pols in left.items() if pols}
+        if left:
+            earlier.append(dict(rerun, rows=left))
+    merged["reruns"] = [*earlier, {"command": run["command"], "commit": run["commit"], "date": run["date"],
+                                   "wall_s": run.get("wall_s", 0), "rows": rows}]
+    return merged
+
+
+def _reruns(doc: Mapping[str, Any]) -> str:
+    """The section's words on the rows later runs replaced ("" when none did)."""
+    parts = []
+    for r in doc.get("reruns", []):
+        by_policy: dict[str, list[str]] = {}
+        for name, pols in r["rows"].items():
+            for pol in pols:
+                by_policy.setdefault(pol, []).append(name)
+        rows = "; ".join(f"{pol} on {', '.join(names)}" for pol, names in by_policy.items())
+        parts.append(f"`{r['command']}` (commit {r['commit']}, {r['date']}, {r['wall_s']:.0f} s of wall time) "
+                     f"for {rows}")
+    return (" Rows from later runs: " + "; ".join(parts) + "; every other row is the run above's.") if parts else ""
+
+
 def lab_section(doc: Mapping[str, Any], plots: str) -> str:
     """The whole lab section of BENCHMARKS.md (between :data:`BEGIN` and :data:`END`)."""
     slo = doc["slo_ttft_p90_ms"]
     lines = [BEGIN, f"Command: `{doc['command']}` · commit {doc['commit']} · {doc['date']} · seed {doc['seed']} · "
                     f"SLO: TTFT p90 <= {slo / 1000:g} s and errors <= 1 % · virtual time (deterministic; "
                     f"{doc.get('wall_s', 0):.0f} s of wall time, {doc.get('cpu_s', 0):.0f} s of CPU in the runs). "
-                    f"How to read it: docs/benchmarks.md, Policy lab.", ""]
+                    f"How to read it: docs/benchmarks.md, Policy lab.{_reruns(doc)}", ""]
     found = checks(doc)
     if found:
         lines += ["Published results, reproduced?", "", *found, ""]

@@ -144,6 +144,12 @@ def baseline_bootstrap(policy: str, *, listener_port: int, admin_port: int, eds_
 PICKER: dict[str, Any] = {"request_memory_header": MEMORY_HEADER, "admission": True, "memory_queue": True,
                           "memory_count_in_sample": True, "body_max_bytes": 1 << 20}
 
+#: The session-affinity contract of the benchmarks' service (``services[].session_affinity``; ``bench quality`` and
+#: ``bench lab``): ``soft``. The simulated engines keep no conversation state: a session's clients resend its
+#: history (or its turns stand alone), so a turn answered elsewhere loses only its KV cache, the contract
+#: ``soft`` is for; the default ``strict`` is for backends that keep the conversation on the node.
+SESSION_AFFINITY = "soft"
+
 
 def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool, prometheus_url: str,
                    xds_port: int, admin_port: int, listener_port: int, route_timeout_s: float,
@@ -168,6 +174,7 @@ def inferlb_config(scenario: Scenario, addresses: Sequence[str], *, picker: bool
         "engine": {"stale_after_s": CONTROL["stale_after_s"], "hysteresis": CONTROL["hysteresis"], **scenario.engine},
         "picker": {**PICKER, "shared_view": shared_view, "shared_view_interval_s": view_interval_s},
         "services": [{"name": SERVICE, "default_version": scenario.default_version, "models": [MODEL_NAME],
+                      "session_affinity": SESSION_AFFINITY,
                       "versions": [{"name": v, "endpoints": eps, **_gpu_memory(scenario.nodes, v)}
                                    for v, eps in sorted(versions.items())]}],
     }

@@ -6,7 +6,8 @@ named scheduling profile (docs/picker.md, "The scheduling pipeline").
 - :mod:`.registry`: plugins by name (:func:`register`: the built-ins, and any module named in
   ``picker.plugin_modules``);
 - :mod:`.profile`: a profile's steps ``{plugin, weight, params}`` -> :class:`Profile`;
-- :mod:`.plugins`: the built-ins, one module each (:mod:`.builtin` registers them).
+- :mod:`.plugins`: the built-ins, one module each (:mod:`.builtin` registers them);
+- :mod:`.affinity`: the two session-affinity contracts (``strict``, ``soft``) a service names.
 """
 
 from ext_proc.scheduling import builtin as _builtin  # noqa: F401  (registers the built-ins)

@@ -614,6 +614,15 @@ class ServiceConfig(_Strict):
     the picker, or from Envoy's route without it), never another version's model.
     ``picker_profile``: the name of the scheduling profile (``picker.profiles``) that chooses its
     endpoints; null: the default profile (``picker.profile``).
+    ``session_affinity``: what a session (``headers.session``, the session cookie, the body's ``user``
+    or ``prompt_cache_key``) is promised. ``strict`` (default): every request of a session goes to
+    the endpoint its first one went to, whatever that endpoint's load; the session moves only when
+    its endpoint is unhealthy, ejected, draining, removed or refusing connections (for backends
+    that keep a conversation's state on the node, and what a client that names a session expects).
+    ``soft``: the endpoint's KV cache is all a session keeps there (OpenAI-style clients resend the
+    history each turn): a turn spills to another endpoint when its own is over its load bound, and
+    the session moves after ``picker.pin_move_after`` spills in a row. docs/configuration.md says
+    how to choose; docs/picker.md, "Session affinity", gives the rules.
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -627,6 +636,7 @@ class ServiceConfig(_Strict):
     models: tuple[str, ...] = ()
     unavailable_versions: tuple[str, ...] = ()
     picker_profile: str | None = None
+    session_affinity: Literal["strict", "soft"] = "strict"
 
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
@@ -786,8 +796,9 @@ class Picker(_Strict):
     DCGM exporter, scraped at other times): the picker then settles with that count which of its
     latest requests the memory sample already held, instead of assuming the worst for them
     (docs/picker.md, "Memory admission"). ``pin_move_after``:
-    spills in a row that move a session. ``failure_hold_s``: an endpoint whose connections fail is
-    not picked for this long (s). ``cost_forget`` / ``cost_min_samples``: the cost model.
+    spills in a row that move a session (of a service whose ``session_affinity`` is ``soft``).
+    ``failure_hold_s``: an endpoint whose connections fail is not picked for this long (s).
+    ``cost_forget`` / ``cost_min_samples``: the cost model.
     ``body_mode``: ``streamed`` (decide on the first body chunk) or ``buffered`` (the whole body).
     ``shared_view`` (on by default): every picker (one per Envoy) reports its live load to the control
     plane when it changed and other pickers are in the view, at most once per ``shared_view_interval_s``

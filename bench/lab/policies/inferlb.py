@@ -119,7 +119,7 @@ class Inferlb(PolicyBase):
             ViewHolder(), InFlight(s.inflight_expiry_s, clock=ctx.clock, failure_hold_s=s.failure_hold_s),
             SessionTable(s.session_ttl_s, s.max_sessions, clock=ctx.clock), None,
             costs=CostModel(s.cost_forget, s.cost_min_samples), pin_move_after=s.pin_move_after,
-            limit_concurrency=s.admission, memory_queue=s.memory_queue)
+            limit_concurrency=s.admission, memory_queue=s.memory_queue, retry_after_s=s.retry_after_s)
         self.handler._encoder = _Decisions()  # type: ignore[assignment]
         self.handler.access_log_opened()  # Envoy's access-log stream is up: completions can arrive
         self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))

@@ -12,6 +12,9 @@ The bounds sum to ``c x (total + work) > total``, so some endpoint is always kep
 turn, sent while the completion of its previous one is still on its way, would spill.
 
 Soft: when every endpoint the hard filters keep is over its bound, the picker chooses among those.
+A pinned session of a service whose session affinity is ``strict`` (the default) never meets this
+filter while its pin is usable (:mod:`ext_proc.scheduling.affinity`): ``pinned_load_factor`` bounds
+the pins of ``soft`` services only.
 It bounds affinity only: a request without an affinity key is not held anywhere by one (its
 endpoint is the least loaded), so this filter keeps every endpoint for it.
 """

@@ -259,6 +259,9 @@ class Connection:
                 self._preface = True
                 pos = len(PREFACE)
             end = len(buf)
+            # DATA payloads of this read are views, not copies: a gRPC message is copied once, whole
+            # (a 20 KiB body came in two frames and was copied three times).
+            view = memoryview(buf) if type(buf) is bytes else None
             while end - pos >= 9:
                 hi, lo, type_, flags, stream_id = _FRAME.unpack_from(buf, pos)
                 length = hi << 16 | lo
@@ -266,9 +269,13 @@ class Connection:
                     raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 if end - pos - 9 < length:
                     break
-                payload = buf[pos + 9: pos + 9 + length]
-                if type(payload) is not bytes:
-                    payload = bytes(payload)
+                payload: bytes | memoryview
+                if type_ == DATA and view is not None:
+                    payload = view[pos + 9: pos + 9 + length]
+                else:
+                    payload = buf[pos + 9: pos + 9 + length]
+                    if type(payload) is not bytes:
+                        payload = bytes(payload)
                 pos += 9 + length
                 self._frame(type_, flags, stream_id & 0x7FFFFFFF, payload)
                 if self._fatal:
@@ -294,7 +301,7 @@ class Connection:
         self._fatal = True
         self.lost()
 
-    def _frame(self, type_: int, flags: int, stream_id: int, payload: bytes) -> None:
+    def _frame(self, type_: int, flags: int, stream_id: int, payload: bytes | memoryview) -> None:
         if not self._settings_seen:
             if type_ != SETTINGS or flags & ACK:
                 raise _ConnectionError(PROTOCOL_ERROR, "the client preface must start with SETTINGS")
@@ -411,7 +418,7 @@ class Connection:
             return
         self._flush_stream(stream)
 
-    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _data(self, flags: int, stream_id: int, payload: bytes | memoryview) -> None:
         if stream_id == 0:
             raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
         if stream_id > self._last_stream:
@@ -545,7 +552,7 @@ class Connection:
 
     # -- gRPC -----------------------------------------------------------------------------------
 
-    def _messages(self, stream: _Stream, payload: bytes) -> None:
+    def _messages(self, stream: _Stream, payload: bytes | memoryview) -> None:
         buf = stream.buffer
         if not buf and len(payload) >= 5 and stream.waiting is None:  # one whole message, the common case
             compressed, length = _GRPC_PREFIX.unpack_from(payload, 0)
@@ -553,7 +560,7 @@ class Connection:
                 if length > self._limits.max_message:
                     self._finish(stream, GRPC_RESOURCE_EXHAUSTED, f"message of {length} bytes exceeds the limit")
                     return
-                self._dispatch(stream, payload[5:])
+                self._dispatch(stream, bytes(payload[5:]))  # a view's one copy (a slice of bytes: none more)
                 return
         buf += payload
         while len(buf) >= 5 and not stream.local_closed:
@@ -566,7 +573,8 @@ class Connection:
                 return
             if len(buf) < 5 + length:
                 return
-            message = bytes(buf[5: 5 + length])
+            with memoryview(buf) as view:  # one copy (a bytearray's slice is a second one)
+                message = bytes(view[5: 5 + length])
             del buf[: 5 + length]
             if stream.waiting is not None:
                 # Envoy's FULL_DUPLEX_STREAMED body mode sends on while an answer waits: in order, after it.
@@ -758,7 +766,7 @@ class Connection:
             self._handler.access_log_closed()
 
 
-def _unpad(payload: bytes) -> bytes:
+def _unpad(payload: bytes | memoryview) -> bytes | memoryview:
     if not payload:
         raise _ConnectionError(PROTOCOL_ERROR, "PADDED frame without a pad length")
     pad = payload[0]

@@ -30,7 +30,7 @@ def test_admit(in_flight, capacity, queued, max_queue, want):
     assert admit(in_flight, capacity, queued, max_queue) == want
 
 
-ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),))
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}, affinity="soft"),))
 
 
 def limited(limits: list[int | None]):

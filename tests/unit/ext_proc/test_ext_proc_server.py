@@ -52,7 +52,7 @@ def counter(name: str, **labels: str) -> float:
 async def holder():
     h = ViewHolder()
     routing = RoutingTable(
-        services=(ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}),)
+        services=(ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}, affinity="soft"),)
     )
     h.update({"llm-v1": assignment("llm-v1"), "llm-v2": assignment("llm-v2")}, routing)
     return h
@@ -126,7 +126,8 @@ async def test_forged_override_host_is_overwritten_when_pinning(stub):
 
 async def test_forged_override_host_is_removed_when_not_pinning():
     h = ViewHolder()
-    routing = RoutingTable(services=(ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1"}),))
+    routing = RoutingTable(services=(ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1"},
+                                                  affinity="soft"),))
     h.update({"llm-v1": endpoint_pb2.ClusterLoadAssignment(cluster_name="llm-v1")}, routing)  # no endpoint
     server, port = await start_ext_proc_server(PickerHandler(h), "127.0.0.1:0")
     try:
@@ -243,7 +244,7 @@ async def test_cached_answers_follow_forged_headers_and_view_swaps(stub, holder)
     # A new view with other header names and versions applies to the very next request.
     routing = RoutingTable(
         cluster_header="x-route-to",
-        services=(ServiceRoute("llm", ("*",), "v3", {"v3": "llm-v3"}),),
+        services=(ServiceRoute("llm", ("*",), "v3", {"v3": "llm-v3"}, affinity="soft"),),
     )
     holder.update({"llm-v3": assignment("llm-v3")}, routing)
     [response] = await exchange(stub, plain)

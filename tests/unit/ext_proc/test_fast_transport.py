@@ -25,7 +25,7 @@ from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_admission import limited
 from tests.unit.ext_proc.test_ext_proc_server import assignment, headers_request
 
-ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}),))
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}, affinity="soft"),))
 ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
 
 

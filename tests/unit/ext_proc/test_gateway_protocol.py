@@ -24,7 +24,7 @@ from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
 MODE = processing_mode_pb2.ProcessingMode
-CHAT = ServiceRoute("chat", ("*",), "v1", {"v1": "chat-v1"}, models=frozenset({b"sim-7b"}))
+CHAT = ServiceRoute("chat", ("*",), "v1", {"v1": "chat-v1"}, models=frozenset({b"sim-7b"}), affinity="soft")
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 4)]
 SAMPLERS: dict[PickerHandler, DecisionSampler] = {}
 

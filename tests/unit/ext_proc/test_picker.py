@@ -32,8 +32,8 @@ def cla(
     return assignment
 
 
-LLM = ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"})
-EMBED = ServiceRoute("embed", ("embed.example.com", "vectors.example.com"), "e1", {"e1": "embed-e1"})
+LLM = ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"}, affinity="soft")
+EMBED = ServiceRoute("embed", ("embed.example.com", "vectors.example.com"), "e1", {"e1": "embed-e1"}, affinity="soft")
 ROUTING = RoutingTable(services=(LLM, EMBED))
 
 V1 = [(f"10.0.1.{i}", HEALTHY) for i in range(4)]
@@ -88,7 +88,7 @@ def test_a_version_with_no_endpoints_is_a_503_naming_it_never_another_version():
     """Every node of the default version v2 left: a request naming none (or its model name, or v2)
     gets 503 "version-unavailable"; one naming v1 is routed as before."""
     llm = ServiceRoute("llm", ("api.example.com",), "v2", {"v1": "llm-v1"}, models=frozenset({b"m"}),
-                       unavailable=frozenset({"v2"}))
+                       unavailable=frozenset({"v2"}), affinity="soft")
     view = make_view(routing=RoutingTable(services=(llm, EMBED)))
     for headers in (req(), req(model_version=b"v2", x_session_id=b"s1"), req(model_version=b"m")):
         d = pick(headers, view)
@@ -101,7 +101,7 @@ def test_a_version_with_no_endpoints_is_a_503_naming_it_never_another_version():
 def test_a_model_name_of_the_service_means_its_default_version():
     """OpenAI clients always send ``model``: the served model name routes like no version at all."""
     llm = ServiceRoute("llm", ("api.example.com",), "v1", {"v1": "llm-v1", "v2": "llm-v2"},
-                       models=frozenset({b"llama-3-8b"}))
+                       models=frozenset({b"llama-3-8b"}), affinity="soft")
     view = make_view(routing=RoutingTable(services=(llm, EMBED)))
     assert pick(req(), view, body=BodyFields(model=b"llama-3-8b")).cluster == "llm-v1"
     assert pick(req(model_version=b"llama-3-8b"), view).cluster == "llm-v1"
@@ -124,7 +124,7 @@ def test_a_service_that_lists_no_models_serves_any_body_model_from_its_default_v
 
 def test_the_404_leaves_out_names_not_served_now():
     gone = ServiceRoute("llm", ("api.example.com",), "v2", {"v1": "llm-v1"}, mixes={},
-                        models=frozenset({b"llama-3-8b"}), unavailable=frozenset({"v2"}))
+                        models=frozenset({b"llama-3-8b"}), unavailable=frozenset({"v2"}), affinity="soft")
     view = make_view(routing=RoutingTable(services=(gone, EMBED)))
     d = pick(req(), view, body=BodyFields(model=b"gpt-4"))
     assert json.loads(d.body)["error"]["message"].endswith("served models: v1")
@@ -297,7 +297,7 @@ def test_host_header_is_used_without_authority():
 
 
 def test_wildcard_service_takes_any_host_but_earlier_services_win():
-    anything = ServiceRoute("any", ("*",), "w", {"w": "wild"})
+    anything = ServiceRoute("any", ("*",), "w", {"w": "wild"}, affinity="soft")
     view = make_view(routing=RoutingTable(services=(LLM, anything, EMBED)))
     assert pick(req(b"api.example.com"), view).cluster == "llm-v1"
     assert pick(req(b"whatever:1"), view).cluster == "wild"
@@ -307,7 +307,7 @@ def test_wildcard_service_takes_any_host_but_earlier_services_win():
 
 
 def test_ipv6_authority_host():
-    v6 = ServiceRoute("v6", ("[::1]",), "v", {"v": "c6"})
+    v6 = ServiceRoute("v6", ("[::1]",), "v", {"v": "c6"}, affinity="soft")
     view = make_view(routing=RoutingTable(services=(v6,)))
     assert pick(req(b"[::1]:10000"), view).cluster == "c6"
     assert pick(req(b"[::1]"), view).cluster == "c6"
@@ -329,13 +329,13 @@ def test_holder_starts_not_ready_and_swaps():
 
 def test_routing_validation_names_the_field():
     with pytest.raises(ValueError, match="default_version"):
-        ServiceRoute("s", ("h",), "v3", {"v1": "c"})
+        ServiceRoute("s", ("h",), "v3", {"v1": "c"}, affinity="soft")
     with pytest.raises(ValueError, match="profiles must include 'default'"):
         RoutingTable(profiles={})
     with pytest.raises(ValueError, match="service 's' names profile 'fast'"):
-        RoutingTable(services=(ServiceRoute("s", ("h",), "v1", {"v1": "c"}, profile="fast"),))
+        RoutingTable(services=(ServiceRoute("s", ("h",), "v1", {"v1": "c"}, profile="fast", affinity="soft"),))
     with pytest.raises(ValueError, match="hosts"):
-        ServiceRoute("s", (), "v1", {"v1": "c"})
+        ServiceRoute("s", (), "v1", {"v1": "c"}, affinity="soft")
 
 
 # --- hostile input ------------------------------------------------------------------------------

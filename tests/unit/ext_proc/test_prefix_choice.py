@@ -145,7 +145,8 @@ def assignment(name: str, endpoints: list[str], max_concurrency: int = 8) -> end
 
 
 def routing(tokens: int) -> RoutingTable:
-    return RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}),), body_max_bytes=1 << 20,
+    return RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, affinity="soft"),),
+                        body_max_bytes=1 << 20,
                         prefix_cache_tokens=tokens)
 
 

@@ -8,20 +8,27 @@ import os
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc import _wire  # built by pip install / scripts/setup.sh
+from ext_proc.handler import prefix_hash
 from ext_proc.prefix_index import (
     BLOCK_BYTES,
     MAX_BLOCKS,
     PrefixIndex,
     block_hashes,
+    block_hashes_py,
     capacity_blocks,
+    message_text,
     prompt_bytes,
+    prompt_of,
 )
+from ext_proc.ring import key_hash
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -70,6 +77,75 @@ def test_key_i_covers_exactly_blocks_0_to_i(shared, tail_a, tail_b, block):
         assert (ka[i] == kb[i]) == same
 
 
+def test_the_picker_uses_the_compiled_block_keys_here():
+    """scripts/setup.sh (pip install) builds ext_proc._wire on this kind of machine."""
+    data = bytes(range(256)) * 9
+    assert block_hashes(data) == _wire.block_keys(data, BLOCK_BYTES, MAX_BLOCKS) == block_hashes_py(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=5000), st.integers(0, 40_000).map(lambda n: b"\xff" * n),
+                 st.integers(0, 40_000).map(lambda n: bytes(range(256)) * (n // 256))),
+       st.sampled_from([1, 3, 15, 16, 17, 63, 64, 65, 127, 512, 513, 5552, 5553, 12_000]),
+       st.sampled_from([-1, 0, 1, 2, 7, MAX_BLOCKS, 100_000]), st.booleans())
+def test_compiled_keys_are_zlibs_crc32_and_adler32_chained(data, block, max_blocks, simd):
+    """The compiled keys (vector CRC-32 and Adler-32, or the portable C ones) equal the reference in
+    Python over zlib: every length around the 16- and 64-byte steps, and bytes of 0xFF (the largest
+    sums, for Adler-32's overflow bound of 5 552 bytes)."""
+    assert _wire.block_keys(data, block, max(0, max_blocks), simd) == block_hashes_py(data, block, max_blocks)
+    assert block_hashes(data, block, max_blocks) == block_hashes_py(data, block, max_blocks)
+
+
+def test_compiled_keys_refuse_what_the_reference_refuses():
+    for fn in (block_hashes, block_hashes_py):
+        with pytest.raises(ValueError):
+            fn(b"abc", block_bytes=0)
+    with pytest.raises(TypeError):
+        _wire.block_keys("text", 4, 1)
+
+
+def _prompt_chars(doc: dict) -> int | None:
+    """The handler's prompt length before prompt_of (frozen copy): its reference."""
+    chat = doc.get("messages")
+    if isinstance(chat, list):
+        return sum(len(message_text(m.get("content"))) for m in chat if isinstance(m, dict))
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return None
+
+
+_texts = st.one_of(st.text(max_size=300), st.text(alphabet="ab ", max_size=3000),
+                   st.text(alphabet=st.characters(min_codepoint=0x80), max_size=800),
+                   st.sampled_from(["\ud800 lone", "é☃" * 900, ""]))
+_contents = st.one_of(_texts, st.none(), st.integers(), st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _texts}), st.just({"type": "image_url"}),
+    st.just({"text": 5}), st.just("bare")), max_size=4))
+_messages = st.lists(st.one_of(st.fixed_dictionaries({}, optional={"role": st.one_of(st.sampled_from(
+    ["system", "user", "assistant", "tool"]), st.none(), st.integers()), "content": _contents}), st.just("x"),
+    st.just(3)), max_size=6)
+_bodies = st.one_of(
+    st.fixed_dictionaries({"messages": _messages}),
+    st.fixed_dictionaries({"prompt": st.one_of(_texts, st.lists(st.one_of(_texts, st.integers()), max_size=3),
+                                               st.integers(), st.none())}),
+    st.fixed_dictionaries({"messages": st.one_of(st.just("nope"), st.none()), "prompt": _texts}),
+    st.just({}), st.just({"input": "x"}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_bodies, st.integers(-1, 7), st.sampled_from([0, 1, 2, 5, 100, 4096, 100_000]))
+def test_prompt_of_gives_what_the_three_readings_gave(doc, messages, max_bytes):
+    """One pass: the canonical bytes (prompt_bytes), the prefix key's bytes (prefix_hash hashes
+    them) and the characters (the handler's count before), on random chat and completion bodies:
+    parts, non-dict messages, roles that are not strings, non-ASCII text, lone surrogates."""
+    data, lead, chars = prompt_of(doc, messages, max_bytes)
+    assert data == prompt_bytes(doc)
+    assert (key_hash(lead) if lead is not None else None) == prefix_hash(doc, messages, max_bytes)
+    assert chars == _prompt_chars(doc)
+
+
 def test_capacity_in_blocks_follows_the_kv_cache():
     assert capacity_blocks(500_000, 4.0) == 500_000 * 4 // BLOCK_BYTES
     assert capacity_blocks(500_000, 2.0) == capacity_blocks(250_000, 4.0)
@@ -81,6 +157,38 @@ def test_capacity_in_blocks_follows_the_kv_cache():
 
 def keys(text: bytes) -> tuple[int, ...]:
     return block_hashes(text, block_bytes=4, max_blocks=1000)
+
+
+def _old_insert(held: dict, index_keys: OrderedDict, blocks: tuple, capacity: int) -> None:
+    """PrefixIndex.insert's LRU update before its fast path (frozen copy): its reference."""
+    keys = held.get("k")
+    if keys is None:
+        if capacity <= 0 or not blocks:
+            return
+        keys = held["k"] = index_keys
+    for key in reversed(blocks):
+        if key in keys:
+            keys.move_to_end(key)
+        else:
+            keys[key] = None
+    while len(keys) > capacity:
+        keys.popitem(last=False)
+    if not keys:
+        del held["k"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 12), max_size=8).map(tuple), st.integers(0, 12)), max_size=40))
+def test_insert_orders_keys_as_the_loop_did(inserts):
+    """The fast path (a prompt whose last key is held: every key moved in C) leaves the same keys in
+    the same LRU order as the key-by-key loop, also for key tuples that are not prefix-closed (what a
+    collision would give: the loop takes over at the first key missing) and with evictions."""
+    index = PrefixIndex()
+    old: dict = {}
+    for blocks, capacity in inserts:
+        index.insert("e", blocks, capacity)
+        _old_insert(old, old.get("k", OrderedDict()), blocks, capacity)
+        assert index.keys("e") == tuple(old.get("k", ()))
 
 
 def test_longest_match_per_endpoint():

@@ -3,6 +3,7 @@ the cost model, the first burst (issue 15 item 1) and failing endpoints (issue 1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -56,7 +57,8 @@ def cla(name: str, weights: dict[str, int], classes: dict[str, str] | None = Non
     return assignment
 
 
-ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}),), body_max_bytes=1 << 20)
+ROUTING = RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, affinity="soft"),),
+                       body_max_bytes=1 << 20)
 
 
 def view(weights=None, routing=ROUTING, classes=None) -> EndpointView:
@@ -462,6 +464,33 @@ def test_requests_sharing_a_prefix_prefer_one_endpoint_across_processes():
     assert pick(headers(), view(), None, None, fields).key == "prefix"
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([{}, {"x-session-id": b"alice"}, {"x-session-id": b""}]),
+       st.sampled_from([{}, {"user": "u1"}, {"user": ""}, {"prompt_cache_key": "c"}, {"user": 5}]),
+       st.integers(0, 3), st.lists(st.integers(0, 3), max_size=12), st.booleans())
+def test_a_request_with_a_session_key_decides_the_same_without_its_prefix_key(header, named, turns, loads, pinned):
+    """The prefix key is not computed where a session key (header or body) places the request; every
+    decision is the one the key computed anyway gave (the same endpoint, outcome and key kind)."""
+    from ext_proc.picker import header_session_key
+    doc = {**CHAT, **named, "messages": CHAT["messages"] + [{"role": "user", "content": "more"}] * turns}
+    body = json.dumps(doc).encode()
+    hs = headers(**header)
+    routing = RoutingTable(services=ROUTING.services, body_max_bytes=1 << 20, prefix_cache_tokens=500_000)
+    v = view(routing=routing)
+    keyed = header_session_key(hs, routing) is not None
+    lean = _body_fields(body, routing, keyed)
+    full = dataclasses.replace(lean, prefix=prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes))
+    assert full.prefix is not None
+    body_key = any(isinstance(doc.get(k), str) and doc[k] for k in ("user", "prompt_cache_key"))
+    assert lean.prefix == (None if keyed or body_key else full.prefix)
+    live = {e: float(n) for e, n in zip(FOUR, loads, strict=False)}
+    sessions = SessionTable()
+    first = pick(hs, v, live, sessions, full)
+    if pinned and first.session is not None and first.endpoint is not None:
+        sessions.touch(first.session, first.endpoint)
+    assert pick(hs, v, live, sessions, lean) == pick(hs, v, live, sessions, full)
+
+
 def test_prompt_cache_key_is_a_session_key():
     fields = _body_fields(json.dumps({**CHAT, "prompt_cache_key": "conv-9"}).encode(), ROUTING)
     d = pick(headers(), view(), None, SessionTable(), fields)
@@ -816,7 +845,7 @@ def test_scheduler_settings_travel_over_xds_unchanged():
                                                                  "pinned_load_factor": 3.0}},
                            {"plugin": "affinity-slack", "params": {"slack": 0.75, "cost_aware": True}},
                            {"plugin": "least-loaded", "weight": 2}, {"plugin": "max-score"}], "slack")
-    services = (ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, profile="slack"),)
+    services = (ServiceRoute("llm", ("*",), "v1", {"v1": "c"}, profile="slack", affinity="strict"),)
     routing = RoutingTable(services=services, memory_margin=0.3,
                            profiles={"default": build_profile([{"plugin": "ring-affinity"}]), "slack": slack},
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,

@@ -54,7 +54,7 @@ def test_bad_parameters_raise():
         SessionTable(max_sessions=0)
 
 
-SERVICE = ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"})
+SERVICE = ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}, affinity="soft")
 ROUTING = RoutingTable(services=(SERVICE,), session_cookie="sid")
 HEALTHY = health_check_pb2.HEALTHY
 

@@ -19,7 +19,7 @@ CLOUD = ("10.1.0.1:8000", "10.1.0.2:8000")
 
 
 def routing(threshold: float = 0.6) -> RoutingTable:
-    return RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}),),
+    return RoutingTable(services=(ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}, affinity="soft"),),
                         spill_threshold=threshold)
 
 

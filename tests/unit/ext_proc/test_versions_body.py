@@ -18,7 +18,7 @@ from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
 MIXED = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"},
-                     mixes={"stable": {"v1": 90, "v2": 10}, "half": {"v1": 50, "v2": 50}})
+                     mixes={"stable": {"v1": 90, "v2": 10}, "half": {"v1": 50, "v2": 50}}, affinity="soft")
 ROUTING = RoutingTable(services=(MIXED,), body_max_bytes=4096)
 ASSIGN = {c: cla(c, [(f"10.0.{n}.{i}", HEALTHY) for i in range(3)]) for n, c in ((1, "llm-v1"), (2, "llm-v2"))}
 VIEW = EndpointView.build(ASSIGN, ROUTING)
@@ -42,7 +42,7 @@ def test_a_mix_splits_sessions_by_share_and_a_session_never_flips():
 
 def test_raising_a_canary_share_only_moves_sessions_toward_it():
     more = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"},
-                        mixes={"stable": {"v1": 70, "v2": 30}})
+                        mixes={"stable": {"v1": 70, "v2": 30}}, affinity="soft")
     view = EndpointView.build(ASSIGN, RoutingTable(services=(more,)))
     for i in range(2000):
         before = route(x_session_id=b"s%d" % i).cluster
@@ -65,12 +65,12 @@ def test_unknown_names_list_versions_and_mixes():
 @pytest.mark.parametrize("shares", [{"v1": 90, "v2": 20}, {"v3": 100}, {"v1": -10, "v2": 110}, {}])
 def test_bad_mixes_are_refused(shares):
     with pytest.raises(ValueError, match="mix"):
-        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"m": shares})
+        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"m": shares}, affinity="soft")
 
 
 def test_a_mix_may_not_shadow_a_version():
     with pytest.raises(ValueError, match="name of a version"):
-        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"v2": {"v1": 100}})
+        ServiceRoute("llm", ("*",), "v1", {"v1": "a", "v2": "b"}, mixes={"v2": {"v1": 100}}, affinity="soft")
 
 
 def test_body_fields_route_and_pin_like_headers():
@@ -82,7 +82,7 @@ def test_body_fields_route_and_pin_like_headers():
     assert header_wins.cluster == "llm-v1"
     # A service that lists its model names: a body model that is not UTF-8 is a 400 naming the field.
     named = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"}, mixes=MIXED.mixes,
-                         models=frozenset({b"sim-7b"}))
+                         models=frozenset({b"sim-7b"}), affinity="soft")
     bad = pick({":authority": b"x"}, EndpointView.build(ASSIGN, RoutingTable(services=(named,))),
                body=BodyFields(b"\xff"))
     assert bad.status == 400 and "body field 'model'" in json.loads(bad.body)["error"]["message"]

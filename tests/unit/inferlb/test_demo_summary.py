@@ -18,7 +18,8 @@ HISTORY = {"series": [
 ]}
 SUMMARY = {
     "metrics_source": "prometheus", "requests": {"total": 10, "ok": 9, "errors": 1, "streamed": 7},
-    "sessions": {"total": 4, "sticky": 3}, "versions": {"v1": {"requests": 5, "correct": 5}},
+    "sessions": {"total": 4, "sticky": 3}, "session_affinity": "strict",
+    "versions": {"v1": {"requests": 5, "correct": 5}},
     "latency_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0}, "ttft_ms": {"p50": 2.0, "p90": 4.0, "p99": 5.0},
     "weights": {"chat-v1": {"a:1": {"control_plane": 80, "envoy": 80}, "b:1": {"control_plane": 40, "envoy": 40}}},
 }
@@ -37,6 +38,8 @@ def test_the_printed_summary_says_what_sticky_means_the_weight_check_and_the_met
     text = demo_summary_text({**SUMMARY, "health_changes": changes, "ejections": 1})
     assert "metrics source: prometheus" in text
     assert "3 of 4 sticky (every turn of the session answered by one backend" in text
+    assert "session affinity strict (a session moves only when its backend is unhealthy" in text
+    assert "session affinity soft (a turn spills" in demo_summary_text({**SUMMARY, "session_affinity": "soft"})
     assert "Envoy's weights equal the control plane's: yes, all 2 endpoints" in text
     assert "health changes: 2 (1 ejections)" in text and "chat-v1 a:1 -> UNHEALTHY: latency_outlier" in text
     apart = {**SUMMARY, "weights": {"chat-v1": {"a:1": {"control_plane": 80, "envoy": 70}}}}
