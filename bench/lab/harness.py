@@ -336,7 +336,8 @@ class _Run:
         self.by_request[rec.id] = (address, g)
         keys = prompt_keys(draft.prompt, handle.block_size) if handle.kind == "llm" else None
         handle.engine.submit(EngineRequest(str(rec.id), draft.prompt.token_ids, draft.output_tokens, now,
-                                           draft.memory_mib, slowdown, keys), now)
+                                           draft.memory_mib, slowdown, keys,
+                                           draft.output_ids if handle.kind == "llm" else None), now)
         self.rekey(address)
         self.drain_kv(address)
 

@@ -92,7 +92,8 @@ def run_points(points: Sequence[Point], jobs: int = 1,
 
 def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines: int | None, seed: int,
          timing: SlowLoopTiming | None = None, duration_s: float | None = None) -> list[Point]:
-    """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the mode's;
+    """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the scenario's full
+    size, :attr:`~bench.lab.scenarios.LabScenario.full_engines`, else the mode's;
     ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion; a
     scenario with a size and length of its own keeps them)."""
     mode = QUICK if quick else FULL
@@ -103,7 +104,7 @@ def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines
     out = []
     for s in scenarios:
         sc = scenario_for(s)
-        n = sc.engines or engines or mode.engines
+        n = sc.engines or engines or (None if quick else sc.full_engines) or mode.engines
         out += [Point(s, p, q, sc.mode or mode, n, seed, sc.timing or timing) for q in sc.points(quick, n)
                 for p in policies]
     return out

@@ -64,6 +64,8 @@ class LabScenario:
         engine, picker: inferlb config settings of the cluster (on top of the defaults).
         mode, engines, timing: a scenario of its own size, length and slow-loop timing (``--quick``
             and ``--engines`` do not change it), None: the lab's.
+        full_engines: the cluster's size in the full lab (the published setup's; ``--quick`` and
+            ``--engines`` change it), None: the lab's.
     """
 
     name: str
@@ -80,6 +82,7 @@ class LabScenario:
     mode: Mode | None = None
     engines: int | None = None
     timing: SlowLoopTiming | None = None
+    full_engines: int | None = None
 
     def cluster(self, n: int) -> Cluster:
         """The cluster of ``n`` engines."""
@@ -94,8 +97,19 @@ def _a100(n: int) -> tuple[Node, ...]:
     return tuple(Node() for _ in range(n))
 
 
+#: KubeAI's vLLM engines in its ShareGPT prefix-aware benchmark (substratusai/kubeai,
+#: docs/benchmarks/prefix-aware-load-balancing.md, model ``llama-3.1-8b-instruct-fp8-l4``): the FP8
+#: checkpoint neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8 on one L4, ``--max-model-len=16384
+#: --max-num-batched-token=16384 --gpu-memory-utilization=0.95 --kv-cache-dtype=fp8`` (prefix caching
+#: on): 184 960 KV tokens per engine in the simulator (6.3x the BF16 model's 29 408 at vLLM's defaults).
+KUBEAI_L4_KV_TOKENS = 184_960
+KUBEAI_L4_ENGINE: Mapping[str, Any] = MappingProxyType({
+    "model": "llama-3.1-8b-fp8", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.95,
+    "max_num_batched_tokens": 16384, "max_model_len": 16384})
+
+
 def _l4(n: int) -> tuple[Node, ...]:
-    return tuple(Node(gpu_class="l4") for _ in range(n))
+    return tuple(Node(gpu_class="l4", engine=KUBEAI_L4_ENGINE) for _ in range(n))
 
 
 def _heterogeneous(n: int) -> tuple[Node, ...]:
@@ -156,12 +170,17 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         name="sharegpt_chat",
         title="Real multi-turn chats (ShareGPT) on L4s, history resent each turn",
         trap="each turn resends the whole conversation and no session header tells where its KV cache is: "
-             "only the prompt does; on L4s (KubeAI's benchmark: 8 x L4) each engine's KV cache holds a few "
-             "dozen conversations, so a turn sent elsewhere prefills its whole history again",
+             "only the prompt does; on KubeAI's 8 L4s each engine's KV cache holds about 90 whole conversations, "
+             "so a turn sent elsewhere prefills its whole history again, and past the knee the conversations in "
+             "flight overflow the caches",
         nodes=_l4,
         workload=ShareGptChat,
-        qps_per_engine=(0.5, 1.0, 2.0, 3.0),
+        qps_per_engine=(6.0, 8.0, 10.0, 12.0),
         quick_qps_per_engine=(0.5, 1.5, 3.0),
+        full_engines=8,
+        # What one engine's KV cache holds, as docs/picker.md asks an operator to set it (llm-d's
+        # index sizes itself from the engines' cache config).
+        picker={"prefix_cache_tokens": KUBEAI_L4_KV_TOKENS},
     ),
     LabScenario(
         name="uniform",

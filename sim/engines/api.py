@@ -76,12 +76,16 @@ class EngineRequest:
     memory_mib: float | None = None
     slowdown: float = 1.0
     block_keys: tuple[int, ...] | None = None
+    output_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("prompt must have at least one token")
         if self.output_tokens < 1:
             raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
+        if self.output_ids is not None and len(self.output_ids) != self.output_tokens:
+            raise ValueError(f"output_ids must hold output_tokens ({self.output_tokens}) ids, "
+                             f"got {len(self.output_ids)}")
         if self.memory_mib is not None and not self.memory_mib >= 0:
             raise ValueError(f"memory_mib must be >= 0, got {self.memory_mib}")
         if not self.slowdown >= 1.0:

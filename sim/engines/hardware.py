@@ -19,9 +19,19 @@ overhead that does not scale with bandwidth. The rule applied to the A100 gives 
 beta1 54.7 µs, beta2 9.9 µs against the fitted 16.44 ms, 47.8 µs, 18.2 µs: prefill within 15 %,
 the per-step time about 40 % under the fit (so the derived classes are, if anything, fast).
 
+**FP8 checkpoints** (W8A8: FP8 weights and activations in the linear layers of the transformer
+blocks, the embeddings and ``lm_head`` kept in BF16, as Neural Magic's and NVIDIA's FP8 model cards
+state) are **derived from their BF16 model's constants** on the same GPU: ``beta0`` (a decode step's
+fixed cost, the weight read: see above) x the ratio of the weights' bytes; ``beta1`` (prefill,
+compute-bound) x the GPU's dense BF16 / dense FP8 tensor-FLOP ratio when the GPU computes in FP8
+(vLLM runs W8A8 on compute capability >= 8.9: Ada Lovelace, Hopper; on Ampere it runs the weights
+only in FP8 (W8A16, FP8 Marlin) and computes in BF16: ``beta1`` unchanged; vLLM docs,
+features/quantization/fp8); ``beta2`` unchanged (its per-token work is not the weight read).
+
 **KV cache** (the ``llm`` engine): blocks = (GPU memory x ``gpu_memory_utilization`` - weights -
 :data:`ACTIVATION_RESERVE_GIB`) / (KV bytes per token x block size), as vLLM sizes it
-(``available_kv_cache_memory`` in its memory-profiling log).
+(``available_kv_cache_memory`` in its memory-profiling log). vLLM's ``--kv-cache-dtype fp8`` stores
+one byte per value instead of the model's two: half the bytes per token (:data:`KV_CACHE_DTYPES`).
 """
 
 from __future__ import annotations
@@ -47,8 +57,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 class GpuClass:
     """One GPU model.
 
-    ``memory_mib``: total memory (MiB). ``bandwidth_gbs``: memory bandwidth (GB/s) and
-    ``bf16_tflops``: dense BF16 tensor throughput (TFLOPS), from NVIDIA's datasheets.
+    ``memory_mib``: total memory (MiB). ``bandwidth_gbs``: memory bandwidth (GB/s),
+    ``bf16_tflops``: dense BF16 tensor throughput (TFLOPS) and ``fp8_tflops``: dense FP8 tensor
+    throughput (TFLOPS; None: no FP8 tensor cores, compute capability < 8.9), from NVIDIA's datasheets.
     ``max_num_batched_tokens`` / ``max_num_seqs``: vLLM's defaults for its OpenAI server on this
     GPU (``vllm/engine/arg_utils.py`` ``EngineArgs._set_default_args``, v0.10-v0.11: 8192 / 1024
     on GPUs with >= 70 GiB that are not an A100, else 2048 / 256; the A100 exception is vLLM
@@ -60,21 +71,23 @@ class GpuClass:
     memory_mib: int
     bandwidth_gbs: float
     bf16_tflops: float
+    fp8_tflops: float | None
     max_num_batched_tokens: int
     max_num_seqs: int
     job_latency_factor: float
 
 
 GPU_CLASSES: Mapping[str, GpuClass] = MappingProxyType({g.key: g for g in (
-    # A100 80GB SXM: 2 039 GB/s, BF16 312 TFLOPS dense (NVIDIA A100 datasheet).
-    GpuClass("a100", "NVIDIA A100-SXM4-80GB", 81920, 2039.0, 312.0, 2048, 256, 1.0),
-    # H100 SXM5 80GB: 3.35 TB/s, BF16 1 979 TFLOPS with sparsity = 989 dense (NVIDIA H100 datasheet).
-    GpuClass("h100", "NVIDIA H100 80GB HBM3", 81920, 3350.0, 989.0, 8192, 1024, 0.6),
-    # A10 24GB: 600 GB/s, BF16 125 TFLOPS dense (250 with sparsity) (NVIDIA A10 datasheet).
-    GpuClass("a10", "NVIDIA A10", 24576, 600.0, 125.0, 2048, 256, 2.5),
-    # L4 24GB: 300 GB/s, BF16 242 TFLOPS with sparsity = 121 dense (NVIDIA L4 datasheet).
-    # Its job factor: the A10's x the A10 / L4 bandwidth ratio (2).
-    GpuClass("l4", "NVIDIA L4", 24576, 300.0, 121.0, 2048, 256, 5.0),
+    # A100 80GB SXM: 2 039 GB/s, BF16 312 TFLOPS dense, no FP8 (NVIDIA A100 datasheet).
+    GpuClass("a100", "NVIDIA A100-SXM4-80GB", 81920, 2039.0, 312.0, None, 2048, 256, 1.0),
+    # H100 SXM5 80GB: 3.35 TB/s, BF16 1 979 TFLOPS with sparsity = 989 dense, FP8 3 958 with
+    # sparsity = 1 979 dense (NVIDIA H100 datasheet).
+    GpuClass("h100", "NVIDIA H100 80GB HBM3", 81920, 3350.0, 989.0, 1979.0, 8192, 1024, 0.6),
+    # A10 24GB: 600 GB/s, BF16 125 TFLOPS dense (250 with sparsity), no FP8 (NVIDIA A10 datasheet).
+    GpuClass("a10", "NVIDIA A10", 24576, 600.0, 125.0, None, 2048, 256, 2.5),
+    # L4 24GB: 300 GB/s, BF16 242 TFLOPS with sparsity = 121 dense, FP8 485 with sparsity = 242.5
+    # dense (NVIDIA L4 datasheet). Its job factor: the A10's x the A10 / L4 bandwidth ratio (2).
+    GpuClass("l4", "NVIDIA L4", 24576, 300.0, 121.0, 242.5, 2048, 256, 5.0),
 )})
 
 
@@ -96,9 +109,11 @@ class StepCoefficients:
 @dataclass(frozen=True)
 class ModelSpec:
     """One served model: ``kv_bytes_per_token`` (2 x layers x KV heads x head dim x bytes per
-    value), ``weights_gib`` (GPU memory of the weights), ``max_model_len`` (its context, tokens),
-    ``fitted``: measured step-time constants per GPU class (the others are derived, see the module
-    docstring), ``base_gpu``: the fit the derivation starts from."""
+    value, at the model's own dtype), ``weights_gib`` (GPU memory of the weights), ``max_model_len``
+    (its context, tokens), ``fitted``: measured step-time constants per GPU class (the others are
+    derived, see the module docstring), ``base_gpu``: the fit the derivation starts from;
+    ``fp8_of``: for an FP8 (W8A8) checkpoint, the key of the BF16 model it quantizes (its constants
+    are derived from that model's, see the module docstring), else None."""
 
     key: str
     hf_name: str
@@ -107,6 +122,7 @@ class ModelSpec:
     max_model_len: int
     fitted: Mapping[str, StepCoefficients]
     base_gpu: str
+    fp8_of: str | None = None
 
 
 _BLIS = "BLIS v0.6.7 defaults.yaml (vLLM v0.8.4, TP 1)"
@@ -129,14 +145,41 @@ MODELS: Mapping[str, ModelSpec] = MappingProxyType({m.key: m for m in (
         }),
         base_gpu="h100",
     ),
+    ModelSpec(
+        key="llama-3.1-8b-fp8",
+        hf_name="neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8",  # KubeAI's ShareGPT benchmark model
+        kv_bytes_per_token=2 * 32 * 8 * 128 * 2,  # BF16 KV unless the engine runs --kv-cache-dtype fp8
+        # Derived: the BF16 weights (14.96 GiB) with the transformer blocks' linear layers in FP8 (one
+        # byte instead of two) and the embeddings and lm_head (2 x 128 256 x 4 096 parameters =
+        # 1.96 GiB in BF16) kept: 1.96 + (14.96 - 1.96) / 2 = 8.46 GiB (the model card: ~50 % less).
+        weights_gib=1.96 + (14.96 - 1.96) / 2,
+        max_model_len=131072,
+        fitted=MappingProxyType({}),
+        base_gpu="h100",
+        fp8_of="llama-3.1-8b",
+    ),
 )})
 
 DEFAULT_MODEL = "llama-3.1-8b"
 
+#: Bytes per KV value of vLLM's ``--kv-cache-dtype`` choices, as a share of the model's own
+#: (``auto``: the model's dtype, BF16 here; ``fp8``: one byte, half).
+KV_CACHE_DTYPES: Mapping[str, float] = MappingProxyType({"auto": 1.0, "fp8": 0.5})
+
 
 def step_coefficients(model: ModelSpec, gpu: GpuClass) -> StepCoefficients:
     """The step-time constants of ``model`` on ``gpu``: the fit when there is one, else derived
-    from ``model.base_gpu``'s fit (bandwidth ratio for beta0 and beta2, BF16 FLOP ratio for beta1)."""
+    from ``model.base_gpu``'s fit (bandwidth ratio for beta0 and beta2, BF16 FLOP ratio for beta1);
+    an FP8 checkpoint's from its BF16 model's on ``gpu`` (weight-byte ratio for beta0, BF16 / FP8
+    FLOP ratio for beta1 where ``gpu`` computes in FP8; the module docstring)."""
+    if model.fp8_of is not None:
+        bf16 = MODELS[model.fp8_of]
+        b = step_coefficients(bf16, gpu)
+        weights = model.weights_gib / bf16.weights_gib
+        flops = gpu.bf16_tflops / gpu.fp8_tflops if gpu.fp8_tflops else 1.0
+        return StepCoefficients(b.beta0_us * weights, b.beta1_us * flops, b.beta2_us,
+                                f"FP8 of {bf16.key} ({b.source}): beta0 x {weights:.3f} (weight bytes), "
+                                f"beta1 x {flops:.3f} (BF16 / FP8 FLOPS)")
     fit = model.fitted.get(gpu.key)
     if fit is not None:
         return fit
@@ -150,13 +193,18 @@ def step_coefficients(model: ModelSpec, gpu: GpuClass) -> StepCoefficients:
 
 
 def kv_cache_blocks(model: ModelSpec, gpu_memory_mib: float, *, block_size: int,
-                    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> int:
+                    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                    kv_cache_dtype: str = "auto") -> int:
     """KV blocks of ``block_size`` tokens that fit beside ``model`` on a GPU of ``gpu_memory_mib``
-    MiB: (memory x utilization - weights - activation reserve) / (KV bytes per token x block size).
-    Raises ValueError when nothing is left for the KV cache (vLLM refuses to start then)."""
+    MiB: (memory x utilization - weights - activation reserve) / (KV bytes per token x block size),
+    the bytes per token scaled by ``kv_cache_dtype`` (:data:`KV_CACHE_DTYPES`).
+    Raises ValueError when nothing is left for the KV cache (vLLM refuses to start then), or for an
+    unknown ``kv_cache_dtype``."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     available = (gpu_memory_mib * MIB * gpu_memory_utilization
                  - (model.weights_gib + ACTIVATION_RESERVE_GIB) * GIB)
-    blocks = int(available // (model.kv_bytes_per_token * block_size))
+    blocks = int(available // (model.kv_bytes_per_token * KV_CACHE_DTYPES[kv_cache_dtype] * block_size))
     if blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache: {gpu_memory_mib:g} MiB x {gpu_memory_utilization:g} holds the "

@@ -42,10 +42,14 @@ prompt blocks, prefill steps and finish) and per segment, not per step or per to
 tokens, 68 running per engine on average, 10 virtual minutes, 124 796 requests): 14.3 s of CPU on
 the shared 2-core machine at a load average of 4 (2026-12-06).
 
-Generated tokens' blocks enter the prefix cache only when a preemption gives them back (so the
-resumed request finds them); a finished request's generated blocks are freed without a key: no
-later prompt can contain the engine's generated token ids (clients resend text, which the
-simulator's tokenizer does not map back to these ids), so their keys could never be hit.
+Generated tokens' blocks enter the prefix cache when a preemption gives them back (so the
+resumed request finds them), and when a request that carries its output ids
+(:attr:`~sim.engines.api.EngineRequest.output_ids`: a replayed chat's real reply, which its client
+resends in the next turn's history) finishes: vLLM keys every block once it is full of computed
+tokens, generated ones included, and a finished request's blocks stay cached until evicted (vLLM
+docs, design/prefix_caching), so a chat's next turn finds its history *and* the reply's blocks.
+Otherwise a finished request's generated blocks are freed without a key: no later prompt can
+contain the engine's fixed generated ids, so their keys could never be hit.
 """
 
 from __future__ import annotations
@@ -159,6 +163,8 @@ class _Seq:
             return self.req.prompt[start:end]
         head = self.req.prompt[start:n] if start < n else ()
         first = max(start, n) - n
+        if self.req.output_ids is not None:
+            return head + self.req.output_ids[first:end - n]
         if end - n - first <= _OUT_PERIOD:
             o = first % _OUT_PERIOD
             return head + _OUT_IDS[o:o + end - n - first]
@@ -199,9 +205,10 @@ class LlmEngine:
     ``gpu_memory_mib`` (None: the class's); ``max_model_len`` (None: the model's, capped at the KV
     cache's tokens); ``prefix_caching``; ``kv_events`` (record KV-cache events for
     :meth:`drain_kv_events`); ``stream`` (report each running request's new tokens at every
-    :meth:`advance`; else once, before its ``Finished``); ``block_size`` (tokens).
-    Raises ValueError on a setting vLLM would refuse (unknown GPU or model, no room for the KV
-    cache, ``max_num_batched_tokens < max_num_seqs``).
+    :meth:`advance`; else once, before its ``Finished``); ``block_size`` (tokens);
+    ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``: ``auto``, the model's, or ``fp8``, half the bytes).
+    Raises ValueError on a setting vLLM would refuse (unknown GPU, model or KV-cache dtype, no room
+    for the KV cache, ``max_num_batched_tokens < max_num_seqs``).
     """
 
     kind = "llm"
@@ -211,7 +218,7 @@ class LlmEngine:
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  gpu_memory_mib: float | None = None, max_model_len: int | None = None,
                  prefix_caching: bool = True, kv_events: bool = False, stream: bool = False,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, kv_cache_dtype: str = "auto") -> None:
         if gpu not in GPU_CLASSES:
             raise ValueError(f"gpu must be one of {sorted(GPU_CLASSES)}, got {gpu!r}")
         if model not in MODELS:
@@ -222,7 +229,8 @@ class LlmEngine:
             raise ValueError(f"block_size must be 1-1024 tokens, got {block_size}")
         g, m = GPU_CLASSES[gpu], MODELS[model]
         memory = float(gpu_memory_mib if gpu_memory_mib is not None else g.memory_mib)
-        blocks = kv_cache_blocks(m, memory, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
+        blocks = kv_cache_blocks(m, memory, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                                 kv_cache_dtype=kv_cache_dtype)
         seqs = max_num_seqs if max_num_seqs is not None else g.max_num_seqs
         batched = max_num_batched_tokens if max_num_batched_tokens is not None else g.max_num_batched_tokens
         if seqs < 1 or batched < seqs:
@@ -845,7 +853,7 @@ class LlmEngine:
             self._emit(t, s, Tokens(s.req.request_id, t, left, (t - s.report_s) / left))
         self._emit(t, s, Finished(s.req.request_id, t, s.n_prompt, max(0, s.cached_tokens), s.target,
                                   s.preemptions, s.scheduled_s - s.req.arrival_s, s.first_token_s))
-        self._drop_running(s, key=False)
+        self._drop_running(s, key=s.req.output_ids is not None)
         del self._by_id[s.req.request_id]
         s.alive = False
         s.ver += 1

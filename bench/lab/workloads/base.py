@@ -42,6 +42,8 @@ class Draft(NamedTuple):
         memory_mib: a ``job`` request's GPU memory (MiB; None for ``llm`` requests).
         session: the session it belongs to (for the figures; None: a single request).
         next: the session's next turn (None: the last, or a single request).
+        output_ids: the token ids the engine generates, ``output_tokens`` of them (a replayed chat's
+            real reply, resent in the next turn's history; None: the engine's own).
     """
 
     prompt: Prompt
@@ -53,6 +55,7 @@ class Draft(NamedTuple):
     memory_mib: float | None = None
     session: int | None = None
     next: FollowUp | None = None
+    output_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

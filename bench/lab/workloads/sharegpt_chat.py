@@ -10,11 +10,16 @@ the middle of a conversation): the complete conversations before the cut are rea
 As KubeAI's prefix-aware benchmark does (docs/benchmarks/prefix-aware-load-balancing.md: ShareGPT
 conversations replayed as growing prefixes), each turn sends the whole conversation so far (the
 user's messages and the assistant's real replies) plus the user's next message, as chat clients
-do; the engine generates the real reply's length. Between turns the user thinks (exponential,
-mean :attr:`ShareGptChat.think_s`) after reading the reply, so a session's pace follows its
-latency. Conversations are those with at least :attr:`ShareGptChat.min_turns` user turns, cut
-where prompt + reply would pass the model's context. Each distinct message text is tokenized
-once (:class:`~bench.lab.workloads.tokens.Tokenizer`).
+do; the engine generates the real reply (its token ids: a chat client resends the reply it got, so
+the engine's cached blocks of it serve the next turn, as vLLM's prefix cache does). Between turns
+the user thinks (exponential, mean :attr:`ShareGptChat.think_s`) after reading the reply, so a
+session's pace follows its latency. Conversations are those with at least
+:attr:`ShareGptChat.min_turns` user turns, cut where prompt + reply would pass the model's context.
+Sessions take the conversations in a shuffled order and start over when all are taken; each opens
+with a system line of its own (``Conversation N.``), so two sessions replaying one conversation are
+two users' chats, whose prompts share no block (KubeAI's benchmark sends each of its 800 prompts
+~10 times, hits across users that real chats would not have). Each distinct message text is
+tokenized once (:class:`~bench.lab.workloads.tokens.Tokenizer`).
 """
 
 from __future__ import annotations
@@ -74,13 +79,14 @@ class ShareGptChat:
     """Multi-turn ShareGPT conversations, history resent each turn.
 
     Attributes:
-        min_turns: conversations with at least this many user turns (KubeAI's: 16 messages, 8 turns).
+        min_turns: conversations with at least this many user turns (KubeAI's benchmark reads
+            ``sharegpt_16_messages_or_more.json``: 16 messages, 8 turns).
         think_s: mean think time between a reply and the next user turn (s, exponential).
         session_header: sessions also send ``x-session-id`` (False: only the prompt tells them apart,
             as most OpenAI-style clients).
     """
 
-    min_turns: int = 4
+    min_turns: int = 8
     think_s: float = 5.0
     session_header: bool = False
     name: str = "sharegpt_chat"
@@ -106,7 +112,8 @@ class ShareGptChat:
         rng.shuffle(order)
         rate = qps / self.mean_turns()
         for n, t in enumerate(poisson(rng, rate, 0.0, duration_s)):
-            draft = self._turn(pool[order[n % len(order)]], (), 0, n, sizing.max_model_len,
+            opening = self._tokenizer.message("system", f"Conversation {n}.")
+            draft = self._turn(pool[order[n % len(order)]], (opening,), 0, n, sizing.max_model_len,
                                random.Random(rng.getrandbits(64)))
             if draft is not None:
                 yield t, draft
@@ -127,4 +134,4 @@ class ShareGptChat:
                           lambda: self._turn(conv, (*messages, reply), turn + 1, session, limit, rng))
         headers = ((("x-session-id", f"chat-{session:06d}".encode()),) if self.session_header else ())
         return Draft(prompt, len(reply.tokens), len(reply.tokens), headers, session=session,
-                     next=follow if 2 * turn + 3 < len(conv) else None)
+                     next=follow if 2 * turn + 3 < len(conv) else None, output_ids=reply.tokens)

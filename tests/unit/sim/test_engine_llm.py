@@ -91,6 +91,32 @@ def test_h100_fit_and_derived_classes():
     assert "derived" in a10.source and "BLIS" in h100.source
 
 
+def test_fp8_checkpoint_is_derived_from_its_bf16_model():
+    """The FP8 checkpoint on an L4 (FP8 tensor cores): beta0 x the weight-byte ratio (8.46 / 14.96 GiB),
+    beta1 x the BF16 / FP8 FLOP ratio (121 / 242.5), beta2 as BF16; on an A100 (no FP8: weight-only
+    FP8, BF16 compute) beta1 unchanged."""
+    fp8 = MODELS["llama-3.1-8b-fp8"]
+    assert fp8.weights_gib == pytest.approx(8.46)
+    l4, l4_fp8 = step_coefficients(LLAMA, GPU_CLASSES["l4"]), step_coefficients(fp8, GPU_CLASSES["l4"])
+    assert l4_fp8.beta0_us == pytest.approx(l4.beta0_us * 8.46 / 14.96)
+    assert l4_fp8.beta1_us == pytest.approx(l4.beta1_us * 121 / 242.5)
+    assert l4_fp8.beta2_us == l4.beta2_us
+    a100_fp8 = step_coefficients(fp8, GPU_CLASSES["a100"])
+    assert (a100_fp8.beta1_us, a100_fp8.beta2_us) == (A100.beta1_us, A100.beta2_us)
+    assert a100_fp8.beta0_us == pytest.approx(A100.beta0_us * 8.46 / 14.96)
+
+
+def test_fp8_kv_cache_holds_twice_the_tokens():
+    """``kv_cache_dtype="fp8"``: one byte per value, so twice the blocks in the same memory; KubeAI's
+    L4 engines (FP8 weights and KV, 0.95 of 24 GiB): (22.8 - 8.46 - 3.05) GiB / 64 KiB per token."""
+    assert kv_cache_blocks(LLAMA, 81920, block_size=16, kv_cache_dtype="fp8") == int((72 - 14.96 - 3.05) * 1024)
+    eng = LlmEngine("l4", "llama-3.1-8b-fp8", kv_cache_dtype="fp8", gpu_memory_utilization=0.95)
+    tokens = eng.spec.num_blocks * eng.spec.block_size
+    assert tokens == 16 * int((24 * 0.95 - 8.46 - 3.05) * 1024 ** 3 // (64 * 1024 * 16))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LlmEngine("l4", kv_cache_dtype="int4")
+
+
 @pytest.mark.parametrize("gpu", sorted(GPU_CLASSES))
 def test_batching_raises_throughput_not_inter_token_time(gpu):
     """1 -> 16 concurrent 256/256 requests: output tokens/s >= 8x, inter-token time <= 1.3x (A100:
@@ -119,6 +145,22 @@ def test_a_cached_prefix_skips_its_prefill():
     assert ttft_cold - ttft_warm == pytest.approx((A100.beta0_us + 2000 * A100.beta1_us) * US)
     assert by_type(warm_events, Finished)["warm"].cached_tokens == 2000
     assert eng.stats().prefix_hits == 2000 and eng.stats().prefix_queries == 4200
+
+
+def test_a_reply_the_client_resends_is_found_cached():
+    """A request that carries its output ids (a chat's real reply) leaves the blocks full of its
+    computed tokens (prompt + all outputs but the last) cached when it finishes: the next turn
+    (history + reply + new question) finds them; without the ids only the prompt's blocks stay."""
+    history, reply, question = prompt(11, 300), prompt(12, 200), prompt(13, 50)
+    for ids, cached in ((reply, (300 + 200 - 1) // 16 * 16), (None, 300 // 16 * 16)):
+        eng = LlmEngine("a100")
+        eng.submit(EngineRequest("turn1", history, 200, 0.0, output_ids=ids), 0.0)
+        drive(eng, [])
+        t = 100.0
+        eng.submit(EngineRequest("turn2", history + reply + question, 8, t), t)
+        assert by_type(drive(eng, []), Finished)["turn2"].cached_tokens == cached
+    with pytest.raises(ValueError, match="output_ids"):
+        EngineRequest("x", history, 3, 0.0, output_ids=(1, 2))
 
 
 def test_a_full_kv_cache_makes_requests_wait_never_fail():

@@ -14,7 +14,7 @@ from bench.lab.policies.inferlb import Inferlb
 from bench.lab.policies.oracle import Oracle
 from bench.lab.policies.round_robin import RoundRobin
 from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
-from bench.lab.runner import Point, lab_document, run_point
+from bench.lab.runner import Point, lab_document, plan, run_point
 from bench.lab.scenarios import QUICK, Mode
 from bench.lab.workloads.base import Draft, FollowUp, Sizing
 from bench.lab.workloads.sessions import ChatSessions
@@ -184,6 +184,16 @@ def test_inferlb_pins_a_session_and_learns_completions_from_the_access_log() -> 
 
 def test_quick_mode_is_a_small_cluster_and_a_minute() -> None:
     assert (QUICK.engines, QUICK.duration_s) == (4, 60.0)
+
+
+def test_a_scenario_runs_its_published_cluster_size_in_the_full_lab_only() -> None:
+    """sharegpt_chat runs KubeAI's 8 L4s in the full lab (6-12 QPS per engine: 48-96 QPS); ``--quick``
+    keeps its 4 engines and ``--engines`` overrides both; other scenarios keep the lab's 16."""
+    full = plan(["sharegpt_chat", "uniform"], ["inferlb"], False, None, 1)
+    assert {(p.scenario, p.engines) for p in full} == {("sharegpt_chat", 8), ("uniform", 16)}
+    assert [p.qps for p in full if p.scenario == "sharegpt_chat"] == [48.0, 64.0, 80.0, 96.0]
+    assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], True, None, 1)} == {4}
+    assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], False, 12, 1)} == {12}
 
 
 def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:

@@ -58,6 +58,20 @@ def test_sharegpt_turns_resend_the_history_with_the_real_replies() -> None:
     assert second.prompt.token_ids[:n] == first.prompt.token_ids  # the history is resent as it was
     assert second.prompt.messages[len(first.prompt.messages)].role == "assistant"
     assert second.prompt.messages[len(first.prompt.messages)].tokens.__len__() == first.output_tokens
+    # the engine generates the real reply, so its cached blocks are the ones the next turn resends
+    assert first.output_ids == second.prompt.messages[len(first.prompt.messages)].tokens
+    assert first.prompt.messages[0].role == "system"
+
+
+def test_sharegpt_sessions_replaying_one_conversation_share_no_prefix() -> None:
+    """Once every conversation is taken, sessions start over; each opens with its own system line."""
+    w = ShareGptChat(min_turns=40)
+    by_conversation: dict[str, list] = {}
+    for _, d in _all(w, qps=400.0):
+        by_conversation.setdefault(d.prompt.messages[1].text, []).append(d)
+    a, b = next(ds for ds in by_conversation.values() if len(ds) > 1)[:2]
+    assert [m.tokens for m in a.prompt.messages[1:]] == [m.tokens for m in b.prompt.messages[1:]]  # one chat ...
+    assert a.prompt.token_ids[:16] != b.prompt.token_ids[:16]  # ... as two users' chats
 
 
 def test_tokenizer_tokenizes_each_text_once() -> None:
