@@ -104,9 +104,15 @@ def test_a_backend_that_crashes_then_loops_on_oom_then_recovers(fault_stack: Sta
                                 name=f"sim-{target.port}-oom",
                                 extra=["--time-scale", JOB_TIME_SCALE, "--engine", "job", "--gpu-memory-mib", "14340"])
     # Its version is one of vLLM engines (gpu_memory: preallocated, the vllm preset's): a request needs
-    # no GPU memory of its own there, so the picker sends it requests (a few while it warms up: slow
-    # start), each a 500 that Envoy retries on another host; none reaches a client (checked below).
-    wait_until(lambda: _oom_count(target) >= 2, 15, 0.2, "the broken backend to refuse requests for memory")
+    # no GPU memory of its own there, so the picker places requests on it (a few while it warms up: slow
+    # start), each a 500 that Envoy retries on another host; none reaches a client (checked below). The
+    # background's sessions keep their endpoints (strict affinity) and its prompts' prefixes are cached
+    # elsewhere, so new sessions are what the picker places: one more each poll.
+    def new_session_then_ooms() -> bool:
+        s.send({"model-version": "v1", "x-session-id": f"new-{time.monotonic_ns()}"})
+        return _oom_count(target) >= 2
+
+    wait_until(new_session_then_ooms, 15, 0.2, "the broken backend to refuse requests for memory")
 
     target.proc.kill()
     target.proc = stk.start_sim(target.port, s.workdir, gpu_class=target.gpu_class, version=target.version,
