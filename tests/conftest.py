@@ -16,6 +16,8 @@ would fail: the addopts pass ``-n``.)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 HEAVY = frozenset({
@@ -42,3 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = item.path.relative_to(root).as_posix()
         item.add_marker(pytest.mark.xdist_group(group_of(path)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker, refuse to run if the groups did not reach the node ids (pytest 9 with
+    pytest-xdist 3.8: each test became its own scope, and modules' stacks started on both workers)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("dist") == "loadgroup":
+        lost = [item.nodeid for item in session.items if "@" not in item.nodeid]
+        if lost:
+            raise pytest.UsageError(f"--dist loadgroup: {len(lost)} tests have no group in their node id "
+                                    f"(e.g. {lost[0]}); check the pytest / pytest-xdist versions")
