@@ -183,19 +183,20 @@ def test_an_expired_pick_is_never_credited_to_a_sample():
 ARRIVAL, LAG = 0.05, 0.05  # InFlight's default arrival_slack_s and completion_lag_s
 
 
-def _replay(spans, size, taken_at, delay):
+def _replay(spans, size, taken_at, delay, clock=None):
     """Requests of ``size`` MiB each on one endpoint: picked at ``t``, at the endpoint up to ``ARRIVAL`` s
     later, holding memory there for ``d`` s, their completion reaching the picker up to ``LAG`` s after
     that; replayed into an :class:`InFlight` until ``taken_at + delay`` (when the sample arrives).
     Returns ``(the InFlight, the requests as (picked, arrived, ended, completion learned), the
-    endpoint's whole memory, requests it held at taken_at, the truth now)``."""
+    endpoint's whole memory, requests it held at taken_at, the truth now)``; ``clock``: the one-item
+    list the InFlight's clock reads (a new one when None)."""
     requests = [(t, t + ARRIVAL * a, t + ARRIVAL * a + d, t + ARRIVAL * a + d + LAG * lag)
                 for t, d, a, lag in spans]
     total = 30 * 8192.0
     now = taken_at + delay
     events = sorted([(p, "pick", i) for i, (p, _, _, _) in enumerate(requests)]
                     + [(f, "done", i) for i, (_, _, _, f) in enumerate(requests)])
-    clock = [0.0]
+    clock = [0.0] if clock is None else clock
     live = InFlight(expiry_s=1000.0, clock=lambda: clock[0])
     live.set_samples(MemorySamples.of({FOUR[0]: (total, -1.0)}))  # known from the start
     for t, kind, _ in events:
@@ -269,15 +270,14 @@ def test_the_estimate_stays_at_most_the_truth_as_completions_arrive_after_a_youn
     if spans:
         t, d, a, _ = spans[k % len(spans)]
         taken_at = t + ARRIVAL * a + d + after_end
-    live, requests, total, held, _ = _replay(spans, size, taken_at, delay)
+    clock = [0.0]
+    live, requests, total, held, _ = _replay(spans, size, taken_at, delay, clock)
     live.set_samples(MemorySamples.of({FOUR[0]: (total - held * size, taken_at)},
                                       {FOUR[0]: float(held)} if counted else None))
     now = taken_at + delay
     later = sorted([(p, "pick", i) for i, (p, _, _, _) in enumerate(requests) if p > now]
                    + [(f, "~done", i) for i, (_, _, _, f) in enumerate(requests) if f > now])  # picks first
     picked = {i for i, (p, _, _, _) in enumerate(requests) if p <= now}
-    clock = [now]
-    live._clock = lambda: clock[0]
     for t, kind, i in later:
         clock[0] = t
         if kind == "pick":
