@@ -20,8 +20,8 @@ from protos import load_view_pb2
 from tests.support.loadview import load_view_server
 from tests.unit.ext_proc.test_scheduler import FOUR, ROUTING, headers, view
 from tests.unit.ext_proc.test_shared_load import until
+from xds_server.loadview.exchange import grant_requests, report_from
 from xds_server.loadview.grants import GrantLedger
-from xds_server.loadview.service import grant_requests, report_from
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]

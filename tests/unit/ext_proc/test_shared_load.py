@@ -15,8 +15,8 @@ from ext_proc.view import ViewHolder
 from protos import load_view_pb2
 from tests.support.loadview import load_view_server, others_at
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
+from xds_server.loadview.exchange import report_from, view_message
 from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
-from xds_server.loadview.service import report_from, view_message
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]
