@@ -170,10 +170,11 @@ class _Run:
         self.block_size = next(iter(self.handles.values())).block_size
         self.now = 0.0
         engines = {a: h.engine for a, h in self.handles.items()}
+        shared: dict[str, Any] = {}  # what the gateways' instances share (Context.shared)
         for g, p in enumerate(self.policies):
             p.start(Context(clock=self.clock, rng=random.Random(f"{spec.seed}:{p.name}:{g}"),
                             block_size=self.block_size, gateway=g, gateways=spec.gateways,
-                            engines=engines if p.needs.engines else {}, config=self.config))
+                            engines=engines if p.needs.engines else {}, config=self.config, shared=shared))
         self.pending_progress: list[list[Progress]] = [[] for _ in self.policies]
         self.flush_at: list[float | None] = [None] * len(self.policies)
         self.wake_at: list[float | None] = [None] * len(self.policies)
@@ -399,7 +400,8 @@ class _Run:
             return
         self.pending_progress[g].extend(events)
         if self.flush_at[g] is None:
-            tick = math.ceil(self.now / flush) * flush if flush else self.now
+            # never before now: ceil(now / flush) x flush can round below a now that is not on the grid
+            tick = max(self.now, math.ceil(self.now / flush) * flush) if flush else self.now
             self.flush_at[g] = tick + needs.completion_lag_s
             self.push(self.flush_at[g], _FLUSH, g)
 

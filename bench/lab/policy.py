@@ -402,6 +402,9 @@ class Context:
             the oracle); empty for every other policy.
         config: inferlb's config for this cluster (:class:`xds_server.config.Config`: the one the
             slow loop runs with), for the ``inferlb`` policy; every other policy ignores it.
+        shared: one dict per run, the same for every gateway's instance: what the real system shares
+            between its gateways, keyed by the policy (``inferlb``: the control plane's load view,
+            :mod:`bench.lab.loadview`); empty at the start of a run.
     """
 
     clock: Callable[[], float]
@@ -413,6 +416,7 @@ class Context:
     gateways: int = 1
     engines: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     config: Any = None
+    shared: dict[str, Any] = field(default_factory=dict)
 
 
 # --- the protocol ---------------------------------------------------------------------------------

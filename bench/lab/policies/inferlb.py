@@ -47,16 +47,20 @@ ledger) are not modelled.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from envoy.config.core.v3 import address_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.duration_pb2 import Duration
 
+from bench.lab.loadview import ControlPlaneView, PickerLink
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
+from bench.lab.virtual_loop import VirtualLoop
 from ext_proc.admission import BACKFILL, admit
 from ext_proc.costmodel import CostModel
 from ext_proc.handler import PickerHandler, _body_fields
@@ -105,6 +109,9 @@ class Inferlb(PolicyBase):
         self._view_version = -1
         self._queued = False
         self._shared: SharedLoad | None = None
+        self._link: PickerLink | None = None
+        self._loop: VirtualLoop | None = None
+        self._waiting: dict[int, tuple[Request, asyncio.Future]] = {}  # request -> its grant wait's answer
 
     def start(self, ctx: Context) -> None:
         super().start(ctx)
@@ -125,13 +132,28 @@ class Inferlb(PolicyBase):
         self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))
         self._queued = s.admission or s.memory_queue
         self._memory_count = cfg.picker.memory_count_in_sample
-        # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad whose
-        # view, each round, counts no other picker (the control plane sums its report alone).
-        self._shared = self.handler.share_load() if s.shared_view and ctx.gateways == 1 else None
+        if not s.shared_view:
+            return
+        self._shared = self.handler.share_load()
+        if ctx.gateways == 1:
+            # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad
+            # whose view, each round, counts no other picker (the control plane sums its report alone).
+            return
+        # Several gateways: standalone pickers on the control plane's load view (bench.lab.loadview).
+        plane = ControlPlaneView.of(ctx.shared, s.shared_view_expiry_s, ctx.clock)
+        self._loop = VirtualLoop(ctx.clock)
+        self._link = PickerLink(f"gateway-{ctx.gateway}", self._shared, plane, s.shared_view_interval_s,
+                                s.shared_view_expiry_s, self.handler.set_samples)
+        with self._turn():
+            self._link.start()
 
     # --- the slow loop's rounds --------------------------------------------------------------------
 
     def on_eds(self, eds: Eds) -> None:
+        with self._turn():
+            self._on_eds(eds)
+
+    def _on_eds(self, eds: Eds) -> None:
         super().on_eds(eds)
         handler = self.handler
         assert handler is not None
@@ -158,6 +180,11 @@ class Inferlb(PolicyBase):
             samples[address] = (free, eds.at_s - st.sample_age_s)
             if st.in_flight is not None:
                 held[address] = st.in_flight
+        if self._link is not None:
+            # inferlb serve hands the round's samples to the load view; each picker gets them in a view.
+            self._link.plane.set_memory(eds.at_s, samples)
+            self._link.catch_up()
+            return
         if self._shared is not None:
             self._shared.set_others(Others(pickers=1), at=eds.at_s)
         handler.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
@@ -173,6 +200,10 @@ class Inferlb(PolicyBase):
         return NO_BODY
 
     def decide(self, request: Request) -> Answer:
+        with self._turn():
+            return self._decide(request)
+
+    def _decide(self, request: Request) -> Answer:
         handler = self.handler
         assert handler is not None
         self._tick()
@@ -193,7 +224,14 @@ class Inferlb(PolicyBase):
                         return Reject(429, "overloaded", self.settings.retry_after_s)
                     queue.append((request, request.arrival_s + self.settings.queue_timeout_s))
                     return Wait()
-        return self._answer(request, handler._route(headers, view, body, _PHASE))  # type: ignore[arg-type]
+        answer = handler._route(headers, view, body, _PHASE)  # type: ignore[arg-type]
+        if isinstance(answer, asyncio.Future):  # a memory grant asked: answered once its report is taken
+            self._settle()
+            if not answer.done():
+                self._waiting[request.id] = (request, answer)
+                return Wait()
+            answer = answer.result()
+        return self._answer(request, answer)
 
     def _answer(self, request: Request, decision: Any) -> Answer:
         assert isinstance(decision, Decision)
@@ -208,8 +246,12 @@ class Inferlb(PolicyBase):
     # --- the queue (admission / memory_queue: see the module docstring) -----------------------------
 
     def poll(self, final: bool = False) -> Sequence[tuple[Request, Answer]]:
-        if not self._queue:
-            return ()
+        with self._turn():
+            out = self._granted()
+            return out + self._released(final) if self._queue else out
+
+    def _released(self, final: bool) -> list[tuple[Request, Answer]]:
+        """The adapter's queue (see the module docstring): timeouts, then waiters that fit now."""
         handler = self.handler
         assert handler is not None and self.ctx is not None
         now = self.ctx.clock()
@@ -235,12 +277,54 @@ class Inferlb(PolicyBase):
         return out
 
     def next_wake_s(self) -> float | None:
-        deadlines = [q[0][1] for q in self._queue.values() if q]
-        return min(deadlines) if deadlines else None
+        wakes = [q[0][1] for q in self._queue.values() if q]
+        if self._link is not None and self._loop is not None:
+            wakes.append(self._link.next_wake_s())
+            timer = self._loop.next_timer_s()
+            if timer is not None:
+                wakes.append(timer)
+        return min(wakes) if wakes else None
+
+    # --- several gateways: the shared load view (bench.lab.loadview) ---------------------------------
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """One call of the harness into this picker: with several gateways on the shared view, the
+        report loop catches up first (its ticks, a ready memory round), the picker's code runs on its
+        virtual event loop, and grant requests it asked go out at the end. Otherwise nothing."""
+        link, loop = self._link, self._loop
+        if link is None or loop is None:
+            yield
+            return
+        with loop.running():
+            link.catch_up()
+            loop.run_due()
+            yield
+            self._settle()
+
+    def _settle(self) -> None:
+        """Send the waiting grant requests and run what their answers set off (commits, new decisions)."""
+        assert self._link is not None and self._loop is not None
+        self._link.flush()
+        self._loop.run_due()
+
+    def _granted(self) -> list[tuple[Request, Answer]]:
+        """The requests whose grant wait ended (answered, or timed out), in the order they asked."""
+        if not self._waiting:
+            return []
+        out = []
+        for rid in [rid for rid, (_, future) in self._waiting.items() if future.done()]:
+            request, future = self._waiting.pop(rid)
+            out.append((request, self._answer(request, future.result())))
+        return out
 
     # --- completions, as Envoy's access log reports them --------------------------------------------
 
     def on_progress(self, events: Sequence[Progress]) -> None:
+        with self._turn():
+            self._on_progress(events)
+
+    def _on_progress(self, events: Sequence[Progress]) -> None:
         handler = self.handler
         assert handler is not None
         self._tick()
