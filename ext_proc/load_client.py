@@ -113,12 +113,15 @@ def report_due(shared: SharedLoad, reported: int, since_s: float, keepalive_s: f
 
 async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.01,
                         expiry_s: float = 1.0, on_samples: Callable[[MemorySamples], None] | None = None,
-                        backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
+                        backoff_s: float = 0.25, max_backoff_s: float = 5.0,
+                        on_view: Callable[[Others], None] | None = None) -> None:
     """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
 
     ``picker``: this picker's name in the control plane (unique per process). ``on_samples``: given
     the slow loop's GPU memory samples each time a view brings a new round of them (a standalone
-    picker's only source; None: ignored, the in-process picker gets them directly).
+    picker's only source; None: ignored, the in-process picker gets them directly). ``on_view``:
+    called after each view is taken, with the others' load before it
+    (:meth:`~ext_proc.handler.PickerHandler.others_changed`).
     """
     inflight = shared.inflight
     grants = shared.grants
@@ -171,7 +174,10 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
             async with grpc.aio.insecure_channel(target) as channel:
                 call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share(reports())
                 async for view in call:
+                    before = shared.others
                     apply_view(shared, view)
+                    if on_view is not None:
+                        on_view(before)
                     if view.memory_round:
                         # Read in a worker thread: 183-193 ms of Python steps at 60 000 endpoints (timed alone),
                         # which would stall this picker's event loop (its requests) meanwhile.

@@ -308,8 +308,7 @@ class _Run:
         request = Request(rid, now, headers, draft.prompt, draft.max_tokens, draft.model, draft.user,
                           True, draft.memory_mib)
         self.answer(gateway, request, self.policies[gateway].decide(request))
-        if self.policies[gateway].next_wake_s() is not None:
-            self.schedule_wake(gateway)
+        self.schedule_wake(gateway)
 
     def answer(self, g: int, request: Request, answer: Answer) -> None:
         rec = self.records[request.id]
@@ -438,10 +437,13 @@ class _Run:
         self.schedule_wake(g)
 
     def schedule_wake(self, g: int) -> None:
-        t = self.policies[g].next_wake_s()
-        if t is not None and (self.wake_at[g] is None or t < self.wake_at[g]):
-            self.wake_at[g] = max(t, self.now)
-            self.push(self.wake_at[g], _WAKE, g)
+        """A wake-up for policy ``g`` at its :meth:`~bench.lab.policy.Policy.next_wake_s`; with several
+        gateways, for every instance (one can change another's state through ``Context.shared``)."""
+        for h in range(len(self.policies)) if len(self.policies) > 1 else (g,):
+            t = self.policies[h].next_wake_s()
+            if t is not None and (self.wake_at[h] is None or t < self.wake_at[h]):
+                self.wake_at[h] = max(t, self.now)
+                self.push(self.wake_at[h], _WAKE, h)
 
     # --- metrics ------------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 
 from ext_proc.inflight import MemorySamples
 from ext_proc.load_client import apply_view, memory_of, report_due, report_message, view_capacities
-from ext_proc.shared_load import SharedLoad
+from ext_proc.shared_load import Others, SharedLoad
 from protos import load_view_pb2
 from xds_server.loadview.exchange import Stream, memory_message, next_view, take_report
 from xds_server.loadview.grants import GrantLedger
@@ -136,10 +136,13 @@ class PickerLink:
         interval_s: ``picker.shared_view_interval_s`` (s): the report loop's tick.
         expiry_s: ``picker.shared_view_expiry_s`` (s): the keep-alive is a quarter of it.
         on_samples: the picker's :meth:`~ext_proc.handler.PickerHandler.set_samples`.
+        on_view: the picker's :meth:`~ext_proc.handler.PickerHandler.others_changed`, called on the
+            picker's next turn (:meth:`catch_up`) with the others' load before the first view it
+            missed: a view comes in another picker's turn, whose report set it off.
     """
 
     def __init__(self, name: str, shared: SharedLoad, plane: ControlPlaneView, interval_s: float, expiry_s: float,
-                 on_samples: Callable[[MemorySamples], None]) -> None:
+                 on_samples: Callable[[MemorySamples], None], on_view: Callable[[Others], None]) -> None:
         self.name = name
         self.shared = shared
         self.plane = plane
@@ -148,6 +151,9 @@ class PickerLink:
         # The keep-alive's tick: the first whose time since the report reaches it.
         self._keepalive_tick = max(1, math.ceil(self.keepalive_s / interval_s - 1e-9))
         self._on_samples = on_samples
+        self._on_view = on_view
+        self.viewed: Others | None = None
+        """The others' load before the first view taken since the picker's last turn (None: no view since)."""
         self.reports = 0
         self._since = self._anchor = shared.inflight.now()
         self._tick = 1   # the next tick not yet checked: at _anchor + _tick x interval_s
@@ -171,6 +177,8 @@ class PickerLink:
     def _take(self, view: load_view_pb2.LoadView) -> None:
         """One view into the picker, as ``run_load_view`` takes it (without its worker threads)."""
         shared = self.shared
+        if self.viewed is None:
+            self.viewed = shared.others
         apply_view(shared, view)
         if view.memory_round:
             shared.free.capacity = view_capacities(view)
@@ -188,6 +196,9 @@ class PickerLink:
                 break
             self._tick += 1
         self.plane.send_memory(self.name)
+        if self.viewed is not None:
+            before, self.viewed = self.viewed, None
+            self._on_view(before)
 
     def flush(self) -> None:
         """Send the grant requests waiting (a report each time requests wait: the answers in a view can

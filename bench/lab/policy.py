@@ -52,9 +52,11 @@ in time order, :meth:`Policy.decide` per arriving request and the deliveries
 (:meth:`Policy.on_progress`, :meth:`Policy.on_samples`, :meth:`Policy.on_kv_events`) as they fall
 due. The harness calls :meth:`Policy.poll` after every delivery, after every ``decide`` that
 answered :class:`Wait`, and at :meth:`Policy.next_wake_s` (a held request's timeout), and sends or
-answers what it returns. Before ``decide`` at time ``t``, everything due at or before ``t`` has
-been delivered. At the end of a run :meth:`Policy.poll` is called once more with ``final=True``: a
-request still held then is counted as an error.
+answers what it returns. With several gateways, every instance's :meth:`Policy.next_wake_s` is asked
+after any instance was called (one can change another's state through :attr:`Context.shared`).
+Before ``decide`` at time ``t``, everything due at or before ``t`` has been delivered. At the end of
+a run :meth:`Policy.poll` is called once more with ``final=True``: a request still held then is
+counted as an error.
 
 A policy module exports one class implementing :class:`Policy` whose constructor takes keyword
 parameters only (each with its default and its source in the docstring); the registry

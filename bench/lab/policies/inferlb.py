@@ -148,7 +148,7 @@ class Inferlb(PolicyBase):
         # Several gateways: standalone pickers on the control plane's load view (bench.lab.loadview).
         plane = ControlPlaneView.of(ctx.shared, s.shared_view_expiry_s, ctx.clock)
         self._link = PickerLink(f"gateway-{ctx.gateway}", self._shared, plane, s.shared_view_interval_s,
-                                s.shared_view_expiry_s, self.handler.set_samples)
+                                s.shared_view_expiry_s, self.handler.set_samples, self.handler.others_changed)
         with self._turn():
             self._link.start()
 
@@ -249,8 +249,11 @@ class Inferlb(PolicyBase):
             return out
 
     def next_wake_s(self) -> float | None:
-        assert self._loop is not None
-        wakes = [self._link.next_wake_s()] if self._link is not None else []
+        assert self._loop is not None and self.ctx is not None
+        link, admission = self._link, self.handler.admission if self.handler is not None else None
+        wakes = [] if link is None else [link.next_wake_s()]
+        if link is not None and link.viewed is not None and admission is not None and admission.waiting():
+            wakes.append(self.ctx.clock())  # a view came in another picker's turn: requests wait for it
         timer = self._loop.next_timer_s()
         if timer is not None:
             wakes.append(timer)

@@ -16,7 +16,7 @@ from bench.lab.policies.inferlb import Inferlb
 from bench.lab.scenarios import QUICK, SCENARIOS
 from bench.lab.virtual_loop import VirtualLoop
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.shared_load import SharedLoad
+from ext_proc.shared_load import Others, SharedLoad
 from xds_server.loadview.rounds import FINISH_LAG_S
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -34,19 +34,21 @@ def _pickers(n: int = 2, interval_s: float = 0.01, expiry_s: float = 1.0):
     clock = _Clock()
     plane = ControlPlaneView(expiry_s, clock)
     samples: dict[str, list[MemorySamples]] = {}
+    viewed: dict[str, list[Others]] = {}  # picker -> the others' load before the views it missed, per turn
     links = []
     for i in range(n):
         name = f"gateway-{i}"
         shared = SharedLoad(InFlight(clock=clock))
         samples[name] = []
-        links.append(PickerLink(name, shared, plane, interval_s, expiry_s, samples[name].append))
+        viewed[name] = []
+        links.append(PickerLink(name, shared, plane, interval_s, expiry_s, samples[name].append, viewed[name].append))
     for link in links:
         link.start()
-    return clock, plane, links, samples
+    return clock, plane, links, samples, viewed
 
 
 def test_each_picker_reads_the_others_load_from_the_control_planes_sum_less_its_own_share():
-    clock, plane, (a, b), _ = _pickers()
+    clock, plane, (a, b), _, viewed = _pickers()
     a.shared.inflight.picked("c", E1, 1.5, 8192.0)
     a.shared.inflight.picked("c", E1, 1.0, 0.0)
     b.shared.inflight.picked("c", E1, 2.0, 0.0)
@@ -74,11 +76,17 @@ def test_each_picker_reads_the_others_load_from_the_control_planes_sum_less_its_
     # Now a change is reported at the next tick (shared_view_interval_s after the last report), not before.
     b.shared.inflight.completed("c", E1)
     clock.now = 0.255
+    a.catch_up()
     b.catch_up()
     assert b.reports == 2 and b.next_wake_s() == pytest.approx(0.26)
+    assert a.viewed is None and viewed["gateway-0"][-1].work == {}, "told on its turn: before b's first view"
     clock.now = 0.26
+    viewed["gateway-0"].clear()
     b.catch_up()
     assert b.reports == 3 and a.shared.others.work == {E2: 1.0}
+    assert a.viewed is not None and a.viewed.work == {E1: 2.0, E2: 1.0}, "a view came in b's turn"
+    a.catch_up()  # a's next turn: the picker is told what the others' load was before it
+    assert a.viewed is None and [o.work for o in viewed["gateway-0"]] == [{E1: 2.0, E2: 1.0}]
 
 
 def _busy(clock: _Clock, *links: PickerLink) -> None:
@@ -92,7 +100,7 @@ def _busy(clock: _Clock, *links: PickerLink) -> None:
 
 
 def test_the_ledger_refuses_a_room_another_pickers_unseen_grant_took():
-    clock, plane, (a, b), _ = _pickers()
+    clock, plane, (a, b), _, _ = _pickers()
     _busy(clock, a, b)
     clock.now = 0.3
     answers: list[tuple[str, int | None, float]] = []
@@ -115,7 +123,7 @@ def test_the_ledger_refuses_a_room_another_pickers_unseen_grant_took():
 
 
 def test_a_memory_round_reaches_each_picker_once_ready_with_the_others_share_as_its_baseline():
-    clock, plane, (a, b), samples = _pickers()
+    clock, plane, (a, b), samples, _ = _pickers()
     a.shared.inflight.picked("c", E1, 1.0, 8192.0)
     _busy(clock, a, b)
     clock.now = 0.3
