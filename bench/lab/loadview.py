@@ -22,7 +22,11 @@ gRPC stream and the asyncio tasks around it are swapped:
   or the keep-alive), and at once when a memory grant request waits. Each view goes into its
   :class:`~ext_proc.shared_load.SharedLoad` (:func:`~ext_proc.load_client.apply_view`: the others'
   load, the grant answers), a memory round as ``run_load_view`` takes it (the capacities, the
-  others' share as the baseline, the samples to the picker: :func:`~ext_proc.load_client.memory_of`).
+  others' share as the baseline, the samples to the picker: :func:`~ext_proc.load_client.memory_of`),
+  and the picker is told what the others' load was before it
+  (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a view set off by
+  another picker's report arrives in that picker's turn, and the harness wakes this one at the same
+  virtual instant when its requests wait.
 
 Not modelled: the stream's transit (a report is taken, and the views it sets off arrive, in the
 same virtual instant: on one host it is well under the 10 ms report interval); views coalesced
