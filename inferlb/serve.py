@@ -360,7 +360,7 @@ class InferLB:
             self._share_task = asyncio.create_task(run_load_view(
                 f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
                 f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
-                p.shared_view_interval_s, p.shared_view_expiry_s))
+                p.shared_view_interval_s, p.shared_view_expiry_s, on_view=self.picker.others_changed))
         RELOAD_OK.set(1)  # the config in use is the file's, loaded and valid
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")

@@ -250,7 +250,7 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         name="multi_gateway",
         title="Three gateways, one pool (job engines)",
         trap="the uneven traffic split over three routers that each see only their own requests (inferlb: "
-             "three pickers without the shared load view)",
+             "three pickers on the control plane's shared load view and memory grants, its default)",
         nodes=_uneven,
         workload=_memory_mix,
         qps_per_engine=(3.0,),
