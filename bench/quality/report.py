@@ -269,9 +269,9 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
                      else verdict(None if ratio is None else ratio <= 0.6,
                                   "" if ratio is None or ratio <= 0.6 else f"by {ratio - 0.6:.2f} ×")))
     hits = _get(store, "sessions", "inferlb_full", "session_hit_rate")
-    rows.append(("session hit rate ≥ 99 % (sessions)", _pct(hits),
+    rows.append(("session hit rate ≥ 99 % (sessions)", "–" if hits is None else f"{100 * hits:.2f} %",
                  verdict(None if hits is None else hits >= 0.99,
-                         "" if hits is None or hits >= 0.99 else f"by {100 * (0.99 - hits):.1f} points")))
+                         "" if hits is None or hits >= 0.99 else f"by {100 * (0.99 - hits):.2f} points")))
     moved = _get(store, "scaling", "inferlb_full", "sessions_moved")
     n_after = len(SCENARIOS["scaling"].nodes)  # every node is in after the scale-up
     bound = 1 / n_after + 0.05
