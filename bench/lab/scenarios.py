@@ -323,7 +323,7 @@ def quality_mirror(name: str) -> LabScenario:
     workload = ChatSessions(anon_share=t.anon_share, turns=t.turns, think_s=t.think_s / ts, versions=t.versions,
                             memory_mib=t.memory_mib, burst=burst, output_tokens=t.max_tokens,
                             system_tokens=t.system_tokens, tenants=t.tenants, user_tokens=t.user_tokens,
-                            resend=t.resend, session_header=t.session_header)
+                            opening_tokens=t.opening_tokens, resend=t.resend, session_header=t.session_header)
     n = len(q.nodes)
     return LabScenario(
         name=f"quality:{name}", title=f"inferlb bench quality's {name}, in the lab", trap=q.trap,

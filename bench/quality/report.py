@@ -196,6 +196,7 @@ def _setup(sc: Scenario, meta: Mapping[str, Any]) -> str:
              f"{100 * t.stream_share:.0f} % streamed, {t.max_tokens} output tokens each",
              (f"{t.tenants} tenants with a {t.system_tokens}-token system prompt each" if t.tenants else
               f"a {t.system_tokens}-token system prompt" if t.system_tokens else "no system prompt")
+             + (f", a {t.opening_tokens}-token opening message" if t.opening_tokens else "")
              + f", {t.user_tokens}-token user turns" + (", the conversation resent every turn" if t.resend else "")
              + ("" if t.session_header else ", no session header"),
              f"client timeout {sc.timeout_s:g} s"]
