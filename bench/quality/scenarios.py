@@ -32,6 +32,7 @@ from sim.engines.hardware import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MODEL,
     GIB,
+    GPU_CLASSES,
     MODELS,
 )
 
@@ -75,7 +76,8 @@ class Node:
     ``gpu_class``: the sim's class (``a100``, ``a10``, ...). ``gpu_memory_mib``: total GPU memory (None =
     the class default). ``present``: False for a node that an ``add`` event brings in. ``tier``:
     ``edge`` or ``cloud`` (inferlb's endpoint tier: EDS priority 0 or 1; the baselines see one flat
-    pool). ``engine``: the sim's engine kind (``llm`` or ``job``).
+    pool). ``engine``: the sim's engine kind (``llm`` or ``job``). ``max_concurrency``: the
+    ``max_concurrency`` inferlb's config states for its endpoint (None: inferlb's default, 8).
     """
 
     gpu_class: str = "a100"
@@ -84,6 +86,7 @@ class Node:
     present: bool = True
     tier: Literal["edge", "cloud"] = "edge"
     engine: Literal["llm", "job"] = "llm"
+    max_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,10 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType({s.name: s for s in (
              "is, and a turn sent to a node that has not seen the conversation for a few turns prefills all it "
              "missed there (the whole conversation on a first visit: 61-190 ms of A100 time at 1 300-4 000 "
              "tokens)",
-        nodes=tuple(Node("a100") for _ in range(4)),
+        # inferlb configured for vLLM-like engines: an endpoint runs as many requests as vLLM's max_num_seqs (the
+        # sim's batch); with inferlb's default of 8 the picker's admission counted the cluster full at 32 requests
+        # in flight (about 48 here) and answered 16 % of the requests 429.
+        nodes=tuple(Node("a100", max_concurrency=GPU_CLASSES["a100"].max_num_seqs) for _ in range(4)),
         # Turns as KubeAI's prefix-aware benchmark picks its ShareGPT conversations (>= 16 messages); the
         # nodes stay far from saturation under every policy (the lab mirror: TTFT p99 under 130 ms wall).
         traffic=Traffic(rps=60.0, turns=(8, 20), think_s=0.5, system_tokens=200, opening_tokens=1000,
