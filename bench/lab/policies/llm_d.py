@@ -34,7 +34,8 @@ import hashlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from functools import lru_cache
-from itertools import chain, repeat
+from itertools import repeat
+from operator import or_
 
 import orjson
 
@@ -82,12 +83,16 @@ def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PRE
 
 
 class _Index:
-    """The approximate prefix producer's indexer: per endpoint an LRU of hashes, and hash -> endpoints."""
+    """The approximate prefix producer's indexer: per endpoint an LRU of hashes, and per hash the endpoints
+    holding it (a bit mask over the endpoints in the order the index first saw them, so adding a
+    request's hashes is a few bulk dict operations)."""
 
     def __init__(self) -> None:
         self.lru: dict[str, OrderedDict[int, None]] = {}
         self.capacity: dict[str, int] = {}
-        self.holders: dict[int, dict[str, None]] = {}
+        self.bit: dict[str, int] = {}
+        self.endpoints: list[str] = []  # by bit
+        self.holders: dict[int, int] = {}  # hash -> endpoints' bits
 
     def add(self, hashes: Sequence[int], endpoint: str, capacity: int) -> None:
         """``hashes`` were sent to ``endpoint``: each moves to the newest end of its LRU (inserted
@@ -96,8 +101,9 @@ class _Index:
         if lru is None:
             lru = self.lru[endpoint] = OrderedDict()
             self.capacity[endpoint] = capacity
+            self.bit[endpoint] = 1 << len(self.endpoints)
+            self.endpoints.append(endpoint)
         cap = self.capacity[endpoint]
-        holders = self.holders
         if cap < len(hashes) or len(dict.fromkeys(hashes)) < len(hashes):
             for h in hashes:  # one by one: a hash may go out before its turn comes
                 if h in lru:
@@ -113,13 +119,15 @@ class _Index:
             lru.update(dict.fromkeys(hashes))
             while len(lru) > cap:
                 self._drop(lru.popitem(last=False)[0], endpoint)
-        for h in hashes:
-            holders.setdefault(h, {})[endpoint] = None
+        holders = self.holders  # each hash's endpoints gain this one, in C
+        held = map(or_, map(holders.get, hashes, repeat(0)), repeat(self.bit[endpoint]))
+        holders.update(zip(hashes, held, strict=True))
 
     def _drop(self, h: int, endpoint: str) -> None:
-        held = self.holders[h]
-        del held[endpoint]
-        if not held:
+        held = self.holders[h] & ~self.bit[endpoint]
+        if held:
+            self.holders[h] = held
+        else:
             del self.holders[h]
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -127,7 +135,14 @@ class _Index:
         found = list(map(self.holders.get, hashes))  # looked up in C; cut at the first hash no one holds
         if None in found:
             del found[found.index(None):]
-        return Counter(chain.from_iterable(found))
+        out: dict[str, int] = {}
+        for held, n in Counter(found).items():  # a few distinct sets of endpoints
+            while held:
+                low = held & -held
+                endpoint = self.endpoints[low.bit_length() - 1]
+                out[endpoint] = out.get(endpoint, 0) + n
+                held ^= low
+        return out
 
 
 class LlmD(ProxyPolicy):

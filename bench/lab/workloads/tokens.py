@@ -10,6 +10,7 @@ tokenized by :class:`Tokenizer`, each distinct text once.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -76,7 +77,7 @@ _KEYS: weakref.WeakKeyDictionary[Prompt, tuple[int, tuple[int, ...]]] = weakref.
 #: Keys of recent prompts' leading messages: ``(block size, messages) -> keys of the full blocks of their
 #: tokens``, the oldest dropped beyond :data:`_PREFIXES_KEPT` (a chat's next turn extends its last prompt,
 #: a group's prompts share their first message: their keys are hashed once).
-_PREFIXES: dict[tuple[int, tuple[Message, ...]], tuple[int, ...]] = {}
+_PREFIXES: OrderedDict[tuple[int, tuple[Message, ...]], tuple[int, ...]] = OrderedDict()
 _PREFIXES_KEPT = 4096
 
 
@@ -108,4 +109,4 @@ def prompt_keys(prompt: Prompt, block_size: int) -> tuple[int, ...]:
 def _remember(prefix: tuple[int, tuple[Message, ...]], keys: tuple[int, ...]) -> None:
     _PREFIXES[prefix] = keys
     if len(_PREFIXES) > _PREFIXES_KEPT:
-        del _PREFIXES[next(iter(_PREFIXES))]
+        _PREFIXES.popitem(last=False)
