@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from operator import itemgetter
 
 import numpy as np
 
@@ -48,11 +49,16 @@ class Synth:
     def message(self, role: str | None, n: int) -> Message:
         """A message of ``n`` (>= 1) random token ids and their rendered text."""
         ids = self._rng.integers(0, VOCAB_SIZE, size=max(1, n), dtype=np.int64)
-        return Message(role, render(ids), tuple(map(_IDS.__getitem__, ids.tolist())))
+        return Message(role, render(ids), _shared(ids.tolist()))
 
     def ids(self, n: int) -> tuple[int, ...]:
         """``n`` random token ids."""
-        return tuple(map(_IDS.__getitem__, self._rng.integers(0, VOCAB_SIZE, size=n, dtype=np.int64).tolist()))
+        return _shared(self._rng.integers(0, VOCAB_SIZE, size=n, dtype=np.int64).tolist())
+
+
+def _shared(ids: list[int]) -> tuple[int, ...]:
+    """``ids`` (below the vocabulary's size) as a tuple of the shared int objects of :data:`_IDS`."""
+    return itemgetter(*ids)(_IDS) if len(ids) > 1 else tuple(_IDS[i] for i in ids)  # itemgetter(i): no tuple
 
 
 class Tokenizer:
