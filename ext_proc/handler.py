@@ -536,9 +536,12 @@ class PickerHandler:
         capacity = self._capacity(self.holder.current, cluster)
         return not self.limit_concurrency or capacity <= 0 or self._taken(cluster) < capacity
 
-    def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields,
-               phase: str, tries: int = 0, deadline: float | None = None) -> bytes | asyncio.Future[bytes]:
-        decision = self._pick(headers, view, body)
+    def _route(self, headers: dict[str, bytes], view: EndpointView, body: BodyFields, phase: str, tries: int = 0,
+               deadline: float | None = None, decision: Decision | None = None) -> bytes | asyncio.Future[bytes]:
+        """Route a request: pick (``decision``: the pick already made on this view, :meth:`_pick` is pure),
+        refuse what no endpoint could hold, queue or wait for memory and admission, commit."""
+        if decision is None:
+            decision = self._pick(headers, view, body)
         cluster = decision.cluster
         admission = self.admission
         if cluster is None:

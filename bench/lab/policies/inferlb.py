@@ -34,7 +34,8 @@ the I/O around it.
 Where today's code cannot be driven without its I/O shell: the handler's admission queue
 (``picker.admission`` / ``picker.memory_queue``: :class:`ext_proc.admission.Admission`) waits on
 asyncio futures and timers of the running event loop. With either on, this adapter keeps the
-queue itself, with the handler's own rules: :func:`ext_proc.admission.admit` on the cluster's slots,
+queue itself, with the handler's own rules (the pick it tests admission with is the one ``_route`` then
+commits: ``_pick`` is pure): :func:`ext_proc.admission.admit` on the cluster's slots,
 a request no endpoint has memory for waiting, FIFO with backfill (32 deep), each waiter decided
 again by the handler's ``_pick`` when a slot frees or memory returns, committed by ``_commit``, and
 a 429 at ``queue_timeout_s``. With one gateway the picker decides on the shared load view as
@@ -52,9 +53,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from envoy.config.core.v3 import address_pb2
 from envoy.service.accesslog.v3 import als_pb2
-from google.protobuf.duration_pb2 import Duration
 
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
 from ext_proc.admission import BACKFILL, admit
@@ -84,10 +83,9 @@ class _Decisions:
         return decision
 
 
-def _ns(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(max(0, round(seconds * 1e9)))
-    return d
+def _ns(seconds: float) -> int:
+    """A duration's nanoseconds, as Envoy logs it (never negative)."""
+    return max(0, round(seconds * 1e9))
 
 
 class Inferlb(PolicyBase):
@@ -179,6 +177,7 @@ class Inferlb(PolicyBase):
         view = handler.holder.current
         body = self._body(request)
         headers = request.headers
+        decision = None
         if self._queued:
             decision = handler._pick(headers, view, body)  # type: ignore[arg-type]
             cluster = decision.cluster
@@ -193,7 +192,8 @@ class Inferlb(PolicyBase):
                         return Reject(429, "overloaded", self.settings.retry_after_s)
                     queue.append((request, request.arrival_s + self.settings.queue_timeout_s))
                     return Wait()
-        return self._answer(request, handler._route(headers, view, body, _PHASE))  # type: ignore[arg-type]
+        routed = handler._route(headers, view, body, _PHASE, decision=decision)  # type: ignore[arg-type]
+        return self._answer(request, routed)
 
     def _answer(self, request: Request, decision: Any) -> Answer:
         assert isinstance(decision, Decision)
@@ -259,16 +259,17 @@ class Inferlb(PolicyBase):
             entry.request.request_headers[routing.override_host_header] = endpoint
             props = entry.common_properties
             host, _, port = endpoint.rpartition(":")
-            props.upstream_remote_address.CopyFrom(
-                address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))))
+            upstream = props.upstream_remote_address.socket_address
+            upstream.address = host
+            upstream.port_value = int(port)
             props.upstream_request_attempt_count = 1
             waited = sent_at - request.arrival_s  # time in Envoy before it went upstream (the picker's queue)
-            props.time_to_first_upstream_tx_byte.CopyFrom(_ns(waited))
+            props.time_to_first_upstream_tx_byte.FromNanoseconds(_ns(waited))
             end = waited + event.duration_s
-            props.time_to_last_upstream_rx_byte.CopyFrom(_ns(end))
-            props.time_to_last_downstream_tx_byte.CopyFrom(_ns(end))
+            props.time_to_last_upstream_rx_byte.FromNanoseconds(_ns(end))
+            props.time_to_last_downstream_tx_byte.FromNanoseconds(_ns(end))
             if event.ttft_s is not None:
-                props.time_to_first_upstream_rx_byte.CopyFrom(_ns(waited + event.ttft_s))
+                props.time_to_first_upstream_rx_byte.FromNanoseconds(_ns(waited + event.ttft_s))
             if event.status == 503:
                 props.response_flags.upstream_connection_failure = True
             entry.response.response_code.value = event.status
