@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.lab import plots, report
@@ -30,14 +31,16 @@ def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: 
         "inferlb bench lab" + (" --quick" if quick else "") + "".join(f" --scenario {s}" for s in scenarios)
     started = time.monotonic()
     total = len(points)
-    finished: list[dict] = []
-    last_of = {p.scenario: i for i, p in enumerate(points)}
+    finished: dict[int, dict] = {}  # point index -> figures
+    left = Counter(p.scenario for p in points)  # runs not finished yet, per scenario
 
-    def write(upto: int) -> dict:
-        doc = lab_document(points[:upto], finished[:upto], seed=seed, commit=commit, command=command,
-                           date=utc_now(), slo_ttft_p90_ms=slo_ttft_p90_ms)
+    def write() -> dict:
+        """Write the scenarios whose runs have all finished."""
+        ready = [i for i in range(total) if not left[points[i].scenario]]
+        doc = lab_document([points[i] for i in ready], [finished[i] for i in ready], seed=seed, commit=commit,
+                           command=command, date=utc_now(), slo_ttft_p90_ms=slo_ttft_p90_ms)
         doc["wall_s"] = round(time.monotonic() - started, 1)
-        doc["cpu_s"] = round(sum(f.get("cpu_s", 0.0) for f in finished[:upto]), 1)
+        doc["cpu_s"] = round(sum(finished[i].get("cpu_s", 0.0) for i in ready), 1)
         if json_path:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
@@ -56,19 +59,24 @@ def run_lab(*, scenarios: list[str], policies: list[str], quick: bool, engines: 
                            "## Decision quality at field scale: the policy lab")
         return doc
 
-    def done(p: Point, figures: dict) -> None:
-        finished.append(figures)
+    def done(i: int, p: Point, figures: dict) -> None:
+        finished[i] = figures
+        left[p.scenario] -= 1
         n = len(finished)
         print(f"[{n}/{total}] {p.scenario} {p.policy} {p.qps:g} QPS: TTFT p90 {figures['ttft_p90_ms']} ms, "
               f"{figures['output_tokens_per_s']} tok/s, cpu {figures['cpu_s']:.1f} s "
               f"({time.monotonic() - started:.0f} s so far)", file=sys.stderr, flush=True)
-        if last_of[p.scenario] == n - 1 and n < total:  # a scenario is complete: its results are written at once
-            write(n)
+        if not left[p.scenario] and n < total:  # a scenario is complete: its results are written at once
+            write()
 
     commit = git_commit(Path.cwd())
     print(f"inferlb bench lab: {total} runs ({len(scenarios)} scenarios x {len(policies)} policies x points)"
           f"{' (quick)' if quick else ''}, {jobs} job(s)", file=sys.stderr, flush=True)
     run_points(points, jobs, done)
-    doc = write(total)
-    print(f"inferlb bench lab: done in {doc['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    doc = write()
+    print(f"inferlb bench lab: done in {doc['wall_s']:.0f} s, {doc['cpu_s']:.0f} s of CPU in the runs; CPU (s) by "
+          "scenario and policy:", file=sys.stderr, flush=True)
+    for name, sc in doc["scenarios"].items():
+        print(f"  {name}: " + ", ".join(f"{pol} {row['cpu_s']:g}" for pol, row in sc["policies"].items()),
+              file=sys.stderr, flush=True)
     return doc

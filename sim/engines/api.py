@@ -45,7 +45,7 @@ block keys are Python's ``hash`` of int tuples (independent of ``PYTHONHASHSEED`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 #: Why a request failed (:attr:`Failed.reason`).
 FAIL_OOM = "oom"                 # job engine: its memory does not fit on the GPU (CUDA out of memory)
@@ -181,9 +181,9 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Gauges and counters of one engine (the values its ``/metrics`` shows).
+class EngineStats(NamedTuple):
+    """Gauges and counters of one engine (the values its ``/metrics`` shows; a named tuple: made at
+    every scrape, and by the lab's oracle for every engine at every decision).
 
     Gauges: ``running`` (requests holding a running slot), ``waiting`` (queued), ``kv_usage``
     (0-1, vLLM's ``kv_cache_usage_perc``: blocks in use / all blocks; cached blocks no request uses

@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 #: Parent key of a sequence's first block (vLLM's ``NONE_HASH`` plays this role).
 ROOT_HASH = 0
 
+_FOUND = partial(is_not, None)  # a cache lookup that found a block
 _ID_BITS = 24  # block ids per pool: at most 2**24 (a free-queue entry packs a stamp above the id)
 _ID_MASK = (1 << _ID_BITS) - 1
 
@@ -128,10 +132,7 @@ class BlockPool:
         cached = self._cached
         if not self.caching or max_blocks <= 0 or not keys or keys[0] not in cached:
             return []
-        out = list(map(cached.get, keys[:max_blocks]))  # looked up in C; cut at the first miss
-        if None in out:
-            del out[out.index(None):]
-        return out
+        return list(takewhile(_FOUND, map(cached.get, islice(keys, max_blocks))))  # in C, up to the first miss
 
     def count_free(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` no request uses."""

@@ -60,9 +60,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from envoy.config.core.v3 import address_pb2
 from envoy.service.accesslog.v3 import als_pb2
-from google.protobuf.duration_pb2 import Duration
 
 from bench.lab.loadview import ControlPlaneView, PickerLink
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
@@ -94,10 +92,9 @@ class _Decisions:
         return decision
 
 
-def _ns(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(max(0, round(seconds * 1e9)))
-    return d
+def _ns(seconds: float) -> int:
+    """A duration's nanoseconds, as Envoy logs it (never negative)."""
+    return max(0, round(seconds * 1e9))
 
 
 class Inferlb(PolicyBase):
@@ -308,16 +305,17 @@ class Inferlb(PolicyBase):
             entry.request.request_headers[routing.override_host_header] = endpoint
             props = entry.common_properties
             host, _, port = endpoint.rpartition(":")
-            props.upstream_remote_address.CopyFrom(
-                address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))))
+            upstream = props.upstream_remote_address.socket_address
+            upstream.address = host
+            upstream.port_value = int(port)
             props.upstream_request_attempt_count = 1
             waited = sent_at - request.arrival_s  # time in Envoy before it went upstream (the picker's queue)
-            props.time_to_first_upstream_tx_byte.CopyFrom(_ns(waited))
+            props.time_to_first_upstream_tx_byte.FromNanoseconds(_ns(waited))
             end = waited + event.duration_s
-            props.time_to_last_upstream_rx_byte.CopyFrom(_ns(end))
-            props.time_to_last_downstream_tx_byte.CopyFrom(_ns(end))
+            props.time_to_last_upstream_rx_byte.FromNanoseconds(_ns(end))
+            props.time_to_last_downstream_tx_byte.FromNanoseconds(_ns(end))
             if event.ttft_s is not None:
-                props.time_to_first_upstream_rx_byte.CopyFrom(_ns(waited + event.ttft_s))
+                props.time_to_first_upstream_rx_byte.FromNanoseconds(_ns(waited + event.ttft_s))
             if event.status == 503:
                 props.response_flags.upstream_connection_failure = True
             entry.response.response_code.value = event.status

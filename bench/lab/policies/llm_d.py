@@ -33,13 +33,23 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from functools import lru_cache
-from itertools import chain, repeat
+from itertools import repeat
+from operator import or_
 
 import orjson
 
 from bench.lab.policies.proxy import ProxyPolicy
-from bench.lab.policy import CACHE_BLOCK_SIZE, CACHE_BLOCKS, KV_USAGE, WAITING, Endpoint, Needs, Request, Sample
+from bench.lab.policy import (
+    CACHE_BLOCK_SIZE,
+    CACHE_BLOCKS,
+    KV_USAGE,
+    WAITING,
+    Endpoint,
+    Message,
+    Needs,
+    Request,
+    Sample,
+)
 
 __all__ = ["LlmD", "prompt_hashes"]
 
@@ -57,37 +67,70 @@ def _h(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-@lru_cache(maxsize=65536)
-def _chain(model: bytes, data: bytes, block_chars: int) -> tuple[int, ...]:
-    prev = _h(model)
-    out = []
-    for i in range(0, len(data), block_chars):
-        prev = _h(data[i:i + block_chars] + prev.to_bytes(8, "little"))
-        out.append(prev)
-    return tuple(out)
+#: Hashes of recent prompts' leading messages: ``(model, block characters, messages) -> the chain's hashes
+#: of the full blocks of the bytes every longer prompt shares`` (the JSON but its closing bracket; a
+#: completion's text), the oldest dropped beyond :data:`_PREFIXES_KEPT`.
+_PREFIXES: OrderedDict[tuple[bytes, int, tuple[Message, ...]], tuple[int, ...]] = OrderedDict()
+_PREFIXES_KEPT = 4096
+
+
+def _remember(prefix: tuple[bytes, int, tuple[Message, ...]], hashes: tuple[int, ...]) -> None:
+    _PREFIXES[prefix] = hashes
+    if len(_PREFIXES) > _PREFIXES_KEPT:
+        _PREFIXES.popitem(last=False)
 
 
 def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[int, ...]:
     """The approximate prefix producer's block hashes of ``request`` (none for a prompt shorter than
-    one block). Chat: the messages as JSON (``[{"role", "content"}, ...]``), completion: its text."""
+    one block). Chat: the messages as JSON (``[{"role", "content"}, ...]``), completion: its text.
+
+    The chain's hashes of the blocks a recent prompt with the same leading messages covered (a chat's
+    previous turn, a group's system message, the same prompt again) are reused: only the rest is hashed."""
     prompt = request.prompt
+    messages = prompt.messages
     if prompt.chat:
-        data = orjson.dumps([{"role": m.role, "content": m.text} for m in prompt.messages])
+        data = orjson.dumps([{"role": m.role, "content": m.text} for m in messages])
+        shared = len(data) - 1  # a chat with more messages starts with the same bytes but the closing "]"
     else:
         data = prompt.text.encode()
+        shared = len(data)
     block = block_tokens * CHARS_PER_TOKEN
     if block <= 0 or len(data) < block:
         return ()
-    return _chain((request.model or "").encode(), data[:max_blocks * block], block)
+    model = (request.model or "").encode()
+    data = data[:max_blocks * block]
+    known: tuple[int, ...] = ()
+    for n in range(len(messages), 0, -1):
+        known = _PREFIXES.get((model, block, messages[:n]), ())
+        if known:
+            known = known[:max_blocks]
+            break
+    out = list(known)
+    prev = known[-1] if known else _h(model)
+    for i in range(len(known) * block, len(data), block):
+        prev = _h(data[i:i + block] + prev.to_bytes(8, "little"))
+        out.append(prev)
+    hashes = tuple(out)
+    _remember((model, block, messages), hashes[:shared // block])
+    if len(messages) > 1 and (model, block, messages[:1]) not in _PREFIXES:
+        first = messages[0]
+        head = 1 + len(orjson.dumps({"role": first.role, "content": first.text})) if prompt.chat \
+            else len(first.text.encode())
+        _remember((model, block, messages[:1]), hashes[:head // block])
+    return hashes
 
 
 class _Index:
-    """The approximate prefix producer's indexer: per endpoint an LRU of hashes, and hash -> endpoints."""
+    """The approximate prefix producer's indexer: per endpoint an LRU of hashes, and per hash the endpoints
+    holding it (a bit mask over the endpoints in the order the index first saw them, so adding a
+    request's hashes is a few bulk dict operations)."""
 
     def __init__(self) -> None:
         self.lru: dict[str, OrderedDict[int, None]] = {}
         self.capacity: dict[str, int] = {}
-        self.holders: dict[int, dict[str, None]] = {}
+        self.bit: dict[str, int] = {}
+        self.endpoints: list[str] = []  # by bit
+        self.holders: dict[int, int] = {}  # hash -> endpoints' bits
 
     def add(self, hashes: Sequence[int], endpoint: str, capacity: int) -> None:
         """``hashes`` were sent to ``endpoint``: each moves to the newest end of its LRU (inserted
@@ -96,8 +139,9 @@ class _Index:
         if lru is None:
             lru = self.lru[endpoint] = OrderedDict()
             self.capacity[endpoint] = capacity
+            self.bit[endpoint] = 1 << len(self.endpoints)
+            self.endpoints.append(endpoint)
         cap = self.capacity[endpoint]
-        holders = self.holders
         if cap < len(hashes) or len(dict.fromkeys(hashes)) < len(hashes):
             for h in hashes:  # one by one: a hash may go out before its turn comes
                 if h in lru:
@@ -113,13 +157,15 @@ class _Index:
             lru.update(dict.fromkeys(hashes))
             while len(lru) > cap:
                 self._drop(lru.popitem(last=False)[0], endpoint)
-        for h in hashes:
-            holders.setdefault(h, {})[endpoint] = None
+        holders = self.holders  # each hash's endpoints gain this one, in C
+        held = map(or_, map(holders.get, hashes, repeat(0)), repeat(self.bit[endpoint]))
+        holders.update(zip(hashes, held, strict=True))
 
     def _drop(self, h: int, endpoint: str) -> None:
-        held = self.holders[h]
-        del held[endpoint]
-        if not held:
+        held = self.holders[h] & ~self.bit[endpoint]
+        if held:
+            self.holders[h] = held
+        else:
             del self.holders[h]
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -127,7 +173,14 @@ class _Index:
         found = list(map(self.holders.get, hashes))  # looked up in C; cut at the first hash no one holds
         if None in found:
             del found[found.index(None):]
-        return Counter(chain.from_iterable(found))
+        out: dict[str, int] = {}
+        for held, n in Counter(found).items():  # a few distinct sets of endpoints
+            while held:
+                low = held & -held
+                endpoint = self.endpoints[low.bit_length() - 1]
+                out[endpoint] = out.get(endpoint, 0) + n
+                held ^= low
+        return out
 
 
 class LlmD(ProxyPolicy):

@@ -170,10 +170,14 @@ class Oracle(ProxyPolicy):
         best: list[tuple[Endpoint, int, int]] = []
         low = math.inf
         users: dict[str, list[int]] = {}
+        keys: dict[int, tuple[int, ...]] = {}  # block size -> the prompt's keys
         for e in endpoints:
             engine = engines[e.address]
             if getattr(engine, "kind", "llm") == "llm":
-                users[e.address] = engine.prefix_users(prompt_keys(request.prompt, engine.spec.block_size))
+                bs = engine.spec.block_size
+                if bs not in keys:
+                    keys[bs] = prompt_keys(request.prompt, bs)
+                users[e.address] = engine.prefix_users(keys[bs])
         # who reaches an engine next: requests that find their prefix cached go where it is (the engine's
         # share of the cluster's cached blocks), the others anywhere
         rate = self.arrival_rate(now)

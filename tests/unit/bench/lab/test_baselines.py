@@ -121,6 +121,37 @@ def test_llm_d_prefix_scorer_keeps_a_prompt_where_it_was_sent_and_the_queue_scor
     assert len(prompt_hashes(_request(8, "x" * 10), 16)) == 0  # shorter than one 64-character block
 
 
+def test_llm_d_prompt_hashes_are_their_chain_of_the_whole_prompt_when_a_start_is_reused() -> None:
+    """A chat's turns and a group's prompts share their start: the hashes reused from an earlier prompt and
+    those made anew are the chain of the whole prompt's bytes, cut at max_blocks (theirs: a hash seeded
+    with the model, each 64-character block hashed with the one before, a partial last block included)."""
+    import hashlib
+
+    import orjson
+
+    def h(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def chain(messages: tuple[Message, ...], model: str, max_blocks: int) -> tuple[int, ...]:
+        data = orjson.dumps([{"role": m.role, "content": m.text} for m in messages])[:max_blocks * 64]
+        prev, out = h(model.encode()), []
+        for i in range(0, len(data), 64):
+            prev = h(data[i:i + 64] + prev.to_bytes(8, "little"))
+            out.append(prev)
+        return tuple(out) if len(data) >= 64 else ()
+
+    system = Message("system", "s" * 700, (1,))
+    for extra in range(64):  # every length modulo the block: some turns end on a block's end
+        messages: tuple[Message, ...] = (system,)
+        for turn in range(4):
+            messages = (*messages, Message("user", f"q{turn}" * (10 + extra), (2,)))
+            for model, cap in (("m", 256), ("", 20)):
+                for prompt in (messages, (system, Message("user", "z" * extra, (3,)))):
+                    request = Request(turn, 0.0, {}, Prompt(prompt), model=model or None)
+                    assert prompt_hashes(request, 16, cap) == chain(prompt, model, cap)
+            messages = (*messages, Message("assistant", "a" * (50 + turn), (4,)))
+
+
 def test_llm_d_weights_prefix_3_against_queue_2_and_kv_2() -> None:
     p = _started(LlmD(), _eds({A: 1, B: 1}))
     text = "t" * 4000

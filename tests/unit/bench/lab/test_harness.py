@@ -14,7 +14,7 @@ from bench.lab.policies.inferlb import Inferlb
 from bench.lab.policies.oracle import Oracle
 from bench.lab.policies.round_robin import RoundRobin
 from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
-from bench.lab.runner import Point, lab_document, plan, run_point
+from bench.lab.runner import Point, lab_document, plan, run_point, run_points
 from bench.lab.scenarios import QUICK, Mode
 from bench.lab.workloads.base import Draft, FollowUp, Sizing
 from bench.lab.workloads.sessions import ChatSessions
@@ -212,3 +212,17 @@ def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
     assert len(outs) == 1
     sessions, gateways = json.loads(outs.pop())
     assert sessions["requests"] > 20 and gateways["requests"] > 20
+
+
+def test_runs_start_longest_first_and_come_back_in_the_plan_order() -> None:
+    """The run with the most offered requests starts first (so --jobs workers finish together); the
+    figures come back in the plan's order, the same with one worker or two."""
+    mode = Mode(engines=2, duration_s=6.0, warmup_s=1.0, drain_s=10.0)
+    points = [Point("uniform", "round_robin", qps, mode, 2, 1) for qps in (2.0, 8.0, 4.0)]
+    started: list[float] = []
+    one = run_points(points, 1, lambda i, p, f: started.append(p.qps))
+    assert started == [8.0, 4.0, 2.0]
+    assert [f["qps"] for f in one] == [2.0, 8.0, 4.0]
+    two = run_points(points, 2)
+    assert [{k: v for k, v in f.items() if k != "cpu_s"} for f in two] == \
+        [{k: v for k, v in f.items() if k != "cpu_s"} for f in one]

@@ -6,14 +6,16 @@ import random
 
 import pytest
 
+from bench.lab.policy import Prompt
 from bench.lab.workloads.base import Sizing
 from bench.lab.workloads.mooncake import BLOCK_TOKENS, MooncakeTrace
 from bench.lab.workloads.sessions import ChatSessions
 from bench.lab.workloads.shared_prefix import SharedPrefix
 from bench.lab.workloads.sharegpt_chat import ShareGptChat, conversations
-from bench.lab.workloads.tokens import CHARS_PER_TOKEN, Synth, Tokenizer
+from bench.lab.workloads.tokens import CHARS_PER_TOKEN, Synth, Tokenizer, prompt_keys
 from bench.lab.workloads.trace import JsonlTrace, TraceError
 from bench.lab.workloads.uniform import Uniform
+from sim.engines.kv import chain_hashes
 
 SIZING = Sizing(kv_tokens=1_200_000, engines=4)
 
@@ -163,3 +165,19 @@ def test_mooncake_hash_ids_share_exactly_their_blocks(tmp_path) -> None:
     bad.write_text('{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(TraceError, match="cannot hold input_length 2000"):
         MooncakeTrace(bad).rows()
+
+
+def test_prompt_keys_reuse_a_shared_start_and_stay_the_engines_keys() -> None:
+    """A chat's turns resend its history and a group's prompts share a system message: the keys hash only
+    what is new, and are still exactly the chain of the whole prompt's tokens, at any block size."""
+    synth = Synth(11)
+    system = synth.message("system", 100)
+    history: tuple = ()
+    for turn in range(12):
+        question = synth.message("user", 1 + 7 * turn % 45)
+        prompt = Prompt((system, *history, question))
+        other = Prompt((system, synth.message("user", 33)))
+        for bs in (16, 7):
+            assert prompt_keys(prompt, bs) == tuple(chain_hashes(prompt.token_ids, bs))
+            assert prompt_keys(other, bs) == tuple(chain_hashes(other.token_ids, bs))
+        history = (*history, question, synth.message("assistant", 13))
