@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
+from ext_proc.prefix_events import EventIndex
 from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 
@@ -75,7 +76,8 @@ def _rendezvous(first: int, endpoint: str) -> int:
     return x ^ (x >> 31)
 
 
-def hit_shares(blocks: Sequence[int], candidates: Sequence[str], index: PrefixIndex) -> dict[str, float]:
+def hit_shares(blocks: Sequence[int], candidates: Sequence[str], index: PrefixIndex | EventIndex
+               ) -> dict[str, float]:
     """``{endpoint: share of the prompt's blocks it holds}`` (0-1) for the candidates holding any (the
     prefix-cache scorer's score; missing: 0)."""
     n = len(blocks)
@@ -89,7 +91,7 @@ def choose_cached(
     candidates: Sequence[str],
     loads: Mapping[str, float],
     shares: Mapping[str, float],
-    index: PrefixIndex,
+    index: PrefixIndex | EventIndex,
     work: float = 1.0,
     floor: float = 2.0,
     worth: float = HIT_WORTH,
@@ -101,7 +103,8 @@ def choose_cached(
         candidates: the endpoints that may take the request (healthy, not failing), in any order.
         loads: ``{endpoint: work in flight}`` (missing = 0; units of a typical request).
         shares: ``{endpoint: weight share}`` (> 0) of the candidates.
-        index: the picker's prefix index.
+        index: the picker's prefix index (approximate, or fed by the engines' KV events:
+            :class:`ext_proc.prefix_events.EventIndex`).
         work: this request's work (typical requests, > 0).
         floor: a whole-prompt hit is worth at least this many requests (the scheduler's
             ``min_bound``: at low load a prefix's next request, sent while the previous one runs,

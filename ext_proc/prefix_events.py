@@ -1,0 +1,228 @@
+"""The precise prefix-cache index: which KV blocks each endpoint holds, per its KV-cache events (pure).
+
+The approximate index (:class:`ext_proc.prefix_index.PrefixIndex`) learns only from the picker's own
+routing, so it cannot see what an engine evicted under KV pressure, dropped on a reset, or was sent
+by another gateway. An engine that publishes its KV-cache events tells exactly that: vLLM's
+``KVEventBatch`` (``vllm/distributed/kv_events.py``, over ZMQ, msgpack-encoded) carries
+
+- ``BlockStored``: full blocks that entered its prefix cache, their hashes in order and the hash of
+  the block before the first (``parent_block_hash``; none at a prompt's start);
+- ``BlockRemoved``: blocks evicted (their memory reused);
+- ``AllBlocksCleared``: the whole prefix cache dropped (``reset_prefix_cache``).
+
+A consumer that applies them in order holds each engine's cached blocks, as llm-d's KV-cache indexer
+does for its precise prefix scorer (``llm-d-kv-cache``: the router tokenizes the prompt with the
+model's tokenizer and computes vLLM's block hashes itself, so a request's keys are the engine's) and
+as NVIDIA Dynamo's KV router does. :class:`EventIndex` is that view per endpoint, with the query
+interface of :class:`~ext_proc.prefix_index.PrefixIndex`, so the ``prefix-cache`` scorer and
+:func:`ext_proc.prefix_choice.choose_cached` use either unchanged.
+
+- **Keys.** A request's blocks must be keyed as the engine keys them (its tokenizer, its block size,
+  its chained hash: block ``i``'s key covers tokens ``0..(i + 1) x block_size``); the caller computes
+  them (:attr:`ext_proc.picker.BodyFields.blocks`).
+- **Match.** :meth:`EventIndex.matched` walks the prompt's keys in order and stops at the first one
+  the endpoint does not hold: the engine reuses only a run of leading blocks. The walk does not
+  assume the held set is prefix-closed (an eviction order the index cannot see may break a chain),
+  so it is linear in the matched blocks (each step a set lookup in C), not a binary search.
+- **Pending keys.** Events arrive after the prompt's prefill is scheduled plus the publisher's trip:
+  between a pick and its ``BlockStored`` the events say nothing of the prompt, and a burst of requests
+  sharing a new prefix would be spread over every endpoint. :meth:`EventIndex.insert` (the picker's
+  own pick) records the prompt's keys the endpoint does not hold as *pending* for ``pending_s``
+  seconds of the injected clock; a ``BlockStored`` of a key makes it held, a ``BlockRemoved`` or
+  ``AllBlocksCleared`` drops it, and a key no event confirmed in time is forgotten (the request
+  failed, was sent elsewhere by a retry, or the engine already held it: vLLM publishes only newly
+  stored blocks). ``pending_s`` 0: events alone (llm-d's precise scorer as documented).
+- **Bound.** Each endpoint holds at most ``capacity`` keys (:meth:`EventIndex.stored`'s argument:
+  what its KV cache holds, in blocks): the engine's own removals keep the set within it, so the bound
+  only acts when removals were lost (a dropped event, a publisher restart), and then forgets the
+  longest-held keys first. Pending keys are bounded likewise by :meth:`EventIndex.insert`'s.
+
+Not thread-safe: one owner applies events and answers queries (the picker's event loop; a
+subscriber thread hands it whole batches). Deterministic: the same calls at the same clock readings
+give the same state and answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice, takewhile
+
+__all__ = ["PENDING_S", "EventIndex"]
+
+#: How long a picked prompt's keys count as held on its endpoint before its events confirm them (s):
+#: a prefill scheduled within a few engine steps, plus the event publisher's trip. The lab's
+#: ``inferlb_precise`` measures it (docs/picker.md, "Prefix-cache index").
+PENDING_S = 2.0
+
+
+def _run(keys: Sequence[int], start: int, held: Callable[[object], bool]) -> int:
+    """How many of ``keys[start:]`` in a row ``held`` accepts (the loop in C)."""
+    return len(list(takewhile(held, islice(keys, start, None))))
+
+
+class EventIndex:
+    """Per endpoint, the KV block keys its events say it holds, and the keys it was just sent (see the
+    module docstring).
+
+    Args:
+        pending_s: how long a sent prompt's keys count as held before events confirm them (s, >= 0;
+            0: never).
+        clock: the clock pending keys expire on (s; monotonic).
+
+    Raises:
+        ValueError: ``pending_s`` < 0.
+
+    Memory: one dictionary entry per held or pending key, at most the endpoints' capacities.
+    """
+
+    __slots__ = ("_clock", "_held", "_last", "_pending", "_pending_s", "_seq")
+
+    def __init__(self, pending_s: float = PENDING_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if not pending_s >= 0:
+            raise ValueError(f"pending_s must be >= 0, got {pending_s}")
+        self._pending_s = pending_s
+        self._clock = clock
+        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._pending: dict[str, OrderedDict[int, float]] = {}  # key -> when it stops counting
+        self._last: dict[str, int] = {}
+        self._seq = 0
+
+    # --- the engines' events ------------------------------------------------------------------------
+
+    def stored(self, endpoint: str, keys: Sequence[int], parent: int | None, capacity: int) -> None:
+        """``endpoint``'s ``BlockStored``: ``keys`` (in chain order; ``parent`` the key before the
+        first, None at a prompt's start) entered its prefix cache; then its longest-held keys go until
+        it holds at most ``capacity`` (<= 0: nothing is kept for it).
+
+        A chain whose ``parent`` the index does not hold (an event lost, or its bound forgot it) is
+        kept: no prompt's walk reaches it until the parent is stored again, as none reaches the
+        engine's blocks past a block it lacks."""
+        pending = self._pending.get(endpoint)
+        if pending:
+            for key in keys:
+                pending.pop(key, None)
+        held = self._held.get(endpoint)
+        if held is None:
+            if capacity <= 0 or not keys:
+                return
+            held = self._held[endpoint] = OrderedDict()
+        for key in keys:
+            if key in held:
+                held.move_to_end(key)
+            else:
+                held[key] = None
+        while len(held) > capacity:
+            held.popitem(last=False)
+        if not held:
+            del self._held[endpoint]
+
+    def removed(self, endpoint: str, keys: Iterable[int]) -> None:
+        """``endpoint``'s ``BlockRemoved``: it evicted ``keys`` (held or pending; unknown keys are ignored)."""
+        held, pending = self._held.get(endpoint), self._pending.get(endpoint)
+        for key in keys:
+            if held is not None:
+                held.pop(key, None)
+            if pending is not None:
+                pending.pop(key, None)
+        if held is not None and not held:
+            del self._held[endpoint]
+
+    def cleared(self, endpoint: str) -> None:
+        """``endpoint``'s ``AllBlocksCleared``: it holds nothing (its pending keys go too: a prompt sent
+        before the reset finds nothing cached either)."""
+        self._held.pop(endpoint, None)
+        self._pending.pop(endpoint, None)
+
+    # --- the picker's own picks ---------------------------------------------------------------------
+
+    def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
+        """Record that ``endpoint`` was sent a prompt of keys ``blocks`` (the handler's call, as for
+        :meth:`PrefixIndex.insert`): it counts for :meth:`last_sent`, and the keys it does not hold
+        are pending until ``pending_s`` from now, at most ``capacity`` of them (the oldest go first)."""
+        self._seq += 1
+        self._last[endpoint] = self._seq
+        if not self._pending_s or capacity <= 0 or not blocks:
+            return
+        held = self._held.get(endpoint)
+        start = 0 if held is None else _run(blocks, 0, held.__contains__)
+        if start == len(blocks):
+            return
+        pending = self._pending.get(endpoint)
+        if pending is None:
+            pending = self._pending[endpoint] = OrderedDict()
+        until = self._clock() + self._pending_s
+        for key in islice(blocks, start, None):
+            pending[key] = until
+            pending.move_to_end(key)
+        while len(pending) > capacity:
+            pending.popitem(last=False)
+
+    def _expire(self, endpoint: str, pending: OrderedDict[int, float], now: float) -> None:
+        """Forget ``endpoint``'s pending keys whose time ran out (they are in expiry order)."""
+        while pending:
+            key, until = next(iter(pending.items()))
+            if until > now:
+                return
+            del pending[key]
+        del self._pending[endpoint]
+
+    # --- queries ------------------------------------------------------------------------------------
+
+    def matched(self, blocks: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """``{endpoint: leading blocks of blocks it holds or was just sent}`` for those of
+        ``endpoints`` that hold at least the first (missing: 0)."""
+        out: dict[str, int] = {}
+        if not blocks:
+            return out
+        first, total = blocks[0], len(blocks)
+        now = self._clock() if self._pending else 0.0
+        for e in endpoints:
+            held, pending = self._held.get(e), self._pending.get(e)
+            if pending is not None:
+                self._expire(e, pending, now)
+                pending = self._pending.get(e)
+            if not (held is not None and first in held or pending is not None and first in pending):
+                continue
+            n = 0
+            while n < total:  # alternate runs of held and pending keys, each walked in C
+                step = 0 if held is None else _run(blocks, n, held.__contains__)
+                n += step
+                if pending is not None and n < total:
+                    more = _run(blocks, n, pending.__contains__)
+                    n += more
+                    step += more
+                if not step:
+                    break
+            out[e] = n
+        return out
+
+    def last_sent(self, endpoint: str) -> int:
+        """The insert count when ``endpoint`` was last sent a prompt (0: never)."""
+        return self._last.get(endpoint, 0)
+
+    def held(self, endpoint: str) -> int:
+        """How many keys ``endpoint``'s events say it holds (pending keys not counted)."""
+        held = self._held.get(endpoint)
+        return 0 if held is None else len(held)
+
+    def pending(self, endpoint: str) -> int:
+        """How many of ``endpoint``'s keys are pending (expired ones may still be counted until a query)."""
+        pending = self._pending.get(endpoint)
+        return 0 if pending is None else len(pending)
+
+    def keys(self, endpoint: str) -> tuple[int, ...]:
+        """``endpoint``'s held keys, longest held first (for tests and the admin API)."""
+        return tuple(self._held.get(endpoint, ()))
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        """Forget every endpoint not in ``endpoints`` (it left the view)."""
+        keep = set(endpoints)
+        for table in (self._held, self._pending, self._last):
+            for e in [e for e in table if e not in keep]:
+                del table[e]
+
+    def __len__(self) -> int:
+        """Endpoints with at least one held or pending key."""
+        return len(self._held.keys() | self._pending.keys())
