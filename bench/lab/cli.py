@@ -11,7 +11,7 @@ import click
 SCENARIO_NAMES = ("shared_prefix", "sharegpt_chat", "uniform", "long_tail", "heterogeneous", "versions", "scaling",
                   "uneven", "multi_gateway", "edge_cloud", "sessions")
 POLICY_NAMES = ("round_robin", "least_request", "ring_hash_bounded", "random", "llm_d", "sglang_cache_aware",
-                "dynamo_kv", "oracle", "inferlb")
+                "dynamo_kv", "oracle", "inferlb", "inferlb_precise")
 
 
 @click.command("lab")
