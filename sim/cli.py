@@ -142,6 +142,9 @@ from sim.engines.hardware import DEFAULT_MODEL, GPU_CLASSES, MODELS
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Count prompt tokens with the Hugging Face tokenizer in this directory (its tokenizer.json; "
                    "the tokenizers package: pip install 'inferlb[tokenizer]')  [default: 4 bytes a token]")
+@click.option("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+              help="Publish the llm engine's KV-cache events as vLLM does (ZMQ PUB, msgpack) on a socket bound here "
+                   "(pyzmq and msgpack: pip install 'inferlb[kv-events]')  [default: not published]")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -175,6 +178,7 @@ def sim_backend(
     etcd_drain_s: float,
     etcd_user: str | None,
     tokenizer_dir: str | None,
+    kv_events_endpoint: str | None,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
@@ -211,6 +215,7 @@ def sim_backend(
             etcd_status_interval_s=etcd_status_interval_s,
             etcd_drain_s=etcd_drain_s,
             etcd_user=etcd_user,
+            kv_events_endpoint=kv_events_endpoint,
         )
         from sim.node import make_engine
 

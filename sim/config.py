@@ -36,6 +36,8 @@ class BackendConfig:
     ``session_history_tokens``: tokens of conversation history a session key stands for (the
     session-keyed cache as a special case of the prefix cache; 0 = none).
     ``default_max_tokens``: a request without ``max_tokens`` generates a seeded 1..this many tokens.
+    ``kv_events_endpoint``: publish the llm engine's KV-cache events as vLLM does on a ZMQ PUB socket
+    bound here (``tcp://HOST:PORT``, :mod:`sim.kv_publish`; None: not published).
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +71,7 @@ class BackendConfig:
     etcd_status_interval_s: float = 5.0
     etcd_drain_s: float = 2.0
     etcd_user: str | None = field(default=None, repr=False)
+    kv_events_endpoint: str | None = None
     hostname: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:

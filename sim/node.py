@@ -47,6 +47,7 @@ from sim.engines.hardware import GPU_CLASSES
 from sim.engines.job import JobEngine
 from sim.engines.llm import LlmEngine
 from sim.faults import FaultState
+from sim.kv_publish import KvEventPublisher
 from sim.metrics import GaugeSnapshot, SimMetrics
 from sim.protocol import InferenceRequest
 from sim.tokens import session_tokens
@@ -84,7 +85,8 @@ def make_engine(cfg: BackendConfig) -> LlmEngine | JobEngine:
                          kv_mib_per_token=cfg.kv_mib_per_token, stream=True)
     return LlmEngine(cfg.gpu_class, cfg.model, max_num_seqs=cfg.max_concurrency,
                      max_num_batched_tokens=cfg.max_num_batched_tokens, gpu_memory_mib=cfg.gpu_memory_mib,
-                     prefix_caching=cfg.prefix_caching, stream=True, block_size=cfg.block_size)
+                     prefix_caching=cfg.prefix_caching, stream=True, block_size=cfg.block_size,
+                     kv_events=cfg.kv_events_endpoint is not None)
 
 
 def output_length(rng: random.Random, max_tokens: int | None, default_max: int) -> int:
@@ -181,6 +183,8 @@ class SimNode:
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
         self._slow = 1.0
+        self.kv_publisher: KvEventPublisher | None = None
+        """The KV-cache events' publisher (``cfg.kv_events_endpoint``; :meth:`open_kv_events`)."""
 
     @property
     def max_concurrency(self) -> int:
@@ -231,6 +235,24 @@ class SimNode:
             q = self._pending.get(ev.request_id)
             if q is not None:
                 q.put_nowait(ev)
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.engine.drain_kv_events(), time.time())
+
+    def open_kv_events(self) -> None:
+        """Bind the KV-cache events' publisher at ``cfg.kv_events_endpoint`` (none: nothing happens).
+
+        Raises:
+            ImportError: ``pyzmq`` or ``msgpack`` is not installed.
+            zmq.ZMQError: the endpoint cannot be bound.
+        """
+        if self.cfg.kv_events_endpoint is not None and self.kv_publisher is None:
+            self.kv_publisher = KvEventPublisher(self.cfg.kv_events_endpoint)
+
+    def close_kv_events(self) -> None:
+        """Close the KV-cache events' publisher, if open."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
 
     def apply_faults(self, patch: dict[str, Any]) -> None:
         """Apply a fault patch (:func:`sim.faults.parse_fault_patch`); a new ``slow_factor`` reaches

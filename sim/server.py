@@ -227,10 +227,15 @@ def make_app(cfg: BackendConfig) -> web.Application:
     async def stop_tasks(app: web.Application) -> None:
         for task in app[TASKS_KEY]:
             task.cancel()
+        node.close_kv_events()
+
+    async def open_kv_events(app: web.Application) -> None:
+        node.open_kv_events()
 
     app[TASKS_KEY] = []
     app[STARTED_KEY] = int(time.time())
     app.on_response_prepare.append(add_identity_headers)
+    app.on_startup.append(open_kv_events)
     app.on_shutdown.append(release_held_requests)
     app.on_cleanup.append(stop_tasks)
     app.router.add_post("/v1/chat/completions", _chat)
