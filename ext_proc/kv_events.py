@@ -1,0 +1,192 @@
+"""The engines' KV-cache events as vLLM publishes them, read into the precise prefix index.
+
+vLLM's publisher (``vllm/distributed/kv_events.py``; the simulator's :mod:`sim.kv_publish` sends the
+same) puts each batch on a ZMQ PUB socket as a multipart message: topic, sequence number (8 bytes,
+big-endian), and a msgpack ``KVEventBatch``, ``[ts, events]`` (a trailing ``data_parallel_rank`` may
+follow). Each event is an array tagged with its type: ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes,
+medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
+
+- :func:`decode_batch` (pure): a payload to the changes of the device cache: ``(STORED, keys,
+  parent)``, ``(REMOVED, keys)``, ``(CLEARED,)``. Blocks of another medium (vLLM's CPU offload tier)
+  and event types it does not know are left out: the index mirrors what the engine reuses without
+  a transfer.
+- :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`.
+- :class:`KvEventSubscriber`: the thin I/O shell: a thread with one SUB socket per endpoint that
+  decodes each message and hands the changes to the owner's event loop
+  (``loop.call_soon_threadsafe``): the index is read and written on that loop only, so the pick
+  shares no lock with the thread. A malformed message is counted and dropped.
+
+The ``pyzmq`` and ``msgpack`` packages are optional (``pip install 'inferlb[kv-events]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ext_proc.prefix_events import EventIndex
+
+__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventSubscriber", "apply", "decode_batch"]
+
+log = logging.getLogger(__name__)
+
+#: The kinds of :data:`Change`.
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+#: One change of an engine's device cache: ``(STORED, keys, parent)``, ``(REMOVED, keys)`` or ``(CLEARED,)``.
+Change = tuple[Any, ...]
+#: The ``medium`` of device blocks (None: a vLLM that does not say).
+_DEVICE = ("GPU", None)
+#: How long the subscriber's thread waits for a message before it looks at its commands (ms).
+POLL_MS = 100
+
+
+def _key(value: object) -> int:
+    """A block hash as the index keys it: an int as it is, bytes (vLLM's sha256 hashes) as a big-endian int."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big")
+    raise ValueError(f"a block hash must be an int or bytes, got {type(value).__name__}")
+
+
+def decode_batch(payload: bytes) -> list[Change]:
+    """The device-cache changes of one ``KVEventBatch`` payload, oldest first (see the module docstring).
+
+    Raises:
+        ValueError: the payload is not a msgpack ``[ts, events, ...]`` array of tagged events.
+        ImportError: the ``msgpack`` package is not installed.
+    """
+    import msgpack
+
+    try:
+        batch = msgpack.unpackb(payload)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ValueError(f"not a msgpack KV event batch: {exc}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("a KV event batch is an array [ts, events, ...]")
+    out: list[Change] = []
+    for event in batch[1]:
+        if not isinstance(event, list) or not event:
+            raise ValueError(f"a KV event is a tagged array, got {event!r:.80}")
+        kind = event[0]
+        if kind == "BlockStored" and len(event) >= 3:
+            if (event[6] if len(event) > 6 else None) in _DEVICE:
+                parent = None if event[2] is None else _key(event[2])
+                out.append((STORED, tuple(map(_key, event[1])), parent))
+        elif kind == "BlockRemoved" and len(event) >= 2:
+            if (event[2] if len(event) > 2 else None) in _DEVICE:
+                out.append((REMOVED, tuple(map(_key, event[1]))))
+        elif kind == "AllBlocksCleared":
+            out.append((CLEARED,))
+    return out
+
+
+def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity: int) -> None:
+    """Apply one endpoint's ``changes`` (from :func:`decode_batch`) to ``index``, in order; ``capacity``:
+    the bound of its held keys (:meth:`EventIndex.stored`)."""
+    for change in changes:
+        kind = change[0]
+        if kind == STORED:
+            index.stored(endpoint, change[1], change[2], capacity)
+        elif kind == REMOVED:
+            index.removed(endpoint, change[1])
+        else:
+            index.cleared(endpoint)
+
+
+class KvEventSubscriber:
+    """Subscribes to every endpoint's KV event publisher and hands their changes to an event loop.
+
+    Args:
+        deliver: called on ``loop`` with ``(endpoint, changes)`` for each batch, in the order each
+            publisher sent them (typically ``lambda e, c: apply(index, e, c, capacity)``).
+        loop: the loop that owns the index.
+        topic: the publishers' topic (vLLM's default: empty, every message).
+
+    :meth:`start` runs the thread; :meth:`watch` sets which endpoints it subscribes to
+    (``{endpoint: publisher address}``, e.g. ``{"10.0.0.1:8000": "tcp://10.0.0.1:5557"}``);
+    :meth:`stop` ends it. ``dropped`` counts the malformed messages (read on any thread).
+
+    Raises:
+        ImportError: at :meth:`start`, ``pyzmq`` or ``msgpack`` is not installed.
+    """
+
+    def __init__(self, deliver: Callable[[str, list[Change]], None], loop: asyncio.AbstractEventLoop,
+                 topic: str = "") -> None:
+        self._deliver = deliver
+        self._loop = loop
+        self._topic = topic.encode()
+        self._commands: queue.SimpleQueue[dict[str, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        import msgpack  # noqa: F401  (fail here, not in the thread)
+        import zmq
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(zmq,), name="kv-events", daemon=True)
+            self._thread.start()
+
+    def watch(self, publishers: Mapping[str, str]) -> None:
+        """Subscribe to exactly these publishers from now on (``{endpoint: address}``; any thread)."""
+        self._commands.put(dict(publishers))
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """End the thread and close its sockets (waits up to ``timeout_s``)."""
+        if self._thread is not None:
+            self._commands.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self, zmq: Any) -> None:
+        context = zmq.Context.instance()
+        poller = zmq.Poller()
+        sockets: dict[str, tuple[str, Any]] = {}  # endpoint -> (address, socket)
+        by_socket: dict[Any, str] = {}
+        try:
+            while True:
+                while not self._commands.empty():
+                    wanted = self._commands.get()
+                    if wanted is None:
+                        return
+                    for endpoint in [e for e, (a, _) in sockets.items() if wanted.get(e) != a]:
+                        _, sock = sockets.pop(endpoint)
+                        poller.unregister(sock)
+                        del by_socket[sock]
+                        sock.close(0)
+                    for endpoint, address in wanted.items():
+                        if endpoint not in sockets:
+                            sock = context.socket(zmq.SUB)
+                            sock.setsockopt(zmq.LINGER, 0)
+                            sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+                            sock.connect(address)
+                            poller.register(sock, zmq.POLLIN)
+                            sockets[endpoint] = (address, sock)
+                            by_socket[sock] = endpoint
+                for sock, _ in poller.poll(POLL_MS) if sockets else ():
+                    endpoint = by_socket[sock]
+                    try:
+                        changes = decode_batch(sock.recv_multipart(zmq.NOBLOCK)[-1])
+                    except zmq.Again:
+                        continue
+                    except ValueError as exc:
+                        self.dropped += 1
+                        log.warning("kv events from %s: %s", endpoint, exc)
+                        continue
+                    if changes:
+                        try:
+                            self._loop.call_soon_threadsafe(self._deliver, endpoint, changes)
+                        except RuntimeError:  # the loop is closed: nobody is left to read the index
+                            return
+                if not sockets:
+                    threading.Event().wait(POLL_MS / 1000)
+        finally:
+            for _, sock in sockets.values():
+                sock.close(0)
