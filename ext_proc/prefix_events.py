@@ -20,10 +20,13 @@ interface of :class:`~ext_proc.prefix_index.PrefixIndex`, so the ``prefix-cache`
 - **Keys.** A request's blocks must be keyed as the engine keys them (its tokenizer, its block size,
   its chained hash: block ``i``'s key covers tokens ``0..(i + 1) x block_size``); the caller computes
   them (:attr:`ext_proc.picker.BodyFields.blocks`).
-- **Match.** :meth:`EventIndex.matched` walks the prompt's keys in order and stops at the first one
-  the endpoint does not hold: the engine reuses only a run of leading blocks. The walk does not
-  assume the held set is prefix-closed (an eviction order the index cannot see may break a chain),
-  so it is linear in the matched blocks (each step a set lookup in C), not a binary search.
+- **Match.** :meth:`EventIndex.matched` gives the run of the prompt's leading keys the endpoint
+  holds (the engine reuses only that), by binary search: an engine's cached blocks are
+  *prefix-closed* along every chain, as vLLM frees a request's blocks tail first and evicts the
+  least recently freed first, so a block's parent is evicted after it (a shared prefix, used again,
+  is fresher still). A set that is not (an event lost: a removal applied without the one before it)
+  can be answered up to the last held key until later events repair it. ~9 dictionary reads for a
+  6 000-token prompt's 375 keys, against ~40 µs for a walk key by key.
 - **Pending keys.** Events arrive after the prompt's prefill is scheduled plus the publisher's trip:
   between a pick and its ``BlockStored`` the events say nothing of the prompt, and a burst of requests
   sharing a new prefix would be spread over every endpoint. :meth:`EventIndex.insert` (the picker's
@@ -46,8 +49,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from itertools import islice, takewhile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 
 __all__ = ["PENDING_S", "EventIndex"]
 
@@ -57,9 +60,29 @@ __all__ = ["PENDING_S", "EventIndex"]
 PENDING_S = 2.0
 
 
-def _run(keys: Sequence[int], start: int, held: Callable[[object], bool]) -> int:
-    """How many of ``keys[start:]`` in a row ``held`` accepts (the loop in C)."""
-    return len(list(takewhile(held, islice(keys, start, None))))
+_NONE: Mapping[int, None] = {}
+
+
+def _held_or_pending(held: Mapping[int, object], pending: Mapping[int, float], now: float, key: int) -> bool:
+    """``key`` is held, or pending and its time has not run out at ``now``."""
+    return key in held or pending.get(key, 0.0) > now
+
+
+def _leading(keys: Sequence[int], held: Callable[[int], bool]) -> int:
+    """How many leading ``keys`` ``held`` accepts, assuming it accepts a prefix of them (a binary search)."""
+    last = len(keys) - 1
+    if last < 0 or not held(keys[0]):
+        return 0
+    if held(keys[last]):
+        return last + 1
+    lo, hi = 0, last  # keys[lo] held, keys[hi] not
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if held(keys[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1
 
 
 class EventIndex:
@@ -77,7 +100,7 @@ class EventIndex:
     Memory: one dictionary entry per held or pending key, at most the endpoints' capacities.
     """
 
-    __slots__ = ("_clock", "_held", "_last", "_pending", "_pending_s", "_seq")
+    __slots__ = ("_clock", "_held", "_last", "_pending", "_pending_s", "_seq", "_sweep_at")
 
     def __init__(self, pending_s: float = PENDING_S, clock: Callable[[], float] = time.monotonic) -> None:
         if not pending_s >= 0:
@@ -85,7 +108,8 @@ class EventIndex:
         self._pending_s = pending_s
         self._clock = clock
         self._held: dict[str, OrderedDict[int, None]] = {}
-        self._pending: dict[str, OrderedDict[int, float]] = {}  # key -> when it stops counting
+        self._pending: dict[str, dict[int, float]] = {}  # key -> when it stops counting
+        self._sweep_at = 0.0
         self._last: dict[str, int] = {}
         self._seq = 0
 
@@ -140,33 +164,38 @@ class EventIndex:
     def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
         """Record that ``endpoint`` was sent a prompt of keys ``blocks`` (the handler's call, as for
         :meth:`PrefixIndex.insert`): it counts for :meth:`last_sent`, and the keys it does not hold
-        are pending until ``pending_s`` from now, at most ``capacity`` of them (the oldest go first)."""
+        are pending until ``pending_s`` from now, at most ``capacity`` of them (expired ones go
+        first, then the first recorded)."""
         self._seq += 1
         self._last[endpoint] = self._seq
         if not self._pending_s or capacity <= 0 or not blocks:
             return
         held = self._held.get(endpoint)
-        start = 0 if held is None else _run(blocks, 0, held.__contains__)
+        start = 0 if held is None else _leading(blocks, held.__contains__)
         if start == len(blocks):
             return
+        now = self._clock()
         pending = self._pending.get(endpoint)
         if pending is None:
-            pending = self._pending[endpoint] = OrderedDict()
-        until = self._clock() + self._pending_s
-        for key in islice(blocks, start, None):
-            pending[key] = until
-            pending.move_to_end(key)
-        while len(pending) > capacity:
-            pending.popitem(last=False)
+            pending = self._pending[endpoint] = {}
+        pending.update(dict.fromkeys(blocks[start:], now + self._pending_s))  # in C
+        if len(pending) > capacity:
+            pending = self._pending[endpoint] = {k: u for k, u in pending.items() if u > now}
+            while len(pending) > capacity:
+                del pending[next(iter(pending))]
 
-    def _expire(self, endpoint: str, pending: OrderedDict[int, float], now: float) -> None:
-        """Forget ``endpoint``'s pending keys whose time ran out (they are in expiry order)."""
-        while pending:
-            key, until = next(iter(pending.items()))
-            if until > now:
-                return
-            del pending[key]
-        del self._pending[endpoint]
+    def _sweep(self, now: float) -> None:
+        """Forget the pending keys whose time ran out, at most once per ``pending_s`` (until then an
+        expired key stays in its table, and queries check its time)."""
+        if now < self._sweep_at:
+            return
+        self._sweep_at = now + self._pending_s
+        for endpoint, pending in list(self._pending.items()):
+            kept = {k: u for k, u in pending.items() if u > now}
+            if kept:
+                self._pending[endpoint] = kept
+            else:
+                del self._pending[endpoint]
 
     # --- queries ------------------------------------------------------------------------------------
 
@@ -176,26 +205,21 @@ class EventIndex:
         out: dict[str, int] = {}
         if not blocks:
             return out
-        first, total = blocks[0], len(blocks)
-        now = self._clock() if self._pending else 0.0
+        first = blocks[0]
+        now = 0.0
+        if self._pending:
+            now = self._clock()
+            self._sweep(now)
         for e in endpoints:
             held, pending = self._held.get(e), self._pending.get(e)
-            if pending is not None:
-                self._expire(e, pending, now)
-                pending = self._pending.get(e)
-            if not (held is not None and first in held or pending is not None and first in pending):
-                continue
-            n = 0
-            while n < total:  # alternate runs of held and pending keys, each walked in C
-                step = 0 if held is None else _run(blocks, n, held.__contains__)
-                n += step
-                if pending is not None and n < total:
-                    more = _run(blocks, n, pending.__contains__)
-                    n += more
-                    step += more
-                if not step:
-                    break
-            out[e] = n
+            if pending is None:
+                if held is None or first not in held:
+                    continue
+                out[e] = _leading(blocks, held.__contains__)
+            else:
+                has = partial(_held_or_pending, held or _NONE, pending, now)
+                if has(first):
+                    out[e] = _leading(blocks, has)
         return out
 
     def last_sent(self, endpoint: str) -> int:
@@ -208,7 +232,7 @@ class EventIndex:
         return 0 if held is None else len(held)
 
     def pending(self, endpoint: str) -> int:
-        """How many of ``endpoint``'s keys are pending (expired ones may still be counted until a query)."""
+        """How many of ``endpoint``'s keys are pending (expired ones counted until a sweep)."""
         pending = self._pending.get(endpoint)
         return 0 if pending is None else len(pending)
 

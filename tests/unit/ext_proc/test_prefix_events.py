@@ -42,15 +42,15 @@ def test_stored_blocks_match_as_a_run_of_leading_keys():
     assert hit_shares((1, 2, 3, 4), [A, B], index) == {A: 0.75}
 
 
-def test_removed_blocks_cut_the_match_at_the_first_gap():
+def test_removed_blocks_shorten_the_match_tail_first_as_the_engine_evicts():
     index = events_only()
     index.stored(A, (1, 2, 3, 4), None, BIG)
-    index.removed(A, (3, 77))  # an unknown key is ignored
-    assert index.matched((1, 2, 3, 4), [A]) == {A: 2}  # 4 is held but unreachable past the gap
+    index.removed(A, (4, 3, 77))  # an unknown key is ignored
+    assert index.matched((1, 2, 3, 4), [A]) == {A: 2}
+    index.removed(A, (2,))
+    assert index.matched((1, 2, 3, 4), [A]) == {A: 1} and index.held(A) == 1
     index.removed(A, (1,))
-    assert index.matched((1, 2, 3, 4), [A]) == {}
-    index.removed(A, (2, 4))
-    assert index.held(A) == 0 and len(index) == 0
+    assert index.matched((1, 2, 3, 4), [A]) == {} and len(index) == 0
 
 
 def test_cleared_drops_one_endpoint_only():
@@ -118,8 +118,8 @@ def test_removed_and_cleared_drop_pending_keys():
     clock = Clock()
     index = EventIndex(pending_s=5.0, clock=clock)
     index.insert(A, (1, 2, 3), BIG)
-    index.removed(A, (2,))
-    assert index.matched((1, 2, 3), [A]) == {A: 1}
+    index.removed(A, (3, 2))
+    assert index.matched((1, 2, 3), [A]) == {A: 1} and index.pending(A) == 1
     index.cleared(A)
     assert index.matched((1, 2, 3), [A]) == {} and len(index) == 0
 
