@@ -55,9 +55,10 @@ from functools import partial
 __all__ = ["PENDING_S", "EventIndex"]
 
 #: How long a picked prompt's keys count as held on its endpoint before its events confirm them (s):
-#: a prefill scheduled within a few engine steps, plus the event publisher's trip. The lab's
-#: ``inferlb_precise`` measures it (docs/picker.md, "Prefix-cache index").
-PENDING_S = 2.0
+#: its wait in the engine's queue, its prefill's first chunk, and the event publisher's trip. The lab
+#: (docs/picker.md, "Prefix-cache index"): ``shared_prefix`` on 4 A100s at 24 QPS, a cold start whose
+#: queues last seconds: 2 s gave TTFT p90 279 ms, 5 s and 10 s 131.5 ms (the approximate index's).
+PENDING_S = 5.0
 
 
 _NONE: Mapping[int, None] = {}
