@@ -121,14 +121,16 @@ class EventIndex:
         first, None at a prompt's start) entered its prefix cache; then its longest-held keys go until
         it holds at most ``capacity`` (<= 0: nothing is kept for it).
 
-        A chain whose ``parent`` the index does not hold (an event lost, or its bound forgot it) is
-        kept: no prompt's walk reaches it until the parent is stored again, as none reaches the
-        engine's blocks past a block it lacks."""
+        A chain whose ``parent`` the index does not hold (its event was lost, or the bound forgot it)
+        is not stored: the index stays prefix-closed, so a match never counts blocks past one it
+        lacks; it under-counts that chain until the engine stores its blocks again."""
+        held = self._held.get(endpoint)
+        if parent is not None and (held is None or parent not in held):
+            return
         pending = self._pending.get(endpoint)
         if pending:
             for key in keys:
                 pending.pop(key, None)
-        held = self._held.get(endpoint)
         if held is None:
             if capacity <= 0 or not keys:
                 return

@@ -50,7 +50,7 @@ def test_a_malformed_batch_is_a_value_error(payload):
 
 def test_apply_feeds_the_index_in_order():
     index = EventIndex(pending_s=0.0)
-    apply(index, A, [(STORED, (1, 2, 3), None), (REMOVED, (3,)), (STORED, (4,), 9)], 100)
+    apply(index, A, [(STORED, (1, 2, 3), None), (REMOVED, (3,)), (STORED, (4,), 2)], 100)
     assert index.matched((1, 2, 3), [A]) == {A: 2} and index.held(A) == 3
     apply(index, A, [(CLEARED,)], 100)
     assert index.held(A) == 0

@@ -70,13 +70,16 @@ def test_a_chain_continues_across_events_through_its_parent():
     assert index.matched((1, 2, 3, 4, 5), [A]) == {A: 4}
 
 
-def test_a_chain_whose_parent_is_missing_is_kept_but_unreachable_until_the_parent_returns():
+def test_a_chain_whose_parent_is_missing_is_not_stored_so_the_index_stays_prefix_closed():
     index = events_only()
-    index.stored(A, (3, 4), 2, BIG)  # the event that stored 1, 2 was lost
-    assert index.held(A) == 2
-    assert index.matched((1, 2, 3, 4), [A]) == {}
     index.stored(A, (1, 2), None, BIG)
-    assert index.matched((1, 2, 3, 4), [A]) == {A: 4}
+    index.stored(A, (4, 5), 3, BIG)  # the event that stored 3 was lost
+    assert index.held(A) == 2 and index.matched((1, 2, 3, 4, 5), [A]) == {A: 2}
+    index.stored(A, (3,), 2, BIG)
+    index.stored(A, (4, 5), 3, BIG)  # stored again (after an eviction): counted now
+    assert index.matched((1, 2, 3, 4, 5), [A]) == {A: 5}
+    index.stored(B, (7,), 6, BIG)  # nothing known of B: a chain starting mid-way is not stored
+    assert index.held(B) == 0
 
 
 def test_the_bound_forgets_the_longest_held_keys_first():
@@ -105,13 +108,16 @@ def test_a_pick_counts_until_its_events_confirm_it_or_its_time_runs_out():
     assert index.matched((1, 2, 3), [A]) == {A: 2} and index.pending(A) == 0
 
 
-def test_held_and_pending_runs_alternate_in_one_match():
+def test_held_and_pending_keys_count_together():
     clock = Clock()
     index = EventIndex(pending_s=1.0, clock=clock)
     index.stored(A, (1, 2), None, BIG)
     index.insert(A, (1, 2, 3, 4), BIG)  # 3, 4 pending (1, 2 held already)
-    index.stored(A, (4,), 3, BIG)  # 4 confirmed before 3's event arrives
-    assert index.pending(A) == 1 and index.matched((1, 2, 3, 4, 5), [A]) == {A: 4}
+    assert index.pending(A) == 2 and index.matched((1, 2, 3, 4, 5), [A]) == {A: 4}
+    index.stored(A, (3,), 2, BIG)  # the first chunk of its prefill was stored: 4 still pending
+    assert index.pending(A) == 1 and index.held(A) == 3 and index.matched((1, 2, 3, 4, 5), [A]) == {A: 4}
+    clock.t = 1.5
+    assert index.matched((1, 2, 3, 4, 5), [A]) == {A: 3}
 
 
 def test_removed_and_cleared_drop_pending_keys():
