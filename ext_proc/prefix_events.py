@@ -24,9 +24,10 @@ interface of :class:`~ext_proc.prefix_index.PrefixIndex`, so the ``prefix-cache`
   holds (the engine reuses only that), by binary search: an engine's cached blocks are
   *prefix-closed* along every chain, as vLLM frees a request's blocks tail first and evicts the
   least recently freed first, so a block's parent is evicted after it (a shared prefix, used again,
-  is fresher still). A set that is not (an event lost: a removal applied without the one before it)
-  can be answered up to the last held key until later events repair it. ~9 dictionary reads for a
-  6 000-token prompt's 375 keys, against ~40 µs for a walk key by key.
+  is fresher still). The index keeps it so: a ``BlockStored`` whose parent it does not hold (an
+  event lost) is not applied, so it under-counts that chain, never over-counts, until the engine
+  stores it again. ~9 dictionary reads for a 6 000-token prompt's 375 keys, against ~40 µs for a
+  walk key by key.
 - **Pending keys.** Events arrive after the prompt's prefill is scheduled plus the publisher's trip:
   between a pick and its ``BlockStored`` the events say nothing of the prompt, and a burst of requests
   sharing a new prefix would be spread over every endpoint. :meth:`EventIndex.insert` (the picker's
