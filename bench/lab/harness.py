@@ -1,7 +1,7 @@
 """The lab's discrete-event harness: one policy, one cluster, one QPS point, in virtual time.
 
 Everything happens in time order on one thread: arrivals (the workload's, and a session's next
-turn ``think_s`` after its previous one ended), the engines' own events (each engine is advanced
+turn ``think_s`` after its previous one ended, well or not), the engines' own events (each engine is advanced
 to its next event time and no further, so an engine's state is exact whenever anything else
 happens), the slow loop's scrapes and weight rounds, the policy's own scrapes, the delivery of
 its requests' progress (at once for a proxy, in access-log flushes for inferlb's picker), KV
@@ -349,7 +349,7 @@ class _Run:
         if rec.measured:
             self.open_measured -= 1
         draft = self.drafts.pop(rec.id)
-        if status == 200 and draft.next is not None and self.now + draft.next.think_s < self.spec.duration_s:
+        if draft.next is not None and self.now + draft.next.think_s < self.spec.duration_s:
             self.push(self.now + draft.next.think_s, _FOLLOW, draft.next.draft)
 
     # --- the engines' events ------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import json
 import random
 from collections.abc import Sequence
 
+import pytest
+
 from bench.lab.cluster import Cluster, Node
 from bench.lab.figures import point_figures
 from bench.lab.harness import Fault, RunSpec, run
@@ -110,6 +112,41 @@ def test_a_session_turn_comes_think_time_after_the_previous_one_ended() -> None:
     assert a.status == b.status == 200
     assert b.arrival_s == a.end_s + 3.0
     assert b.cached_tokens > 0  # the same prompt again: its blocks are still cached
+
+
+class _RejectFirst(RoundRobin):
+    """Round robin that rejects the run's first request (a policy's 429)."""
+
+    name = "reject_first"
+
+    def decide(self, request: Request) -> Answer:
+        return Reject(429, "queue-timeout") if request.id == 0 else super().decide(request)
+
+
+@pytest.mark.parametrize("failure", ["oom", "queue-timeout"])
+def test_a_session_goes_on_after_a_failed_turn_with_the_same_prompts(failure: str) -> None:
+    # the real path's open-loop trace sends every turn whatever the earlier ones got: so does the lab
+    synth = Synth(1)
+    question, reply, again = (synth.message(role, 40) for role in ("user", "assistant", "user"))
+
+    class ThreeTurns:
+        name = "three_turns"
+
+        def arrivals(self, qps: float, duration_s: float, sizing: Sizing, rng: random.Random):
+            third = Draft(Prompt((question, reply, again, reply, again)), 8, 8, memory_mib=1000.0, session=1)
+            second = Draft(Prompt((question, reply, again)), 8, 8, memory_mib=1000.0, session=1,
+                           next=FollowUp(2.0, lambda: third))
+            first = Draft(Prompt((question,)), 8, 8, memory_mib=30_000.0 if failure == "oom" else 1000.0,
+                          session=1, next=FollowUp(3.0, lambda: second))
+            yield 1.0, first
+
+    policy = RoundRobin if failure == "oom" else _RejectFirst
+    result = run(RunSpec(_cluster(1, kind="job", gpu_memory_mib=24_000.0), ThreeTurns(), 1.0, 60.0), policy)
+    a, b, c = result.records
+    assert a.reason == failure and a.status in (429, 500)
+    assert b.status == c.status == 200
+    assert b.arrival_s == a.end_s + 3.0 and c.arrival_s == b.end_s + 2.0
+    assert (b.prompt_tokens, c.prompt_tokens) == (120, 200)  # the failed turn's reply is in the history
 
 
 class _Holder(PolicyBase):
