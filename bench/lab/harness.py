@@ -338,7 +338,10 @@ class _Run:
         handle.engine.submit(EngineRequest(str(rec.id), draft.prompt.token_ids, draft.output_tokens, now,
                                            draft.memory_mib, slowdown, keys,
                                            draft.output_ids if handle.kind == "llm" else None), now)
-        self.rekey(address)
+        # visited now, not at its next event: a request it refuses at once (an OOM, too long a prompt)
+        # is answered now, as the real server answers it, not when another request's step ends
+        self.eng_next[address] = now
+        heapq.heappush(self.eng_heap, (now, next(self.seq), address))
         self.drain_kv(address)
 
     def close(self, rec: Record, status: int, reason: str = "") -> None:

@@ -144,6 +144,7 @@ def test_a_session_goes_on_after_a_failed_turn_with_the_same_prompts(failure: st
     result = run(RunSpec(_cluster(1, kind="job", gpu_memory_mib=24_000.0), ThreeTurns(), 1.0, 60.0), policy)
     a, b, c = result.records
     assert a.reason == failure and a.status in (429, 500)
+    assert a.end_s == a.arrival_s == 1.0  # refused at once, answered at once (not at the engine's next event)
     assert b.status == c.status == 200
     assert b.arrival_s == a.end_s + 3.0 and c.arrival_s == b.end_s + 2.0
     assert (b.prompt_tokens, c.prompt_tokens) == (120, 200)  # the failed turn's reply is in the history
