@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import astuple
 
 import pytest
 
@@ -17,7 +18,7 @@ from bench.lab.policies.oracle import Oracle
 from bench.lab.policies.round_robin import RoundRobin
 from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
 from bench.lab.runner import Point, lab_document, plan, run_point, run_points
-from bench.lab.scenarios import QUICK, Mode
+from bench.lab.scenarios import FULL, QUICK, Mode
 from bench.lab.workloads.base import Draft, FollowUp, Sizing
 from bench.lab.workloads.sessions import ChatSessions
 from bench.lab.workloads.shared_prefix import SharedPrefix
@@ -232,6 +233,19 @@ def test_a_scenario_runs_its_published_cluster_size_in_the_full_lab_only() -> No
     assert [p.qps for p in full if p.scenario == "sharegpt_chat"] == [48.0, 64.0, 80.0, 96.0]
     assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], True, None, 1)} == {4}
     assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], False, 12, 1)} == {12}
+
+
+def test_a_scenario_of_its_own_length_runs_it_in_the_full_lab_only() -> None:
+    """heterogeneous sweeps to 20 QPS per engine on two minutes of arrivals per point (warm-up and drain
+    in proportion, as ``--duration`` gives them); ``--quick`` and ``--duration`` set its length as any
+    other scenario's; uniform keeps the lab's ten minutes."""
+    full = plan(["heterogeneous", "uniform"], ["inferlb"], False, None, 1)
+    spans = {(p.scenario, p.mode.duration_s, p.mode.warmup_s, p.mode.drain_s) for p in full}
+    assert spans == {("heterogeneous", 120.0, 12.0, 24.0), ("uniform", *astuple(FULL)[1:])}
+    assert [p.qps for p in full if p.scenario == "heterogeneous"] == [64.0, 304.0, 320.0]
+    assert {p.mode for p in plan(["heterogeneous"], ["inferlb"], True, None, 1)} == {QUICK}
+    assert {p.mode.duration_s for p in plan(["heterogeneous"], ["inferlb"], False, None, 1, duration_s=300.0)} \
+        == {300.0}
 
 
 def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
