@@ -216,8 +216,9 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
                                       system_tokens=500),
         # a sweep: issue 37 compares the highest QPS within the SLO. Probes (16 engines, 120 s, seed 1):
         # least_request and dynamo_kv meet it at 4 QPS per engine, not at 8; llm_d up to 19, not at 20;
-        # inferlb at 20. Two minutes of arrivals per point (12 s of warm-up): at 10 minutes the sweep
-        # alone would cost about 1 600 s of CPU, most of the lab's budget
+        # inferlb at 20. Two minutes of arrivals per point (12 s of warm-up): the sweep took 337 s of
+        # CPU so (the single point at 2 QPS per engine for 10 minutes: 126 s); at 10 minutes per point
+        # it would take about five times that, half the lab's budget
         qps_per_engine=(4.0, 19.0, 20.0),
         quick_qps_per_engine=(4.0, 20.0),
         full_duration_s=120.0,
