@@ -1,13 +1,13 @@
 """The lab's discrete-event harness: one policy, one cluster, one QPS point, in virtual time.
 
 Everything happens in time order on one thread: arrivals (the workload's, and a session's next
-turn ``think_s`` after its previous one ended, well or not), the engines' own events (each engine is advanced
-to its next event time and no further, so an engine's state is exact whenever anything else
-happens), the slow loop's scrapes and weight rounds, the policy's own scrapes, the delivery of
-its requests' progress (at once for a proxy, in access-log flushes for inferlb's picker), KV
-events, the policy's wake-ups (a held request's timeout) and the scenario's faults (a node joins,
-leaves, turns slow). No sockets, no sleeps, no threads, no wall clock: the same :class:`RunSpec`
-gives the same records, bit for bit.
+turn ``think_s`` after its previous one ended, answered or failed), the engines' own events (each
+engine is advanced to its next event time, or at once after a request is sent to it, and no
+further, so an engine's state is exact whenever anything else happens), the slow loop's scrapes
+and weight rounds, the policy's own scrapes, the delivery of its requests' progress (at once for a
+proxy, in access-log flushes for inferlb's picker), KV events, the policy's wake-ups (a held
+request's timeout) and the scenario's faults (a node joins, leaves, turns slow). No sockets, no
+sleeps, no threads, no wall clock: the same :class:`RunSpec` gives the same records, bit for bit.
 
 A request is *measured* when it arrives within ``[warmup_s, duration_s)``. Arrivals stop at
 ``duration_s``; the run goes on until every measured request has ended or ``drain_s`` more has
