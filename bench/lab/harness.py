@@ -1,13 +1,13 @@
 """The lab's discrete-event harness: one policy, one cluster, one QPS point, in virtual time.
 
 Everything happens in time order on one thread: arrivals (the workload's, and a session's next
-turn ``think_s`` after its previous one ended), the engines' own events (each engine is advanced
-to its next event time and no further, so an engine's state is exact whenever anything else
-happens), the slow loop's scrapes and weight rounds, the policy's own scrapes, the delivery of
-its requests' progress (at once for a proxy, in access-log flushes for inferlb's picker), KV
-events, the policy's wake-ups (a held request's timeout) and the scenario's faults (a node joins,
-leaves, turns slow). No sockets, no sleeps, no threads, no wall clock: the same :class:`RunSpec`
-gives the same records, bit for bit.
+turn ``think_s`` after its previous one ended, answered or failed), the engines' own events (each
+engine is advanced to its next event time, or at once after a request is sent to it, and no
+further, so an engine's state is exact whenever anything else happens), the slow loop's scrapes
+and weight rounds, the policy's own scrapes, the delivery of its requests' progress (at once for a
+proxy, in access-log flushes for inferlb's picker), KV events, the policy's wake-ups (a held
+request's timeout) and the scenario's faults (a node joins, leaves, turns slow). No sockets, no
+sleeps, no threads, no wall clock: the same :class:`RunSpec` gives the same records, bit for bit.
 
 A request is *measured* when it arrives within ``[warmup_s, duration_s)``. Arrivals stop at
 ``duration_s``; the run goes on until every measured request has ended or ``drain_s`` more has
@@ -338,7 +338,10 @@ class _Run:
         handle.engine.submit(EngineRequest(str(rec.id), draft.prompt.token_ids, draft.output_tokens, now,
                                            draft.memory_mib, slowdown, keys,
                                            draft.output_ids if handle.kind == "llm" else None), now)
-        self.rekey(address)
+        # visited now, not at its next event: a request it refuses at once (an OOM, too long a prompt)
+        # is answered now, as the real server answers it, not when another request's step ends
+        self.eng_next[address] = now
+        heapq.heappush(self.eng_heap, (now, next(self.seq), address))
         self.drain_kv(address)
 
     def close(self, rec: Record, status: int, reason: str = "") -> None:
@@ -349,7 +352,7 @@ class _Run:
         if rec.measured:
             self.open_measured -= 1
         draft = self.drafts.pop(rec.id)
-        if status == 200 and draft.next is not None and self.now + draft.next.think_s < self.spec.duration_s:
+        if draft.next is not None and self.now + draft.next.think_s < self.spec.duration_s:
             self.push(self.now + draft.next.think_s, _FOLLOW, draft.next.draft)
 
     # --- the engines' events ------------------------------------------------------------------------

@@ -128,20 +128,25 @@ def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines
          timing: SlowLoopTiming | None = None, duration_s: float | None = None) -> list[Point]:
     """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the scenario's full
     size, :attr:`~bench.lab.scenarios.LabScenario.full_engines`, else the mode's;
-    ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion; a
+    ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion, as
+    a scenario's :attr:`~bench.lab.scenarios.LabScenario.full_duration_s` sets them in the full lab; a
     scenario with a size and length of its own keeps them)."""
     mode = QUICK if quick else FULL
-    if duration_s is not None:
-        k = duration_s / mode.duration_s
-        mode = replace(mode, duration_s=duration_s, warmup_s=mode.warmup_s * k, drain_s=mode.drain_s * k)
     timing = timing or SlowLoopTiming()
     out = []
     for s in scenarios:
         sc = scenario_for(s)
         n = sc.engines or engines or (None if quick else sc.full_engines) or mode.engines
-        out += [Point(s, p, q, sc.mode or mode, n, seed, sc.timing or timing) for q in sc.points(quick, n)
-                for p in policies]
+        span = duration_s or (None if quick else sc.full_duration_s)
+        m = sc.mode or (_stretched(mode, span) if span is not None else mode)
+        out += [Point(s, p, q, m, n, seed, sc.timing or timing) for q in sc.points(quick, n) for p in policies]
     return out
+
+
+def _stretched(mode: Mode, duration_s: float) -> Mode:
+    """``mode`` with ``duration_s`` of arrivals, its warm-up and drain in proportion."""
+    k = duration_s / mode.duration_s
+    return replace(mode, duration_s=duration_s, warmup_s=mode.warmup_s * k, drain_s=mode.drain_s * k)
 
 
 def lab_document(points: Sequence[Point], results: Sequence[Mapping[str, Any]], *, seed: int, commit: str | None,

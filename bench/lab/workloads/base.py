@@ -4,8 +4,8 @@ A workload yields ``(arrival_s, Draft)`` in time order for a QPS and a duration.
 request without the harness's id and time: its prompt, the output length the engine will
 produce, the headers and body fields a client sends. A multi-turn session's later turns are
 not scheduled up front: a draft carries its session's next turn (:class:`FollowUp`), which the
-harness sends ``think_s`` after this turn ends (a user reads the answer, then types), so a chat's
-pace follows the latency its router gives it, as it does for real users.
+harness sends ``think_s`` after this turn ends (a user reads the answer or the error, then types),
+so a chat's pace follows the latency its router gives it, as it does for real users.
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ __all__ = ["Draft", "FollowUp", "Sizing", "Workload", "poisson"]
 
 
 class FollowUp(NamedTuple):
-    """A session's next turn: sent ``think_s`` after the turn that carries it ends well (a failed turn
-    ends its session); ``draft()`` builds it then (its history holds the reply just given; None:
-    the session ends there, e.g. its history would pass the model's context)."""
+    """A session's next turn: sent ``think_s`` after the turn that carries it ends, whether it was
+    answered or failed (an error, an OOM, a rejection), as ``inferlb bench quality``'s open-loop
+    trace sends every turn and a chat's user, shown an error, asks again and goes on: the offered
+    load does not depend on the policy's errors. ``draft()`` builds it then (its history holds the
+    previous turn and the reply it was to have, answered or not, as the real path's resent history
+    does; None: the session ends there, e.g. its history would pass the model's context). A turn
+    never answered (held or unfinished at the run's end) sends no next turn."""
 
     think_s: float
     draft: Callable[[], Draft | None]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import astuple
+
+import pytest
 
 from bench.lab.cluster import Cluster, Node
 from bench.lab.figures import point_figures
@@ -15,7 +18,7 @@ from bench.lab.policies.oracle import Oracle
 from bench.lab.policies.round_robin import RoundRobin
 from bench.lab.policy import Answer, Finished, Needs, PolicyBase, Progress, Prompt, Reject, Request, Route, Wait
 from bench.lab.runner import Point, lab_document, plan, run_point, run_points
-from bench.lab.scenarios import QUICK, Mode
+from bench.lab.scenarios import FULL, QUICK, Mode
 from bench.lab.workloads.base import Draft, FollowUp, Sizing
 from bench.lab.workloads.sessions import ChatSessions
 from bench.lab.workloads.shared_prefix import SharedPrefix
@@ -112,6 +115,42 @@ def test_a_session_turn_comes_think_time_after_the_previous_one_ended() -> None:
     assert b.cached_tokens > 0  # the same prompt again: its blocks are still cached
 
 
+class _RejectFirst(RoundRobin):
+    """Round robin that rejects the run's first request (a policy's 429)."""
+
+    name = "reject_first"
+
+    def decide(self, request: Request) -> Answer:
+        return Reject(429, "queue-timeout") if request.id == 0 else super().decide(request)
+
+
+@pytest.mark.parametrize("failure", ["oom", "queue-timeout"])
+def test_a_session_goes_on_after_a_failed_turn_with_the_same_prompts(failure: str) -> None:
+    # the real path's open-loop trace sends every turn whatever the earlier ones got: so does the lab
+    synth = Synth(1)
+    question, reply, again = (synth.message(role, 40) for role in ("user", "assistant", "user"))
+
+    class ThreeTurns:
+        name = "three_turns"
+
+        def arrivals(self, qps: float, duration_s: float, sizing: Sizing, rng: random.Random):
+            third = Draft(Prompt((question, reply, again, reply, again)), 8, 8, memory_mib=1000.0, session=1)
+            second = Draft(Prompt((question, reply, again)), 8, 8, memory_mib=1000.0, session=1,
+                           next=FollowUp(2.0, lambda: third))
+            first = Draft(Prompt((question,)), 8, 8, memory_mib=30_000.0 if failure == "oom" else 1000.0,
+                          session=1, next=FollowUp(3.0, lambda: second))
+            yield 1.0, first
+
+    policy = RoundRobin if failure == "oom" else _RejectFirst
+    result = run(RunSpec(_cluster(1, kind="job", gpu_memory_mib=24_000.0), ThreeTurns(), 1.0, 60.0), policy)
+    a, b, c = result.records
+    assert a.reason == failure and a.status in (429, 500)
+    assert a.end_s == a.arrival_s == 1.0  # refused at once, answered at once (not at the engine's next event)
+    assert b.status == c.status == 200
+    assert b.arrival_s == a.end_s + 3.0 and c.arrival_s == b.end_s + 2.0
+    assert (b.prompt_tokens, c.prompt_tokens) == (120, 200)  # the failed turn's reply is in the history
+
+
 class _Holder(PolicyBase):
     """Holds every request, answers them all 0.5 s later (a policy's queue)."""
 
@@ -194,6 +233,19 @@ def test_a_scenario_runs_its_published_cluster_size_in_the_full_lab_only() -> No
     assert [p.qps for p in full if p.scenario == "sharegpt_chat"] == [48.0, 64.0, 80.0, 96.0]
     assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], True, None, 1)} == {4}
     assert {p.engines for p in plan(["sharegpt_chat"], ["inferlb"], False, 12, 1)} == {12}
+
+
+def test_a_scenario_of_its_own_length_runs_it_in_the_full_lab_only() -> None:
+    """heterogeneous sweeps to 20 QPS per engine on two minutes of arrivals per point (warm-up and drain
+    in proportion, as ``--duration`` gives them); ``--quick`` and ``--duration`` set its length as any
+    other scenario's; uniform keeps the lab's ten minutes."""
+    full = plan(["heterogeneous", "uniform"], ["inferlb"], False, None, 1)
+    spans = {(p.scenario, p.mode.duration_s, p.mode.warmup_s, p.mode.drain_s) for p in full}
+    assert spans == {("heterogeneous", 120.0, 12.0, 24.0), ("uniform", *astuple(FULL)[1:])}
+    assert [p.qps for p in full if p.scenario == "heterogeneous"] == [64.0, 304.0, 320.0]
+    assert {p.mode for p in plan(["heterogeneous"], ["inferlb"], True, None, 1)} == {QUICK}
+    assert {p.mode.duration_s for p in plan(["heterogeneous"], ["inferlb"], False, None, 1, duration_s=300.0)} \
+        == {300.0}
 
 
 def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
