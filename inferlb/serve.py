@@ -270,13 +270,13 @@ class InferLB:
             if self._largest[0] is not specs:  # the config's: computed again when it changes
                 self._largest = (specs, largest_memory(specs))
             held = held_counts(weights, samples) if self.cfg.picker.memory_count_in_sample else None
-            return samples, MemorySamples.of(samples, held), self._largest[1]
+            return samples, MemorySamples.of(samples, held), self._largest[1], held
 
-        samples, split, largest = await asyncio.to_thread(read)
+        samples, split, largest, held = await asyncio.to_thread(read)
         self.picker.set_samples(split)  # on the loop the picker runs on: O(requests in flight)
         self.picker.set_largest_memory(largest)
         await asyncio.sleep(0)  # the loop runs its other callbacks between the two: not one ~30 ms step
-        self.load_view.set_memory(samples)  # and, with the load view, to every standalone picker
+        self.load_view.set_memory(samples, held)  # and, with the load view, to every standalone picker
 
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the

@@ -12,7 +12,8 @@ gRPC stream and the asyncio tasks around it are swapped:
   taken (:func:`~xds_server.loadview.exchange.take_report`: kept, its grant requests decided) and
   every picker gets the view of now (:func:`~xds_server.loadview.exchange.next_view`: its own as
   the answer, the others' pushed). Each slow-loop round's memory samples are set on the table
-  (``inferlb serve``'s ``_feed_picker``); once ready (:attr:`LoadTable.memory_ready_at`: 0.1 s after
+  (``inferlb serve``'s ``_feed_picker``, with the engines' held counts under
+  ``picker.memory_count_in_sample``); once ready (:attr:`LoadTable.memory_ready_at`: 0.1 s after
   the newest sample) the round is counted (:meth:`LoadTable.round_counter`) and each picker's next
   view carries its part (:func:`~xds_server.loadview.exchange.memory_message`).
 - **Each picker** (:class:`PickerLink`): the report loop of :func:`ext_proc.load_client.run_load_view`
@@ -101,12 +102,14 @@ class ControlPlaneView:
                 deliver(view)
         return answers
 
-    def set_memory(self, at: float, samples: Mapping[str, tuple[float, float]]) -> None:
-        """The slow loop's round at ``at`` (virtual s) and its samples ``{"HOST:PORT": (free MiB, taken at)}``
-        (:meth:`LoadTable.set_memory`; the first picker to see a round sets it, the others' calls are no-ops)."""
+    def set_memory(self, at: float, samples: Mapping[str, tuple[float, float]],
+                   held: Mapping[str, float] | None = None) -> None:
+        """The slow loop's round at ``at`` (virtual s), its samples ``{"HOST:PORT": (free MiB, taken at)}``
+        and the requests each engine held in them (None: not read) (:meth:`LoadTable.set_memory`; the
+        first picker to see a round sets it, the others' calls are no-ops)."""
         if at != self._round_at:
             self._round_at = at
-            self.table.set_memory(samples)
+            self.table.set_memory(samples, held)
 
     def memory_due(self, picker: str) -> float | None:
         """When ``picker`` is due its part of the latest memory round (virtual s), None: it has it (or none yet)."""
