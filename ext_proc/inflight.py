@@ -386,7 +386,10 @@ class InFlight:
 
     def by_endpoint(self, since: float) -> dict[tuple[str, str], tuple[int, float, float, float, int]]:
         """The pinned load in flight per ``(cluster, endpoint)``: ``(requests, work, MiB, tokens, picks
-        after since)`` (tokens: prompt + output where known; ``since``: monotonic s, as the clock).
+        at or after since)`` (tokens: prompt + output where known; ``since``: monotonic s, as the
+        clock: the previous report's time, and a pick at the same reading may have come after that
+        report was built; the control plane's count of the requests a memory sample may hold,
+        :func:`xds_server.loadview.rounds.maybe_held`, must not miss it).
 
         O(requests in flight); for the load report (:mod:`ext_proc.shared_load`), not the request path.
         """
@@ -400,7 +403,7 @@ class InFlight:
                 row[1] += work
                 row[2] += mib
                 row[3] += (prompt or 0.0) + (output or 0.0)
-                if at > since:
+                if at >= since:
                     row[4] += 1
         return {key: (n, w, m, t, p) for key, (n, w, m, t, p) in out.items()}
 
