@@ -52,6 +52,8 @@ History = Sequence[tuple]
 
 _NONE: Mapping = MappingProxyType({})
 _NO_COUNT = (0.0, 0.0)
+#: Pick times are told as ages and read back as ``received - age``: this much rounding counts as a tie (s).
+_TIE_S = 1e-6
 #: Endpoints per C-level step of :func:`held` (one step holds the GIL the event loop needs).
 _PIECE = 4096
 
@@ -188,8 +190,8 @@ def maybe_held(histories: Mapping[str, History],
                     ended = finished[b + 1] = {}
                     for e, picked_at, _ in after[2]:
                         ended.setdefault(e, []).append(picked_at)
-                since = received[b] if b >= 0 else -math.inf
-                n += sum(1 for picked_at in ended.get(endpoint, ()) if since <= picked_at <= taken)
+                since = received[b] - _TIE_S if b >= 0 else -math.inf
+                n += sum(1 for picked_at in ended.get(endpoint, ()) if since <= picked_at <= taken + _TIE_S)
             if n > 0:
                 share[endpoint] = n
         out[picker] = share
