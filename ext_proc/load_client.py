@@ -46,6 +46,7 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float,
     and ``grants``' waiting requests (taken out of its outbox)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
     if grants is not None:
+        grants.granted = False
         msg.grants_applied = grants.applied
         msg.view_applied = grants.asked_on if grants.outbox else grants.view
         for request_id, cluster, endpoint, mib, room in grants.take_outbox():
@@ -161,12 +162,12 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 # waiting out its grant) for as long as they came.
                 if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
                     lost(f"no view for {expiry_s:g} s")
-                if grants.outbox:
+                if grants.outbox or grants.granted:
                     break
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):   # or at once when a grant request waits
                         await send_now.wait()
-                if grants.outbox:
+                if grants.outbox or grants.granted:
                     break
                 # A change is news only to other pickers that decide (have traffic): without any,
                 # keep-alives suffice.

@@ -20,14 +20,14 @@ gRPC stream and the asyncio tasks around it are swapped:
   on the virtual clock: a ``LoadReport`` (:func:`~ext_proc.load_client.report_message`) first when
   it starts, then at the loop's ticks (every ``picker.shared_view_interval_s`` after the last report)
   when :func:`~ext_proc.load_client.report_due` says so (its load changed and other pickers decide,
-  or the keep-alive), and at once when a memory grant request waits. Each view goes into its
-  :class:`~ext_proc.shared_load.SharedLoad` (:func:`~ext_proc.load_client.apply_view`: the others'
-  load, the grant answers), a memory round as ``run_load_view`` takes it (the capacities, the
-  others' share as the baseline, the samples to the picker: :func:`~ext_proc.load_client.memory_of`),
-  and the picker is told what the others' load was before it
-  (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a view set off by
-  another picker's report arrives in that picker's turn, and the harness wakes this one at the same
-  virtual instant when its requests wait.
+  or the keep-alive), and at once when a memory grant request waits or a request was granted (its
+  pick). Each view goes into its :class:`~ext_proc.shared_load.SharedLoad`
+  (:func:`~ext_proc.load_client.apply_view`: the others' load, the grant answers), a memory round
+  as ``run_load_view`` takes it (the capacities, the others' share as the baseline, the samples to
+  the picker: :func:`~ext_proc.load_client.memory_of`), and the picker is told what the others'
+  load was before it (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a
+  view set off by another picker's report arrives in that picker's turn, and the harness wakes this
+  one at the same virtual instant when its requests wait.
 
 Not modelled: the stream's transit (a report is taken, and the views it sets off arrive, in the
 same virtual instant: on one host it is well under the 10 ms report interval); views coalesced
@@ -208,9 +208,10 @@ class PickerLink:
             self._on_view(before)
 
     def flush(self) -> None:
-        """Send the grant requests waiting (a report each time requests wait: the answers in a view can
-        set off new ones, a refused request decided again)."""
-        while self.shared.grants.outbox:
+        """Send the grant requests waiting and the picks of granted requests (a report each time: the
+        answers in a view can set off new ones, a refused request decided again)."""
+        grants = self.shared.grants
+        while grants.outbox or grants.granted:
             self._report()
 
     def next_wake_s(self) -> float | None:
