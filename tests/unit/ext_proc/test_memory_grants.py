@@ -275,3 +275,23 @@ async def test_a_view_that_shows_another_pickers_request_ended_releases_a_reques
     shared.grants.answer(request_id, 7, 0.0)
     response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 1.0))
     assert not response.HasField("immediate_response") and shared.inflight.endpoints.get(B) == 1
+
+
+def test_a_granted_request_wakes_the_report_loop_and_the_next_report_takes_note():
+    """A grant's pick is news to the other pickers: reported at the next tick, it came just after the
+    grant request's own report, so it waited out the whole interval while they routed onto its
+    endpoint (the lab's multi_gateway: 429 of 679 co-locations within 10 ms of another gateway's pick).
+    A refusal is no pick: no wake."""
+    grants = Grants()
+    woken = []
+    grants.wake = lambda: woken.append(grants.granted)
+    answers = []
+    refused = grants.ask("c", A, 8000.0, 100.0, lambda g, u: answers.append(g))
+    granted = grants.ask("c", A, 8000.0, 100.0, lambda g, u: answers.append(g))
+    woken.clear()
+    grants.answer(refused, 0, 9000.0)
+    assert not grants.granted and woken == []
+    grants.answer(granted, 7, 0.0)
+    assert answers == [0, 7] and grants.granted and woken == [True]
+    report_message(InFlight(), "p", 1, 0.0, grants)
+    assert not grants.granted, "the report took note of it"
