@@ -295,3 +295,30 @@ def test_a_granted_request_wakes_the_report_loop_and_the_next_report_takes_note(
     assert answers == [0, 7] and grants.granted and woken == [True]
     report_message(InFlight(), "p", 1, 0.0, grants)
     assert not grants.granted, "the report took note of it"
+
+
+async def test_a_granted_pick_reaches_the_control_plane_at_once_not_at_the_next_tick():
+    """With a report interval far longer than the test (5 s), the request committed on its grant is in
+    the control plane's sum within a second: the report loop sent it when the grant came."""
+    table = LoadTable(expiry_s=60.0)
+    one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
+    for shared in (one, two):
+        shared.inflight.picked("c", B)  # traffic before the first reports: each decides for the other
+    async with load_view_server(table) as target:
+        tasks = [asyncio.create_task(run_load_view(target, name, shared, 5.0, 60.0))
+                 for name, shared in (("one", one), ("two", two))]
+        try:
+            await until(lambda: one.others.pickers == 2 and one.others.idle == 0 and one.grants.view > 0)
+            answers: list[int | None] = []
+
+            def commit(grant: int | None, unseen: float) -> None:
+                answers.append(grant)
+                one.inflight.picked("c", A, mib=16000.0)
+
+            one.grants.ask("c", A, 16000.0, 4000.0, commit)
+            await until(lambda: answers == [1], seconds=1.0)
+            await until(lambda: ("c", A) in table.report("one").endpoints, seconds=1.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
