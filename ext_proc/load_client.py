@@ -162,12 +162,12 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                 # waiting out its grant) for as long as they came.
                 if shared.viewed_at is not None and inflight.now() - shared.viewed_at > expiry_s:
                     lost(f"no view for {expiry_s:g} s")
-                if grants.outbox or grants.granted:
+                if grants.outbox:
                     break
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval_s):   # or at once when a grant request waits
                         await send_now.wait()
-                if grants.outbox or grants.granted:
+                if grants.outbox:
                     break
                 # A change is news only to other pickers that decide (have traffic): without any,
                 # keep-alives suffice.
