@@ -260,7 +260,8 @@ class InferLB:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
         request needing more than every endpoint has is refused); with ``picker.memory_count_in_sample``
-        also the requests each backend held in that sample (:func:`held_counts`). Read from the weights in a worker
+        also the requests each backend held in that sample (:func:`held_counts`; the load view sends each
+        standalone picker its share of them: ``MemorySample.held``). Read from the weights in a worker
         thread (30 ms at 60 000 endpoints), handed over on the loop. Sample ages count from the fetch,
         not from now: the round's computation in between would make every sample look younger."""
         at, specs = self.control.stats_at, self.control.specs
