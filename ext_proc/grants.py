@@ -31,11 +31,14 @@ class Grants:
             the ask and the report does not count: the request's room was reckoned without it, and
             the ledger, told the newer one, took a grant it showed as in the room (an OOM in a
             ``multi_gateway`` round).
-        wake: called when a request is queued (the report loop sends at once); None: nobody listens.
+        granted: a request was granted since the last report (:func:`~ext_proc.load_client.report_message`
+            clears it): its pick is news to the other pickers, so the report loop sends it at once, as
+            a grant request, not at its next tick (they would route onto its endpoint meanwhile).
+        wake: called when a request is queued or granted (the report loop sends at once); None: nobody listens.
     """
 
-    __slots__ = ("_next", "_waiting", "applied", "asked_on", "outbox", "pending", "pending_mib", "refused_mib", "view",
-                 "wake")
+    __slots__ = ("_next", "_waiting", "applied", "asked_on", "granted", "outbox", "pending", "pending_mib",
+                 "refused_mib", "view", "wake")
 
     def __init__(self) -> None:
         self.outbox: list[tuple[int, str, str, float, float]] = []
@@ -49,6 +52,7 @@ class Grants:
         self.applied = 0
         self.view = 0
         self.asked_on = 0
+        self.granted = False
         self.wake: Callable[[], None] | None = None
         self._next = 0
 
@@ -93,6 +97,10 @@ class Grants:
         if not grant:
             self.refused_mib[endpoint] = max(self.refused_mib.get(endpoint, 0.0), unseen_mib)
         answer(grant, unseen_mib)
+        if grant:
+            self.granted = True
+            if self.wake is not None:
+                self.wake()
 
     def drop(self, request_id: int) -> None:
         """Stop waiting for ``request_id`` (its answer came too late): its callback is not called."""

@@ -750,13 +750,14 @@ class PickerHandler:
 
     def set_samples(self, samples: MemorySamples) -> None:
         """Fresh GPU memory samples from the slow loop (:class:`~ext_proc.inflight.MemorySamples`,
-        see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted. The samples'
-        counts of held requests are used only while the shared load view shows no other picker
+        see :meth:`InFlight.set_samples`); waiting requests that now fit are admitted. The backends'
+        whole counts of held requests are used only while the shared load view shows no other picker
         deciding: a count that includes another picker's requests would credit this one's doubtful
-        requests with room those hold."""
+        requests with room those hold. Counts of this picker's own requests (``samples.own``: the
+        control plane took the others' out) are used whoever decides."""
         loads = self.loads
-        if samples.held is not None and not (isinstance(loads, SharedLoad) and loads.viewed_at is not None
-                                             and loads.alone()):
+        if samples.held is not None and not samples.own and not (
+                isinstance(loads, SharedLoad) and loads.viewed_at is not None and loads.alone()):
             samples = samples._replace(held=None)
         self.inflight.set_samples(samples)
         if self.admission is not None:

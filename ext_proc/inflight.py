@@ -55,15 +55,20 @@ class MemorySamples(NamedTuple):
     ``{"HOST:PORT": free GPU memory, MiB}``; ``taken_at``: ``{"HOST:PORT": when it was sampled,
     monotonic s}`` (the same endpoints); ``held``: ``{"HOST:PORT": requests the backend held (running
     and waiting) in the same sample}``, for endpoints where that count came with the memory and
-    only this picker's requests reach the endpoint (None: no such counts)."""
+    only this picker's requests reach the endpoint (None: no such counts); ``own``: True when
+    ``held`` counts this picker's requests alone whatever other pickers send (the control plane
+    took theirs out: ``MemorySample.held`` of the shared load view), False when it is the backend's
+    whole count (valid only while no other picker decides)."""
 
     free: dict[str, float]
     taken_at: dict[str, float]
     held: dict[str, float] | None = None
+    own: bool = False
 
     @classmethod
-    def of(cls, samples: Mapping[str, tuple[float, float]], held: dict[str, float] | None = None) -> MemorySamples:
-        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}`` and ``held`` as the attribute (pure;
+    def of(cls, samples: Mapping[str, tuple[float, float]], held: dict[str, float] | None = None,
+           own: bool = False) -> MemorySamples:
+        """From ``{"HOST:PORT": (free MiB, taken at, monotonic s)}``, ``held`` and ``own`` as the attributes (pure;
         C-level dict updates of :data:`SAMPLES_PIECE` endpoints each: one update of 60 000 held the
         GIL, which the event loop shares, for tens of ms under load)."""
         free: dict[str, float] = {}
@@ -73,7 +78,7 @@ class MemorySamples(NamedTuple):
             piece, got = keys[start:start + SAMPLES_PIECE], values[start:start + SAMPLES_PIECE]
             free.update(zip(piece, map(_FIRST, got), strict=True))
             taken_at.update(zip(piece, map(_SECOND, got), strict=True))
-        return cls(free, taken_at, held)
+        return cls(free, taken_at, held, own)
 
 
 class InFlight:
@@ -335,7 +340,7 @@ class InFlight:
         :meth:`MemorySamples.of` wherever the caller likes (off the event loop: 25-30 ms at 60 000
         endpoints, measured on the shared 2-core machine); call once per metrics round.
         """
-        free, sampled, counts = samples
+        free, sampled, counts, _ = samples
         self._counted = counts is not None
         arrival, lag = self._arrival, self._lag
         now = self._clock()
@@ -381,7 +386,10 @@ class InFlight:
 
     def by_endpoint(self, since: float) -> dict[tuple[str, str], tuple[int, float, float, float, int]]:
         """The pinned load in flight per ``(cluster, endpoint)``: ``(requests, work, MiB, tokens, picks
-        after since)`` (tokens: prompt + output where known; ``since``: monotonic s, as the clock).
+        at or after since)`` (tokens: prompt + output where known; ``since``: monotonic s, as the
+        clock: the previous report's time, and a pick at the same reading may have come after that
+        report was built; the control plane's count of the requests a memory sample may hold,
+        :func:`xds_server.loadview.rounds.maybe_held`, must not miss it).
 
         O(requests in flight); for the load report (:mod:`ext_proc.shared_load`), not the request path.
         """
@@ -395,7 +403,7 @@ class InFlight:
                 row[1] += work
                 row[2] += mib
                 row[3] += (prompt or 0.0) + (output or 0.0)
-                if at > since:
+                if at >= since:
                     row[4] += 1
         return {key: (n, w, m, t, p) for key, (n, w, m, t, p) in out.items()}
 

@@ -46,6 +46,7 @@ def report_message(inflight: InFlight, picker: str, seq: int, since: float,
     and ``grants``' waiting requests (taken out of its outbox)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
     if grants is not None:
+        grants.granted = False
         msg.grants_applied = grants.applied
         msg.view_applied = grants.asked_on if grants.outbox else grants.view
         for request_id, cluster, endpoint, mib, room in grants.take_outbox():
@@ -88,8 +89,12 @@ def view_capacities(view: load_view_pb2.LoadView) -> dict[str, float]:
 def memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
     """``(the others' memory in flight per endpoint at the samples, MiB; the samples)`` of ``view`` (pure):
     hand the first to :meth:`SharedLoad.free.rebase <ext_proc.shared_load.SharedLoad>`, then the
-    samples to the picker (:meth:`~ext_proc.handler.PickerHandler.set_samples`)."""
-    return {m.endpoint: m.others_mib for m in view.memory}, MemorySamples.of(view_samples(view, now))
+    samples to the picker (:meth:`~ext_proc.handler.PickerHandler.set_samples`), with the picker's own
+    held counts where the view carries them (``MemorySample.held``: the control plane took the other
+    pickers' requests out, so they hold this picker's alone: ``MemorySamples.own``)."""
+    held = {m.endpoint: m.held for m in view.memory if m.HasField("held")}
+    return ({m.endpoint: m.others_mib for m in view.memory},
+            MemorySamples.of(view_samples(view, now), held or None, own=bool(held)))
 
 
 def apply_view(shared: SharedLoad, view: load_view_pb2.LoadView) -> None:

@@ -260,7 +260,8 @@ class InferLB:
         """Each round: the free GPU memory of every endpoint, with when it was sampled, to the picker
         (its memory admission subtracts what it sent since), and each one's whole GPU memory (a
         request needing more than every endpoint has is refused); with ``picker.memory_count_in_sample``
-        also the requests each backend held in that sample (:func:`held_counts`). Read from the weights in a worker
+        also the requests each backend held in that sample (:func:`held_counts`; the load view sends each
+        standalone picker its share of them: ``MemorySample.held``). Read from the weights in a worker
         thread (30 ms at 60 000 endpoints), handed over on the loop. Sample ages count from the fetch,
         not from now: the round's computation in between would make every sample look younger."""
         at, specs = self.control.stats_at, self.control.specs
@@ -270,13 +271,13 @@ class InferLB:
             if self._largest[0] is not specs:  # the config's: computed again when it changes
                 self._largest = (specs, largest_memory(specs))
             held = held_counts(weights, samples) if self.cfg.picker.memory_count_in_sample else None
-            return samples, MemorySamples.of(samples, held), self._largest[1]
+            return samples, MemorySamples.of(samples, held), self._largest[1], held
 
-        samples, split, largest = await asyncio.to_thread(read)
+        samples, split, largest, held = await asyncio.to_thread(read)
         self.picker.set_samples(split)  # on the loop the picker runs on: O(requests in flight)
         self.picker.set_largest_memory(largest)
         await asyncio.sleep(0)  # the loop runs its other callbacks between the two: not one ~30 ms step
-        self.load_view.set_memory(samples)  # and, with the load view, to every standalone picker
+        self.load_view.set_memory(samples, held)  # and, with the load view, to every standalone picker
 
     def _update_picker_view(self, snap, _weights) -> asyncio.Future:
         """ControlPlane hook: rebuild the picker's endpoint view (its consistent-hash rings) from the

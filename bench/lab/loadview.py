@@ -12,21 +12,22 @@ gRPC stream and the asyncio tasks around it are swapped:
   taken (:func:`~xds_server.loadview.exchange.take_report`: kept, its grant requests decided) and
   every picker gets the view of now (:func:`~xds_server.loadview.exchange.next_view`: its own as
   the answer, the others' pushed). Each slow-loop round's memory samples are set on the table
-  (``inferlb serve``'s ``_feed_picker``); once ready (:attr:`LoadTable.memory_ready_at`: 0.1 s after
+  (``inferlb serve``'s ``_feed_picker``, with the engines' held counts under
+  ``picker.memory_count_in_sample``); once ready (:attr:`LoadTable.memory_ready_at`: 0.1 s after
   the newest sample) the round is counted (:meth:`LoadTable.round_counter`) and each picker's next
   view carries its part (:func:`~xds_server.loadview.exchange.memory_message`).
 - **Each picker** (:class:`PickerLink`): the report loop of :func:`ext_proc.load_client.run_load_view`
   on the virtual clock: a ``LoadReport`` (:func:`~ext_proc.load_client.report_message`) first when
   it starts, then at the loop's ticks (every ``picker.shared_view_interval_s`` after the last report)
   when :func:`~ext_proc.load_client.report_due` says so (its load changed and other pickers decide,
-  or the keep-alive), and at once when a memory grant request waits. Each view goes into its
-  :class:`~ext_proc.shared_load.SharedLoad` (:func:`~ext_proc.load_client.apply_view`: the others'
-  load, the grant answers), a memory round as ``run_load_view`` takes it (the capacities, the
-  others' share as the baseline, the samples to the picker: :func:`~ext_proc.load_client.memory_of`),
-  and the picker is told what the others' load was before it
-  (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a view set off by
-  another picker's report arrives in that picker's turn, and the harness wakes this one at the same
-  virtual instant when its requests wait.
+  or the keep-alive), and at once when a memory grant request waits or a request was granted (its
+  pick). Each view goes into its :class:`~ext_proc.shared_load.SharedLoad`
+  (:func:`~ext_proc.load_client.apply_view`: the others' load, the grant answers), a memory round
+  as ``run_load_view`` takes it (the capacities, the others' share as the baseline, the samples to
+  the picker: :func:`~ext_proc.load_client.memory_of`), and the picker is told what the others'
+  load was before it (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a
+  view set off by another picker's report arrives in that picker's turn, and the harness wakes this
+  one at the same virtual instant when its requests wait.
 
 Not modelled: the stream's transit (a report is taken, and the views it sets off arrive, in the
 same virtual instant: on one host it is well under the 10 ms report interval); views coalesced
@@ -101,12 +102,14 @@ class ControlPlaneView:
                 deliver(view)
         return answers
 
-    def set_memory(self, at: float, samples: Mapping[str, tuple[float, float]]) -> None:
-        """The slow loop's round at ``at`` (virtual s) and its samples ``{"HOST:PORT": (free MiB, taken at)}``
-        (:meth:`LoadTable.set_memory`; the first picker to see a round sets it, the others' calls are no-ops)."""
+    def set_memory(self, at: float, samples: Mapping[str, tuple[float, float]],
+                   held: Mapping[str, float] | None = None) -> None:
+        """The slow loop's round at ``at`` (virtual s), its samples ``{"HOST:PORT": (free MiB, taken at)}``
+        and the requests each engine held in them (None: not read) (:meth:`LoadTable.set_memory`; the
+        first picker to see a round sets it, the others' calls are no-ops)."""
         if at != self._round_at:
             self._round_at = at
-            self.table.set_memory(samples)
+            self.table.set_memory(samples, held)
 
     def memory_due(self, picker: str) -> float | None:
         """When ``picker`` is due its part of the latest memory round (virtual s), None: it has it (or none yet)."""
@@ -205,9 +208,10 @@ class PickerLink:
             self._on_view(before)
 
     def flush(self) -> None:
-        """Send the grant requests waiting (a report each time requests wait: the answers in a view can
-        set off new ones, a refused request decided again)."""
-        while self.shared.grants.outbox:
+        """Send the grant requests waiting and the picks of granted requests (a report each time: the
+        answers in a view can set off new ones, a refused request decided again)."""
+        grants = self.shared.grants
+        while grants.outbox or grants.granted:
             self._report()
 
     def next_wake_s(self) -> float | None:

@@ -136,14 +136,16 @@ def view_message(totals: Totals, own: Report | None, seq: int, idle_others: int 
 
 def memory_message(counts: RoundCounts, picker: str | None, now: float) -> load_view_pb2.LoadView:
     """A ``LoadView`` holding only the memory round of ``counts`` as ``picker`` gets it (the others'
-    share of each sample, :meth:`~xds_server.loadview.rounds.RoundCounts.others`), the samples' ages
+    share of each sample, :meth:`~xds_server.loadview.rounds.RoundCounts.others`; its own share of the
+    backends' held counts, :meth:`~xds_server.loadview.rounds.RoundCounts.own_held`), the samples' ages
     told at ``now`` (monotonic s): merge it into the view, whose ``memory_age_s`` says how long
     after ``now`` it went out. Pure, and reads nothing the event loop changes: built in a worker
     thread (~80 ms of CPU at 60 000 endpoints)."""
-    others, capacities = counts.others(picker), counts.capacities
+    others, capacities, held = counts.others(picker), counts.capacities, counts.own_held(picker)
     msg = load_view_pb2.LoadView(memory_round=counts.round)
     msg.memory.extend(load_view_pb2.MemorySample(endpoint=e, free_mib=free, age_s=max(0.0, now - at),
-                                                 others_mib=others.get(e, 0.0), capacity_mib=capacities.get(e, 0.0))
+                                                 others_mib=others.get(e, 0.0), capacity_mib=capacities.get(e, 0.0),
+                                                 held=held.get(e))
                       for e, (free, at) in counts.samples.items())
     return msg
 

@@ -19,6 +19,8 @@ with 3 pickers and 1 s of their reports (BENCHMARKS.md, "Load view"; ``bench.loa
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from types import MappingProxyType
 import numpy as np
 
 __all__ = ["CAPACITY_ROUNDS", "FINISH_LAG_S", "HISTORY_S", "PICK_SLACK_S", "History", "RoundCounts", "count_round",
-           "held"]
+           "held", "maybe_held"]
 
 #: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
 HISTORY_S = 10.0
@@ -43,10 +45,15 @@ FINISH_LAG_S = 0.1
 CAPACITY_ROUNDS = 9
 
 #: One picker's kept reports, oldest first: ``(received at (monotonic s), {"HOST:PORT": MiB in flight},
-#: [("HOST:PORT", picked at (monotonic s), MiB) finished since the report before])``.
-History = Sequence[tuple[float, Mapping[str, float], Sequence[tuple[str, float, float]]]]
+#: [("HOST:PORT", picked at (monotonic s), MiB) finished since the report before], {"HOST:PORT":
+#: (requests in flight, picks since the report before)})`` (the fourth, read only by
+#: :func:`maybe_held`, may be left out where no held counts come with the samples).
+History = Sequence[tuple]
 
 _NONE: Mapping = MappingProxyType({})
+_NO_COUNT = (0.0, 0.0)
+#: Pick times are told as ages and read back as ``received - age``: this much rounding counts as a tie (s).
+_TIE_S = 1e-6
 #: Endpoints per C-level step of :func:`held` (one step holds the GIL the event loop needs).
 _PIECE = 4096
 
@@ -64,6 +71,26 @@ class RoundCounts:
     capacities: Mapping[str, float] = field(default_factory=lambda: _NONE)
     shares: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: _NONE)
     total: Mapping[str, float] = field(default_factory=lambda: _NONE)
+    held: Mapping[str, float] | None = None
+    """``{"HOST:PORT": requests the backend held in the sample}`` (the slow loop's count from the
+    same scrape as the free memory; None: no such counts)."""
+    maybe: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: _NONE)
+    """``{picker: {"HOST:PORT": requests of the picker the sample may hold, at most}}``
+    (:func:`maybe_held`; > 0 only, counted only with :attr:`held`)."""
+
+    def own_held(self, picker: str | None) -> dict[str, float]:
+        """``{"HOST:PORT": requests of ``picker`` the sample held, at least}``: the backend's count less
+        every other picker's requests the sample may hold (never below 0; empty without :attr:`held`).
+        The picker settles its doubtful requests with it as with a count of its own alone: an
+        over-count of the others errs its estimate low, never high. O(endpoints x pickers)."""
+        if self.held is None:
+            return {}
+        others: dict[str, float] = {}
+        for name, share in self.maybe.items():
+            if name != picker:
+                for endpoint, n in share.items():
+                    others[endpoint] = others.get(endpoint, 0.0) + n
+        return {e: max(0.0, n - others.get(e, 0.0)) for e, n in self.held.items()}
 
     def others(self, picker: str | None) -> Mapping[str, float]:
         """``{"HOST:PORT": MiB}`` of the pickers other than ``picker`` (None: every picker) that
@@ -78,10 +105,11 @@ class RoundCounts:
 
 
 def held(histories: Mapping[str, History], samples: Mapping[str, tuple[float, float]],
-         slack_s: float) -> dict[str, dict[str, float]]:
+         slack_s: float, lag_s: float = FINISH_LAG_S) -> dict[str, dict[str, float]]:
     """``{picker: {"HOST:PORT": MiB of its requests the sample holds}}`` (> 0 only) of each sample in
     ``samples`` (``{"HOST:PORT": (free MiB, taken at, monotonic s)}``), by the module's rule with
-    ``slack_s`` (s) in place of :data:`PICK_SLACK_S`; a picker with no report by then: its oldest.
+    ``slack_s`` (s) in place of :data:`PICK_SLACK_S` and ``lag_s`` (s) in place of :data:`FINISH_LAG_S`;
+    a picker with no report by then: its oldest.
 
     Per picker: each sample's base report found by one vectorised search over the reports' receive
     times, the base values read with one C-level ``map`` per base report, then one pass over the
@@ -92,7 +120,7 @@ def held(histories: Mapping[str, History], samples: Mapping[str, tuple[float, fl
         return {picker: {} for picker in histories}
     keys = np.array(names, dtype=object)
     taken = np.fromiter((at for _, at in samples.values()), float, len(names))
-    before, after = taken - slack_s, taken + FINISH_LAG_S
+    before, after = taken - slack_s, taken + lag_s
     position: dict[str, int] | None = None
     out: dict[str, dict[str, float]] = {}
     for picker, reports in histories.items():
@@ -127,8 +155,52 @@ def held(histories: Mapping[str, History], samples: Mapping[str, tuple[float, fl
     return out
 
 
+def maybe_held(histories: Mapping[str, History],
+               samples: Mapping[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """``{picker: {"HOST:PORT": requests of the picker the sample may hold, at most}}`` (> 0 only) of
+    each sample in ``samples`` (``{"HOST:PORT": (free MiB, taken at, monotonic s)}``), from the
+    histories' fourth elements (:data:`History`).
+
+    A request held at the sample's time was picked before it and had not ended. Per picker, with
+    ``b`` its last report received by the sample's time and ``b + 1`` the next (if in yet): the
+    requests in flight in ``b`` (some may have ended since: counted), plus the picks in flight in
+    ``b + 1`` (picked after ``b``, some after the sample: counted), plus the requests ``b + 1``
+    reported finished that were picked after ``b`` and by the sample's time (never in a report's
+    in-flight count); a pick at the very time of ``b`` counts as after it (it may be: counted twice
+    at worst). A request picked by the sample's time is in one of them when its picker reports it
+    by :data:`FINISH_LAG_S` after the sample (as :func:`held` assumes), so the sum is never below
+    the truth (an over-count errs the picker's estimate low; while a report's picks left out a pick
+    at the same clock reading as the report before, 25 of 1 488 picker-endpoint rounds of the lab's
+    ``multi_gateway``, 150 s, came out one request under, each putting an estimate one request high).
+    O(samples x pickers + the finished of the reports read).
+    """
+    out: dict[str, dict[str, float]] = {}
+    for picker, reports in histories.items():
+        received = [r[0] for r in reports]
+        finished: dict[int, dict[str, list[float]]] = {}  # report index -> {endpoint: [picked at]}
+        share: dict[str, float] = {}
+        for endpoint, (_, taken) in samples.items():
+            b = bisect_right(received, taken) - 1
+            n = reports[b][3].get(endpoint, _NO_COUNT)[0] if b >= 0 else 0.0
+            if b + 1 < len(reports):
+                after = reports[b + 1]
+                n += after[3].get(endpoint, _NO_COUNT)[1]
+                ended = finished.get(b + 1)
+                if ended is None:
+                    ended = finished[b + 1] = {}
+                    for e, picked_at, _ in after[2]:
+                        ended.setdefault(e, []).append(picked_at)
+                since = received[b] - _TIE_S if b >= 0 else -math.inf
+                n += sum(1 for picked_at in ended.get(endpoint, ()) if since <= picked_at <= taken + _TIE_S)
+            if n > 0:
+                share[endpoint] = n
+        out[picker] = share
+    return out
+
+
 def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histories: Mapping[str, History],
-                active: set[str] | frozenset[str], implied: dict[str, deque[float]]) -> RoundCounts:
+                active: set[str] | frozenset[str], implied: dict[str, deque[float]],
+                held_counts: Mapping[str, float] | None = None) -> RoundCounts:
     """Count memory round ``round_`` (``samples`` as :class:`RoundCounts`) over ``histories``
     (``{picker: History}``), for the ``active`` endpoints (memory reported in the last
     :data:`HISTORY_S`; the others' requests are unknown).
@@ -136,7 +208,11 @@ def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histori
     Capacities: each round's sample implies ``free + the memory of every picker's requests the sample
     holds`` (counted with the picks reported by the sample's time, not :data:`PICK_SLACK_S` before
     it: on a busy endpoint one lands in most samples' last 50 ms, on the GPU already, and the
-    capacity came out one request short); the capacity is the median of the last
+    capacity came out one request short; and less only the requests reported finished by the
+    sample's time, not :data:`FINISH_LAG_S` after it: one reported in those 100 ms mostly ran in
+    the sample, and rounds one request short came so often that the median was too: in the lab's
+    ``multi_gateway``, capacities of 6 and 16 GiB where requests can use 24, refusing 18 GiB
+    requests an empty GPU could take); the capacity is the median of the last
     :data:`CAPACITY_ROUNDS` of them (``implied``: ``{"HOST:PORT": implied capacities, MiB}``, kept
     by the caller between rounds and updated here), so one round's wrong count (a request counted in
     flight that had ended, or one not reported yet) does not move it.
@@ -151,7 +227,7 @@ def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histori
     # Forgotten only without memory reported: a round without its sample (metrics missing) keeps the rounds before.
     for endpoint in [e for e in implied if e not in active]:
         del implied[endpoint]
-    on_gpu = _sum(held(histories, counted, slack_s=0.0).values())
+    on_gpu = _sum(held(histories, counted, slack_s=0.0, lag_s=0.0).values())
     capacities: dict[str, float] = {}
     for endpoint, (free, _) in counted.items():
         rounds = implied.get(endpoint)
@@ -160,7 +236,10 @@ def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histori
         rounds.append(free + on_gpu.get(endpoint, 0.0))
         capacities[endpoint] = sorted(rounds)[len(rounds) // 2]
     shares = held(histories, counted, slack_s=PICK_SLACK_S)
-    return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()))
+    if held_counts is None:
+        return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()))
+    return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()),
+                       MappingProxyType(dict(held_counts)), maybe_held(histories, samples))
 
 
 def _sum(shares) -> dict[str, float]:

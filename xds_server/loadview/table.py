@@ -133,23 +133,31 @@ class LoadTable:
         self._clusters_view = MappingProxyType(self._clusters)
         self.memory: Mapping[str, tuple[float, float]] = MappingProxyType({})
         """The slow loop's latest samples: ``{"HOST:PORT": (free GPU memory MiB, taken at, monotonic s)}``."""
+        self.held: Mapping[str, float] | None = None
+        """The backends' held requests in the latest samples (:meth:`set_memory`; None: not read)."""
         self.memory_round = 0
         """Increases with every :meth:`set_memory` (0: none yet)."""
         self.memory_ready_at = 0.0
         """When the latest samples' baselines can be told (monotonic s): :data:`FINISH_LAG_S` after
         the newest of them was taken (:meth:`round_counter` reads the reports up to then)."""
-        # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before])
-        self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]]]]] = {}
+        # picker -> (received, {endpoint: MiB in flight}, [(endpoint, picked at, MiB) finished since the report before],
+        #            {endpoint: (requests in flight, picks since the report before)}): rounds.History
+        self._mib: dict[str, deque[tuple[float, dict[str, float], list[tuple[str, float, float]],
+                                         dict[str, tuple[float, float]]]]] = {}
         self._busy: dict[str, float] = {}  # picker -> when its last report with picks or requests in flight came
         self._with_memory: dict[str, float] = {}  # endpoint -> when a report last had memory there (s)
         self._implied: dict[str, deque[float]] = {}  # endpoint -> implied capacities of its last rounds (MiB)
         self.counted = RoundCounts()
         """The last memory round counted (:meth:`take_counts`)."""
 
-    def set_memory(self, samples: Mapping[str, tuple[float, float]]) -> None:
+    def set_memory(self, samples: Mapping[str, tuple[float, float]], held: Mapping[str, float] | None = None) -> None:
         """Take the slow loop's memory samples of one round (passed on to every picker with the view,
-        from :attr:`memory_ready_at` on)."""
+        from :attr:`memory_ready_at` on), with ``held``: ``{"HOST:PORT": requests the backend held in
+        the same sample}`` where the slow loop reads them (``picker.memory_count_in_sample``; None: not
+        read), each picker's share of which goes with its samples (:meth:`RoundCounts.own_held
+        <xds_server.loadview.rounds.RoundCounts.own_held>`)."""
         self.memory = MappingProxyType(dict(samples))
+        self.held = None if held is None else MappingProxyType(dict(held))
         self.memory_round += 1
         self.memory_ready_at = max((at for _, at in self.memory.values()), default=0.0) + FINISH_LAG_S
 
@@ -168,12 +176,15 @@ class LoadTable:
                 or any(load.picks > 0 or load.in_flight > 0 for load in report.endpoints.values())):
             self._busy[report.picker] = now
         mib: dict[str, float] = {}
+        counts: dict[str, tuple[float, float]] = {}
         for (_, endpoint), load in report.endpoints.items():
             mib[endpoint] = mib.get(endpoint, 0.0) + load.memory_mib
+            n, picks = counts.get(endpoint, (0.0, 0.0))
+            counts[endpoint] = (n + load.in_flight, picks + load.picks)
         for endpoint in [*(e for e, m in mib.items() if m > 0), *(f[0] for f in report.finished)]:
             self._with_memory[endpoint] = now
         history = self._mib.setdefault(report.picker, deque())
-        history.append((now, mib, [(e, now - age, m) for e, age, m in report.finished]))
+        history.append((now, mib, [(e, now - age, m) for e, age, m in report.finished], counts))
         while len(history) > 1 and history[1][0] < now - HISTORY_S:
             history.popleft()
 
@@ -202,7 +213,7 @@ class LoadTable:
         rounds). Call it once the round is ready (:attr:`memory_ready_at`): the reports it reads are
         all in by then.
         """
-        round_, samples, implied = self.memory_round, self.memory, self._implied
+        round_, samples, implied, held_counts = self.memory_round, self.memory, self._implied, self.held
         histories = {picker: list(history) for picker, history in self._mib.items()}
         with_memory = dict(self._with_memory)
         limit = max(self._received.values(), default=0.0) - HISTORY_S
@@ -210,7 +221,7 @@ class LoadTable:
         def count() -> tuple[RoundCounts, list[tuple[str, float]]]:
             stale = [(e, at) for e, at in with_memory.items() if at < limit]
             active = with_memory.keys() - {e for e, _ in stale}
-            return count_round(round_, samples, histories, active, implied), stale
+            return count_round(round_, samples, histories, active, implied, held_counts), stale
 
         return count
 

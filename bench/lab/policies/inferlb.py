@@ -184,7 +184,7 @@ class Inferlb(PolicyBase):
                 held[address] = st.in_flight
         if self._link is not None:
             # inferlb serve hands the round's samples to the load view; each picker gets them in a view.
-            self._link.plane.set_memory(eds.at_s, samples)
+            self._link.plane.set_memory(eds.at_s, samples, held if self._memory_count else None)
             self._link.catch_up()
             return
         if self._shared is not None:

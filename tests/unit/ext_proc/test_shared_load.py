@@ -8,7 +8,7 @@ import time
 
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import FINISHED_KEEP, InFlight, MemorySamples
-from ext_proc.load_client import report_message, run_load_view, view_others
+from ext_proc.load_client import memory_of, report_message, run_load_view, view_others
 from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import ViewHolder
@@ -167,8 +167,9 @@ def test_a_report_carries_the_live_load_and_picks_since_the_last_report():
     clock = Clock()
     f = InFlight(expiry_s=10, clock=clock)
     f.picked("c", A, work=2.0, mib=100.0, prompt_tokens=30, output_tokens=10)
+    clock.now += 0.05
     since = clock.now
-    clock.now += 0.1
+    clock.now += 0.05
     f.picked("c", A, work=1.0, mib=50.0)
     f.picked("c", None)
     msg = report_message(f, "p1", 7, since)
@@ -177,6 +178,18 @@ def test_a_report_carries_the_live_load_and_picks_since_the_last_report():
     load = r.endpoints[("c", A)]
     assert (load.in_flight, load.work, load.memory_mib, load.tokens, load.picks) == (2, 3.0, 150.0, 40.0, 1)
     assert r.clusters["c"].in_flight == 3 and r.clusters["c"].work == 3.0
+
+
+def test_a_pick_at_the_previous_reports_clock_reading_counts_as_a_pick_since_it():
+    """The report before may have been built before that pick at the same reading: left out of both,
+    the control plane's count of the requests a memory sample may hold came out one short
+    (``rounds.maybe_held``), and a picker's share of the held count one request high."""
+    clock = Clock()
+    f = InFlight(expiry_s=10, clock=clock)
+    since = clock.now
+    f.picked("c", A, mib=100.0)
+    load = report_from(report_message(f, "p1", 1, since)).endpoints[("c", A)]
+    assert (load.in_flight, load.picks) == (1, 1)
 
 
 def test_a_report_carries_the_memory_finished_since_the_last_report_once():
@@ -364,3 +377,31 @@ async def test_a_sample_younger_than_the_finish_lag_goes_out_once_the_others_fin
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_standalone_picker_settles_its_doubtful_requests_with_its_own_share_of_the_held_count():
+    """A request picked at the sample's time (maybe not on the GPU yet) ended before the sample arrived:
+    doubtful, its memory is not credited. The backend's whole count cannot settle it while another
+    picker decides (the count holds theirs too); this picker's own share of it, from the control
+    plane (``MemorySample.held``), can, whoever decides: held 1, the sample held it."""
+    clock = Clock()
+    handler = PickerHandler(ViewHolder(view()), InFlight(expiry_s=100.0, clock=clock))
+    shared = handler.share_load()
+    shared.set_others(others_of({}, {}, {}, {}, pickers=3))
+    assert not shared.alone()
+    handler.set_samples(MemorySamples.of({A: (24576.0, 99.0)}))  # known from before
+    handler.inflight.picked("c", A, mib=8192.0)
+    clock.now += 0.2
+    handler.inflight.completed("c", A)
+    clock.now += 1.0
+    sample = {A: (10000.0, 100.0)}
+    handler.set_samples(MemorySamples.of(sample, {A: 1.0}))
+    assert shared.free.get(A) == 10000.0, "the backend's whole count is not used while another picker decides"
+    msg = load_view_pb2.LoadView(memory_round=1)
+    msg.memory.add(endpoint=A, free_mib=10000.0, age_s=clock.now - 100.0, held=1.0)
+    _, own = memory_of(msg, clock.now)
+    assert own.own and own.held == {A: 1.0}
+    handler.set_samples(own)
+    assert shared.free.get(A) == 18192.0, "its own share settles it: the sample held the request"
+    msg.memory[0].ClearField("held")
+    assert memory_of(msg, clock.now)[1].held is None

@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from protos import load_view_pb2
 from tests.support.loadview import Context, counted, reports_from
-from xds_server.loadview.rounds import CAPACITY_ROUNDS
+from xds_server.loadview.exchange import memory_message
+from xds_server.loadview.rounds import CAPACITY_ROUNDS, maybe_held
 from xds_server.loadview.service import LoadViewServicer
 from xds_server.loadview.table import Load, LoadTable, Report
 
@@ -103,3 +107,57 @@ async def test_a_grant_request_is_answered_while_a_round_is_counted():
     finally:
         gate.set()
         await views.aclose()
+
+
+def _record_requests(t: LoadTable, picker: str, requests: list[tuple[float, float]], reports: list[float]) -> None:
+    """Reports of ``picker`` at the times ``reports`` (sorted), as its picker builds them, for its
+    requests ``[(picked at, ended at)]`` on A: in flight (picked before the report, not ended by it),
+    picks since the report before (a pick at that report's very time may have come after it was
+    built: counted as after), and the requests ended since the report before with their pick times."""
+    before = -1.0
+    for seq, at in enumerate(reports, 1):
+        in_flight = [p for p, e in requests if p < at < e]
+        picks = sum(1 for p in in_flight if p >= before)
+        ended = tuple((A, at - p, 1.0) for p, e in requests if before < e <= at)
+        t.record(Report(picker, seq, endpoints={("c", A): Load(len(in_flight), 0.0, 1.0 * len(in_flight), 0.0, picks)},
+                        finished=ended), at)
+        before = at
+
+
+_GRID = st.integers(0, 40).map(lambda i: i / 20)   # times on a 50 ms grid: ties with reports and the sample
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_GRID, st.integers(1, 20).map(lambda i: i / 20)), max_size=12),
+       st.lists(_GRID, min_size=1, max_size=10, unique=True), _GRID)
+def test_maybe_held_is_never_below_the_requests_the_sample_holds(requests, reports, taken):
+    """Whatever the pick and end times against the reports (ties included), the requests of a picker a
+    sample may hold are at least those it holds (picked by its time, not ended), once the picker's
+    first report after the sample is in: an under-count would let the picker's share of the held count
+    credit a doubtful request the GPU still holds (its estimate one request high)."""
+    spans = [(p, p + d) for p, d in requests]
+    last = max([taken, *reports, *(e for _, e in spans)]) + 0.05
+    t = LoadTable(expiry_s=1000.0)
+    _record_requests(t, "p", spans, sorted([*reports, last]))
+    holds = sum(1 for p, e in spans if p <= taken < e)
+    assert maybe_held(dict(t._mib), {A: (0.0, taken)}).get("p", {}).get(A, 0.0) >= holds
+
+
+def test_each_picker_gets_the_held_count_less_what_the_others_may_hold():
+    """The backend held 4 requests; the other picker had 1 in flight in its report before the sample
+    and 1 picked after that report and by the sample's time (reported finished after it): this one's
+    share is 4 - 2 = 2, carried by its memory samples (``MemorySample.held``); without held counts
+    the field is absent."""
+    t = LoadTable(expiry_s=1000.0)
+    t.record(Report("q", 1, endpoints={("c", A): Load(1, 1, 8192.0, 0.0, 1)}), 1.0)
+    t.record(Report("p", 1, endpoints={("c", A): Load(2, 2, 16384.0, 0.0, 2)}), 1.0)
+    t.record(Report("q", 2, endpoints={("c", A): Load(1, 1, 8192.0, 0.0, 0)},
+                    finished=((A, 0.5, 8192.0),)), 2.0)   # picked at 1.5, reported finished at 2.0
+    t.set_memory({A: (0.0, 1.6)}, held={A: 4.0})
+    counts = counted(t)
+    assert counts.maybe["q"][A] == 2.0 and counts.own_held("p") == {A: 2.0}
+    [sample] = memory_message(counts, "p", 2.0).memory
+    assert sample.HasField("held") and sample.held == 2.0
+    t.set_memory({A: (0.0, 1.6)})
+    [sample] = memory_message(counted(t), "p", 2.0).memory
+    assert not sample.HasField("held")

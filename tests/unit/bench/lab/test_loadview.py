@@ -100,23 +100,27 @@ def _busy(clock: _Clock, *links: PickerLink) -> None:
 
 
 def test_the_ledger_refuses_a_room_another_pickers_unseen_grant_took():
+    """Two pickers ask at the same moment: a's request is granted and committed (as the handler commits
+    in the answer), and its pick goes out at once in a report of its own; b's request, asked on a view
+    without it, is refused with a's unseen 18 GiB, and granted when asked again on the view that shows it."""
     clock, plane, (a, b), _, _ = _pickers()
     _busy(clock, a, b)
     clock.now = 0.3
     answers: list[tuple[str, int | None, float]] = []
-    a.shared.grants.ask("c", E1, 18432.0, 6144.0, lambda grant, unseen: answers.append(("a", grant, unseen)))
-    reports = a.reports
-    a.flush()  # a grant request goes at once, in its own report
-    assert answers == [("a", 1, 0.0)] and a.reports == reports + 1
-    a.shared.inflight.picked("c", E1, 1.0, 18432.0)  # a commits its granted request
-    # b asks before any report of a counts it: a's 18 GiB are unseen by b's view, more than b's room.
+
+    def commit(grant: int | None, unseen: float) -> None:
+        answers.append(("a", grant, unseen))
+        a.shared.inflight.picked("c", E1, 1.0, 18432.0)
+
+    a.shared.grants.ask("c", E1, 18432.0, 6144.0, commit)
     b.shared.grants.ask("c", E1, 8192.0, 4096.0, lambda grant, unseen: answers.append(("b", grant, unseen)))
+    reports = a.reports
+    a.flush()  # the grant request at once, in its own report; then its granted pick, in the next
+    assert answers == [("a", 1, 0.0)] and a.reports == reports + 2 and not a.shared.grants.granted
+    assert b.shared.others.memory_mib.get(E1) == 18432.0, "b's view holds a's granted request already"
     b.flush()
-    assert answers[1] == ("b", 0, 18432.0)
+    assert answers[1] == ("b", 0, 18432.0), "asked on a view without a's request: its grant takes b's room"
     assert b.shared.grants.held(E1) == 18432.0, "the refusal's note holds a's memory until the next view"
-    clock.now = 0.31
-    a.catch_up()  # a's next tick: its request in flight, with the grant it applied
-    assert a.reports == reports + 2 and b.shared.grants.held(E1) == 0.0
     b.shared.grants.ask("c", E1, 8192.0, 4096.0, lambda grant, unseen: answers.append(("b", grant, unseen)))
     b.flush()
     assert answers[2] == ("b", 2, 0.0), "b's view now holds a's request: the ledger no longer counts the grant"
