@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
-from itertools import islice, takewhile
+from itertools import islice, repeat, takewhile
 from operator import is_not
 
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -147,10 +147,13 @@ class BlockPool:
         if not self.caching or not blocks:
             return
         cached, block_key = self._cached, self._key
-        new = dict(zip(keys, blocks, strict=True))
-        if (len(new) == len(keys) and cached.keys().isdisjoint(new)
-                and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)):
-            cached.update(new)  # the usual case, in C: fresh blocks, keys not cached yet
+        before = len(cached)
+        unkeyed = list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)
+        if unkeyed and cached.keys().isdisjoint(keys):  # the usual case, in C: fresh blocks, keys not cached yet
+            cached.update(zip(keys, blocks, strict=True))
+            if len(cached) - before < len(keys):  # a key twice: undone, the loop below keys the first block
+                deque(map(cached.pop, keys, repeat(None)), maxlen=0)
+        if len(cached) - before == len(keys):
             for block, key in zip(blocks, keys, strict=True):
                 block_key[block] = key
             stored: Sequence[int] = keys
