@@ -387,6 +387,16 @@ class LlmEngine:
         return min(p.t0 + math.ceil((now_s - p.t0) / p.d) * p.d, p.t0 + p.k * p.d) if p.d > 0 else now_s
 
     @property
+    def running(self) -> int:
+        """Requests in the running batch (:meth:`stats`' ``running``, read alone). A read: nothing changes."""
+        return len(self._running)
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks no request uses (:meth:`stats`' ``kv_blocks_total - kv_blocks_used``, read alone)."""
+        return self._pool.num_free
+
+    @property
     def idle_cached_blocks(self) -> int:
         """Cached blocks no request is using: free, but a request that takes one evicts what it holds."""
         return self._pool.num_idle_cached
