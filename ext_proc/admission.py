@@ -120,6 +120,10 @@ class Admission:
         queue = self._queues.get(cluster)
         return len(queue) if queue else 0
 
+    def waiting(self) -> bool:
+        """Whether any request waits now (any cluster)."""
+        return any(self._queues.values())
+
     def enqueue(self, cluster: str, resume: Callable[[], bytes | asyncio.Future[bytes]], reject: Callable[[], bytes],
                 fits: Callable[[], bool], timeout_s: float | None = None) -> asyncio.Future:
         """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).

@@ -132,7 +132,7 @@ class InFlight:
 
     __slots__ = ("endpoints", "clusters", "work", "cluster_work", "memory", "free", "failed", "streams", "requests",
                  "changes", "_pending_ep", "_pending_cl", "_expiry", "_clock", "_seen", "_completions", "_hold",
-                 "_sampled", "_done", "_arrival", "_lag", "_keep", "_doubts", "finished", "_counted")
+                 "_sampled", "_done", "_arrival", "_lag", "_keep", "_doubts", "finished", "_counted", "_young")
 
     def __init__(self, expiry_s: float = 130.0, clock: Callable[[], float] = time.monotonic,
                  failure_hold_s: float = 5.0, arrival_slack_s: float = 0.05, completion_lag_s: float = 0.05,
@@ -170,6 +170,9 @@ class InFlight:
         self._doubts: dict[str, float] = {}  # endpoint -> time of its last uncertain failure
         self._keep = done_keep_s
         self._counted = False  # the last samples gave the backends' counts of held requests
+        # endpoint -> [completions learned until (s), picked until (s), MiB not to credit]: picks a sample
+        # younger than the completion lag counted as held, some of which may have ended before it
+        self._young: dict[str, list[float]] = {}
 
     @property
     def live(self) -> bool:
@@ -286,7 +289,15 @@ class InFlight:
             else:
                 self.memory.pop(endpoint, None)
         if endpoint in self.free:
-            self.free[endpoint] += mib
+            young = self._young.get(endpoint)
+            if (young is not None and finished_at is not None and young[2] > 0 and pick[0] <= young[1]
+                    and finished_at <= young[0]):
+                # Maybe ended before the sample, which then shows its memory free already: withheld.
+                withheld = min(mib, young[2])
+                young[2] -= withheld
+                self.free[endpoint] += mib - withheld
+            else:
+                self.free[endpoint] += mib
             # Without memory too while the samples give held counts: such a count counts it.
             if finished_at is not None and (mib or self._counted):
                 done = self._done.get(endpoint)
@@ -304,11 +315,20 @@ class InFlight:
         requests: without that credit every sample would still count the memory of requests long
         gone). ``arrival_slack_s`` before the sample's time and ``completion_lag_s`` after it decide the
         doubtful ones against admission.
+        A sample that arrives less than ``completion_lag_s`` after it was taken (a slow loop that reads
+        a scrape at once) may show free the memory of a request that ended just before it while its
+        completion is still on its way: the picks at the backend by the sample's time and not
+        reported finished count as held in it, and the completions of those that arrive within
+        ``completion_lag_s`` after the sample's time are not credited (the memory of the largest
+        ones that may have ended is withheld). Crediting them made the estimate one request above
+        the GPU's free memory until the next sample (the lab's ``uneven`` scenario: 0.5 % OOM).
         Where ``samples.held`` gives the backend's count of requests it held in the sample, that count
         settles the doubtful ones: the requests certainly in the sample are counted, and as many of
-        the doubtful ones as the count leaves over (at most all of them) count as in it, the
-        smallest first (the estimate errs low, never high, when the count holds only this picker's
-        requests). With one memory size, the estimate is then exact:
+        the doubtful ones as the count leaves over once every maybe-ended pick is taken as held
+        count as in it, the smallest first; as many maybe-ended picks as the count leaves over once
+        every doubtful one is taken as held are credited when they end (the estimate errs low, never
+        high, when the count holds only this picker's requests). With one memory size and a sample
+        older than ``completion_lag_s``, the estimate is then exact:
         free = sample + size x (held - in flight now).
         Endpoints absent from ``samples`` lose their estimate (unknown: admitted).
         O(requests in flight + finished in ``done_keep_s``): the two 60 000-entry dicts are built by
@@ -318,6 +338,8 @@ class InFlight:
         free, sampled, counts = samples
         self._counted = counts is not None
         arrival, lag = self._arrival, self._lag
+        now = self._clock()
+        young: dict[str, list[float]] = {}
         for endpoint in self._pending_ep.keys() | self._done.keys():  # only endpoints with recent picks
             taken = sampled.get(endpoint)
             if taken is None:
@@ -325,12 +347,14 @@ class InFlight:
             before, after = taken - arrival, taken + lag
             estimate = free[endpoint]
             held = None if counts is None else counts.get(endpoint)
-            certain, doubtful = 0, []
+            certain, doubtful, maybe_gone = 0, [], []
             for pick in self._pending_ep.get(endpoint, ()):
                 if pick[0] > before:  # picked after the sample (or maybe): not in it yet
                     estimate -= pick[2]
                     if pick[0] <= taken:
                         doubtful.append(pick[2])
+                elif now < after:  # at the backend, but may have ended before a sample this young
+                    maybe_gone.append(pick[2])
                 else:
                     certain += 1
             for picked_at, finished_at, used in self._done.get(endpoint, ()):
@@ -339,13 +363,21 @@ class InFlight:
                     certain += 1
                 elif picked_at <= taken < finished_at:  # maybe running in the sample (not credited)
                     doubtful.append(used)
-            if held is not None and doubtful:
-                n = min(len(doubtful), int(held) - certain)
+            # Of the doubtful and the maybe gone, the count's held requests not certain: at least
+            # room - len(maybe_gone) doubtful ones and room - len(doubtful) maybe gone ones were held.
+            room = None if held is None else int(held) - certain
+            if room is not None and doubtful:
+                n = min(len(doubtful), room - len(maybe_gone))
                 if n > 0:
                     estimate += sum(sorted(doubtful)[:n])
+            if maybe_gone:
+                kept = 0 if room is None else max(0, min(len(maybe_gone), room - len(doubtful)))
+                if kept < len(maybe_gone):  # the others may have ended: withhold the largest ones' memory
+                    young[endpoint] = [after, before, sum(sorted(maybe_gone)[kept:])]
             free[endpoint] = estimate
         self.free = free
         self._sampled = sampled
+        self._young = young
 
     def by_endpoint(self, since: float) -> dict[tuple[str, str], tuple[int, float, float, float, int]]:
         """The pinned load in flight per ``(cluster, endpoint)``: ``(requests, work, MiB, tokens, picks

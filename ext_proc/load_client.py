@@ -30,7 +30,8 @@ from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
 from protos import load_view_pb2, load_view_pb2_grpc
 
-__all__ = ["report_message", "run_load_view", "view_others", "view_samples"]
+__all__ = ["apply_view", "memory_of", "report_due", "report_message", "run_load_view", "view_capacities", "view_others",
+           "view_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +85,43 @@ def view_capacities(view: load_view_pb2.LoadView) -> dict[str, float]:
     return {m.endpoint: m.capacity_mib for m in view.memory if m.capacity_mib > 0}
 
 
-def _memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
-    """``(the others' memory in flight per endpoint at the samples, MiB; the samples)`` of ``view`` (pure)."""
+def memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
+    """``(the others' memory in flight per endpoint at the samples, MiB; the samples)`` of ``view`` (pure):
+    hand the first to :meth:`SharedLoad.free.rebase <ext_proc.shared_load.SharedLoad>`, then the
+    samples to the picker (:meth:`~ext_proc.handler.PickerHandler.set_samples`)."""
     return {m.endpoint: m.others_mib for m in view.memory}, MemorySamples.of(view_samples(view, now))
+
+
+def apply_view(shared: SharedLoad, view: load_view_pb2.LoadView) -> None:
+    """Take one ``LoadView`` into ``shared`` (no I/O): the others' load, the view's number, and its grant
+    answers handed to the requests waiting for them (their callbacks run here). A memory round it
+    carries is taken apart (:func:`view_capacities`, :func:`memory_of`)."""
+    shared.set_others(view_others(view))
+    grants = shared.grants
+    grants.viewed(view.view)
+    for answer in view.grants:
+        grants.answer(answer.id, answer.grant, answer.unseen_mib)
+
+
+def report_due(shared: SharedLoad, reported: int, since_s: float, keepalive_s: float) -> bool:
+    """Whether a report is due at one of the report loop's ticks (pure): the picker's load changed
+    since the last report (``reported``: :attr:`InFlight.changes <ext_proc.inflight.InFlight>` then)
+    and other pickers decide (a change is news only to them), or ``since_s`` (s since the last report)
+    reached ``keepalive_s``. A waiting grant request is sent at once, not at a tick."""
+    return (shared.inflight.changes != reported and not shared.alone()) or since_s >= keepalive_s
 
 
 async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s: float = 0.01,
                         expiry_s: float = 1.0, on_samples: Callable[[MemorySamples], None] | None = None,
-                        backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
+                        backoff_s: float = 0.25, max_backoff_s: float = 5.0,
+                        on_view: Callable[[Others], None] | None = None) -> None:
     """Report to and take views from the control plane at ``target`` (``HOST:PORT``) until cancelled.
 
     ``picker``: this picker's name in the control plane (unique per process). ``on_samples``: given
     the slow loop's GPU memory samples each time a view brings a new round of them (a standalone
-    picker's only source; None: ignored, the in-process picker gets them directly).
+    picker's only source; None: ignored, the in-process picker gets them directly). ``on_view``:
+    called after each view is taken, with the others' load before it
+    (:meth:`~ext_proc.handler.PickerHandler.others_changed`).
     """
     inflight = shared.inflight
     grants = shared.grants
@@ -141,7 +166,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                     break
                 # A change is news only to other pickers that decide (have traffic): without any,
                 # keep-alives suffice.
-                if (inflight.changes != reported and not shared.alone()) or inflight.now() - now >= keepalive_s:
+                if report_due(shared, reported, inflight.now() - now, keepalive_s):
                     break
 
     while True:
@@ -149,16 +174,16 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
             async with grpc.aio.insecure_channel(target) as channel:
                 call = load_view_pb2_grpc.LoadViewServiceStub(channel).Share(reports())
                 async for view in call:
-                    shared.set_others(view_others(view))
-                    grants.viewed(view.view)
-                    for answer in view.grants:
-                        grants.answer(answer.id, answer.grant, answer.unseen_mib)
+                    before = shared.others
+                    apply_view(shared, view)
+                    if on_view is not None:
+                        on_view(before)
                     if view.memory_round:
                         # Read in a worker thread: 183-193 ms of Python steps at 60 000 endpoints (timed alone),
                         # which would stall this picker's event loop (its requests) meanwhile.
                         shared.free.capacity = await asyncio.to_thread(view_capacities, view)
                         if on_samples is not None:
-                            baseline, samples = await asyncio.to_thread(_memory_of, view, inflight.now())
+                            baseline, samples = await asyncio.to_thread(memory_of, view, inflight.now())
                             shared.free.rebase(baseline)
                             on_samples(samples)
                     VIEWS.labels("received").inc()

@@ -345,7 +345,10 @@ def pick(
         flips versions while the split stays (requests without a session use the hash of
         ``x-request-id``). The session key is the first non-empty session header, else the
         session cookie (when configured), else the body's ``user``, else its
-        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. A session
+        ``prompt_cache_key``; without one, the body's prefix key gives the ring position. In a
+        cluster of ``routing.per_request`` (servers that keep no KV cache between requests) a
+        ``soft`` service's request has no key (no session pin, no prefix): the profile places it
+        by load, as a request without one (the version mix still follows the session). A session
         of a service whose ``affinity`` is ``strict`` goes to its pinned endpoint while that is
         pinnable and the profile's hard filters keep it, whatever its load and in either tier, or
         waits for it (:func:`ext_proc.scheduling.affinity.strict_choice`). Every other
@@ -416,6 +419,11 @@ def pick(
     work = 1.0 if costs is None or prompt is None else costs.relative_work(pool.main_class, prompt, output)
     slot = pinned = None
     kind = "none"
+    # A per-request server keeps no KV cache for a soft key to find: placed by load (RoutingTable.per_request).
+    keyed = service.affinity == STRICT or cluster not in routing.per_request
+    blocks = body.blocks if keyed else ()
+    if not keyed:
+        position = None
     if position is not None:
         kind = "session"
         slot = session_slot(position, pool.salt)  # both tiers share the cluster's name, so its salt
@@ -440,7 +448,7 @@ def pick(
         total = live.get(cluster, 0.0)
     else:
         total = float(sum(work_of.get(e, 0.0) for e in pool.endpoints)) if loads is not None else 0.0
-    if position is None and (body.prefix is not None or body.blocks):
+    if keyed and position is None and (body.prefix is not None or blocks):
         kind = "prefix"
         position = body.prefix
     rid = b""
@@ -452,7 +460,7 @@ def pick(
         free = None
     profile = routing.profiles[service.profile]
     request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
-                             prompt, costs, body.blocks, prefixes))
+                             prompt, costs, blocks, prefixes))
     # strict: the pin, or a wait for it (None: the pin is unusable, the profile moves the session)
     choice = strict_choice(request, profile) if strict else None
     if choice is None:
@@ -466,4 +474,4 @@ def pick(
             choice = (strict and strict_choice(request, profile)) or profile.choose(request)
     endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, body.blocks)
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, blocks)

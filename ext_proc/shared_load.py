@@ -34,7 +34,7 @@ from typing import NamedTuple
 from ext_proc.grants import Grants
 from ext_proc.inflight import InFlight
 
-__all__ = ["NO_OTHERS", "Others", "SharedLoad", "others_of"]
+__all__ = ["NO_OTHERS", "Others", "SharedLoad", "freed", "others_of"]
 
 _NONE: Mapping[str, float] = MappingProxyType({})
 
@@ -99,6 +99,23 @@ def others_of(total_endpoints: EndpointRows, total_clusters: ClusterRows, own_en
         if w - ow > 1e-9:
             cluster_work[cluster] = w - ow
     return Others(work, count, mib, clusters, cluster_work, pickers, idle)
+
+
+def freed(before: Others, after: Others) -> bool:
+    """Whether the others' load went down from ``before`` to ``after`` (pure): some endpoint's GPU
+    memory in flight, or some cluster's requests in flight (a request waiting for memory or for a slot
+    may fit now). O(the endpoints and clusters in ``before``).
+
+    >>> freed(Others(memory_mib={"a:1": 8192.0}), Others(memory_mib={"a:1": 8192.0, "b:1": 1.0}))
+    False
+    >>> freed(Others(memory_mib={"a:1": 8192.0}), Others())
+    True
+    >>> freed(Others(clusters={"c": 2.0}), Others(clusters={"c": 1.0}))
+    True
+    """
+    mib, clusters = after.memory_mib, after.clusters
+    return (any(mib.get(e, 0.0) < m for e, m in before.memory_mib.items())
+            or any(clusters.get(c, 0.0) < n for c, n in before.clusters.items()))
 
 
 class _Plus(Mapping[str, float]):

@@ -196,6 +196,14 @@ class RoutingTable:
             TGI: the control plane's ``VersionConfig.gpu_memory``): a request there needs no GPU
             memory of its own (need 0, whatever its size says), so memory admission never decides
             it; KV pressure is the engine scheduler's, seen through its queue and KV-cache usage.
+        per_request: the clusters whose servers take GPU memory per request (``VersionConfig.gpu_memory``
+            ``per_request``: a model served by its own wrapper, each request holding its memory while
+            it runs): no KV cache outlives a request there, so a session or prefix key gains nothing
+            under the ``soft`` affinity contract (kept for the KV cache only), and each request added
+            to an endpoint slows every other one there (the seed's 50 / 95 / 220 ms at 1 / 2 / 4). Their
+            requests are placed as requests without a key (the profile's least loaded among the
+            endpoints memory admits); a ``strict`` service's sessions keep their pins. Empty by
+            default: without the config the picker does not know, and keeps the keys.
         sized: derived: a header can give a request's size (classes or a memory header configured).
         prefix_blocks: derived: the prefix index's bound per endpoint, in its blocks
             (:func:`ext_proc.prefix_index.capacity_blocks` of ``prefix_cache_tokens``).
@@ -230,6 +238,7 @@ class RoutingTable:
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
     preallocated: frozenset[str] = frozenset()
+    per_request: frozenset[str] = frozenset()
     sized: bool = field(default=False, init=False, compare=False)
     prefix_blocks: int = field(default=0, init=False, compare=False)
 
@@ -244,6 +253,7 @@ class RoutingTable:
         object.__setattr__(self, "session_headers", tuple(h.lower() for h in self.session_headers))
         object.__setattr__(self, "services", tuple(self.services))
         object.__setattr__(self, "preallocated", frozenset(self.preallocated))
+        object.__setattr__(self, "per_request", frozenset(self.per_request))
         if self.vnodes < 1:
             raise ValueError(f"routing: vnodes must be >= 1, got {self.vnodes}")
         if not 0 < self.spill_threshold <= 1:

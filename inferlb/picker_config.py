@@ -46,6 +46,8 @@ def routing_table(cfg: Config) -> RoutingTable:
         protocol=cfg.picker.protocol,
         preallocated=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions
                                if cfg.preallocates(v)),
+        per_request=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions
+                              if not cfg.preallocates(v)),
         services=tuple(
             ServiceRoute(
                 name=s.name,

@@ -122,7 +122,8 @@ async def run_picker(
         shared = handler.share_load() if s.shared_view else SharedLoad(handler.inflight)
         tasks = [asyncio.create_task(handler.maintain()),
                  asyncio.create_task(run_load_view(xds, node_id, shared, s.shared_view_interval_s,
-                                                   s.shared_view_expiry_s, handler.set_samples))]
+                                                   s.shared_view_expiry_s, handler.set_samples,
+                                                   on_view=handler.others_changed))]
         try:
             await waiter
         finally:

@@ -67,8 +67,27 @@ from xds_server.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
-#: Rounds between two full cyclic-GC passes over the heap (see ``InferLB._round_heap``).
+#: Rounds between two looks at the frozen objects, each maybe a full cyclic-GC pass (``InferLB._round_heap``).
 UNFREEZE_EVERY = 60
+#: A full pass is due only once the frozen objects grew by this factor since the last one: CPython's own
+#: rule for its full collections (a full pass once the objects that survived since the last one reach a
+#: quarter of the long-lived ones: ``long_lived_pending > long_lived_total / 4``, Modules/gcmodule.c,
+#: 3.11), here over the objects a round's ``gc.freeze`` kept.
+FULL_PASS_GROWTH = 1.25
+
+
+def full_pass_due(frozen: int, frozen_after_last: int) -> bool:
+    """Whether the round context hands the frozen objects back to the collector for a full pass (pure):
+    only once the frozen set (``frozen``, ``gc.get_freeze_count()``) grew to :data:`FULL_PASS_GROWTH`
+    times what the last pass left (``frozen_after_last``). A steady process, whose rounds leave the
+    same objects alive, skips the pass: its cost is a walk over the whole heap with the event loop and
+    the picker stalled (``inferlb bench quality``'s chat_resend: 52-58 ms of CPU over 90 000-92 000
+    objects, 15 of them garbage, 190-240 ms of wall time on a loaded machine).
+
+    >>> full_pass_due(124_999, 100_000), full_pass_due(125_000, 100_000)
+    (False, True)
+    """
+    return frozen >= FULL_PASS_GROWTH * frozen_after_last
 
 RELOADS = Counter("inferlb_config_reloads_total", "Config reloads, by outcome", ["outcome"])
 RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
@@ -209,6 +228,7 @@ class InferLB:
         self.view = ViewHolder(EndpointView.empty(routing_table(cfg)))   # the picker's protocol from the start
         self._view_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picker-view")
         self._rounds_frozen = 0
+        self._frozen_after_pass: int | None = None  # objects frozen after the last full GC pass (or first count)
         self._largest: tuple[Sequence[EndpointSpec] | None, dict[str, float]] = (None, {})
         self.sampler = DecisionSampler()
         self.picker = PickerHandler.from_settings(self.view, picker_settings(cfg), sampler=self.sampler,
@@ -281,19 +301,29 @@ class InferLB:
         endpoints a round's ~1 million new objects set off 6 full passes of 30-70 ms each (and 0.3 s
         of CPU) inside the engine, and a full pass over the whole heap takes ~0.4 s
         (bench/scale_bench.py). Frozen objects are still freed by reference counting when the next
-        round replaces them; once every :data:`UNFREEZE_EVERY` rounds everything is handed back to the
-        collector (one full pass), so reference cycles cannot pile up."""
+        round replaces them; reference cycles among them are garbage only a full pass finds. Every
+        :data:`UNFREEZE_EVERY` rounds the frozen objects are counted (``gc.get_freeze_count`` walks
+        them all, so not every round), and once they may have piled up (:func:`full_pass_due`: a
+        quarter more than the last pass left; the first count sets that baseline) everything is
+        handed back to the collector for one full pass."""
         enabled = gc.isenabled()
         gc.disable()
         try:
             yield
         finally:
             self._rounds_frozen += 1
+            gc.freeze()
             if self._rounds_frozen >= UNFREEZE_EVERY:
                 self._rounds_frozen = 0
-                gc.unfreeze()
-                gc.collect()
-            gc.freeze()
+                frozen = gc.get_freeze_count()
+                if self._frozen_after_pass is not None and full_pass_due(frozen, self._frozen_after_pass):
+                    gc.unfreeze()
+                    gc.collect()
+                    gc.freeze()
+                    frozen = gc.get_freeze_count()
+                    self._frozen_after_pass = None
+                if self._frozen_after_pass is None:
+                    self._frozen_after_pass = frozen
             if enabled:
                 gc.enable()
 
@@ -360,7 +390,7 @@ class InferLB:
             self._share_task = asyncio.create_task(run_load_view(
                 f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
                 f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
-                p.shared_view_interval_s, p.shared_view_expiry_s))
+                p.shared_view_interval_s, p.shared_view_expiry_s, on_view=self.picker.others_changed))
         RELOAD_OK.set(1)  # the config in use is the file's, loaded and valid
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")

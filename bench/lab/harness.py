@@ -183,10 +183,11 @@ class _Run:
         self.now = 0.0
         self.clock = _Clock()  # the policies' copy of ``now``: a policy holding it does not hold the run
         engines = {a: h.engine for a, h in self.handles.items()}
+        shared: dict[str, Any] = {}  # what the gateways' instances share (Context.shared)
         for g, p in enumerate(self.policies):
             p.start(Context(clock=self.clock, rng=random.Random(f"{spec.seed}:{p.name}:{g}"),
                             block_size=self.block_size, gateway=g, gateways=spec.gateways,
-                            engines=engines if p.needs.engines else {}, config=self.config))
+                            engines=engines if p.needs.engines else {}, config=self.config, shared=shared))
         self.pending_progress: list[list[Progress]] = [[] for _ in self.policies]
         self.flush_at: list[float | None] = [None] * len(self.policies)
         self.wake_at: list[float | None] = [None] * len(self.policies)
@@ -317,8 +318,7 @@ class _Run:
         request = Request(rid, now, headers, draft.prompt, draft.max_tokens, draft.model, draft.user,
                           True, draft.memory_mib)
         self.answer(gateway, request, self.policies[gateway].decide(request))
-        if self.policies[gateway].next_wake_s() is not None:
-            self.schedule_wake(gateway)
+        self.schedule_wake(gateway)
 
     def answer(self, g: int, request: Request, answer: Answer) -> None:
         rec = self.records[request.id]
@@ -409,7 +409,8 @@ class _Run:
             return
         self.pending_progress[g].extend(events)
         if self.flush_at[g] is None:
-            tick = math.ceil(self.now / flush) * flush if flush else self.now
+            # never before now: ceil(now / flush) x flush can round below a now that is not on the grid
+            tick = max(self.now, math.ceil(self.now / flush) * flush) if flush else self.now
             self.flush_at[g] = tick + needs.completion_lag_s
             self.push(self.flush_at[g], _FLUSH, g)
 
@@ -446,10 +447,13 @@ class _Run:
         self.schedule_wake(g)
 
     def schedule_wake(self, g: int) -> None:
-        t = self.policies[g].next_wake_s()
-        if t is not None and (self.wake_at[g] is None or t < self.wake_at[g]):
-            self.wake_at[g] = max(t, self.now)
-            self.push(self.wake_at[g], _WAKE, g)
+        """A wake-up for policy ``g`` at its :meth:`~bench.lab.policy.Policy.next_wake_s`; with several
+        gateways, for every instance (one can change another's state through ``Context.shared``)."""
+        for h in range(len(self.policies)) if len(self.policies) > 1 else (g,):
+            t = self.policies[h].next_wake_s()
+            if t is not None and (self.wake_at[h] is None or t < self.wake_at[h]):
+                self.wake_at[h] = max(t, self.now)
+                self.push(self.wake_at[h], _WAKE, h)
 
     # --- metrics ------------------------------------------------------------------------------------
 

@@ -52,9 +52,11 @@ in time order, :meth:`Policy.decide` per arriving request and the deliveries
 (:meth:`Policy.on_progress`, :meth:`Policy.on_samples`, :meth:`Policy.on_kv_events`) as they fall
 due. The harness calls :meth:`Policy.poll` after every delivery, after every ``decide`` that
 answered :class:`Wait`, and at :meth:`Policy.next_wake_s` (a held request's timeout), and sends or
-answers what it returns. Before ``decide`` at time ``t``, everything due at or before ``t`` has
-been delivered. At the end of a run :meth:`Policy.poll` is called once more with ``final=True``: a
-request still held then is counted as an error.
+answers what it returns. With several gateways, every instance's :meth:`Policy.next_wake_s` is asked
+after any instance was called (one can change another's state through :attr:`Context.shared`).
+Before ``decide`` at time ``t``, everything due at or before ``t`` has been delivered. At the end of
+a run :meth:`Policy.poll` is called once more with ``final=True``: a request still held then is
+counted as an error.
 
 A policy module exports one class implementing :class:`Policy` whose constructor takes keyword
 parameters only (each with its default and its source in the docstring); the registry
@@ -407,6 +409,9 @@ class Context:
             the oracle); empty for every other policy.
         config: inferlb's config for this cluster (:class:`xds_server.config.Config`: the one the
             slow loop runs with), for the ``inferlb`` policy; every other policy ignores it.
+        shared: one dict per run, the same for every gateway's instance: what the real system shares
+            between its gateways, keyed by the policy (``inferlb``: the control plane's load view,
+            :mod:`bench.lab.loadview`); empty at the start of a run.
     """
 
     clock: Callable[[], float]
@@ -418,6 +423,7 @@ class Context:
     gateways: int = 1
     engines: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     config: Any = None
+    shared: dict[str, Any] = field(default_factory=dict)
 
 
 # --- the protocol ---------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         name="multi_gateway",
         title="Three gateways, one pool (job engines)",
         trap="the uneven traffic split over three routers that each see only their own requests (inferlb: "
-             "three pickers without the shared load view)",
+             "three pickers on the control plane's shared load view and memory grants, its default)",
         nodes=_uneven,
         workload=_memory_mix,
         qps_per_engine=(3.0,),
@@ -302,7 +302,9 @@ def trace_scenario(kind: str, path: Path) -> LabScenario:
 
 def quality_mirror(name: str) -> LabScenario:
     """The lab's run of ``inferlb bench quality``'s scenario ``name`` (one yardstick, two paths): its nodes
-    (GPU class, memory, version, tier, engine kind), its traffic as :class:`ChatSessions` and its
+    (GPU class, memory, version, tier, engine kind, the ``max_concurrency`` inferlb's config states for
+    it: where the real path leaves inferlb's default, the lab states the engine's batch, as in its own
+    scenarios), its traffic as :class:`ChatSessions` and its
     control loop's timing (:data:`bench.quality.scenarios.CONTROL`), in engine time: the real-process
     benchmark runs its engines ``time_scale`` times faster than the wall clock, so its ``rps`` is
     ``rps x time_scale`` here, its think time, durations and control-loop periods ``/ time_scale``.
@@ -318,12 +320,13 @@ def quality_mirror(name: str) -> LabScenario:
     q = QUALITY[name]
     ts, t = q.time_scale, q.traffic
     nodes = tuple(Node(kind=getattr(n, "engine", "llm"), gpu_class=n.gpu_class, version=n.version,
-                       gpu_memory_mib=n.gpu_memory_mib, tier=n.tier, present=n.present) for n in q.nodes)
+                       gpu_memory_mib=n.gpu_memory_mib, tier=n.tier, present=n.present,
+                       max_concurrency=n.max_concurrency) for n in q.nodes)
     burst = None if t.burst is None else (t.burst[0] / ts, t.burst[1] / ts, t.burst[2])
     workload = ChatSessions(anon_share=t.anon_share, turns=t.turns, think_s=t.think_s / ts, versions=t.versions,
                             memory_mib=t.memory_mib, burst=burst, output_tokens=t.max_tokens,
                             system_tokens=t.system_tokens, tenants=t.tenants, user_tokens=t.user_tokens,
-                            resend=t.resend, session_header=t.session_header)
+                            opening_tokens=t.opening_tokens, resend=t.resend, session_header=t.session_header)
     n = len(q.nodes)
     return LabScenario(
         name=f"quality:{name}", title=f"inferlb bench quality's {name}, in the lab", trap=q.trap,

@@ -190,6 +190,8 @@ def _endpoint(node: Node, address: str) -> dict:
     out: dict[str, Any] = {"address": address, "gpu_class": node.gpu_class}
     if node.gpu_memory_mib is not None:
         out["gpu_memory_mib"] = node.gpu_memory_mib
+    if node.max_concurrency is not None:
+        out["max_concurrency"] = node.max_concurrency
     if node.tier != "edge":
         out["tier"] = node.tier
     return out

@@ -23,7 +23,7 @@ from typing import Any
 from bench.markdown import replace_marked
 from bench.quality.figures import EXTRA, FIGURES
 from bench.quality.policies import ALL_POLICIES, BASELINES, GATEWAY_POLICIES, INFERLB, POLICIES
-from bench.quality.runner import EDGE_MAX_CONCURRENCY, SPILL_THRESHOLD, ScenarioRun
+from bench.quality.runner import SPILL_THRESHOLD, ScenarioRun, edge_capacity
 from bench.quality.scenarios import CONTROL, SCENARIOS, Scenario
 from bench.quality.tiers import CALM_SLACK, TIER_FIGURES
 
@@ -196,6 +196,7 @@ def _setup(sc: Scenario, meta: Mapping[str, Any]) -> str:
              f"{100 * t.stream_share:.0f} % streamed, {t.max_tokens} output tokens each",
              (f"{t.tenants} tenants with a {t.system_tokens}-token system prompt each" if t.tenants else
               f"a {t.system_tokens}-token system prompt" if t.system_tokens else "no system prompt")
+             + (f", a {t.opening_tokens}-token opening message" if t.opening_tokens else "")
              + f", {t.user_tokens}-token user turns" + (", the conversation resent every turn" if t.resend else "")
              + ("" if t.session_header else ", no session header"),
              f"client timeout {sc.timeout_s:g} s"]
@@ -269,9 +270,9 @@ def targets(store: Mapping[str, Any]) -> list[tuple[str, str, str]]:
                      else verdict(None if ratio is None else ratio <= 0.6,
                                   "" if ratio is None or ratio <= 0.6 else f"by {ratio - 0.6:.2f} ×")))
     hits = _get(store, "sessions", "inferlb_full", "session_hit_rate")
-    rows.append(("session hit rate ≥ 99 % (sessions)", _pct(hits),
+    rows.append(("session hit rate ≥ 99 % (sessions)", "–" if hits is None else f"{100 * hits:.2f} %",
                  verdict(None if hits is None else hits >= 0.99,
-                         "" if hits is None or hits >= 0.99 else f"by {100 * (0.99 - hits):.1f} points")))
+                         "" if hits is None or hits >= 0.99 else f"by {100 * (0.99 - hits):.2f} points")))
     moved = _get(store, "scaling", "inferlb_full", "sessions_moved")
     n_after = len(SCENARIOS["scaling"].nodes)  # every node is in after the scale-up
     bound = 1 / n_after + 0.05
@@ -331,8 +332,8 @@ def _tier_targets(store: Mapping[str, Any], verdict) -> list[tuple[str, str, str
     """The ``edge_cloud`` targets: no edge OOM, the edge's peak load (held by the edge nodes) within the
     threshold (the picker sends a request while the edge is below it, so the edge holds at most
     ``ceil(threshold x capacity)``), cloud share ~0 while calm."""
-    edge = sum(1 for n in SCENARIOS["edge_cloud"].nodes if n.tier == "edge")
-    bound = math.ceil(SPILL_THRESHOLD * EDGE_MAX_CONCURRENCY * edge) / (EDGE_MAX_CONCURRENCY * edge)
+    capacity = edge_capacity(SCENARIOS["edge_cloud"])
+    bound = math.ceil(SPILL_THRESHOLD * capacity) / capacity
     oom = _get(store, "edge_cloud", "inferlb_full", "edge_oom_rate")
     peak = _get(store, "edge_cloud", "inferlb_full", "edge_peak_load")
     calm = _get(store, "edge_cloud", "inferlb_full", "cloud_share_calm")

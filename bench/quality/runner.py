@@ -64,9 +64,16 @@ ROUTE_TIMEOUT_SLACK_S = 1.0
 #: Pause between two runs (s): Prometheus's window plus one scrape, so no run's control plane reads
 #: the traffic of the run before it.
 QUIET_S = CONTROL["window_s"] + CONTROL["scrape_interval_s"]
-#: Each node's max concurrency and the edge's spill threshold as inferlb is configured here (its defaults).
-EDGE_MAX_CONCURRENCY: int = EndpointConfig.model_fields["max_concurrency"].default
+#: inferlb's max concurrency of an endpoint whose node states none, and the edge's spill threshold (its defaults).
+DEFAULT_MAX_CONCURRENCY: int = EndpointConfig.model_fields["max_concurrency"].default
 SPILL_THRESHOLD: float = Picker.model_fields["spill_threshold"].default
+
+
+def edge_capacity(scenario: Scenario) -> int:
+    """Requests the edge nodes of ``scenario`` take at once as inferlb is configured: the sum of their
+    endpoints' ``max_concurrency``."""
+    return sum(DEFAULT_MAX_CONCURRENCY if n.max_concurrency is None else n.max_concurrency
+               for n in scenario.nodes if n.tier == "edge")
 
 
 @dataclass
@@ -439,7 +446,7 @@ class ScenarioRunner:
             edge_spans = [s for i, a in enumerate(self.addresses) if a in edge for s in spans.get(i, ())]
             cloud_spans = [s for i, a in enumerate(self.addresses) if a in cloud for s in spans.get(i, ())]
             figs.update(tier_figures(self.trace, results, self.warmup_s, started, edge, cloud,
-                                     EDGE_MAX_CONCURRENCY * len(edge), SPILL_THRESHOLD, edge_spans, cloud_spans))
+                                     edge_capacity(self.sc), SPILL_THRESHOLD, edge_spans, cloud_spans))
         measured_ok = [r for r in results if 200 <= r.status < 300 and self.trace[r.index].at_s >= self.warmup_s]
         served: dict[str, int] = {}
         for r in measured_ok:

@@ -138,7 +138,8 @@ def messages_of(r: TraceRequest, key_prefix: str, traffic: Traffic) -> list[dict
     who = f"s{r.session:05d}" if r.session is not None else f"single@{r.at_s:.6f}"
     first = r.turn if not traffic.resend or r.session is None else 0
     for turn in range(first, r.turn + 1):
-        out.append({"role": "user", "content": text_of(f"[{key_prefix}] {who} turn {turn}: ", traffic.user_tokens)})
+        size = traffic.opening_tokens if turn == 0 and traffic.opening_tokens else traffic.user_tokens
+        out.append({"role": "user", "content": text_of(f"[{key_prefix}] {who} turn {turn}: ", size)})
         if turn < r.turn:
             out.append({"role": "assistant", "content": " ".join(["Simulated", "reply", "from"] * traffic.max_tokens)
                         [: 4 * traffic.max_tokens]})

@@ -16,47 +16,56 @@ the I/O around it.
   no-memory fallback; ``_commit``: the pick counted in flight, the session's pin moved or kept).
   Only the wire encoding is swapped: the handler's response encoder is replaced by one that hands
   back the :class:`~ext_proc.picker.Decision`.
+- **Requests that wait** wait in the handler's own code: the admission queue (``picker.admission``,
+  ``picker.memory_queue``: :class:`ext_proc.admission.Admission`, built as
+  :meth:`PickerHandler.from_settings` builds it) and a memory grant's wait (``_confirm``), whose
+  asyncio futures and timers run on a :class:`~bench.lab.virtual_loop.VirtualLoop` (the lab's clock;
+  its due timers, a waiter's timeout, run when the harness calls the picker, and it asks to be
+  called then: :meth:`Inferlb.next_wake_s`). The queue is released where the handler releases it
+  (completions from the access log, memory samples, housekeeping); a request answered later is
+  handed back through :meth:`Inferlb.poll`.
 - **The endpoint view** is built from the lab's EDS as ``inferlb serve`` builds it from its
   snapshot: a ``ClusterLoadAssignment`` per cluster (:func:`xds_server.resources.endpoints.build_assignment`:
   weights, health, max concurrency and GPU class metadata, tiers as priorities) into
-  :meth:`ext_proc.view.ViewHolder.update`. Each slow-loop round also hands the picker its memory
-  samples (free GPU memory dated by the sample's age; with ``picker.memory_count_in_sample`` the
-  requests each engine held), as ``inferlb.serve`` does after each round.
+  :meth:`ext_proc.view.ViewHolder.update`.
+- **Memory samples**: each slow-loop round's free GPU memory per engine, dated by the sample's age.
+  With one gateway the picker gets them after each round as ``inferlb serve``'s in-process picker
+  does (with ``picker.memory_count_in_sample`` also the requests each engine held).
 - **Completions** reach it as Envoy's access log reports them: every flush
   (``picker.access_log_flush_s``) one serialized ``StreamAccessLogsMessage`` with an entry per
   finished request (the cluster and override-host headers the picker set, ``x-request-id``, the
   upstream address, status and connection-failure flags, and the times from the request's arrival:
   first upstream byte, last byte), fed to the handler's ``access_log`` (the real decoder and
   :func:`ext_proc.accesslog.record_completions`).
-- **Housekeeping** (:meth:`PickerHandler.tick`: expiries, session sweeps, the cost model's refit)
-  runs once a virtual second, on the first call after each second.
+- **Housekeeping** (:meth:`PickerHandler.tick`: expiries, session sweeps, the cost model's refit,
+  a queue release) runs once a virtual second, on the first call after each second.
 
-Where today's code cannot be driven without its I/O shell: the handler's admission queue
-(``picker.admission`` / ``picker.memory_queue``: :class:`ext_proc.admission.Admission`) waits on
-asyncio futures and timers of the running event loop. With either on, this adapter keeps the
-queue itself, with the handler's own rules (the pick it tests admission with is the one ``_route`` then
-commits: ``_pick`` is pure): :func:`ext_proc.admission.admit` on the cluster's slots,
-a request no endpoint has memory for waiting, FIFO with backfill (32 deep), each waiter decided
-again by the handler's ``_pick`` when a slot frees or memory returns, committed by ``_commit``, and
-a 429 at ``queue_timeout_s``. With one gateway the picker decides on the shared load view as
-``inferlb serve``'s in-process picker does by default (``picker.shared_view``: a
-:class:`ext_proc.shared_load.SharedLoad` whose view counts no other picker, so the memory samples'
-held counts apply); with several gateways each picker decides on its own requests alone: the
-view's sum over pickers and the memory grants between them (asyncio waits on the control plane's
-ledger) are not modelled.
+**The shared load view** (``picker.shared_view``, on by default). With one gateway the picker
+decides on it as ``inferlb serve``'s in-process picker does: a :class:`ext_proc.shared_load.SharedLoad`
+whose view, each round, counts no other picker (so the samples' held counts apply). With several
+gateways (``multi_gateway``) the pickers are ``inferlb ext-proc`` processes on one control plane's
+load view (:mod:`bench.lab.loadview`: the control plane's sum, each picker's report loop every
+``picker.shared_view_interval_s``, the memory rounds through the view, memory grants decided by the
+control plane's ledger), each a :class:`~bench.lab.loadview.PickerLink` whose work is done on the
+picker's turns (:meth:`Inferlb._turn`). With ``picker.shared_view: false`` (a cluster's picker
+settings) each picker decides on its own requests alone and gets the samples directly: the 1/N
+comparison.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2
 
+from bench.lab.loadview import ControlPlaneView, PickerLink
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
-from ext_proc.admission import BACKFILL, admit
+from bench.lab.virtual_loop import VirtualLoop
+from ext_proc.admission import Admission
 from ext_proc.costmodel import CostModel
 from ext_proc.handler import PickerHandler, _body_fields
 from ext_proc.inflight import InFlight, MemorySamples
@@ -98,11 +107,12 @@ class Inferlb(PolicyBase):
         self.needs = Needs(completion_flush_s=0.005)
         self.handler: PickerHandler | None = None
         self._sent: dict[int, tuple[Request, str, str, float]] = {}  # request -> (request, cluster, endpoint, sent)
-        self._queue: dict[str, deque[tuple[Request, float]]] = {}  # cluster -> (request, deadline) FIFO
         self._next_tick = TICK_S
         self._view_version = -1
-        self._queued = False
         self._shared: SharedLoad | None = None
+        self._link: PickerLink | None = None
+        self._loop: VirtualLoop | None = None
+        self._waiting: dict[int, tuple[Request, asyncio.Future]] = {}  # request -> its answer (queue, grant)
 
     def start(self, ctx: Context) -> None:
         super().start(ctx)
@@ -113,23 +123,39 @@ class Inferlb(PolicyBase):
         s = picker_settings(cfg)
         self.settings = s
         self.needs = Needs(completion_flush_s=cfg.picker.access_log_flush_s)
+        queues = s.admission or s.memory_queue
         self.handler = PickerHandler(
             ViewHolder(), InFlight(s.inflight_expiry_s, clock=ctx.clock, failure_hold_s=s.failure_hold_s),
-            SessionTable(s.session_ttl_s, s.max_sessions, clock=ctx.clock), None,
+            SessionTable(s.session_ttl_s, s.max_sessions, clock=ctx.clock),
+            Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if queues else None,
             costs=CostModel(s.cost_forget, s.cost_min_samples), pin_move_after=s.pin_move_after,
             limit_concurrency=s.admission, memory_queue=s.memory_queue, retry_after_s=s.retry_after_s)
         self.handler._encoder = _Decisions()  # type: ignore[assignment]
         self.handler.access_log_opened()  # Envoy's access-log stream is up: completions can arrive
         self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))
-        self._queued = s.admission or s.memory_queue
+        self._loop = VirtualLoop(ctx.clock)
         self._memory_count = cfg.picker.memory_count_in_sample
-        # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad whose
-        # view, each round, counts no other picker (the control plane sums its report alone).
-        self._shared = self.handler.share_load() if s.shared_view and ctx.gateways == 1 else None
+        if not s.shared_view:
+            return
+        self._shared = self.handler.share_load()
+        if ctx.gateways == 1:
+            # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad
+            # whose view, each round, counts no other picker (the control plane sums its report alone).
+            return
+        # Several gateways: standalone pickers on the control plane's load view (bench.lab.loadview).
+        plane = ControlPlaneView.of(ctx.shared, s.shared_view_expiry_s, ctx.clock)
+        self._link = PickerLink(f"gateway-{ctx.gateway}", self._shared, plane, s.shared_view_interval_s,
+                                s.shared_view_expiry_s, self.handler.set_samples, self.handler.others_changed)
+        with self._turn():
+            self._link.start()
 
     # --- the slow loop's rounds --------------------------------------------------------------------
 
     def on_eds(self, eds: Eds) -> None:
+        with self._turn():
+            self._on_eds(eds)
+
+    def _on_eds(self, eds: Eds) -> None:
         super().on_eds(eds)
         handler = self.handler
         assert handler is not None
@@ -156,6 +182,11 @@ class Inferlb(PolicyBase):
             samples[address] = (free, eds.at_s - st.sample_age_s)
             if st.in_flight is not None:
                 held[address] = st.in_flight
+        if self._link is not None:
+            # inferlb serve hands the round's samples to the load view; each picker gets them in a view.
+            self._link.plane.set_memory(eds.at_s, samples)
+            self._link.catch_up()
+            return
         if self._shared is not None:
             self._shared.set_others(Others(pickers=1), at=eds.at_s)
         handler.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
@@ -171,29 +202,24 @@ class Inferlb(PolicyBase):
         return NO_BODY
 
     def decide(self, request: Request) -> Answer:
+        with self._turn():
+            return self._decide(request)
+
+    def _decide(self, request: Request) -> Answer:
         handler = self.handler
         assert handler is not None
         self._tick()
         view = handler.holder.current
         body = self._body(request)
         headers = request.headers
-        decision = None
-        if self._queued:
-            decision = handler._pick(headers, view, body)  # type: ignore[arg-type]
-            cluster = decision.cluster
-            largest = handler.largest_memory.get(cluster) if cluster is not None else None
-            if cluster is not None and decision.status is None and (largest is None or decision.mib <= largest):
-                queue = self._queue.setdefault(cluster, deque())
-                full = handler.limit_concurrency and admit(
-                    handler._taken(cluster), handler._capacity(view, cluster), len(queue),
-                    self.settings.max_queue) != "admit"
-                if full or (decision.reason == "no-memory" and self.settings.memory_queue):
-                    if len(queue) >= self.settings.max_queue:
-                        return Reject(429, "overloaded", self.settings.retry_after_s)
-                    queue.append((request, request.arrival_s + self.settings.queue_timeout_s))
-                    return Wait()
-        routed = handler._route(headers, view, body, _PHASE, decision=decision)  # type: ignore[arg-type]
-        return self._answer(request, routed)
+        answer = handler._route(headers, view, body, _PHASE)  # type: ignore[arg-type]
+        if isinstance(answer, asyncio.Future):  # queued, or waiting for a memory grant
+            self._settle()
+            if not answer.done():
+                self._waiting[request.id] = (request, answer)
+                return Wait()
+            answer = answer.result()
+        return self._answer(request, answer)
 
     def _answer(self, request: Request, decision: Any) -> Answer:
         assert isinstance(decision, Decision)
@@ -205,42 +231,62 @@ class Inferlb(PolicyBase):
         self._sent[request.id] = (request, decision.cluster, decision.endpoint, self.ctx.clock())
         return Route(decision.endpoint)
 
-    # --- the queue (admission / memory_queue: see the module docstring) -----------------------------
+    # --- requests that wait: the admission queue, a memory grant ---------------------------------------
 
     def poll(self, final: bool = False) -> Sequence[tuple[Request, Answer]]:
-        if not self._queue:
-            return ()
-        handler = self.handler
-        assert handler is not None and self.ctx is not None
-        now = self.ctx.clock()
-        out: list[tuple[Request, Answer]] = []
-        for cluster, queue in self._queue.items():
-            while queue and (final or queue[0][1] <= now):  # timed out: 429, as the queue's refuse()
-                request, _ = queue.popleft()
-                out.append((request, Reject(429, "overloaded", self.settings.retry_after_s)))
-            while queue and handler._room(cluster):
-                chosen = None
-                for i in range(min(BACKFILL, len(queue))):
-                    request, _ = queue[i]
-                    decision = handler._pick(request.headers, handler.holder.current, self._body(request))  # type: ignore[arg-type]
-                    if decision.reason != "no-memory":
-                        chosen = (i, request, decision)
-                        break
-                if chosen is None:
-                    break
-                i, request, decision = chosen
-                del queue[i]
-                committed = handler._commit(decision, handler.holder.current, request.headers, _PHASE)  # type: ignore[arg-type]
-                out.append((request, self._answer(request, committed)))
-        return out
+        with self._turn():
+            out = []
+            for rid in [rid for rid, (_, future) in self._waiting.items() if final or future.done()]:
+                request, future = self._waiting.pop(rid)
+                if future.done():
+                    out.append((request, self._answer(request, future.result())))
+                else:  # the run is over: still waiting, it is refused as its time would have run out
+                    future.cancel()
+                    out.append((request, Reject(429, "overloaded", self.settings.retry_after_s)))
+            return out
 
     def next_wake_s(self) -> float | None:
-        deadlines = [q[0][1] for q in self._queue.values() if q]
-        return min(deadlines) if deadlines else None
+        assert self._loop is not None and self.ctx is not None
+        link, admission = self._link, self.handler.admission if self.handler is not None else None
+        wakes = [] if link is None else [link.next_wake_s()]
+        if link is not None and link.viewed is not None and admission is not None and admission.waiting():
+            wakes.append(self.ctx.clock())  # a view came in another picker's turn: requests wait for it
+        timer = self._loop.next_timer_s()
+        if timer is not None:
+            wakes.append(timer)
+        return min(wakes) if wakes else None
+
+    # --- several gateways: the shared load view (bench.lab.loadview) ---------------------------------
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """One call of the harness into this picker: its code runs on its virtual event loop, after what
+        fell due since the last call (timers: a queued request's timeout; with several gateways on the
+        shared view, the report loop's ticks and a ready memory round), and grant requests it asked go
+        out at the end."""
+        loop = self._loop
+        assert loop is not None
+        with loop.running():
+            if self._link is not None:
+                self._link.catch_up()
+            loop.run_due()
+            yield
+            self._settle()
+
+    def _settle(self) -> None:
+        """Send the waiting grant requests and run what their answers set off (commits, new decisions)."""
+        assert self._loop is not None
+        if self._link is not None:
+            self._link.flush()
+        self._loop.run_due()
 
     # --- completions, as Envoy's access log reports them --------------------------------------------
 
     def on_progress(self, events: Sequence[Progress]) -> None:
+        with self._turn():
+            self._on_progress(events)
+
+    def _on_progress(self, events: Sequence[Progress]) -> None:
         handler = self.handler
         assert handler is not None
         self._tick()

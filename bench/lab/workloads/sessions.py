@@ -69,6 +69,8 @@ class ChatSessions:
         system_tokens: the system prompt (tokens; 0: none), one per tenant when ``tenants`` > 0.
         tenants: tenants (each session or single request belongs to one, uniformly); 0: one app.
         user_tokens: each user message (tokens).
+        opening_tokens: the first user message of a session or single request (tokens; 0: ``user_tokens``):
+            the conversation's own context, shared with no other conversation.
         resend: each turn carries the session's earlier turns (OpenAI-style clients).
         session_header: sessions send ``x-session-id``.
         seed: the messages' seed.
@@ -84,6 +86,7 @@ class ChatSessions:
     system_tokens: int = 300
     tenants: int = 0
     user_tokens: int = 40
+    opening_tokens: int = 0
     resend: bool = True
     session_header: bool = True
     seed: int = 3
@@ -121,7 +124,7 @@ class ChatSessions:
 
     def _turn(self, session: int | None, version: str | None, tenant: int, history: tuple[Message, ...],
               turn: int, turns: int, rng: random.Random, synth: Synth) -> Draft:
-        question = synth.message("user", self.user_tokens)
+        question = synth.message("user", self.opening_tokens if turn == 0 and self.opening_tokens else self.user_tokens)
         earlier = history if self.resend else ()
         prompt = Prompt((*self._system(tenant), *earlier, question))
         headers: list[tuple[str, bytes]] = []

@@ -10,8 +10,8 @@ from ext_proc.shared_load import SharedLoad, others_of
 from protos import load_view_pb2
 from tests.support.loadview import counted
 from tests.unit.ext_proc.test_scheduler import FOUR
+from xds_server.loadview.exchange import memory_message, report_from
 from xds_server.loadview.rounds import CAPACITY_ROUNDS, FINISH_LAG_S, RoundCounts
-from xds_server.loadview.service import memory_message, report_from
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]

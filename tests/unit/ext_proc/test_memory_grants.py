@@ -14,14 +14,14 @@ from ext_proc.handler import GRANT_TIMEOUT_S, GRANT_TRIES, PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view
 from ext_proc.picker import NO_BODY
-from ext_proc.shared_load import SharedLoad, others_of
+from ext_proc.shared_load import SharedLoad, freed, others_of
 from ext_proc.view import RoutingTable, ViewHolder
 from protos import load_view_pb2
 from tests.support.loadview import load_view_server
 from tests.unit.ext_proc.test_scheduler import FOUR, ROUTING, headers, view
 from tests.unit.ext_proc.test_shared_load import until
+from xds_server.loadview.exchange import grant_requests, report_from
 from xds_server.loadview.grants import GrantLedger
-from xds_server.loadview.service import grant_requests, report_from
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]
@@ -244,3 +244,34 @@ async def test_a_request_released_from_the_queue_and_refused_waits_again():
     shared.grants.answer(second, 5, 0.0)
     response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 1.0))
     assert not response.HasField("immediate_response") and shared.inflight.endpoints.get(other) == 1
+
+
+def test_the_others_load_freed_is_a_drop_in_an_endpoints_memory_or_a_clusters_requests():
+    busy = others_of({("c", A): (2, 2.0, 16000.0), ("c", B): (1, 1.0, 0.0)}, {"c": (3, 3.0)}, {}, {})
+    assert not freed(busy, busy)
+    more = others_of({("c", A): (3, 3.0, 24000.0), ("c", B): (1, 1.0, 0.0)}, {"c": (4, 4.0)}, {}, {})
+    assert not freed(busy, more) and freed(more, busy)
+    assert freed(busy, others_of({("c", A): (2, 2.0, 8000.0)}, {"c": (3, 3.0)}, {}, {})), "memory"
+    assert freed(busy, others_of({("c", A): (2, 2.0, 16000.0)}, {"c": (2, 2.0)}, {}, {})), "a slot"
+
+
+async def test_a_view_that_shows_another_pickers_request_ended_releases_a_request_waiting_for_memory():
+    handler, shared = contended_handler(free=20000.0, admission=Admission(4, 1.0, retry_after_s=1))
+    assert shared.free.get(A) == 20000.0  # the samples' baseline: the others had nothing there then
+    held = {("c", e): (2, 2.0, 16000.0) for e in FOUR}
+    shared.set_others(others_of(held, {"c": (8, 8.0)}, {}, {}, pickers=3))  # since: 16000 MiB on each
+    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                            "request_headers")
+    assert handler.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
+    before = shared.others
+    shared.set_others(others_of(held, {"c": (8, 8.0)}, {}, {}, pickers=3))  # a view: nothing ended
+    handler.others_changed(before)
+    assert handler.admission.queued("c") == 1 and not shared.grants.outbox
+    before = shared.others
+    shared.set_others(others_of({**held, ("c", B): (0, 0.0, 0.0)}, {"c": (6, 6.0)}, {}, {}, pickers=3))
+    handler.others_changed(before)  # another picker's requests on B ended: tried again now, onto B
+    [(request_id, _, endpoint, _, _)] = shared.grants.take_outbox()
+    assert endpoint == B and handler.admission.queued("c") == 0
+    shared.grants.answer(request_id, 7, 0.0)
+    response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 1.0))
+    assert not response.HasField("immediate_response") and shared.inflight.endpoints.get(B) == 1

@@ -21,8 +21,8 @@ from tests.unit.ext_proc.test_admission import ROUTING as LIMITED_ROUTING
 from tests.unit.ext_proc.test_admission import limited
 from tests.unit.ext_proc.test_memory_grants import MEMORY, A, contended_handler
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
+from xds_server.loadview.exchange import report_from
 from xds_server.loadview.grants import GrantLedger
-from xds_server.loadview.service import report_from
 from xds_server.loadview.table import LoadTable
 
 

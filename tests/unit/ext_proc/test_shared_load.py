@@ -15,8 +15,8 @@ from ext_proc.view import ViewHolder
 from protos import load_view_pb2
 from tests.support.loadview import load_view_server, others_at
 from tests.unit.ext_proc.test_scheduler import FOUR, headers, view
+from xds_server.loadview.exchange import report_from, view_message
 from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
-from xds_server.loadview.service import report_from, view_message
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]
@@ -261,12 +261,15 @@ async def test_two_pickers_share_their_load_through_the_control_plane_and_a_dead
     one, two = SharedLoad(InFlight()), SharedLoad(InFlight())
     for _ in range(4):
         one.inflight.picked("c", A)
+    seen: list[tuple[float, float]] = []  # picker two's views: (the others' work on A before, after)
     async with load_view_server(table) as target:
         tasks = [asyncio.create_task(run_load_view(target, "one", one, 0.02, 0.5)),
-                 asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5))]
+                 asyncio.create_task(run_load_view(target, "two", two, 0.02, 0.5, on_view=lambda before: seen.append(
+                     (before.work.get(A, 0.0), two.others.work.get(A, 0.0)))))]
         try:
             await until(lambda: two.work.get(A, 0.0) == 4.0)
             assert two.clusters.get("c", 0) == 4 and one.work.get(A, 0.0) == 4.0, "own load is not counted twice"
+            assert (0.0, 4.0) in seen, "on_view is told the others' load before each view"
             tasks[0].cancel()  # picker one dies
             await until(lambda: two.work.get(A, 0.0) == 0.0)
         finally:

@@ -31,3 +31,38 @@ async def test_no_automatic_gc_during_a_round_and_the_survivors_frozen_after_it(
     finally:
         gc.unfreeze()
         app.recorder.close()
+
+
+async def test_a_full_pass_only_once_the_frozen_objects_grew_by_a_quarter(monkeypatch):
+    import inferlb.serve as serve
+
+    app = InferLB(parse_config(CONFIG))
+    app.control.source = metrics_source(lambda instances: {i: EndpointStats(sample_age_s=1.0) for i in instances})
+    passes: list[int] = []
+    unfreeze = gc.unfreeze
+    monkeypatch.setattr(serve, "UNFREEZE_EVERY", 2)
+    monkeypatch.setattr(gc, "unfreeze", lambda: (passes.append(gc.get_freeze_count()), unfreeze()))
+    kept: list[list] = []
+    try:
+        for _ in range(6):  # the second round counts the frozen objects (the baseline); the heap stays as it is
+            assert await app.control.run_round()
+        assert passes == []
+        kept.extend([] for _ in range(int(0.3 * gc.get_freeze_count())))  # alive, tracked: a third more
+        assert await app.control.run_round()
+        assert passes == []  # counted every UNFREEZE_EVERY rounds only
+        assert await app.control.run_round()
+        assert len(passes) == 1
+        for _ in range(2):  # the pass set the new baseline: none again at the next count
+            assert await app.control.run_round()
+        assert len(passes) == 1
+    finally:
+        unfreeze()
+        app.recorder.close()
+
+
+def test_full_pass_due_once_the_frozen_objects_grew_by_a_quarter():
+    from inferlb.serve import full_pass_due
+
+    assert not full_pass_due(1249, 1000)
+    assert full_pass_due(1250, 1000) and full_pass_due(2000, 1000)
+    assert not full_pass_due(900, 1000)  # fewer than after the last pass: the rounds freed what they made

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from ext_proc.load_client import view_samples
 from protos import load_view_pb2, load_view_pb2_grpc
 from tests.support.loadview import Context, counted, load_view_server, reports_from
+from xds_server.loadview.exchange import report_from
 from xds_server.loadview.rounds import FINISH_LAG_S, PICK_SLACK_S
-from xds_server.loadview.service import LoadViewServicer, report_from
+from xds_server.loadview.service import LoadViewServicer
 from xds_server.loadview.table import ClusterLoad, Load, LoadTable, Report
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -197,18 +197,21 @@ def test_a_scenario_runs_its_published_cluster_size_in_the_full_lab_only() -> No
 
 
 def test_the_figures_do_not_depend_on_the_process_string_hashing() -> None:
-    """Same seed, another process with another PYTHONHASHSEED: the same JSON (no set or str-hash order leaks in)."""
+    """Same seed, another process with another PYTHONHASHSEED: the same JSON (no set or str-hash order leaks in),
+    also with three gateways on the shared load view (the control plane's sums and memory rounds)."""
     import os
     import subprocess
     import sys
 
     code = ("import json; from bench.lab.runner import Point, run_point; from bench.lab.scenarios import Mode; "
             "m = Mode(engines=2, duration_s=20.0, warmup_s=4.0, drain_s=20.0); "
-            "f = run_point(Point('sessions', 'inferlb', 6.0, m, 2, 3)); f.pop('cpu_s'); "
-            "print(json.dumps(f, sort_keys=True))")
+            "f = [run_point(Point(s, 'inferlb', 6.0, m, 2, 3)) for s in ('sessions', 'multi_gateway')]; "
+            "[x.pop('cpu_s') for x in f]; print(json.dumps(f, sort_keys=True))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "4242")}
-    assert len(outs) == 1 and json.loads(outs.pop())["requests"] > 20
+    assert len(outs) == 1
+    sessions, gateways = json.loads(outs.pop())
+    assert sessions["requests"] > 20 and gateways["requests"] > 20
 
 
 def test_runs_start_longest_first_and_come_back_in_the_plan_order() -> None:

@@ -107,6 +107,17 @@ def test_sessions_carry_headers_versions_memory_and_bursts() -> None:
     assert follow.prompt.token_ids[:sessions[0].prompt.tokens] == sessions[0].prompt.token_ids
 
 
+def test_sessions_open_with_a_context_of_their_own_resent_every_turn() -> None:
+    w = ChatSessions(turns=(3, 3), system_tokens=40, opening_tokens=200, user_tokens=20, output_tokens=8)
+    firsts = [d for _, d in _all(w, qps=6.0)]
+    assert [len(m.tokens) for m in firsts[0].prompt.messages] == [40, 200]
+    assert len({d.prompt.messages[1].tokens for d in firsts}) == len(firsts)  # no two sessions share it
+    assert firsts[0].next is not None
+    second = firsts[0].next.draft()
+    assert [len(m.tokens) for m in second.prompt.messages] == [40, 200, 8, 20]
+    assert second.prompt.messages[1] is firsts[0].prompt.messages[1]
+
+
 def test_a_jsonl_trace_replays_scaled_to_the_qps(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"t": 0, "messages": [{"role": "user", "content": "hi there"}], "output_tokens": 4}\n'
