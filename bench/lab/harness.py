@@ -144,6 +144,18 @@ class RunResult:
     ended_s: float = 0.0
 
 
+class _Clock:
+    """The run's virtual time (s), as the policies read it (:attr:`bench.lab.policy.Context.clock`)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class _Run:
     """The state of one run (see the module docstring); :func:`run` is its entry point."""
 
@@ -169,6 +181,7 @@ class _Run:
         self.routes = cluster.routes
         self.block_size = next(iter(self.handles.values())).block_size
         self.now = 0.0
+        self.clock = _Clock()  # the policies' copy of ``now``: a policy holding it does not hold the run
         engines = {a: h.engine for a, h in self.handles.items()}
         shared: dict[str, Any] = {}  # what the gateways' instances share (Context.shared)
         for g, p in enumerate(self.policies):
@@ -191,9 +204,6 @@ class _Run:
         self.result = RunResult(spec, self.name, self.records)
 
     # --- time -------------------------------------------------------------------------------------
-
-    def clock(self) -> float:
-        return self.now
 
     def push(self, t: float, kind: int, data: Any = None) -> None:
         heapq.heappush(self.items, (t, kind, next(self.seq), data))
@@ -232,14 +242,14 @@ class _Run:
             if t_eng <= t_item:
                 _, _, address = heapq.heappop(eng_heap)
                 eng_next[address] = None
-                self.now = t
+                self.now = self.clock.now = t
                 self.engine_events(address, self.handles[address].engine.advance(t))
                 self.rekey(address)
             else:
                 t, kind, _, data = heapq.heappop(items)
-                self.now = t
+                self.now = self.clock.now = t
                 self.handle(kind, data)
-        self.now = min(max(self.now, spec.duration_s), stop)
+        self.now = self.clock.now = min(max(self.now, spec.duration_s), stop)
         self.finish()
         return self.result
 

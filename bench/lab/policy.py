@@ -263,7 +263,12 @@ class Eds:
 
     def healthy(self, cluster: str) -> tuple[Endpoint, ...]:
         """The endpoints of ``cluster`` that may take new requests (HEALTHY), in address order."""
-        return tuple(e for e in self.clusters.get(cluster, ()) if e.health == "HEALTHY")
+        return self._healthy.get(cluster, ())
+
+    @cached_property
+    def _healthy(self) -> dict[str, tuple[Endpoint, ...]]:
+        """Each cluster's HEALTHY endpoints, found once per EDS (every proxy policy asks per request)."""
+        return {c: tuple(e for e in eps if e.health == "HEALTHY") for c, eps in self.clusters.items()}
 
     def cluster_of(self, request: Request, version_header: str = "model-version") -> str | None:
         """The cluster of ``request``: its version header, else its body's ``model`` when that names

@@ -6,7 +6,7 @@ over to the lab's scale as far as it can express them (the trap each one sets is
 QPS points are given per engine, so ``--engines`` scales the sweep with the cluster; the full lab
 runs 16 engines for 10 virtual minutes per point, ``--quick`` a few engines for a minute at fewer
 points. The sweeps have four points in the full lab, the traps one (the lab's time budget: a run's
-cost grows with its requests, ~1-2 ms of CPU per request on the ``llm`` engine).
+cost grows with its requests, ~0.4-1.2 ms of CPU per request on the ``llm`` engine).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
-from itertools import islice, takewhile
+from itertools import islice, repeat, takewhile
 from operator import is_not
 
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -41,8 +41,6 @@ from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 ROOT_HASH = 0
 
 _FOUND = partial(is_not, None)  # a cache lookup that found a block
-_ID_BITS = 24  # block ids per pool: at most 2**24 (a free-queue entry packs a stamp above the id)
-_ID_MASK = (1 << _ID_BITS) - 1
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, *, start: int = 0,
@@ -74,18 +72,18 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, *, caching: bool = True,
                  record_events: bool = False) -> None:
-        if not 1 <= num_blocks < 1 << _ID_BITS or block_size < 1:
-            raise ValueError(f"num_blocks must be 1-{(1 << _ID_BITS) - 1} and block_size >= 1")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        # The free queue: a deque of entries. ``stamp << _ID_BITS | block``: one keyed block, live while
-        # the block is unused and ``stamp`` is its latest (a block used again, or freed again, leaves
-        # its old entry behind: skipped when it reaches the head); ``-k``: a run of k unkeyed free
-        # blocks, which have no id until taken by name (ids not in use wait in ``_spare``).
+        # The free queue: a deque of entries. ``block`` (>= 0): one keyed block, live while the block is
+        # unused and this is its last entry (a block used again, or freed again, leaves its old entry
+        # behind: skipped when it reaches the head); ``-k``: a run of k unkeyed free blocks, which have
+        # no id until taken by name (ids not in use wait in ``_spare``).
         self._queue: deque[int] = deque([-num_blocks])
         self._spare = list(range(num_blocks - 1, -1, -1))
-        self._stamp = [0] * num_blocks
+        self._entries = [0] * num_blocks  # each block's entries in the queue (its last one may be live)
         self._num_free = num_blocks
         self._ref = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
@@ -149,21 +147,25 @@ class BlockPool:
         if not self.caching or not blocks:
             return
         cached, block_key = self._cached, self._key
-        new = dict(zip(keys, blocks, strict=True))
-        if (len(new) == len(keys) and cached.keys().isdisjoint(new)
-                and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)):
-            cached.update(new)  # the usual case, in C: fresh blocks, keys not cached yet
+        before = len(cached)
+        unkeyed = list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)
+        if unkeyed and cached.keys().isdisjoint(keys):  # the usual case, in C: fresh blocks, keys not cached yet
+            cached.update(zip(keys, blocks, strict=True))
+            if len(cached) - before < len(keys):  # a key twice: undone, the loop below keys the first block
+                deque(map(cached.pop, keys, repeat(None)), maxlen=0)
+        if len(cached) - before == len(keys):
             for block, key in zip(blocks, keys, strict=True):
                 block_key[block] = key
-            stored = list(keys)
+            stored: Sequence[int] = keys
         else:
-            stored = []
+            fresh = []
             for block, key in zip(blocks, keys, strict=True):
                 if key in cached or block_key[block] is not None:
                     continue
                 block_key[block] = key
                 cached[key] = block
-                stored.append(key)
+                fresh.append(key)
+            stored = fresh
         if stored:
             self.version += 1
         if stored and self._events is not None:
@@ -203,25 +205,26 @@ class BlockPool:
             raise ValueError(f"{n} KV blocks asked, {self._num_free} free")
         self.version += 1
         evicted: list[int] = []
-        queue, stamp, ref, keys, spare, cached = \
-            self._queue, self._stamp, self._ref, self._key, self._spare, self._cached
+        queue, entries, ref, keys, spare, cached = \
+            self._queue, self._entries, self._ref, self._key, self._spare, self._cached
         need = n
         while need:
-            entry = queue.popleft()
-            if entry < 0:  # a run of unkeyed blocks
-                m = min(-entry, need)
-                if m < -entry:
-                    queue.appendleft(entry + m)
+            b = queue.popleft()
+            if b < 0:  # a run of -b unkeyed blocks
+                m = min(-b, need)
+                if m < -b:
+                    queue.appendleft(b + m)
                 need -= m
                 if out is not None:
                     ids = spare[-m:]
                     del spare[-m:]
-                    for b in ids:
-                        ref[b] = 1
+                    for i in ids:
+                        ref[i] = 1
                     out += ids
                 continue
-            b = entry & _ID_MASK
-            if ref[b] or entry >> _ID_BITS != stamp[b]:
+            left = entries[b] - 1
+            entries[b] = left
+            if left or ref[b]:
                 continue  # stale: the block was used again or freed again since
             key = keys[b]
             if key is not None:
@@ -231,7 +234,6 @@ class BlockPool:
                 self._idle_cached -= 1
             need -= 1
             if out is None:
-                stamp[b] += 1
                 spare.append(b)
             else:
                 ref[b] = 1
@@ -276,7 +278,7 @@ class BlockPool:
         """A request gives ``blocks`` back (tail first): a block no one uses joins the free queue's
         end and keeps its key until taken (an unkeyed one joins as part of a run, without its id)."""
         self.version += 1
-        ref, stamp, keys, queue, spare = self._ref, self._stamp, self._key, self._queue, self._spare
+        ref, entries, keys, queue, spare = self._ref, self._entries, self._key, self._queue, self._spare
         run = 0  # unkeyed blocks freed since the last keyed one: they join as one run
         keyed = 0
         for b in reversed(blocks):
@@ -284,8 +286,6 @@ class BlockPool:
             ref[b] = r
             if r:
                 continue
-            st = stamp[b] + 1
-            stamp[b] = st
             if keys[b] is None:
                 spare.append(b)
                 run += 1
@@ -293,7 +293,8 @@ class BlockPool:
                 if run:
                     self._append_run(run)
                     run = 0
-                queue.append(st << _ID_BITS | b)
+                queue.append(b)
+                entries[b] += 1
                 keyed += 1
         if run:
             self._append_run(run)

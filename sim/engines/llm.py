@@ -39,8 +39,8 @@ the decoding requests by position in their block (a request needs a new block ev
 (:meth:`sim.engines.kv.BlockPool.take_anonymous`). What costs is per request (its admission,
 prompt blocks, prefill steps and finish) and per segment, not per step or per token.
 ``python -m bench.engine_speed`` (16 A100 engines, 13 requests/s each of 256-token prompts for 256
-tokens, 68 running per engine on average, 10 virtual minutes, 124 796 requests): 14.3 s of CPU on
-the shared 2-core machine at a load average of 4 (2026-12-06).
+tokens, 68 running per engine on average, 10 virtual minutes, 124 796 requests): 10.3 s of CPU on
+the shared 2-core machine at a load average of about 3 (2026-12-07).
 
 Generated tokens' blocks enter the prefix cache when a preemption gives them back (so the
 resumed request finds them), and when a request that carries its output ids
@@ -385,6 +385,16 @@ class LlmEngine:
         if now_s <= p.t0:
             return p.t0
         return min(p.t0 + math.ceil((now_s - p.t0) / p.d) * p.d, p.t0 + p.k * p.d) if p.d > 0 else now_s
+
+    @property
+    def running(self) -> int:
+        """Requests in the running batch (:meth:`stats`' ``running``, read alone). A read: nothing changes."""
+        return len(self._running)
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks no request uses (:meth:`stats`' ``kv_blocks_total - kv_blocks_used``, read alone)."""
+        return self._pool.num_free
 
     @property
     def idle_cached_blocks(self) -> int:

@@ -25,7 +25,8 @@ EPP code of the Gateway API Inference Extension now lives there, Go module ``llm
 - admission: the default (legacy) admission sheds only requests of priority < 0; the requests here
   have priority 0, so none is held or refused.
 
-Hashes here are BLAKE2b (theirs: xxHash64); the chain and what it covers are theirs.
+Hashes here are 8-byte BLAKE2b digests, each block hashed with the digest before it (theirs: xxHash64);
+the chain and what it covers are theirs.
 """
 
 from __future__ import annotations
@@ -63,24 +64,24 @@ DEFAULT_LRU_CAPACITY = 31250
 REFRESH_METRICS_S = 0.05
 
 
-def _h(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+def _h(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
 #: Hashes of recent prompts' leading messages: ``(model, block characters, messages) -> the chain's hashes
 #: of the full blocks of the bytes every longer prompt shares`` (the JSON but its closing bracket; a
 #: completion's text), the oldest dropped beyond :data:`_PREFIXES_KEPT`.
-_PREFIXES: OrderedDict[tuple[bytes, int, tuple[Message, ...]], tuple[int, ...]] = OrderedDict()
+_PREFIXES: OrderedDict[tuple[bytes, int, tuple[Message, ...]], tuple[bytes, ...]] = OrderedDict()
 _PREFIXES_KEPT = 4096
 
 
-def _remember(prefix: tuple[bytes, int, tuple[Message, ...]], hashes: tuple[int, ...]) -> None:
+def _remember(prefix: tuple[bytes, int, tuple[Message, ...]], hashes: tuple[bytes, ...]) -> None:
     _PREFIXES[prefix] = hashes
     if len(_PREFIXES) > _PREFIXES_KEPT:
         _PREFIXES.popitem(last=False)
 
 
-def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[int, ...]:
+def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[bytes, ...]:
     """The approximate prefix producer's block hashes of ``request`` (none for a prompt shorter than
     one block). Chat: the messages as JSON (``[{"role", "content"}, ...]``), completion: its text.
 
@@ -99,7 +100,7 @@ def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PRE
         return ()
     model = (request.model or "").encode()
     data = data[:max_blocks * block]
-    known: tuple[int, ...] = ()
+    known: tuple[bytes, ...] = ()
     for n in range(len(messages), 0, -1):
         known = _PREFIXES.get((model, block, messages[:n]), ())
         if known:
@@ -108,7 +109,7 @@ def prompt_hashes(request: Request, block_tokens: int, max_blocks: int = MAX_PRE
     out = list(known)
     prev = known[-1] if known else _h(model)
     for i in range(len(known) * block, len(data), block):
-        prev = _h(data[i:i + block] + prev.to_bytes(8, "little"))
+        prev = _h(data[i:i + block] + prev)
         out.append(prev)
     hashes = tuple(out)
     _remember((model, block, messages), hashes[:shared // block])
@@ -126,13 +127,13 @@ class _Index:
     request's hashes is a few bulk dict operations)."""
 
     def __init__(self) -> None:
-        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self.lru: dict[str, OrderedDict[bytes, None]] = {}
         self.capacity: dict[str, int] = {}
         self.bit: dict[str, int] = {}
         self.endpoints: list[str] = []  # by bit
-        self.holders: dict[int, int] = {}  # hash -> endpoints' bits
+        self.holders: dict[bytes, int] = {}  # hash -> endpoints' bits
 
-    def add(self, hashes: Sequence[int], endpoint: str, capacity: int) -> None:
+    def add(self, hashes: Sequence[bytes], endpoint: str, capacity: int) -> None:
         """``hashes`` were sent to ``endpoint``: each moves to the newest end of its LRU (inserted
         when absent), the oldest going out while the LRU holds more than its capacity."""
         lru = self.lru.get(endpoint)
@@ -155,20 +156,31 @@ class _Index:
             # oldest go (none of them, as the capacity holds them all)
             deque(map(lru.pop, hashes, repeat(None)), maxlen=0)
             lru.update(dict.fromkeys(hashes))
-            while len(lru) > cap:
-                self._drop(lru.popitem(last=False)[0], endpoint)
+            if len(lru) > cap:
+                self._drop_oldest(lru, len(lru) - cap, endpoint)
         holders = self.holders  # each hash's endpoints gain this one, in C
         held = map(or_, map(holders.get, hashes, repeat(0)), repeat(self.bit[endpoint]))
         holders.update(zip(hashes, held, strict=True))
 
-    def _drop(self, h: int, endpoint: str) -> None:
+    def _drop(self, h: bytes, endpoint: str) -> None:
         held = self.holders[h] & ~self.bit[endpoint]
         if held:
             self.holders[h] = held
         else:
             del self.holders[h]
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+    def _drop_oldest(self, lru: OrderedDict[bytes, None], n: int, endpoint: str) -> None:
+        """The ``n`` oldest hashes leave ``endpoint``'s LRU, and it leaves their holders."""
+        gone = [lru.popitem(last=False)[0] for _ in range(n)]
+        holders, keep = self.holders, ~self.bit[endpoint]
+        for h, held in zip(gone, map(holders.__getitem__, gone), strict=True):
+            held &= keep
+            if held:
+                holders[h] = held
+            else:
+                del holders[h]
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """``{endpoint: hashes it holds}`` walking ``hashes`` until one no endpoint holds."""
         found = list(map(self.holders.get, hashes))  # looked up in C; cut at the first hash no one holds
         if None in found:

@@ -46,6 +46,7 @@ instead: the most free memory left after the request, then the fewest held.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,7 +86,7 @@ class Oracle(ProxyPolicy):
         self.arrived = 2.0  # recent requests
         self.comeback_s = comeback_s
         self.reuse_window = reuse_window
-        self._evicted: dict[int, float] = {}  # a sample of evicted keys -> when, oldest first
+        self._evicted: OrderedDict[int, float] = OrderedDict()  # a sample of evicted keys -> when, oldest first
         self.came_back = 1.0  # sampled evicted blocks stored again within comeback_s (a prior of one)
         self.gone = 1.0       # sampled evicted blocks not stored again within comeback_s
 
@@ -133,18 +134,17 @@ class Oracle(ProxyPolicy):
         spec = engine.spec
         bs = spec.block_size
         new = max(1, tokens - len(users) * bs)
-        stats = engine.stats()
         c = spec.coefficients
         block_s = bs * c.beta1_us * 1e-6  # the prefill of one block
-        decode_step_us = c.beta0_us + c.beta2_us * stats.running
+        decode_step_us = c.beta0_us + c.beta2_us * engine.running
         prefill = max(0, self.pending.get(address, 0) - engine.prefilled_tokens()) + new
         steps = math.ceil(prefill / spec.max_num_batched_tokens)
         ttft_s = engine.step_end_s(now) - now + (steps * decode_step_us + c.beta1_us * prefill) * 1e-6
         own_s = c.beta1_us * new * 1e-6  # the time its prefill adds to the engine's steps
         blocks = -(-(new + output) // bs)
         need = blocks + self.pending_blocks.get(address, 0)
-        used = stats.kv_blocks_used
-        free = stats.kv_blocks_total - used
+        free = engine.free_blocks
+        used = spec.num_blocks - free
         if need > free and used:
             # the running batch releases its blocks as its requests end: a request lives about
             # ``output`` decode steps, so the batch frees its blocks over that many steps

@@ -503,6 +503,8 @@ def test_what_the_oracle_reads_matches_the_engine_state():
             eng.advance(t)
         idle = sum(1 for b in range(pool.num_blocks) if pool._ref[b] == 0 and pool._key[b] is not None)
         assert eng.idle_cached_blocks == idle
+        stats = eng.stats()
+        assert (eng.running, eng.free_blocks) == (stats.running, stats.kv_blocks_total - stats.kv_blocks_used)
         assert eng.step_end_s(t) >= t
         seen_prefill |= eng.prefilled_tokens() > 0
     assert seen_prefill and eng.idle_cached_blocks > 0

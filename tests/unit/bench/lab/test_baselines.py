@@ -124,19 +124,19 @@ def test_llm_d_prefix_scorer_keeps_a_prompt_where_it_was_sent_and_the_queue_scor
 def test_llm_d_prompt_hashes_are_their_chain_of_the_whole_prompt_when_a_start_is_reused() -> None:
     """A chat's turns and a group's prompts share their start: the hashes reused from an earlier prompt and
     those made anew are the chain of the whole prompt's bytes, cut at max_blocks (theirs: a hash seeded
-    with the model, each 64-character block hashed with the one before, a partial last block included)."""
+    with the model, each 64-character block hashed with the digest before it, a partial last block included)."""
     import hashlib
 
     import orjson
 
-    def h(data: bytes) -> int:
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    def h(data: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=8).digest()
 
-    def chain(messages: tuple[Message, ...], model: str, max_blocks: int) -> tuple[int, ...]:
+    def chain(messages: tuple[Message, ...], model: str, max_blocks: int) -> tuple[bytes, ...]:
         data = orjson.dumps([{"role": m.role, "content": m.text} for m in messages])[:max_blocks * 64]
         prev, out = h(model.encode()), []
         for i in range(0, len(data), 64):
-            prev = h(data[i:i + 64] + prev.to_bytes(8, "little"))
+            prev = h(data[i:i + 64] + prev)
             out.append(prev)
         return tuple(out) if len(data) >= 64 else ()
 
