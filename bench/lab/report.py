@@ -1,6 +1,7 @@
 """The lab's part of BENCHMARKS.md (pure: the lab's JSON in, markdown out), kept short.
 
-First the published results the lab is checked against. Then per sweep (a scenario with several QPS
+First the published results the lab is checked against, and inferlb's own targets
+(:mod:`bench.lab.targets`). Then per sweep (a scenario with several QPS
 points): each policy's highest QPS within the SLO, its TTFT p90 at every point and, at the
 *headline point* (the highest QPS at which the best prefix-aware peer still meets the SLO: where
 the published comparisons are made), its output tokens per s, prefix hits and errors; the two
@@ -18,12 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from bench.lab.scenarios import SCENARIOS
+from bench.lab.targets import PREFIX_PEERS, targets
 
 __all__ = ["BEGIN", "END", "PEERS", "PREFIX_PEERS", "checks", "headline_qps", "lab_section", "merge_results"]
 
 BEGIN, END = "<!-- lab:start -->", "<!-- lab:end -->"
-#: The peers' published algorithms that read the prompt.
-PREFIX_PEERS = ("llm_d", "sglang_cache_aware", "dynamo_kv")
 #: Everything inferlb is compared with.
 PEERS = ("round_robin", "least_request", "ring_hash_bounded", "random", *PREFIX_PEERS, "oracle")
 
@@ -229,6 +229,11 @@ def lab_section(doc: Mapping[str, Any], plots: str) -> str:
     found = checks(doc)
     if found:
         lines += ["Published results, reproduced?", "", *found, ""]
+    judged = targets(doc)
+    if judged:
+        lines += ["Targets for `inferlb` (the default scheduling profile):", "", "| target | measured | verdict |",
+                  "| --- | --- | --- |", *(f"| {t.what} | {t.measured} | {'met' if t.met else '**missed**'} |"
+                                          for t in judged), ""]
     single = []
     for name, sc in doc["scenarios"].items():
         if len(_qps_points(sc)) > 1:
