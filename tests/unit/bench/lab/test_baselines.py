@@ -222,12 +222,14 @@ def test_dynamo_cost_is_overlap_weight_times_uncached_prefill_plus_active_decode
 
 
 def test_the_cli_names_every_scenario_and_policy_of_the_registries() -> None:
+    from bench.lab.cli import DEFAULT_POLICY_NAMES
     from bench.lab.cli import POLICY_NAMES as CLI_POLICIES
     from bench.lab.cli import SCENARIO_NAMES as CLI_SCENARIOS
     from bench.lab.policies import POLICY_NAMES
     from bench.lab.scenarios import SCENARIOS
 
     assert CLI_POLICIES == POLICY_NAMES
+    assert set(CLI_POLICIES) - set(DEFAULT_POLICY_NAMES) == {"inferlb_precise"}
     assert CLI_SCENARIOS == tuple(SCENARIOS)
 
 
