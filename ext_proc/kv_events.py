@@ -12,6 +12,10 @@ medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
   and event types it does not know are left out: the index mirrors what the engine reuses without
   a transfer.
 - :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`.
+- :func:`publisher_address` (pure): an endpoint's publisher from the configured template.
+- :class:`KvEventFeed`: what a picker runs (``inferlb serve``, ``inferlb ext-proc``): the subscriber
+  below following the picker's view (a publisher per endpoint, subscribed as it joins, dropped as it
+  leaves, checked each ``interval_s``), its changes applied to the picker's index on its loop.
 - :class:`KvEventSubscriber`: the thin I/O shell: a thread with one SUB socket per endpoint that
   decodes each message and hands the changes to the owner's event loop
   (``loop.call_soon_threadsafe``): the index is read and written on that loop only, so the pick
@@ -25,13 +29,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ext_proc.prefix_events import EventIndex
+from ext_proc.settings import PickerSettings
+from ext_proc.view import ViewHolder
 
-__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventSubscriber", "apply", "decode_batch"]
+__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "apply", "decode_batch",
+           "publisher_address", "start_feed"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,8 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 Change = tuple[Any, ...]
 #: The ``medium`` of device blocks (None: a vLLM that does not say).
 _DEVICE = ("GPU", None)
+#: A placeholder of a publisher template: ``{host}``, ``{port}``, ``{port+N}``, ``{port-N}``.
+_PLACEHOLDER = re.compile(r"\{(host|port)([+-][0-9]+)?\}")
 #: How long the subscriber's thread waits for a message before it looks at its commands (ms).
 POLL_MS = 100
 
@@ -190,3 +200,116 @@ class KvEventSubscriber:
         finally:
             for _, sock in sockets.values():
                 sock.close(0)
+
+
+def publisher_address(template: str, endpoint: str) -> str:
+    """The KV event publisher of ``endpoint`` (``HOST:PORT``, the view's form; ``[v6]:PORT`` too) from
+    ``template``: ``{host}`` the endpoint's host, ``{port}`` its port, ``{port+N}`` / ``{port-N}`` its
+    port plus or minus N.
+
+    >>> publisher_address("tcp://{host}:5557", "10.0.0.1:8000"), publisher_address("tcp://{host}:{port+1000}", "h:8000")
+    ('tcp://10.0.0.1:5557', 'tcp://h:9000')
+
+    Raises:
+        ValueError: ``endpoint`` has no port, or ``{host}`` / ``{port}`` is followed by an offset it
+            does not take.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not HOST:PORT")
+
+    def fill(m: re.Match[str]) -> str:
+        name, offset = m.group(1), m.group(2)
+        if name == "host":
+            if offset:
+                raise ValueError(f"{{host}} takes no offset: {template!r}")
+            return host
+        return str(int(port) + int(offset or 0))
+
+    return _PLACEHOLDER.sub(fill, template)
+
+
+class KvEventFeed:
+    """The precise index's events for a running picker: a :class:`KvEventSubscriber` on the publisher
+    of every endpoint of ``holder``'s view, applying their changes to ``index`` on the calling loop.
+
+    Args:
+        index: the picker's index (``PickerHandler.prefixes`` with ``prefix_source: kv_events``).
+        holder: the picker's view; its endpoints (every cluster's, spill tiers too) are followed, and
+            its routing table's ``prefix_blocks`` bounds each endpoint's held keys.
+        template: the publishers' address template (:func:`publisher_address`).
+        topic: the publishers' topic.
+
+    :meth:`run` (a task on the picker's loop) starts the subscriber, follows the view every
+    ``interval_s`` and stops the subscriber when cancelled. An endpoint that leaves the view is
+    unsubscribed; the index forgets it at the picker's next housekeeping (``PickerHandler.tick``).
+
+    Raises:
+        ImportError: at :meth:`run`, ``pyzmq`` or ``msgpack`` is not installed.
+    """
+
+    def __init__(self, index: EventIndex, holder: ViewHolder, template: str, topic: str = "") -> None:
+        self.index = index
+        self.holder = holder
+        self.template = template
+        self.topic = topic
+        self.publishers: dict[str, str] = {}
+        """``{endpoint: publisher address}`` subscribed to now (read on the loop)."""
+        self.subscriber: KvEventSubscriber | None = None
+
+    def _deliver(self, endpoint: str, changes: list[Change]) -> None:
+        if endpoint in self.publishers:  # not a batch that was on its way when the endpoint left
+            apply(self.index, endpoint, changes, self.holder.current.routing.prefix_blocks)
+
+    def follow(self) -> bool:
+        """Subscribe to exactly the current view's endpoints' publishers; True when that changed
+        (an endpoint whose address the template cannot fill is logged and left out)."""
+        wanted: dict[str, str] = {}
+        for primary in self.holder.current.clusters.values():
+            for tier in (primary, primary.spill):
+                for endpoint in tier.endpoints if tier is not None else ():
+                    if endpoint not in wanted:
+                        try:
+                            wanted[endpoint] = publisher_address(self.template, endpoint)
+                        except ValueError as exc:
+                            log.warning("kv events: %s", exc)
+        if wanted == self.publishers:
+            return False
+        self.publishers = wanted
+        if self.subscriber is not None:
+            self.subscriber.watch(wanted)
+        return True
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        """Start the subscriber and follow the view every ``interval_s`` until cancelled, then stop it."""
+        self.subscriber = KvEventSubscriber(self._deliver, asyncio.get_running_loop(), self.topic)
+        self.subscriber.start()
+        self.publishers = {}
+        try:
+            while True:
+                if self.follow():
+                    log.info("kv events: subscribed to %d publishers", len(self.publishers))
+                await asyncio.sleep(interval_s)
+        finally:
+            await asyncio.to_thread(self.subscriber.stop)
+            self.subscriber = None
+
+
+def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> asyncio.Task[None] | None:
+    """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
+    ``PickerHandler.from_settings`` made), a task on the running loop that runs its
+    :class:`KvEventFeed`; else None.
+
+    Raises:
+        RuntimeError: ``pyzmq`` or ``msgpack`` is not installed (said at start, naming the setting).
+    """
+    if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
+        return None
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
+                           "pip install 'inferlb[kv-events]'") from None
+    feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
+    return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")
