@@ -4,14 +4,29 @@ a subscriber thread fed by a simulated backend that publishes its events as vLLM
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import aiohttp
 import msgpack
 import pytest
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 
-from ext_proc.kv_events import CLEARED, REMOVED, STORED, KvEventSubscriber, apply, decode_batch
+from ext_proc.kv_events import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KvEventFeed,
+    KvEventSubscriber,
+    apply,
+    decode_batch,
+    publisher_address,
+    start_feed,
+)
 from ext_proc.prefix_events import EventIndex
+from ext_proc.settings import PickerSettings
+from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 from sim.config import BackendConfig
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
 from sim.engines.kv import chain_hashes
@@ -87,3 +102,62 @@ async def test_a_subscriber_mirrors_a_simulated_backends_cache_on_the_event_loop
     finally:
         subscriber.stop()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(("template", "endpoint", "address"), [
+    ("tcp://{host}:5557", "10.0.0.1:8000", "tcp://10.0.0.1:5557"),
+    ("tcp://{host}:{port+1000}", "10.0.0.1:8000", "tcp://10.0.0.1:9000"),
+    ("tcp://{host}:{port-1}", "[fd00::1]:8000", "tcp://[fd00::1]:7999"),
+    ("ipc:///run/kv-{port}.sock", "h:8001", "ipc:///run/kv-8001.sock"),
+])
+def test_a_publishers_address_from_the_template(template, endpoint, address):
+    assert publisher_address(template, endpoint) == address
+
+
+@pytest.mark.parametrize(("template", "endpoint"), [("tcp://{host+1}:5557", "h:1"), ("tcp://{host}:5557", "h")])
+def test_a_template_that_cannot_be_filled_is_a_value_error(template, endpoint):
+    with pytest.raises(ValueError):
+        publisher_address(template, endpoint)
+
+
+def _view(holder: ViewHolder, *hosts: str) -> None:
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="chat-v1")
+    locality = cla.endpoints.add()
+    for host in hosts:
+        lb = locality.lb_endpoints.add(health_status=health_check_pb2.HEALTHY)
+        lb.endpoint.address.socket_address.address = host
+        lb.endpoint.address.socket_address.port_value = 8000
+    routing = RoutingTable(services=(ServiceRoute("chat", ("*",), "v1", {"v1": "chat-v1"}, affinity="soft"),),
+                           prefix_cache_tokens=1600, engine_block_size=16)
+    holder.update({"chat-v1": cla}, routing)
+
+
+def test_the_feed_follows_the_view_and_applies_only_current_endpoints_changes():
+    holder = ViewHolder()
+    _view(holder, "10.0.0.1", "10.0.0.2")
+    index = EventIndex(pending_s=0.0)
+    feed = KvEventFeed(index, holder, "tcp://{host}:{port+1}")
+    assert feed.follow() and feed.publishers == {"10.0.0.1:8000": "tcp://10.0.0.1:8001",
+                                                 "10.0.0.2:8000": "tcp://10.0.0.2:8001"}
+    assert not feed.follow()  # nothing changed
+    feed._deliver("10.0.0.2:8000", [(STORED, tuple(range(1, 151)), None)])
+    assert index.held("10.0.0.2:8000") == 100  # bounded by prefix_cache_tokens / engine_block_size
+    _view(holder, "10.0.0.1")  # 10.0.0.2 left
+    assert feed.follow() and list(feed.publishers) == ["10.0.0.1:8000"]
+    feed._deliver("10.0.0.2:8000", [(CLEARED,)])  # a batch that was on its way: not applied
+    assert index.held("10.0.0.2:8000") == 100
+
+
+async def test_a_feed_runs_only_for_kv_events():
+    holder = ViewHolder()
+    _view(holder, "10.0.0.1")
+    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0,
+                              "routing", "tcp://{host}:5557", "", 5.0)
+    assert start_feed(EventIndex(), holder, settings) is None
+    task = start_feed(EventIndex(), holder, dataclasses.replace(settings, prefix_source="kv_events"))
+    assert task is not None
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
