@@ -8,10 +8,15 @@ through Envoy and without a session header, must then go to that backend and be 
 prefix cache; and the picker's index holds every block each engine cached since the picker subscribed. With
 ``prefix_source: routing`` (the picker's own picks alone) the turns are placed by load and the
 test fails (the backends warmed are AABBAABB, the picker's turn for prompts cached nowhere alternates).
+Run twice: with ``inferlb serve``'s own picker, and with a standalone picker (``inferlb ext-proc``)
+that Envoy asks instead (the in-process picker's index, which the test reads, is fed by the same
+publishers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Iterator
 
@@ -20,6 +25,7 @@ import requests
 
 from ext_proc.engine_keys import engine_keys
 from ext_proc.prefix_events import EventIndex
+from inferlb.devstack.stack import free_port, inferlb_argv, spawn
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -29,20 +35,38 @@ OFFSET = 1000
 WARMED = "AABBAABB"  # which backend each prompt is first sent to, directly
 
 
-@pytest.fixture(scope="module")
-def events_stack(tmp_path_factory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("kvevents"), [("v1", "a100")] * 2, deferred={0, 1},
-                    config={"picker": {"prefix_source": "kv_events",
-                                       "kv_events": {"endpoint": f"tcp://{{host}}:{{port+{OFFSET}}}"}}})
+@pytest.fixture(scope="module", params=["serve", "ext-proc"])
+def events_stack(request, tmp_path_factory) -> Iterator[Stack]:
+    """``serve``: Envoy asks ``inferlb serve``'s own picker; ``ext-proc``: a standalone picker
+    (``inferlb ext-proc --xds``), which gets the settings over ADS and runs its own feed."""
+    standalone = free_port() if request.param == "ext-proc" else None
+    config = {"picker": {"prefix_source": "kv_events", "kv_events": {"endpoint": f"tcp://{{host}}:{{port+{OFFSET}}}"}}}
+    if standalone is not None:
+        config["envoy"] = {"ext_proc_address": f"127.0.0.1:{standalone}"}
+    s = start_stack(tmp_path_factory.mktemp("kvevents"), [("v1", "a100")] * 2, deferred={0, 1}, config=config)
     try:
         for b in s.backends:
             b.args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{b.port + OFFSET}"]
             s.start_backend(b)
+        if standalone is not None:
+            wait_until(lambda: all(e["weight"] > 0 for e in s.weights()["chat-v1"].values()), 30,
+                       what="both backends weighted")
+            proc = spawn("picker-kv", inferlb_argv("ext-proc", "--xds", f"127.0.0.1:{s.app.xds_port}",
+                                                   "--listen", f"127.0.0.1:{standalone}"), s.workdir)
+            s.procs.append(proc)
+            wait_until(lambda: proc.alive() and _accepts(standalone), 15, what="the standalone picker")
+            time.sleep(1.5)  # its feed subscribes to the endpoints of its first view
     except BaseException:
         stop_stack(s)
         raise
     yield s
     stop_stack(s)
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
 
 
 def prompt(i: int) -> str:
