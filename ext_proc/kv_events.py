@@ -38,8 +38,8 @@ from ext_proc.prefix_events import EventIndex
 from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
 
-__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "apply", "decode_batch",
-           "publisher_address", "start_feed"]
+__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "KvEventsUnavailable",
+           "apply", "decode_batch", "publisher_address", "start_feed"]
 
 log = logging.getLogger(__name__)
 
@@ -295,13 +295,17 @@ class KvEventFeed:
             self.subscriber = None
 
 
+class KvEventsUnavailable(RuntimeError):
+    """``picker.prefix_source: kv_events`` without the packages its subscriber needs."""
+
+
 def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> asyncio.Task[None] | None:
     """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
     ``PickerHandler.from_settings`` made), a task on the running loop that runs its
     :class:`KvEventFeed`; else None.
 
     Raises:
-        RuntimeError: ``pyzmq`` or ``msgpack`` is not installed (said at start, naming the setting).
+        KvEventsUnavailable: ``pyzmq`` or ``msgpack`` is not installed (said at start, naming the setting).
     """
     if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
         return None
@@ -309,7 +313,7 @@ def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> a
         import msgpack  # noqa: F401
         import zmq  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
+        raise KvEventsUnavailable(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
                            "pip install 'inferlb[kv-events]'") from None
     feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
     return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 
 import aiohttp
 import msgpack
@@ -19,6 +20,7 @@ from ext_proc.kv_events import (
     STORED,
     KvEventFeed,
     KvEventSubscriber,
+    KvEventsUnavailable,
     apply,
     decode_batch,
     publisher_address,
@@ -161,3 +163,13 @@ async def test_a_feed_runs_only_for_kv_events():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_without_pyzmq_the_feed_is_refused_at_start_naming_the_setting(monkeypatch):
+    holder = ViewHolder()
+    _view(holder, "10.0.0.1")
+    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0,
+                              "kv_events", "tcp://{host}:5557", "", 5.0)
+    monkeypatch.setitem(sys.modules, "zmq", None)  # an import of it fails
+    with pytest.raises(KvEventsUnavailable, match=r"picker.prefix_source: kv_events needs pyzmq"):
+        start_feed(EventIndex(), holder, settings)
