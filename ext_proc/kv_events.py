@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from ext_proc.prefix_events import EventIndex
 from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
@@ -49,6 +51,12 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 Change = tuple[Any, ...]
 #: The ``medium`` of device blocks (None: a vLLM that does not say).
 _DEVICE = ("GPU", None)
+KV_EVENT_BATCHES = Counter(
+    "inferlb_ext_proc_kv_event_batches",
+    "KV-cache event batches the picker read from the engines' publishers, by outcome: applied (to the prefix-cache "
+    "index), malformed (dropped), stale (from an endpoint that had left the view).", ["outcome"])
+KV_EVENT_PUBLISHERS = Gauge("inferlb_ext_proc_kv_event_publishers",
+                            "Engines' KV-cache event publishers the picker subscribes to.")
 #: A placeholder of a publisher template: ``{host}``, ``{port}``, ``{port+N}``, ``{port-N}``.
 _PLACEHOLDER = re.compile(r"\{(host|port)([+-][0-9]+)?\}")
 #: How long the subscriber's thread waits for a message before it looks at its commands (ms).
@@ -120,7 +128,8 @@ class KvEventSubscriber:
 
     :meth:`start` runs the thread; :meth:`watch` sets which endpoints it subscribes to
     (``{endpoint: publisher address}``, e.g. ``{"10.0.0.1:8000": "tcp://10.0.0.1:5557"}``);
-    :meth:`stop` ends it. ``dropped`` counts the malformed messages (read on any thread).
+    :meth:`stop` ends it. ``dropped`` counts the malformed messages (read on any thread; also in
+    ``inferlb_ext_proc_kv_event_batches_total{outcome="malformed"}``).
 
     Raises:
         ImportError: at :meth:`start`, ``pyzmq`` or ``msgpack`` is not installed.
@@ -188,6 +197,7 @@ class KvEventSubscriber:
                         continue
                     except ValueError as exc:
                         self.dropped += 1
+                        KV_EVENT_BATCHES.labels("malformed").inc()
                         log.warning("kv events from %s: %s", endpoint, exc)
                         continue
                     if changes:
@@ -241,7 +251,9 @@ class KvEventFeed:
         topic: the publishers' topic.
 
     :meth:`run` (a task on the picker's loop) starts the subscriber, follows the view every
-    ``interval_s`` and stops the subscriber when cancelled. An endpoint that leaves the view is
+    ``interval_s`` and stops the subscriber when cancelled. Counted: the publishers subscribed to
+    (``inferlb_ext_proc_kv_event_publishers``), the batches applied and those from an endpoint that
+    had left (``inferlb_ext_proc_kv_event_batches_total{outcome}``). An endpoint that leaves the view is
     unsubscribed; the index forgets it at the picker's next housekeeping (``PickerHandler.tick``).
 
     Raises:
@@ -260,6 +272,9 @@ class KvEventFeed:
     def _deliver(self, endpoint: str, changes: list[Change]) -> None:
         if endpoint in self.publishers:  # not a batch that was on its way when the endpoint left
             apply(self.index, endpoint, changes, self.holder.current.routing.prefix_blocks)
+            KV_EVENT_BATCHES.labels("applied").inc()
+        else:
+            KV_EVENT_BATCHES.labels("stale").inc()
 
     def follow(self) -> bool:
         """Subscribe to exactly the current view's endpoints' publishers; True when that changed
@@ -276,6 +291,7 @@ class KvEventFeed:
         if wanted == self.publishers:
             return False
         self.publishers = wanted
+        KV_EVENT_PUBLISHERS.set(len(wanted))
         if self.subscriber is not None:
             self.subscriber.watch(wanted)
         return True

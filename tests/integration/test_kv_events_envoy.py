@@ -107,6 +107,9 @@ def test_a_prompt_cached_on_a_backend_by_its_events_goes_there_through_envoy(eve
             return wait_until_quietly(lambda: matched(s, probe).get(b.address, 0) > 0, 1.0)
 
         wait_until(subscribed, 20, interval=0, what=f"{b.address}'s events in the picker's index")
+    page = requests.get(f"{s.admin}/metrics", timeout=5).text  # the in-process picker's feed
+    assert "inferlb_ext_proc_kv_event_publishers 2.0" in page
+    assert 'inferlb_ext_proc_kv_event_batches_total{outcome="applied"}' in page
     # A probe sent before the subscription joined was cached unseen (no replay; nothing evicts here):
     # from now on the index must follow each engine's cache block for block.
     time.sleep(0.5)

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+from prometheus_client import REGISTRY
 
 from ext_proc.kv_events import (
     CLEARED,
@@ -139,15 +140,23 @@ def test_the_feed_follows_the_view_and_applies_only_current_endpoints_changes():
     _view(holder, "10.0.0.1", "10.0.0.2")
     index = EventIndex(pending_s=0.0)
     feed = KvEventFeed(index, holder, "tcp://{host}:{port+1}")
+    applied, stale = batches("applied"), batches("stale")
     assert feed.follow() and feed.publishers == {"10.0.0.1:8000": "tcp://10.0.0.1:8001",
                                                  "10.0.0.2:8000": "tcp://10.0.0.2:8001"}
     assert not feed.follow()  # nothing changed
     feed._deliver("10.0.0.2:8000", [(STORED, tuple(range(1, 151)), None)])
     assert index.held("10.0.0.2:8000") == 100  # bounded by prefix_cache_tokens / engine_block_size
+    assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_publishers") == 2
     _view(holder, "10.0.0.1")  # 10.0.0.2 left
     assert feed.follow() and list(feed.publishers) == ["10.0.0.1:8000"]
     feed._deliver("10.0.0.2:8000", [(CLEARED,)])  # a batch that was on its way: not applied
     assert index.held("10.0.0.2:8000") == 100
+    assert (batches("applied") - applied, batches("stale") - stale) == (1, 1)
+    assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_publishers") == 1
+
+
+def batches(outcome: str) -> float:
+    return REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_batches_total", {"outcome": outcome}) or 0.0
 
 
 async def test_a_feed_runs_only_for_kv_events():
