@@ -185,8 +185,8 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
-        blocks=() if not routing.prefix_cache_tokens else engine_keys(doc, routing.engine_block_size)
-        if routing.engine_block_size else block_hashes(prompt),
+        blocks=() if not routing.prefix_cache_tokens else block_hashes(prompt) if not routing.engine_block_size
+        else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer),
     )
 
 

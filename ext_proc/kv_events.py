@@ -36,6 +36,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from ext_proc.engine_keys import load_encoder
 from ext_proc.prefix_events import EventIndex
 from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
@@ -318,10 +319,12 @@ class KvEventsUnavailable(RuntimeError):
 def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> asyncio.Task[None] | None:
     """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
     ``PickerHandler.from_settings`` made), a task on the running loop that runs its
-    :class:`KvEventFeed`; else None.
+    :class:`KvEventFeed`; else None. The view's routing table's tokenizer
+    (:attr:`~ext_proc.view.RoutingTable.engine_tokenizer`) is loaded here, not at the first request.
 
     Raises:
-        KvEventsUnavailable: ``pyzmq`` or ``msgpack`` is not installed (said at start, naming the setting).
+        KvEventsUnavailable: ``pyzmq`` or ``msgpack`` is not installed, or the tokenizer cannot be
+            loaded (said at start, naming the setting).
     """
     if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
         return None
@@ -331,5 +334,11 @@ def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> a
     except ImportError as exc:
         raise KvEventsUnavailable(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
                            "pip install 'inferlb[kv-events]'") from None
+    tokenizer = holder.current.routing.engine_tokenizer
+    if tokenizer is not None:
+        try:
+            load_encoder(tokenizer)
+        except (ImportError, ValueError) as exc:
+            raise KvEventsUnavailable(f"picker.kv_events.tokenizer: {exc}") from None
     feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
     return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")

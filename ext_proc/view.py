@@ -186,6 +186,8 @@ class RoutingTable:
             approximate index, fed by the picker's routing); > 0: they are the engine's own, in
             KV blocks of this many tokens (:func:`ext_proc.engine_keys.engine_keys`; the precise
             index, fed by the engines' KV events: ``picker.prefix_source: kv_events``).
+        engine_tokenizer: with ``engine_block_size``, the directory of the Hugging Face tokenizer the
+            engines count with (:func:`ext_proc.engine_keys.load_encoder`); None: 4 bytes a token.
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
@@ -240,6 +242,7 @@ class RoutingTable:
     prefix_max_bytes: int = 4096
     prefix_cache_tokens: int = 0
     engine_block_size: int = 0
+    engine_tokenizer: str | None = None
     body_mode: str = "buffered"
     spill_threshold: float = 0.6
     protocol: str = "inferlb"

@@ -26,6 +26,7 @@ import requests
 from ext_proc.engine_keys import engine_keys
 from ext_proc.prefix_events import EventIndex
 from inferlb.devstack.stack import free_port, inferlb_argv, spawn
+from sim.tokenizer import write_small_tokenizer
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -35,18 +36,26 @@ OFFSET = 1000
 WARMED = "AABBAABB"  # which backend each prompt is first sent to, directly
 
 
-@pytest.fixture(scope="module", params=["serve", "ext-proc"])
+@pytest.fixture(scope="module", params=["serve", "ext-proc", "serve-tokenizer"])
 def events_stack(request, tmp_path_factory) -> Iterator[Stack]:
     """``serve``: Envoy asks ``inferlb serve``'s own picker; ``ext-proc``: a standalone picker
-    (``inferlb ext-proc --xds``), which gets the settings over ADS and runs its own feed."""
+    (``inferlb ext-proc --xds``), which gets the settings over ADS and runs its own feed;
+    ``serve-tokenizer``: the backends count with a Hugging Face tokenizer (``--tokenizer DIR``) and
+    the picker with the same (``picker.kv_events.tokenizer``)."""
+    workdir = tmp_path_factory.mktemp("kvevents")
     standalone = free_port() if request.param == "ext-proc" else None
-    config = {"picker": {"prefix_source": "kv_events", "kv_events": {"endpoint": f"tcp://{{host}}:{{port+{OFFSET}}}"}}}
+    kv_events: dict = {"endpoint": f"tcp://{{host}}:{{port+{OFFSET}}}"}
+    sim_args: list[str] = []
+    if request.param == "serve-tokenizer":
+        kv_events["tokenizer"] = str(write_small_tokenizer(workdir / "tokenizer"))
+        sim_args = ["--tokenizer", kv_events["tokenizer"]]
+    config: dict = {"picker": {"prefix_source": "kv_events", "kv_events": kv_events}}
     if standalone is not None:
         config["envoy"] = {"ext_proc_address": f"127.0.0.1:{standalone}"}
-    s = start_stack(tmp_path_factory.mktemp("kvevents"), [("v1", "a100")] * 2, deferred={0, 1}, config=config)
+    s = start_stack(workdir, [("v1", "a100")] * 2, deferred={0, 1}, config=config)
     try:
         for b in s.backends:
-            b.args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{b.port + OFFSET}"]
+            b.args += [*sim_args, "--kv-events-endpoint", f"tcp://127.0.0.1:{b.port + OFFSET}"]
             s.start_backend(b)
         if standalone is not None:
             wait_until(lambda: all(e["weight"] > 0 for e in s.weights()["chat-v1"].values()), 30,
@@ -85,8 +94,13 @@ def on_loop(s: Stack, fn):
     return s.loop.run(call())
 
 
+def keys_of(s: Stack, doc: dict) -> tuple[int, ...]:
+    """The prompt's keys as the picker computes them (with the stack's tokenizer, if any)."""
+    return engine_keys(doc, 16, s.app.view.current.routing.engine_tokenizer)
+
+
 def matched(s: Stack, doc: dict) -> dict[str, int]:
-    keys = engine_keys(doc, 16)
+    keys = keys_of(s, doc)
     index = s.app.picker.prefixes
     return on_loop(s, lambda: index.matched(keys, [b.address for b in s.backends]))
 
@@ -120,7 +134,7 @@ def test_a_prompt_cached_on_a_backend_by_its_events_goes_there_through_envoy(eve
         warm = body(i, "a first question")
         r = requests.post(f"http://{b.address}/v1/chat/completions", json=warm, timeout=10)
         assert r.status_code == 200, r.text
-        want = len(engine_keys(warm, 16))
+        want = len(keys_of(s, warm))
         wait_until(lambda warm=warm, b=b, want=want: matched(s, warm).get(b.address) == want, 10,
                    what=f"prompt {i}'s {want} blocks in the index for {b.address}")
         turn = body(i, "and a second question, through the gateway")
@@ -129,7 +143,7 @@ def test_a_prompt_cached_on_a_backend_by_its_events_goes_there_through_envoy(eve
         assert r.headers["x-served-by"] == b.address, f"prompt {i} warmed on {which}"
         cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         shared = matched(s, warm)[b.address]  # the blocks of the system prompt and the first turn's head
-        assert cached >= 16 * min(shared, len(engine_keys(turn, 16))) - 16 and cached > 0
+        assert cached >= 16 * min(shared, len(keys_of(s, turn))) - 16 and cached > 0
 
     wait_until(lambda: gaps(s) == unseen, 10,
                what=f"each engine's cached blocks = the index's + those cached before it subscribed ({unseen})")

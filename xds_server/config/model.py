@@ -756,8 +756,10 @@ class KvEventsConfig(_Strict):
     template of ``{host}`` and ``{port}`` (the endpoint's serving port; ``{port+N}``: that port plus
     N). ``topic``: the publishers' topic (vLLM's default: empty). ``block_size``: the engines' KV
     block (tokens; vLLM's and the simulator's default: 16). ``keys``: how the engine turns a body
-    into block keys; ``sim``: the ``llm`` simulator's built-in rule (its chat template, 4 bytes a
-    token, its hash chain), the only one the picker computes today. ``pending_s``: how long the
+    into block keys; ``sim``: the ``llm`` simulator's rule (its chat template, 4 bytes a token, its
+    hash chain), the only one the picker computes today. ``tokenizer``: the directory of the Hugging
+    Face tokenizer the engines count with (its ``tokenizer.json``: the simulator's ``--tokenizer
+    DIR``; the ``tokenizers`` package), read by the picker at start; null: 4 bytes a token. ``pending_s``: how long the
     picker's own pick counts a prompt's blocks as held on its endpoint before events confirm them (s;
     null: ``ext_proc.prefix_events.PENDING_S``, 5 s; 0: events alone).
     """
@@ -766,6 +768,7 @@ class KvEventsConfig(_Strict):
     topic: str = ""
     block_size: int = Field(16, ge=1, le=1024)
     keys: Literal["sim"] = "sim"
+    tokenizer: str | None = Field(None, min_length=1)
     pending_s: float | None = Field(None, ge=0, le=3600)
 
     @field_validator("endpoint")

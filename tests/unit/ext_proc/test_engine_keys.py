@@ -14,6 +14,7 @@ from ext_proc._wire import engine_keys as compiled
 from ext_proc import engine_keys as ek
 from sim.engines.kv import chain_hashes
 from sim.protocol import RequestError, render_prompt
+from sim.tokenizer import load, write_small_tokenizer
 from sim.tokens import tokenize
 
 TEXT = "ab é😀c\n{}\"\\\ud800x"
@@ -94,3 +95,29 @@ def test_cost_of_a_20_kib_chat_prompts_keys():
     print(f"\nengine keys, 20 KiB chat prompt ({len(ek.engine_keys(doc, 16))} blocks of 16 tokens): "
           f"compiled {c * 1e6:.1f} us, Python {p * 1e6:.1f} us")
     assert c < p
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory) -> str:
+    return str(write_small_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def test_with_a_tokenizer_the_keys_are_those_of_a_simulator_counting_with_it(small_tokenizer):
+    encode = load(small_tokenizer)
+    rnd = random.Random(38)
+    for _ in range(100):
+        doc = json.loads(json.dumps(_random_body(rnd)))
+        try:
+            text = render_prompt("chat" if "messages" in doc else "completion", doc)
+        except RequestError:
+            assert ek.engine_keys(doc, 4, small_tokenizer) == ()
+            continue
+        want = tuple(chain_hashes(encode(text), 4))
+        assert ek.engine_keys(doc, 4, small_tokenizer) == want
+    doc = {"messages": [{"role": "user", "content": "the model server answers " * 40}]}
+    assert ek.engine_keys(doc, 4, small_tokenizer) != ek.engine_keys(doc, 4)  # not the 4-byte rule
+
+
+def test_a_directory_without_a_tokenizer_is_a_value_error_naming_the_file(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        ek.load_encoder(str(tmp_path))

@@ -123,7 +123,7 @@ def test_a_template_that_cannot_be_filled_is_a_value_error(template, endpoint):
         publisher_address(template, endpoint)
 
 
-def _view(holder: ViewHolder, *hosts: str) -> None:
+def _view(holder: ViewHolder, *hosts: str, tokenizer: str | None = None) -> None:
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="chat-v1")
     locality = cla.endpoints.add()
     for host in hosts:
@@ -131,7 +131,7 @@ def _view(holder: ViewHolder, *hosts: str) -> None:
         lb.endpoint.address.socket_address.address = host
         lb.endpoint.address.socket_address.port_value = 8000
     routing = RoutingTable(services=(ServiceRoute("chat", ("*",), "v1", {"v1": "chat-v1"}, affinity="soft"),),
-                           prefix_cache_tokens=1600, engine_block_size=16)
+                           prefix_cache_tokens=1600, engine_block_size=16, engine_tokenizer=tokenizer)
     holder.update({"chat-v1": cla}, routing)
 
 
@@ -181,4 +181,13 @@ async def test_without_pyzmq_the_feed_is_refused_at_start_naming_the_setting(mon
                               "kv_events", "tcp://{host}:5557", "", 5.0)
     monkeypatch.setitem(sys.modules, "zmq", None)  # an import of it fails
     with pytest.raises(KvEventsUnavailable, match=r"picker.prefix_source: kv_events needs pyzmq"):
+        start_feed(EventIndex(), holder, settings)
+
+
+async def test_a_tokenizer_that_cannot_be_loaded_is_refused_at_start_naming_the_setting(tmp_path):
+    holder = ViewHolder()
+    _view(holder, "10.0.0.1", tokenizer=str(tmp_path))  # no tokenizer.json there
+    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0,
+                              "kv_events", "tcp://{host}:5557", "", 5.0)
+    with pytest.raises(KvEventsUnavailable, match=r"picker.kv_events.tokenizer: .*tokenizer.json"):
         start_feed(EventIndex(), holder, settings)
