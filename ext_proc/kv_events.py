@@ -16,6 +16,9 @@ medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
 - :class:`KvEventFeed`: what a picker runs (``inferlb serve``, ``inferlb ext-proc``): the subscriber
   below following the picker's view (a publisher per endpoint, subscribed as it joins, dropped as it
   leaves, checked each ``interval_s``), its changes applied to the picker's index on its loop.
+- :func:`follows` (pure): a batch's sequence number against the last: batches lost, or a publisher
+  that restarted (its numbers start again at 0; the subscriber then forgets the endpoint's blocks:
+  a restarted engine's cache is empty, and vLLM sends no ``AllBlocksCleared`` at start).
 - :class:`KvEventSubscriber`: the thin I/O shell: a thread with one SUB socket per endpoint that
   decodes each message and hands the changes to the owner's event loop
   (``loop.call_soon_threadsafe``): the index is read and written on that loop only, so the pick
@@ -42,7 +45,7 @@ from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
 
 __all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "KvEventsUnavailable",
-           "apply", "decode_batch", "publisher_address", "start_feed"]
+           "apply", "decode_batch", "follows", "publisher_address", "sequence_number", "start_feed"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ _DEVICE = ("GPU", None)
 KV_EVENT_BATCHES = Counter(
     "inferlb_ext_proc_kv_event_batches",
     "KV-cache event batches the picker read from the engines' publishers, by outcome: applied (to the prefix-cache "
-    "index), malformed (dropped), stale (from an endpoint that had left the view).", ["outcome"])
+    "index), malformed (dropped), stale (from an endpoint that had left the view), lost (missing from the "
+    "sequence numbers), restarted (a new publisher: the endpoint's blocks forgotten).", ["outcome"])
 KV_EVENT_PUBLISHERS = Gauge("inferlb_ext_proc_kv_event_publishers",
                             "Engines' KV-cache event publishers the picker subscribes to.")
 #: A placeholder of a publisher template: ``{host}``, ``{port}``, ``{port+N}``, ``{port-N}``.
@@ -103,6 +107,31 @@ def decode_batch(payload: bytes) -> list[Change]:
         elif kind == "AllBlocksCleared":
             out.append((CLEARED,))
     return out
+
+
+def sequence_number(parts: Sequence[bytes]) -> int | None:
+    """The sequence number of a ``[topic, seq, payload]`` message (8 bytes, big-endian, signed, as
+    vLLM sends it); None for another layout."""
+    if len(parts) >= 3 and len(parts[-2]) == 8:
+        return int.from_bytes(parts[-2], "big", signed=True)
+    return None
+
+
+def follows(last: int | None, seq: int) -> tuple[bool, int]:
+    """``(restarted, lost)`` for a batch numbered ``seq`` after one numbered ``last`` (None: the first
+    since subscribing). A publisher numbers its batches from 0, one by one: a number not above the
+    last is a new publisher (the engine restarted, its cache empty, and vLLM sends no
+    ``AllBlocksCleared`` at start); a jump is batches lost on the way (a high-water mark, a
+    reconnection), ``lost`` of them.
+
+    >>> follows(None, 7), follows(7, 8), follows(7, 10), follows(7, 0)
+    ((False, 0), (False, 0), (False, 2), (True, 0))
+    """
+    if last is None:
+        return False, 0
+    if seq <= last:
+        return True, 0
+    return False, seq - last - 1
 
 
 def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity: int) -> None:
@@ -170,6 +199,7 @@ class KvEventSubscriber:
         poller = zmq.Poller()
         sockets: dict[str, tuple[str, Any]] = {}  # endpoint -> (address, socket)
         by_socket: dict[Any, str] = {}
+        last_seq: dict[str, int] = {}  # endpoint -> the last batch's sequence number
         try:
             while True:
                 while not self._commands.empty():
@@ -177,6 +207,7 @@ class KvEventSubscriber:
                     if wanted is None:
                         return
                     for endpoint in [e for e, (a, _) in sockets.items() if wanted.get(e) != a]:
+                        last_seq.pop(endpoint, None)
                         _, sock = sockets.pop(endpoint)
                         poller.unregister(sock)
                         del by_socket[sock]
@@ -193,7 +224,8 @@ class KvEventSubscriber:
                 for sock, _ in poller.poll(POLL_MS) if sockets else ():
                     endpoint = by_socket[sock]
                     try:
-                        changes = decode_batch(sock.recv_multipart(zmq.NOBLOCK)[-1])
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        changes = decode_batch(parts[-1])
                     except zmq.Again:
                         continue
                     except ValueError as exc:
@@ -201,6 +233,16 @@ class KvEventSubscriber:
                         KV_EVENT_BATCHES.labels("malformed").inc()
                         log.warning("kv events from %s: %s", endpoint, exc)
                         continue
+                    seq = sequence_number(parts)
+                    if seq is not None:
+                        restarted, lost = follows(last_seq.get(endpoint), seq)
+                        last_seq[endpoint] = seq
+                        if lost:
+                            KV_EVENT_BATCHES.labels("lost").inc(lost)
+                        if restarted:  # a new publisher (the engine restarted): its cache starts empty
+                            KV_EVENT_BATCHES.labels("restarted").inc()
+                            log.warning("kv events from %s: the publisher restarted; its blocks forgotten", endpoint)
+                            changes = [(CLEARED,), *changes]
                     if changes:
                         try:
                             self._loop.call_soon_threadsafe(self._deliver, endpoint, changes)

@@ -24,12 +24,15 @@ from ext_proc.kv_events import (
     KvEventsUnavailable,
     apply,
     decode_batch,
+    follows,
     publisher_address,
+    sequence_number,
     start_feed,
 )
 from ext_proc.prefix_events import EventIndex
 from ext_proc.settings import PickerSettings
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
+from inferlb.devstack.stack import free_port
 from sim.config import BackendConfig
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
 from sim.engines.kv import chain_hashes
@@ -191,3 +194,48 @@ async def test_a_tokenizer_that_cannot_be_loaded_is_refused_at_start_naming_the_
                               "kv_events", "tcp://{host}:5557", "", 5.0)
     with pytest.raises(KvEventsUnavailable, match=r"picker.kv_events.tokenizer: .*tokenizer.json"):
         start_feed(EventIndex(), holder, settings)
+
+
+def test_sequence_numbers_tell_lost_batches_and_a_restarted_publisher():
+    assert sequence_number([b"", (5).to_bytes(8, "big", signed=True), b"x"]) == 5
+    assert sequence_number([b"x"]) is None
+    assert [follows(None, 3), follows(3, 4), follows(3, 9), follows(3, 3), follows(3, 0)] == [
+        (False, 0), (False, 0), (False, 5), (True, 0), (True, 0)]
+
+
+async def test_a_restarted_publisher_makes_the_index_forget_its_endpoints_blocks():
+    """A restarted engine's cache is empty and vLLM sends no AllBlocksCleared at start: its sequence
+    numbers starting again are what tells."""
+    from sim.kv_publish import KvEventPublisher
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    index = EventIndex(pending_s=0.0)
+    subscriber = KvEventSubscriber(lambda e, c: apply(index, e, c, 10_000), asyncio.get_running_loop())
+    restarts = batches("restarted")
+    subscriber.start()
+    subscriber.watch({A: endpoint})
+    try:
+        first = KvEventPublisher(endpoint)
+        for _ in range(200):  # until the SUB socket joined
+            first.publish([BlockStored(1.0, (1, 2, 3), None, tuple(range(48)), 16)], 1.0)
+            await asyncio.sleep(0.02)
+            if index.held(A):
+                break
+        for _ in range(50):
+            first.publish([BlockStored(1.0, (1, 2, 3), None, tuple(range(48)), 16)], 1.0)
+        await asyncio.sleep(0.2)
+        assert index.keys(A) == (1, 2, 3)
+        first.close()
+        second = KvEventPublisher(endpoint)  # numbers from 0 again
+        try:
+            for _ in range(200):
+                second.publish([BlockStored(2.0, (7,), None, tuple(range(16)), 16)], 2.0)
+                await asyncio.sleep(0.02)
+                if 7 in index.keys(A):
+                    break
+            assert index.keys(A) == (7,)  # the first publisher's blocks forgotten
+            assert batches("restarted") == restarts + 1
+        finally:
+            second.close()
+    finally:
+        subscriber.stop()
