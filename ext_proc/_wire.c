@@ -1468,7 +1468,7 @@ static PyObject *engine_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
         /* The blocks' token ids, then each block's tuple hash (four blocks at a time: each hash is a
          * chain of dependent multiplications, so four chains side by side keep the multiplier busy),
          * then the keys' chain. */
-        int64_t *inner = ids + blocks * size;
+        int64_t *inner = blocks ? ids + blocks * size : NULL;
         ptr p = view.buf, end = p + view.len;
         for (Py_ssize_t t = 0; t < blocks * size; t++, p += per) {
             Py_ssize_t n = end - p < per ? end - p : per;
