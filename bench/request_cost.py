@@ -53,7 +53,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from bench.picker import body_json
+from ext_proc.engine_keys import engine_keys
 from ext_proc.handler import PickerHandler
+from ext_proc.prefix_events import EventIndex
 from ext_proc.transport.h2.conn import Connection, Limits
 from ext_proc.view import ViewHolder
 from inferlb.picker_config import picker_settings, routing_table
@@ -68,19 +70,21 @@ MAX_FRAME = 16384
 SESSIONS = 64
 
 
-def _config(endpoints: int) -> str:
+def _config(endpoints: int, prefix_source: str = "routing") -> str:
     return yaml.safe_dump({
         "listen": {"xds": "127.0.0.1:1", "ext_proc": "127.0.0.1:0", "admin": "127.0.0.1:2"},
-        "picker": {"admission": False},
+        "picker": {"admission": False, "prefix_source": prefix_source},
         "services": [{"name": "bench", "versions": [
             {"name": "v1", "endpoints": [{"address": f"127.0.0.{1 + i}:8000"} for i in range(endpoints)]}]}],
     })
 
 
-def handler_for(endpoints: int) -> tuple[PickerHandler, str]:
+def handler_for(endpoints: int, prefix_source: str = "routing") -> tuple[PickerHandler, str]:
     """The picker's handler (settings and routing from the config, as ``inferlb ext-proc --xds`` gets
-    them) with ``endpoints`` healthy endpoints of weight 100; and the cluster's name."""
-    cfg = parse_config(_config(endpoints))
+    them) with ``endpoints`` healthy endpoints of weight 100; and the cluster's name. ``prefix_source``:
+    the config's ``picker.prefix_source`` (``kv_events``: the prompt keyed as the engine keys it, the
+    precise index with no events, as before a subscription's first batch)."""
+    cfg = parse_config(_config(endpoints, prefix_source))
     routing = routing_table(cfg)
     cluster = routing.services[0].clusters["v1"]
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster)
@@ -279,8 +283,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=4000, help="requests per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (the fastest is printed)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of one round instead")
+    ap.add_argument("--prefix-source", choices=("routing", "kv_events"), default="routing",
+                    help="picker.prefix_source (kv_events: the engine's block keys and the precise index)")
+    ap.add_argument("--events-held", action="store_true",
+                    help="with kv_events: every endpoint's events said it holds the prompt's blocks (a shared "
+                         "prompt's steady state; without it no event ever came and each pick pends every key)")
     args = ap.parse_args(argv)
-    handler, cluster = handler_for(args.endpoints)
+    handler, cluster = handler_for(args.endpoints, args.prefix_source)
+    if args.events_held and isinstance(handler.prefixes, EventIndex) and args.body_kb:
+        keys = engine_keys(json.loads(body_json(args.body_kb)), handler.holder.current.routing.engine_block_size)
+        for endpoint in handler.holder.current.clusters[cluster].endpoints:
+            handler.prefixes.stored(endpoint, keys, None, handler.holder.current.routing.prefix_blocks)
     client = Client(handler, cluster, args.body_kb)
     one_round(client, args.requests, args.batch)  # warm: sessions pinned, caches filled
     if args.profile:
@@ -292,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     times = [one_round(client, args.requests, args.batch) for _ in range(args.rounds)]
     print(json.dumps({"body_kb": args.body_kb, "endpoints": args.endpoints, "batch": args.batch,
+                      "prefix_source": args.prefix_source, "events_held": args.events_held,
                       "us_per_request": round(min(times), 2), "rounds": [round(t, 2) for t in times]}))
 
 

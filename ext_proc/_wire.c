@@ -1400,6 +1400,129 @@ static PyObject *block_keys(PyObject *self, PyObject *const *args, Py_ssize_t na
     return out;
 }
 
+/* ---- engine_keys: a prompt's KV block keys as the llm simulator computes them (ext_proc/engine_keys.py) */
+
+/* CPython's hash of an int that fits in 64 bits (signed): its absolute value modulo 2**61 - 1 with
+ * its sign, -1 made -2 (Objects/longobject.c). */
+static int64_t py_int_hash(int64_t v)
+{
+    const uint64_t modulus = ((uint64_t)1 << 61) - 1;
+    uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    int64_t h = (int64_t)(a % modulus);
+    if (v < 0)
+        h = -h;
+    return h == -1 ? -2 : h;
+}
+
+/* CPython 3.8+'s tuple hash (Objects/tupleobject.c, xxHash's round) over lanes already hashed. */
+#define XXPRIME_1 11400714785074694791ULL
+#define XXPRIME_2 14029467366897019727ULL
+#define XXPRIME_5 2870177450012600261ULL
+#define XXROTATE(x) (((x) << 31) | ((x) >> 33))
+
+static int64_t py_tuple_hash(const int64_t *lanes, Py_ssize_t n)
+{
+    uint64_t acc = XXPRIME_5;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        acc += (uint64_t)lanes[i] * XXPRIME_2;
+        acc = XXROTATE(acc);
+        acc *= XXPRIME_1;
+    }
+    acc += (uint64_t)n ^ (XXPRIME_5 ^ 3527539ULL);
+    return acc == (uint64_t)-1 ? 1546275796 : (int64_t)acc;
+}
+
+/* engine_keys(text, bytes_per_token, vocab, block_size) -> tuple[int, ...]: the token ids of UTF-8
+ * text (each bytes_per_token bytes: the CRC-32 of them modulo vocab, the last may be shorter) in full
+ * blocks of block_size, key i = hash((key i-1, block i's ids as a tuple)) as CPython computes it,
+ * key -1 = 0: what ext_proc.engine_keys.engine_keys_py gives. All three sizes >= 1 and vocab below
+ * 2**32 (ValueError otherwise). */
+static PyObject *engine_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "engine_keys(text, bytes_per_token, vocab, block_size)");
+        return NULL;
+    }
+    Py_ssize_t per = PyLong_AsSsize_t(args[1]), vocab = PyLong_AsSsize_t(args[2]), size = PyLong_AsSsize_t(args[3]);
+    if ((per == -1 || vocab == -1 || size == -1) && PyErr_Occurred())
+        return NULL;
+    if (per < 1 || vocab < 1 || size < 1 || size > 1 << 20 || (uint64_t)vocab > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "bytes_per_token, vocab and block_size must be >= 1 (block_size <= 2**20, "
+                     "vocab < 2**32), got %zd, %zd and %zd", per, vocab, size);
+        return NULL;
+    }
+    /* a % vocab by two multiplications (Lemire, Kaser and Kurz, "Faster remainder by direct
+     * computation", 2019: exact for 32-bit a and vocab), not a division per token */
+    const uint64_t v32 = (uint64_t)vocab, inverse = UINT64_MAX / v32 + 1;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t tokens = (view.len + per - 1) / per, blocks = tokens / size;
+    PyObject *out = PyTuple_New(blocks);
+    int64_t *ids = blocks ? PyMem_Malloc((size_t)(blocks * size + blocks) * sizeof(int64_t)) : NULL;
+    if (out != NULL && blocks && ids == NULL) {
+        PyErr_NoMemory();
+        Py_CLEAR(out);
+    }
+    if (out != NULL) {
+        /* The blocks' token ids, then each block's tuple hash (four blocks at a time: each hash is a
+         * chain of dependent multiplications, so four chains side by side keep the multiplier busy),
+         * then the keys' chain. */
+        int64_t *inner = blocks ? ids + blocks * size : NULL;
+        ptr p = view.buf, end = p + view.len;
+        for (Py_ssize_t t = 0; t < blocks * size; t++, p += per) {
+            Py_ssize_t n = end - p < per ? end - p : per;
+            uint32_t c;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            if (n == 4) { /* the usual token: its 4 bytes' table reads independent of each other */
+                uint32_t w;
+                memcpy(&w, p, 4);
+                w = ~w;
+                c = crc_table[3][w & 0xFF] ^ crc_table[2][(w >> 8) & 0xFF] ^ crc_table[1][(w >> 16) & 0xFF]
+                    ^ crc_table[0][w >> 24];
+            } else
+#endif
+                c = crc_register(0xFFFFFFFFu, p, n);
+#ifdef __SIZEOF_INT128__
+            ids[t] = (int64_t)(uint64_t)(((unsigned __int128)(inverse * (uint64_t)(uint32_t)~c) * v32) >> 64);
+#else
+            ids[t] = (int64_t)((uint32_t)~c % v32);
+            (void)inverse;
+#endif
+        }
+        Py_ssize_t b = 0;
+        for (; b + 4 <= blocks; b += 4) {
+            uint64_t acc[4] = {XXPRIME_5, XXPRIME_5, XXPRIME_5, XXPRIME_5};
+            for (Py_ssize_t t = 0; t < size; t++)
+                for (int k = 0; k < 4; k++) {
+                    acc[k] += (uint64_t)ids[(b + k) * size + t] * XXPRIME_2;
+                    acc[k] = XXROTATE(acc[k]);
+                    acc[k] *= XXPRIME_1;
+                }
+            for (int k = 0; k < 4; k++) {
+                acc[k] += (uint64_t)size ^ (XXPRIME_5 ^ 3527539ULL);
+                inner[b + k] = acc[k] == (uint64_t)-1 ? 1546275796 : (int64_t)acc[k];
+            }
+        }
+        for (; b < blocks; b++)
+            inner[b] = py_tuple_hash(ids + b * size, size);
+        int64_t prev = 0;
+        for (b = 0; b < blocks; b++) {
+            int64_t pair[2] = {py_int_hash(prev), inner[b]};
+            prev = py_tuple_hash(pair, 2);
+            PyObject *key = PyLong_FromLongLong(prev);
+            if (key == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyTuple_SET_ITEM(out, b, key);
+        }
+    }
+    PyMem_Free(ids);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"request_headers", request_headers, METH_O,
      "request_headers(data) -> (headers, end_of_stream) | None: see ext_proc.wire."},
@@ -1411,6 +1534,8 @@ static PyMethodDef methods[] = {
      "assignment_endpoints(data) -> list[tuple] | None: see ext_proc.eds_wire."},
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL,
      "block_keys(data, block_bytes, max_blocks, simd=True) -> tuple[int, ...]: see ext_proc.prefix_index."},
+    {"engine_keys", (PyCFunction)(void (*)(void))engine_keys, METH_FASTCALL,
+     "engine_keys(text, bytes_per_token, vocab, block_size) -> tuple[int, ...]: see ext_proc.engine_keys."},
     {NULL, NULL, 0, NULL},
 };
 

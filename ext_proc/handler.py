@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit, settle
 from ext_proc.costmodel import CostModel
+from ext_proc.engine_keys import engine_keys
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import (
@@ -36,6 +37,7 @@ from ext_proc.picker import (
     too_deep,
     too_large,
 )
+from ext_proc.prefix_events import EventIndex
 from ext_proc.prefix_index import PrefixIndex, block_hashes, message_text, prompt_of
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
@@ -183,7 +185,8 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
-        blocks=block_hashes(prompt) if routing.prefix_cache_tokens else (),
+        blocks=() if not routing.prefix_cache_tokens else block_hashes(prompt) if not routing.engine_block_size
+        else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer),
     )
 
 
@@ -306,23 +309,29 @@ class PickerHandler:
         """``{cluster: its largest endpoint's whole GPU memory, MiB}`` (:meth:`set_largest_memory`)."""
         self._timed = 0
         self._gateway = EndpointPicker(self, holder)
-        self.prefixes = PrefixIndex()
-        """The prefix-cache index: the prompt blocks each endpoint was sent (:mod:`ext_proc.prefix_index`)."""
+        self.prefixes: PrefixIndex | EventIndex = PrefixIndex()
+        """The prefix-cache index: the prompt blocks each endpoint was sent (:mod:`ext_proc.prefix_index`),
+        or, with ``prefix_source: kv_events``, the blocks each engine's KV events say it holds
+        (:mod:`ext_proc.prefix_events`; :meth:`from_settings`)."""
 
     @classmethod
     def from_settings(cls, holder: ViewHolder, settings: PickerSettings,
                       sampler: DecisionSampler | None = None, completions: CompletionSink | None = None
                       ) -> PickerHandler:
-        """A handler with the in-flight expiry, session table, admission control, cost model and pin
-        rules of ``settings``."""
+        """A handler with the in-flight expiry, session table, admission control, cost model, pin
+        rules and prefix-cache index of ``settings`` (the index of ``prefix_source: kv_events`` is fed
+        by the caller's :class:`ext_proc.kv_events.KvEventFeed`)."""
         s = settings
         queues = s.admission or s.memory_queue
         admission = Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if queues else None
-        return cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
-                   SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
-                   completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
-                   pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue,
-                   retry_after_s=s.retry_after_s)
+        handler = cls(holder, InFlight(s.inflight_expiry_s, failure_hold_s=s.failure_hold_s),
+                      SessionTable(s.session_ttl_s, s.max_sessions), admission, sampler=sampler,
+                      completions=completions, costs=CostModel(s.cost_forget, s.cost_min_samples),
+                      pin_move_after=s.pin_move_after, limit_concurrency=s.admission, memory_queue=s.memory_queue,
+                      retry_after_s=s.retry_after_s)
+        if s.prefix_source == "kv_events":
+            handler.prefixes = EventIndex(s.pending_s)
+        return handler
 
     @staticmethod
     def _count(reason: str, plugins: str = "") -> None:

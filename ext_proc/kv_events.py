@@ -12,6 +12,13 @@ medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
   and event types it does not know are left out: the index mirrors what the engine reuses without
   a transfer.
 - :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`.
+- :func:`publisher_address` (pure): an endpoint's publisher from the configured template.
+- :class:`KvEventFeed`: what a picker runs (``inferlb serve``, ``inferlb ext-proc``): the subscriber
+  below following the picker's view (a publisher per endpoint, subscribed as it joins, dropped as it
+  leaves, checked each ``interval_s``), its changes applied to the picker's index on its loop.
+- :func:`follows` (pure): a batch's sequence number against the last: batches lost, or a publisher
+  that restarted (its numbers start again at 0; the subscriber then forgets the endpoint's blocks:
+  a restarted engine's cache is empty, and vLLM sends no ``AllBlocksCleared`` at start).
 - :class:`KvEventSubscriber`: the thin I/O shell: a thread with one SUB socket per endpoint that
   decodes each message and hands the changes to the owner's event loop
   (``loop.call_soon_threadsafe``): the index is read and written on that loop only, so the pick
@@ -25,13 +32,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ext_proc.prefix_events import EventIndex
+from prometheus_client import Counter, Gauge
 
-__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventSubscriber", "apply", "decode_batch"]
+from ext_proc.engine_keys import load_encoder
+from ext_proc.prefix_events import EventIndex
+from ext_proc.settings import PickerSettings
+from ext_proc.view import ViewHolder
+
+__all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "KvEventsUnavailable",
+           "apply", "decode_batch", "follows", "publisher_address", "sequence_number", "start_feed"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +55,15 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 Change = tuple[Any, ...]
 #: The ``medium`` of device blocks (None: a vLLM that does not say).
 _DEVICE = ("GPU", None)
+KV_EVENT_BATCHES = Counter(
+    "inferlb_ext_proc_kv_event_batches",
+    "KV-cache event batches the picker read from the engines' publishers, by outcome: applied (to the prefix-cache "
+    "index), malformed (dropped), stale (from an endpoint that had left the view), lost (missing from the "
+    "sequence numbers), restarted (a new publisher: the endpoint's blocks forgotten).", ["outcome"])
+KV_EVENT_PUBLISHERS = Gauge("inferlb_ext_proc_kv_event_publishers",
+                            "Engines' KV-cache event publishers the picker subscribes to.")
+#: A placeholder of a publisher template: ``{host}``, ``{port}``, ``{port+N}``, ``{port-N}``.
+_PLACEHOLDER = re.compile(r"\{(host|port)([+-][0-9]+)?\}")
 #: How long the subscriber's thread waits for a message before it looks at its commands (ms).
 POLL_MS = 100
 
@@ -86,6 +109,31 @@ def decode_batch(payload: bytes) -> list[Change]:
     return out
 
 
+def sequence_number(parts: Sequence[bytes]) -> int | None:
+    """The sequence number of a ``[topic, seq, payload]`` message (8 bytes, big-endian, signed, as
+    vLLM sends it); None for another layout."""
+    if len(parts) >= 3 and len(parts[-2]) == 8:
+        return int.from_bytes(parts[-2], "big", signed=True)
+    return None
+
+
+def follows(last: int | None, seq: int) -> tuple[bool, int]:
+    """``(restarted, lost)`` for a batch numbered ``seq`` after one numbered ``last`` (None: the first
+    since subscribing). A publisher numbers its batches from 0, one by one: a number not above the
+    last is a new publisher (the engine restarted, its cache empty, and vLLM sends no
+    ``AllBlocksCleared`` at start); a jump is batches lost on the way (a high-water mark, a
+    reconnection), ``lost`` of them.
+
+    >>> follows(None, 7), follows(7, 8), follows(7, 10), follows(7, 0)
+    ((False, 0), (False, 0), (False, 2), (True, 0))
+    """
+    if last is None:
+        return False, 0
+    if seq <= last:
+        return True, 0
+    return False, seq - last - 1
+
+
 def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity: int) -> None:
     """Apply one endpoint's ``changes`` (from :func:`decode_batch`) to ``index``, in order; ``capacity``:
     the bound of its held keys (:meth:`EventIndex.stored`)."""
@@ -110,7 +158,8 @@ class KvEventSubscriber:
 
     :meth:`start` runs the thread; :meth:`watch` sets which endpoints it subscribes to
     (``{endpoint: publisher address}``, e.g. ``{"10.0.0.1:8000": "tcp://10.0.0.1:5557"}``);
-    :meth:`stop` ends it. ``dropped`` counts the malformed messages (read on any thread).
+    :meth:`stop` ends it. ``dropped`` counts the malformed messages (read on any thread; also in
+    ``inferlb_ext_proc_kv_event_batches_total{outcome="malformed"}``).
 
     Raises:
         ImportError: at :meth:`start`, ``pyzmq`` or ``msgpack`` is not installed.
@@ -150,6 +199,7 @@ class KvEventSubscriber:
         poller = zmq.Poller()
         sockets: dict[str, tuple[str, Any]] = {}  # endpoint -> (address, socket)
         by_socket: dict[Any, str] = {}
+        last_seq: dict[str, int] = {}  # endpoint -> the last batch's sequence number
         try:
             while True:
                 while not self._commands.empty():
@@ -157,6 +207,7 @@ class KvEventSubscriber:
                     if wanted is None:
                         return
                     for endpoint in [e for e, (a, _) in sockets.items() if wanted.get(e) != a]:
+                        last_seq.pop(endpoint, None)
                         _, sock = sockets.pop(endpoint)
                         poller.unregister(sock)
                         del by_socket[sock]
@@ -173,13 +224,25 @@ class KvEventSubscriber:
                 for sock, _ in poller.poll(POLL_MS) if sockets else ():
                     endpoint = by_socket[sock]
                     try:
-                        changes = decode_batch(sock.recv_multipart(zmq.NOBLOCK)[-1])
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        changes = decode_batch(parts[-1])
                     except zmq.Again:
                         continue
                     except ValueError as exc:
                         self.dropped += 1
+                        KV_EVENT_BATCHES.labels("malformed").inc()
                         log.warning("kv events from %s: %s", endpoint, exc)
                         continue
+                    seq = sequence_number(parts)
+                    if seq is not None:
+                        restarted, lost = follows(last_seq.get(endpoint), seq)
+                        last_seq[endpoint] = seq
+                        if lost:
+                            KV_EVENT_BATCHES.labels("lost").inc(lost)
+                        if restarted:  # a new publisher (the engine restarted): its cache starts empty
+                            KV_EVENT_BATCHES.labels("restarted").inc()
+                            log.warning("kv events from %s: the publisher restarted; its blocks forgotten", endpoint)
+                            changes = [(CLEARED,), *changes]
                     if changes:
                         try:
                             self._loop.call_soon_threadsafe(self._deliver, endpoint, changes)
@@ -190,3 +253,134 @@ class KvEventSubscriber:
         finally:
             for _, sock in sockets.values():
                 sock.close(0)
+
+
+def publisher_address(template: str, endpoint: str) -> str:
+    """The KV event publisher of ``endpoint`` (``HOST:PORT``, the view's form; ``[v6]:PORT`` too) from
+    ``template``: ``{host}`` the endpoint's host, ``{port}`` its port, ``{port+N}`` / ``{port-N}`` its
+    port plus or minus N.
+
+    >>> publisher_address("tcp://{host}:5557", "10.0.0.1:8000"), publisher_address("tcp://{host}:{port+1000}", "h:8000")
+    ('tcp://10.0.0.1:5557', 'tcp://h:9000')
+
+    Raises:
+        ValueError: ``endpoint`` has no port, or ``{host}`` / ``{port}`` is followed by an offset it
+            does not take.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not HOST:PORT")
+
+    def fill(m: re.Match[str]) -> str:
+        name, offset = m.group(1), m.group(2)
+        if name == "host":
+            if offset:
+                raise ValueError(f"{{host}} takes no offset: {template!r}")
+            return host
+        return str(int(port) + int(offset or 0))
+
+    return _PLACEHOLDER.sub(fill, template)
+
+
+class KvEventFeed:
+    """The precise index's events for a running picker: a :class:`KvEventSubscriber` on the publisher
+    of every endpoint of ``holder``'s view, applying their changes to ``index`` on the calling loop.
+
+    Args:
+        index: the picker's index (``PickerHandler.prefixes`` with ``prefix_source: kv_events``).
+        holder: the picker's view; its endpoints (every cluster's, spill tiers too) are followed, and
+            its routing table's ``prefix_blocks`` bounds each endpoint's held keys.
+        template: the publishers' address template (:func:`publisher_address`).
+        topic: the publishers' topic.
+
+    :meth:`run` (a task on the picker's loop) starts the subscriber, follows the view every
+    ``interval_s`` and stops the subscriber when cancelled. Counted: the publishers subscribed to
+    (``inferlb_ext_proc_kv_event_publishers``), the batches applied and those from an endpoint that
+    had left (``inferlb_ext_proc_kv_event_batches_total{outcome}``). An endpoint that leaves the view is
+    unsubscribed; the index forgets it at the picker's next housekeeping (``PickerHandler.tick``).
+
+    Raises:
+        ImportError: at :meth:`run`, ``pyzmq`` or ``msgpack`` is not installed.
+    """
+
+    def __init__(self, index: EventIndex, holder: ViewHolder, template: str, topic: str = "") -> None:
+        self.index = index
+        self.holder = holder
+        self.template = template
+        self.topic = topic
+        self.publishers: dict[str, str] = {}
+        """``{endpoint: publisher address}`` subscribed to now (read on the loop)."""
+        self.subscriber: KvEventSubscriber | None = None
+
+    def _deliver(self, endpoint: str, changes: list[Change]) -> None:
+        if endpoint in self.publishers:  # not a batch that was on its way when the endpoint left
+            apply(self.index, endpoint, changes, self.holder.current.routing.prefix_blocks)
+            KV_EVENT_BATCHES.labels("applied").inc()
+        else:
+            KV_EVENT_BATCHES.labels("stale").inc()
+
+    def follow(self) -> bool:
+        """Subscribe to exactly the current view's endpoints' publishers; True when that changed
+        (an endpoint whose address the template cannot fill is logged and left out)."""
+        wanted: dict[str, str] = {}
+        for primary in self.holder.current.clusters.values():
+            for tier in (primary, primary.spill):
+                for endpoint in tier.endpoints if tier is not None else ():
+                    if endpoint not in wanted:
+                        try:
+                            wanted[endpoint] = publisher_address(self.template, endpoint)
+                        except ValueError as exc:
+                            log.warning("kv events: %s", exc)
+        if wanted == self.publishers:
+            return False
+        self.publishers = wanted
+        KV_EVENT_PUBLISHERS.set(len(wanted))
+        if self.subscriber is not None:
+            self.subscriber.watch(wanted)
+        return True
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        """Start the subscriber and follow the view every ``interval_s`` until cancelled, then stop it."""
+        self.subscriber = KvEventSubscriber(self._deliver, asyncio.get_running_loop(), self.topic)
+        self.subscriber.start()
+        self.publishers = {}
+        try:
+            while True:
+                if self.follow():
+                    log.info("kv events: subscribed to %d publishers", len(self.publishers))
+                await asyncio.sleep(interval_s)
+        finally:
+            await asyncio.to_thread(self.subscriber.stop)
+            self.subscriber = None
+
+
+class KvEventsUnavailable(RuntimeError):
+    """``picker.prefix_source: kv_events`` without the packages its subscriber needs."""
+
+
+def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> asyncio.Task[None] | None:
+    """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
+    ``PickerHandler.from_settings`` made), a task on the running loop that runs its
+    :class:`KvEventFeed`; else None. The view's routing table's tokenizer
+    (:attr:`~ext_proc.view.RoutingTable.engine_tokenizer`) is loaded here, not at the first request.
+
+    Raises:
+        KvEventsUnavailable: ``pyzmq`` or ``msgpack`` is not installed, or the tokenizer cannot be
+            loaded (said at start, naming the setting).
+    """
+    if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
+        return None
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as exc:
+        raise KvEventsUnavailable(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
+                           "pip install 'inferlb[kv-events]'") from None
+    tokenizer = holder.current.routing.engine_tokenizer
+    if tokenizer is not None:
+        try:
+            load_encoder(tokenizer)
+        except (ImportError, ValueError) as exc:
+            raise KvEventsUnavailable(f"picker.kv_events.tokenizer: {exc}") from None
+    feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
+    return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")

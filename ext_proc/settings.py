@@ -42,6 +42,13 @@ class PickerSettings:
             False: on this picker's load alone (it still reports and gets memory samples).
         shared_view_interval_s: a change of the load is reported at most this often (s).
         shared_view_expiry_s: a view older than this is dropped (s).
+        prefix_source: what feeds the prefix-cache index: "routing" (the picker's picks:
+            :class:`ext_proc.prefix_index.PrefixIndex`) or "kv_events" (the engines' KV-cache events:
+            :class:`ext_proc.prefix_events.EventIndex`, its subscriber :class:`ext_proc.kv_events.KvEventFeed`).
+        kv_events_endpoint: each endpoint's event publisher, a template of ``{host}``, ``{port}``,
+            ``{port+N}`` (:func:`ext_proc.kv_events.publisher_address`).
+        kv_events_topic: the publishers' topic.
+        pending_s: how long a pick counts its prompt's blocks as held before events confirm them (s).
     """
 
     inflight_expiry_s: float
@@ -59,6 +66,10 @@ class PickerSettings:
     shared_view: bool
     shared_view_interval_s: float
     shared_view_expiry_s: float
+    prefix_source: str
+    kv_events_endpoint: str
+    kv_events_topic: str
+    pending_s: float
 
 
 def to_wire(routing: RoutingTable, settings: PickerSettings) -> dict[str, Any]:

@@ -182,6 +182,12 @@ class RoutingTable:
         prefix_cache_tokens: the KV cache of an endpoint (tokens) the picker's prefix index mirrors
             (:mod:`ext_proc.prefix_index`); 0 (a table built without the config): no index, the
             prefix key's ring places requests.
+        engine_block_size: 0: the prefix index's keys are the prompt's byte blocks (the
+            approximate index, fed by the picker's routing); > 0: they are the engine's own, in
+            KV blocks of this many tokens (:func:`ext_proc.engine_keys.engine_keys`; the precise
+            index, fed by the engines' KV events: ``picker.prefix_source: kv_events``).
+        engine_tokenizer: with ``engine_block_size``, the directory of the Hugging Face tokenizer the
+            engines count with (:func:`ext_proc.engine_keys.load_encoder`); None: 4 bytes a token.
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
@@ -206,7 +212,8 @@ class RoutingTable:
             default: without the config the picker does not know, and keeps the keys.
         sized: derived: a header can give a request's size (classes or a memory header configured).
         prefix_blocks: derived: the prefix index's bound per endpoint, in its blocks
-            (:func:`ext_proc.prefix_index.capacity_blocks` of ``prefix_cache_tokens``).
+            (:func:`ext_proc.prefix_index.capacity_blocks` of ``prefix_cache_tokens``; with
+            ``engine_block_size``, ``prefix_cache_tokens`` // ``engine_block_size`` KV blocks).
 
     Raises:
         ValueError: an empty header name, ``vnodes`` < 1, a negative memory setting, no default
@@ -234,6 +241,8 @@ class RoutingTable:
     prefix_messages: int = 2
     prefix_max_bytes: int = 4096
     prefix_cache_tokens: int = 0
+    engine_block_size: int = 0
+    engine_tokenizer: str | None = None
     body_mode: str = "buffered"
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
@@ -281,7 +290,11 @@ class RoutingTable:
         classes = {k.encode() if isinstance(k, str) else k: v for k, v in self.request_classes.items()}
         object.__setattr__(self, "request_classes", MappingProxyType(classes))
         object.__setattr__(self, "sized", bool(classes) or self.request_memory_header is not None)
-        object.__setattr__(self, "prefix_blocks", capacity_blocks(self.prefix_cache_tokens, self.chars_per_token))
+        if self.engine_block_size < 0:
+            raise ValueError(f"routing: engine_block_size must be >= 0, got {self.engine_block_size}")
+        blocks = (self.prefix_cache_tokens // self.engine_block_size if self.engine_block_size
+                  else capacity_blocks(self.prefix_cache_tokens, self.chars_per_token))
+        object.__setattr__(self, "prefix_blocks", blocks)
 
 
 @dataclass(frozen=True)

@@ -323,11 +323,12 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
 
     tls = TlsFiles(tls_cert, tls_key, tls_ca, require_client_cert) if tls_cert and tls_key else None
     node = node_id or f"inferlb-picker-{socket.gethostname()}-{os.getpid()}"
+    from ext_proc.kv_events import KvEventsUnavailable
     from inferlb.listeners import BindError
 
     try:
         uvloop.run(run_picker(xds, listen, kind=transport, node_id=node, reuse_port=reuse_port, tls=tls))
-    except BindError as err:
+    except (BindError, KvEventsUnavailable) as err:
         click.echo(f"inferlb ext-proc: {err}", err=True)
         sys.exit(2)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from ext_proc.prefix_events import PENDING_S
 from ext_proc.scheduling import DEFAULT_STEPS, Profile, ProfileError, build_profile, import_plugins
 from ext_proc.settings import METADATA_KEY, PickerSettings, to_wire
 from ext_proc.view import DEFAULT_PROFILE, RequestClass, RoutingTable, ServiceRoute
@@ -42,6 +43,8 @@ def routing_table(cfg: Config) -> RoutingTable:
         prefix_messages=cfg.picker.prefix_messages,
         prefix_max_bytes=cfg.picker.prefix_max_bytes,
         prefix_cache_tokens=cfg.picker.prefix_cache_tokens,
+        engine_block_size=cfg.picker.kv_events.block_size if cfg.picker.prefix_source == "kv_events" else 0,
+        engine_tokenizer=cfg.picker.kv_events.tokenizer if cfg.picker.prefix_source == "kv_events" else None,
         body_mode=cfg.picker.body_mode,
         protocol=cfg.picker.protocol,
         preallocated=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions
@@ -133,6 +136,10 @@ def picker_settings(cfg: Config) -> PickerSettings:
         shared_view=p.shared_view,
         shared_view_interval_s=p.shared_view_interval_s,
         shared_view_expiry_s=p.shared_view_expiry_s,
+        prefix_source=p.prefix_source,
+        kv_events_endpoint=p.kv_events.endpoint,
+        kv_events_topic=p.kv_events.topic,
+        pending_s=PENDING_S if p.kv_events.pending_s is None else p.kv_events.pending_s,
     )
 
 

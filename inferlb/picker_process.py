@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
+from ext_proc.kv_events import start_feed
 from ext_proc.load_client import run_load_view
 from ext_proc.settings import METADATA_KEY, PickerSettings, from_wire
 from ext_proc.shared_load import SharedLoad
@@ -124,6 +125,9 @@ async def run_picker(
                  asyncio.create_task(run_load_view(xds, node_id, shared, s.shared_view_interval_s,
                                                    s.shared_view_expiry_s, handler.set_samples,
                                                    on_view=handler.others_changed))]
+        feed = start_feed(handler.prefixes, holder, s)
+        if feed is not None:
+            tasks.append(feed)
         try:
             await waiter
         finally:

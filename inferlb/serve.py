@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import MemorySamples
+from ext_proc.kv_events import KvEventsUnavailable, start_feed
 from ext_proc.load_client import run_load_view
 from ext_proc.sampler import DecisionSampler
 from ext_proc.shared_load import SharedLoad
@@ -248,6 +249,7 @@ class InferLB:
         self._loop_task: asyncio.Task | None = None
         self._picker_task: asyncio.Task | None = None
         self._share_task: asyncio.Task | None = None
+        self._kv_task: asyncio.Task | None = None
         self.load_view = LoadTable(cfg.picker.shared_view_expiry_s)
         self._scrape_task: asyncio.Task | None = None
         self.push_server: grpc.aio.Server | None = None
@@ -349,7 +351,8 @@ class InferLB:
         """Bind every server and start the weight loop.
 
         Raises :class:`BindError` when a listener cannot bind its address, ``ConfigError`` on
-        unreadable TLS files, a short ``INFERLB_ADMIN_TOKEN``, or ``discovery.kubernetes`` and no
+        unreadable TLS files, a short ``INFERLB_ADMIN_TOKEN``, ``picker.prefix_source: kv_events``
+        without pyzmq or msgpack, or ``discovery.kubernetes`` and no
         ``kubernetes`` package. What started before the error is left running: :meth:`stop` ends it.
         """
         require_client(self.cfg)
@@ -385,6 +388,10 @@ class InferLB:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
+        try:
+            self._kv_task = start_feed(self.picker.prefixes, self.view, picker_settings(self.cfg))
+        except KvEventsUnavailable as err:
+            raise ConfigError(str(err)) from None
         if not tls:  # the in-process picker is one of the gateways too (its memory samples come directly)
             p = self.cfg.picker
             shared = self.picker.share_load() if p.shared_view else SharedLoad(self.picker.inflight)
@@ -492,7 +499,8 @@ class InferLB:
     async def stop(self, grace_s: float = 1.0) -> None:
         """Graceful stop: not ready, no new streams, open streams get ``grace_s`` s, then all closed."""
         self.stopping = True
-        for task in (self._loop_task, self._picker_task, self._scrape_task, self._etcd_task, self._share_task):
+        for task in (self._loop_task, self._picker_task, self._scrape_task, self._etcd_task, self._share_task,
+                     self._kv_task):
             if task:
                 task.cancel()
         if self._watcher is not None:

@@ -742,6 +742,44 @@ REMOVED_PICKER_FIELDS = {
 }
 
 
+#: A KV event publisher's address template: ``tcp://`` (or ``ipc://``) and placeholders ``{host}``,
+#: ``{port}`` (the endpoint's serving port) or ``{port+N}`` / ``{port-N}`` only.
+KV_EVENTS_ENDPOINT_RE = re.compile(r"^(tcp|ipc)://([^{}]|\{host\}|\{port([+-][0-9]{1,5})?\})+$")
+
+
+class KvEventsConfig(_Strict):
+    """Where the picker reads the engines' KV-cache events and how it keys a prompt as they do
+    (``picker.prefix_source: kv_events``; docs/picker.md, "Precise mode").
+
+    ``endpoint``: each endpoint's event publisher (vLLM's ``--kv-events-config`` ``endpoint``, by
+    default ``tcp://*:5557`` on the engine's host; the simulator's ``--kv-events-endpoint``), a
+    template of ``{host}`` and ``{port}`` (the endpoint's serving port; ``{port+N}``: that port plus
+    N). ``topic``: the publishers' topic (vLLM's default: empty). ``block_size``: the engines' KV
+    block (tokens; vLLM's and the simulator's default: 16). ``keys``: how the engine turns a body
+    into block keys; ``sim``: the ``llm`` simulator's rule (its chat template, 4 bytes a token, its
+    hash chain), the only one the picker computes today. ``tokenizer``: the directory of the Hugging
+    Face tokenizer the engines count with (its ``tokenizer.json``: the simulator's ``--tokenizer
+    DIR``; the ``tokenizers`` package), read by the picker at start; null: 4 bytes a token. ``pending_s``: how long the
+    picker's own pick counts a prompt's blocks as held on its endpoint before events confirm them (s;
+    null: ``ext_proc.prefix_events.PENDING_S``, 5 s; 0: events alone).
+    """
+
+    endpoint: str = "tcp://{host}:5557"
+    topic: str = ""
+    block_size: int = Field(16, ge=1, le=1024)
+    keys: Literal["sim"] = "sim"
+    tokenizer: str | None = Field(None, min_length=1)
+    pending_s: float | None = Field(None, ge=0, le=3600)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if not KV_EVENTS_ENDPOINT_RE.match(v):
+            raise ValueError(f"{v!r} is not a publisher address template: tcp://HOST:PORT (or ipc://PATH) "
+                             "with only {host}, {port} or {port+N} as placeholders")
+        return v
+
+
 class Picker(_Strict):
     """The ext_proc picker (``ext_proc/``) and what Envoy is told about it.
 
@@ -807,6 +845,10 @@ class Picker(_Strict):
     report is older than ``shared_view_expiry_s`` stops counting. Off: each picker decides on its own
     Envoy's load alone (it still reports, and still gets the slow loop's GPU memory samples over the
     same stream).
+    ``prefix_source``: what feeds the prefix-cache index: ``routing`` (the picker's own picks, the
+    approximate index) or ``kv_events`` (the engines' KV-cache events, subscribed to as endpoints
+    join, with the prompt keyed as the engine keys it: ``kv_events``; docs/picker.md, "Precise
+    mode"; needs ``pip install 'inferlb[kv-events]'`` and ``prefix_cache_tokens`` above 0).
     ``spill_threshold``: tiers (``services[].versions[].endpoints[].tier``): a request goes to its
     cluster's cloud tier when the edge tier's requests in flight are at least this share (0-1) of
     the edge tier's max concurrency, else to the edge tier.
@@ -838,6 +880,8 @@ class Picker(_Strict):
     prefix_messages: int = Field(2, ge=0, le=1000)
     prefix_max_bytes: int = Field(4096, ge=1, le=1024 * 1024)
     prefix_cache_tokens: int = Field(500_000, ge=0, le=1_000_000_000)
+    prefix_source: Literal["routing", "kv_events"] = "routing"
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     body_mode: Literal["streamed", "buffered"] = "buffered"
     shared_view: bool = True
     shared_view_interval_s: float = Field(0.01, gt=0, le=10)
@@ -882,6 +926,13 @@ class Picker(_Strict):
             f"{', '.join('picker.' + n for n in given)} {'was' if len(given) == 1 else 'were'} removed: the "
             f"scheduling profile's plugins have these parameters now; write picker.profile: "
             f"[{', '.join(map(step, plugins))}] (docs/picker.md)"))
+
+    @model_validator(mode="after")
+    def _events_need_index(self) -> Picker:
+        if self.prefix_source == "kv_events" and not self.prefix_cache_tokens:
+            raise FieldProblem(("picker", "prefix_cache_tokens"), "prefix_source: kv_events needs the prefix "
+                               "index: prefix_cache_tokens above 0 (what one engine's KV cache holds, tokens)")
+        return self
 
     @field_validator("profiles")
     @classmethod

@@ -909,11 +909,14 @@ def test_scheduler_settings_travel_over_xds_unchanged():
                            default_request_mib=4096.0, kv_mib_per_token=0.25, default_max_tokens=64,
                            chars_per_token=3.5, request_memory_header="x-sim-memory-mib",
                            request_classes={"big": RequestClass(18432.0, 2000.0, 512.0)}, prefix_messages=3,
-                           prefix_max_bytes=1000, body_mode="streamed")
+                           prefix_max_bytes=1000, prefix_cache_tokens=64_000, engine_block_size=16,
+                           body_mode="streamed")
     settings_ = PickerSettings(inflight_expiry_s=130.0, session_ttl_s=1800.0, max_sessions=1000, admission=True,
                                max_queue=256, queue_timeout_s=0.1, retry_after_s=1, memory_queue=True,
                                pin_move_after=5, failure_hold_s=2.0, cost_forget=0.99, cost_min_samples=7,
-                               shared_view=False, shared_view_interval_s=0.1, shared_view_expiry_s=1.0)
+                               shared_view=False, shared_view_interval_s=0.1, shared_view_expiry_s=1.0,
+                               prefix_source="kv_events", kv_events_endpoint="tcp://{host}:{port+1000}",
+                               kv_events_topic="kv", pending_s=2.5)
     struct = json_format.ParseDict(to_wire(routing, settings_), struct_pb2.Struct())  # as in cluster metadata
     back_routing, back_settings = from_wire(json_format.MessageToDict(struct))
     assert back_settings == settings_

@@ -211,7 +211,8 @@ def test_the_contract_is_a_service_setting_strict_by_default_and_travels_over_xd
            "    versions: [{name: e1, endpoints: [{address: '10.0.0.2:8000'}]}]\n")
     table = routing_table(parse_config(doc, "<test>"))
     assert [(s.name, s.affinity) for s in table.services] == [("chat", "strict"), ("embed", "soft")]
-    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0)
+    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0,
+                              "routing", "tcp://{host}:5557", "", 5.0)
     struct = json_format.ParseDict(to_wire(table, settings), struct_pb2.Struct())
     back, _ = from_wire(json_format.MessageToDict(struct))
     assert [s.affinity for s in back.services] == ["strict", "soft"]

@@ -92,7 +92,8 @@ def test_admission_counts_both_tiers_capacity():
 
 
 def test_the_threshold_travels_over_xds():
-    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0)
+    settings = PickerSettings(130.0, 1800.0, 1000, False, 256, 0.1, 1, False, 3, 5.0, 0.999, 20, True, 0.1, 1.0,
+                              "routing", "tcp://{host}:5557", "", 5.0)
     struct = json_format.ParseDict(to_wire(routing(0.45), settings), struct_pb2.Struct())
     back, _ = from_wire(json_format.MessageToDict(struct))
     assert back.spill_threshold == 0.45

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format, struct_pb2
 
+from ext_proc.prefix_events import PENDING_S
 from ext_proc.scheduling import DEFAULT_STEPS, build_profile
 from ext_proc.settings import from_wire, to_wire
 from inferlb.picker_config import CONFIG_CHECKS, picker_settings, routing_table
@@ -167,3 +168,36 @@ def test_the_pickers_protocol_reaches_a_standalone_picker_and_bad_ones_are_refus
     assert from_wire(to_wire(routing, picker_settings(config())))[0].protocol == "gateway-api"
     with pytest.raises(ConfigError, match=r"picker\.protocol"):
         config(picker={"protocol": "epp"})
+
+
+def test_prefix_source_kv_events_reaches_the_picker_and_survives_the_wire():
+    """The engine's block size keys the prompt (the routing table), the publishers' template, topic and
+    pending picks are the process's settings; a standalone picker gets them over ADS."""
+    cfg = config(picker={"prefix_source": "kv_events", "prefix_cache_tokens": 64_000,
+                         "kv_events": {"endpoint": "tcp://{host}:{port+1000}", "topic": "kv", "block_size": 32,
+                                       "tokenizer": "/models/llama"}})
+    routing, settings = routing_table(cfg), picker_settings(cfg)
+    assert (routing.engine_block_size, routing.prefix_blocks, routing.engine_tokenizer) == (32, 2000, "/models/llama")
+    assert (settings.prefix_source, settings.kv_events_endpoint, settings.kv_events_topic, settings.pending_s) == (
+        "kv_events", "tcp://{host}:{port+1000}", "kv", PENDING_S)
+    struct = json_format.ParseDict(to_wire(routing, settings), struct_pb2.Struct())
+    assert from_wire(json_format.MessageToDict(struct)) == (routing, settings)
+    default = config()
+    assert routing_table(default).engine_block_size == 0 and picker_settings(default).prefix_source == "routing"
+    assert routing_table(config(picker={"kv_events": {"tokenizer": "/m"}})).engine_tokenizer is None  # routing
+    assert picker_settings(config(picker={"kv_events": {"pending_s": 0}})).pending_s == 0
+
+
+@pytest.mark.parametrize(("picker", "needle"), [
+    ({"prefix_source": "precise"}, "picker.prefix_source"),
+    ({"kv_events": {"endpoint": "tcp://{host}:{nope}"}}, "picker.kv_events.endpoint"),
+    ({"kv_events": {"endpoint": "{host}:5557"}}, "picker.kv_events.endpoint"),
+    ({"kv_events": {"block_size": 0}}, "picker.kv_events.block_size"),
+    ({"kv_events": {"keys": "vllm"}}, "picker.kv_events.keys"),
+    ({"kv_events": {"pending_s": -1}}, "picker.kv_events.pending_s"),
+    ({"kv_events": {"tokenizer": ""}}, "picker.kv_events.tokenizer"),
+    ({"prefix_source": "kv_events", "prefix_cache_tokens": 0}, "picker.prefix_cache_tokens"),
+])
+def test_bad_kv_events_settings_are_refused_naming_the_field(picker, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        config(picker=picker)
