@@ -59,6 +59,6 @@ def lab(scenarios: tuple[str, ...], policies: tuple[str, ...], traces: tuple[str
     if not quick:
         markdown_path = markdown_path or "BENCHMARKS.md"
         plots_dir = plots_dir or "docs/bench/lab"
-    run_lab(scenarios=names, policies=list(policies) or list(DEFAULT_POLICY_NAMES), quick=quick, engines=engines, seed=seed,
-            json_path=json_path, markdown_path=markdown_path, plots_dir=plots_dir, slo_ttft_p90_ms=slo_ttft_p90_ms,
-            jobs=jobs, duration_s=duration_s)
+    run_lab(scenarios=names, policies=list(policies) or list(DEFAULT_POLICY_NAMES), quick=quick, engines=engines,
+            seed=seed, json_path=json_path, markdown_path=markdown_path, plots_dir=plots_dir,
+            slo_ttft_p90_ms=slo_ttft_p90_ms, jobs=jobs, duration_s=duration_s)
