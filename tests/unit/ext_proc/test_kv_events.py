@@ -203,6 +203,21 @@ def test_sequence_numbers_tell_lost_batches_and_a_restarted_publisher():
         (False, 0), (False, 0), (False, 5), (True, 0), (True, 0)]
 
 
+async def _bind_again(publisher, endpoint: str):
+    """A publisher bound at ``endpoint`` as soon as the port is free again: ZMQ closes a socket in its
+    I/O thread, so the closed one's port may still be taken for a moment (as for a restarted engine)."""
+    import zmq
+
+    for _ in range(100):
+        try:
+            return publisher(endpoint)
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.02)
+    return publisher(endpoint)
+
+
 async def test_a_restarted_publisher_makes_the_index_forget_its_endpoints_blocks():
     """A restarted engine's cache is empty and vLLM sends no AllBlocksCleared at start: its sequence
     numbers starting again are what tells."""
@@ -226,7 +241,7 @@ async def test_a_restarted_publisher_makes_the_index_forget_its_endpoints_blocks
         await asyncio.sleep(0.2)
         assert index.keys(A) == (1, 2, 3)
         first.close()
-        second = KvEventPublisher(endpoint)  # numbers from 0 again
+        second = await _bind_again(KvEventPublisher, endpoint)  # numbers from 0 again
         try:
             for _ in range(200):
                 second.publish([BlockStored(2.0, (7,), None, tuple(range(16)), 16)], 2.0)
