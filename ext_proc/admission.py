@@ -97,6 +97,9 @@ class _Waiter:
 class Admission:
     """Per-cluster queues of requests waiting for a slot or for GPU memory.
 
+    No defaults here: they are the picker config's (``picker.max_queue``, ``picker.queue_timeout_s``,
+    ``picker.retry_after_s``), one place for each.
+
     Args:
         max_queue: waiting requests per cluster (0 = never queue: 429 at once).
         timeout_s: longest wait (s); then 429.
@@ -106,7 +109,7 @@ class Admission:
         ValueError: a negative ``max_queue``, ``timeout_s`` <= 0 or ``retry_after_s`` < 1.
     """
 
-    def __init__(self, max_queue: int = 256, timeout_s: float = 0.1, retry_after_s: int = 1) -> None:
+    def __init__(self, max_queue: int, timeout_s: float, retry_after_s: int) -> None:
         if max_queue < 0 or timeout_s <= 0 or retry_after_s < 1:
             raise ValueError(f"admission: max_queue >= 0, timeout_s > 0, retry_after_s >= 1 needed; got "
                              f"{max_queue}, {timeout_s}, {retry_after_s}")

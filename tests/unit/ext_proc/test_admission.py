@@ -103,7 +103,7 @@ async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_m
 
 
 async def test_a_waiter_that_fits_goes_by_an_older_one_that_does_not_but_only_with_a_slot():
-    a = Admission(8, 1.0)
+    a = Admission(8, 1.0, 1)
     fits = {"big": False, "small": True}
     waiting = {n: a.enqueue("c", lambda n=n: n.encode(), lambda: b"429", lambda n=n: fits[n]) for n in fits}
     assert a.release(lambda cluster: False) == 0  # no slot: nobody goes, however it fits
@@ -150,7 +150,7 @@ async def test_without_an_access_log_stream_nothing_is_held():
 
 def test_bad_parameters_raise():
     with pytest.raises(ValueError, match="admission"):
-        Admission(timeout_s=0)
+        Admission(8, 0, 1)
 
 
 def test_locality_metadata_is_the_default_of_its_endpoints():

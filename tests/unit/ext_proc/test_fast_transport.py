@@ -318,7 +318,7 @@ def test_grpc_timeout_parsing(value, seconds):
 def admission_handler(max_queue: int = 4) -> PickerHandler:
     h = ViewHolder()
     h.update({"llm-v1": limited([1])}, ROUTING)
-    handler = PickerHandler(h, admission=Admission(max_queue, timeout_s=5.0))
+    handler = PickerHandler(h, admission=Admission(max_queue, timeout_s=5.0, retry_after_s=1))
     handler.inflight.streams = 1
     handler.inflight.picked("llm-v1", None)  # the cluster is full
     return handler
