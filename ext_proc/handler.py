@@ -292,6 +292,8 @@ class PickerHandler:
         self.inflight = inflight if inflight is not None else InFlight()
         self.loads: InFlight | SharedLoad = self.inflight
         """What decisions read as the live load: ``inflight``, or with :meth:`share_load` the shared view."""
+        self.shared: SharedLoad | None = None
+        """The shared load view once :meth:`share_load` made it ``loads`` (its grants, its others); None: none."""
         self.sessions = sessions if sessions is not None else SessionTable()
         self.admission = admission
         self.errors = errors if errors is not None else ErrorReporter(log)
@@ -534,10 +536,10 @@ class PickerHandler:
         """``cluster``'s slots taken: its requests in flight and those waiting for a memory grant
         (admitted: they commit once answered, and a slot counted only then let every request in
         those milliseconds through)."""
-        loads = self.loads
-        taken = loads.clusters.get(cluster, 0)
-        if isinstance(loads, SharedLoad) and loads.grants.pending:
-            taken += loads.grants.pending.get(cluster, 0)
+        taken = self.loads.clusters.get(cluster, 0)
+        shared = self.shared
+        if shared is not None and shared.grants.pending:
+            taken += shared.grants.pending.get(cluster, 0)
         return taken
 
     def _room(self, cluster: str) -> bool:
@@ -625,14 +627,15 @@ class PickerHandler:
         :data:`GRANT_TRIES` refusals (``tries``: refusals so far); then ``give_up()`` (default: queued
         for memory like a request no endpoint has room for).
         """
-        loads = self.loads
+        shared = self.shared
         endpoint = decision.endpoint
         # The need with the margin admission kept: the others' unseen grants may not take the margin.
-        room = loads.grant_room(endpoint, decision.mib * (1.0 + decision.margin)) \
-            if endpoint is not None and isinstance(loads, SharedLoad) else None
+        if endpoint is None or shared is None:
+            return self._commit(decision, view, headers, phase)
+        room = shared.grant_room(endpoint, decision.mib * (1.0 + decision.margin))
         if room is None:
             return self._commit(decision, view, headers, phase)
-        grants = loads.grants  # type: ignore[union-attr]
+        grants = shared.grants
         loop = asyncio.get_running_loop()
         if deadline is None and self.admission is not None:
             # The request's whole wait (grant waits, refusals, the queue) ends within the queue's
@@ -674,7 +677,7 @@ class PickerHandler:
                 settle(future, give_up or (lambda: self._no_memory(decision._replace(reason="no-memory"), headers,
                                                                    self.holder.current, body, phase, deadline)))
 
-        request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)  # type: ignore[arg-type]
+        request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)
         left = GRANT_TIMEOUT_S if deadline is None else max(0.0, deadline - loop.time())
         wait = left if refusable else min(GRANT_TIMEOUT_S, left)
         timer = loop.call_later(wait, late)
@@ -740,9 +743,9 @@ class PickerHandler:
         """Decide on the shared load view from now on: the loads every decision reads become this
         picker's own plus the other pickers' (:mod:`ext_proc.shared_load`; fed by
         :func:`ext_proc.load_client.run_load_view`). Returns the :class:`SharedLoad` to feed."""
-        if not isinstance(self.loads, SharedLoad):
-            self.loads = SharedLoad(self.inflight)
-        return self.loads
+        if self.shared is None:
+            self.loads = self.shared = SharedLoad(self.inflight)
+        return self.shared
 
     def others_changed(self, before: Others) -> None:
         """The shared load view's others' load changed from ``before`` (:func:`ext_proc.load_client.run_load_view`
@@ -751,10 +754,10 @@ class PickerHandler:
         slot), as the picker's own completions do. Without this a waiter was retried only on this
         picker's own completions, samples and housekeeping: the lab's ``multi_gateway`` (three pickers,
         16 engines, 48 QPS) had 301 memory-queue timeouts (1.2 % of its requests), 209 with it."""
-        loads = self.loads
+        shared = self.shared
         admission = self.admission
-        if admission is not None and isinstance(loads, SharedLoad) and admission.waiting() \
-                and freed(before, loads.others):
+        if admission is not None and shared is not None and admission.waiting() \
+                and freed(before, shared.others):
             admission.release(self._room)
 
     def set_samples(self, samples: MemorySamples) -> None:
@@ -764,9 +767,9 @@ class PickerHandler:
         deciding: a count that includes another picker's requests would credit this one's doubtful
         requests with room those hold. Counts of this picker's own requests (``samples.own``: the
         control plane took the others' out) are used whoever decides."""
-        loads = self.loads
+        shared = self.shared
         if samples.held is not None and not samples.own and not (
-                isinstance(loads, SharedLoad) and loads.viewed_at is not None and loads.alone()):
+                shared is not None and shared.viewed_at is not None and shared.alone()):
             samples = samples._replace(held=None)
         self.inflight.set_samples(samples)
         if self.admission is not None:
