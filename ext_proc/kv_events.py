@@ -45,7 +45,7 @@ from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
 
 __all__ = ["CLEARED", "REMOVED", "STORED", "Change", "KvEventFeed", "KvEventSubscriber", "KvEventsUnavailable",
-           "apply", "decode_batch", "follows", "publisher_address", "sequence_number", "start_feed"]
+           "apply", "check_feed", "decode_batch", "follows", "publisher_address", "sequence_number", "start_feed"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,11 @@ KV_EVENT_BATCHES = Counter(
     "KV-cache event batches the picker read from the engines' publishers, by outcome: applied (to the prefix-cache "
     "index), malformed (dropped), stale (from an endpoint that had left the view), lost (missing from the "
     "sequence numbers), restarted (a new publisher: the endpoint's blocks forgotten).", ["outcome"])
+for _outcome in ("applied", "malformed", "stale", "lost", "restarted"):  # every series from the start, at 0:
+    KV_EVENT_BATCHES.labels(_outcome)  # an alert on applied's rate sees 0, not nothing, when no engine publishes
 KV_EVENT_PUBLISHERS = Gauge("inferlb_ext_proc_kv_event_publishers",
-                            "Engines' KV-cache event publishers the picker subscribes to.")
+                            "Engines' KV-cache event publishers the picker subscribes to (a subscription, not "
+                            "a publisher heard from: batches_total{outcome=\"applied\"} rising says events arrive).")
 #: A placeholder of a publisher template: ``{host}``, ``{port}``, ``{port+N}``, ``{port-N}``.
 _PLACEHOLDER = re.compile(r"\{(host|port)([+-][0-9]+)?\}")
 #: How long the subscriber's thread waits for a message before it looks at its commands (ms).
@@ -358,6 +361,28 @@ class KvEventsUnavailable(RuntimeError):
     """``picker.prefix_source: kv_events`` without the packages its subscriber needs."""
 
 
+def check_feed(tokenizer: str | None) -> None:
+    """What ``picker.prefix_source: kv_events`` needs on this machine: ``pyzmq`` and ``msgpack``, and
+    the Hugging Face tokenizer in ``tokenizer`` (a directory; None: none needed) loadable. Called by
+    :func:`start_feed` and by ``inferlb validate``, so both refuse the same configs.
+
+    Raises:
+        KvEventsUnavailable: a package is missing or the tokenizer cannot be loaded (the message
+            names the setting).
+    """
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as exc:
+        raise KvEventsUnavailable(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
+                                  "pip install 'inferlb[kv-events]'") from None
+    if tokenizer is not None:
+        try:
+            load_encoder(tokenizer)
+        except (ImportError, OSError, ValueError) as exc:
+            raise KvEventsUnavailable(f"picker.kv_events.tokenizer: {exc}") from None
+
+
 def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> asyncio.Task[None] | None:
     """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
     ``PickerHandler.from_settings`` made), a task on the running loop that runs its
@@ -370,17 +395,6 @@ def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> a
     """
     if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
         return None
-    try:
-        import msgpack  # noqa: F401
-        import zmq  # noqa: F401
-    except ImportError as exc:
-        raise KvEventsUnavailable(f"picker.prefix_source: kv_events needs pyzmq and msgpack ({exc}): "
-                           "pip install 'inferlb[kv-events]'") from None
-    tokenizer = holder.current.routing.engine_tokenizer
-    if tokenizer is not None:
-        try:
-            load_encoder(tokenizer)
-        except (ImportError, ValueError) as exc:
-            raise KvEventsUnavailable(f"picker.kv_events.tokenizer: {exc}") from None
+    check_feed(holder.current.routing.engine_tokenizer)
     feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
     return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")

@@ -109,6 +109,13 @@ def validate(config_path: str) -> None:
     cfg = _load(config_path)
     try:
         require_client(cfg)
+        if cfg.picker.prefix_source == "kv_events":
+            from ext_proc.kv_events import KvEventsUnavailable, check_feed
+
+            try:
+                check_feed(cfg.picker.kv_events.tokenizer)
+            except KvEventsUnavailable as err:
+                raise ConfigError(str(err)) from None
     except ConfigError as err:
         click.echo(f"invalid config:\n{config_path}: {err}", err=True)
         sys.exit(2)

@@ -129,3 +129,32 @@ def test_ext_proc_takes_host_names_and_ipv6(monkeypatch):
     result = CliRunner().invoke(main, ["ext-proc", "--xds", "inferlb.example:18000", "--listen", "[::1]:0"])
     assert result.exit_code == 0, result.output
     assert seen == [("inferlb.example:18000", "[::1]:0")]
+
+
+def test_validate_refuses_what_serve_refuses_for_the_kv_event_feed(tmp_path):
+    """A tokenizer the picker cannot load is refused by ``validate`` as by ``serve``, naming the setting."""
+    from click.testing import CliRunner
+
+    from inferlb.cli import main
+
+    path = tmp_path / "kv.yaml"
+    services = ("services:\n  - name: chat\n    versions:\n      - name: v1\n"
+                "        endpoints: [{address: '127.0.0.1:8000'}]\n")
+    picker = "picker:\n  prefix_source: kv_events\n  prefix_cache_tokens: 64000\n"
+    path.write_text(picker + f"  kv_events: {{tokenizer: {tmp_path / 'nowhere'}}}\n" + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "picker.kv_events.tokenizer:" in result.output and "nowhere/tokenizer.json" in result.output
+    path.write_text(picker + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 0, result.output
+
+
+def test_every_kv_event_batch_outcome_is_a_series_from_the_start():
+    """An alert on the applied batches' rate sees 0, not no series, when no engine publishes."""
+    from prometheus_client import REGISTRY
+
+    from ext_proc import kv_events  # noqa: F401  (registers the counter)
+
+    for outcome in ("applied", "malformed", "stale", "lost", "restarted"):
+        assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_batches_total", {"outcome": outcome}) is not None
