@@ -267,8 +267,8 @@ def publisher_address(template: str, endpoint: str) -> str:
     ('tcp://10.0.0.1:5557', 'tcp://h:9000')
 
     Raises:
-        ValueError: ``endpoint`` has no port, or ``{host}`` / ``{port}`` is followed by an offset it
-            does not take.
+        ValueError: ``endpoint`` has no port, ``{host}`` is followed by an offset, or the port comes
+            out of 1-65535.
     """
     host, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit():
@@ -280,7 +280,10 @@ def publisher_address(template: str, endpoint: str) -> str:
             if offset:
                 raise ValueError(f"{{host}} takes no offset: {template!r}")
             return host
-        return str(int(port) + int(offset or 0))
+        number = int(port) + int(offset or 0)
+        if not 0 < number < 65536:
+            raise ValueError(f"{template!r} gives {endpoint!r} the port {number}, outside 1-65535")
+        return str(number)
 
     return _PLACEHOLDER.sub(fill, template)
 
@@ -312,6 +315,7 @@ class KvEventFeed:
         self.template = template
         self.topic = topic
         self.publishers: dict[str, str] = {}
+        self._unaddressable: set[str] = set()  # endpoints without a publisher address, said once each
         """``{endpoint: publisher address}`` subscribed to now (read on the loop)."""
         self.subscriber: KvEventSubscriber | None = None
 
@@ -333,7 +337,9 @@ class KvEventFeed:
                         try:
                             wanted[endpoint] = publisher_address(self.template, endpoint)
                         except ValueError as exc:
-                            log.warning("kv events: %s", exc)
+                            if endpoint not in self._unaddressable:
+                                self._unaddressable.add(endpoint)
+                                log.warning("kv events: no publisher for %s: %s", endpoint, exc)
         if wanted == self.publishers:
             return False
         self.publishers = wanted

@@ -120,7 +120,9 @@ def test_a_publishers_address_from_the_template(template, endpoint, address):
     assert publisher_address(template, endpoint) == address
 
 
-@pytest.mark.parametrize(("template", "endpoint"), [("tcp://{host+1}:5557", "h:1"), ("tcp://{host}:5557", "h")])
+@pytest.mark.parametrize(("template", "endpoint"), [("tcp://{host+1}:5557", "h:1"), ("tcp://{host}:5557", "h"),
+                                                    ("tcp://{host}:{port+60000}", "h:8000"),
+                                                    ("tcp://{host}:{port-8000}", "h:8000")])
 def test_a_template_that_cannot_be_filled_is_a_value_error(template, endpoint):
     with pytest.raises(ValueError):
         publisher_address(template, endpoint)
