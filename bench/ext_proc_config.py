@@ -212,8 +212,7 @@ def run(duration_s: float = 3.0, runs: int = 5, connections: int = 16, body_kb: 
                     round_[name] = r
                 rounds.append(round_)
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stack.stop_all(procs)
 
     def col(name: str, key: str) -> list[float]:
         return [r[name][key] for r in rounds]

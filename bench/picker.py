@@ -459,8 +459,7 @@ def run(duration_s: float = 5.0, runs: int = 3, transport: str = "fast", workers
                            result["direct_response"]["python_cpu_us_per_decision"]) if profile_s > 0 else None
         stats = _envoy_stats(f"http://127.0.0.1:{ports['envoy_admin']}")
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stack.stop_all(procs)
     direct = result["direct_response"]
     checks = {
         "rps_ratio_to_null": direct["rps_ratio_to_null"],

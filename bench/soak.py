@@ -450,8 +450,7 @@ def run_soak(*, duration_s: float, warmup_s: float, fault_every_s: float, rate: 
         doc["workdir"] = str(work)
         return doc
     finally:
-        for p in reversed(list(demo.procs.values()) if demo else started):
-            p.stop()
+        stack.stop_all(list(demo.procs.values()) if demo else started)
 
 
 def write_markdown(path: Path, doc: dict) -> None:

@@ -421,6 +421,5 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         print("inferlb demo: terminated (SIGTERM); stopping everything", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stack.stop_all(procs)
         signal.signal(signal.SIGTERM, previous)

@@ -303,8 +303,7 @@ class ScenarioRunner:
                 self._drive(f"{policy}-r{round_}", listeners, envoy_admin, eds, present))
         finally:
             self._last_run_ended = time.monotonic()
-            for p in reversed(procs):
-                p.stop()
+            stack.stop_all(procs)
         after = {i: c for i in range(len(self.addresses)) if (c := self._counters(i) or self._last.get(i))}
         backends = figures.BackendCounters(**{k: sum(after[i][k] - before.get(i, {}).get(k, 0) for i in after)
                                               for k in _COUNTERS})

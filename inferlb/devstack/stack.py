@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,25 @@ class Proc:
         with contextlib.suppress(ProcessLookupError):
             self.popen.kill()
         self.popen.wait(5)
+
+
+def stop_all(procs: Iterable[Proc], timeout: float = 5.0) -> None:
+    """Stop every process of ``procs`` at once: SIGTERM to all (in reverse order: the last started, a
+    client of the earlier ones, first), then up to ``timeout`` s for all of them together, then SIGKILL
+    to the rest. One after another (:meth:`Proc.stop` each) a stack of eight took up to 5 s each on a
+    loaded machine: a demo stopped by Ctrl-C took over 30 s. Idempotent."""
+    running = [p for p in reversed(list(procs)) if p.popen.poll() is None]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in running:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.kill()
+            p.popen.wait(5)
 
 
 def spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None) -> Proc:
