@@ -366,6 +366,10 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     work.mkdir(parents=True, exist_ok=True)
     procs: list[stack.Proc] = []
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # Ctrl-C stops everything even where the parent left SIGINT ignored (a background job of a
+    # non-interactive shell, nohup, a test runner's worker): Python installs KeyboardInterrupt only
+    # where SIGINT was not ignored at start.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         print(f"inferlb demo: work dir {work}", flush=True)
         demo_started = time.time()
@@ -423,3 +427,4 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
     finally:
         stack.stop_all(procs)
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
