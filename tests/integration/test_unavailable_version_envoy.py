@@ -3,7 +3,8 @@
 chat's default is v1, listed in ``unavailable_versions`` (what etcd discovery sets when every v1 node
 has left); v2 has a backend. With no ext_proc filter in Envoy's listener, Envoy's own route must give
 requests naming v1, or no version, the 503 whose body names v1 (the same error object the picker sends), and
-never v2's model; requests naming v2 are served by v2 (docs/operations.md, etcd "Leave").
+never v2's model; requests naming v2 are served by v2 (docs/operations.md, etcd "Leave"); requests naming a
+version the route does not know get a 400, never the default version's model.
 """
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def test_envoys_route_answers_the_unavailable_default_with_the_503_that_names_it
         assert "x-served-by" not in r.headers and "x-backend-version" not in r.headers   # never v2's model
     served = {ask(s, **{"model-version": "v2"}).headers.get("x-served-by") for _ in range(5)}
     assert served == {s.backends[0].address}
+
+
+def test_envoys_route_answers_a_version_it_does_not_know_with_a_400_not_the_default(stack_without_picker: Stack):
+    for _ in range(3):
+        r = ask(stack_without_picker, **{"model-version": "v9"})
+        assert (r.status_code, r.headers.get("content-type"), "x-served-by" in r.headers) == (
+            400, "application/json", False)
+        assert r.json() == {"error": {"message": "unknown model version in header 'model-version'; known versions: v2",
+                                      "type": "invalid_request_error", "param": "model-version",
+                                      "code": "unknown_version"}}

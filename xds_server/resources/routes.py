@@ -2,12 +2,14 @@
 
 With the picker, a route follows the cluster header it set; without it (picker down and
 ``failure_mode_allow``, or ``envoy.picker: false``) the version header picks the version's cluster
-(so versions never mix), else the service's default version (or its default mix). A version
-with no endpoints now (``unavailable_versions``) is answered 503 by Envoy itself (a direct
-response), never routed to another version. Every route retries connect failures, resets, 5xx and
-per-try timeouts on another host (case C13). ``GET /v1/models`` is answered by Envoy itself: the
-service's served names as an OpenAI ``list`` object (:func:`models_list`), with the picker off
-for that route.
+(so versions never mix), a mix's name its versions by their shares, a name of ``models`` the
+default version; a version header naming none of these is answered 400 by Envoy itself, never by
+the default version (a version the picker knows may reach Envoy's route only a push later). No
+version header: the service's default version (or its default mix). A version with no endpoints
+now (``unavailable_versions``) is answered 503 by Envoy itself (a direct response), never routed
+to another version. Every route retries connect failures, resets, 5xx and per-try timeouts on
+another host (case C13). ``GET /v1/models`` is answered by Envoy itself: the service's served
+names as an OpenAI ``list`` object (:func:`models_list`), with the picker off for that route.
 """
 
 from __future__ import annotations
@@ -75,19 +77,37 @@ def _unavailable(s: ServiceConfig, version: str, header: str | None = None) -> d
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
 
 
-def _fallback(s: ServiceConfig, timeout: str, retry: dict) -> dict:
-    """Where a request without the picker's cluster header goes: the default version, or the
-    default mix's versions weighted by their shares (the picker is down: per-request split); a
-    default with no endpoints now is a 503."""
-    if s.default in s.unavailable_versions:
-        return _unavailable(s, s.default)
-    mix = s.mixes.get(s.default)
+def _to(s: ServiceConfig, name: str, timeout: str, retry: dict) -> dict:
+    """A route action (JSON form) to version ``name``'s cluster, or to mix ``name``'s versions
+    weighted by their shares (the picker is down: a per-request split)."""
+    mix = s.mixes.get(name)
     if mix is None:
-        target: dict = {"cluster": cluster_name(s.name, s.default)}
+        target: dict = {"cluster": cluster_name(s.name, name)}
     else:
         shares = [(cluster_name(s.name, v), round(p * 100)) for v, p in sorted(mix.items()) if p > 0]
         target = {"weighted_clusters": {"clusters": [{"name": n, "weight": w} for n, w in shares]}}
     return {"route": {**target, "timeout": timeout, "retry_policy": retry}}
+
+
+def _fallback(s: ServiceConfig, timeout: str, retry: dict) -> dict:
+    """Where a request without the picker's cluster header or a version header goes: the default
+    version, or the default mix; a default with no endpoints now is a 503."""
+    if s.default in s.unavailable_versions:
+        return _unavailable(s, s.default)
+    return _to(s, s.default, timeout, retry)
+
+
+def _unknown(s: ServiceConfig, header: str) -> dict:
+    """A route action (JSON form) for a version header that names no version or mix Envoy's route
+    knows: Envoy answers 400 itself with the picker's error object for it (code "unknown_version",
+    ``param`` the header). Envoy's direct response cannot quote the header's value, so the message
+    lists the known names instead."""
+    known = ", ".join(sorted([*(v.name for v in s.versions), *s.mixes, *s.models]))
+    body = error_json(400, "unknown_version", f"unknown model version in header '{header}'; known versions: {known}",
+                      header)
+    return {"direct_response": {"status": 400, "body": {"inline_string": body}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
 
 
 def retry_policy(cfg: Config) -> dict:
@@ -114,10 +134,11 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
 
     First, ``GET /v1/models``: the service's served names (:func:`models_list`), answered by Envoy.
-    With the picker, a route follows the cluster header the picker set; without it
-    (``envoy.picker: false``), one route per version matches the version header exactly (a version
-    with no endpoints now: a 503). Either way the last route sends everything else to the
-    service's default version (a 503 when it has no endpoints now).
+    With the picker, a route follows the cluster header the picker set; without it (``envoy.picker:
+    false``, or a picker that failed open), one route per version and per mix matches the version
+    header exactly (a version with no endpoints now: a 503; a name of ``models``: the default
+    version), then any other value of the version header is a 400. The last route sends requests
+    without a version header to the service's default version (a 503 when it has no endpoints now).
     """
     vhosts = []
     for s in cfg.services:
@@ -131,14 +152,20 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
              "route": {"cluster_header": cfg.headers.cluster, "timeout": timeout, "retry_policy": retry}}
         ] if cfg.envoy.picker else []
         by_version = [
-            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version,
-                                                   "string_match": {"exact": v.name}}]},
-             "route": {"cluster": cluster_name(s.name, v.name), "timeout": timeout, "retry_policy": retry}}
-            for v in s.versions
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "string_match": {"exact": name}}]},
+             **_to(s, name, timeout, retry)}
+            for name in [*(v.name for v in s.versions), *sorted(s.mixes)]
+        ] + [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "string_match": {"exact": m}}]},
+             **_fallback(s, timeout, retry)}
+            for m in sorted(s.models)
         ] + [
             {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "string_match": {"exact": v}}]},
              **_unavailable(s, v, cfg.headers.version)}
             for v in s.unavailable_versions
+        ] + [
+            {"match": {"prefix": "/", "headers": [{"name": cfg.headers.version, "present_match": True}]},
+             **_unknown(s, cfg.headers.version)}
         ]
         vhosts.append({
             "name": s.name,

@@ -165,7 +165,8 @@ def test_listener_binds_the_configured_address_and_takes_routes_over_ads():
 
 def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_default_version():
     """Cluster header (the picker's) first; then the version header straight to its cluster (so versions
-    don't mix while the picker is down); then the default version."""
+    don't mix while the picker is down); then any other version header value a 400; then the default
+    version."""
     rc = as_dict(build_route_config(CFG))
     assert rc["name"] == ROUTE_NAME
     assert rc.get("validate_clusters") is False
@@ -175,8 +176,14 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
     expected_versions = {"llm": {"v1": "llm-v1", "v2": "llm-v2"}, "embed": {"e1": "embed-e1"}}
     version_header = CFG.headers.version
     for vh in vhosts:
-        models, first, *by_version, last = vh["routes"]
+        models, first, *by_version, unknown, last = vh["routes"]
         assert models["match"]["path"] == "/v1/models" and models["direct_response"]["status"] == 200
+        assert unknown["match"]["headers"] == [{"name": version_header, "present_match": True}]
+        assert unknown["direct_response"]["status"] == 400 and "route" not in unknown
+        assert json.loads(unknown["direct_response"]["body"]["inline_string"]) == {"error": {
+            "message": f"unknown model version in header '{version_header}'; known versions: "
+                       + ", ".join(expected_versions[vh["name"]]),
+            "type": "invalid_request_error", "param": version_header, "code": "unknown_version"}}
         assert first["match"]["prefix"] == "/"
         assert first["match"]["headers"] == [{"name": "x-test-cluster", "present_match": True}]
         assert first["route"]["cluster_header"] == "x-test-cluster"
@@ -185,8 +192,9 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
         assert all(r["match"]["headers"][0]["name"] == version_header for r in by_version)
         assert "headers" not in last["match"] and last["match"]["prefix"] == "/"
         assert last["route"]["cluster"] == expected_default[vh["name"]]
-        assert {r["route"]["timeout"] for r in vh["routes"][1:]} == {"30s"}
-        assert all(r["route"]["retry_policy"]["retry_on"] == "5xx" for r in vh["routes"][1:])
+        routed = [r for r in vh["routes"][1:] if "route" in r]
+        assert {r["route"]["timeout"] for r in routed} == {"30s"}
+        assert all(r["route"]["retry_policy"]["retry_on"] == "5xx" for r in routed)
     assert sorted(vhosts[0]["domains"]) == ["api.example.com", "api.example.com:*"]
     assert vhosts[1]["domains"] == ["*"]
 
@@ -201,7 +209,8 @@ def test_a_version_with_no_endpoints_is_a_503_from_envoy_never_another_version()
     """Every node of the default version v2 left (discovery): without the picker, a request naming v2 or
     none gets Envoy's own 503 naming the version, not v1's model."""
     routes = as_dict(build_route_config(GONE))["virtual_hosts"][0]["routes"]
-    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[2:-1]}
+    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[2:-2]}
+    assert routes[-2]["direct_response"]["status"] == 400   # any other version: unknown
     assert by_version["v1"]["route"]["cluster"] == "llm-v1"
     for v in ("v2", "v3"):
         assert "route" not in by_version[v] and by_version[v]["direct_response"]["status"] == 503

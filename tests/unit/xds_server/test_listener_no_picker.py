@@ -7,6 +7,8 @@ a running Envoy by the quality-benchmark smoke test (``inferlb_eds`` in the ``ve
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.support.factories import config, service, version
@@ -36,14 +38,30 @@ def test_without_picker_the_listener_has_no_ext_proc_filter_but_still_strips_rou
 
 def test_without_picker_one_route_per_version_by_exact_header_then_the_default():
     [vh] = as_dict(build_route_config(WITHOUT))["virtual_hosts"]
-    models, *by_version, last = vh["routes"]
+    models, *by_version, unknown, last = vh["routes"]
+    assert unknown["match"]["headers"] == [{"name": "x-model-ver", "present_match": True}]
+    assert unknown["direct_response"]["status"] == 400
     assert models["match"]["path"] == "/v1/models"
     assert [(r["match"]["headers"], r["route"]["cluster"]) for r in by_version] == [
         ([{"name": "x-model-ver", "string_match": {"exact": v}}], f"llm-{v}") for v in ("v1", "v2", "v3")
     ]
     assert "headers" not in last["match"] and last["route"]["cluster"] == "llm-v2"
-    assert {r["route"]["timeout"] for r in vh["routes"][1:]} == {"7s"}
-    assert not any("cluster_header" in r["route"] for r in vh["routes"][1:])
+    assert {r["route"]["timeout"] for r in [*by_version, last]} == {"7s"}
+    assert not any("cluster_header" in r["route"] for r in [*by_version, last])
+
+
+def test_without_picker_a_mix_or_model_name_in_the_version_header_is_routed_and_any_other_value_is_a_400():
+    cfg = config([service("llm", [version("v1", 1), version("v2", 1)], default_version="v1",
+                          models=["llama"], mixes={"canary": {"v1": 90, "v2": 10}})], envoy={"picker": False})
+    routes = as_dict(build_route_config(cfg))["virtual_hosts"][0]["routes"]
+    by_header = {r["match"]["headers"][0].get("string_match", {}).get("exact"): r for r in routes if "headers" in
+                 r["match"] and r["match"]["headers"][0]["name"] == "model-version"}
+    assert by_header["canary"]["route"]["weighted_clusters"]["clusters"] == [
+        {"name": "llm-v1", "weight": 9000}, {"name": "llm-v2", "weight": 1000}]   # in 1/100 of a percent
+    assert by_header["v2"]["route"]["cluster"] == "llm-v2"
+    assert by_header["llama"]["route"]["cluster"] == "llm-v1"   # a model name: the default version
+    assert json.loads(by_header[None]["direct_response"]["body"]["inline_string"])["error"]["message"] == \
+        "unknown model version in header 'model-version'; known versions: canary, llama, v1, v2"
 
 
 def test_picker_field_must_be_a_boolean():
