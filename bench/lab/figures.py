@@ -17,7 +17,11 @@ Over the *measured* requests (arrived in ``[warmup_s, duration_s)``):
   a version other than the one asked for, no first token by the run's end); a request still
   decoding at the end is no error (its TTFT counts, its end-to-end time does not); OOM rate: engine
   out-of-memory failures;
-- shares: each endpoint's share of the measured requests it served.
+- shares: each endpoint's share of the measured requests it served;
+- sessions moved (runs with an ``add`` fault, else None): among sessions answered both before the
+  first engine joined and between then and the next fault, the share whose last endpoint before
+  differs from their last endpoint after: the KV caches a scale-up made cold (``inferlb bench
+  quality``'s figure of the same name; consistent hashing moves about 1/N of them).
 
 Percentiles are numpy's linear interpolation between closest ranks. Times in ms, rates 0-1.
 """
@@ -31,7 +35,7 @@ import numpy as np
 
 from bench.lab.harness import Record, RunResult
 
-__all__ = ["DEFAULT_SLO_TTFT_P90_MS", "MAX_ERROR_RATE", "max_qps_within_slo", "point_figures"]
+__all__ = ["DEFAULT_SLO_TTFT_P90_MS", "MAX_ERROR_RATE", "max_qps_within_slo", "point_figures", "sessions_moved"]
 
 #: The SLO of ``max_qps_within_slo``: TTFT p90 at most this (ms).
 DEFAULT_SLO_TTFT_P90_MS = 2000.0
@@ -51,6 +55,27 @@ def _window_tokens(r: Record, start: float, end: float) -> float:
         return float(r.output_tokens) if start <= r.end_s < end else 0.0
     overlap = min(end, r.end_s) - max(start, r.first_s)
     return r.output_tokens * max(0.0, overlap) / span
+
+
+def sessions_moved(result: RunResult) -> float | None:
+    """See the module docstring (0-1; None: the run has no ``add`` fault or no session answered on both
+    sides of it)."""
+    adds = sorted(f.at_s for f in result.spec.faults if f.kind == "add")
+    if not adds:
+        return None
+    at_s = adds[0]
+    until_s = min((f.at_s for f in result.spec.faults if f.at_s > at_s), default=float("inf"))
+    before: dict[int, str] = {}
+    after: dict[int, str] = {}
+    for r in sorted(result.records, key=lambda r: (r.arrival_s, r.id)):
+        if r.session is None or r.status != 200 or r.endpoint is None:
+            continue
+        if r.arrival_s < at_s:
+            before[r.session] = r.endpoint
+        elif r.arrival_s < until_s:
+            after[r.session] = r.endpoint
+    both = [s for s in after if s in before]
+    return round(sum(1 for s in both if before[s] != after[s]) / len(both), 4) if both else None
 
 
 def point_figures(result: RunResult) -> dict[str, Any]:
@@ -98,6 +123,7 @@ def point_figures(result: RunResult) -> dict[str, Any]:
         "errors": dict(sorted(reasons.items())),
         "censored": sum(1 for r in measured if r.first_s is None and r.status is None),
         "shares": {a: round(c / total_served, 4) for a, c in sorted(served.items())} if total_served else {},
+        "sessions_moved": sessions_moved(result),
     }
 
 

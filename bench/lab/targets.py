@@ -14,6 +14,9 @@ what it asks, what was measured, and ``met``.
 - ``heterogeneous``: the highest QPS within the SLO >= 1.2 x least_request's and >= every other
   policy's but ``oracle``.
 - ``uneven``: no OOM, e2e p95 <= round robin's. ``versions``: no wrong-version answer.
+- ``scaling``: sessions moved on the scale-up (:func:`bench.lab.figures.sessions_moved`) <= 1/N + 5 %,
+  N the engines after it (the scenario's and the one that joins): what consistent hashing moves,
+  plus a margin for spills.
 - ``multi_gateway`` against ``uneven`` (the same traffic through one gateway): TTFT p90, e2e p95 and the
   error rate within 5 % of one gateway's (the error rate also passes within 0.05 points: 5 % of a
   near-zero rate is below one request in the lab's runs).
@@ -132,6 +135,12 @@ def _traps(doc: Mapping[str, Any]) -> list[Target]:
     if versions is not None:
         wrong = sum((p.get("errors") or {}).get("wrong-version", 0) for p in versions)
         out.append(Target("versions: no wrong-version answer", f"{wrong} wrong-version answers", wrong == 0))
+    scaling = _points(doc, "scaling", "inferlb")
+    if scaling is not None and scaling[0].get("sessions_moved") is not None:
+        n = doc["scenarios"]["scaling"]["engines"] + 1   # the scenario's engines and the one that joins
+        moved, bound = scaling[0]["sessions_moved"], 1 / n + 0.05
+        out.append(Target(f"scaling: sessions moved on scale-up <= 1/N + 5 % = {bound:.1%} (N = {n})",
+                          f"{moved:.1%}", moved <= bound))
     many = _points(doc, "multi_gateway", "inferlb")
     if many is not None and mine is not None:
         a, b = many[0], mine[0]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import pytest
 
 from bench.lab.cluster import Cluster, Node
-from bench.lab.figures import point_figures
-from bench.lab.harness import Fault, RunSpec, run
+from bench.lab.figures import point_figures, sessions_moved
+from bench.lab.harness import Fault, Record, RunResult, RunSpec, run
 from bench.lab.policies.dynamo import DynamoKv
 from bench.lab.policies.inferlb import Inferlb
 from bench.lab.policies.oracle import Oracle
@@ -278,3 +278,21 @@ def test_runs_start_longest_first_and_come_back_in_the_plan_order() -> None:
     two = run_points(points, 2)
     assert [{k: v for k, v in f.items() if k != "cpu_s"} for f in two] == \
         [{k: v for k, v in f.items() if k != "cpu_s"} for f in one]
+
+
+def test_sessions_moved_counts_sessions_whose_last_endpoint_changed_across_the_first_add() -> None:
+    def rec(i: int, at: float, session: int | None, endpoint: str, status: int | None = 200) -> Record:
+        return Record(i, at, True, session, 0, 100, 10, endpoint=endpoint, status=status)
+
+    records = [
+        rec(0, 1.0, 1, "a"), rec(1, 6.0, 1, "a"),             # stays
+        rec(2, 1.0, 2, "a"), rec(3, 2.0, 2, "b"), rec(4, 7.0, 2, "c"),   # last before b, after c: moved
+        rec(5, 1.0, 3, "b"), rec(6, 6.0, 3, "c", status=500),  # its answer after failed: not on both sides
+        rec(7, 6.0, 4, "c"),                                    # a new session: not on both sides
+        rec(8, 1.0, 5, "a"), rec(9, 12.0, 5, "b"),              # after the next fault: not counted
+        rec(10, 1.0, None, "a"), rec(11, 6.0, None, "b"),       # no session
+    ]
+    spec = RunSpec(cluster=None, workload=None, qps=1.0, duration_s=20.0,  # type: ignore[arg-type]
+                   faults=(Fault(10.0, "remove", 1), Fault(5.0, "add", 3)))
+    assert sessions_moved(RunResult(spec, "p", records)) == 0.5
+    assert sessions_moved(RunResult(replace(spec, faults=(Fault(5.0, "remove", 1),)), "p", records)) is None

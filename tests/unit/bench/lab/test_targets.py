@@ -71,3 +71,16 @@ def test_a_document_without_the_scenarios_judges_nothing_and_the_page_says_so() 
     assert targets(_doc({"long_tail": {"inferlb": (8.0, [_pt(8, 50)])}})) == []
     page = lab_section(_doc({"versions": {"inferlb": (64.0, [_pt(64, 49)])}}), "plots")
     assert "| versions: no wrong-version answer | 0 wrong-version answers | met |" in page
+
+
+def test_scaling_sessions_moved_is_judged_against_one_over_n_plus_five_points() -> None:
+    def moved(share: float | None) -> list:
+        point = {**_pt(64, 50), "sessions_moved": share}
+        return targets(_doc({"scaling": {"inferlb": (64.0, [point])}}))
+
+    [met] = moved(0.25)   # N = 4 engines + the one that joins: 1/5 + 5 % = 25 %
+    assert met.met and met.what == "scaling: sessions moved on scale-up <= 1/N + 5 % = 25.0% (N = 5)"
+    assert met.measured == "25.0%"
+    [missed] = moved(0.2501)
+    assert not missed.met
+    assert moved(None) == []   # no session answered on both sides: nothing to judge
