@@ -4,9 +4,10 @@ Three sweeps reproduce the peers' published workloads and the do-no-harm check (
 ``sharegpt_chat``, ``uniform``); the others carry the seed's traps of ``inferlb bench quality``
 over to the lab's scale as far as it can express them (the trap each one sets is in its ``trap``).
 QPS points are given per engine, so ``--engines`` scales the sweep with the cluster; the full lab
-runs 16 engines for 10 virtual minutes per point, ``--quick`` a few engines for a minute at fewer
-points. The sweeps have four points in the full lab, the traps one (the lab's time budget: a run's
-cost grows with its requests, ~0.4-1.2 ms of CPU per request on the ``llm`` engine).
+runs 16 engines for 10 virtual minutes per point, ``--quick`` a few engines for a minute (or a
+scenario's ``quick_duration_s``) at fewer points. The sweeps have four points in the full lab, the
+traps one (the lab's time budget: a run's cost grows with its requests, ~0.4-1.2 ms of CPU per
+request on the ``llm`` engine).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class LabScenario:
         full_duration_s: the arrivals' span of each point in the full lab (s; warm-up and drain in
             proportion, as ``--duration`` sets them; ``--quick`` and ``--duration`` change it), None:
             the lab's. For a sweep whose top points would cost more than the lab's CPU budget.
+        quick_duration_s: the same with ``--quick`` (s; ``--duration`` changes it), None: the quick mode's
+            minute. For a scenario whose directions a minute of arrivals does not show (its docstring
+            says why).
     """
 
     name: str
@@ -87,6 +91,7 @@ class LabScenario:
     timing: SlowLoopTiming | None = None
     full_engines: int | None = None
     full_duration_s: float | None = None
+    quick_duration_s: float | None = None
 
     def cluster(self, n: int) -> Cluster:
         """The cluster of ``n`` engines."""
@@ -169,6 +174,13 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         workload=SharedPrefix,
         qps_per_engine=(0.5, 1.5, 3.0, 4.5),
         quick_qps_per_engine=(0.5, 1.5, 3.0),
+        # --quick: 180 s of arrivals (18 s of warm-up). Each group's first request misses its whole
+        # 7 200-token prompt (~420 ms of TTFT, a hit ~80 ms); in a minute those cold misses are about a
+        # tenth of the measured requests, so TTFT p90 fell between the two and a request more or less
+        # on either side moved it (4 engines, seed 1, 12 QPS, the same 86 % hits: inferlb 360 ms,
+        # sglang_cache_aware 223 ms; at 120 s the 6-QPS point the same way, 199 against 114 ms). At
+        # 180 s every policy's p90 is a hit's or a miss's (inferlb 88-90 ms against the peers' 88-89).
+        quick_duration_s=180.0,
     ),
     LabScenario(
         name="sharegpt_chat",
@@ -180,7 +192,15 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         nodes=_l4,
         workload=ShareGptChat,
         qps_per_engine=(6.0, 8.0, 10.0, 12.0),
-        quick_qps_per_engine=(0.5, 1.5, 3.0),
+        # --quick: the full sweep's lowest and highest loads per engine for 120 s (a minute at 0.5-3 QPS
+        # per engine had 48-207 measured requests, every policy far below its knee). The knee is not
+        # reached in a quick run: it comes when the conversations in flight overflow the KV caches, and a
+        # conversation lasts minutes (10.2 turns on average, each a reply of e2e p95 15-19 s at 48 QPS and
+        # 5 s of thought), so the set in flight grows for minutes (round robin at 48 QPS on 4 engines: TTFT
+        # p90 149 ms over 120 s; at the same 12 QPS per engine in the full lab, 8 engines for 600 s: 26.5 s).
+        # Round robin's 10x is judged by the full lab only.
+        quick_qps_per_engine=(6.0, 12.0),
+        quick_duration_s=120.0,
         full_engines=8,
         # What one engine's KV cache holds, as docs/picker.md asks an operator to set it (llm-d's
         # index sizes itself from the engines' cache config).
