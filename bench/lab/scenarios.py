@@ -178,11 +178,12 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         qps_per_engine=(0.5, 1.5, 3.0, 4.5),
         quick_qps_per_engine=(0.5, 1.5, 3.0),
         # --quick: 180 s of arrivals (30 s of warm-up). Each group's first request misses its whole
-        # 7 200-token prompt (~420 ms of TTFT, a hit ~80 ms); in a minute those cold misses are about a
-        # tenth of the measured requests, so TTFT p90 fell between the two and a request more or less
-        # on either side moved it (4 engines, seed 1, 12 QPS, the same 86 % hits: inferlb 360 ms,
-        # sglang_cache_aware 223 ms; at 120 s the 6-QPS point the same way, 199 against 114 ms). At
-        # 180 s every policy's p90 is a hit's or a miss's (inferlb 88-90 ms against the peers' 88-89).
+        # 7 200-token prompt (~420 ms of TTFT, a hit ~80 ms); in a minute the requests slower than 300 ms
+        # were about a tenth of the measured ones (4 engines, seed 1, 12 QPS: inferlb 70 of 625,
+        # sglang_cache_aware 56, the same 86 % hit rate), so TTFT p90 fell between misses and hits and a
+        # few requests moved it (inferlb 360 ms, sglang_cache_aware 223 ms; at 120 s the 6-QPS point the
+        # same way, 199 against 114 ms). Over 180 s they were 8 and 6 of 1 865, and at 6 and 12 QPS
+        # every prefix-aware policy's p90 is a hit's (inferlb 90 and 88 ms, the best peer's 89 and 88).
         quick_duration_s=180.0,
     ),
     LabScenario(
@@ -277,7 +278,7 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         workload=_memory_mix,
         qps_per_engine=(3.0,),
         quick_qps_per_engine=(3.0,),
-        # --quick: the full lab's 16 engines (a minute of them costs a second or two of CPU a policy).
+        # --quick: the full lab's 16 engines (a minute of them: 0.5-1.1 s of CPU a policy).
         # On 4 engines round robin's OOMs shed 15 % of the requests at once, and the GPUs run the rest
         # emptier: its e2e p95 is measured on less work (inferlb/round robin e2e p95, seed 1, a minute:
         # 4 engines 417/393 ms with inferlb's 2.8 % 429s, an 18 GB request finding no free GPU within
