@@ -127,17 +127,19 @@ def run_points(points: Sequence[Point], jobs: int = 1,
 def plan(scenarios: Sequence[str], policies: Sequence[str], quick: bool, engines: int | None, seed: int,
          timing: SlowLoopTiming | None = None, duration_s: float | None = None) -> list[Point]:
     """The runs of a lab: every scenario x policy x QPS point (``engines`` None: the scenario's full
-    size, :attr:`~bench.lab.scenarios.LabScenario.full_engines`, else the mode's;
+    size, :attr:`~bench.lab.scenarios.LabScenario.full_engines`, or with ``quick`` its
+    :attr:`~bench.lab.scenarios.LabScenario.quick_engines`, else the mode's;
     ``duration_s``: the arrivals' span instead of the mode's, warm-up and drain kept in proportion, as
-    a scenario's :attr:`~bench.lab.scenarios.LabScenario.full_duration_s` sets them in the full lab; a
+    a scenario's :attr:`~bench.lab.scenarios.LabScenario.full_duration_s` sets them in the full lab and its
+    :attr:`~bench.lab.scenarios.LabScenario.quick_duration_s` with ``--quick``; a
     scenario with a size and length of its own keeps them)."""
     mode = QUICK if quick else FULL
     timing = timing or SlowLoopTiming()
     out = []
     for s in scenarios:
         sc = scenario_for(s)
-        n = sc.engines or engines or (None if quick else sc.full_engines) or mode.engines
-        span = duration_s or (None if quick else sc.full_duration_s)
+        n = sc.engines or engines or (sc.quick_engines if quick else sc.full_engines) or mode.engines
+        span = duration_s or (sc.quick_duration_s if quick else sc.full_duration_s)
         m = sc.mode or (_stretched(mode, span) if span is not None else mode)
         out += [Point(s, p, q, m, n, seed, sc.timing or timing) for q in sc.points(quick, n) for p in policies]
     return out

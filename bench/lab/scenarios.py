@@ -4,9 +4,10 @@ Three sweeps reproduce the peers' published workloads and the do-no-harm check (
 ``sharegpt_chat``, ``uniform``); the others carry the seed's traps of ``inferlb bench quality``
 over to the lab's scale as far as it can express them (the trap each one sets is in its ``trap``).
 QPS points are given per engine, so ``--engines`` scales the sweep with the cluster; the full lab
-runs 16 engines for 10 virtual minutes per point, ``--quick`` a few engines for a minute at fewer
-points. The sweeps have four points in the full lab, the traps one (the lab's time budget: a run's
-cost grows with its requests, ~0.4-1.2 ms of CPU per request on the ``llm`` engine).
+runs 16 engines for 10 virtual minutes per point, ``--quick`` a few engines for a minute (or a
+scenario's ``quick_duration_s``) at fewer points. The sweeps have four points in the full lab, the
+traps one (the lab's time budget: a run's cost grows with its requests, ~0.4-1.2 ms of CPU per
+request on the ``llm`` engine).
 """
 
 from __future__ import annotations
@@ -66,9 +67,14 @@ class LabScenario:
             and ``--engines`` do not change it), None: the lab's.
         full_engines: the cluster's size in the full lab (the published setup's; ``--quick`` and
             ``--engines`` change it), None: the lab's.
+        quick_engines: the cluster's size with ``--quick`` (``--engines`` changes it), None: the quick
+            mode's. For a scenario whose directions a few engines do not show (its docstring says why).
         full_duration_s: the arrivals' span of each point in the full lab (s; warm-up and drain in
             proportion, as ``--duration`` sets them; ``--quick`` and ``--duration`` change it), None:
             the lab's. For a sweep whose top points would cost more than the lab's CPU budget.
+        quick_duration_s: the same with ``--quick`` (s; ``--duration`` changes it), None: the quick mode's
+            minute. For a scenario whose directions a minute of arrivals does not show (its docstring
+            says why).
     """
 
     name: str
@@ -86,7 +92,9 @@ class LabScenario:
     engines: int | None = None
     timing: SlowLoopTiming | None = None
     full_engines: int | None = None
+    quick_engines: int | None = None
     full_duration_s: float | None = None
+    quick_duration_s: float | None = None
 
     def cluster(self, n: int) -> Cluster:
         """The cluster of ``n`` engines."""
@@ -169,6 +177,14 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         workload=SharedPrefix,
         qps_per_engine=(0.5, 1.5, 3.0, 4.5),
         quick_qps_per_engine=(0.5, 1.5, 3.0),
+        # --quick: 180 s of arrivals (30 s of warm-up). Each group's first request misses its whole
+        # 7 200-token prompt (~420 ms of TTFT, a hit ~80 ms); in a minute the requests slower than 300 ms
+        # were about a tenth of the measured ones (4 engines, seed 1, 12 QPS: inferlb 70 of 625,
+        # sglang_cache_aware 56, the same 86 % hit rate), so TTFT p90 fell between misses and hits and a
+        # few requests moved it (inferlb 360 ms, sglang_cache_aware 223 ms; at 120 s the 6-QPS point the
+        # same way, 199 against 114 ms). Over 180 s they were 8 and 6 of 1 865, and at 6 and 12 QPS
+        # every prefix-aware policy's p90 is a hit's (inferlb 90 and 88 ms, the best peer's 89 and 88).
+        quick_duration_s=180.0,
     ),
     LabScenario(
         name="sharegpt_chat",
@@ -180,7 +196,15 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         nodes=_l4,
         workload=ShareGptChat,
         qps_per_engine=(6.0, 8.0, 10.0, 12.0),
-        quick_qps_per_engine=(0.5, 1.5, 3.0),
+        # --quick: the full sweep's lowest and highest loads per engine for 120 s (a minute at 0.5-3 QPS
+        # per engine had 48-207 measured requests, every policy far below its knee). The knee is not
+        # reached in a quick run: it comes when the conversations in flight overflow the KV caches, and a
+        # conversation lasts minutes (10.2 turns on average, each a reply of e2e p95 15-19 s at 48 QPS and
+        # 5 s of thought), so the set in flight grows for minutes (round robin at 48 QPS on 4 engines: TTFT
+        # p90 149 ms over 120 s; at the same 12 QPS per engine in the full lab, 8 engines for 600 s: 26.5 s).
+        # Round robin's 10x is judged by the full lab only.
+        quick_qps_per_engine=(6.0, 12.0),
+        quick_duration_s=120.0,
         full_engines=8,
         # What one engine's KV cache holds, as docs/picker.md asks an operator to set it (llm-d's
         # index sizes itself from the engines' cache config).
@@ -254,6 +278,13 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         workload=_memory_mix,
         qps_per_engine=(3.0,),
         quick_qps_per_engine=(3.0,),
+        # --quick: the full lab's 16 engines (a minute of them: 0.5-1.1 s of CPU a policy).
+        # On 4 engines round robin's OOMs shed 15 % of the requests at once, and the GPUs run the rest
+        # emptier: its e2e p95 is measured on less work (inferlb/round robin e2e p95, seed 1, a minute:
+        # 4 engines 417/393 ms with inferlb's 2.8 % 429s, an 18 GB request finding no free GPU within
+        # picker.queue_timeout_s; 8 engines 361/353 ms, 0.35 %; 16 engines 338/344 ms, 0 %: the oracle
+        # 416.5, 356 and 333 ms). That trade on small pools is in docs/benchmarks.md.
+        quick_engines=16,
         engine={"request_memory_mib": 8192.0},
     ),
     LabScenario(
@@ -266,6 +297,7 @@ SCENARIOS: Mapping[str, LabScenario] = MappingProxyType({s.name: s for s in (
         qps_per_engine=(3.0,),
         quick_qps_per_engine=(3.0,),
         gateways=3,
+        quick_engines=16,  # as ``uneven``'s, the one gateway it is judged against
         engine={"request_memory_mib": 8192.0},
     ),
     LabScenario(

@@ -25,13 +25,27 @@ what it asks, what was measured, and ``met``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
-__all__ = ["PREFIX_PEERS", "Target", "targets"]
+__all__ = ["JUDGED", "PREFIX_PEERS", "Target", "targets"]
 
 #: The peers' published algorithms that read the prompt.
 PREFIX_PEERS = ("llm_d", "sglang_cache_aware", "dynamo_kv")
 _NOT_PEERS = ("inferlb", "inferlb_precise", "oracle")
+
+#: ``{scenario: policies}``: the runs :func:`targets` judges, and no more (``heterogeneous`` compares
+#: every policy a run without ``--policy`` compares but the oracle; ``multi_gateway`` is judged against
+#: ``uneven``'s inferlb). A lab of these alone gives every target (the quick lab's test in CI runs them).
+JUDGED: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "shared_prefix": ("round_robin", *PREFIX_PEERS, "oracle", "inferlb"),
+    "sharegpt_chat": ("round_robin", *PREFIX_PEERS, "oracle", "inferlb"),
+    "uniform": ("least_request", "inferlb"),
+    "heterogeneous": ("round_robin", "least_request", "ring_hash_bounded", "random", *PREFIX_PEERS, "inferlb"),
+    "uneven": ("round_robin", "inferlb"),
+    "versions": ("inferlb",),
+    "multi_gateway": ("inferlb",),
+})
 
 
 class Target(NamedTuple):
