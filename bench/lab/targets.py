@@ -44,6 +44,7 @@ JUDGED: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "heterogeneous": ("round_robin", "least_request", "ring_hash_bounded", "random", *PREFIX_PEERS, "inferlb"),
     "uneven": ("round_robin", "inferlb"),
     "versions": ("inferlb",),
+    "scaling": ("inferlb",),
     "multi_gateway": ("inferlb",),
 })
 
@@ -153,8 +154,8 @@ def _traps(doc: Mapping[str, Any]) -> list[Target]:
     if scaling is not None and scaling[0].get("sessions_moved") is not None:
         n = doc["scenarios"]["scaling"]["engines"] + 1   # the scenario's engines and the one that joins
         moved, bound = scaling[0]["sessions_moved"], 1 / n + 0.05
-        out.append(Target(f"scaling: sessions moved on scale-up <= 1/N + 5 % = {bound:.1%} (N = {n})",
-                          f"{moved:.1%}", moved <= bound))
+        out.append(Target("scaling: sessions moved on the scale-up <= 1/N + 5 %",
+                          f"{moved:.1%} against {bound:.1%} (N = {n})", moved <= bound))
     many = _points(doc, "multi_gateway", "inferlb")
     if many is not None and mine is not None:
         a, b = many[0], mine[0]

@@ -29,6 +29,7 @@ CHECKED = (
     "heterogeneous: max QPS within the SLO >= 1.2 x least_request's and >= the best peer's",
     "uneven: no OOM and e2e p95 <= round robin's",
     "versions: no wrong-version answer",
+    "scaling: sessions moved on the scale-up <= 1/N + 5 %",
 )
 
 #: The targets the quick lab misses, and why (docs/benchmarks.md, "What the quick lab checks in CI").

@@ -79,8 +79,8 @@ def test_scaling_sessions_moved_is_judged_against_one_over_n_plus_five_points() 
         return targets(_doc({"scaling": {"inferlb": (64.0, [point])}}))
 
     [met] = moved(0.25)   # N = 4 engines + the one that joins: 1/5 + 5 % = 25 %
-    assert met.met and met.what == "scaling: sessions moved on scale-up <= 1/N + 5 % = 25.0% (N = 5)"
-    assert met.measured == "25.0%"
+    assert met.met and met.what == "scaling: sessions moved on the scale-up <= 1/N + 5 %"
+    assert met.measured == "25.0% against 25.0% (N = 5)"
     [missed] = moved(0.2501)
     assert not missed.met
     assert moved(None) == []   # no session answered on both sides: nothing to judge
