@@ -133,8 +133,8 @@ def encoded(tokenizer: str, text: str, special: bool = False) -> list[int]:
 
 def test_a_chat_is_rendered_with_the_models_template_and_tokenized_without_special_tokens(tokenizer):
     keys = load_vllm_keys(tokenizer)
-    doc = {"messages": [{"role": "system", "content": "Be brief."},
-                        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    doc = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]}
     want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\none\ntwo<|im_end|>\n<|im_start|>assistant\n"
     assert keys(doc) == encoded(tokenizer, want)
     assert keys({**doc, "add_generation_prompt": False}) == encoded(tokenizer, want.removesuffix(
