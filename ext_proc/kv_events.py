@@ -8,10 +8,12 @@ parent_block_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved",
 medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
 
 - :func:`decode_batch` (pure): a payload to the changes of the device cache: ``(STORED, keys,
-  parent)``, ``(REMOVED, keys)``, ``(CLEARED,)``. Blocks of another medium (vLLM's CPU offload tier)
+  parent, tokens, block_size)``, ``(REMOVED, keys)``, ``(CLEARED,)``; events as positional arrays
+  or, since vLLM's PR 42892, as maps with a ``type``. Blocks of another medium (vLLM's CPU offload tier)
   and event types it does not know are left out: the index mirrors what the engine reuses without
   a transfer.
-- :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`.
+- :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`,
+  with ``keys: vllm`` re-keyed by :class:`~ext_proc.own_keys.OwnKeys`.
 - :func:`publisher_address` (pure): an endpoint's publisher from the configured template.
 - :class:`KvEventFeed`: what a picker runs (``inferlb serve``, ``inferlb ext-proc``): the subscriber
   below following the picker's view (a publisher per endpoint, subscribed as it joins, dropped as it
