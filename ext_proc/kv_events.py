@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 #: The kinds of :data:`Change`.
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
-#: One change of an engine's device cache: ``(STORED, keys, parent)``, ``(REMOVED, keys)`` or ``(CLEARED,)``.
+#: One change of an engine's device cache: ``(STORED, keys, parent, tokens, block_size)``,
+#: ``(REMOVED, keys)`` or ``(CLEARED,)`` (:func:`decode_batch`).
 Change = tuple[Any, ...]
 #: The ``medium`` of device blocks (None: a vLLM that does not say).
 _DEVICE = ("GPU", None)
