@@ -190,7 +190,9 @@ def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity:
     """Apply one endpoint's ``changes`` (from :func:`decode_batch`) to ``index``, in order; ``capacity``:
     the bound of its held keys (:meth:`EventIndex.stored`). With ``own`` (``picker.kv_events.keys:
     vllm``), the index holds the picker's own keys of the blocks, not the engine's hashes
-    (:class:`~ext_proc.own_keys.OwnKeys`); a stored change it cannot key is dropped."""
+    (:class:`~ext_proc.own_keys.OwnKeys`); an unknown parent is looked for among the prompts the
+    picker just sent there (:meth:`~ext_proc.own_keys.OwnKeys.resolve`), and a stored change it
+    cannot key is dropped."""
     for change in changes:
         kind = change[0]
         if kind == STORED:
@@ -198,6 +200,11 @@ def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity:
                 index.stored(endpoint, change[1], change[2], capacity)
             else:
                 keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)
+                if keyed is None and change[2] is not None:  # an unknown parent: one the picker just sent?
+                    chain = own.resolve(endpoint, change[2], change[3], change[4], index.recent(endpoint), capacity)
+                    if chain is not None:
+                        index.stored(endpoint, chain, None, capacity)
+                        keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)
                 if keyed is not None:
                     index.stored(endpoint, keyed[0], keyed[1], capacity)
         elif kind == REMOVED:

@@ -92,9 +92,11 @@ def _accepts(port: int) -> bool:
 
 def prompt(i: int) -> str:
     """Prompt ``i``'s system message: its first KV block differs from every other prompt's (with a
-    tokenizer of a token a byte, ChatML's ``<|im_start|>system\\n`` fills half a block). A block
-    cached before the picker subscribed is never seen with ``keys: vllm``, nor any block stored
-    after it (docs/picker.md, "Precise mode"): prompts sharing a first block would be invisible."""
+    tokenizer of a token a byte, ChatML's ``<|im_start|>system\\n`` fills half a block). With
+    ``keys: vllm`` a block cached before the picker subscribed is an unknown parent of every block
+    stored after it, and these prompts are sent straight to the backends, not through the picker,
+    so no pick of its explains it (docs/picker.md, "Precise mode"): prompts sharing a first block
+    would be invisible."""
     return " ".join(f"{i} document line {n}: the quick brown fox jumps over the lazy dog" for n in range(40))
 
 

@@ -77,6 +77,39 @@ def test_a_block_whose_parent_is_unknown_is_dropped_and_so_are_its_children():
     assert index.held(A) == 0
 
 
+def test_a_parent_cached_before_the_picker_subscribed_is_found_in_a_prompt_it_just_sent_there():
+    """A hot prefix the engine cached before the picker started (never published to it) becomes known at
+    the first request the picker sends there that extends it; its ancestors go with it."""
+    rng = random.Random(3)
+    system = [rng.randrange(50_000) for _ in range(BS * 3)]  # the engine holds these 3 blocks, unseen
+    prompt = system + [rng.randrange(50_000) for _ in range(BS * 3)]
+    index, own = EventIndex(pending_s=0.0), OwnKeys()
+    unseen = sha()
+    other = [rng.randrange(50_000) for _ in range(BS * 5)]
+    index.insert(A, chain_keys(other, BS), 10_000)  # another prompt sent there: not this chain
+    index.insert(A, chain_keys(prompt, BS), 10_000)  # the picker's pick
+    new = [sha() for _ in range(3)]
+    feed(index, own, A, stored(new, unseen, prompt[BS * 3:]))  # vLLM: the 3 new blocks after a prefix hit
+    assert index.matched(chain_keys(prompt, BS), [A]) == {A: 6} and own.known(A) == 4
+    # a second prompt sharing the system prompt, from another gateway: its parent is known now
+    second = system + [rng.randrange(50_000) for _ in range(BS * 2)]
+    feed(index, own, A, stored([sha(), sha()], unseen, second[BS * 3:]))
+    assert index.matched(chain_keys(second, BS), [A]) == {A: 5}
+    # evicted (children first, as vLLM frees them): the ancestors held through the parent go with it
+    feed(index, own, A, {"type": "BlockRemoved", "block_hashes": new[::-1], "medium": "GPU"})
+    assert index.matched(chain_keys(prompt, BS), [A]) == {A: 3}
+    feed(index, own, A, {"type": "BlockRemoved", "block_hashes": [unseen], "medium": "GPU"})
+    assert index.matched(chain_keys(second, BS), [A]) == {}
+
+
+def test_an_unknown_parent_no_recent_prompt_explains_is_dropped():
+    index, own = EventIndex(pending_s=0.0), OwnKeys()
+    index.insert(A, chain_keys(list(range(BS * 4)), BS), 10_000)
+    feed(index, own, A, stored([sha()], sha(), list(range(1000, 1000 + BS))))  # tokens no recent prompt has
+    feed(index, own, B, stored([sha()], sha(), list(range(BS, BS * 2))))  # B was sent nothing
+    assert index.held(A) == index.held(B) == 0 and own.known(A) == own.known(B) == 0
+
+
 @pytest.mark.parametrize("extra", [{"extra_keys": [["image-hash"]]}, {"lora_name": "adapter"}, {"lora_id": 3},
                                    {"extra_keys": [("salt",)]}])
 def test_blocks_whose_hash_covers_more_than_tokens_are_not_indexed(extra):
