@@ -201,7 +201,8 @@ def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity:
             else:
                 keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)
                 if keyed is None and change[2] is not None:  # an unknown parent: one the picker just sent?
-                    chain = own.resolve(endpoint, change[2], change[3], change[4], index.recent(endpoint), capacity)
+                    chain = own.resolve(endpoint, change[2], change[3], change[4], index.recent(endpoint),
+                                        index.last_sent(endpoint), capacity)
                     if chain is not None:
                         index.stored(endpoint, chain, None, capacity)
                         keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)

@@ -205,3 +205,19 @@ def test_the_request_and_the_events_meet_on_the_same_keys(tokenizer):
 def test_check_feed_refuses_a_directory_without_a_tokenizer_naming_the_setting(tmp_path):
     with pytest.raises(KvEventsUnavailable, match=r"picker\.kv_events\.tokenizer: .*not a Hugging Face tokenizer"):
         check_feed(str(tmp_path), "vllm")
+
+
+def test_a_parent_searched_in_vain_is_searched_again_only_after_another_pick():
+    index, own = EventIndex(pending_s=0.0), OwnKeys()
+    system = list(range(BS * 2))
+    parent = sha()
+    index.insert(A, chain_keys(list(range(5000, 5000 + BS * 3)), BS), 10_000)
+    later = stored([sha()], parent, system[BS:])
+    feed(index, own, A, later)  # no recent prompt has it: remembered as searched
+    index.insert(A, chain_keys(system, BS), 10_000)  # now one has: searched again
+    feed(index, own, A, stored([sha()], parent, system[BS:]))
+    assert index.matched(chain_keys(system, BS), [A]) == {A: 2}
+    missed = OwnKeys()
+    assert missed.resolve(A, parent, system[BS:], BS, [chain_keys([7] * BS * 3, BS)], 1, 100) is None
+    assert missed.resolve(A, parent, system[BS:], BS, [chain_keys(system, BS)], 1, 100) is None  # not again
+    assert missed.resolve(A, parent, system[BS:], BS, [chain_keys(system, BS)], 2, 100) == chain_keys(system, BS)[:1]
