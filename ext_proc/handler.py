@@ -186,7 +186,7 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
         blocks=() if not routing.prefix_cache_tokens else block_hashes(prompt) if not routing.engine_block_size
-        else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer),
+        else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer, routing.engine_keys),
     )
 
 

@@ -8,10 +8,12 @@ parent_block_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved",
 medium]``, ``["AllBlocksCleared"]`` (older vLLMs leave out the trailing fields).
 
 - :func:`decode_batch` (pure): a payload to the changes of the device cache: ``(STORED, keys,
-  parent)``, ``(REMOVED, keys)``, ``(CLEARED,)``. Blocks of another medium (vLLM's CPU offload tier)
+  parent, tokens, block_size)``, ``(REMOVED, keys)``, ``(CLEARED,)``; events as positional arrays
+  or, since vLLM's PR 42892, as maps with a ``type``. Blocks of another medium (vLLM's CPU offload tier)
   and event types it does not know are left out: the index mirrors what the engine reuses without
   a transfer.
-- :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`.
+- :func:`apply` (pure): those changes, in order, to a :class:`~ext_proc.prefix_events.EventIndex`,
+  with ``keys: vllm`` re-keyed by :class:`~ext_proc.own_keys.OwnKeys`.
 - :func:`publisher_address` (pure): an endpoint's publisher from the configured template.
 - :class:`KvEventFeed`: what a picker runs (``inferlb serve``, ``inferlb ext-proc``): the subscriber
   below following the picker's view (a publisher per endpoint, subscribed as it joins, dropped as it
@@ -39,7 +41,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from ext_proc.engine_keys import load_encoder
+from ext_proc.engine_keys import load_encoder, load_vllm_keys
+from ext_proc.own_keys import OwnKeys
 from ext_proc.prefix_events import EventIndex
 from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
@@ -51,7 +54,8 @@ log = logging.getLogger(__name__)
 
 #: The kinds of :data:`Change`.
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
-#: One change of an engine's device cache: ``(STORED, keys, parent)``, ``(REMOVED, keys)`` or ``(CLEARED,)``.
+#: One change of an engine's device cache: ``(STORED, keys, parent, tokens, block_size)``,
+#: ``(REMOVED, keys)`` or ``(CLEARED,)`` (:func:`decode_batch`).
 Change = tuple[Any, ...]
 #: The ``medium`` of device blocks (None: a vLLM that does not say).
 _DEVICE = ("GPU", None)
@@ -80,11 +84,49 @@ def _key(value: object) -> int:
     raise ValueError(f"a block hash must be an int or bytes, got {type(value).__name__}")
 
 
+#: A ``BlockStored``'s fields after its tag, in vLLM's order (``vllm/distributed/kv_events.py``): the
+#: positional array of vLLM releases before its PR 42892 lists them so (trailing ones it omits when
+#: they hold their default), the map of later ones names them.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _fields(event: object) -> tuple[object, list[object]]:
+    """``(type, fields in vLLM's order)`` of one event, a positional array (``[type, ...]``) or a map
+    (``{"type": ..., name: value}``, absent fields None).
+
+    Raises:
+        ValueError: neither.
+    """
+    if isinstance(event, list) and event:
+        return event[0], event[1:]
+    if isinstance(event, dict) and "type" in event:
+        kind = event["type"]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        return kind, [event.get(name) for name in names]
+    raise ValueError(f"a KV event is a tagged array or a map with a type, got {event!r:.80}")
+
+
+def _plain(lora_id: object, lora_name: object, extra_keys: object) -> bool:
+    """A stored block whose hash covers its tokens alone: no LoRA adapter, no extra keys (multimodal
+    inputs, ``cache_salt``, prompt embeddings: vLLM's ``extra_keys``, one entry per block)."""
+    return lora_id is None and lora_name is None and (
+        not extra_keys or (isinstance(extra_keys, list) and all(k is None for k in extra_keys)))
+
+
 def decode_batch(payload: bytes) -> list[Change]:
     """The device-cache changes of one ``KVEventBatch`` payload, oldest first (see the module docstring).
 
+    A stored change is ``(STORED, keys, parent, tokens, block_size)``: ``tokens`` the blocks' token
+    ids (a tuple) when their hashes cover those alone (:func:`_plain`; else None: the picker cannot
+    key them) and ``block_size`` the event's (tokens). Events of a KV cache group other than the
+    first (``group_idx`` > 0: a hybrid model's sliding-window or Mamba groups) are left out, as are
+    blocks of another medium.
+
     Raises:
-        ValueError: the payload is not a msgpack ``[ts, events, ...]`` array of tagged events.
+        ValueError: the payload is not a msgpack ``[ts, events, ...]`` array (or ``{ts, events}``
+            map) of tagged events.
         ImportError: the ``msgpack`` package is not installed.
     """
     import msgpack
@@ -93,20 +135,26 @@ def decode_batch(payload: bytes) -> list[Change]:
         batch = msgpack.unpackb(payload)
     except (msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"not a msgpack KV event batch: {exc}") from None
+    if isinstance(batch, dict):
+        batch = [batch.get("ts"), batch.get("events")]
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise ValueError("a KV event batch is an array [ts, events, ...]")
     out: list[Change] = []
     for event in batch[1]:
-        if not isinstance(event, list) or not event:
-            raise ValueError(f"a KV event is a tagged array, got {event!r:.80}")
-        kind = event[0]
-        if kind == "BlockStored" and len(event) >= 3:
-            if (event[6] if len(event) > 6 else None) in _DEVICE:
-                parent = None if event[2] is None else _key(event[2])
-                out.append((STORED, tuple(map(_key, event[1])), parent))
-        elif kind == "BlockRemoved" and len(event) >= 2:
-            if (event[2] if len(event) > 2 else None) in _DEVICE:
-                out.append((REMOVED, tuple(map(_key, event[1]))))
+        kind, f = _fields(event)
+        if kind == "BlockStored" and len(f) >= 2 and isinstance(f[0], list):
+            f += [None] * (len(_STORED_FIELDS) - len(f))
+            hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys, group = f[:9]
+            if medium in _DEVICE and group in (None, 0):
+                plain = isinstance(tokens, list) and isinstance(block_size, int) and _plain(lora_id, lora_name,
+                                                                                           extra_keys)
+                out.append((STORED, tuple(map(_key, hashes)), None if parent is None else _key(parent),
+                            tuple(tokens) if plain else None, block_size if plain else 0))
+        elif kind == "BlockRemoved" and f and isinstance(f[0], list):
+            medium = f[1] if len(f) > 1 else None
+            group = f[2] if len(f) > 2 else None
+            if medium in _DEVICE and group in (None, 0):
+                out.append((REMOVED, tuple(map(_key, f[0]))))
         elif kind == "AllBlocksCleared":
             out.append((CLEARED,))
     return out
@@ -137,17 +185,35 @@ def follows(last: int | None, seq: int) -> tuple[bool, int]:
     return False, seq - last - 1
 
 
-def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity: int) -> None:
+def apply(index: EventIndex, endpoint: str, changes: Sequence[Change], capacity: int,
+          own: OwnKeys | None = None) -> None:
     """Apply one endpoint's ``changes`` (from :func:`decode_batch`) to ``index``, in order; ``capacity``:
-    the bound of its held keys (:meth:`EventIndex.stored`)."""
+    the bound of its held keys (:meth:`EventIndex.stored`). With ``own`` (``picker.kv_events.keys:
+    vllm``), the index holds the picker's own keys of the blocks, not the engine's hashes
+    (:class:`~ext_proc.own_keys.OwnKeys`); an unknown parent is looked for among the prompts the
+    picker just sent there (:meth:`~ext_proc.own_keys.OwnKeys.resolve`), and a stored change it
+    cannot key is dropped."""
     for change in changes:
         kind = change[0]
         if kind == STORED:
-            index.stored(endpoint, change[1], change[2], capacity)
+            if own is None:
+                index.stored(endpoint, change[1], change[2], capacity)
+            else:
+                keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)
+                if keyed is None and change[2] is not None:  # an unknown parent: one the picker just sent?
+                    chain = own.resolve(endpoint, change[2], change[3], change[4], index.recent(endpoint),
+                                        index.last_sent(endpoint), capacity)
+                    if chain is not None:
+                        index.stored(endpoint, chain, None, capacity)
+                        keyed = own.stored(endpoint, change[1], change[2], change[3], change[4], capacity)
+                if keyed is not None:
+                    index.stored(endpoint, keyed[0], keyed[1], capacity)
         elif kind == REMOVED:
-            index.removed(endpoint, change[1])
+            index.removed(endpoint, change[1] if own is None else own.removed(endpoint, change[1]))
         else:
             index.cleared(endpoint)
+            if own is not None:
+                own.cleared(endpoint)
 
 
 class KvEventSubscriber:
@@ -298,6 +364,9 @@ class KvEventFeed:
             its routing table's ``prefix_blocks`` bounds each endpoint's held keys.
         template: the publishers' address template (:func:`publisher_address`).
         topic: the publishers' topic.
+        own: with ``picker.kv_events.keys: vllm``, the map of the engines' hashes to the picker's own
+            keys (:func:`apply`); it forgets an endpoint as the feed drops it. None: the index holds
+            the engines' hashes.
 
     :meth:`run` (a task on the picker's loop) starts the subscriber, follows the view every
     ``interval_s`` and stops the subscriber when cancelled. Counted: the publishers subscribed to
@@ -309,8 +378,10 @@ class KvEventFeed:
         ImportError: at :meth:`run`, ``pyzmq`` or ``msgpack`` is not installed.
     """
 
-    def __init__(self, index: EventIndex, holder: ViewHolder, template: str, topic: str = "") -> None:
+    def __init__(self, index: EventIndex, holder: ViewHolder, template: str, topic: str = "",
+                 own: OwnKeys | None = None) -> None:
         self.index = index
+        self.own = own
         self.holder = holder
         self.template = template
         self.topic = topic
@@ -321,7 +392,7 @@ class KvEventFeed:
 
     def _deliver(self, endpoint: str, changes: list[Change]) -> None:
         if endpoint in self.publishers:  # not a batch that was on its way when the endpoint left
-            apply(self.index, endpoint, changes, self.holder.current.routing.prefix_blocks)
+            apply(self.index, endpoint, changes, self.holder.current.routing.prefix_blocks, self.own)
             KV_EVENT_BATCHES.labels("applied").inc()
         else:
             KV_EVENT_BATCHES.labels("stale").inc()
@@ -343,6 +414,8 @@ class KvEventFeed:
         if wanted == self.publishers:
             return False
         self.publishers = wanted
+        if self.own is not None:
+            self.own.retain(wanted)
         KV_EVENT_PUBLISHERS.set(len(wanted))
         if self.subscriber is not None:
             self.subscriber.watch(wanted)
@@ -367,10 +440,11 @@ class KvEventsUnavailable(RuntimeError):
     """``picker.prefix_source: kv_events`` without the packages its subscriber needs."""
 
 
-def check_feed(tokenizer: str | None) -> None:
+def check_feed(tokenizer: str | None, keys: str = "sim") -> None:
     """What ``picker.prefix_source: kv_events`` needs on this machine: ``pyzmq`` and ``msgpack``, and
-    the Hugging Face tokenizer in ``tokenizer`` (a directory; None: none needed) loadable. Called by
-    :func:`start_feed` and by ``inferlb validate``, so both refuse the same configs.
+    the Hugging Face tokenizer in ``tokenizer`` (a directory; None: none needed) loadable, for
+    ``keys`` ``vllm`` with ``transformers`` and its chat template (:func:`~ext_proc.engine_keys.load_vllm_keys`).
+    Called by :func:`start_feed` and by ``inferlb validate``, so both refuse the same configs.
 
     Raises:
         KvEventsUnavailable: a package is missing or the tokenizer cannot be loaded (the message
@@ -384,7 +458,14 @@ def check_feed(tokenizer: str | None) -> None:
                                   "pip install 'inferlb[kv-events]'") from None
     if tokenizer is not None:
         try:
-            load_encoder(tokenizer)
+            if keys == "vllm":
+                load_vllm_keys(tokenizer)
+            else:
+                load_encoder(tokenizer)
+        except ModuleNotFoundError as exc:
+            raise KvEventsUnavailable(f"picker.kv_events.keys: {keys} needs {exc.name}: "
+                                      "pip install 'inferlb[vllm-keys]'" if keys == "vllm" else
+                                      f"picker.kv_events.tokenizer: {exc}") from None
         except (ImportError, OSError, ValueError) as exc:
             raise KvEventsUnavailable(f"picker.kv_events.tokenizer: {exc}") from None
 
@@ -393,7 +474,9 @@ def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> a
     """With ``settings.prefix_source`` ``kv_events`` and ``index`` an :class:`EventIndex` (what
     ``PickerHandler.from_settings`` made), a task on the running loop that runs its
     :class:`KvEventFeed`; else None. The view's routing table's tokenizer
-    (:attr:`~ext_proc.view.RoutingTable.engine_tokenizer`) is loaded here, not at the first request.
+    (:attr:`~ext_proc.view.RoutingTable.engine_tokenizer`) is loaded here, not at the first request;
+    with :attr:`~ext_proc.view.RoutingTable.engine_keys` ``vllm``, the feed re-keys the engines'
+    blocks (:class:`~ext_proc.own_keys.OwnKeys`).
 
     Raises:
         KvEventsUnavailable: ``pyzmq`` or ``msgpack`` is not installed, or the tokenizer cannot be
@@ -401,6 +484,8 @@ def start_feed(index: object, holder: ViewHolder, settings: PickerSettings) -> a
     """
     if settings.prefix_source != "kv_events" or not isinstance(index, EventIndex):
         return None
-    check_feed(holder.current.routing.engine_tokenizer)
-    feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic)
+    routing = holder.current.routing
+    check_feed(routing.engine_tokenizer, routing.engine_keys)
+    feed = KvEventFeed(index, holder, settings.kv_events_endpoint, settings.kv_events_topic,
+                       OwnKeys() if routing.engine_keys == "vllm" else None)
     return asyncio.get_running_loop().create_task(feed.run(), name="kv-events")

@@ -49,11 +49,11 @@ give the same state and answers.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 
-__all__ = ["PENDING_S", "EventIndex"]
+__all__ = ["PENDING_S", "RECENT_PROMPTS", "EventIndex"]
 
 #: How long a picked prompt's keys count as held on its endpoint before its events confirm them (s):
 #: its wait in the engine's queue, its prefill's first chunk, and the event publisher's trip. The lab
@@ -61,6 +61,9 @@ __all__ = ["PENDING_S", "EventIndex"]
 #: queues last seconds: 2 s gave TTFT p90 279 ms, 5 s and 10 s 131.5 ms (the approximate index's).
 PENDING_S = 5.0
 
+
+#: How many of the prompts last sent to an endpoint the index remembers (:meth:`EventIndex.recent`).
+RECENT_PROMPTS = 8
 
 _NONE: Mapping[int, None] = {}
 
@@ -99,10 +102,11 @@ class EventIndex:
     Raises:
         ValueError: ``pending_s`` < 0.
 
-    Memory: one dictionary entry per held or pending key, at most the endpoints' capacities.
+    Memory: one dictionary entry per held or pending key, at most the endpoints' capacities, and
+    references to the last :data:`RECENT_PROMPTS` prompts' keys per endpoint.
     """
 
-    __slots__ = ("_clock", "_held", "_last", "_pending", "_pending_s", "_seq", "_sweep_at")
+    __slots__ = ("_clock", "_held", "_last", "_pending", "_pending_s", "_recent", "_seq", "_sweep_at")
 
     def __init__(self, pending_s: float = PENDING_S, clock: Callable[[], float] = time.monotonic) -> None:
         if not pending_s >= 0:
@@ -114,6 +118,7 @@ class EventIndex:
         self._sweep_at = 0.0
         self._last: dict[str, int] = {}
         self._seq = 0
+        self._recent: dict[str, deque[Sequence[int]]] = {}
 
     # --- the engines' events ------------------------------------------------------------------------
 
@@ -169,9 +174,14 @@ class EventIndex:
         """Record that ``endpoint`` was sent a prompt of keys ``blocks`` (the handler's call, as for
         :meth:`PrefixIndex.insert`): it counts for :meth:`last_sent`, and the keys it does not hold
         are pending until ``pending_s`` from now, at most ``capacity`` of them (expired ones go
-        first, then the first recorded)."""
+        first, then the first recorded); it is one of the endpoint's :meth:`recent` prompts."""
         self._seq += 1
         self._last[endpoint] = self._seq
+        if blocks:
+            recent = self._recent.get(endpoint)
+            if recent is None:
+                recent = self._recent[endpoint] = deque(maxlen=RECENT_PROMPTS)
+            recent.append(blocks)
         if not self._pending_s or capacity <= 0 or not blocks:
             return
         held = self._held.get(endpoint)
@@ -226,6 +236,11 @@ class EventIndex:
                     out[e] = _leading(blocks, has)
         return out
 
+    def recent(self, endpoint: str) -> Sequence[Sequence[int]]:
+        """The keys of the last :data:`RECENT_PROMPTS` prompts sent to ``endpoint``, oldest first
+        (:meth:`ext_proc.own_keys.OwnKeys.resolve` finds an unknown parent among them)."""
+        return self._recent.get(endpoint, ())
+
     def last_sent(self, endpoint: str) -> int:
         """The insert count when ``endpoint`` was last sent a prompt (0: never)."""
         return self._last.get(endpoint, 0)
@@ -247,7 +262,7 @@ class EventIndex:
     def retain(self, endpoints: Iterable[str]) -> None:
         """Forget every endpoint not in ``endpoints`` (it left the view)."""
         keep = set(endpoints)
-        for table in (self._held, self._pending, self._last):
+        for table in (self._held, self._pending, self._last, self._recent):
             for e in [e for e in table if e not in keep]:
                 del table[e]
 

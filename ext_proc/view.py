@@ -188,6 +188,9 @@ class RoutingTable:
             index, fed by the engines' KV events: ``picker.prefix_source: kv_events``).
         engine_tokenizer: with ``engine_block_size``, the directory of the Hugging Face tokenizer the
             engines count with (:func:`ext_proc.engine_keys.load_encoder`); None: 4 bytes a token.
+        engine_keys: with ``engine_block_size``, how a prompt is keyed: ``sim`` (the engines' own
+            keys, the ``llm`` simulator's rule) or ``vllm`` (the picker's own keys of vLLM's token
+            ids, :func:`ext_proc.engine_keys.vllm_keys`; needs ``engine_tokenizer``).
         body_mode: how a held body reaches the picker: "streamed" (Envoy's STREAMED mode: the
             picker decides on the first chunk, the rest flows on) or "buffered" (the whole body,
             up to Envoy's buffer limit, then the decision).
@@ -216,7 +219,8 @@ class RoutingTable:
             ``engine_block_size``, ``prefix_cache_tokens`` // ``engine_block_size`` KV blocks).
 
     Raises:
-        ValueError: an empty header name, ``vnodes`` < 1, a negative memory setting, no default
+        ValueError: an empty header name, ``vnodes`` < 1, a negative memory setting, an unknown
+            ``engine_keys`` (or ``vllm`` without ``engine_tokenizer``), no default
             profile, or a service naming an unknown profile.
     """
 
@@ -243,6 +247,7 @@ class RoutingTable:
     prefix_cache_tokens: int = 0
     engine_block_size: int = 0
     engine_tokenizer: str | None = None
+    engine_keys: str = "sim"
     body_mode: str = "buffered"
     spill_threshold: float = 0.6
     protocol: str = "inferlb"
@@ -292,6 +297,9 @@ class RoutingTable:
         object.__setattr__(self, "sized", bool(classes) or self.request_memory_header is not None)
         if self.engine_block_size < 0:
             raise ValueError(f"routing: engine_block_size must be >= 0, got {self.engine_block_size}")
+        if self.engine_keys not in ("sim", "vllm") or (self.engine_keys == "vllm" and not self.engine_tokenizer):
+            raise ValueError(f"routing: engine_keys must be 'sim' or 'vllm' (with engine_tokenizer), "
+                             f"got {self.engine_keys!r}")
         blocks = (self.prefix_cache_tokens // self.engine_block_size if self.engine_block_size
                   else capacity_blocks(self.prefix_cache_tokens, self.chars_per_token))
         object.__setattr__(self, "prefix_blocks", blocks)

@@ -113,7 +113,7 @@ def validate(config_path: str) -> None:
             from ext_proc.kv_events import KvEventsUnavailable, check_feed
 
             try:
-                check_feed(cfg.picker.kv_events.tokenizer)
+                check_feed(cfg.picker.kv_events.tokenizer, cfg.picker.kv_events.keys)
             except KvEventsUnavailable as err:
                 raise ConfigError(str(err)) from None
     except ConfigError as err:

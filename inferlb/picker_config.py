@@ -45,6 +45,7 @@ def routing_table(cfg: Config) -> RoutingTable:
         prefix_cache_tokens=cfg.picker.prefix_cache_tokens,
         engine_block_size=cfg.picker.kv_events.block_size if cfg.picker.prefix_source == "kv_events" else 0,
         engine_tokenizer=cfg.picker.kv_events.tokenizer if cfg.picker.prefix_source == "kv_events" else None,
+        engine_keys=cfg.picker.kv_events.keys if cfg.picker.prefix_source == "kv_events" else "sim",
         body_mode=cfg.picker.body_mode,
         protocol=cfg.picker.protocol,
         preallocated=frozenset(cluster_name(s.name, v.name) for s in cfg.services for v in s.versions

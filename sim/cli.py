@@ -140,11 +140,15 @@ from sim.engines.hardware import DEFAULT_MODEL, GPU_CLASSES, MODELS
 @click.option("--etcd-user", default=None, envvar="INFERLB_SIM_ETCD_USER", metavar="NAME:PASSWORD",
               help="etcd user authentication (or the INFERLB_SIM_ETCD_USER environment variable).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Count prompt tokens with the Hugging Face tokenizer in this directory (its tokenizer.json; "
+              help="Count prompt tokens with the Hugging Face tokenizer in this directory (its tokenizer.json; a chat "
+                   "template there, rendered with transformers, renders chat prompts; "
                    "the tokenizers package: pip install 'inferlb[tokenizer]')  [default: 4 bytes a token]")
 @click.option("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
               help="Publish the llm engine's KV-cache events as vLLM does (ZMQ PUB, msgpack) on a socket bound here "
                    "(pyzmq and msgpack: pip install 'inferlb[kv-events]')  [default: not published]")
+@click.option("--kv-events-opaque", is_flag=True, default=False,
+              help="Publish each block's hash as 32 opaque bytes (a digest of its key under a seed random per start), "
+                   "as vLLM's sha256 hashes look to a consumer, not the engine's key")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -179,6 +183,7 @@ def sim_backend(
     etcd_user: str | None,
     tokenizer_dir: str | None,
     kv_events_endpoint: str | None,
+    kv_events_opaque: bool,
     log_level: str,
 ) -> None:
     """Run a simulated vLLM-style inference backend on one GPU (OpenAI API, /metrics, /sim/fault)."""
@@ -216,6 +221,7 @@ def sim_backend(
             etcd_drain_s=etcd_drain_s,
             etcd_user=etcd_user,
             kv_events_endpoint=kv_events_endpoint,
+            kv_events_opaque=kv_events_opaque,
         )
         from sim.node import make_engine
 
@@ -233,13 +239,16 @@ def sim_backend(
 
 def _use_tokenizer(directory: str) -> None:
     """``--tokenizer DIR``: count with that tokenizer (:mod:`sim.tokenizer`), or a one-line error."""
-    from sim.tokenizer import load
+    from sim.protocol import use_chat_template
+    from sim.tokenizer import load, load_chat_template
     from sim.tokens import use_tokenizer
 
     try:
         use_tokenizer(load(directory))
-    except ModuleNotFoundError:
-        raise click.ClickException("--tokenizer needs the tokenizers package: pip install 'inferlb[tokenizer]'") \
+        use_chat_template(load_chat_template(directory))
+    except ModuleNotFoundError as exc:
+        extra = "vllm-keys" if exc.name == "transformers" else "tokenizer"
+        raise click.ClickException(f"--tokenizer needs the {exc.name} package: pip install 'inferlb[{extra}]'") \
             from None
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="'--tokenizer'") from None

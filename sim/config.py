@@ -38,6 +38,9 @@ class BackendConfig:
     ``default_max_tokens``: a request without ``max_tokens`` generates a seeded 1..this many tokens.
     ``kv_events_endpoint``: publish the llm engine's KV-cache events as vLLM does on a ZMQ PUB socket
     bound here (``tcp://HOST:PORT``, :mod:`sim.kv_publish`; None: not published).
+    ``kv_events_opaque``: publish each block's hash as vLLM's sha256 hashes look to a consumer: 32
+    bytes no one can compute from the prompt (a digest of the engine's key under a seed random per
+    start), not the engine's key (:class:`sim.kv_publish.KvEventPublisher`).
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +75,7 @@ class BackendConfig:
     etcd_drain_s: float = 2.0
     etcd_user: str | None = field(default=None, repr=False)
     kv_events_endpoint: str | None = None
+    kv_events_opaque: bool = False
     hostname: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self) -> None:

@@ -246,7 +246,7 @@ class SimNode:
             zmq.ZMQError: the endpoint cannot be bound.
         """
         if self.cfg.kv_events_endpoint is not None and self.kv_publisher is None:
-            self.kv_publisher = KvEventPublisher(self.cfg.kv_events_endpoint)
+            self.kv_publisher = KvEventPublisher(self.cfg.kv_events_endpoint, opaque=self.cfg.kv_events_opaque)
 
     def close_kv_events(self) -> None:
         """Close the KV-cache events' publisher, if open."""

@@ -10,7 +10,7 @@ OpenAI API sends them: ``data: {chunk}`` lines, then ``data: [DONE]``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,19 +56,34 @@ class InferenceRequest:
     max_tokens_given: bool = True
 
 
+_chat_template: Callable[[list[dict[str, Any]]], str] | None = None
+
+
+def use_chat_template(render: Callable[[list[dict[str, Any]]], str] | None) -> None:
+    """Render chat prompts with ``render`` (a model's chat template: messages -> text, the generation
+    prompt added; :func:`sim.tokenizer.load_chat_template`) from now on in this process; None: the
+    built-in rule of :func:`render_prompt`."""
+    global _chat_template
+    _chat_template = render
+
+
 def render_prompt(kind: Kind, body: Mapping[str, Any]) -> str:
     """The prompt text the tokenizer reads; raises RequestError on a malformed field.
 
     Chat: every message as ``<|ROLE|>\\nCONTENT\\n`` (content given as parts: the text of its text
     parts, as a chat template renders them; other content as JSON), then
     ``<|assistant|>\\n`` (the generation prompt of a chat template), so a client that resends
-    the whole conversation sends a longer text that starts with the previous one.
+    the whole conversation sends a longer text that starts with the previous one; with a chat
+    template set (:func:`use_chat_template`), the messages through it, a message's text parts
+    joined by a newline (as vLLM's server passes them to a template that takes a string).
     Completions: the ``prompt`` string (a list as JSON).
     """
     if kind == "chat":
         messages = body.get("messages", [])
         if not isinstance(messages, list):
             raise RequestError("messages", "'messages' must be a list of {role, content} objects")
+        if _chat_template is not None:
+            return _templated(_chat_template, messages)
         parts = []
         for msg in messages:
             if not isinstance(msg, dict):
@@ -88,6 +103,24 @@ def render_prompt(kind: Kind, body: Mapping[str, Any]) -> str:
     if isinstance(prompt, list):
         return json.dumps(prompt)
     raise RequestError("prompt", "'prompt' must be a string or a list")
+
+
+def _templated(render: Callable[[list[dict[str, Any]]], str], messages: list[Any]) -> str:
+    """``messages`` through a chat template (see :func:`render_prompt`); RequestError where the
+    template refuses them."""
+    conversation = []
+    for msg in messages:
+        if not isinstance(msg, dict):
+            raise RequestError("messages", "each entry of 'messages' must be an object")
+        content = msg.get("content", "")
+        if isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            content = "\n".join(p["text"] for p in content)
+        conversation.append({**msg, "content": content if isinstance(content, str) else json.dumps(content)})
+    try:
+        return render(conversation)
+    except Exception as exc:  # the template's own raise_exception (roles out of order, ...): a client error
+        raise RequestError("messages", f"the chat template refused the messages: {exc}") from None
 
 
 def _optional_str(body: Mapping[str, Any], key: str) -> str | None:

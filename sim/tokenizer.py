@@ -5,7 +5,10 @@ so a client that counts with a real tokenizer disagrees with the server's ``usag
 benchmark client's 256 prompt tokens were 352-361 in the server's usage). ``inferlb sim-backend
 --tokenizer DIR`` counts with the tokenizer in ``DIR`` (its ``tokenizer.json``, read by the
 ``tokenizers`` package: ``pip install 'inferlb[tokenizer]'``), the one the client loads from the same
-directory (``transformers.AutoTokenizer.from_pretrained(DIR)``), so both count alike.
+directory (``transformers.AutoTokenizer.from_pretrained(DIR)``), so both count alike. When the
+directory holds a chat template (``chat_template`` in its ``tokenizer_config.json``, or a
+``chat_template.jinja``), chat prompts are rendered with it (:func:`load_chat_template`), as vLLM's
+server renders them.
 
 There is no model hub to download one from here, so :func:`write_small_tokenizer` (``inferlb
 sim-tokenizer DIR``) writes a small one: a byte-level BPE (GPT-2's scheme: any text encodes, no
@@ -20,8 +23,9 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["END_OF_TEXT", "load", "write_small_tokenizer"]
+__all__ = ["END_OF_TEXT", "load", "load_chat_template", "write_small_tokenizer"]
 
 END_OF_TEXT = "<|endoftext|>"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -124,3 +128,33 @@ def load(directory: str | Path) -> Callable[[str], list[int]]:
             return tokenizer.encode(_SURROGATE.sub("\ufffd", text), add_special_tokens=False).ids
 
     return encode
+
+
+def load_chat_template(directory: str | Path) -> Callable[[list[dict[str, Any]]], str] | None:
+    """The chat template of the tokenizer in ``directory`` as vLLM's OpenAI server applies it by
+    default (``transformers``' ``apply_chat_template``, not tokenized, the generation prompt added):
+    messages -> prompt text; None when the directory has none (no ``chat_template`` in its
+    ``tokenizer_config.json``, no ``chat_template.jinja``).
+
+    Raises:
+        ModuleNotFoundError: there is a template and the ``transformers`` package is not installed.
+        ValueError: ``transformers`` cannot load the tokenizer there.
+    """
+    path = Path(directory)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if not (isinstance(config, dict) and config.get("chat_template")) and not (path / "chat_template.jinja").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError or its own for a bad directory
+        raise ValueError(f"{path}: not a Hugging Face tokenizer directory ({err})") from None
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return render

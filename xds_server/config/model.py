@@ -755,11 +755,16 @@ class KvEventsConfig(_Strict):
     default ``tcp://*:5557`` on the engine's host; the simulator's ``--kv-events-endpoint``), a
     template of ``{host}`` and ``{port}`` (the endpoint's serving port; ``{port+N}``: that port plus
     N). ``topic``: the publishers' topic (vLLM's default: empty). ``block_size``: the engines' KV
-    block (tokens; vLLM's and the simulator's default: 16). ``keys``: how the engine turns a body
-    into block keys; ``sim``: the ``llm`` simulator's rule (its chat template, 4 bytes a token, its
-    hash chain), the only one the picker computes today. ``tokenizer``: the directory of the Hugging
-    Face tokenizer the engines count with (its ``tokenizer.json``: the simulator's ``--tokenizer
-    DIR``; the ``tokenizers`` package), read by the picker at start; null: 4 bytes a token. ``pending_s``: how long the
+    block (tokens; vLLM's and the simulator's default: 16). ``keys``: how the picker keys a body's
+    blocks; ``sim``: as the ``llm`` simulator does (its chat template, 4 bytes a token or
+    ``tokenizer``'s ids, its hash chain), matching the hashes it publishes; ``vllm``: the token ids
+    vLLM's OpenAI server makes (the model's chat template and tokenizer in ``tokenizer``, read with
+    ``transformers``: ``pip install 'inferlb[vllm-keys]'``) under the picker's own hash chain, and
+    the engines' blocks re-keyed the same way from the token ids their events carry, so vLLM's own
+    hash and seed never matter (needs ``tokenizer``). ``tokenizer``: the directory of the Hugging
+    Face tokenizer the engines count with (its ``tokenizer.json``, and for ``vllm`` its
+    ``tokenizer_config.json`` with the ``chat_template``: the served model's directory), read by the
+    picker at start; null: 4 bytes a token (``sim`` only). ``pending_s``: how long the
     picker's own pick counts a prompt's blocks as held on its endpoint before events confirm them (s;
     null: ``ext_proc.prefix_events.PENDING_S``, 5 s; 0: events alone).
     """
@@ -767,9 +772,16 @@ class KvEventsConfig(_Strict):
     endpoint: str = "tcp://{host}:5557"
     topic: str = ""
     block_size: int = Field(16, ge=1, le=1024)
-    keys: Literal["sim"] = "sim"
+    keys: Literal["sim", "vllm"] = "sim"
     tokenizer: str | None = Field(None, min_length=1)
     pending_s: float | None = Field(None, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _vllm_needs_tokenizer(self) -> KvEventsConfig:
+        if self.keys == "vllm" and self.tokenizer is None:
+            raise ValueError("keys: vllm needs tokenizer: the served model's directory (its tokenizer.json "
+                             "and tokenizer_config.json with the chat template)")
+        return self
 
     @field_validator("endpoint")
     @classmethod

@@ -46,7 +46,7 @@ A = "10.0.0.1:8000"
 def test_the_simulators_batches_decode_to_the_device_cache_changes():
     payload = encode_batch([BlockStored(1.0, (5, -6), None, tuple(range(32)), 16), BlockRemoved(2.0, (5,)),
                             AllBlocksCleared(3.0)], 3.5)
-    assert decode_batch(payload) == [(STORED, (5, -6), None), (REMOVED, (5,)), (CLEARED,)]
+    assert decode_batch(payload) == [(STORED, (5, -6), None, tuple(range(32)), 16), (REMOVED, (5,)), (CLEARED,)]
 
 
 def test_other_media_unknown_events_older_layouts_and_byte_hashes():
@@ -58,7 +58,8 @@ def test_other_media_unknown_events_older_layouts_and_byte_hashes():
         ["BlockStored", [h], 9, [0] * 16, 16],  # an older vLLM: no lora_id, no medium
         ["BlockRemoved", [h]],
     ], 0])  # a trailing data_parallel_rank
-    assert decode_batch(payload) == [(STORED, (int.from_bytes(h, "big"),), 9), (REMOVED, (int.from_bytes(h, "big"),))]
+    assert decode_batch(payload) == [(STORED, (int.from_bytes(h, "big"),), 9, (0,) * 16, 16),
+                                     (REMOVED, (int.from_bytes(h, "big"),))]
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0]),

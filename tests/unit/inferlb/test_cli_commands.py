@@ -148,6 +148,14 @@ def test_validate_refuses_what_serve_refuses_for_the_kv_event_feed(tmp_path):
     path.write_text(picker + services)
     result = CliRunner().invoke(main, ["validate", "-c", str(path)])
     assert result.exit_code == 0, result.output
+    # keys: vllm loads the tokenizer with transformers, as serve does: a directory it cannot read is refused
+    path.write_text(picker + f"  kv_events: {{keys: vllm, tokenizer: {tmp_path}}}\n" + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "picker.kv_events.tokenizer:" in result.output and "not a Hugging Face tokenizer directory" in result.output
+    path.write_text(picker + "  kv_events: {keys: vllm}\n" + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 2 and "keys: vllm needs tokenizer" in result.output, result.output
 
 
 def test_every_kv_event_batch_outcome_is_a_series_from_the_start():

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import msgpack
@@ -11,7 +12,7 @@ import zmq
 from sim.config import BackendConfig
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
 from sim.engines.kv import chain_hashes
-from sim.kv_publish import encode_batch, event_fields
+from sim.kv_publish import KvEventPublisher, encode_batch, event_fields, opaque_hash
 from sim.protocol import parse_request
 from sim.server import NODE_KEY, start_backend
 
@@ -63,3 +64,32 @@ async def test_a_backend_publishes_the_blocks_a_prompt_stored_keyed_as_the_engin
         sub.close()
         await runner.cleanup()
     assert node.kv_publisher is None
+
+
+def test_opaque_hashes_name_a_key_alike_in_stores_and_removals_and_differ_per_seed():
+    name = opaque_hash(b"seed one")
+    stored = BlockStored(1.0, (5, -6), 4, tuple(range(32)), 16)
+    fields = event_fields(stored, name)
+    assert fields[1] == [name(5), name(-6)] and fields[2] == name(4)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in fields[1])  # as vLLM's sha256 hashes
+    assert event_fields(BlockRemoved(2.0, (-6,)), name)[1] == [name(-6)]
+    assert opaque_hash(b"seed two")(5) != name(5) and event_fields(stored)[1] == [5, -6]
+    assert msgpack.unpackb(encode_batch([stored], 3.0, name))[1][0][1] == [name(5), name(-6)]
+
+
+def test_a_publisher_started_opaque_publishes_no_key():
+    publisher = KvEventPublisher("tcp://127.0.0.1:*", opaque=True)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(publisher.endpoint)
+        deadline = time.monotonic() + 5
+        while not sub.poll(50):  # a SUB socket gets only what is sent after it joined: publish until it has
+            assert time.monotonic() < deadline
+            publisher.publish([BlockStored(1.0, (5,), None, tuple(range(16)), 16)], 1.0)
+        hashes = msgpack.unpackb(sub.recv_multipart()[-1])[1][0][1]
+        assert len(hashes) == 1 and isinstance(hashes[0], bytes) and len(hashes[0]) == 32
+    finally:
+        sub.close()
+        publisher.close()

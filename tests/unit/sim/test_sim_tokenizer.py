@@ -97,3 +97,25 @@ def test_the_commands_write_and_use_the_directory(tmp_path, monkeypatch):
     empty.mkdir()
     result = CliRunner().invoke(sim_backend, ["--port", "0", "--tokenizer", str(empty)])
     assert result.exit_code == 2 and "tokenizer.json" in result.output
+
+
+def test_a_directory_with_a_chat_template_renders_chats_with_it(tmp_path):
+    """``--tokenizer DIR`` with a chat template: chat prompts rendered as vLLM's server renders them
+    (the template, the generation prompt, text parts joined by a newline); without one, the built-in rule."""
+    from sim.protocol import render_prompt, use_chat_template
+    from sim.tokenizer import load_chat_template
+    from tests.support.chat_tokenizer import write_chat_tokenizer
+
+    assert load_chat_template(write_small_tokenizer(tmp_path / "plain")) is None
+    render = load_chat_template(write_chat_tokenizer(tmp_path / "chatml"))
+    assert render is not None
+    body = {"messages": [{"role": "system", "content": "S"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    use_chat_template(render)
+    try:
+        assert render_prompt("chat", body) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n"
+                                               "<|im_start|>assistant\n")
+        assert render_prompt("completion", {"prompt": "p"}) == "p"
+    finally:
+        use_chat_template(None)
+    assert render_prompt("chat", body) == "<|system|>\nS\n<|user|>\nab\n<|assistant|>\n"
