@@ -103,19 +103,12 @@ def main() -> None:
 @click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
 def validate(config_path: str) -> None:
     """Check a config file; print each problem with its field and line."""
+    from inferlb.serve import require_runtime
     from xds_server.config import ConfigError
-    from xds_server.discovery.kubernetes import require_client
 
     cfg = _load(config_path)
     try:
-        require_client(cfg)
-        if cfg.picker.prefix_source == "kv_events":
-            from ext_proc.kv_events import KvEventsUnavailable, check_feed
-
-            try:
-                check_feed(cfg.picker.kv_events.tokenizer, cfg.picker.kv_events.keys)
-            except KvEventsUnavailable as err:
-                raise ConfigError(str(err)) from None
+        require_runtime(cfg)
     except ConfigError as err:
         click.echo(f"invalid config:\n{config_path}: {err}", err=True)
         sys.exit(2)

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from ext_proc import transport
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import MemorySamples
-from ext_proc.kv_events import KvEventsUnavailable, start_feed
+from ext_proc.kv_events import KvEventsUnavailable, check_feed, start_feed
 from ext_proc.load_client import run_load_view
 from ext_proc.sampler import DecisionSampler
 from ext_proc.shared_load import SharedLoad
@@ -97,6 +97,23 @@ RELOAD_OK = Gauge("inferlb_config_last_reload_ok",
 TOKEN_ENV = "INFERLB_ADMIN_TOKEN"
 #: Config sections a reload cannot change: what the sockets, picker, sources and store were built with.
 RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
+
+
+def require_runtime(cfg: Config) -> None:
+    """Refuse a config whose parts cannot run in this installation, before anything binds: the
+    ``kubernetes`` package for ``discovery.kubernetes``; with ``picker.prefix_source: kv_events``,
+    ``pyzmq`` and ``msgpack`` and a loadable ``picker.kv_events.tokenizer``. ``inferlb validate`` and
+    ``inferlb serve`` both call it, so they refuse the same configs.
+
+    Raises:
+        ConfigError: naming what is missing and the setting that needs it.
+    """
+    require_client(cfg)
+    if cfg.picker.prefix_source == "kv_events":
+        try:
+            check_feed(cfg.picker.kv_events.tokenizer, cfg.picker.kv_events.keys)
+        except KvEventsUnavailable as err:
+            raise ConfigError(str(err)) from None
 
 
 def admin_token(cfg: Config) -> str | None:
@@ -355,7 +372,7 @@ class InferLB:
         without pyzmq or msgpack, or ``discovery.kubernetes`` and no
         ``kubernetes`` package. What started before the error is left running: :meth:`stop` ends it.
         """
-        require_client(self.cfg)
+        require_runtime(self.cfg)
         token = admin_token(self.cfg)
         tls = self.cfg.tls
         creds = server_credentials(tls) if tls else None
@@ -388,10 +405,7 @@ class InferLB:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
-        try:
-            self._kv_task = start_feed(self.picker.prefixes, self.view, picker_settings(self.cfg))
-        except KvEventsUnavailable as err:
-            raise ConfigError(str(err)) from None
+        self._kv_task = start_feed(self.picker.prefixes, self.view, picker_settings(self.cfg))
         if not tls:  # the in-process picker is one of the gateways too (its memory samples come directly)
             p = self.cfg.picker
             shared = self.picker.share_load() if p.shared_view else SharedLoad(self.picker.inflight)

@@ -166,3 +166,27 @@ def test_every_kv_event_batch_outcome_is_a_series_from_the_start():
 
     for outcome in ("applied", "malformed", "stale", "lost", "restarted"):
         assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_batches_total", {"outcome": outcome}) is not None
+
+
+def test_serve_refuses_a_tokenizer_it_cannot_load_before_it_binds_anything(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import inferlb.cli
+    import inferlb.serve
+    from inferlb.cli import main
+
+    async def never(*_a, **_k):
+        raise AssertionError("serve bound a listener before refusing the config")
+
+    monkeypatch.setattr(inferlb.cli, "_setup_logging", lambda *_: None)   # the root logger stays pytest's
+    monkeypatch.setattr(inferlb.serve, "start_ads_server", never)
+    path = tmp_path / "kv.yaml"
+    path.write_text("listen: {xds: '127.0.0.1:0', ext_proc: '127.0.0.1:0', admin: '127.0.0.1:0'}\n"
+                    "history: {path: ':memory:'}\n"
+                    f"picker:\n  prefix_source: kv_events\n  kv_events: {{tokenizer: {tmp_path / 'nowhere'}}}\n"
+                    "services:\n  - name: chat\n    versions:\n      - name: v1\n"
+                    "        endpoints: [{address: '127.0.0.1:8000'}]\n")
+    result = CliRunner().invoke(main, ["serve", "-c", str(path), "--watch-config", "0"])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line.startswith("inferlb serve: picker.kv_events.tokenizer:") and "nowhere/tokenizer.json" in line
