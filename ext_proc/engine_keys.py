@@ -37,6 +37,7 @@ Not covered: a request with a session key on a simulator that prepends a session
 from __future__ import annotations
 
 import json
+import os
 import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -176,6 +177,7 @@ def load_vllm_keys(directory: str) -> Callable[[Mapping[str, object]], list[int]
         ModuleNotFoundError: the ``transformers`` package is not installed.
         ValueError: ``directory`` holds no tokenizer ``transformers`` can load (the message names it).
     """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "None of PyTorch ..." line: not needed
     from transformers import AutoTokenizer
 
     try:

@@ -19,6 +19,7 @@ unknown token) trained on English-like text generated here from a fixed seed, wi
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -147,6 +148,7 @@ def load_chat_template(directory: str | Path) -> Callable[[list[dict[str, Any]]]
         config = {}
     if not (isinstance(config, dict) and config.get("chat_template")) and not (path / "chat_template.jinja").is_file():
         return None
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "None of PyTorch ..." line: not needed
     from transformers import AutoTokenizer
 
     try:
