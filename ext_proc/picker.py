@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 from ext_proc.errors import error_body
 from ext_proc.prefix_index import PrefixIndex
-from ext_proc.ring import key_hash
+from ext_proc.ring import key_hash, session_hash
 from ext_proc.scheduling import Request
 from ext_proc.scheduling.affinity import STRICT, strict_choice
 from ext_proc.sessions import session_slot
@@ -374,7 +374,7 @@ def pick(
         return _reject(404, "unknown-service", f"no service for host '{_quote(authority)}'", ":authority")
 
     key = header_session_key(headers, routing) or body.user or body.prompt_cache_key
-    position = key_hash(key) if key else None
+    position = session_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
     where, param = f"header '{routing.version_header}'", routing.version_header

@@ -607,17 +607,23 @@ class Connection:
                 self._finish(stream, GRPC_OK)
             return
         size = len(answer) + 5
-        if end and not stream.headers_sent and not self._table_size_update and not stream.pending \
+        if not self._table_size_update and not stream.pending \
                 and size <= stream.send_window and size <= self._send_window and size <= self._peer_max_frame:
-            # The common case: headers, the one message and the OK trailers in one buffer.
+            # The common case, in one buffer: the headers (unless sent), the one message, and (ending) the
+            # OK trailers; the bytes _send_message and _finish write.
             sid = stream.id
-            self._out.append(b"".join((
-                _FRAME.pack(0, len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
-                _FRAME.pack(size >> 16, size & 0xFFFF, DATA, 0, sid), _GRPC_PREFIX.pack(0, size - 5), answer,
-                _FRAME.pack(0, len(_TRAILERS_OK), HEADERS, END_HEADERS | END_STREAM, sid), _TRAILERS_OK)))
-            stream.headers_sent = stream.local_closed = True
+            data = _FRAME.pack(size >> 16, size & 0xFFFF, DATA, 0, sid) + _GRPC_PREFIX.pack(0, size - 5) + answer
+            if not stream.headers_sent:
+                stream.headers_sent = True
+                data = _FRAME.pack(0, len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, sid) + _RESPONSE_HEADERS + data
             stream.send_window -= size
             self._send_window -= size
+            if not end:
+                self._out.append(data)
+                return
+            self._out.append(data + _FRAME.pack(0, len(_TRAILERS_OK), HEADERS, END_HEADERS | END_STREAM, sid)
+                             + _TRAILERS_OK)
+            stream.local_closed = True
             if stream.remote_closed:
                 self._close(stream)
             return
