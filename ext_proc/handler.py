@@ -9,7 +9,6 @@ it keeps (requests in flight, sessions) is only touched from that loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import re
@@ -485,7 +484,7 @@ class PickerHandler:
             self._count(refusal.reason)
             return self._encoder.encode(refusal, view, headers, phase)
         if subset is not None:
-            fields = dataclasses.replace(fields, subset=subset)
+            fields = fields._replace(subset=subset)
         return self._route(headers, view, fields, phase)
 
     def completed(self, request_id: bytes | None) -> None:

@@ -8,7 +8,6 @@ any header value a client can send. The transport (``ext_proc.transport.grpcio``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
@@ -221,9 +220,10 @@ def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> b
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class BodyFields:
-    """What the picker reads from an OpenAI-style JSON request body.
+class BodyFields(NamedTuple):
+    """What the picker reads from an OpenAI-style JSON request body (a named tuple, built per read body:
+    0.5 µs, where a frozen dataclass of 8 fields cost 1.2 µs, timeit; :meth:`_replace` for a copy with
+    other fields).
 
     Attributes:
         model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
