@@ -586,7 +586,7 @@ class Connection:
             if len(payload) < 5 + length and not compressed and length <= self._limits.max_message:
                 # The start of a message spanning frames (a body above one frame): its parts are kept as
                 # they come (views of immutable reads) and joined once, not gathered into the buffer and
-                # copied out (a 20 KiB body in two frames: 1.5 µs against 6 µs, timeit).
+                # copied out (a 20 KiB body in two frames: 1.3 µs against 5.7 µs, timeit on a machine at load 8).
                 stream.parts = [memoryview(payload)[5:]]
                 stream.missing = 5 + length - len(payload)
                 return
