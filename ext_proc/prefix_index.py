@@ -224,12 +224,15 @@ def _compiled_prompt_keys(doc: Mapping[str, object], prefix_messages: int, prefi
 
 try:
     from ext_proc._wire import block_keys as _block_keys
-    from ext_proc._wire import prompt_keys as _prompt_keys
 except ImportError:  # not built (no C compiler where the package was installed)
     block_hashes = block_hashes_py
-    prompt_keys = prompt_keys_py
 else:
     block_hashes = _compiled_block_hashes
+try:
+    from ext_proc._wire import prompt_keys as _prompt_keys
+except ImportError:  # not built, or built from a _wire.c older than prompt_keys (rebuild: pip install -e .)
+    prompt_keys = prompt_keys_py
+else:
     prompt_keys = _compiled_prompt_keys
 
 

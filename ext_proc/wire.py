@@ -159,6 +159,7 @@ except ImportError as err:  # not built (no C compiler where the package was ins
     DECODER = f"pure Python (ext_proc._wire not built: {err})"
 else:
     request_headers = _wire.request_headers
-    request_body = _wire.request_body
+    # None from a build of _wire.c older than its body decoder (rebuild: pip install -e . / scripts/setup.sh).
+    request_body = getattr(_wire, "request_body", None)
     access_log = partial(_wire.access_log, _wire.access_log_schema(_schema(_wire)))
     DECODER = "compiled (ext_proc._wire)"

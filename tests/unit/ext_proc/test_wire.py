@@ -211,3 +211,12 @@ def test_without_the_compiled_decoders_a_read_body_is_decided_the_same(monkeypat
     monkeypatch.setattr(handler_module, "request_headers", None)
     monkeypatch.setattr(handler_module, "request_body", None)
     assert answers(PickerHandler(ViewHolder(view()))) == compiled_answers
+
+
+def test_the_picker_uses_the_compiled_body_and_prompt_readers_here():
+    """scripts/setup.sh (pip install) builds them; a build older than them leaves protobuf and the
+    Python prompt reading in use (the same answers, slower): this test says so."""
+    from ext_proc import prefix_index
+
+    assert wire.request_body is compiled_body
+    assert prefix_index.prompt_keys is prefix_index._compiled_prompt_keys
