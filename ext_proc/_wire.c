@@ -297,6 +297,76 @@ static PyObject *request_headers(PyObject *self, PyObject *arg)
     return result;
 }
 
+/* HttpBody with body (1, once) and end_of_stream (2) only: 1 = handled, 0 = not. */
+static int http_body(ptr p, ptr end, ptr *body, Py_ssize_t *body_n, int *eos)
+{
+    int body_seen = 0;
+    while (p < end) {
+        uint32_t field;
+        unsigned wire;
+        if (!tag(&p, end, &field, &wire))
+            return 0;
+        if (field == 1 && wire == 2 && !body_seen) {
+            body_seen = 1;
+            if (!delimited(&p, end, body, body_n))
+                return 0;
+        } else if (field == 2 && wire == 0) {
+            uint64_t v;
+            if (!varint(&p, end, &v))
+                return 0;
+            *eos = v != 0;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *request_body(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    ptr p = view.buf, end = p + view.len, hb = NULL, hb_end = NULL;
+    int ok = 1;
+    while (ok && p < end) {
+        uint32_t field;
+        unsigned wire;
+        ptr s;
+        Py_ssize_t n;
+        uint64_t v;
+        if (!tag(&p, end, &field, &wire)) {
+            ok = 0;
+        } else if (field == 4 && wire == 2 && hb == NULL) {
+            ok = delimited(&p, end, &s, &n);
+            hb = s;
+            hb_end = s + n;
+        } else if (field == 8 && wire == 2) {
+            ok = delimited(&p, end, &s, &n) && n == 0;
+        } else if (field == 10 && wire == 0) {
+            ok = varint(&p, end, &v);
+        } else if (field == 11 && wire == 2) {
+            ok = delimited(&p, end, &s, &n) && protocol_config(s, s + n);
+        } else {
+            ok = 0;
+        }
+    }
+    PyObject *result = NULL;
+    ptr body = NULL;
+    Py_ssize_t body_n = 0;
+    int eos = 0;
+    if (ok && hb != NULL && http_body(hb, hb_end, &body, &body_n, &eos)) {
+        PyObject *bytes = PyBytes_FromStringAndSize((const char *)body, body_n);
+        if (bytes != NULL)
+            result = Py_BuildValue("(NO)", bytes, eos ? Py_True : Py_False);
+    } else {
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* ---- The access-log decoder ---- */
 
 /* What the schema says of a field: how to check it (the wire type it must come in follows). */
@@ -1349,6 +1419,39 @@ static uint32_t adler32_sse2(uint32_t adler, ptr p, Py_ssize_t n)
  * block by block from zlib's start values (0 and 1): what ext_proc.prefix_index.block_hashes_py
  * gives. simd False: the portable ways only (for the tests). block_bytes >= 1 and max_blocks >= 0
  * (ValueError otherwise). */
+/* The chained keys of data's first min(len / size, blocks) blocks of size bytes (a tuple; NULL: error). */
+static PyObject *keys_of(ptr p, Py_ssize_t len, Py_ssize_t size, Py_ssize_t blocks, int simd)
+{
+    uint32_t (*crc)(uint32_t, ptr, Py_ssize_t) = crc32_portable;
+    uint32_t (*adler)(uint32_t, ptr, Py_ssize_t) = adler32_portable;
+#ifdef BLOCK_SIMD
+    if (simd) {
+        adler = adler32_sse2;
+        if (has_pclmul)
+            crc = crc32_clmul;
+    }
+#else
+    (void)simd;
+#endif
+    if (len / size < blocks)
+        blocks = len / size;
+    PyObject *out = PyTuple_New(blocks);
+    if (out == NULL)
+        return NULL;
+    uint32_t c = 0, a = 1;
+    for (Py_ssize_t i = 0; i < blocks; i++, p += size) {
+        c = crc(c, p, size);
+        a = adler(a, p, size);
+        PyObject *key = PyLong_FromUnsignedLongLong((unsigned long long)c << 32 | a);
+        if (key == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, key);
+    }
+    return out;
+}
+
 static PyObject *block_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer view;
@@ -1368,36 +1471,220 @@ static PyObject *block_keys(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (nargs == 4 && (simd = PyObject_IsTrue(args[3])) < 0)
         return NULL;
-    uint32_t (*crc)(uint32_t, ptr, Py_ssize_t) = crc32_portable;
-    uint32_t (*adler)(uint32_t, ptr, Py_ssize_t) = adler32_portable;
-#ifdef BLOCK_SIMD
-    if (simd) {
-        adler = adler32_sse2;
-        if (has_pclmul)
-            crc = crc32_clmul;
-    }
-#endif
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    if (view.len / size < blocks)
-        blocks = view.len / size;
-    PyObject *out = PyTuple_New(blocks);
-    if (out != NULL) {
-        ptr p = view.buf;
-        uint32_t c = 0, a = 1;
-        for (Py_ssize_t i = 0; i < blocks; i++, p += size) {
-            c = crc(c, p, size);
-            a = adler(a, p, size);
-            PyObject *key = PyLong_FromUnsignedLongLong((unsigned long long)c << 32 | a);
-            if (key == NULL) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyTuple_SET_ITEM(out, i, key);
-        }
-    }
+    PyObject *out = keys_of(view.buf, view.len, size, blocks, simd);
     PyBuffer_Release(&view);
     return out;
+}
+
+/* ---- prompt_keys: a chat body's canonical prompt bytes, their block keys, prefix bytes and characters
+ * (ext_proc/prefix_index.py: prompt_keys_py is the reference). */
+
+/* The keys read (interned at import). */
+static PyObject *s_messages, *s_role, *s_content, *s_text;
+
+/* One piece of the canonical bytes: a string's UTF-8, or one separator byte. */
+typedef struct { const char *s; Py_ssize_t n; } piece_t;
+
+typedef struct {
+    piece_t *pieces;
+    Py_ssize_t count, cap, bytes;
+    int ascii; /* every string piece is ASCII */
+} pieces_t;
+
+/* 1: added; 0: decline (a lone surrogate: UTF-8 with surrogatepass is the reference's); -1: error. */
+static int add_piece(pieces_t *ps, const char *s, Py_ssize_t n)
+{
+    if (ps->count == ps->cap) {
+        Py_ssize_t cap = ps->cap ? ps->cap * 2 : 64;
+        piece_t *grown = PyMem_Realloc(ps->pieces, (size_t)cap * sizeof(piece_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        ps->pieces = grown;
+        ps->cap = cap;
+    }
+    ps->pieces[ps->count].s = s;
+    ps->pieces[ps->count].n = n;
+    ps->count++;
+    ps->bytes += n;
+    return 1;
+}
+
+static int add_text(pieces_t *ps, PyObject *text)
+{
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(text, &n); /* kept by the str: valid while the doc lives */
+    if (s == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if (!PyUnicode_IS_ASCII(text))
+        ps->ascii = 0;
+    return add_piece(ps, s, n);
+}
+
+/* A message's content as message_text reads it: its pieces and characters. 1 / 0 (decline) / -1. */
+static int add_content(pieces_t *ps, PyObject *content, Py_ssize_t *chars)
+{
+    if (PyUnicode_CheckExact(content)) {
+        *chars += PyUnicode_GET_LENGTH(content);
+        return add_text(ps, content);
+    }
+    if (PyUnicode_Check(content) || (PyList_Check(content) && !PyList_CheckExact(content)))
+        return 0;
+    if (!PyList_CheckExact(content))
+        return 1; /* neither a string nor a list: no text */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(content); i++) {
+        PyObject *part = PyList_GET_ITEM(content, i);
+        if (!PyDict_Check(part))
+            continue;
+        if (!PyDict_CheckExact(part))
+            return 0;
+        PyObject *text = PyDict_GetItemWithError(part, s_text);
+        if (text == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;
+        }
+        if (!PyUnicode_Check(text))
+            continue;
+        if (!PyUnicode_CheckExact(text))
+            return 0;
+        *chars += PyUnicode_GET_LENGTH(text);
+        int rc = add_text(ps, text);
+        if (rc != 1)
+            return rc;
+    }
+    return 1;
+}
+
+static const char SEPARATORS[2] = {'\x1f', '\x1e'};
+
+static PyObject *prompt_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "prompt_keys(doc, prefix_messages, prefix_max_bytes, block_bytes, max_blocks)");
+        return NULL;
+    }
+    Py_ssize_t prefix_messages = PyLong_AsSsize_t(args[1]), max_bytes = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[3]), blocks = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (size < 1 || blocks < 0) {
+        PyErr_Format(PyExc_ValueError, "block_bytes must be >= 1 and max_blocks >= 0, got %zd and %zd", size, blocks);
+        return NULL;
+    }
+    PyObject *doc = args[0];
+    if (!PyDict_CheckExact(doc) || max_bytes < 0)
+        Py_RETURN_NONE;
+    PyObject *chat = PyDict_GetItemWithError(doc, s_messages);
+    if (chat == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE; /* no messages: a completion's prompt, or none (the reference reads it) */
+    }
+    if (!PyList_CheckExact(chat))
+        Py_RETURN_NONE;
+    pieces_t ps = {NULL, 0, 0, 0, 1};
+    Py_ssize_t chars = 0, lead = 0;
+    int leading = 0, rc = 1;
+    Py_INCREF(chat); /* the list and its items stay while we read them (a str's UTF-8 lives with it) */
+    for (Py_ssize_t i = 0; rc == 1 && i < PyList_GET_SIZE(chat); i++) {
+        PyObject *m = PyList_GET_ITEM(chat, i);
+        if (!PyDict_Check(m))
+            continue;
+        if (!PyDict_CheckExact(m)) {
+            rc = 0;
+            break;
+        }
+        Py_ssize_t before_chars = chars;
+        PyObject *role = PyDict_GetItemWithError(m, s_role);
+        if (role == NULL && PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+        Py_ssize_t role_chars = 0;
+        if (role != NULL && PyUnicode_Check(role)) {
+            if (!PyUnicode_CheckExact(role)) {
+                rc = 0;
+                break;
+            }
+            role_chars = PyUnicode_GET_LENGTH(role);
+            rc = add_text(&ps, role);
+            if (rc != 1)
+                break;
+        }
+        rc = add_piece(&ps, SEPARATORS, 1);
+        if (rc != 1)
+            break;
+        PyObject *content = PyDict_GetItemWithError(m, s_content);
+        if (content == NULL && PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+        if (content != NULL) {
+            rc = add_content(&ps, content, &chars);
+            if (rc != 1)
+                break;
+        }
+        rc = add_piece(&ps, SEPARATORS + 1, 1);
+        if (rc != 1)
+            break;
+        if (i < prefix_messages) {
+            lead += role_chars + (chars - before_chars) + 2;
+            leading = 1;
+        }
+    }
+    PyObject *result = NULL;
+    char *data = NULL;
+    if (rc == 1) {
+        data = PyMem_Malloc(ps.bytes ? (size_t)ps.bytes : 1);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
+    if (rc == 1) {
+        char *w = data;
+        for (Py_ssize_t k = 0; k < ps.count; k++) {
+            memcpy(w, ps.pieces[k].s, (size_t)ps.pieces[k].n);
+            w += ps.pieces[k].n;
+        }
+        PyObject *keys = keys_of((ptr)data, ps.bytes, size, blocks, 1), *prefix = NULL, *count = NULL;
+        if (keys != NULL && leading) {
+            Py_ssize_t cut = lead < max_bytes ? lead : max_bytes, end = cut; /* characters */
+            if (!ps.ascii) { /* the byte where character cut starts (UTF-8: count the lead bytes) */
+                Py_ssize_t seen = 0;
+                for (end = 0; end < ps.bytes; end++)
+                    if (((unsigned char)data[end] & 0xC0) != 0x80 && seen++ == cut)
+                        break;
+            }
+            if (end > max_bytes)
+                end = max_bytes;
+            prefix = PyBytes_FromStringAndSize(data, end);
+        } else if (keys != NULL) {
+            prefix = Py_NewRef(Py_None);
+        }
+        if (prefix != NULL)
+            count = PyLong_FromSsize_t(chars);
+        if (count != NULL)
+            result = PyTuple_Pack(3, keys, prefix, count);
+        Py_XDECREF(keys);
+        Py_XDECREF(prefix);
+        Py_XDECREF(count);
+    } else if (rc == 0) {
+        result = Py_NewRef(Py_None);
+    }
+    PyMem_Free(data);
+    PyMem_Free(ps.pieces);
+    Py_DECREF(chat);
+    return result;
 }
 
 /* ---- engine_keys: a prompt's KV block keys as the llm simulator computes them (ext_proc/engine_keys.py) */
@@ -1526,6 +1813,8 @@ static PyObject *engine_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef methods[] = {
     {"request_headers", request_headers, METH_O,
      "request_headers(data) -> (headers, end_of_stream) | None: see ext_proc.wire."},
+    {"request_body", request_body, METH_O,
+     "request_body(data) -> (body, end_of_stream) | None: see ext_proc.wire."},
     {"access_log", (PyCFunction)(void (*)(void))access_log, METH_FASTCALL,
      "access_log(schema, data, cluster_header, override_host_header) -> list[tuple] | None: see ext_proc.wire."},
     {"access_log_schema", access_log_schema, METH_O,
@@ -1534,6 +1823,9 @@ static PyMethodDef methods[] = {
      "assignment_endpoints(data) -> list[tuple] | None: see ext_proc.eds_wire."},
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL,
      "block_keys(data, block_bytes, max_blocks, simd=True) -> tuple[int, ...]: see ext_proc.prefix_index."},
+    {"prompt_keys", (PyCFunction)(void (*)(void))prompt_keys, METH_FASTCALL,
+     "prompt_keys(doc, prefix_messages, prefix_max_bytes, block_bytes, max_blocks) -> (keys, prefix, chars) | None: "
+     "see ext_proc.prefix_index."},
     {"engine_keys", (PyCFunction)(void (*)(void))engine_keys, METH_FASTCALL,
      "engine_keys(text, bytes_per_token, vocab, block_size) -> tuple[int, ...]: see ext_proc.engine_keys."},
     {NULL, NULL, 0, NULL},
@@ -1550,6 +1842,12 @@ PyMODINIT_FUNC PyInit__wire(void)
     if (m == NULL)
         return NULL;
     crc_init();
+    s_messages = PyUnicode_InternFromString("messages");
+    s_role = PyUnicode_InternFromString("role");
+    s_content = PyUnicode_InternFromString("content");
+    s_text = PyUnicode_InternFromString("text");
+    if (s_messages == NULL || s_role == NULL || s_content == NULL || s_text == NULL)
+        goto fail;
 #ifdef BLOCK_SIMD
     __builtin_cpu_init();
     has_pclmul = __builtin_cpu_supports("pclmul");

@@ -9,7 +9,6 @@ it keeps (requests in flight, sessions) is only touched from that loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import re
@@ -38,7 +37,7 @@ from ext_proc.picker import (
     too_large,
 )
 from ext_proc.prefix_events import EventIndex
-from ext_proc.prefix_index import PrefixIndex, block_hashes, message_text, prompt_of
+from ext_proc.prefix_index import BLOCK_BYTES, MAX_BLOCKS, PrefixIndex, message_text, prompt_keys
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -49,7 +48,7 @@ from ext_proc.shared_load import Others, SharedLoad, freed
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
-from ext_proc.wire import request_headers
+from ext_proc.wire import request_body, request_headers
 
 __all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "PickerHandler", "prefix_hash", "read_json"]
 
@@ -177,7 +176,10 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         max_tokens = None
     user = user.encode() if isinstance(user, str) else None
     cache_key = cache_key.encode() if isinstance(cache_key, str) and cache_key else None
-    prompt, lead, chars = prompt_of(doc, routing.prefix_messages, routing.prefix_max_bytes)
+    # The index's keys of the prompt's canonical bytes, unless it is off or keyed as the engine keys it.
+    own_keys = routing.prefix_cache_tokens and not routing.engine_block_size
+    keys, lead, chars = prompt_keys(doc, routing.prefix_messages, routing.prefix_max_bytes, BLOCK_BYTES,
+                                    MAX_BLOCKS if own_keys else 0)
     return BodyFields(
         model.encode() if isinstance(model, str) else None,
         user,
@@ -185,7 +187,7 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
-        blocks=() if not routing.prefix_cache_tokens else block_hashes(prompt) if not routing.engine_block_size
+        blocks=keys if own_keys else () if not routing.prefix_cache_tokens
         else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer, routing.engine_keys),
     )
 
@@ -366,7 +368,7 @@ class PickerHandler:
         except Exception:
             self.errors.report("pick-failed", "the picker raised", exc_info=True)
             raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
-        # Envoy's request headers without protobuf (ext_proc.wire; None when it is not built).
+        # Envoy's request headers and body without protobuf (ext_proc.wire; None when it is not built).
         decoded = None if request_headers is None else request_headers(data)
         if decoded is not None:
             try:
@@ -374,39 +376,26 @@ class PickerHandler:
             except Exception:
                 self.errors.report("pick-failed", "the picker raised", exc_info=True)
                 raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
-        try:
-            request = pb.ProcessingRequest.FromString(data)
-        except DecodeError:
-            self.errors.report("decode", "a ProcessingRequest could not be decoded")
-            raise StreamError(GRPC_INVALID_ARGUMENT, "undecodable ProcessingRequest") from None
-        phase = request.WhichOneof("request")
+        body = None if request_body is None else request_body(data)
+        if body is not None:
+            phase: str | None = "request_body"
+        else:
+            try:
+                request = pb.ProcessingRequest.FromString(data)
+            except DecodeError:
+                self.errors.report("decode", "a ProcessingRequest could not be decoded")
+                raise StreamError(GRPC_INVALID_ARGUMENT, "undecodable ProcessingRequest") from None
+            phase = request.WhichOneof("request")
+            if phase == "request_body":
+                body = request.request_body.body, request.request_body.end_of_stream
         try:
             if phase == "request_headers":
                 http_headers = request.request_headers
                 return self._headers(stream, headers_of(http_headers), http_headers.end_of_stream)
-            if phase == "request_body":
-                chunk = request.request_body
-                if stream.held is not None:
-                    headers, stream.held = stream.held, None
-                    view = self.holder.current
-                    try:
-                        if chunk.end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                            routing = view.routing
-                            fields = _body_fields(chunk.body, routing, header_session_key(headers, routing) is not None)
-                            if fields is None:
-                                self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                            return self._route(headers, view, fields or NO_BODY, "request_body"), True
-                        # Streamed: decide on the first bytes; the later chunks pass unchanged.
-                        stream.decided = True
-                        fields = _partial_fields(chunk.body[:view.routing.body_max_bytes],
-                                                 _content_length(headers), view.routing)
-                        return self._route(headers, view, fields, "request_body"), False
-                    except JsonTooDeep:
-                        refusal = too_deep(MAX_JSON_DEPTH)
-                        self._count(refusal.reason)
-                        return self._encoder.encode(refusal, view, headers, "request_body"), True
-                if stream.decided:
-                    return _BODY_OK, chunk.end_of_stream
+            if body is not None:
+                answer = self._body(stream, *body)
+                if answer is not None:
+                    return answer
         except Exception:
             self.errors.report("pick-failed", "the picker raised", exc_info=True)
             raise StreamError(GRPC_INTERNAL, "inferlb picker failed") from None
@@ -418,6 +407,33 @@ class PickerHandler:
             f"Envoy sent {phase} (configure request headers only); answered with no change",
         )
         return EMPTY_ANSWERS[phase], False
+
+    def _body(self, stream: StreamState, body: bytes, end_of_stream: bool
+              ) -> tuple[bytes | asyncio.Future[bytes], bool] | None:
+        """The answer to a ``request_body`` message (``body``: its bytes; ``end_of_stream``: the body's
+        last): the decision for a held request (on the whole body, or on a streamed body's first chunk),
+        no change for a later chunk of one decided; None for a body no request waited for."""
+        if stream.held is not None:
+            headers, stream.held = stream.held, None
+            view = self.holder.current
+            try:
+                if end_of_stream:  # the whole body (buffered, or one streamed chunk)
+                    routing = view.routing
+                    fields = _body_fields(body, routing, header_session_key(headers, routing) is not None)
+                    if fields is None:
+                        self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+                    return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                # Streamed: decide on the first bytes; the later chunks pass unchanged.
+                stream.decided = True
+                fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
+                return self._route(headers, view, fields, "request_body"), False
+            except JsonTooDeep:
+                refusal = too_deep(MAX_JSON_DEPTH)
+                self._count(refusal.reason)
+                return self._encoder.encode(refusal, view, headers, "request_body"), True
+        if stream.decided:
+            return _BODY_OK, end_of_stream
+        return None
 
     def _headers(self, stream: StreamState, headers: dict[str, bytes], end_of_stream: bool) -> tuple[bytes, bool]:
         view = self.holder.current
@@ -441,7 +457,10 @@ class PickerHandler:
         routing = view.routing
         if not headers.get(routing.version_header):
             return True
-        if not any(headers.get(name) for name in routing.session_headers):
+        for name in routing.session_headers:  # a loop, not any() over a generator: 0.3 µs less a request
+            if headers.get(name):
+                break
+        else:
             return True
         sized = headers.get(routing.request_class_header) or (
             routing.request_memory_header is not None and headers.get(routing.request_memory_header))
@@ -468,7 +487,7 @@ class PickerHandler:
             self._count(refusal.reason)
             return self._encoder.encode(refusal, view, headers, phase)
         if subset is not None:
-            fields = dataclasses.replace(fields, subset=subset)
+            fields = fields._replace(subset=subset)
         return self._route(headers, view, fields, phase)
 
     def completed(self, request_id: bytes | None) -> None:

@@ -18,7 +18,6 @@ back-off (0.25 s to 5 s).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -30,8 +29,8 @@ from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.shared_load import NO_OTHERS, Others, SharedLoad, others_of
 from protos import load_view_pb2, load_view_pb2_grpc
 
-__all__ = ["apply_view", "memory_of", "report_due", "report_message", "run_load_view", "view_capacities", "view_others",
-           "view_samples"]
+__all__ = ["Wake", "apply_view", "memory_of", "report_due", "report_message", "run_load_view", "view_capacities",
+           "view_others", "view_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +107,53 @@ def apply_view(shared: SharedLoad, view: load_view_pb2.LoadView) -> None:
         grants.answer(answer.id, answer.grant, answer.unseen_mib)
 
 
+class Wake:
+    """A flag the report loop waits on, each wait bounded by a timeout, that never raises to time out
+    (not thread-safe: the picker's event loop owns it). ``asyncio.timeout`` around ``Event.wait``
+    cancelled the wait and turned its CancelledError into a TimeoutError at each of the loop's ticks,
+    100 a second: 7.8 % of the picker's samples, ~7.6 µs a decision at ~1 900 decisions a second
+    (``inferlb bench picker --body-kb 20 --profile 15``, 2026-12-07)."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        """Set the flag and end a wait now."""
+        self._set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        """Clear the flag."""
+        self._set = False
+
+    def is_set(self) -> bool:
+        """Whether the flag is set."""
+        return self._set
+
+    async def wait(self, timeout_s: float) -> None:
+        """Return once the flag is set (at once if it is) or ``timeout_s`` seconds have passed."""
+        if self._set:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def report_due(shared: SharedLoad, reported: int, since_s: float, keepalive_s: float) -> bool:
     """Whether a report is due at one of the report loop's ticks (pure): the picker's load changed
     since the last report (``reported``: :attr:`InFlight.changes <ext_proc.inflight.InFlight>` then)
@@ -130,7 +176,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
     """
     inflight = shared.inflight
     grants = shared.grants
-    send_now = asyncio.Event()
+    send_now = Wake()
     grants.wake = send_now.set
     seq = 0
     delay = backoff_s
@@ -164,9 +210,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
                     lost(f"no view for {expiry_s:g} s")
                 if grants.outbox:
                     break
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval_s):   # or at once when a grant request waits
-                        await send_now.wait()
+                await send_now.wait(interval_s)  # or at once when a grant request waits
                 if grants.outbox:
                     break
                 # A change is news only to other pickers that decide (have traffic): without any,

@@ -26,12 +26,14 @@ import math
 from array import array
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from hashlib import blake2b
 from operator import itemgetter
 
 import numpy as np
 
-__all__ = ["MIN_VNODES", "POINTS_BUDGET", "HashRing", "key_hash", "points_per_endpoint"]
+__all__ = ["KEPT_KEY_BYTES", "KEPT_KEYS", "MIN_VNODES", "POINTS_BUDGET", "HashRing", "key_hash", "points_per_endpoint",
+           "session_hash"]
 
 POINTS_BUDGET = 1 << 20
 """Most points one ring holds (see the module docstring)."""
@@ -46,6 +48,24 @@ OWNERS_PIECE = 1 << 15
 def key_hash(data: bytes) -> int:
     """Return the ring position of ``data``: an unsigned 64-bit int from an 8-byte BLAKE2b digest."""
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
+
+
+#: Longest key whose hash :func:`session_hash` keeps (bytes): session ids are short.
+KEPT_KEY_BYTES = 256
+#: Most keys :func:`session_hash` keeps (the least recently used go first): at most ~5 MiB.
+KEPT_KEYS = 16_384
+
+
+@lru_cache(maxsize=KEPT_KEYS)
+def _kept_hash(data: bytes) -> int:
+    return key_hash(data)
+
+
+def session_hash(data: bytes) -> int:
+    """:func:`key_hash` of a session key, kept for keys of up to :data:`KEPT_KEY_BYTES` bytes (the
+    last :data:`KEPT_KEYS` of them): a session's key comes back with each of its requests (BLAKE2b
+    0.7 µs, a kept one 0.13 µs; timeit). The same value as :func:`key_hash` for every key."""
+    return _kept_hash(data) if type(data) is bytes and len(data) <= KEPT_KEY_BYTES else key_hash(data)
 
 
 def points_per_endpoint(endpoints: int, vnodes: int) -> int:

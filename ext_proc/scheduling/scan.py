@@ -34,7 +34,7 @@ def refusal(request: Request, profile: Any, endpoint: str, hard_only: bool = Fal
     soft = profile.soft_bits if hard_only else 0
     bits = profile.filter_bits
     for k, keep in enumerate(profile.keeps):
-        if not keep(request, endpoint) and not soft & bits[k]:
+        if not soft & bits[k] and not keep(request, endpoint):  # a soft one is not asked (filters are pure)
             return k
     return -1
 

@@ -75,7 +75,7 @@ class InferlbPrecise(Inferlb):
         fields = super()._body(request)
         if fields is NO_BODY or not fields.blocks:  # no body read, or the prefix index off (prefix_cache_tokens 0)
             return fields
-        return dataclasses.replace(fields, blocks=prompt_keys(request.prompt, self._block_size))
+        return fields._replace(blocks=prompt_keys(request.prompt, self._block_size))
 
     def on_kv_events(self, events: Sequence[KvEvents]) -> None:
         index, capacity = self.index, self._capacity

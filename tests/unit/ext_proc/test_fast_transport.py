@@ -445,3 +445,50 @@ async def test_messages_that_come_while_an_answer_waits_are_answered_after_it_in
     peer.client.end_stream(sid)   # Envoy is done with the request: the stream ends OK
     peer.pump()
     assert peer.ended(sid) and peer.result(sid)[1][b"grpc-status"] == b"0"
+
+
+class _Recorder:
+    """A service that records each message it is given and answers none of them (the stream stays open)."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def process(self, stream, data):
+        self.seen.append(data)
+        return None, False
+
+
+@pytest.mark.parametrize("read", [None, 1000])
+@pytest.mark.parametrize("sizes, cuts", [
+    ([20_480], [16_384]),                   # a 20 KiB body in two frames, as Envoy sends it
+    ([20_480, 3, 0, 40_000], [5, 16_000, 20_486, 20_490, 36_000, 52_000]),   # the next message in the last frame
+    ([1, 70_000, 2], [3, 4, 7, 8, 9, 16_393, 32_777, 49_161, 65_545, 70_010]),  # a prefix cut, one-byte frames
+])
+def test_a_message_spanning_frames_is_given_whole_and_in_order(sizes, cuts, read):
+    """Messages cut into DATA frames anywhere (inside the prefix, across frames, the next one starting in
+    the last frame of the one before), in one read or many: the service gets each whole, in order."""
+    service = _Recorder()
+    peer = Peer(service)  # type: ignore[arg-type]
+    messages = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    wire = b"".join(struct.pack(">BI", 0, len(m)) + m for m in messages)
+    sid = peer.client.get_next_available_stream_id()
+    peer.client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_METHOD),
+                                   (":authority", "picker"), ("content-type", "application/grpc")])
+    for start, end in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+        peer.client.send_data(sid, wire[start:end])
+    data = peer.client.data_to_send()
+    step = read or len(data)
+    for i in range(0, len(data), step):
+        peer.server.receive(data[i: i + step])
+    assert service.seen == messages
+
+
+def test_a_stream_ending_inside_a_message_spanning_frames_is_an_internal_error():
+    peer = Peer(_Recorder())  # type: ignore[arg-type]
+    sid = peer.client.get_next_available_stream_id()
+    peer.client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_METHOD),
+                                   (":authority", "picker"), ("content-type", "application/grpc")])
+    peer.client.send_data(sid, struct.pack(">BI", 0, 20_000) + b"x" * 16_000)
+    peer.client.send_data(sid, b"x" * 100, end_stream=True)
+    peer.pump()
+    assert peer.result(sid)[1][b"grpc-status"] == b"13"

@@ -26,6 +26,8 @@ from ext_proc.prefix_index import (
     capacity_blocks,
     message_text,
     prompt_bytes,
+    prompt_keys,
+    prompt_keys_py,
     prompt_of,
 )
 from ext_proc.ring import key_hash
@@ -144,6 +146,43 @@ def test_prompt_of_gives_what_the_three_readings_gave(doc, messages, max_bytes):
     assert data == prompt_bytes(doc)
     assert (key_hash(lead) if lead is not None else None) == prefix_hash(doc, messages, max_bytes)
     assert chars == _prompt_chars(doc)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_bodies, st.integers(-1, 7), st.sampled_from([-1, 0, 1, 2, 5, 100, 4096, 100_000]),
+       st.sampled_from([1, 3, 16, 64, 512]), st.sampled_from([0, 1, 2, 5, MAX_BLOCKS]))
+def test_compiled_prompt_keys_agree_with_the_reference(doc, messages, max_bytes, block, max_blocks):
+    """The compiled prompt reading (_wire.prompt_keys: the strings' UTF-8 in place, hashed without the
+    canonical bytes built in Python) gives what prompt_of and block_hashes give, or declines (None) and
+    the reference reads the body: on random chat and completion bodies with parts, non-dict
+    messages, roles that are not strings, non-ASCII text and lone surrogates."""
+    expected = prompt_keys_py(doc, messages, max_bytes, block, max_blocks)
+    compiled = _wire.prompt_keys(doc, messages, max_bytes, block, max_blocks)
+    if compiled is not None:
+        assert compiled == expected
+    assert prompt_keys(doc, messages, max_bytes, block, max_blocks) == expected
+    data, lead, chars = prompt_of(doc, messages, max_bytes)
+    assert expected == (block_hashes_py(data, block, max_blocks), lead, chars)
+
+
+def test_the_compiled_prompt_keys_read_a_chat_body_and_decline_the_rest():
+    """A chat body parsed from JSON is read in C (the picker's hot path); a lone surrogate, a subclass
+    of a JSON type, a completion's prompt and a negative prefix bound are left to the reference."""
+    doc = json.loads(json.dumps({"messages": [{"role": "system", "content": "é" * 700},
+                                              {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}))
+    keys, lead, chars = _wire.prompt_keys(doc, 1, 100, BLOCK_BYTES, MAX_BLOCKS)
+    data, lead_py, chars_py = prompt_of(doc, 1, 100)
+    assert (keys, lead, chars) == (block_hashes_py(data), lead_py, chars_py) and len(keys) == 2 and len(lead) == 100
+
+    class Text(str):
+        pass
+
+    for declined in ({"messages": [{"role": "user", "content": "\ud800"}]}, {"messages": [{"content": Text("x")}]},
+                     {"prompt": "abc"}, {}):
+        assert _wire.prompt_keys(declined, 1, 100, BLOCK_BYTES, MAX_BLOCKS) is None
+    assert _wire.prompt_keys(doc, 1, -1, BLOCK_BYTES, MAX_BLOCKS) is None
+    with pytest.raises(ValueError):
+        _wire.prompt_keys(doc, 1, 100, 0, MAX_BLOCKS)
 
 
 def test_capacity_in_blocks_follows_the_kv_cache():

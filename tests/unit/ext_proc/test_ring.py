@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ext_proc.ring as ring_module
-from ext_proc.ring import HashRing, key_hash
+from ext_proc.ring import KEPT_KEY_BYTES, HashRing, key_hash, session_hash
 
 # Ring building hashes n * vnodes points; keep hypothesis example counts modest.
 FAST = settings(max_examples=40, deadline=None)
@@ -53,6 +53,14 @@ def test_key_hash_is_fixed_blake2b():
     # A pinned value: the ring must agree across processes, releases and machines.
     digest = hashlib.blake2b(b"session-1", digest_size=8).digest()
     assert key_hash(b"session-1") == int.from_bytes(digest, "big")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=2 * KEPT_KEY_BYTES), max_size=8))
+def test_session_hash_is_key_hash_kept_or_not(keys):
+    """Kept (short keys, again and again) or not (long keys, a bytearray): the value is key_hash's."""
+    for key in keys + keys + [bytearray(k) for k in keys]:
+        assert session_hash(key) == key_hash(bytes(key))
 
 
 @FAST

@@ -3,7 +3,6 @@ the cost model, the first burst (issue 15 item 1) and failing endpoints (issue 1
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 
@@ -537,7 +536,7 @@ def test_a_request_with_a_session_key_decides_the_same_without_its_prefix_key(he
     v = view(routing=routing)
     keyed = header_session_key(hs, routing) is not None
     lean = _body_fields(body, routing, keyed)
-    full = dataclasses.replace(lean, prefix=prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes))
+    full = lean._replace(prefix=prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes))
     assert full.prefix is not None
     body_key = any(isinstance(doc.get(k), str) and doc[k] for k in ("user", "prompt_cache_key"))
     assert lean.prefix == (None if keyed or body_key else full.prefix)

@@ -8,7 +8,7 @@ import time
 
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import FINISHED_KEEP, InFlight, MemorySamples
-from ext_proc.load_client import memory_of, report_message, run_load_view, view_others
+from ext_proc.load_client import Wake, memory_of, report_message, run_load_view, view_others
 from ext_proc.picker import pick
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import ViewHolder
@@ -405,3 +405,25 @@ def test_a_standalone_picker_settles_its_doubtful_requests_with_its_own_share_of
     assert shared.free.get(A) == 18192.0, "its own share settles it: the sample held the request"
     msg.memory[0].ClearField("held")
     assert memory_of(msg, clock.now)[1].held is None
+
+
+async def test_the_report_loops_wake_times_out_or_ends_when_set():
+    """Wake.wait: at once when set, until the timeout when not, and sooner when set meanwhile."""
+    loop = asyncio.get_running_loop()
+    wake = Wake()
+    start = loop.time()
+    await wake.wait(0.05)
+    assert loop.time() - start >= 0.045 and not wake.is_set()
+    loop.call_later(0.01, wake.set)
+    start = loop.time()
+    await wake.wait(5.0)
+    assert loop.time() - start < 2.0 and wake.is_set()
+    start = loop.time()
+    await wake.wait(5.0)  # still set: at once
+    assert loop.time() - start < 1.0
+    wake.clear()
+    task = asyncio.ensure_future(wake.wait(5.0))
+    await asyncio.sleep(0)
+    task.cancel()  # a cancelled wait leaves no timer and no waiter behind
+    await asyncio.gather(task, return_exceptions=True)
+    assert wake._waiter is None and not wake.is_set()

@@ -10,10 +10,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ext_proc import _wire, wire  # _wire: built by pip install / scripts/setup.sh
+from ext_proc.wire import request_body_py
 from ext_proc.wire import request_headers_py as reference
 from tests.support.corruption import corrupt
 
 compiled = _wire.request_headers
+compiled_body = _wire.request_body
 
 # One request-headers message as Envoy 1.40 sent it in `inferlb bench picker` (captured from the
 # null server): nine headers in raw_value, end_of_stream, an empty metadata_context and protocol_config.
@@ -139,3 +141,82 @@ def test_without_the_compiled_decoder_the_picker_decides_the_same(monkeypatch):
     monkeypatch.setattr(handler_module, "request_headers", None)
     fallback = PickerHandler(ViewHolder(view()))
     assert [fallback.process(StreamState(), m)[0] for m in messages] == compiled_answers
+
+
+# --- the request-body decoder ---------------------------------------------------------------------
+
+
+def _body_message(body: bytes, end_of_stream: bool, extras: dict) -> bytes:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream),
+                                **extras).SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40_000), st.booleans(), envoy_extras)
+def test_envoys_body_message_decodes_as_the_reference(body, end_of_stream, extras):
+    """A request_body message of Envoy's shape (the body, end_of_stream, the extra fields Envoy sends):
+    the compiled decoder takes it and gives what protobuf gives."""
+    data = _body_message(body, end_of_stream, extras)
+    assert compiled_body(data) == request_body_py(data) == (body, end_of_stream)
+    assert compiled(data) is None  # the headers decoder leaves it alone
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.data())
+def test_corrupted_body_messages_are_declined_or_decoded_as_the_reference(data):
+    """Byte edits, truncations and insertions, another phase after the body, a body twice, the other
+    HttpBody fields: the compiled decoder never accepts what protobuf rejects, and never decodes
+    differently."""
+    base = data.draw(st.one_of(
+        st.builds(_body_message, st.binary(max_size=300), st.booleans(), envoy_extras),
+        st.just(_body_message(b"ab", True, {}) + ENVOY_MESSAGE),
+        st.just(_body_message(b"ab", True, {}) * 2),
+        st.just(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x", end_of_stream_without_message=True,
+                                                              grpc_message_compressed=True)).SerializeToString())))
+    candidate = corrupt(data, base) if data.draw(st.booleans()) else base
+    got = compiled_body(candidate)
+    assert got is None or got == request_body_py(candidate), candidate.hex()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_are_declined_or_decoded_as_the_reference_body(data):
+    got = compiled_body(data)
+    assert got is None or got == request_body_py(data)
+
+
+def test_without_the_compiled_decoders_a_read_body_is_decided_the_same(monkeypatch):
+    """Held requests and their chat bodies (with and without a session): the handler answers byte for
+    byte the same with protobuf's parse as with the compiled decoders."""
+    import json
+
+    from ext_proc import handler as handler_module
+    from ext_proc.handler import PickerHandler
+    from ext_proc.transport.base import StreamState
+    from ext_proc.view import ViewHolder
+    from tests.unit.ext_proc.test_scheduler import _body_msg, _headers_msg, view
+
+    def answers(handler: PickerHandler) -> list[bytes]:
+        out = []
+        for i in range(20):
+            stream = StreamState()
+            session = {"x_session_id": b"s%d" % (i % 3)} if i % 2 else {}
+            held, _ = handler.process(stream, _headers_msg(end=False, content_type=b"application/json", **session))
+            body = json.dumps({"messages": [{"role": "system", "content": "p" * (600 * (i % 4))},
+                                            {"role": "user", "content": f"q{i}"}], "max_tokens": 10 + i}).encode()
+            out += [held, handler.process(stream, _body_msg(body))[0]]
+        return out
+
+    compiled_answers = answers(PickerHandler(ViewHolder(view())))
+    monkeypatch.setattr(handler_module, "request_headers", None)
+    monkeypatch.setattr(handler_module, "request_body", None)
+    assert answers(PickerHandler(ViewHolder(view()))) == compiled_answers
+
+
+def test_the_picker_uses_the_compiled_body_and_prompt_readers_here():
+    """scripts/setup.sh (pip install) builds them; a build older than them leaves protobuf and the
+    Python prompt reading in use (the same answers, slower): this test says so."""
+    from ext_proc import prefix_index
+
+    assert wire.request_body is compiled_body
+    assert prefix_index.prompt_keys is prefix_index._compiled_prompt_keys
