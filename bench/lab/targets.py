@@ -28,7 +28,7 @@ __all__ = ["PREFIX_PEERS", "Target", "targets"]
 
 #: The peers' published algorithms that read the prompt.
 PREFIX_PEERS = ("llm_d", "sglang_cache_aware", "dynamo_kv")
-_NOT_PEERS = ("inferlb", "inferlb_precise", "oracle")
+_NOT_PEERS = ("inferlb", "inferlb_precise", "inferlb_latency", "oracle")
 
 
 class Target(NamedTuple):
