@@ -9,11 +9,15 @@ changes (another model, a hot node) and old data fades out.
 
 - duration (ms) ~ a + b x prompt_ktokens + c x output_ktokens + d x load
 - TTFT (ms)     ~ a + b x prompt_ktokens + m x miss + e x miss x prompt_ktokens
+- TTFT (ms)     ~ the same + g x load (kept apart: the queue's share of TTFT, for the
+  ``predicted-latency`` picker, :mod:`ext_proc.scheduling.plugins.predicted_latency`)
 
 ``load`` is the work already in flight on the chosen endpoint when the request was picked (units
 of a typical request), so ``d`` is what one more request running beside it costs a request (ms);
 ``miss`` is 1 when the request did not go to the endpoint its affinity key pointed at (a new
-session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms).
+session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms);
+``g`` is what each typical request in flight on the endpoint adds to a new request's TTFT (ms): the
+work ahead of its first token.
 Together they give the **cost-aware affinity slack** (:meth:`CostModel.affinity_slack`): how many
 requests of imbalance keeping a request on its cached endpoint is worth, the trade behind NVIDIA
 Dynamo's KV router (prefill blocks against active blocks) and llm-d's prefix and load scorers,
@@ -58,6 +62,8 @@ class Fit:
             typical request in flight on the endpoint at pick time)``.
         ttft: ``(a ms, b ms per 1000 prompt tokens, m ms for a miss, e ms per 1000 prompt tokens of
             a miss)``, or None without enough TTFT data (hits and misses).
+        ttft_load: ``ttft``'s terms fitted with a fifth, ``g`` ms per typical request in flight on
+            the endpoint at pick time: ``(a, b, m, e, g)``; None when ``ttft`` is.
         mean_ms: the forgetting-weighted mean duration (ms): the cost of a "typical" request.
         mean_load: the forgetting-weighted mean load at pick time (typical requests).
         samples: observations seen (not decayed).
@@ -68,6 +74,7 @@ class Fit:
     mean_ms: float
     mean_load: float
     samples: int
+    ttft_load: tuple[float, float, float, float, float] | None = None
 
     def predict_ms(self, prompt_tokens: float, output_tokens: float, load: float | None = None) -> float:
         """Predicted duration (ms) of a request picked beside ``load`` work in flight (None: the
@@ -75,6 +82,11 @@ class Fit:
         a, b, c, d = self.duration
         x = self.mean_load if load is None else load
         return max(1.0, a + b * prompt_tokens / 1000.0 + c * output_tokens / 1000.0 + d * x)
+
+    def queue_ms(self) -> float | None:
+        """What one typical request in flight on an endpoint of this class adds to a new request's
+        TTFT (ms, >= 0: ``ttft_load``'s ``g``); None without TTFT data."""
+        return None if self.ttft_load is None else max(0.0, self.ttft_load[4])
 
     def hit_saving_ms(self, prompt_tokens: float) -> float | None:
         """The prefill a KV-cache hit saves a request of ``prompt_tokens`` (ms, >= 0); None without
@@ -89,10 +101,11 @@ class _Sums:
     """Forgetting-weighted sufficient statistics of one class: X'X and X'y of both fits
     (:func:`_accumulate`), and the means."""
 
-    __slots__ = ("duration", "ttft", "w", "wy", "wl", "n", "nt", "misses")
+    __slots__ = ("duration", "ttft", "ttft_load", "w", "wy", "wl", "n", "nt", "misses")
 
     def __init__(self) -> None:
         self.duration = self.ttft = _NO_STATS
+        self.ttft_load = _NO_STATS5
         self.w = self.wy = self.wl = 0.0
         self.n = self.nt = self.misses = 0
 
@@ -105,11 +118,13 @@ class _Sums:
         if ttft is not None:
             f = 1.0 if miss else 0.0
             self.ttft = _accumulate(self.ttft, 1.0, p, f, f * p, ttft, forget)
+            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, f, f * p, load), ttft, forget)
             self.nt += 1
             self.misses += miss
 
 
 _NO_STATS = (0.0,) * 14
+_NO_STATS5 = (0.0,) * 20
 
 
 def _accumulate(stats: tuple[float, ...], a: float, b: float, c: float, d: float, y: float, forget: float
@@ -126,17 +141,30 @@ def _accumulate(stats: tuple[float, ...], a: float, b: float, c: float, d: float
             t0 * f + a * y, t1 * f + b * y, t2 * f + c * y, t3 * f + d * y)
 
 
-#: Where X'X's upper triangle (``_accumulate``'s first 10 values) goes in the 4 x 4 matrix.
-_ROWS, _COLS = np.triu_indices(4)
+def _accumulate5(stats: tuple[float, ...], x: tuple[float, float, float, float, float], y: float, forget: float
+                 ) -> tuple[float, ...]:
+    """:func:`_accumulate` for five features ``x``: X'X's upper triangle row by row (15 values), then
+    X'y (5), each times ``forget`` plus the observation's term."""
+    f = forget
+    xx = [s * f + x[i] * x[j] for s, (i, j) in zip(stats[:15], _PAIRS5, strict=True)]
+    return (*xx, *(s * f + v * y for s, v in zip(stats[15:], x, strict=True)))
 
 
-def _solve(stats: tuple[float, ...]) -> tuple[float, ...] | None:
-    a = np.zeros((4, 4))
-    a[_ROWS, _COLS] = stats[:10]
-    a[_COLS, _ROWS] = stats[:10]
-    a += np.eye(4) * _RIDGE * max(1.0, float(np.trace(a)))
+#: Where X'X's upper triangle (``_accumulate``'s first 10 values, ``_accumulate5``'s first 15) goes
+#: in the k x k matrix.
+_TRIU = {k: np.triu_indices(k) for k in (4, 5)}
+_PAIRS5 = tuple(zip(*(map(int, r) for r in _TRIU[5]), strict=True))
+
+
+def _solve(stats: tuple[float, ...], k: int = 4) -> tuple[float, ...] | None:
+    rows, cols = _TRIU[k]
+    n = len(rows)
+    a = np.zeros((k, k))
+    a[rows, cols] = stats[:n]
+    a[cols, rows] = stats[:n]
+    a += np.eye(k) * _RIDGE * max(1.0, float(np.trace(a)))
     try:
-        coef = np.linalg.solve(a, np.array(stats[10:], dtype=float))
+        coef = np.linalg.solve(a, np.array(stats[n:], dtype=float))
     except np.linalg.LinAlgError:
         return None
     if not np.all(np.isfinite(coef)):
@@ -192,10 +220,11 @@ class CostModel:
             duration = _solve(s.duration)
             if duration is None:
                 continue
-            ttft = None
+            ttft = ttft_load = None
             if s.nt >= self.min_samples and min(s.misses, s.nt - s.misses) >= _MIN_EACH:
                 ttft = _solve(s.ttft)
-            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n)  # type: ignore[arg-type]
+                ttft_load = _solve(s.ttft_load, 5) if ttft is not None else None
+            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n, ttft_load)  # type: ignore[arg-type]
         self.fits = fits
         return fits
 
@@ -251,6 +280,8 @@ class CostModel:
                 "ttft_ms": None if fit is None or fit.ttft is None else {
                     "intercept": fit.ttft[0], "per_1k_prompt_tokens": fit.ttft[1],
                     "miss": fit.ttft[2], "per_1k_prompt_tokens_of_a_miss": fit.ttft[3]},
+                "ttft_queue_ms_per_request_in_flight": None if fit is None or fit.ttft_load is None
+                else fit.ttft_load[4],
                 "mean_duration_ms": None if fit is None else fit.mean_ms,
                 "mean_load": None if fit is None else fit.mean_load,
                 "ttft_misses": s.misses,

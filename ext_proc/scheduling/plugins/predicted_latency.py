@@ -6,20 +6,21 @@ to apply, a pool of at most ``scan_max`` endpoints) and once the cost model
 (:class:`ext_proc.costmodel.CostModel`, :attr:`Request.costs`) has a ready fit with TTFT data for the
 GPU class of every candidate (the endpoints not failing), each candidate ``e`` is priced in ms::
 
-    cost(e) = d x load(e)                       the work ahead of the request's first token
+    cost(e) = g x load(e)                       the work ahead of the request's first token
             + (1 - hit(e)) x saving(prompt)     the prefill it must do there
             + d x load(e)                       what it adds to the requests already running there
 
 ``load(e)`` is the endpoint's work in flight (typical requests, :attr:`Request.loads`), ``hit(e)``
 the share of the prompt's blocks the prefix index says it holds
 (:func:`ext_proc.prefix_choice.hit_shares`, 0-1), and from the fit of the endpoint's GPU class
-(:class:`ext_proc.costmodel.Fit`): ``d`` (ms one more request in flight costs a request, the
-duration's load coefficient, at least :data:`MIN_D_MS`) and ``saving(prompt)`` (the prefill a
-KV-cache hit saves a prompt of this many tokens, :meth:`~ext_proc.costmodel.Fit.hit_saving_ms`).
-The two load terms are the trade of :meth:`ext_proc.costmodel.CostModel.affinity_slack` (a hit is
-worth ``saving / 2d`` requests of imbalance), here made per endpoint and per share of the prompt
-cached, with each endpoint's own class: on a mixed cluster a slower class's larger ``d`` prices its
-queue higher. The lowest cost wins; ties go to the highest rendezvous hash of the prompt's first
+(:class:`ext_proc.costmodel.Fit`): ``g`` (ms each typical request in flight adds to a new request's
+TTFT, :meth:`~ext_proc.costmodel.Fit.queue_ms`), ``saving(prompt)`` (the prefill a KV-cache hit
+saves a prompt of this many tokens, :meth:`~ext_proc.costmodel.Fit.hit_saving_ms`) and ``d`` (ms
+one more request in flight adds to a running request's duration, the duration fit's load
+coefficient, taken as 0 when the fit finds it negative). It is the trade of
+:meth:`ext_proc.costmodel.CostModel.affinity_slack` made per endpoint, per share of the prompt
+cached and with each endpoint's own class: on a mixed cluster a slower class's larger ``g`` prices
+its queue higher. The lowest cost wins; ties go to the highest rendezvous hash of the prompt's first
 block and the endpoint (:func:`ext_proc.prefix_choice.rendezvous`), so pickers agree. Outcome
 ``affinity`` when the chosen endpoint holds the largest cached share, ``spilled`` otherwise; plugins
 ``predicted-latency``.
@@ -30,7 +31,8 @@ block and the endpoint (:func:`ext_proc.prefix_choice.rendezvous`), so pickers a
   is set by the prefills that arrive beside it, which a turn spreads (docs/picker.md, "Prefix-cache
   index").
 - **The fit is not ready** (a class with fewer than ``cost_min_samples`` completions, or without
-  both hits and misses in its TTFT data, unknown prompt tokens, or ``d`` below :data:`MIN_D_MS`):
+  both hits and misses in its TTFT data, unknown prompt tokens, or ``g + d`` below :data:`MIN_D_MS`:
+  load would cost nothing):
   ``prefix-cache``'s rule decides, and the decision's plugins say so: ``prefix-cache``.
 - Every other request (a session, a memory need to admit, a pool above ``scan_max``): as
   ``ring-affinity`` (:class:`ext_proc.scheduling.plugins.ring_affinity.RingAffinity`).
@@ -49,7 +51,7 @@ from ext_proc.scheduling.plugins import prefix_cache, ring_affinity
 
 __all__ = ["FALLBACK_LABEL", "MIN_D_MS", "Params", "PredictedLatency", "latency_costs"]
 
-#: Below this many ms per request in flight, the fit is taken to tell nothing of load (fallback).
+#: Below this many ms per request in flight (``g + d``), the fit is taken to tell nothing of load (fallback).
 MIN_D_MS = 0.01
 #: The decision's plugins while the fit is not ready: the rule that decided.
 FALLBACK_LABEL = "prefix-cache"
@@ -82,12 +84,14 @@ def latency_costs(candidates: Sequence[str], loads: Mapping[str, float], hits: M
         if terms == ():
             fit = fits.get(cls)
             saving = None if fit is None else fit.hit_saving_ms(prompt_tokens)
-            terms = priced[cls] = (None if saving is None or fit.duration[3] < MIN_D_MS
-                                   else (fit.duration[3], saving))
+            queue = None if fit is None else fit.queue_ms()
+            per_load = None if queue is None else queue + max(0.0, fit.duration[3])
+            terms = priced[cls] = (None if saving is None or per_load is None or per_load < MIN_D_MS
+                                   else (per_load, saving))
         if terms is None:
             return None
-        d, saving = terms
-        out[e] = 2.0 * d * loads.get(e, 0.0) + (1.0 - hits.get(e, 0.0)) * saving
+        per_load, saving = terms
+        out[e] = per_load * loads.get(e, 0.0) + (1.0 - hits.get(e, 0.0)) * saving
     return out
 
 
