@@ -118,7 +118,7 @@ class _Sums:
         if ttft is not None:
             f = 1.0 if miss else 0.0
             self.ttft = _accumulate(self.ttft, 1.0, p, f, f * p, ttft, forget)
-            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, f, f * p, load), ttft, forget)
+            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, f, f * p, f * load), ttft, forget)
             self.nt += 1
             self.misses += miss
 
