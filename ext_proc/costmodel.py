@@ -9,15 +9,20 @@ changes (another model, a hot node) and old data fades out.
 
 - duration (ms) ~ a + b x prompt_ktokens + c x output_ktokens + d x load
 - TTFT (ms)     ~ a + b x prompt_ktokens + m x miss + e x miss x prompt_ktokens
-- TTFT (ms)     ~ the same + g x load (kept apart: the queue's share of TTFT, for the
-  ``predicted-latency`` picker, :mod:`ext_proc.scheduling.plugins.predicted_latency`)
+- TTFT (ms)     ~ a + b x prompt_ktokens + m x uncached + e x uncached x prompt_ktokens + g x load
+  (kept apart, for the ``predicted-latency`` picker,
+  :mod:`ext_proc.scheduling.plugins.predicted_latency`)
 
 ``load`` is the work already in flight on the chosen endpoint when the request was picked (units
 of a typical request), so ``d`` is what one more request running beside it costs a request (ms);
 ``miss`` is 1 when the request did not go to the endpoint its affinity key pointed at (a new
 session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms);
-``g`` is what each typical request in flight on the endpoint adds to a new request's TTFT (ms): the
-work ahead of its first token.
+``uncached`` is the share of the prompt's blocks the picker's prefix index did not say the chosen
+endpoint held (0-1; ``miss`` when the blocks are unknown), so there ``m + e x prompt_ktokens`` is
+the prefill of the whole prompt, and ``g`` is what each typical request in flight on the endpoint
+adds to a request's TTFT (ms): the work ahead of its first token. With a binary ``miss`` and
+without the cached share, load is confounded with the cache (the endpoint holding a prompt gets
+both the load and the fast TTFTs: ``g`` came out negative in the lab).
 Together they give the **cost-aware affinity slack** (:meth:`CostModel.affinity_slack`): how many
 requests of imbalance keeping a request on its cached endpoint is worth, the trade behind NVIDIA
 Dynamo's KV router (prefill blocks against active blocks) and llm-d's prefix and load scorers,
@@ -62,8 +67,10 @@ class Fit:
             typical request in flight on the endpoint at pick time)``.
         ttft: ``(a ms, b ms per 1000 prompt tokens, m ms for a miss, e ms per 1000 prompt tokens of
             a miss)``, or None without enough TTFT data (hits and misses).
-        ttft_load: ``ttft``'s terms fitted with a fifth, ``g`` ms per typical request in flight on
-            the endpoint at pick time: ``(a, b, m, e, g)``; None when ``ttft`` is.
+        ttft_load: the TTFT fit on the uncached share with a load term: ``(a ms, b ms per 1000
+            prompt tokens, m ms for a whole prompt uncached, e ms per 1000 prompt tokens uncached,
+            g ms per typical request in flight on the endpoint at pick time)``; None when ``ttft``
+            is.
         mean_ms: the forgetting-weighted mean duration (ms): the cost of a "typical" request.
         mean_load: the forgetting-weighted mean load at pick time (typical requests).
         samples: observations seen (not decayed).
@@ -88,6 +95,14 @@ class Fit:
         TTFT (ms, >= 0: ``ttft_load``'s ``g``); None without TTFT data."""
         return None if self.ttft_load is None else max(0.0, self.ttft_load[4])
 
+    def prefill_ms(self, prompt_tokens: float) -> float | None:
+        """The prefill of a whole uncached prompt of ``prompt_tokens`` (ms, >= 0: ``ttft_load``'s
+        ``m + e x prompt ktokens``); None without TTFT data."""
+        if self.ttft_load is None:
+            return None
+        _, _, m, e, _ = self.ttft_load
+        return max(0.0, m + e * prompt_tokens / 1000.0)
+
     def hit_saving_ms(self, prompt_tokens: float) -> float | None:
         """The prefill a KV-cache hit saves a request of ``prompt_tokens`` (ms, >= 0); None without
         TTFT data."""
@@ -109,7 +124,8 @@ class _Sums:
         self.w = self.wy = self.wl = 0.0
         self.n = self.nt = self.misses = 0
 
-    def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float) -> None:
+    def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float,
+            uncached: float | None = None) -> None:
         self.duration = _accumulate(self.duration, 1.0, p, o, load, y, forget)
         self.w = self.w * forget + 1.0
         self.wy = self.wy * forget + y
@@ -118,7 +134,8 @@ class _Sums:
         if ttft is not None:
             f = 1.0 if miss else 0.0
             self.ttft = _accumulate(self.ttft, 1.0, p, f, f * p, ttft, forget)
-            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, f, f * p, f * load), ttft, forget)
+            u = f if uncached is None else uncached
+            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, u, u * p, load), ttft, forget)
             self.nt += 1
             self.misses += miss
 
@@ -195,10 +212,12 @@ class CostModel:
         """GPU class -> its solved fit (ready classes only); replaced whole by :meth:`refit`."""
 
     def observe(self, gpu_class: str, prompt_tokens: float, output_tokens: float, duration_ms: float,
-                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True) -> None:
+                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True,
+                uncached: float | None = None) -> None:
         """Add one finished request (tokens as known at pick time; times in ms; ``load``: the work in
         flight on its endpoint when it was picked; ``miss``: it did not go where its affinity key
-        pointed). Bad values are ignored."""
+        pointed; ``uncached``: the share of its prompt the endpoint did not hold, 0-1, None:
+        unknown, ``miss`` stands for it). Bad values are ignored."""
         if not (duration_ms > 0 and math.isfinite(duration_ms) and prompt_tokens >= 0 and output_tokens >= 0
                 and load >= 0 and math.isfinite(load)):
             return
@@ -207,7 +226,10 @@ class CostModel:
         sums = self._sums.get(gpu_class)
         if sums is None:
             sums = self._sums[gpu_class] = _Sums()
-        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, load, duration_ms, ttft_ms, miss, self.forget)
+        if uncached is not None and not 0.0 <= uncached <= 1.0:
+            uncached = None
+        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, load, duration_ms, ttft_ms, miss, self.forget,
+                 uncached)
 
     def refit(self) -> dict[str, Fit]:
         """Solve every class with at least ``min_samples`` observations; returns (and keeps) the fits.

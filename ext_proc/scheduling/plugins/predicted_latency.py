@@ -83,7 +83,7 @@ def latency_costs(candidates: Sequence[str], loads: Mapping[str, float], hits: M
         terms = priced.get(cls, ())
         if terms == ():
             fit = fits.get(cls)
-            saving = None if fit is None else fit.hit_saving_ms(prompt_tokens)
+            saving = None if fit is None else fit.prefill_ms(prompt_tokens)
             queue = None if fit is None else fit.queue_ms()
             per_load = None if queue is None else queue + max(0.0, fit.duration[3])
             terms = priced[cls] = (None if saving is None or per_load is None or per_load < MIN_D_MS

@@ -126,14 +126,28 @@ def test_failing_endpoints_are_never_chosen():
     assert choice.endpoint != FOUR[2] and choice.outcome == "least-loaded"
 
 
-def test_the_cost_models_ttft_load_term_is_learned_from_misses():
-    """TTFT = 5 ms + 40 ms per 1000 tokens of a miss + 3 ms per request in flight when it missed."""
+def test_the_cost_models_ttft_load_term_is_learned_with_the_uncached_share():
+    """TTFT = 5 ms + 40 ms per 1000 uncached prompt tokens + 3 ms per request in flight, where the
+    endpoint holding the prompt also runs the most requests (the confounding a binary miss keeps)."""
+    costs = CostModel(forget=1.0, min_samples=20)
+    for i in range(300):
+        uncached = (i % 5) / 4.0
+        load, prompt = 20.0 * (1.0 - uncached) + (i % 3), 500.0 + 100 * (i % 7)
+        ttft = 5.0 + 40.0 * uncached * prompt / 1000 + 3.0 * load
+        costs.observe("a100", prompt, 100.0, 1000.0 + load, ttft, load, uncached > 0.5, uncached)
+    f = costs.refit()["a100"]
+    assert f.queue_ms() == pytest.approx(3.0, rel=0.02)
+    assert f.prefill_ms(1000.0) == pytest.approx(40.0, rel=0.02)
+    assert costs.describe()["classes"]["a100"]["ttft_queue_ms_per_request_in_flight"] == pytest.approx(3.0, rel=0.02)
+
+
+def test_without_the_uncached_share_the_binary_miss_stands_for_it():
     costs = CostModel(forget=1.0, min_samples=20)
     for i in range(200):
         load, miss, prompt = float(i % 13), i % 3 != 0, 500.0 + 100 * (i % 7)
-        ttft = 5.0 + (40.0 * prompt / 1000 + 3.0 * load if miss else 0.0)
-        costs.observe("a100", prompt, 100.0, 1000.0 + load, ttft, load, miss)
+        costs.observe("a100", prompt, 100.0, 1000.0, 5.0 + (40.0 * prompt / 1000 if miss else 0.0) + 2.0 * load,
+                      load, miss)
     f = costs.refit()["a100"]
-    assert f.queue_ms() == pytest.approx(3.0, rel=1e-3)
-    assert f.hit_saving_ms(1000.0) == pytest.approx(f.ttft[2] + f.ttft[3])  # the 4-term fit unchanged
-    assert costs.describe()["classes"]["a100"]["ttft_queue_ms_per_request_in_flight"] == pytest.approx(3.0, rel=1e-3)
+    assert f.queue_ms() == pytest.approx(2.0, rel=0.02) and f.prefill_ms(2000.0) == pytest.approx(80.0, rel=0.02)
+    costs.observe("a100", 1000.0, 100.0, 1000.0, 50.0, 1.0, True, uncached=1.5)  # out of 0-1: the miss counts
+    assert costs._sums["a100"].nt == 201
