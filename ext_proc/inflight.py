@@ -397,7 +397,7 @@ class InFlight:
         """
         out: dict[tuple[str, str], list] = {}
         for endpoint, picks in self._pending_ep.items():
-            for at, work, mib, prompt, output, _, cluster, _, _, _ in picks:
+            for at, work, mib, prompt, output, _, cluster, _, _, _, _ in picks:
                 row = out.get((cluster, endpoint))
                 if row is None:
                     row = out[(cluster, endpoint)] = [0, 0.0, 0.0, 0.0, 0]
