@@ -151,3 +151,15 @@ def test_without_the_uncached_share_the_binary_miss_stands_for_it():
     assert f.queue_ms() == pytest.approx(2.0, rel=0.02) and f.prefill_ms(2000.0) == pytest.approx(80.0, rel=0.02)
     costs.observe("a100", 1000.0, 100.0, 1000.0, 50.0, 1.0, True, uncached=1.5)  # out of 0-1: the miss counts
     assert costs._sums["a100"].nt == 201
+
+
+def test_a_request_memory_admission_applies_to_is_left_to_the_ring_and_memory_admission():
+    """A `job` engine's request (a GPU memory need, free-memory samples): the cached endpoint has no
+    memory for it, so it goes elsewhere, however cheap the fit prices the cache hit."""
+    profile = build_profile([{"plugin": "failed-endpoints"}, {"plugin": "memory-admission"},
+                             {"plugin": "predicted-latency"}], "jobs")
+    free = {e: 0.0 if e == FOUR[2] else 10_000.0 for e in FOUR}
+    r = request({}, cached_on(FOUR[2]), model(a100=fit()))._replace(need_mib=500.0, free_mib=free)
+    choice = profile.choose(r)
+    assert choice.endpoint != FOUR[2] and choice.endpoint in FOUR
+    assert PROFILE.choose(request({}, cached_on(FOUR[2]), model(a100=fit()))).endpoint == FOUR[2]
