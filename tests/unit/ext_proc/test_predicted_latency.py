@@ -5,6 +5,12 @@ ready, prompts cached nowhere; and the cost model's TTFT load term it reads."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ext_proc.costmodel import CostModel, Fit
@@ -176,3 +182,27 @@ def test_the_profiles_bounded_load_turns_away_a_cached_endpoint_the_fit_would_ke
     choice = profile.choose(r)
     assert choice.endpoint != FOUR[2] and choice.outcome == "spilled"
     assert choice.plugins == "bounded-load+predicted-latency"
+
+
+_CHILD = """
+import json
+from tests.unit.ext_proc.test_predicted_latency import FOUR, PROFILE, cached_on, fit, model, request
+index, costs = cached_on(*FOUR), model(a100=fit())
+out = [PROFILE.choose(request({FOUR[i % 4]: float(i % 3)}, index, costs))[0] for i in range(12)]
+print(json.dumps(out))
+"""
+
+
+def test_the_same_inputs_give_the_same_choices_in_another_process():
+    """Every endpoint holds the prompt, loads tie in pairs: the ties go by the rendezvous hash, not by
+    Python's per-process hash()."""
+    runs = []
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[3], env=env, check=True)
+        runs.append(json.loads(done.stdout))
+    index, costs = cached_on(*FOUR), model(a100=fit())
+    here = [PROFILE.choose(request({FOUR[i % 4]: float(i % 3)}, index, costs))[0] for i in range(12)]
+    assert runs[0] == runs[1] == here
+    assert len(set(here)) > 1
