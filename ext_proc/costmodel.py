@@ -302,8 +302,9 @@ class CostModel:
                 "ttft_ms": None if fit is None or fit.ttft is None else {
                     "intercept": fit.ttft[0], "per_1k_prompt_tokens": fit.ttft[1],
                     "miss": fit.ttft[2], "per_1k_prompt_tokens_of_a_miss": fit.ttft[3]},
-                "ttft_queue_ms_per_request_in_flight": None if fit is None or fit.ttft_load is None
-                else fit.ttft_load[4],
+                "ttft_uncached_ms": None if fit is None or fit.ttft_load is None else dict(zip(
+                    ("intercept", "per_1k_prompt_tokens", "uncached", "per_1k_prompt_tokens_uncached",
+                     "per_request_in_flight"), fit.ttft_load, strict=True)),
                 "mean_duration_ms": None if fit is None else fit.mean_ms,
                 "mean_load": None if fit is None else fit.mean_load,
                 "ttft_misses": s.misses,

@@ -144,7 +144,9 @@ def test_the_cost_models_ttft_load_term_is_learned_with_the_uncached_share():
     f = costs.refit()["a100"]
     assert f.queue_ms() == pytest.approx(3.0, rel=0.02)
     assert f.prefill_ms(1000.0) == pytest.approx(40.0, rel=0.02)
-    assert costs.describe()["classes"]["a100"]["ttft_queue_ms_per_request_in_flight"] == pytest.approx(3.0, rel=0.02)
+    described = costs.describe()["classes"]["a100"]["ttft_uncached_ms"]
+    assert described["per_request_in_flight"] == f.queue_ms()
+    assert described["uncached"] + described["per_1k_prompt_tokens_uncached"] == pytest.approx(40.0, rel=0.02)
 
 
 def test_without_the_uncached_share_the_binary_miss_stands_for_it():
