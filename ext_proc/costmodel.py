@@ -32,8 +32,9 @@ Learned from Envoy's access log: each completion of a pick whose tokens the pick
 the OpenAI body or the request class) adds one observation: the features recorded at pick time
 and the times Envoy reports (``time_to_last_downstream_tx_byte``, ``time_to_first_upstream_rx_byte``).
 
-The request path only reads :meth:`CostModel.relative_work` and :meth:`CostModel.affinity_slack`:
-a dictionary read and a few multiplications each. Observations are summed in plain floats
+The request path only reads :meth:`CostModel.relative_work`, :meth:`CostModel.affinity_slack` and,
+with the ``predicted-latency`` picker, :attr:`CostModel.fits` (:meth:`Fit.queue_ms`,
+:meth:`Fit.prefill_ms`): a dictionary read and a few multiplications each. Observations are summed in plain floats
 (``observe``, once per completion); the small systems are solved once a second (:meth:`refit`,
 from the picker's housekeeping) with numpy. A class is *ready* after ``min_samples`` observations;
 until then every request weighs 1 (request counting, the classic bounded loads) and the slack is
@@ -113,8 +114,8 @@ class Fit:
 
 
 class _Sums:
-    """Forgetting-weighted sufficient statistics of one class: X'X and X'y of both fits
-    (:func:`_accumulate`), and the means."""
+    """Forgetting-weighted sufficient statistics of one class: X'X and X'y of the three fits
+    (:func:`_accumulate`, :func:`_accumulate5`), and the means."""
 
     __slots__ = ("duration", "ttft", "ttft_load", "w", "wy", "wl", "n", "nt", "misses")
 
