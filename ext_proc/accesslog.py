@@ -61,7 +61,7 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             served the late requests.
         costs: each completion of a pick whose tokens were known, with its duration
             (``time_to_last_downstream_tx_byte``) and TTFT (``time_to_first_upstream_rx_byte``), ms,
-            and the pick's load and miss (:data:`ext_proc.inflight.Pick`).
+            and the pick's load, miss and uncached share (:data:`ext_proc.inflight.Pick`).
         failed: called with the pinned ``HOST:PORT`` of an entry whose pinned host failed, and
             whether that is certain: Envoy flagged an upstream connection failure, reset or
             termination (certain), or served it from another host after a retry (not certain: a
@@ -100,7 +100,8 @@ def record_completions(data: bytes, inflight: InFlight, cluster_header: str, ove
             continue
         if pick is not None and costs is not None and pick[3] is not None and pick[4] is not None and status == 200:
             costs.observe(pick[5], pick[3], pick[4], last_downstream_tx / 1e6,
-                          None if first_upstream_rx is None else first_upstream_rx / 1e6, pick[7], pick[8])
+                          None if first_upstream_rx is None else first_upstream_rx / 1e6, pick[7], pick[8],
+                          pick[10])
         if view is not None and address:
             if first_upstream_tx is not None and last_upstream_rx is not None:
                 upstream_ms = (last_upstream_rx - first_upstream_tx) / 1e6

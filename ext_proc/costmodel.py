@@ -9,11 +9,20 @@ changes (another model, a hot node) and old data fades out.
 
 - duration (ms) ~ a + b x prompt_ktokens + c x output_ktokens + d x load
 - TTFT (ms)     ~ a + b x prompt_ktokens + m x miss + e x miss x prompt_ktokens
+- TTFT (ms)     ~ a + b x prompt_ktokens + m x uncached + e x uncached x prompt_ktokens + g x load
+  (kept apart, for the ``predicted-latency`` picker,
+  :mod:`ext_proc.scheduling.plugins.predicted_latency`)
 
 ``load`` is the work already in flight on the chosen endpoint when the request was picked (units
 of a typical request), so ``d`` is what one more request running beside it costs a request (ms);
 ``miss`` is 1 when the request did not go to the endpoint its affinity key pointed at (a new
-session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms).
+session, a spill, no key), so ``m + e x prompt_ktokens`` is the prefill a KV-cache hit saves (ms);
+``uncached`` is the share of the prompt's blocks the picker's prefix index did not say the chosen
+endpoint held (0-1; ``miss`` when the blocks are unknown), so there ``m + e x prompt_ktokens`` is
+the prefill of the whole prompt, and ``g`` is what each typical request in flight on the endpoint
+adds to a request's TTFT (ms): the work ahead of its first token. With a binary ``miss`` and
+without the cached share, load is confounded with the cache (the endpoint holding a prompt gets
+both the load and the fast TTFTs: ``g`` came out negative in the lab).
 Together they give the **cost-aware affinity slack** (:meth:`CostModel.affinity_slack`): how many
 requests of imbalance keeping a request on its cached endpoint is worth, the trade behind NVIDIA
 Dynamo's KV router (prefill blocks against active blocks) and llm-d's prefix and load scorers,
@@ -23,8 +32,9 @@ Learned from Envoy's access log: each completion of a pick whose tokens the pick
 the OpenAI body or the request class) adds one observation: the features recorded at pick time
 and the times Envoy reports (``time_to_last_downstream_tx_byte``, ``time_to_first_upstream_rx_byte``).
 
-The request path only reads :meth:`CostModel.relative_work` and :meth:`CostModel.affinity_slack`:
-a dictionary read and a few multiplications each. Observations are summed in plain floats
+The request path only reads :meth:`CostModel.relative_work`, :meth:`CostModel.affinity_slack` and,
+with the ``predicted-latency`` picker, :attr:`CostModel.fits` (:meth:`Fit.queue_ms`,
+:meth:`Fit.prefill_ms`): a dictionary read and a few multiplications each. Observations are summed in plain floats
 (``observe``, once per completion); the small systems are solved once a second (:meth:`refit`,
 from the picker's housekeeping) with numpy. A class is *ready* after ``min_samples`` observations;
 until then every request weighs 1 (request counting, the classic bounded loads) and the slack is
@@ -58,6 +68,10 @@ class Fit:
             typical request in flight on the endpoint at pick time)``.
         ttft: ``(a ms, b ms per 1000 prompt tokens, m ms for a miss, e ms per 1000 prompt tokens of
             a miss)``, or None without enough TTFT data (hits and misses).
+        ttft_load: the TTFT fit on the uncached share with a load term: ``(a ms, b ms per 1000
+            prompt tokens, m ms for a whole prompt uncached, e ms per 1000 prompt tokens uncached,
+            g ms per typical request in flight on the endpoint at pick time)``; None when ``ttft``
+            is.
         mean_ms: the forgetting-weighted mean duration (ms): the cost of a "typical" request.
         mean_load: the forgetting-weighted mean load at pick time (typical requests).
         samples: observations seen (not decayed).
@@ -68,6 +82,7 @@ class Fit:
     mean_ms: float
     mean_load: float
     samples: int
+    ttft_load: tuple[float, float, float, float, float] | None = None
 
     def predict_ms(self, prompt_tokens: float, output_tokens: float, load: float | None = None) -> float:
         """Predicted duration (ms) of a request picked beside ``load`` work in flight (None: the
@@ -75,6 +90,19 @@ class Fit:
         a, b, c, d = self.duration
         x = self.mean_load if load is None else load
         return max(1.0, a + b * prompt_tokens / 1000.0 + c * output_tokens / 1000.0 + d * x)
+
+    def queue_ms(self) -> float | None:
+        """What one typical request in flight on an endpoint of this class adds to a new request's
+        TTFT (ms, >= 0: ``ttft_load``'s ``g``); None without TTFT data."""
+        return None if self.ttft_load is None else max(0.0, self.ttft_load[4])
+
+    def prefill_ms(self, prompt_tokens: float) -> float | None:
+        """The prefill of a whole uncached prompt of ``prompt_tokens`` (ms, >= 0: ``ttft_load``'s
+        ``m + e x prompt ktokens``); None without TTFT data."""
+        if self.ttft_load is None:
+            return None
+        _, _, m, e, _ = self.ttft_load
+        return max(0.0, m + e * prompt_tokens / 1000.0)
 
     def hit_saving_ms(self, prompt_tokens: float) -> float | None:
         """The prefill a KV-cache hit saves a request of ``prompt_tokens`` (ms, >= 0); None without
@@ -86,17 +114,19 @@ class Fit:
 
 
 class _Sums:
-    """Forgetting-weighted sufficient statistics of one class: X'X and X'y of both fits
-    (:func:`_accumulate`), and the means."""
+    """Forgetting-weighted sufficient statistics of one class: X'X and X'y of the three fits
+    (:func:`_accumulate`, :func:`_accumulate5`), and the means."""
 
-    __slots__ = ("duration", "ttft", "w", "wy", "wl", "n", "nt", "misses")
+    __slots__ = ("duration", "ttft", "ttft_load", "w", "wy", "wl", "n", "nt", "misses")
 
     def __init__(self) -> None:
         self.duration = self.ttft = _NO_STATS
+        self.ttft_load = _NO_STATS5
         self.w = self.wy = self.wl = 0.0
         self.n = self.nt = self.misses = 0
 
-    def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float) -> None:
+    def add(self, p: float, o: float, load: float, y: float, ttft: float | None, miss: bool, forget: float,
+            uncached: float | None = None) -> None:
         self.duration = _accumulate(self.duration, 1.0, p, o, load, y, forget)
         self.w = self.w * forget + 1.0
         self.wy = self.wy * forget + y
@@ -105,11 +135,14 @@ class _Sums:
         if ttft is not None:
             f = 1.0 if miss else 0.0
             self.ttft = _accumulate(self.ttft, 1.0, p, f, f * p, ttft, forget)
+            u = f if uncached is None else uncached
+            self.ttft_load = _accumulate5(self.ttft_load, (1.0, p, u, u * p, load), ttft, forget)
             self.nt += 1
             self.misses += miss
 
 
 _NO_STATS = (0.0,) * 14
+_NO_STATS5 = (0.0,) * 20
 
 
 def _accumulate(stats: tuple[float, ...], a: float, b: float, c: float, d: float, y: float, forget: float
@@ -126,17 +159,30 @@ def _accumulate(stats: tuple[float, ...], a: float, b: float, c: float, d: float
             t0 * f + a * y, t1 * f + b * y, t2 * f + c * y, t3 * f + d * y)
 
 
-#: Where X'X's upper triangle (``_accumulate``'s first 10 values) goes in the 4 x 4 matrix.
-_ROWS, _COLS = np.triu_indices(4)
+def _accumulate5(stats: tuple[float, ...], x: tuple[float, float, float, float, float], y: float, forget: float
+                 ) -> tuple[float, ...]:
+    """:func:`_accumulate` for five features ``x``: X'X's upper triangle row by row (15 values), then
+    X'y (5), each times ``forget`` plus the observation's term."""
+    f = forget
+    xx = [s * f + x[i] * x[j] for s, (i, j) in zip(stats[:15], _PAIRS5, strict=True)]
+    return (*xx, *(s * f + v * y for s, v in zip(stats[15:], x, strict=True)))
 
 
-def _solve(stats: tuple[float, ...]) -> tuple[float, ...] | None:
-    a = np.zeros((4, 4))
-    a[_ROWS, _COLS] = stats[:10]
-    a[_COLS, _ROWS] = stats[:10]
-    a += np.eye(4) * _RIDGE * max(1.0, float(np.trace(a)))
+#: Where X'X's upper triangle (``_accumulate``'s first 10 values, ``_accumulate5``'s first 15) goes
+#: in the k x k matrix.
+_TRIU = {k: np.triu_indices(k) for k in (4, 5)}
+_PAIRS5 = tuple(zip(*(map(int, r) for r in _TRIU[5]), strict=True))
+
+
+def _solve(stats: tuple[float, ...], k: int = 4) -> tuple[float, ...] | None:
+    rows, cols = _TRIU[k]
+    n = len(rows)
+    a = np.zeros((k, k))
+    a[rows, cols] = stats[:n]
+    a[cols, rows] = stats[:n]
+    a += np.eye(k) * _RIDGE * max(1.0, float(np.trace(a)))
     try:
-        coef = np.linalg.solve(a, np.array(stats[10:], dtype=float))
+        coef = np.linalg.solve(a, np.array(stats[n:], dtype=float))
     except np.linalg.LinAlgError:
         return None
     if not np.all(np.isfinite(coef)):
@@ -167,10 +213,12 @@ class CostModel:
         """GPU class -> its solved fit (ready classes only); replaced whole by :meth:`refit`."""
 
     def observe(self, gpu_class: str, prompt_tokens: float, output_tokens: float, duration_ms: float,
-                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True) -> None:
+                ttft_ms: float | None = None, load: float = 0.0, miss: bool = True,
+                uncached: float | None = None) -> None:
         """Add one finished request (tokens as known at pick time; times in ms; ``load``: the work in
         flight on its endpoint when it was picked; ``miss``: it did not go where its affinity key
-        pointed). Bad values are ignored."""
+        pointed; ``uncached``: the share of its prompt the endpoint did not hold, 0-1, None:
+        unknown, ``miss`` stands for it). Bad values are ignored."""
         if not (duration_ms > 0 and math.isfinite(duration_ms) and prompt_tokens >= 0 and output_tokens >= 0
                 and load >= 0 and math.isfinite(load)):
             return
@@ -179,7 +227,10 @@ class CostModel:
         sums = self._sums.get(gpu_class)
         if sums is None:
             sums = self._sums[gpu_class] = _Sums()
-        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, load, duration_ms, ttft_ms, miss, self.forget)
+        if uncached is not None and not 0.0 <= uncached <= 1.0:
+            uncached = None
+        sums.add(prompt_tokens / 1000.0, output_tokens / 1000.0, load, duration_ms, ttft_ms, miss, self.forget,
+                 uncached)
 
     def refit(self) -> dict[str, Fit]:
         """Solve every class with at least ``min_samples`` observations; returns (and keeps) the fits.
@@ -192,10 +243,11 @@ class CostModel:
             duration = _solve(s.duration)
             if duration is None:
                 continue
-            ttft = None
+            ttft = ttft_load = None
             if s.nt >= self.min_samples and min(s.misses, s.nt - s.misses) >= _MIN_EACH:
                 ttft = _solve(s.ttft)
-            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n)  # type: ignore[arg-type]
+                ttft_load = _solve(s.ttft_load, 5) if ttft is not None else None
+            fits[gpu_class] = Fit(duration, ttft, s.wy / s.w, s.wl / s.w, s.n, ttft_load)  # type: ignore[arg-type]
         self.fits = fits
         return fits
 
@@ -251,6 +303,9 @@ class CostModel:
                 "ttft_ms": None if fit is None or fit.ttft is None else {
                     "intercept": fit.ttft[0], "per_1k_prompt_tokens": fit.ttft[1],
                     "miss": fit.ttft[2], "per_1k_prompt_tokens_of_a_miss": fit.ttft[3]},
+                "ttft_uncached_ms": None if fit is None or fit.ttft_load is None else dict(zip(
+                    ("intercept", "per_1k_prompt_tokens", "uncached", "per_1k_prompt_tokens_uncached",
+                     "per_request_in_flight"), fit.ttft_load, strict=True)),
                 "mean_duration_ms": None if fit is None else fit.mean_ms,
                 "mean_load": None if fit is None else fit.mean_load,
                 "ttft_misses": s.misses,

@@ -516,13 +516,18 @@ class PickerHandler:
         """Count the pick in flight, move or refresh the session's pin, record the prompt's blocks in
         the prefix index, and encode the answer."""
         endpoint = decision.endpoint
-        if decision.blocks and endpoint is not None:
-            self.prefixes.insert(endpoint, decision.blocks, view.routing.prefix_blocks)
+        blocks = decision.blocks
+        uncached = None
+        if blocks and endpoint is not None:
+            # The share of the prompt the endpoint did not hold, for the cost model's TTFT fit.
+            uncached = 1.0 - self.prefixes.matched(blocks, (endpoint,)).get(endpoint, 0) / len(blocks)
+            self.prefixes.insert(endpoint, blocks, view.routing.prefix_blocks)
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)
             self.inflight.picked(decision.cluster, endpoint, decision.work, decision.mib, decision.prompt_tokens,
-                                 decision.output_tokens, decision.gpu_class, headers.get("x-request-id"), not hit)
+                                 decision.output_tokens, decision.gpu_class, headers.get("x-request-id"), not hit,
+                                 uncached)
             slot = decision.session
             if slot is not None and endpoint is not None:
                 spills = self.spills.pop(slot, 0) if self.spills else 0

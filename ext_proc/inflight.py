@@ -186,12 +186,13 @@ class InFlight:
 
     def picked(self, cluster: str, endpoint: str | None, work: float = 1.0, mib: float = 0.0,
                prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "",
-               request_id: bytes | None = None, miss: bool = True) -> None:
+               request_id: bytes | None = None, miss: bool = True, uncached: float | None = None) -> None:
         """Count one routed request: to ``cluster``, pinned to ``endpoint`` (None = Envoy chooses),
         with its predicted ``work``, GPU memory need (MiB) and, when known, its tokens (for the
         cost model, with the endpoint's work in flight before this pick and ``miss``: the request
-        did not go where its affinity key pointed), the endpoint's GPU class and the request's
-        ``x-request-id`` (an id already in flight is not remembered twice)."""
+        did not go where its affinity key pointed; ``uncached``: the share of its prompt's blocks the
+        prefix index did not say the endpoint held, None when its blocks are unknown), the endpoint's
+        GPU class and the request's ``x-request-id`` (an id already in flight is not remembered twice)."""
         now = self._clock()
         self.changes += 1
         if request_id and request_id not in self.requests:
@@ -215,7 +216,8 @@ class InFlight:
         picks = self._pending_ep.get(endpoint)
         if picks is None:
             picks = self._pending_ep[endpoint] = deque()
-        picks.append((now, work, mib, prompt_tokens, output_tokens, gpu_class, cluster, before, miss, request_id))
+        picks.append((now, work, mib, prompt_tokens, output_tokens, gpu_class, cluster, before, miss, request_id,
+                      uncached))
 
     def completed(self, cluster: str, endpoint: str | None) -> bool:
         """Count one finished request; returns False when no pick was waiting for it (ignored).
@@ -270,7 +272,7 @@ class InFlight:
     def _release(self, endpoint: str, pick: Pick, left: int, finished_at: float | None = None) -> None:
         """Take ``pick`` off the loads; ``finished_at`` (a completion, not an expiry) remembers it
         for :meth:`set_samples` (an expired pick's end is unknown: it is never credited)."""
-        _, work, mib, _, _, _, cluster, _, _, _ = pick
+        _, work, mib, _, _, _, cluster, _, _, _, _ = pick
         if left:
             self.endpoints[endpoint] = left
             self.work[endpoint] -= work
@@ -395,7 +397,7 @@ class InFlight:
         """
         out: dict[tuple[str, str], list] = {}
         for endpoint, picks in self._pending_ep.items():
-            for at, work, mib, prompt, output, _, cluster, _, _, _ in picks:
+            for at, work, mib, prompt, output, _, cluster, _, _, _, _ in picks:
                 row = out.get((cluster, endpoint))
                 if row is None:
                     row = out[(cluster, endpoint)] = [0, 0.0, 0.0, 0.0, 0]
@@ -489,7 +491,8 @@ class InFlight:
 #: One pick in flight: ``(time, work, mib, prompt_tokens, output_tokens, gpu_class, cluster, load
 #: before, miss, x-request-id or None)``: ``load before`` is the endpoint's work in flight when it
 #: was picked.
-Pick = tuple[float, float, float, "float | None", "float | None", str, str, float, bool, "bytes | None"]
+Pick = tuple[float, float, float, "float | None", "float | None", str, str, float, bool, "bytes | None",
+             "float | None"]
 
 
 def _remove(counts: dict[str, int], pending: dict[str, deque[float]], key: str) -> bool:

@@ -54,7 +54,7 @@ from ext_proc.prefix_events import EventIndex
 from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash
 
-__all__ = ["HIT_WORTH", "choose_cached", "hit_shares"]
+__all__ = ["HIT_WORTH", "choose_cached", "hit_shares", "rendezvous"]
 
 #: A whole-prompt hit is worth this many times the candidates' mean load in requests of imbalance
 #: (see the module docstring).
@@ -68,8 +68,9 @@ def _endpoint_hash(endpoint: str) -> int:
     return key_hash(endpoint.encode())
 
 
-def _rendezvous(first: int, endpoint: str) -> int:
-    """A 64-bit mix of the prompt's first block key and the endpoint (splitmix64's finalizer)."""
+def rendezvous(first: int, endpoint: str) -> int:
+    """A 64-bit mix of the prompt's first block key and the endpoint (splitmix64's finalizer): the
+    tie-break of the prefix choices, the same in every process."""
     x = (first ^ _endpoint_hash(endpoint)) & _M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
@@ -125,11 +126,11 @@ def choose_cached(
     if not hits:  # cached nowhere: the next in weighted turn among those within ``value`` of the least loaded
         due = index.last_sent
         best = min((e for e in candidates if rel[e] <= low + value),
-                   key=lambda e: (due(e) + 1.0 / shares[e], -_rendezvous(first, e)))
+                   key=lambda e: (due(e) + 1.0 / shares[e], -rendezvous(first, e)))
         return best, "least-loaded"
     best, best_key = None, None
     for e in candidates:
-        key = (hits.get(e, 0.0) * value - rel[e] + low, -rel[e], _rendezvous(first, e))
+        key = (hits.get(e, 0.0) * value - rel[e] + low, -rel[e], rendezvous(first, e))
         if best_key is None or key > best_key:
             best, best_key = e, key
     return best, "affinity" if hits.get(best, 0.0) >= max(hits.values()) else "spilled"

@@ -11,18 +11,19 @@ import click
 SCENARIO_NAMES = ("shared_prefix", "sharegpt_chat", "uniform", "long_tail", "heterogeneous", "versions", "scaling",
                   "uneven", "multi_gateway", "edge_cloud", "sessions")
 POLICY_NAMES = ("round_robin", "least_request", "ring_hash_bounded", "random", "llm_d", "sglang_cache_aware",
-                "dynamo_kv", "oracle", "inferlb", "inferlb_precise")
+                "dynamo_kv", "oracle", "inferlb", "inferlb_precise", "inferlb_latency")
 #: The policies a run without ``--policy`` compares: all but ``inferlb_precise``, inferlb's picker on the engines'
-#: KV events, which a deployment has only where its engines publish them (run it with ``--policy``; its rows
+#: KV events, which a deployment has only where its engines publish them, and ``inferlb_latency``, the
+#: ``predicted-latency`` picker, a named profile and not the default (run them with ``--policy``; their rows
 #: join the stored results beside the others).
-DEFAULT_POLICY_NAMES = tuple(p for p in POLICY_NAMES if p != "inferlb_precise")
+DEFAULT_POLICY_NAMES = tuple(p for p in POLICY_NAMES if p not in ("inferlb_precise", "inferlb_latency"))
 
 
 @click.command("lab")
 @click.option("--scenario", "scenarios", multiple=True, type=click.Choice(SCENARIO_NAMES),
               help="Run only this scenario (repeatable). Default: all.")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(POLICY_NAMES),
-              help="Run only this policy (repeatable). Default: all but inferlb_precise.")
+              help="Run only this policy (repeatable). Default: all but inferlb_precise and inferlb_latency.")
 @click.option("--trace", "traces", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Also replay this JSONL request trace (format: docs/benchmarks.md; repeatable).")
 @click.option("--mooncake", "mooncakes", multiple=True, type=click.Path(exists=True, dir_okay=False),

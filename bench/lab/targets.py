@@ -32,7 +32,7 @@ __all__ = ["JUDGED", "PREFIX_PEERS", "Target", "targets"]
 
 #: The peers' published algorithms that read the prompt.
 PREFIX_PEERS = ("llm_d", "sglang_cache_aware", "dynamo_kv")
-_NOT_PEERS = ("inferlb", "inferlb_precise", "oracle")
+_NOT_PEERS = ("inferlb", "inferlb_precise", "inferlb_latency", "oracle")
 
 #: ``{scenario: policies}``: the runs :func:`targets` judges, and no more (``heterogeneous`` compares
 #: every policy a run without ``--policy`` compares but the oracle; ``multi_gateway`` is judged against

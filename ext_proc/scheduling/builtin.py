@@ -13,6 +13,7 @@ from ext_proc.scheduling.plugins.failed_endpoints import FailedEndpoints
 from ext_proc.scheduling.plugins.least_loaded import LeastLoaded
 from ext_proc.scheduling.plugins.max_score import MaxScore
 from ext_proc.scheduling.plugins.memory_admission import MemoryAdmission
+from ext_proc.scheduling.plugins.predicted_latency import PredictedLatency
 from ext_proc.scheduling.plugins.prefix_cache import PrefixCache
 from ext_proc.scheduling.plugins.ring_affinity import RingAffinity
 from ext_proc.scheduling.plugins.session_affinity import SessionAffinity
@@ -22,7 +23,7 @@ __all__ = ["BUILTIN"]
 
 #: Filters, scorers, pickers.
 BUILTIN = (FailedEndpoints, MemoryAdmission, BoundedLoad, AffinitySlack, LeastLoaded, SessionAffinity,
-           RingAffinity, PrefixCache, MaxScore)
+           RingAffinity, PrefixCache, PredictedLatency, MaxScore)
 
 for _plugin in BUILTIN:
     REGISTRY.register(_plugin)

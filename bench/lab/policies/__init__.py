@@ -4,7 +4,8 @@ Baselines a user would otherwise run (``random``; Envoy's ``round_robin``, ``lea
 ``ring_hash_bounded``), the peers' published algorithms (``llm_d``: the llm-d / Gateway API
 Inference Extension endpoint picker's default profile; ``sglang_cache_aware``: SGLang's router;
 ``dynamo_kv``: NVIDIA Dynamo's KV router), the lab's ceiling (``oracle``) and inferlb's own
-decision code (``inferlb``; ``inferlb_precise``: its prefix index fed by the engines' KV events).
+decision code (``inferlb``; ``inferlb_precise``: its prefix index fed by the engines' KV events;
+``inferlb_latency``: its ``predicted-latency`` picker).
 Each module's docstring cites the source and version it follows.
 """
 
@@ -15,6 +16,7 @@ from types import MappingProxyType
 
 from bench.lab.policies.dynamo import DynamoKv
 from bench.lab.policies.inferlb import Inferlb
+from bench.lab.policies.inferlb_latency import InferlbLatency
 from bench.lab.policies.inferlb_precise import InferlbPrecise
 from bench.lab.policies.least_request import LeastRequest
 from bench.lab.policies.llm_d import LlmD
@@ -39,5 +41,6 @@ POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType({
     "oracle": Oracle,
     "inferlb": Inferlb,
     "inferlb_precise": InferlbPrecise,
+    "inferlb_latency": InferlbLatency,
 })
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)

@@ -716,7 +716,8 @@ def test_a_session_kept_on_its_pin_teaches_the_cost_model_a_hit():
     seen: list[tuple[float, bool]] = []
 
     class Recorder(CostModel):
-        def observe(self, gpu_class, prompt_tokens, output_tokens, duration_ms, ttft_ms=None, load=0.0, miss=True):
+        def observe(self, gpu_class, prompt_tokens, output_tokens, duration_ms, ttft_ms=None, load=0.0, miss=True,
+                    uncached=None):
             seen.append((load, miss))
 
     handler = PickerHandler(ViewHolder(view(classes={e: "a10" for e in FOUR})), costs=Recorder())

@@ -229,7 +229,7 @@ def test_the_cli_names_every_scenario_and_policy_of_the_registries() -> None:
     from bench.lab.scenarios import SCENARIOS
 
     assert CLI_POLICIES == POLICY_NAMES
-    assert set(CLI_POLICIES) - set(DEFAULT_POLICY_NAMES) == {"inferlb_precise"}
+    assert set(CLI_POLICIES) - set(DEFAULT_POLICY_NAMES) == {"inferlb_precise", "inferlb_latency"}
     assert CLI_SCENARIOS == tuple(SCENARIOS)
 
 
