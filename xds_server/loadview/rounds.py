@@ -249,9 +249,11 @@ def settled(histories: Mapping[str, History], samples: Mapping[str, tuple[float,
         sizes: dict[str, list[float]] = {e: [] for e in names}
         first = min(bases.values()) + 1
         freed: dict[int, dict[str, float]] = {}  # report -> {endpoint: MiB finished of the report before's}
+        ends_n: dict[int, dict[str, int]] = {}  # report -> {endpoint: requests it reported finished}
         for k in range(first, len(reports)):
-            ended = freed[k] = {}
+            ended, ended_n = freed[k], ends_n[k] = {}, {}
             for endpoint, picked_at, mib in reports[k][2]:
+                ended_n[endpoint] = ended_n.get(endpoint, 0) + 1
                 if picked_at < received[k - 1] - _TIE_S:
                     ended[endpoint] = ended.get(endpoint, 0.0) + mib
                 b = bases.get(endpoint)
@@ -269,12 +271,15 @@ def settled(histories: Mapping[str, History], samples: Mapping[str, tuple[float,
                     sizes[endpoint].append(mib)
         for e in names:
             # The picks after the base report and by the sample's time still in flight at their first
-            # report, report by report: one pick alone is known by its size (the report's memory in
-            # flight less the one before's, plus what it reported finished of that one's); of several,
-            # each counts 0 (the reports give only their sum).
+            # report, report by report (as many as its picks since the report before, at most its rise
+            # in requests in flight plus those it reported finished): one pick alone is known by its
+            # size (the report's memory in flight less the one before's, plus what it reported finished
+            # of that one's); of several, each counts 0 (the reports give only their sum).
             last = min(bisect_right(received, samples[e][1] + _TIE_S), len(reports) - 1)
             for k in range(bases[e] + 1, last + 1):
-                picks = int(reports[k][3].get(e, _NO_COUNT)[1])
+                count, picks = reports[k][3].get(e, _NO_COUNT)
+                # At most this many are new: a pick at the report before's very time is counted by both.
+                picks = min(int(picks), int(count - reports[k - 1][3].get(e, _NO_COUNT)[0] + ends_n[k].get(e, 0)))
                 if picks == 1:
                     mib = reports[k][1].get(e, 0.0) - reports[k - 1][1].get(e, 0.0) + freed[k].get(e, 0.0)
                     sizes[e].append(max(0.0, mib))

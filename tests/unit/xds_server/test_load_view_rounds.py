@@ -241,3 +241,17 @@ def test_a_pickers_baseline_is_never_above_what_the_sample_holds_of_the_others(q
     t, _ = _two_pickers(q_spans, p_spans, taken=taken)
     truth = sum(m for s, e, m in q_spans if s <= taken < e)
     assert counted(t).others("p").get(A, 0.0) <= truth + 1e-6
+
+
+def test_a_pick_counted_again_by_the_next_report_is_not_a_second_doubtful_request():
+    """A pick at a report's very clock reading is in that report and counted again in the next one's picks
+    (the picker cannot tell it came before the report was built). The second count is no new request (the
+    requests in flight did not rise): it must not add a 0 MiB doubtful request that the count would settle
+    first (the lab's multi_gateway: an 8 GiB request of another picker left out of the baseline so)."""
+    t = LoadTable(expiry_s=1000.0)
+    for seq, (at, n, picks) in enumerate([(0.94, 0, 0), (0.975, 1, 1), (0.985, 1, 1), (0.995, 1, 0), (1.005, 1, 0),
+                                          (1.1, 1, 0)], 1):
+        t.record(Report("q", seq, endpoints={("c", A): Load(n, 0.0, 8192.0 * n, 0.0, picks)}), at)
+        t.record(Report("p", seq), at)
+    t.set_memory({A: (0.0, 1.0)}, held={A: 1})
+    assert counted(t).settled["p"] == {A: 8192.0}
