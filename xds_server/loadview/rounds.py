@@ -231,73 +231,85 @@ def settled(histories: Mapping[str, History], samples: Mapping[str, tuple[float,
     low, never high. A picker's own share of the count (:meth:`RoundCounts.own_held`) is bounded the
     same way from the other side; the two bounds hold at once, each in every case the count allows.
 
-    Per picker: each sample's base report by one search (as :func:`held`), one pass over the finished
-    requests of the reports after the oldest base, and per sample the reports from its base to the
-    first after it. O(samples x pickers x (log(reports) + reports in the slack) + finished of those
-    reports + doubtful requests x log).
+    Per picker: each sample's base report by one vectorised search (as :func:`held`), one pass over
+    the finished requests of the reports after the oldest base, and only for the samples where the
+    count leaves some request to settle, the reports from its base to the first after it.
+    O(samples x pickers + finished of those reports + (samples to settle) x pickers x (log(reports) +
+    reports in the slack) + doubtful requests x log).
     """
     names = [e for e in samples if e in held_counts]
     if not names or len(histories) < 2:
         return {}
-    certain: dict[str, dict[str, float]] = {}
-    doubts: dict[str, dict[str, list[float]]] = {}  # picker -> endpoint -> a size at most per doubtful request
+    position = {e: i for i, e in enumerate(names)}
+    taken = np.fromiter((samples[e][1] for e in names), float, len(names))
+    certain: dict[str, list[float]] = {}
+    sizes: dict[str, dict[str, list[float]]] = {}  # picker -> endpoint -> a size at most per doubtful request
+    kept: dict[str, tuple] = {}  # picker -> what the picks' pass reads: (received, bases, freed, ends_n)
     for picker, reports in histories.items():
         received = [r[0] for r in reports]
-        bases = {e: max(bisect_right(received, samples[e][1] - slack_s) - 1, 0) for e in names}
-        ends = {e: bisect_right(received, samples[e][1] + lag_s) for e in names}
-        counts = {e: reports[b][3].get(e, _NO_COUNT)[0] for e, b in bases.items()}
-        sizes: dict[str, list[float]] = {e: [] for e in names}
-        first = min(bases.values()) + 1
+        times = np.fromiter(received, float, len(received))
+        bases = np.maximum(np.searchsorted(times, taken - slack_s, side="right") - 1, 0).tolist()
+        ends = np.searchsorted(times, taken + lag_s, side="right").tolist()
+        counts = [reports[b][3].get(e, _NO_COUNT)[0] for e, b in zip(names, bases, strict=True)]
+        mine: dict[str, list[float]] = {}
         freed: dict[int, dict[str, float]] = {}  # report -> {endpoint: MiB finished of the report before's}
         ends_n: dict[int, dict[str, int]] = {}  # report -> {endpoint: requests it reported finished}
-        for k in range(first, len(reports)):
+        for k in range(min(bases) + 1, len(reports)):
             ended, ended_n = freed[k], ends_n[k] = {}, {}
             for endpoint, picked_at, mib in reports[k][2]:
                 ended_n[endpoint] = ended_n.get(endpoint, 0) + 1
                 if picked_at < received[k - 1] - _TIE_S:
                     ended[endpoint] = ended.get(endpoint, 0.0) + mib
-                b = bases.get(endpoint)
-                if b is None or k <= b:
+                i = position.get(endpoint)
+                if i is None or k <= bases[i]:
                     continue
-                base_at, taken = received[b], samples[endpoint][1]
+                base_at, at = received[bases[i]], samples[endpoint][1]
                 # In the base report's count: held() also takes a pick at its very time as in it, which errs
                 # its MiB low; here that would err the certain count low and the forced count high.
                 if picked_at < base_at - _TIE_S and base_at < received[k]:
-                    if k < ends[endpoint]:
-                        counts[endpoint] -= 1   # reported finished by the lag: not certain
-                        if received[k] > taken:   # ... and after the sample: maybe held
-                            sizes[endpoint].append(mib)
-                elif picked_at <= taken < received[k]:   # picked after the base, reported finished after the sample
-                    sizes[endpoint].append(mib)
-        for e in names:
+                    if k < ends[i]:
+                        counts[i] -= 1   # reported finished by the lag: not certain
+                        if received[k] > at:   # ... and after the sample: maybe held
+                            mine.setdefault(endpoint, []).append(mib)
+                elif picked_at <= at < received[k]:   # picked after the base, reported finished after the sample
+                    mine.setdefault(endpoint, []).append(mib)
+        certain[picker], sizes[picker], kept[picker] = counts, mine, (received, bases, freed, ends_n)
+    total = [sum(c) for c in zip(*certain.values(), strict=True)]
+    forced: dict[str, dict[int, int]] = {}  # picker -> {endpoint index: the others' doubtful requests held}
+    for picker in histories:
+        share, own = maybe.get(picker, _NONE), certain[picker]
+        forced[picker] = {i: n for i, e in enumerate(names)
+                          if (n := int(held_counts[e] - share.get(e, 0.0) - (total[i] - own[i]))) > 0}
+    wanted = sorted({i for f in forced.values() for i in f})
+    for picker, reports in histories.items():
+        received, bases, freed, ends_n = kept[picker]
+        mine = sizes[picker]
+        for i in wanted:
+            e = names[i]
             # The picks after the base report and by the sample's time still in flight at their first
             # report, report by report (as many as its picks since the report before, at most its rise
             # in requests in flight plus those it reported finished): one pick alone is known by its
             # size (the report's memory in flight less the one before's, plus what it reported finished
             # of that one's); of several, each counts 0 (the reports give only their sum).
             last = min(bisect_right(received, samples[e][1] + _TIE_S), len(reports) - 1)
-            for k in range(bases[e] + 1, last + 1):
+            for k in range(bases[i] + 1, last + 1):
                 count, picks = reports[k][3].get(e, _NO_COUNT)
                 # At most this many are new: a pick at the report before's very time is counted by both.
                 picks = min(int(picks), int(count - reports[k - 1][3].get(e, _NO_COUNT)[0] + ends_n[k].get(e, 0)))
                 if picks == 1:
                     mib = reports[k][1].get(e, 0.0) - reports[k - 1][1].get(e, 0.0) + freed[k].get(e, 0.0)
-                    sizes[e].append(max(0.0, mib))
+                    mine.setdefault(e, []).append(max(0.0, mib))
                 elif picks > 1:
-                    sizes[e] += [0.0] * picks
-        certain[picker] = counts
-        doubts[picker] = sizes
+                    mine.setdefault(e, []).extend([0.0] * picks)
     out: dict[str, dict[str, float]] = {}
     for picker in histories:
-        mine = maybe.get(picker, _NONE)
-        others = [q for q in histories if q != picker]
+        others = [sizes[q] for q in histories if q != picker]
         extra: dict[str, float] = {}
-        for e in names:
-            forced = int(held_counts[e] - mine.get(e, 0.0) - sum(certain[q][e] for q in others))
-            if forced > 0:
-                mib = sum(sorted(m for q in others for m in doubts[q][e])[:forced])
-                if mib > 0:
-                    extra[e] = mib
+        for i, n in forced[picker].items():
+            e = names[i]
+            mib = sum(sorted(m for doubts in others for m in doubts.get(e, ()))[:n])
+            if mib > 0:
+                extra[e] = mib
         out[picker] = extra
     return out
 
