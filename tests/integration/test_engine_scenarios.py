@@ -12,6 +12,7 @@ others run the llm engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import re
@@ -295,8 +296,19 @@ def test_drain_takes_no_new_requests_lets_in_flight_finish_then_removes(eng: Sta
     wait_until(lambda: cluster(eng, "v1")[target.address]["health"] == "HEALTHY", 10, 0.2, "the endpoint back")
 
 
+# Gauges of momentary load, window averages of a handful of samples taken at each source's own
+# instants: at 6 requests in flight over 8 endpoints one source averaged gpu_util 0.75 where the
+# other averaged 0.2 for the same endpoint and window (weights 72 and 84; CI, stop 43).
+_MOMENTARY = ("queue", "running", "in_flight", "gpu_util", "kv_cache")
+
+
 def test_scrape_source_gives_the_same_weights_as_prometheus(eng: Stack):
-    """Our own scrape windows and Prometheus over the same backends, same instant, same engine."""
+    """Our own scrape windows and Prometheus over the same backends, same instant, same engine.
+
+    What both derive from counters and histograms (latency, ITL, request rate, errors) and the
+    weights computed from it agree; the momentary gauges are sampled at different instants, so the
+    weights are compared with Prometheus's gauges in both.
+    """
     backends = [b for b in eng.backends if b.version in ("v1", "v2") and b.proc is not None]
     scrape = ScrapeSource({b.address: f"http://{b.address}/metrics" for b in backends}, preset(),
                           eng.cfg.prometheus.window_s, interval_s=1.0, timeout_s=1.0)
@@ -309,18 +321,22 @@ def test_scrape_source_gives_the_same_weights_as_prometheus(eng: Stack):
         a, b = prom.fetch(instances), scrape.fetch(instances)
     finally:
         task.cancel()
+    same_gauges = {i: dataclasses.replace(b[i], **{f: getattr(a[i], f) for f in _MOMENTARY}) for i in instances}
     specs = [sp for sp in endpoint_specs(eng.cfg) if sp.address in instances]
     params = engine_params(eng.cfg)
     wp, _ = compute_weights(specs, a, EngineState(), params, plugins=BUILTIN)
-    ws, _ = compute_weights(specs, b, EngineState(), params, plugins=BUILTIN)
+    ws, _ = compute_weights(specs, same_gauges, EngineState(), params, plugins=BUILTIN)
     for x, y in zip(wp, ws, strict=True):
         assert x.health == y.health, (x, y)
-        assert abs(x.weight - y.weight) <= max(3, 0.15 * max(x.weight, y.weight)), (x.address, x.weight, y.weight,
-                                                                                     a[x.address], b[x.address])
+        assert abs(x.weight - y.weight) <= max(3, 0.1 * max(x.weight, y.weight)), (x.address, x.weight, y.weight,
+                                                                                    a[x.address], b[x.address])
+    busy = [i for i in instances if (a[i].request_rate or 0) >= 10]
+    assert len(busy) >= 4, {i: a[i].request_rate for i in instances}
     for inst in instances:
         pa, sa = a[inst], b[inst]
-        assert (pa.latency_mean_ms is None) == (sa.latency_mean_ms is None), inst
-        if pa.latency_mean_ms is not None:
+        if inst in busy:  # an endpoint with a few requests may have none in one of the windows
+            assert pa.latency_mean_ms is not None and sa.latency_mean_ms is not None, (pa, sa)
+        if pa.latency_mean_ms is not None and sa.latency_mean_ms is not None:
             assert sa.latency_mean_ms == pytest.approx(pa.latency_mean_ms, rel=0.35), inst
         assert sa.gpu_mem_free_mib == pytest.approx(pa.gpu_mem_free_mib, rel=0.05), inst
 
