@@ -207,11 +207,10 @@ def test_the_index_holds_what_the_engine_holds_through_evictions_and_a_reset():
     assert index.held(A) == 0
 
 
-def test_cost_of_a_7200_token_prompt(capsys):
+def test_a_7200_token_prompt_four_of_16_hold_in_part():
     """A 7 200-token prompt (450 keys of 16 tokens) whose first 6 000 tokens four of 16 endpoints hold:
-    one match over the 16, and a pick's pending keys on a holder (the 75 it lacks) and elsewhere (450)."""
-    import time
-
+    one match over the 16, and a pick's pending keys on a holder (the 75 it lacks) and elsewhere (450).
+    What that costs: ``python3 -m bench.prefix_cost``."""
     rng = random.Random(7)
     keys = tuple(rng.getrandbits(63) for _ in range(450))
     endpoints = [f"10.0.0.{i}:8000" for i in range(16)]
@@ -219,20 +218,6 @@ def test_cost_of_a_7200_token_prompt(capsys):
     for i, e in enumerate(endpoints):
         index.stored(e, keys[:375] if i < 4 else tuple(rng.getrandbits(63) for _ in range(2000)), None, 30_000)
     assert index.matched(keys, endpoints) == {e: 375 for e in endpoints[:4]}
-
-    def best_of(fn, n=200):
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - start) / n)
-        return best * 1e6
-
-    match_us = best_of(lambda: index.matched(keys, endpoints))
-    holder_us = best_of(lambda: index.insert(endpoints[0], keys, 30_000))
-    other_us = best_of(lambda: index.insert(endpoints[5], keys, 30_000))
-    with capsys.disabled():
-        print(f"\nprecise prefix index, 450 keys, 16 endpoints: match {match_us:.1f} us, pick on a holder "
-              f"{holder_us:.1f} us, elsewhere {other_us:.1f} us")
-    assert match_us < 100 and holder_us < 500 and other_us < 500  # generous: a shared 2-core machine
+    index.insert(endpoints[0], keys, 30_000)
+    index.insert(endpoints[5], keys, 30_000)
+    assert index.matched(keys, endpoints) == {endpoints[0]: 450, **{e: 375 for e in endpoints[1:4]}, endpoints[5]: 450}

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -340,8 +339,9 @@ def test_the_same_prompts_give_the_same_keys_and_index_in_another_process():
     assert any(m for _, m in runs[0][0][1:])  # the shared system prompt matched somewhere
 
 
-def test_cost_of_a_6000_token_prompt(capsys):
-    """Keys of a 6 000-token chat prompt (24 000 characters) and one lookup over 16 endpoints."""
+def test_a_6000_token_prompt_is_matched_on_its_holder_among_16():
+    """Keys of a 6 000-token chat prompt (24 000 characters) and one lookup over 16 endpoints (what
+    that costs: ``python3 -m bench.prefix_cost``)."""
     doc = chat(("system", "s" * 24_000), ("user", "q" * 4_800))
     data = prompt_bytes(doc)
     index = PrefixIndex()
@@ -350,20 +350,6 @@ def test_cost_of_a_6000_token_prompt(capsys):
         index.insert(f"10.0.0.{i}:8000", ks if i == 3 else block_hashes(bytes([i]) * len(data)), 4000)
     endpoints = [f"10.0.0.{i}:8000" for i in range(16)]
     assert index.matched(ks, endpoints) == {"10.0.0.3:8000": len(ks)}
-
-    def best_of(fn, n=200):
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - start) / n)
-        return best * 1e6
-
-    keys_us = best_of(lambda: block_hashes(prompt_bytes(doc)))
-    match_us = best_of(lambda: index.matched(ks, endpoints))
-    insert_us = best_of(lambda: index.insert("10.0.0.3:8000", ks, 4000))
-    with capsys.disabled():
-        print(f"\nprefix index, 6 000-token prompt ({len(ks)} blocks): keys {keys_us:.1f} us, "
-              f"match over 16 endpoints {match_us:.1f} us, insert {insert_us:.1f} us")
-    assert match_us < 100 and keys_us < 500 and insert_us < 500  # generous: a shared 2-core machine
+    assert block_hashes(prompt_bytes(doc)) == ks
+    index.insert("10.0.0.3:8000", ks, 4000)
+    assert index.matched(ks, endpoints) == {"10.0.0.3:8000": len(ks)}
