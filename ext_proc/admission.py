@@ -83,14 +83,21 @@ def settle(future: asyncio.Future[bytes], answer: Callable[[], bytes | asyncio.F
     future.add_done_callback(lambda f: result.cancel() if f.cancelled() else None)
 
 
+#: The oldest memory waiters a picker lists in its load reports (:meth:`Admission.memory_waiters`).
+WAITERS_REPORTED = 16
+
+
 class _Waiter:
-    __slots__ = ("future", "resume", "timer", "fits")
+    __slots__ = ("future", "resume", "timer", "fits", "mib", "since", "id")
 
     def __init__(self, future: asyncio.Future, resume: Callable[[], bytes | asyncio.Future[bytes]],
-                 fits: Callable[[], bool]) -> None:
+                 fits: Callable[[], bool], mib: float, since: float, waiter_id: int) -> None:
         self.future = future
         self.resume = resume
         self.fits = fits
+        self.mib = mib
+        self.since = since
+        self.id = waiter_id
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -117,6 +124,7 @@ class Admission:
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._ids = itertools.count(1)
 
     def queued(self, cluster: str) -> int:
         """Requests waiting for ``cluster`` now."""
@@ -127,8 +135,21 @@ class Admission:
         """Whether any request waits now (any cluster)."""
         return any(self._queues.values())
 
+    def memory_waiters(self) -> list[tuple[int, str, float, float]]:
+        """The requests waiting for GPU memory now, ``[(waiter id, cluster, MiB, waited s)]``, oldest
+        first, at most :data:`WAITERS_REPORTED` (for the shared load view's reports; the event loop's
+        clock). O(waiting requests)."""
+        if not self.waiting():
+            return []
+        now = asyncio.get_running_loop().time()
+        waiters = sorted((w for queue in self._queues.values() for w in queue if w.mib > 0 and not w.future.done()),
+                         key=lambda w: (w.since, w.id))[:WAITERS_REPORTED]
+        cluster_of = {id(w): c for c, queue in self._queues.items() for w in queue}
+        return [(w.id, cluster_of[id(w)], w.mib, max(0.0, now - w.since)) for w in waiters]
+
     def enqueue(self, cluster: str, resume: Callable[[], bytes | asyncio.Future[bytes]], reject: Callable[[], bytes],
-                fits: Callable[[], bool], timeout_s: float | None = None) -> asyncio.Future:
+                fits: Callable[[], bool], timeout_s: float | None = None, mib: float = 0.0,
+                since: float | None = None) -> asyncio.Future:
         """Queue a request (the caller checked :func:`admit` said "queue", or no endpoint has memory).
 
         Args:
@@ -139,12 +160,16 @@ class Admission:
             fits: whether an endpoint has the memory for it now (asked by :meth:`release` when
                 the cluster has a slot).
             timeout_s: how long it may wait (s; None: :attr:`timeout_s`).
+            mib: its GPU memory need when it waits for memory (MiB; 0: it waits for a slot).
+            since: when it began to wait (the event loop's time; None: now): a request released and
+                sent back keeps its place (:meth:`memory_waiters`).
 
         Returns:
             A future resolved with the answer bytes. Cancel it when the stream ends first.
         """
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), resume, fits)
+        waiter = _Waiter(loop.create_future(), resume, fits, mib, loop.time() if since is None else since,
+                         next(self._ids))
         queue = self._queues.setdefault(cluster, deque())
         queue.append(waiter)
         QUEUED.labels(cluster).set(len(queue))

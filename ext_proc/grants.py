@@ -35,10 +35,13 @@ class Grants:
             clears it): its pick is news to the other pickers, so the report loop sends it at once, as
             a grant request, not at its next tick (they would route onto its endpoint meanwhile).
         wake: called when a request is queued or granted (the report loop sends at once); None: nobody listens.
+        waited: ``{id: how long the request had waited for memory when asked, s}`` of the outbox's requests.
+        queue: the picker's memory queue for its reports, ``() -> [(waiter id, cluster, MiB, waited s)]``
+            oldest first (:meth:`ext_proc.admission.Admission.memory_waiters`); None: no queue.
     """
 
     __slots__ = ("_next", "_waiting", "applied", "asked_on", "granted", "outbox", "pending", "pending_mib",
-                 "refused_mib", "view", "wake")
+                 "queue", "refused_mib", "view", "waited", "wake")
 
     def __init__(self) -> None:
         self.outbox: list[tuple[int, str, str, float, float]] = []
@@ -54,17 +57,23 @@ class Grants:
         self.asked_on = 0
         self.granted = False
         self.wake: Callable[[], None] | None = None
+        self.waited: dict[int, float] = {}
+        self.queue: Callable[[], list[tuple[int, str, float, float]]] | None = None
         self._next = 0
 
     def held(self, endpoint: str) -> float:
         """MiB the picker's free-memory estimate of ``endpoint`` must leave aside: asked, or refused."""
         return self.pending_mib.get(endpoint, 0.0) + self.refused_mib.get(endpoint, 0.0)
 
-    def ask(self, cluster: str, endpoint: str, mib: float, room_mib: float, answer: Answer) -> int:
+    def ask(self, cluster: str, endpoint: str, mib: float, room_mib: float, answer: Answer,
+            waited_s: float = 0.0) -> int:
         """Queue a request for ``mib`` MiB on ``endpoint`` (``room_mib``: the estimate's room once it
-        is there); ``answer`` is called once, with the answer or with None. Returns its id."""
+        is there; ``waited_s``: how long it has waited for memory); ``answer`` is called once, with the
+        answer or with None. Returns its id."""
         self._next += 1
         request_id = self._next
+        if waited_s > 0:
+            self.waited[request_id] = waited_s
         if not self.outbox:
             self.asked_on = self.view
         self.outbox.append((request_id, cluster, endpoint, mib, room_mib))
@@ -79,6 +88,10 @@ class Grants:
         """The requests to send now (the outbox is emptied)."""
         out, self.outbox = self.outbox, []
         return out
+
+    def take_waited(self, request_id: int) -> float:
+        """How long the outbox's request ``request_id`` had waited when asked (s; 0: not at all), forgotten."""
+        return self.waited.pop(request_id, 0.0) if self.waited else 0.0
 
     def viewed(self, view: int) -> None:
         """A new view was applied: it shows the others' load as of now, so refusals' notes go."""
@@ -113,6 +126,7 @@ class Grants:
         numbers its grants from 1: an old, larger number would show its new grants to this picker as
         counted by it; reset, this picker's grants count as unseen until its reports apply new ones)."""
         self.outbox.clear()
+        self.waited.clear()
         self.refused_mib.clear()
         self.applied = self.view = 0
         for request_id in list(self._waiting):

@@ -603,7 +603,7 @@ class PickerHandler:
         return self._enqueue(cluster, headers, body, phase, refuse, deadline)
 
     def _enqueue(self, cluster: str, headers: dict[str, bytes], body: BodyFields, phase: str,
-                 refuse: Callable[[], bytes], deadline: float | None = None) -> asyncio.Future[bytes]:
+                 refuse: Callable[[], bytes], deadline: float | None = None, mib: float = 0.0) -> asyncio.Future[bytes]:
         """Queue a request that must wait, for a slot or for memory: it goes once its cluster has a
         slot (when its concurrency is limited) *and* an endpoint has memory for it, whichever it
         waited for (a slot freed by a small request is no room for a large one: resumed on the slot
@@ -611,7 +611,9 @@ class PickerHandler:
         memory), decided again on the view and loads of then; else ``refuse`` at the timeout. A
         waiter that does not fit yet lets a later one that does go by (:meth:`Admission.release`).
         A request released whose memory grant is refused waits again, for what is left of its time
-        (``deadline``: the event loop's time its wait ends; None: the queue's timeout from now)."""
+        (``deadline``: the event loop's time its wait ends; None: the queue's timeout from now).
+        ``mib``: its GPU memory need when it waits for memory (0: for a slot), listed with its wait in the
+        shared load view's reports (:meth:`Admission.memory_waiters`)."""
         admission = self.admission
         assert admission is not None
         loop = asyncio.get_running_loop()
@@ -627,14 +629,15 @@ class PickerHandler:
         def again() -> bytes | asyncio.Future[bytes]:
             if loop.time() >= deadline or admission.queued(cluster) >= admission.max_queue:
                 return refuse()
-            return self._enqueue(cluster, headers, body, phase, refuse, deadline)
+            return self._enqueue(cluster, headers, body, phase, refuse, deadline, mib)
 
         def resume() -> bytes | asyncio.Future[bytes]:  # right after fits() said yes: its decision
             assert decided is not None
             return self._confirm(decided, self.holder.current, headers, body, phase, GRANT_TRIES - 1, again,
                                  deadline)
 
-        return admission.enqueue(cluster, resume, refuse, fits, deadline - loop.time())
+        return admission.enqueue(cluster, resume, refuse, fits, deadline - loop.time(), mib,
+                                 deadline - admission.timeout_s)
 
     def _confirm(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], body: BodyFields,
                  phase: str, tries: int, give_up: Callable[[], bytes | asyncio.Future[bytes]] | None = None,
@@ -701,7 +704,10 @@ class PickerHandler:
                 settle(future, give_up or (lambda: self._no_memory(decision._replace(reason="no-memory"), headers,
                                                                    self.holder.current, body, phase, deadline)))
 
-        request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered)
+        # How long it has waited for memory: the memory ledger serves the oldest waiter of all pickers first.
+        waited = 0.0 if self.admission is None or deadline is None else \
+            max(0.0, loop.time() - (deadline - self.admission.timeout_s))
+        request_id = grants.ask(decision.cluster, endpoint, decision.mib, room, answered, waited)
         left = GRANT_TIMEOUT_S if deadline is None else max(0.0, deadline - loop.time())
         wait = left if refusable else min(GRANT_TIMEOUT_S, left)
         timer = loop.call_later(wait, late)
@@ -754,7 +760,7 @@ class PickerHandler:
         if admission.queued(cluster) >= admission.max_queue:
             ADMISSION.labels(cluster, "rejected_full").inc()
             return refuse()
-        return self._enqueue(cluster, headers, body, phase, refuse, deadline)
+        return self._enqueue(cluster, headers, body, phase, refuse, deadline, decision.mib)
 
     def set_largest_memory(self, largest: dict[str, float]) -> None:
         """``{cluster: the whole GPU memory of its largest endpoint, MiB}`` (from the config): a
@@ -769,6 +775,9 @@ class PickerHandler:
         :func:`ext_proc.load_client.run_load_view`). Returns the :class:`SharedLoad` to feed."""
         if self.shared is None:
             self.loads = self.shared = SharedLoad(self.inflight)
+            if self.admission is not None and self.memory_queue:
+                # its reports list the memory queue: the ledger serves the oldest waiter of all pickers first
+                self.shared.grants.queue = self.admission.memory_waiters
         return self.shared
 
     def others_changed(self, before: Others) -> None:

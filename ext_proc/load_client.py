@@ -41,15 +41,19 @@ VIEWS = Counter("inferlb_ext_proc_load_views_total", "Shared load views received
 def report_message(inflight: InFlight, picker: str, seq: int, since: float,
                    grants: Grants | None = None) -> load_view_pb2.LoadReport:
     """The ``LoadReport`` of ``inflight`` now (picks counted since ``since``, the in-flight clock's s),
-    with the memory of the requests finished since the previous report (taken out of ``inflight``)
-    and ``grants``' waiting requests (taken out of its outbox)."""
+    with the memory of the requests finished since the previous report (taken out of ``inflight``),
+    ``grants``' waiting requests (taken out of its outbox) and the picker's memory queue (``grants.queue``)."""
     msg = load_view_pb2.LoadReport(picker=picker, seq=seq)
     if grants is not None:
         grants.granted = False
         msg.grants_applied = grants.applied
         msg.view_applied = grants.asked_on if grants.outbox else grants.view
         for request_id, cluster, endpoint, mib, room in grants.take_outbox():
-            msg.grant_requests.add(id=request_id, cluster=cluster, endpoint=endpoint, memory_mib=mib, room_mib=room)
+            msg.grant_requests.add(id=request_id, cluster=cluster, endpoint=endpoint, memory_mib=mib, room_mib=room,
+                                   waited_s=grants.take_waited(request_id))
+        if grants.queue is not None:
+            for waiter, cluster, mib, waited in grants.queue():
+                msg.waiting.add(id=waiter, cluster=cluster, memory_mib=mib, waited_s=waited)
     for (cluster, endpoint), (n, work, mib, tokens, picks) in inflight.by_endpoint(since).items():
         msg.endpoints.add(cluster=cluster, endpoint=endpoint, in_flight=n, work=work, memory_mib=mib,
                           tokens=tokens, picks=picks)

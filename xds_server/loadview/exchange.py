@@ -86,11 +86,13 @@ def report_from(msg: load_view_pb2.LoadReport) -> Report:
         _numbers(ages, f"{where}.picked_age_s")
         _numbers(mibs, f"{where}.memory_mib")
         finished.extend(zip([f.endpoint] * len(ages), ages, mibs, strict=True))
-    return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished), msg.grants_applied)
+    waiting = tuple((w.id, w.cluster, _number(w.memory_mib, f"LoadReport.waiting[{w.id}].memory_mib"),
+                     _number(w.waited_s, f"LoadReport.waiting[{w.id}].waited_s")) for w in msg.waiting)
+    return Report(msg.picker, msg.seq, endpoints, clusters, tuple(finished), msg.grants_applied, waiting)
 
 
-def grant_requests(msg: load_view_pb2.LoadReport) -> list[tuple[int, str, float, float]]:
-    """``[(id, endpoint, MiB, room MiB)]`` of a report's grant requests.
+def grant_requests(msg: load_view_pb2.LoadReport) -> list[tuple[int, str, float, float, str, float]]:
+    """``[(id, endpoint, MiB, room MiB, cluster, waited s)]`` of a report's grant requests.
 
     Raises:
         ValueError: a request without an endpoint, or a need that is negative or not finite, or a
@@ -103,7 +105,7 @@ def grant_requests(msg: load_view_pb2.LoadReport) -> list[tuple[int, str, float,
         if not math.isfinite(g.room_mib):
             raise ValueError(f"LoadReport.grant_requests[{g.id}].room_mib must be finite, got {g.room_mib}")
         out.append((g.id, g.endpoint, _number(g.memory_mib, f"LoadReport.grant_requests[{g.id}].memory_mib"),
-                    g.room_mib))
+                    g.room_mib, g.cluster, _number(g.waited_s, f"LoadReport.grant_requests[{g.id}].waited_s")))
     return out
 
 
@@ -195,8 +197,10 @@ def take_report(table: LoadTable, ledger: GrantLedger, stream: Stream, msg: load
         for view in [v for v in stream.seen if v < view_applied]:
             del stream.seen[view]
         seen = stream.seen.get(view_applied, {})
-        for request_id, endpoint, mib, room in asks:
-            number, unseen = ledger.decide(report.picker, endpoint, mib, room, seen, now)
+        waiters = table.waiters(report.picker, now)
+        for request_id, endpoint, mib, room, cluster, waited in asks:
+            number, unseen = ledger.decide(report.picker, endpoint, mib, room, seen, now,
+                                           cluster, waited, waiters)
             answers.append((request_id, number, unseen))
         stream.answers.extend(answers)
     if table.report(report.picker) is report:

@@ -9,7 +9,10 @@ reports, kept :data:`HISTORY_S`: per picker and endpoint, the memory in flight i
 received by the sample's time less :data:`PICK_SLACK_S` (a pick reported later may not have reached
 the endpoint), less the requests of that report it reported finished there by the sample's time plus
 :data:`FINISH_LAG_S` (free in the sample although reported after it; without this the picker would
-credit them a second time).
+credit them a second time). Where the slow loop reads the backends' counts of held requests with
+their memory (``picker.memory_count_in_sample``), the count settles the others' requests those two
+windows leave in doubt, as a lone picker settles its own (:func:`settled`): each picker's baseline
+also counts the others' doubtful requests the count says were held, at least.
 
 A round is counted once, in a worker thread (:meth:`LoadTable.round_counter`): at 60 000 endpoints
 with memory traffic the count costs hundreds of ms of CPU, which the event loop the ADS server shares
@@ -30,7 +33,7 @@ from types import MappingProxyType
 import numpy as np
 
 __all__ = ["CAPACITY_ROUNDS", "FINISH_LAG_S", "HISTORY_S", "PICK_SLACK_S", "History", "RoundCounts", "count_round",
-           "held", "maybe_held"]
+           "held", "maybe_held", "settled"]
 
 #: How far back each picker's reported memory is kept (s): longer than any memory sample's age.
 HISTORY_S = 10.0
@@ -77,6 +80,9 @@ class RoundCounts:
     maybe: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: _NONE)
     """``{picker: {"HOST:PORT": requests of the picker the sample may hold, at most}}``
     (:func:`maybe_held`; > 0 only, counted only with :attr:`held`)."""
+    settled: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: _NONE)
+    """``{picker: {"HOST:PORT": MiB}}``: the other pickers' doubtful requests the backend's count says
+    the sample held, at least, beyond their share (:func:`settled`; > 0 only, only with :attr:`held`)."""
 
     def own_held(self, picker: str | None) -> dict[str, float]:
         """``{"HOST:PORT": requests of ``picker`` the sample held, at least}``: the backend's count less
@@ -96,11 +102,14 @@ class RoundCounts:
         """``{"HOST:PORT": MiB}`` of the pickers other than ``picker`` (None: every picker) that
         each sample holds (endpoints left out: 0): the total less ``picker``'s share, O(its share)."""
         own = self.shares.get(picker) if picker is not None else None
-        if not own:
+        more = self.settled.get(picker) if picker is not None else None
+        if not own and not more:
             return self.total
         out = dict(self.total)
-        for endpoint, mib in own.items():
+        for endpoint, mib in (own or {}).items():
             out[endpoint] = max(0.0, out[endpoint] - mib)
+        for endpoint, mib in (more or {}).items():
+            out[endpoint] = out.get(endpoint, 0.0) + mib
         return out
 
 
@@ -198,6 +207,113 @@ def maybe_held(histories: Mapping[str, History],
     return out
 
 
+def settled(histories: Mapping[str, History], samples: Mapping[str, tuple[float, float]],
+            held_counts: Mapping[str, float], maybe: Mapping[str, Mapping[str, float]],
+            slack_s: float = PICK_SLACK_S, lag_s: float = FINISH_LAG_S) -> dict[str, dict[str, float]]:
+    """``{picker: {"HOST:PORT": MiB}}`` (> 0 only): of the *other* pickers' doubtful requests, the memory
+    the backend's count of held requests says each sample held, at least, beyond what :func:`held`
+    counts of theirs (the baseline's certain part).
+
+    :func:`held` leaves out, against admission, a request picked less than ``slack_s`` before the
+    sample and one reported finished up to ``lag_s`` after it: either may or may not be in it. A lone
+    picker settles its own doubtful requests with the backend's count (:meth:`ext_proc.inflight.InFlight.set_samples`);
+    the others' stayed unsettled, so each one the sample did hold was never credited when it ended
+    and the estimate stayed its memory low for the whole round (the lab's ``multi_gateway``: 26 of 37
+    429s, 18 GiB requests refused beside an empty GPU). With ``H`` the backend's count, ``U_p`` the
+    picker's requests the sample may hold (``maybe``, :func:`maybe_held`: never below the truth) and
+    ``c_q`` each other picker's certain ones (those :func:`held` counts), at least ``H - U_p - sum c_q``
+    of the others' doubtful requests were held: that many count, the smallest first. Their sizes: a
+    request reported finished carries its own; a pick still in flight at its first report, that
+    report's memory in flight less the report before's plus what it reported finished of the report
+    before's requests, when it was the report's one pick there;
+    0 when the report had several (it gives only their sum). Every doubtful request has a size at most
+    its own in the list (some twice: harmless, the sum of the smallest can only fall), so the sum errs
+    low, never high. A picker's own share of the count (:meth:`RoundCounts.own_held`) is bounded the
+    same way from the other side; the two bounds hold at once, each in every case the count allows.
+
+    Per picker: each sample's base report by one vectorised search (as :func:`held`), one pass over
+    the finished requests of the reports after the oldest base, and only for the samples where the
+    count leaves some request to settle, the reports from its base to the first after it.
+    O(samples x pickers + finished of those reports + (samples to settle) x pickers x (log(reports) +
+    reports in the slack) + doubtful requests x log).
+    """
+    names = [e for e in samples if e in held_counts]
+    if not names or len(histories) < 2:
+        return {}
+    position = {e: i for i, e in enumerate(names)}
+    taken = np.fromiter((samples[e][1] for e in names), float, len(names))
+    certain: dict[str, list[float]] = {}
+    sizes: dict[str, dict[str, list[float]]] = {}  # picker -> endpoint -> a size at most per doubtful request
+    kept: dict[str, tuple] = {}  # picker -> what the picks' pass reads: (received, bases, freed, ends_n)
+    for picker, reports in histories.items():
+        received = [r[0] for r in reports]
+        times = np.fromiter(received, float, len(received))
+        bases = np.maximum(np.searchsorted(times, taken - slack_s, side="right") - 1, 0).tolist()
+        ends = np.searchsorted(times, taken + lag_s, side="right").tolist()
+        counts = [reports[b][3].get(e, _NO_COUNT)[0] for e, b in zip(names, bases, strict=True)]
+        mine: dict[str, list[float]] = {}
+        freed: dict[int, dict[str, float]] = {}  # report -> {endpoint: MiB finished of the report before's}
+        ends_n: dict[int, dict[str, int]] = {}  # report -> {endpoint: requests it reported finished}
+        for k in range(min(bases) + 1, len(reports)):
+            ended, ended_n = freed[k], ends_n[k] = {}, {}
+            for endpoint, picked_at, mib in reports[k][2]:
+                ended_n[endpoint] = ended_n.get(endpoint, 0) + 1
+                if picked_at < received[k - 1] - _TIE_S:
+                    ended[endpoint] = ended.get(endpoint, 0.0) + mib
+                i = position.get(endpoint)
+                if i is None or k <= bases[i]:
+                    continue
+                base_at, at = received[bases[i]], samples[endpoint][1]
+                # In the base report's count: held() also takes a pick at its very time as in it, which errs
+                # its MiB low; here that would err the certain count low and the forced count high.
+                if picked_at < base_at - _TIE_S and base_at < received[k]:
+                    if k < ends[i]:
+                        counts[i] -= 1   # reported finished by the lag: not certain
+                        if received[k] > at:   # ... and after the sample: maybe held
+                            mine.setdefault(endpoint, []).append(mib)
+                elif picked_at <= at < received[k]:   # picked after the base, reported finished after the sample
+                    mine.setdefault(endpoint, []).append(mib)
+        certain[picker], sizes[picker], kept[picker] = counts, mine, (received, bases, freed, ends_n)
+    total = [sum(c) for c in zip(*certain.values(), strict=True)]
+    forced: dict[str, dict[int, int]] = {}  # picker -> {endpoint index: the others' doubtful requests held}
+    for picker in histories:
+        share, own = maybe.get(picker, _NONE), certain[picker]
+        forced[picker] = {i: n for i, e in enumerate(names)
+                          if (n := int(held_counts[e] - share.get(e, 0.0) - (total[i] - own[i]))) > 0}
+    wanted = sorted({i for f in forced.values() for i in f})
+    for picker, reports in histories.items():
+        received, bases, freed, ends_n = kept[picker]
+        mine = sizes[picker]
+        for i in wanted:
+            e = names[i]
+            # The picks after the base report and by the sample's time still in flight at their first
+            # report, report by report (as many as its picks since the report before, at most its rise
+            # in requests in flight plus those it reported finished): one pick alone is known by its
+            # size (the report's memory in flight less the one before's, plus what it reported finished
+            # of that one's); of several, each counts 0 (the reports give only their sum).
+            last = min(bisect_right(received, samples[e][1] + _TIE_S), len(reports) - 1)
+            for k in range(bases[i] + 1, last + 1):
+                count, picks = reports[k][3].get(e, _NO_COUNT)
+                # At most this many are new: a pick at the report before's very time is counted by both.
+                picks = min(int(picks), int(count - reports[k - 1][3].get(e, _NO_COUNT)[0] + ends_n[k].get(e, 0)))
+                if picks == 1:
+                    mib = reports[k][1].get(e, 0.0) - reports[k - 1][1].get(e, 0.0) + freed[k].get(e, 0.0)
+                    mine.setdefault(e, []).append(max(0.0, mib))
+                elif picks > 1:
+                    mine.setdefault(e, []).extend([0.0] * picks)
+    out: dict[str, dict[str, float]] = {}
+    for picker in histories:
+        others = [sizes[q] for q in histories if q != picker]
+        extra: dict[str, float] = {}
+        for i, n in forced[picker].items():
+            e = names[i]
+            mib = sum(sorted(m for doubts in others for m in doubts.get(e, ()))[:n])
+            if mib > 0:
+                extra[e] = mib
+        out[picker] = extra
+    return out
+
+
 def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histories: Mapping[str, History],
                 active: set[str] | frozenset[str], implied: dict[str, deque[float]],
                 held_counts: Mapping[str, float] | None = None) -> RoundCounts:
@@ -238,8 +354,9 @@ def count_round(round_: int, samples: Mapping[str, tuple[float, float]], histori
     shares = held(histories, counted, slack_s=PICK_SLACK_S)
     if held_counts is None:
         return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()))
+    maybe = maybe_held(histories, samples)
     return RoundCounts(round_, samples, MappingProxyType(capacities), shares, _sum(shares.values()),
-                       MappingProxyType(dict(held_counts)), maybe_held(histories, samples))
+                       MappingProxyType(dict(held_counts)), maybe, settled(histories, samples, held_counts, maybe))
 
 
 def _sum(shares) -> dict[str, float]:

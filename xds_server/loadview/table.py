@@ -76,7 +76,8 @@ class Report:
     ``picker``: who reports (unique per picker process); ``seq``: increases with every report;
     ``finished``: ``("HOST:PORT", picked how long before the report (s), MiB)`` of each of the
     picker's requests with memory finished since its previous report; ``grants_applied``: the
-    largest memory grant number (:mod:`xds_server.loadview.grants`) whose request the report counts.
+    largest memory grant number (:mod:`xds_server.loadview.grants`) whose request the report counts;
+    ``waiting``: its memory queue.
     """
 
     picker: str
@@ -85,6 +86,8 @@ class Report:
     clusters: Mapping[str, ClusterLoad] = field(default_factory=lambda: _NO_CLUSTERS)
     finished: tuple[tuple[str, float, float], ...] = ()
     grants_applied: int = 0
+    waiting: tuple[tuple[int, str, float, float], ...] = ()
+    """``(id, cluster, MiB, waited s when sent)`` of each request in the picker's memory queue, oldest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +261,18 @@ class LoadTable:
     def report(self, picker: str) -> Report | None:
         """``picker``'s kept report (None: none, or forgotten)."""
         return self._reports.get(picker)
+
+    def waiters(self, picker: str, now: float) -> list[tuple[str, int, str, float, float]]:
+        """The requests waiting in the memory queues of the live pickers other than ``picker``, as their
+        kept reports tell: ``[(picker, id, cluster, MiB, waited s by now)]`` (``now``: monotonic s).
+        O(pickers + their waiters)."""
+        limit = now - self.expiry_s
+        out = []
+        for name, report in self._reports.items():
+            received = self._received[name]
+            if name != picker and report.waiting and received > limit:
+                out += [(name, i, c, mib, waited + now - received) for i, c, mib, waited in report.waiting]
+        return out
 
     def shares(self, now: float) -> dict:
         """The admin document: each live picker's report, its age and its share of the requests in

@@ -251,6 +251,10 @@ class Inferlb(PolicyBase):
         wakes = [] if link is None else [link.next_wake_s()]
         if link is not None and link.viewed is not None and admission is not None and admission.waiting():
             wakes.append(self.ctx.clock())  # a view came in another picker's turn: requests wait for it
+        if any(future.done() for _, future in self._waiting.values()):
+            # answered in a call that returned another request's answer (a waiter released and granted
+            # while a new request was decided): the picker answers Envoy at once, so poll now
+            wakes.append(self.ctx.clock())
         timer = self._loop.next_timer_s()
         if timer is not None:
             wakes.append(timer)

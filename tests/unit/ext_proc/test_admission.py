@@ -114,6 +114,23 @@ async def test_a_waiter_that_fits_goes_by_an_older_one_that_does_not_but_only_wi
     assert a.queued("c") == 0
 
 
+async def test_the_memory_queue_lists_its_waiters_oldest_first_with_their_need_and_wait():
+    """What a picker's load reports carry of its queue (the ledger serves the oldest waiter of all pickers
+    first): the requests waiting for memory, oldest first across clusters by when they began to wait (a
+    request sent back keeps its place), not those waiting for a slot nor those gone."""
+    a = Admission(8, 1.0, 1)
+    now = asyncio.get_running_loop().time()
+    a.enqueue("c", lambda: b"", lambda: b"429", lambda: False, mib=8192.0)
+    a.enqueue("c", lambda: b"", lambda: b"429", lambda: False)  # waits for a slot only
+    gone = a.enqueue("d", lambda: b"", lambda: b"429", lambda: False, mib=18432.0)
+    a.enqueue("d", lambda: b"", lambda: b"429", lambda: False, mib=18432.0, since=now - 0.05)
+    listed = a.memory_waiters()
+    assert [(c, mib) for _, c, mib, _ in listed] == [("d", 18432.0), ("c", 8192.0), ("d", 18432.0)]
+    assert listed[0][3] >= 0.05 and listed[1][3] < 0.05 and len({i for i, *_ in listed}) == 3
+    gone.cancel()
+    assert len(a.memory_waiters()) == 2 and Admission(8, 1.0, 1).memory_waiters() == []
+
+
 async def test_queue_bound_and_timeout_answer_429_with_retry_after():
     h = make_handler(max_queue=1, timeout_s=0.05)
     for i in range(2):

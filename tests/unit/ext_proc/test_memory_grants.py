@@ -21,7 +21,7 @@ from tests.support.loadview import load_view_server
 from tests.unit.ext_proc.test_scheduler import FOUR, ROUTING, headers, view
 from tests.unit.ext_proc.test_shared_load import until
 from xds_server.loadview.exchange import grant_requests, report_from
-from xds_server.loadview.grants import GrantLedger
+from xds_server.loadview.grants import DEFER_S, GrantLedger
 from xds_server.loadview.table import LoadTable
 
 A, B = FOUR[0], FOUR[1]
@@ -65,12 +65,44 @@ def test_a_report_carries_the_grant_requests_and_what_they_apply():
     grants.ask("c", A, 8000.0, 1000.0, lambda g, u: None)
     grants.applied = 7
     msg = report_message(InFlight(), "p1", 1, 0.0, grants)
-    assert grant_requests(msg) == [(1, A, 8000.0, 1000.0)] and not grants.outbox
+    assert grant_requests(msg) == [(1, A, 8000.0, 1000.0, "c", 0.0)] and not grants.outbox
     assert report_from(msg).grants_applied == 7 and msg.view_applied == 3
     bad = load_view_pb2.LoadReport(picker="p", grant_requests=[load_view_pb2.GrantRequest(id=1, endpoint=A,
                                                                                            memory_mib=-1)])
     with pytest.raises(ValueError, match=r"grant_requests\[1\]\.memory_mib"):
         grant_requests(bad)
+
+
+def test_the_ledger_keeps_a_room_for_another_pickers_older_waiter_for_a_while():
+    """p2's request has waited 30 ms for memory; p1 asks for a room on A for a request that just arrived:
+    refused (the whole room: p1 leaves A aside until its next view), as one picker's queue serves its
+    oldest first. Not for a waiter that needs more than the room, one younger, one in another cluster,
+    nor p1's own; and a waiter holds rooms for DEFER_S only (its picker may never see the room)."""
+    old = [("p2", 7, "c", 18000.0, 0.03)]
+    ledger = GrantLedger(keep_s=1.0)
+    assert ledger.decide("p1", A, 8000.0, 12000.0, {}, 10.0, "c", 0.0, old) == (0, 20000.0)
+    assert ledger.decide("p1", A, 8000.0, 6000.0, {}, 10.0, "c", 0.0, old)[0], "18000 MiB do not fit in 14000"
+    assert ledger.decide("p1", B, 8000.0, 12000.0, {}, 10.0, "c", 0.05, old)[0], "p1's request waited longer"
+    assert ledger.decide("p1", B, 8000.0, 12000.0, {}, 10.0, "other", 0.0, old)[0], "another cluster"
+    assert ledger.decide("p2", FOUR[2], 8000.0, 12000.0, {}, 10.0, "c", 0.0, old)[0], "its own queue is its own"
+    assert ledger.decide("p1", A, 8000.0, 12000.0, {}, 10.0 + DEFER_S * 0.9, "c", 0.0, old)[0] == 0
+    assert ledger.decide("p1", A, 8000.0, 12000.0, {}, 10.0 + DEFER_S * 1.1, "c", 0.0, old)[0], "held long enough"
+
+
+def test_a_report_lists_the_memory_queue_and_the_table_tells_each_picker_the_others_waiters():
+    """The picker's memory waiters (oldest first, with their need and wait) go with each report, and the
+    grant request of a released waiter says how long it waited; the control plane tells each picker's
+    asks the other live pickers' waiters, their waits counted to now."""
+    grants = Grants()
+    grants.queue = lambda: [(4, "c", 18000.0, 0.02)]
+    grants.ask("c", A, 8000.0, 1000.0, lambda g, u: None, waited_s=0.04)
+    msg = report_message(InFlight(), "p1", 1, 0.0, grants)
+    assert grant_requests(msg) == [(1, A, 8000.0, 1000.0, "c", 0.04)]
+    table = LoadTable(expiry_s=1.0)
+    table.record(report_from(msg), 5.0)
+    assert report_from(msg).waiting == ((4, "c", 18000.0, 0.02),)
+    assert table.waiters("p2", 5.01) == [("p1", 4, "c", 18000.0, pytest.approx(0.03))]
+    assert table.waiters("p1", 5.01) == [] and table.waiters("p2", 6.5) == [], "its own; an expired picker's"
 
 
 # --- the picker's bookkeeping --------------------------------------------------------------------
