@@ -38,7 +38,8 @@ MISSED = {
         "not shown by a quick run: round robin's knee comes when the conversations in flight overflow the KV "
         "caches, minutes into a run (bench/lab/scenarios.py, sharegpt_chat)",
     "multi_gateway: TTFT p90, e2e p95 and errors within 5 % of one gateway's (uneven)":
-        "missed in the full lab too: three pickers' memory-queue timeouts (errors 0.14 % against 0.03 %)",
+        "met in the full lab (600 s: errors 0.06 % against one gateway's 0.03 %), not in a quick run's 60 s "
+        "(errors 0.13 % against 0.00 %: three pickers' memory-queue 429s, where 0.05 points are allowed)",
 }
 
 
