@@ -1,6 +1,6 @@
 """What the prefix indexes cost per request, in µs of this process's CPU, on 16 endpoints.
 
-Two long prompts, the sizes the picker meets in the field's chat and agent workloads:
+Long prompts, the sizes the picker meets in the field's chat and agent workloads:
 
 - ``approximate``: :class:`~ext_proc.prefix_index.PrefixIndex` (fed by the picker's own routing),
   a 6 000-token chat prompt (24 000 + 4 800 characters); one endpoint holds its blocks, the others
@@ -9,6 +9,8 @@ Two long prompts, the sizes the picker meets in the field's chat and agent workl
 - ``precise``: :class:`~ext_proc.prefix_events.EventIndex` (fed by the engines' KV-cache events), a
   7 200-token prompt (450 keys of 16 tokens) whose first 6 000 tokens four of the 16 hold. Timed: one
   match, a pick's pending keys on a holder (the 75 it lacks) and on another endpoint (all 450).
+- ``engine_keys``: the precise index's keys of a 20 KiB chat prompt in blocks of 16 tokens
+  (:func:`ext_proc.engine_keys.engine_keys`, compiled, against its Python reference ``engine_keys_py``).
 
 Each operation is run ``calls`` times in a row, ``rounds`` times, timed with
 :func:`time.process_time`; printed, one JSON object ``{"<index>/<operation>": µs, ...}`` with the
@@ -27,6 +29,7 @@ import random
 import time
 from collections.abc import Callable
 
+from ext_proc import engine_keys
 from ext_proc.prefix_events import EventIndex
 from ext_proc.prefix_index import PrefixIndex, block_hashes, prompt_bytes
 
@@ -76,13 +79,25 @@ def precise(calls: int, rounds: int) -> dict[str, float]:
     }
 
 
+def keys_20_kib(calls: int, rounds: int) -> dict[str, float]:
+    """The engine-side block keys of a 20 KiB chat prompt, compiled and in Python (µs each)."""
+    doc = {"messages": [{"role": "system", "content": "s" * 2000}, {"role": "user", "content": "q" * 18_000}]}
+    if engine_keys.engine_keys(doc, 16) != engine_keys.engine_keys_py(doc, 16):
+        raise AssertionError("the compiled engine keys differ from the reference")
+    return {
+        "engine_keys/compiled": _best_us(lambda: engine_keys.engine_keys(doc, 16), calls, rounds),
+        "engine_keys/python": _best_us(lambda: engine_keys.engine_keys_py(doc, 16), max(1, calls // 10), rounds),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the figures as one JSON object (see the module's docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200, help="calls per round (default 200)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the fastest is reported (default 5)")
     args = ap.parse_args(argv)
-    out = {**approximate(args.calls, args.rounds), **precise(args.calls, args.rounds)}
+    out = {**approximate(args.calls, args.rounds), **precise(args.calls, args.rounds),
+           **keys_20_kib(args.calls, args.rounds)}
     print(json.dumps({k: round(v, 2) for k, v in out.items()}))
 
 
