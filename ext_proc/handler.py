@@ -180,16 +180,31 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
     own_keys = routing.prefix_cache_tokens and not routing.engine_block_size
     keys, lead, chars = prompt_keys(doc, routing.prefix_messages, routing.prefix_max_bytes, BLOCK_BYTES,
                                     MAX_BLOCKS if own_keys else 0)
+    prefix = key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None
     return BodyFields(
         model.encode() if isinstance(model, str) else None,
         user,
         cache_key,
-        key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None,
+        prefix,
         chars / routing.chars_per_token if chars is not None else None,
         max_tokens,
         blocks=keys if own_keys else () if not routing.prefix_cache_tokens
         else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer, routing.engine_keys),
+        continued=_continued(doc, chars) if own_keys and prefix is not None and len(lead) < routing.prefix_max_bytes
+        else None,
     )
+
+
+def _continued(doc: dict, chars: int | None) -> float | None:
+    """The share of a chat prompt's ``chars`` characters before its newest message (0-1; 0 for one
+    or two messages: a conversation's first turn); None for a body without chat messages."""
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not chars:
+        return None
+    if len(messages) < 3:
+        return 0.0
+    newest = messages[-1]
+    return max(0.0, 1.0 - len(message_text(newest.get("content"))) / chars) if isinstance(newest, dict) else 0.0
 
 
 def _content_length(headers: dict[str, bytes]) -> int | None:
@@ -513,8 +528,8 @@ class PickerHandler:
         return decision if view.routing.protocol != GATEWAY_API else settle_destination(decision, body.subset)
 
     def _commit(self, decision: Decision, view: EndpointView, headers: dict[str, bytes], phase: str) -> bytes:
-        """Count the pick in flight, move or refresh the session's pin, record the prompt's blocks in
-        the prefix index, and encode the answer."""
+        """Count the pick in flight, move or refresh the session's pin, record the prompt's blocks (and
+        where its conversation's turn went) in the prefix index, and encode the answer."""
         endpoint = decision.endpoint
         blocks = decision.blocks
         uncached = None
@@ -522,6 +537,8 @@ class PickerHandler:
             # The share of the prompt the endpoint did not hold, for the cost model's TTFT fit.
             uncached = 1.0 - self.prefixes.matched(blocks, (endpoint,)).get(endpoint, 0) / len(blocks)
             self.prefixes.insert(endpoint, blocks, view.routing.prefix_blocks)
+        if decision.conversation is not None and endpoint is not None:
+            self.prefixes.sent_turn(decision.conversation, endpoint)
         if decision.cluster is not None:
             # A KV-cache hit, as far as the picker knows: kept on the session's pin, or on its prefix's owner.
             hit = decision.reason == "affinity" and (decision.key == "prefix" or decision.pinned == endpoint)

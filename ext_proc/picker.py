@@ -70,6 +70,8 @@ class Decision(NamedTuple):
             strict service kept on its pin (:mod:`ext_proc.scheduling.affinity`); "" when no profile ran.
         blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`; empty:
             unknown): the picker's prefix index records them for ``endpoint`` when committed.
+        conversation: the prefix key's hash of a conversation the prefix index follows
+            (:attr:`BodyFields.continued` not None): recorded as going to ``endpoint`` when committed.
     """
 
     cluster: str | None
@@ -89,6 +91,7 @@ class Decision(NamedTuple):
     margin: float = 0.0
     plugins: str = ""
     blocks: tuple[int, ...] = ()
+    conversation: int | None = None
 
     @property
     def rejected(self) -> bool:
@@ -237,6 +240,10 @@ class BodyFields(NamedTuple):
             gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
         blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`), empty
             when the prefix index is off or the body has no prompt of a block.
+        continued: for a chat body the approximate prefix index follows as a conversation (its
+            ``prefix`` key whole, not cut at ``prefix_max_bytes``): the share of its prompt's
+            characters before its newest message (0-1; 0 for a first turn of one or two messages),
+            what the engine that served its previous turn holds. None: not followed.
     """
 
     model: bytes | None = None
@@ -247,6 +254,7 @@ class BodyFields(NamedTuple):
     max_tokens: int | None = None
     subset: frozenset[str] | None = None
     blocks: tuple[int, ...] = ()
+    continued: float | None = None
 
 
 NO_BODY = BodyFields()
@@ -459,8 +467,9 @@ def pick(
     if not free or need <= 0:
         free = None
     profile = routing.profiles[service.profile]
+    followed = kind == "prefix" and body.continued is not None
     request = _new(Request, (cluster, pool, position, kind, pinned, rid, work, need, work_of, total, free, failed,
-                             prompt, costs, blocks, prefixes))
+                             prompt, costs, blocks, prefixes, body.continued if followed else None))
     # strict: the pin, or a wait for it (None: the pin is unusable, the profile moves the session)
     choice = strict_choice(request, profile) if strict else None
     if choice is None:
@@ -474,4 +483,5 @@ def pick(
             choice = (strict and strict_choice(request, profile)) or profile.choose(request)
     endpoint, reason, plugins = choice
     return Decision(cluster, endpoint, None, b"", reason, slot, None, pinned, kind, work, mib, prompt, output,
-                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, blocks)
+                    pool.classes.get(endpoint, "") if endpoint is not None else "", margin, plugins, blocks,
+                    position if followed else None)

@@ -26,6 +26,12 @@ approximate radix tree per worker, fed by its own routing).
 - **Score.** :meth:`PrefixIndex.matched` gives each endpoint's longest cached prefix (blocks);
   matched / the prompt's blocks is the share of the prompt already cached there (0-1): the part the
   engine will not prefill again.
+- **Conversations.** The blocks are those of the prompts the picker sent, not of the replies the
+  engines generated and cached beside them, and a prompt shorter than a block has none. So the index
+  also remembers, per conversation (its prefix key: the first messages, :func:`prompt_of`), the
+  endpoint its latest turn went to (:meth:`PrefixIndex.sent_turn`, an LRU of
+  :data:`MAX_CONVERSATIONS`): that engine holds the whole conversation but its newest message
+  (:func:`ext_proc.prefix_choice.choose_cached`'s ``continued``).
 
 Approximate: the index learns only from the picker's own routing, so it does not see an engine's
 own evictions (KV pressure, a restart) nor the requests other gateways sent; the LRU bound keeps
@@ -39,8 +45,8 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "block_hashes_py", "capacity_blocks",
-           "message_text", "prompt_bytes", "prompt_keys", "prompt_keys_py", "prompt_of"]
+__all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "MAX_CONVERSATIONS", "PrefixIndex", "block_hashes", "block_hashes_py",
+           "capacity_blocks", "message_text", "prompt_bytes", "prompt_keys", "prompt_keys_py", "prompt_of"]
 
 #: Bytes of prompt text per block: about 128 tokens at 4 characters a token (vLLM's KV blocks are
 #: 16 tokens; llm-d's approximate producer hashes 64-character blocks). Larger blocks cost fewer
@@ -49,6 +55,10 @@ __all__ = ["BLOCK_BYTES", "MAX_BLOCKS", "PrefixIndex", "block_hashes", "block_ha
 BLOCK_BYTES = 512
 #: Blocks hashed per prompt at most (128 KiB of text, ~32 000 tokens): llm-d's producer caps at 256 too.
 MAX_BLOCKS = 256
+#: Conversations whose latest turn's endpoint the index remembers (least recently sent forgotten
+#: first; ~150 bytes each: ~10 MB). A picker's share of the conversations active within a few
+#: minutes: the lab's sharegpt_chat at 96 QPS starts ~9 a second, each lasting ~2 minutes.
+MAX_CONVERSATIONS = 65_536
 
 _crc32 = zlib.crc32
 _adler32 = zlib.adler32
@@ -256,12 +266,14 @@ class PrefixIndex:
     key, at most the sum of the endpoints' capacities.
     """
 
-    __slots__ = ("_held", "_last", "_seq")
+    __slots__ = ("_held", "_last", "_seq", "_turn_endpoints", "_turns")
 
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[int, None]] = {}
         self._last: dict[str, int] = {}
         self._seq = 0
+        self._turns: OrderedDict[int, str] = OrderedDict()  # conversation's prefix key -> latest turn's endpoint
+        self._turn_endpoints: set[str] = set()  # the endpoints in _turns (or were)
 
     def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
         """Record that ``endpoint`` was sent a prompt of keys ``blocks``: they become its most recently
@@ -319,6 +331,20 @@ class PrefixIndex:
             out[e] = lo + 1
         return out
 
+    def sent_turn(self, conversation: int, endpoint: str) -> None:
+        """Record that the latest turn of ``conversation`` (its prefix key's 64-bit hash) went to
+        ``endpoint``; past :data:`MAX_CONVERSATIONS`, the least recently sent is forgotten."""
+        turns = self._turns
+        turns[conversation] = endpoint
+        turns.move_to_end(conversation)
+        self._turn_endpoints.add(endpoint)
+        if len(turns) > MAX_CONVERSATIONS:
+            turns.popitem(last=False)
+
+    def turn_endpoint(self, conversation: int) -> str | None:
+        """Where the latest turn of ``conversation`` went (None: not remembered)."""
+        return self._turns.get(conversation)
+
     def last_sent(self, endpoint: str) -> int:
         """The insert count when ``endpoint`` was last sent a prompt (0: never)."""
         return self._last.get(endpoint, 0)
@@ -333,10 +359,16 @@ class PrefixIndex:
         return tuple(self._held.get(endpoint, ()))
 
     def retain(self, endpoints: Iterable[str]) -> None:
-        """Forget every endpoint not in ``endpoints`` (it left the view)."""
+        """Forget every endpoint not in ``endpoints`` (it left the view): its keys and the
+        conversations whose latest turn went there."""
         keep = set(endpoints)
         for e in [e for e in self._held if e not in keep]:
             del self._held[e]
+        if not self._turn_endpoints <= keep:  # rare (an endpoint left): its conversations start anew
+            turns = self._turns
+            for c in [c for c, e in turns.items() if e not in keep]:
+                del turns[c]
+            self._turn_endpoints &= keep
 
     def __len__(self) -> int:
         """Endpoints with at least one key."""

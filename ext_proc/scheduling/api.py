@@ -108,6 +108,9 @@ class Request(NamedTuple):
             unknown).
         prefixes: the picker's prefix-cache index (:class:`ext_proc.prefix_index.PrefixIndex`), None
             without one.
+        continued: for a conversation the index follows (``key`` ``"prefix"``, ``position`` its
+            prefix key), the share of the prompt before its newest message (0-1,
+            :attr:`ext_proc.picker.BodyFields.continued`); None otherwise.
     """
 
     cluster: str
@@ -126,6 +129,7 @@ class Request(NamedTuple):
     costs: Any
     blocks: tuple[int, ...] = ()
     prefixes: Any = None
+    continued: float | None = None
 
 
 def spin(request: Request) -> int:

@@ -7,7 +7,9 @@ does not apply (no GPU memory need, or no free-memory samples: engines with a pr
 their KV cache from the start), :func:`ext_proc.prefix_choice.choose_cached` chooses among the
 endpoints not failing: the share of the prompt the picker's prefix index
 (:class:`ext_proc.prefix_index.PrefixIndex`, :attr:`Request.prefixes`) says each holds against its
-extra load, or, cached nowhere, the next in weighted turn among those not overloaded. Outcomes
+extra load (the endpoint a conversation's latest turn went to holding all but the prompt's newest
+message: :attr:`Request.continued`), or, cached nowhere, the next in weighted turn among those not
+overloaded. Outcomes
 ``affinity`` (the endpoint holding the longest prefix), ``spilled`` (a less cached, less loaded one)
 and ``least-loaded`` (cached nowhere). The rule's sources (llm-d's approximate prefix scorer,
 SGLang's cache-aware router) and its lab figures are in docs/picker.md ("Prefix-cache index").
@@ -56,8 +58,11 @@ class PrefixCache(ring_affinity.RingAffinity):
                 and len(request.pool.endpoints) <= self._scan_max):
             failed = request.failed
             candidates = [e for e in request.pool.endpoints if e not in failed]
+            share = request.continued
+            last = index.turn_endpoint(request.position) if share else None
             endpoint, outcome = choose_cached(blocks, candidates, request.loads, request.pool.shares, index,
-                                              request.work, self._floor, self._worth)
+                                              request.work, self._floor, self._worth,
+                                              (last, share) if last is not None else None)
             if endpoint is not None:
                 return Choice(endpoint, outcome, profile.picker_label)
         return super().pick(request, profile)

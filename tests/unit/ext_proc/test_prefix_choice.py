@@ -108,6 +108,22 @@ def test_cached_nowhere_turns_follow_the_weights():
     assert all(abs(sent[e] - 800 * shares[e]) <= 3 for e in FOUR), sent  # each turn a pick after its last
 
 
+def test_a_conversations_next_turn_counts_what_its_latest_turns_endpoint_holds():
+    """FOUR[2] served the conversation's latest turn, whose reply the index never saw: its engine
+    holds 95 % of this prompt, though the index holds none of it anywhere."""
+    nowhere, turn = PrefixIndex(), (FOUR[2], 0.95)
+    loads = loads_with(e2=9.0)  # 9 requests above the others: a 95 % hit is worth 0.95 x 13.25
+    assert choose_cached(PROMPT, FOUR, loads, EQUAL, nowhere)[1] == "least-loaded"
+    assert choose_cached(PROMPT, FOUR, loads, EQUAL, nowhere, continued=turn) == (FOUR[2], "affinity")
+    assert choose_cached(PROMPT, FOUR, loads_with(e2=14.0), EQUAL, nowhere, continued=turn)[1] == "spilled"
+    # a share below what the index says it holds changes nothing
+    index = cached_on(FOUR[2], keys(SYSTEM))
+    assert (choose_cached(PROMPT, FOUR, loads, EQUAL, index, continued=(FOUR[2], 0.5))
+            == choose_cached(PROMPT, FOUR, loads, EQUAL, index) == (FOUR[2], "affinity"))
+    # an endpoint that may not take it (failing, no memory: not a candidate) is not chosen for it
+    assert choose_cached(PROMPT, FOUR[:2], loads, EQUAL, nowhere, continued=turn)[0] in FOUR[:2]
+
+
 def test_no_candidate_means_no_memory():
     assert choose_cached(PROMPT, [], {}, EQUAL, cached_on(FOUR[0])) == (None, "no-memory")
 
@@ -198,3 +214,50 @@ def test_prefix_cache_tokens_reaches_the_picker_and_survives_the_wire():
     assert from_wire(to_wire(table, picker_settings(cfg)))[0].prefix_cache_tokens == 500_000
     off = config([service("llm", [version("v1", 2)])], picker={"prefix_cache_tokens": 0})
     assert routing_table(off).prefix_cache_tokens == 0
+
+
+def chat_turns(n: int, opening: str) -> list[bytes]:
+    """The bodies of a conversation's first ``n`` turns, each resending the ones before: a short
+    opening (under one block), then long replies and short questions."""
+    messages = [{"role": "system", "content": opening}, {"role": "user", "content": "hi"}]
+    out = []
+    for i in range(n):
+        out.append(json.dumps({"messages": messages}).encode())
+        messages = [*messages, {"role": "assistant", "content": f"reply {i} " * 150},
+                    {"role": "user", "content": f"and {i}?"}]
+    return out
+
+
+def test_the_body_says_how_much_of_a_conversation_its_previous_turn_left_cached():
+    first, second = chat_turns(2, "Conversation 7.")
+    assert _body_fields(first, routing(500_000)).continued == 0.0
+    doc = json.loads(second)
+    chars = sum(len(m["content"]) for m in doc["messages"])
+    assert _body_fields(second, routing(500_000)).continued == 1.0 - len("and 0?") / chars
+    # not followed: a session key places it; the prefix key cut (a system prompt over
+    # prefix_max_bytes: every conversation with it would share one key); the engines' keys
+    # (their KV events see the replies); the index off
+    keyed = json.dumps({**doc, "user": "u1"}).encode()
+    assert _body_fields(keyed, routing(500_000)).continued is None
+    assert _body_fields(second, routing(500_000), keyed=True).continued is None
+    long_system = json.dumps({"messages": [{"role": "system", "content": "s" * 5000}, *doc["messages"][1:]]})
+    assert _body_fields(long_system.encode(), routing(500_000)).continued is None
+    engine = RoutingTable(services=routing(500_000).services, body_max_bytes=1 << 20, prefix_cache_tokens=500_000,
+                          engine_block_size=16)
+    assert _body_fields(second, engine).continued is None
+    assert _body_fields(second, routing(0)).continued is None
+
+
+def test_a_conversations_turns_follow_it_though_its_opening_is_shorter_than_a_block():
+    """Four conversations, each opened by a prompt of no full block (nothing in the index), each
+    turn after it resending a long reply: every turn goes where the conversation's first went."""
+    handler = PickerHandler(ViewHolder(EndpointView.build({"c": assignment("c", FOUR)}, routing(500_000))))
+    conversations = [chat_turns(4, f"Conversation {c}.") for c in range(4)]
+    where: dict[int, list[str]] = {c: [] for c in range(4)}
+    for turn in range(4):
+        for c, turns in enumerate(conversations):
+            endpoint = route(handler, turns[turn], b"c%dt%d" % (c, turn))
+            assert handler.inflight.completed("c", endpoint)  # one turn at a time: no load builds up
+            where[c].append(endpoint)
+    assert all(len(set(ws)) == 1 for ws in where.values()), where
+    assert len({ws[0] for ws in where.values()}) > 1  # and they are not all on one endpoint

@@ -353,3 +353,24 @@ def test_a_6000_token_prompt_is_matched_on_its_holder_among_16():
     assert block_hashes(prompt_bytes(doc)) == ks
     index.insert("10.0.0.3:8000", ks, 4000)
     assert index.matched(ks, endpoints) == {"10.0.0.3:8000": len(ks)}
+
+
+def test_conversations_are_remembered_least_recently_sent_first_out(monkeypatch):
+    import ext_proc.prefix_index as prefix_index
+
+    monkeypatch.setattr(prefix_index, "MAX_CONVERSATIONS", 3)
+    index = PrefixIndex()
+    for c, e in ((1, "a:1"), (2, "b:1"), (3, "a:1")):
+        index.sent_turn(c, e)
+    index.sent_turn(1, "b:1")  # conversation 1's latest turn went elsewhere: now the most recent
+    index.sent_turn(4, "c:1")  # over the bound: 2, the least recently sent, is forgotten
+    assert [index.turn_endpoint(c) for c in (1, 2, 3, 4)] == ["b:1", None, "a:1", "c:1"]
+
+
+def test_an_endpoint_that_leaves_takes_its_conversations_with_it():
+    index = PrefixIndex()
+    index.insert("a:1", block_hashes(b"x" * 2048), 100)
+    index.sent_turn(1, "a:1")
+    index.sent_turn(2, "b:1")
+    index.retain(["b:1"])
+    assert index.turn_endpoint(1) is None and index.turn_endpoint(2) == "b:1" and index.held("a:1") == 0
