@@ -90,7 +90,11 @@ def test_envoy_weights_follow_the_control_plane_and_a_slow_backend_loses_weight(
     s = live_stack
     v1 = [b for b in s.backends if b.version == "v1"]
     slow, peer = [b for b in v1 if b.gpu_class == "a100"]
-    sessions = make_sessions(16, ["v1"], unsessioned_share=0.5, seed=3)
+    # Every conversation keyed, so the sessions pinned to the slow backend keep it busy. Without keys
+    # the picker routes around it (its prefix rule follows each conversation where it started),
+    # and once it idles (GPU 0.2 against 1.0, 6.75 against 105.75 requests a second) the slow
+    # loop's idle_compute scorer outweighed its latency: 82 against 63 (twice in about 30 runs).
+    sessions = make_sessions(16, ["v1"], unsessioned_share=0.0, seed=3)
     bg = Background(s, sessions, duration_s=16)
     time.sleep(4)
     slow.fault(slow_factor=8)
@@ -104,12 +108,13 @@ def test_envoy_weights_follow_the_control_plane_and_a_slow_backend_loses_weight(
 
     changes = sum(1 for a, b in zip(samples, samples[1:], strict=False) if a[1] != b[1])
     assert changes >= 1, "the control plane's weights never changed under load"
+    end = samples[-1][0]
     for i, (t, cp, env) in enumerate(samples):
-        if cp == env:
+        if cp == env or end - t < 2.0:  # a change in the last 2 s has no 2 s of samples after it: below
             continue
         later = [x for x in samples[i + 1:] if x[0] - t <= 2.0]
         assert any(e == c or e == cp for _, c, e in later), f"Envoy did not catch up within 2 s at sample {i}"
-    assert samples[-1][1] == samples[-1][2] or _maps(s)[0] == _maps(s)[1]
+    wait_until(lambda: (m := _maps(s))[0] == m[1], 3, 0.05, "Envoy to hold the control plane's weights at the end")
 
     w = s.weights()["chat-v1"]
     if w[slow.address]["health"] == "HEALTHY":
