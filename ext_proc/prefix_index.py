@@ -56,8 +56,8 @@ BLOCK_BYTES = 512
 #: Blocks hashed per prompt at most (128 KiB of text, ~32 000 tokens): llm-d's producer caps at 256 too.
 MAX_BLOCKS = 256
 #: Conversations whose latest turn's endpoint the index remembers (least recently sent forgotten
-#: first; ~150 bytes each: ~10 MB). A picker's share of the conversations active within a few
-#: minutes: the lab's sharegpt_chat at 96 QPS starts ~9 a second, each lasting ~2 minutes.
+#: first; 124 bytes each, 8.1 MB when full: tracemalloc, 16 endpoints). Several minutes of a
+#: picker's conversations: the lab's sharegpt_chat at 96 QPS starts ~9 a second (10.2 turns each).
 MAX_CONVERSATIONS = 65_536
 
 _crc32 = zlib.crc32
@@ -263,7 +263,8 @@ class PrefixIndex:
     docstring), and when it was last sent a prompt (counted in prompts recorded, not in time).
 
     Not thread-safe: the picker's single event loop owns it. Memory: one dictionary entry per held
-    key, at most the sum of the endpoints' capacities.
+    key, at most the sum of the endpoints' capacities, and one per remembered conversation (at most
+    :data:`MAX_CONVERSATIONS`).
     """
 
     __slots__ = ("_held", "_last", "_seq", "_turn_endpoints", "_turns")
@@ -273,7 +274,7 @@ class PrefixIndex:
         self._last: dict[str, int] = {}
         self._seq = 0
         self._turns: OrderedDict[int, str] = OrderedDict()  # conversation's prefix key -> latest turn's endpoint
-        self._turn_endpoints: set[str] = set()  # the endpoints in _turns (or were)
+        self._turn_endpoints: set[str] = set()  # every endpoint in _turns (and some no longer there)
 
     def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
         """Record that ``endpoint`` was sent a prompt of keys ``blocks``: they become its most recently
