@@ -30,7 +30,7 @@ no session pin decides, among the candidate endpoints (healthy, not failing):
   49.9 ms). The highest score wins (ties: the less loaded, then the rendezvous hash below).
 - **A conversation's next turn.** The index holds the blocks of the prompts the picker sent, not
   the replies the engines generated and cached after them: a turn after a short prompt and a long
-  reply found 10-20 % of itself "cached" where its conversation's KV cache is, and went elsewhere
+  reply found little or none of itself "cached" where its conversation's KV cache is, and went elsewhere
   (the lab's ``sharegpt_chat`` on 8 L4s at 16 QPS: 507 of 3 527 turns moved, 336 of them after a
   prompt under 100 tokens, shorter than a block; llm-d's picker moved 51). So the endpoint the
   conversation's latest turn went to counts as holding all of the prompt but its newest message
