@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +46,10 @@ _draw = random.Random(os.getpid() ^ time.time_ns())
 
 
 def _worker_share() -> tuple[int, int]:
-    """``(i, n)``: this process draws only ports ``p`` with ``p % n == i``. Under pytest-xdist each
-    worker (and what it starts, which inherits its environment) gets its own share, so two workers'
-    stacks never draw the same port (a full run once failed so: Envoy's "Address already in use").
-    Outside xdist: ``(0, 1)``, every port."""
+    """``(i, n)``: this process draws only from the ``i``-th of ``n`` equal blocks of
+    :data:`FREE_PORTS`. Under pytest-xdist each worker (and what it starts, which inherits its
+    environment) gets its own block, so two workers' stacks never draw the same port (a full run once
+    failed so: Envoy's "Address already in use"). Outside xdist: ``(0, 1)``, every port."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(worker[2:]) < int(count):
         return int(worker[2:]), int(count)
@@ -64,28 +64,42 @@ def _ephemeral() -> range:
     return range(low, high + 1)
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1, outside the kernel's ephemeral range and not handed out
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(offsets: Collection[int] = ()) -> int:
+    """An unused TCP port ``p`` on 127.0.0.1, outside the kernel's ephemeral range and not handed out
     before by this process. Still racy between processes (two may draw the same port), but no
     server binding port 0 can take it between this call and its bind: one run failed so (Envoy's
     admin port answered with another server's HTTP/2 preface).
 
+    ``offsets``: ``p + o`` for each ``o`` is free and in this worker's block too, and handed out with
+    ``p``: for a server that binds a second port at a fixed distance from its own (a backend's
+    KV-event publisher at ``port+1000``). Without it a later draw could take ``p + o`` before that
+    server starts (one CI run failed so: a backend's port was another's publisher's).
+
     Raises:
-        StackError: no port of :data:`FREE_PORTS` binds.
+        StackError: no port of this worker's block of :data:`FREE_PORTS` binds with its offsets.
     """
     ephemeral = _ephemeral()
     share, shares = _worker_share()
-    candidates = [p for p in FREE_PORTS if p not in ephemeral and p not in _handed_out and p % shares == share]
+    size = len(FREE_PORTS) // shares
+    block = range(FREE_PORTS.start + share * size, FREE_PORTS.start + (share + 1) * size)
+    candidates = [p for p in block if p not in ephemeral and p not in _handed_out]
     _draw.shuffle(candidates)
     for port in candidates[:200]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise StackError(f"no free TCP port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} on 127.0.0.1")
+        group = [port, *(port + o for o in offsets)]
+        if all(q in block and q not in ephemeral and q not in _handed_out and _binds(q) for q in group):
+            _handed_out.update(group)
+            return port
+    raise StackError(f"no free TCP port in {block.start}-{block.stop - 1} on 127.0.0.1"
+                     + (f" with {list(offsets)} free beside it" if offsets else ""))
 
 
 @dataclass

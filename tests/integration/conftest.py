@@ -171,20 +171,22 @@ def merge(base, extra):
 
 def start_stack(workdir: Path, layout: list[tuple[str, str]], sim_args: list[str] | None = None, *,
                 backend_args: dict[int, list[str]] | None = None, config: dict | None = None,
-                deferred: Collection[int] = (), prometheus_url: Callable[[int], str] | None = None) -> Stack:
+                deferred: Collection[int] = (), prometheus_url: Callable[[int], str] | None = None,
+                port_offsets: Collection[int] = ()) -> Stack:
     """Backends per ``layout`` [(version, gpu_class)], Prometheus (1 s scrapes), inferlb, Envoy.
 
     ``sim_args``: for every backend; ``backend_args``: more per layout index; ``config``: merged into the
     inferlb config (dicts by key, lists by position: see :func:`merge`); ``deferred``: layout indexes
     configured but not started (``Stack.start_backend``); ``prometheus_url``: Prometheus's port -> the
-    URL inferlb queries (a fault-injecting front, say).
+    URL inferlb queries (a fault-injecting front, say); ``port_offsets``: each backend's port ``p`` has
+    ``p + o`` free and reserved too (a second port it binds: see :func:`inferlb.devstack.stack.free_port`).
     """
     procs: list[stack.Proc] = []
     loop = LoopThread()
     try:
         backends = []
         for i, (version, gpu) in enumerate(layout):
-            port = stack.free_port()
+            port = stack.free_port(port_offsets)
             args = [*(sim_args or []), *(backend_args or {}).get(i, [])]
             args = [*sim_time_scale(args), *args]
             proc = None if i in deferred else stack.start_sim(port, workdir, gpu_class=gpu, version=version,

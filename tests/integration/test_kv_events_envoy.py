@@ -64,7 +64,7 @@ def events_stack(request, tmp_path_factory) -> Iterator[Stack]:
                     "engine": {"factors": {"slow_start": {"window_s": 0}}}}
     if standalone is not None:
         config["envoy"] = {"ext_proc_address": f"127.0.0.1:{standalone}"}
-    s = start_stack(workdir, [("v1", "a100")] * 2, deferred={0, 1}, config=config)
+    s = start_stack(workdir, [("v1", "a100")] * 2, deferred={0, 1}, config=config, port_offsets=(OFFSET,))
     try:
         for b in s.backends:
             b.args += [*sim_args, "--kv-events-endpoint", f"tcp://127.0.0.1:{b.port + OFFSET}"]
