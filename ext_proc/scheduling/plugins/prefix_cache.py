@@ -8,8 +8,8 @@ their KV cache from the start), :func:`ext_proc.prefix_choice.choose_cached` cho
 endpoints not failing: the share of the prompt the picker's prefix index
 (:class:`ext_proc.prefix_index.PrefixIndex`, :attr:`Request.prefixes`) says each holds against its
 extra load (the endpoint a conversation's latest turn went to holding all but the prompt's newest
-message: :attr:`Request.continued`), or, cached nowhere, the next in weighted turn among those not
-overloaded. Outcomes
+message: :attr:`Request.continued`, while every filter of the profile keeps that endpoint for the
+request), or, cached nowhere, the next in weighted turn among those not overloaded. Outcomes
 ``affinity`` (the endpoint holding the longest prefix), ``spilled`` (a less cached, less loaded one)
 and ``least-loaded`` (cached nowhere). The rule's sources (llm-d's approximate prefix scorer,
 SGLang's cache-aware router) and its lab figures are in docs/picker.md ("Prefix-cache index").
@@ -27,6 +27,7 @@ from pydantic import Field
 from ext_proc.prefix_choice import HIT_WORTH, choose_cached
 from ext_proc.scheduling.api import Choice, Request
 from ext_proc.scheduling.plugins import ring_affinity
+from ext_proc.scheduling.scan import kept
 
 __all__ = ["Params", "PrefixCache"]
 
@@ -60,6 +61,8 @@ class PrefixCache(ring_affinity.RingAffinity):
             candidates = [e for e in request.pool.endpoints if e not in failed]
             share = request.continued
             last = index.turn_endpoint(request.position) if share else None
+            if last is not None and not kept(request, profile, (last,)):
+                last = None  # an inferred hit only within the profile's filters (bounded-load's bound)
             endpoint, outcome = choose_cached(blocks, candidates, request.loads, request.pool.shares, index,
                                               request.work, self._floor, self._worth,
                                               (last, share) if last is not None else None)

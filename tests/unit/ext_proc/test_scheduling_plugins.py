@@ -10,6 +10,8 @@ import textwrap
 import pytest
 
 from ext_proc.picker import pick
+from ext_proc.prefix_choice import choose_cached
+from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import HashRing
 from ext_proc.scheduling import (
     DEFAULT_STEPS,
@@ -136,6 +138,27 @@ def test_max_score_draws_ties_by_weight_from_the_request_id():
     assert chosen == set(FOUR)  # an idle pool: every endpoint drawn
     assert {profile.choose(request(request_id=b"7")).endpoint for _ in range(5)} == {
         profile.choose(request(request_id=b"7")).endpoint}  # the same id, the same endpoint
+
+
+def test_a_conversations_inferred_hit_holds_only_within_the_bounded_load():
+    """The endpoint of a conversation's latest turn counts as holding the prompt before its newest
+    message (the reply the index never saw) only while the profile's filters keep it for the request:
+    past bounded-load's bound (1.25 x (total + work) / 4 here) its next turn goes elsewhere, where by
+    the cached share against the load alone (choose_cached) it would have stayed."""
+    index = PrefixIndex()
+    index.sent_turn(99, FOUR[2])
+
+    def turn(busy: float) -> Request:
+        loads = {**dict.fromkeys(FOUR, 8.0), FOUR[2]: busy}
+        return request(position=99, loads=loads)._replace(key="prefix", blocks=(11, 22, 33), prefixes=index,
+                                                          continued=0.9)
+
+    profile = default_profile()
+    assert profile.choose(turn(10.0))[:2] == (FOUR[2], "affinity")  # 10 < 1.25 x 35 / 4
+    over = turn(12.0)  # 12 >= 1.25 x 37 / 4
+    assert choose_cached(over.blocks, FOUR, over.loads, over.pool.shares, index,
+                         continued=(FOUR[2], 0.9))[0] == FOUR[2]
+    assert profile.choose(over).endpoint != FOUR[2]
 
 
 # --- the decisions' plugins: a bounded label set -----------------------------------------------------
