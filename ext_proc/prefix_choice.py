@@ -35,7 +35,9 @@ no session pin decides, among the candidate endpoints (healthy, not failing):
   prompt under 100 tokens, shorter than a block; llm-d's picker moved 51). So the endpoint the
   conversation's latest turn went to counts as holding all of the prompt but its newest message
   (``continued``). With it: 69 turns moved, prefix hits 90.6 -> 94.1 %, TTFT p90 77.1 -> 74.2 ms
-  (llm-d's 74.2 ms, 94.2 %); the full lab's figures are in docs/picker.md.
+  (llm-d's 74.2 ms, 94.2 %); the full lab's figures are in docs/picker.md. The caller passes
+  ``continued`` only where the profile's filters keep that endpoint (the ``prefix-cache`` plugin:
+  an inferred hit stays within bounded-load's bound).
 - **None holds any** (nothing shared, or a new prefix): among the candidates within ``value`` of
   the least loaded, the one most overdue for its weighted turn: the lowest
   ``last sent + 1 / share``, counted in prompts the index recorded (stride scheduling, as Envoy's
