@@ -11,7 +11,7 @@ SIGTERM, and prints how to reach it (:func:`serve_outside_clients`).
 Metrics source (``--metrics-source``): ``prometheus`` (with the scrape source as fallback),
 ``scrape`` (no Prometheus: the control plane scrapes the backends itself), or ``auto`` (default):
 Prometheus when its binary is installed, else scrape. The summary's ``metrics_source`` says which
-source answered.
+source answered, ``metrics_source_ok`` whether it was answering at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ import yaml
 from inferlb.devstack import stack
 from inferlb.devstack.envoy_admin import envoy_hosts
 from inferlb.devstack.loadgen import DEMO_SYSTEM_PROMPT, MODEL_NAME, Traffic, drive, make_sessions
-from inferlb.output import AFFINITY_TEXT, demo_summary_text, plot_history, weights_rich_table, weights_table
+from inferlb.output import (
+    AFFINITY_TEXT,
+    WEIGHT_COLUMNS,
+    demo_summary_text,
+    plot_history,
+    weights_rich_table,
+    weights_table,
+)
 from xds_server.config import Config, load_config
 from xds_server.resources.bootstrap import render_bootstrap
 
@@ -205,20 +212,27 @@ LIVE_EVERY_S, PROGRESS_EVERY_S = 2.0, 10.0
 
 async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: float) -> None:
     """The weights every :data:`LIVE_EVERY_S` as a table updated in place on a terminal (rich); on a
-    non-terminal one progress line (time, requests, errors, unhealthy endpoints) every
-    :data:`PROGRESS_EVERY_S` (a table reprinted every 2 s was 345 lines for 60 s, issue 39)."""
+    non-terminal one progress line (time, completed requests, errors, unhealthy endpoints) every
+    :data:`PROGRESS_EVERY_S` (a table reprinted every 2 s was 345 lines for 60 s, issue 39).
+
+    Once ``stop`` is set (the traffic is over) one last line, marked "traffic done", gives the final
+    counts: the ones the summary gives (the last periodic line can be up to an interval old). The
+    terminal's table is cleared when it stops: the final table and the summary are printed after it."""
     tty = sys.stdout.isatty()
     live = None
     if tty:
         from rich.live import Live
 
-        live = Live(auto_refresh=False)
+        live = Live(auto_refresh=False, transient=True)
         live.start()
     try:
-        while not stop.is_set():
+        done = False
+        while not done:
+            done = stop.is_set()
             n = len(traffic.results)
             errors = sum(1 for r in traffic.results if not 200 <= r.status < 300)
-            head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  requests={n}  errors={errors}"
+            head = f"inferlb demo  t={time.monotonic() - started:5.1f}s  completed={n}  errors={errors}" \
+                + ("  traffic done" if done else "")
             try:
                 doc = await asyncio.to_thread(_get_json, f"{admin}/api/v1/weights")
             except OSError as err:
@@ -230,6 +244,8 @@ async def _live(admin: str, stop: asyncio.Event, traffic: Traffic, started: floa
                 out = [e["address"] for c in (doc or {}).get("clusters", []) for e in c["endpoints"]
                        if e["health"] != "HEALTHY"]
                 print(head + (f"  not healthy: {', '.join(out)}" if out else ""), flush=True)
+            if done:
+                break
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LIVE_EVERY_S if tty else PROGRESS_EVERY_S):  # not wait_for: it can
                     await stop.wait()                                                    # lose a cancellation on 3.11
@@ -388,11 +404,13 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         if stopped_by is not None:
             print(f"inferlb demo: {signal.Signals(stopped_by).name}; traffic stopped, summarising what was "
                   "measured, then stopping everything", file=sys.stderr, flush=True)
+        weights_doc = _get_json(f"{admin}/api/v1/weights")
         summary = {
             "duration_s": duration,
             "traffic_s": round(time.monotonic() - traffic_started, 3),
             "stopped_by": None if stopped_by is None else signal.Signals(stopped_by).name,
-            "metrics_source": _get_json(f"{admin}/api/v1/weights")["metrics_source"]["name"],
+            "metrics_source": weights_doc["metrics_source"]["name"],
+            "metrics_source_ok": weights_doc["metrics_source"]["ok"],
             "envoy_version": stack.envoy_version(),
             "xds_protocol": _xds_protocol(admin, "inferlb-demo"),
             "session_affinity": cfg.services[0].session_affinity,
@@ -406,7 +424,8 @@ def run_demo(duration: float, json_path: str | None, workdir: str | None, concur
         changes = health_changes(history)
         summary["health_changes"] = changes
         summary["ejections"] = sum(1 for c in changes if c["health"] == "UNHEALTHY" and "ejected" in c["reason"])
-        print(weights_table(_get_json(f"{admin}/api/v1/weights")))
+        print(weights_table(_get_json(f"{admin}/api/v1/weights"), source_line=False))
+        print("\n".join(WEIGHT_COLUMNS))
         print(demo_summary_text(summary), flush=True)
         plot_history(history, plot_path, title=f"inferlb demo: EDS weight per endpoint ({duration:g} s of traffic)")
         summary["history_plot"] = str(plot_path)

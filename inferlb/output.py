@@ -26,9 +26,29 @@ def reasons_text(reasons: list[str] | None, width: int = REASON_WIDTH) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def weights_table(doc: dict) -> str:
-    """A fixed-width table: cluster, endpoint, weight, health, score, key inputs, its reasons."""
-    head = f"{'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} " \
+#: What the weights table's weight, score and capacity columns mean, a line each: the demo prints
+#: them under its table, since an A10's score above an A100's beside a far smaller weight reads as a
+#: bug without them (found by a new-user trial).
+WEIGHT_COLUMNS = (
+    "weight: the load_balancing_weight Envoy gets = score x max_weight x capacity (x any other factor; "
+    "a small change is held)",
+    "score: 0-1, how the endpoint does against its own GPU class (headroom, latency, errors), so an A10 can "
+    "score above an A100",
+    "capacity: the GPU class's throughput relative to an A100 (1.00); it, not the score, gives a slower class "
+    "less weight",
+)
+
+
+def _capacity(endpoint: dict) -> float | None:
+    """The capacity factor the engine applied to ``endpoint``'s weight (None when excluded or turned off)."""
+    return (endpoint.get("factors") or {}).get("capacity")
+
+
+def weights_table(doc: dict, source_line: bool = True) -> str:
+    """A fixed-width table: cluster, endpoint, weight, health, score, capacity factor, key inputs, its
+    reasons; then the metrics source (unless ``source_line`` is false: the demo's summary says it)
+    and the warnings."""
+    head = f"{'cluster':<12} {'endpoint':<21} {'weight':>6} {'health':<9} {'score':>5} {'capacity':>8} " \
            f"{'lat ms':>7} {'p95 ms':>7} {'run':>5} {'gpu%':>5} {'age s':>5}  reason"
     rows = [head, "-" * len(head)]
     for c in doc.get("clusters", []):
@@ -38,26 +58,26 @@ def weights_table(doc: dict) -> str:
             reason = reasons_text(e.get("reasons"))
             rows.append(
                 f"{c['name']:<12} {e['address']:<21} {e['weight']:>6} {e['health']:<9} "
-                f"{_fmt(e.get('score'), digits=2):>5} {_fmt(i.get('latency_mean_ms')):>7} "
+                f"{_fmt(e.get('score'), digits=2):>5} {_fmt(_capacity(e), digits=2):>8} "
+                f"{_fmt(i.get('latency_mean_ms')):>7} "
                 f"{_fmt(i.get('latency_p95_ms')):>7} {_fmt(i.get('running'), digits=1):>5} "
                 f"{_fmt(gpu):>5} {_fmt(i.get('sample_age_s'), digits=1):>5}  {reason}"
             )
-    src = doc.get("metrics_source") or {}
-    rows.append(f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
-                f"snapshot {doc.get('snapshot_version')}")
+    if source_line:
+        rows.append(_source_line(doc))
     rows.extend(f"WARNING: {w['message']}" for w in doc.get("warnings", []))
     return "\n".join(rows)
 
 
 def weights_rich_table(doc: dict, title: str = ""):
     """The same rows as :func:`weights_table` as a ``rich`` Table (for a live terminal view; needs
-    the ``demo`` extra)."""
+    the ``demo`` extra), the metrics source and :data:`WEIGHT_COLUMNS` as its caption."""
     from rich.table import Table
 
-    table = Table(title=title or None, title_justify="left", expand=False)
+    table = Table(title=title or None, title_justify="left", caption_justify="left", expand=False)
     for name, justify in (("cluster", "left"), ("endpoint", "left"), ("weight", "right"), ("health", "left"),
-                          ("score", "right"), ("lat ms", "right"), ("p95 ms", "right"), ("run", "right"),
-                          ("gpu%", "right"), ("age s", "right"), ("reason", "left")):
+                          ("score", "right"), ("capacity", "right"), ("lat ms", "right"), ("p95 ms", "right"),
+                          ("run", "right"), ("gpu%", "right"), ("age s", "right"), ("reason", "left")):
         table.add_column(name, justify=justify, no_wrap=name != "reason")
     colour = {"HEALTHY": "green", "UNHEALTHY": "red", "DRAINING": "yellow"}
     for c in doc.get("clusters", []):
@@ -67,13 +87,17 @@ def weights_rich_table(doc: dict, title: str = ""):
             health = e["health"]
             table.add_row(c["name"], e["address"], str(e["weight"]),
                           f"[{colour.get(health, 'white')}]{health}[/]", _fmt(e.get("score"), digits=2),
-                          _fmt(i.get("latency_mean_ms")), _fmt(i.get("latency_p95_ms")),
+                          _fmt(_capacity(e), digits=2), _fmt(i.get("latency_mean_ms")), _fmt(i.get("latency_p95_ms")),
                           _fmt(i.get("running"), digits=1), _fmt(gpu), _fmt(i.get("sample_age_s"), digits=1),
                           reasons_text(e.get("reasons")))
-    src = doc.get("metrics_source") or {}
-    table.caption = (f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
-                     f"snapshot {doc.get('snapshot_version')}")
+    table.caption = "\n".join((_source_line(doc), *WEIGHT_COLUMNS))
     return table
+
+
+def _source_line(doc: dict) -> str:
+    src = doc.get("metrics_source") or {}
+    return (f"metrics source: {src.get('name')} ({'ok' if src.get('ok') else 'FAILING'}); "
+            f"snapshot {doc.get('snapshot_version')}")
 
 
 def history_table(doc: dict) -> str:
@@ -162,13 +186,16 @@ def demo_summary_text(s: dict) -> str:
     """The demo's summary (``inferlb demo --json``'s document) as lines a person reads: what each
     figure means, including what ``sticky`` counts under the session-affinity contract the demo ran
     (:data:`AFFINITY_TEXT`), whether Envoy's weights equal the control plane's, which metrics source
-    answered, and every health change of the run."""
+    answered (the demo's one metrics-source line: the weights table above it has none) and whether it
+    was failing at the end, and every health change of the run. ``requests`` counts the completed
+    requests, as the progress lines do (a request still in flight when the traffic stopped is not one)."""
     req, sessions, lat, ttft = s["requests"], s["sessions"], s["latency_ms"], s["ttft_ms"]
     lines = [
         f"metrics source: {s['metrics_source']}"
         + (" (Prometheus scraping the backends every 1 s)" if s["metrics_source"] == "prometheus"
-           else " (the control plane scraping the backends' /metrics itself)"),
-        f"requests: {req['total']} ({req['ok']} ok, {req['errors']} errors, {req['streamed']} streamed)",
+           else " (the control plane scraping the backends' /metrics itself)")
+        + ("" if s["metrics_source_ok"] else "; FAILING at the end of the run: the last good weights stay"),
+        f"requests completed: {req['total']} ({req['ok']} ok, {req['errors']} errors, {req['streamed']} streamed)",
         f"sessions: {sessions['sticky']} of {sessions['total']} sticky (every turn of the session answered by "
         "one backend, where its earlier turns' KV cache is); session affinity "
         f"{AFFINITY_TEXT[s['session_affinity']]}",

@@ -41,10 +41,11 @@ def test_run_demo_writes_the_summary_and_exits_128_plus_the_signal(monkeypatch, 
     cfg = config()
     monkeypatch.setattr(demo, "drive", lambda *a, **k: _drive_until_signalled(sig, *a, **k))
     monkeypatch.setattr(demo, "start_stack", lambda work, *_: demo.DemoStack({}, [], work / "inferlb.yaml", cfg))
-    monkeypatch.setattr(demo, "_get_json", lambda url: {"metrics_source": {"name": "scrape"}, "nodes": []})
+    monkeypatch.setattr(demo, "_get_json", lambda url: {"metrics_source": {"name": "scrape", "ok": True},
+                                                           "nodes": []})
     monkeypatch.setattr(demo.stack, "envoy_version", lambda: "1.0")
     monkeypatch.setattr(demo, "_settled_weights", lambda *_: {})
-    monkeypatch.setattr(demo, "weights_table", lambda _doc: "")
+    monkeypatch.setattr(demo, "weights_table", lambda _doc, **_: "")
     monkeypatch.setattr(demo, "plot_history", lambda *_, **__: 0)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "summary.json"

@@ -12,7 +12,7 @@ DOC = {
     "clusters": [{"name": "chat-v1", "endpoints": [
         {"address": "127.0.0.1:8001", "weight": 84, "health": "HEALTHY", "score": 0.71,
          "inputs": {"latency_mean_ms": 120.0, "gpu_util": 0.5, "running": 2.0, "sample_age_s": 0.4},
-         "reasons": ["score 0.71"]},
+         "factors": {"capacity": 0.19, "slow_start": 1.0}, "reasons": ["score 0.71"]},
         {"address": "127.0.0.1:8002", "weight": 10, "health": "DRAINING", "score": None, "inputs": {},
          "reasons": ["draining: no new requests"]},
     ]}],
@@ -29,7 +29,7 @@ def test_rich_table_has_every_row_of_the_plain_one():
     text = _render(weights_rich_table(DOC, "inferlb demo t=1.0s"))
     plain = weights_table(DOC)
     for needle in ("127.0.0.1:8001", "127.0.0.1:8002", "84", "DRAINING", "draining: no new requests",
-                   "snapshot abc123", "inferlb demo t=1.0s"):
+                   "capacity", "0.19", "snapshot abc123", "inferlb demo t=1.0s"):
         assert needle in text
         assert needle in plain or needle.startswith("inferlb demo")
     assert "FAILING" in _render(weights_rich_table({**DOC, "metrics_source": {"name": "prometheus", "ok": False}}))
@@ -48,3 +48,19 @@ def test_a_weight_shows_every_reason_not_only_the_first():
     assert "-> 74; held at 80: change under hysteresis 0.05" in plain
     assert "held at 80" in rich
     assert "x" * 89 + "…" in plain and "x" * 90 not in plain
+
+
+def test_the_capacity_factor_has_its_own_column_and_the_live_table_explains_the_columns():
+    """An A10's score above an A100's beside a far smaller weight read as a bug (a new-user trial): the
+    capacity factor that makes the difference is a column, "-" where none applied, and the live
+    table's caption says what weight, score and capacity are. Without ``source_line`` the plain table
+    leaves the metrics source to the demo's summary."""
+    from inferlb.output import WEIGHT_COLUMNS
+
+    plain = weights_table(DOC).splitlines()
+    assert plain[0].split()[4:6] == ["score", "capacity"]
+    assert plain[2].split()[4:6] == ["0.71", "0.19"] and plain[3].split()[4:6] == ["-", "-"]
+    rich = _render(weights_rich_table(DOC))
+    assert all(line in rich for line in WEIGHT_COLUMNS)
+    assert "metrics source" in plain[-1] and not any("metrics source" in x
+                                                     for x in weights_table(DOC, source_line=False).splitlines())
