@@ -1,6 +1,6 @@
 """The cost model's statistics kept as X'X's upper triangle in one tuple (ext_proc/costmodel.py) against
 a frozen copy of the full 4 x 4 lists it kept before: the same fits, bit for bit, on random streams
-of observations (so every decision that reads them is the same)."""
+of observations (so every decision that reads them is the same), the five-feature TTFT fit too."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ext_proc.costmodel import _RIDGE, CostModel
 class _OldSums:
     def __init__(self) -> None:
         self.xx, self.xy, self.tt, self.ty = [0.0] * 16, [0.0] * 4, [0.0] * 16, [0.0] * 4
+        self.tl, self.tly = [0.0] * 25, [0.0] * 5  # the TTFT fit with the uncached share and the load
         self.w = self.wy = self.wl = 0.0
         self.n = self.nt = self.misses = 0
 
@@ -26,6 +27,7 @@ class _OldSums:
         if ttft is not None:
             f = 1.0 if miss else 0.0
             _old_accumulate(self.tt, self.ty, (1.0, p, f, f * p), ttft, forget)
+            _old_accumulate(self.tl, self.tly, (1.0, p, f, f * p, load), ttft, forget)
             self.nt += 1
             self.misses += miss
 
@@ -75,4 +77,18 @@ def test_the_fits_are_the_old_ones_bit_for_bit(stream, forget):
                 if fit is not None:
                     ttft_fit = _old_solve(s.tt, s.ty, 4) if s.nt >= 3 and min(s.misses, s.nt - s.misses) >= 5 else None
                     assert fit.ttft == ttft_fit
+                    assert fit.ttft_load == (_old_solve(s.tl, s.tly, 5) if ttft_fit is not None else None)
                     assert (fit.mean_ms, fit.mean_load, fit.samples) == (s.wy / s.w, s.wl / s.w, s.n)
+
+
+def test_the_ttft_fit_with_the_load_is_the_old_one_bit_for_bit():
+    """A stream where every fit is ready (hits and misses, TTFTs, loads): the five-feature fit too."""
+    rng = np.random.default_rng(7)
+    model, old = CostModel(0.999, min_samples=3), _OldSums()
+    for i in range(400):
+        prompt, output, load = float(rng.uniform(0, 8000)), float(rng.uniform(0, 1000)), float(rng.uniform(0, 30))
+        ttft, duration = float(rng.uniform(10, 900)), float(rng.uniform(100, 9000))
+        model.observe("a100", prompt, output, duration, ttft, load, i % 3 == 0)
+        old.add(prompt / 1000.0, output / 1000.0, load, duration, ttft, i % 3 == 0, 0.999)
+    fit = model.refit()["a100"]
+    assert fit.ttft_load is not None and fit.ttft_load == _old_solve(old.tl, old.tly, 5)
