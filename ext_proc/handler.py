@@ -27,6 +27,7 @@ from ext_proc.engine_keys import engine_keys
 from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.picker import (
+    BODY_TOO_LARGE,
     NO_BODY,
     BodyFields,
     Decision,
@@ -174,15 +175,15 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
     max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens"))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens < 10_000_000:
         max_tokens = None
-    user = user.encode() if isinstance(user, str) else None
-    cache_key = cache_key.encode() if isinstance(cache_key, str) and cache_key else None
+    user = _utf8(user) if isinstance(user, str) else None
+    cache_key = _utf8(cache_key) if isinstance(cache_key, str) and cache_key else None
     # The index's keys of the prompt's canonical bytes, unless it is off or keyed as the engine keys it.
     own_keys = routing.prefix_cache_tokens and not routing.engine_block_size
     keys, lead, chars = prompt_keys(doc, routing.prefix_messages, routing.prefix_max_bytes, BLOCK_BYTES,
                                     MAX_BLOCKS if own_keys else 0)
     prefix = key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None
     return BodyFields(
-        model.encode() if isinstance(model, str) else None,
+        _utf8(model) if isinstance(model, str) else None,
         user,
         cache_key,
         prefix,
@@ -193,6 +194,22 @@ def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> Bod
         continued=_continued(doc, chars) if own_keys and prefix is not None and len(lead) < routing.prefix_max_bytes
         else None,
     )
+
+
+def _unread(body: bytes, routing: RoutingTable) -> BodyFields:
+    """What a body :func:`_body_fields` could not read stands for: :data:`BODY_TOO_LARGE` above
+    ``body_max_bytes`` (a chunked body, whose size Envoy learns only once it has it all), else (not a
+    JSON object) :data:`NO_BODY`: routed by the headers, as the backend's own 400 answers the body."""
+    return BODY_TOO_LARGE if len(body) > routing.body_max_bytes else NO_BODY
+
+
+def _utf8(text: str) -> bytes:
+    """A JSON string field's UTF-8 bytes. JSON may carry a lone surrogate (``"\\ud800"``), which strict
+    UTF-8 cannot encode: it is kept as its surrogate's three bytes (``surrogatepass``), not valid UTF-8,
+    so a ``model`` with one is refused as an invalid version string (400, param ``model``) and a ``user``
+    or ``prompt_cache_key`` with one still hashes. Before, the strict encode raised inside the pick, and
+    the request went to the default version (Envoy's fallback)."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _continued(doc: dict, chars: int | None) -> float | None:
@@ -238,7 +255,7 @@ def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTa
             value = json.loads(raw)
         except ValueError:
             return None
-        return value.encode() if isinstance(value, str) and value else None
+        return _utf8(value) if isinstance(value, str) and value else None
 
     number = found.get(b"max_tokens") or found.get(b"max_completion_tokens")
     max_tokens = int(number) if number is not None and number.isdigit() and int(number) > 0 else None
@@ -437,7 +454,8 @@ class PickerHandler:
                     fields = _body_fields(body, routing, header_session_key(headers, routing) is not None)
                     if fields is None:
                         self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                    return self._route(headers, view, fields or NO_BODY, "request_body"), True
+                        fields = _unread(body, routing)
+                    return self._route(headers, view, fields, "request_body"), True
                 # Streamed: decide on the first bytes; the later chunks pass unchanged.
                 stream.decided = True
                 fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
@@ -460,7 +478,9 @@ class PickerHandler:
             if view.routing.body_mode == "streamed" or length is None or length <= view.routing.body_max_bytes:
                 stream.held = headers
                 return _HOLD_FOR_BODY[view.routing.body_mode], False
-            self.errors.report("body-too-large", "a body above picker.body_max_bytes was not read (routed by headers)")
+            self.errors.report("body-too-large", "a body above picker.body_max_bytes was not read (routed by "
+                               "headers; 413 where its model would choose the version)")
+            return self._route(headers, view, BODY_TOO_LARGE, "request_headers"), True
         return self._route(headers, view, NO_BODY, "request_headers"), True
 
     @staticmethod
@@ -494,7 +514,7 @@ class PickerHandler:
                 fields = _body_fields(body, view.routing, header_session_key(headers, view.routing) is not None)
                 if fields is None:
                     self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                    fields = NO_BODY
+                    fields = _unread(body, view.routing)
             else:
                 fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
         except JsonTooDeep:

@@ -20,8 +20,9 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BodyFields", "Decision", "MAX_VERSION_BYTES", "NO_BODY", "header_session_key", "model_not_found",
-           "overloaded", "pick", "request_need", "served_names", "session_cookie", "too_deep", "too_large"]
+__all__ = ["BODY_TOO_LARGE", "NO_BODY", "BodyFields", "Decision", "MAX_VERSION_BYTES", "body_too_large",
+           "header_session_key", "model_not_found", "overloaded", "pick", "request_need", "served_names",
+           "session_cookie", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -53,7 +54,7 @@ class Decision(NamedTuple):
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
             own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
             "unknown-service", "unknown-version", "model-not-found", "invalid-version", "version-unavailable",
-            "not-ready", "overloaded", "too-large", "body-too-deep".
+            "not-ready", "overloaded", "too-large", "body-too-deep", "request-body-too-large".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a
             session was pinned, else None.
         retry_after_s: the ``Retry-After`` of a 429 (whole seconds), else None.
@@ -126,6 +127,21 @@ def too_deep(limit: int) -> Decision:
     """The 400 for a JSON body nested deeper than ``limit`` levels (reason "body-too-deep")."""
     message = f"the request body is JSON nested deeper than {limit} levels, the most this gateway reads"
     return _reject(400, "body-too-deep", message)
+
+
+def body_too_large(routing: RoutingTable) -> Decision:
+    """The 413 for a body above ``routing.body_max_bytes`` (not read) whose ``model`` would choose the
+    request's version (no version header; a service that lists model names or has more than one
+    version or mix): routed by its headers alone it would go to the default version, whatever model
+    it names (reason "request-body-too-large"). Its body is the message alone: Envoy's local reply
+    mapper for 413 (:mod:`xds_server.resources.local_reply`, which matches the status, as Envoy's own
+    413 carries no response flag) wraps it in the OpenAI error object, code ``request_body_too_large``,
+    as Envoy's own 413 for a body above its buffer limit; an error object here would be wrapped again,
+    as the mapper's message."""
+    message = (f"the request body is above the {routing.body_max_bytes} bytes this gateway reads "
+               f"(picker.body_max_bytes), so its 'model' cannot choose the model version; name the version "
+               f"in the '{routing.version_header}' header, or send a smaller body")
+    return Decision(None, None, 413, message.encode(), "request-body-too-large")
 
 
 def _quote(raw: bytes) -> str:
@@ -244,6 +260,8 @@ class BodyFields(NamedTuple):
             ``prefix`` key whole, not cut at ``prefix_max_bytes``): the share of its prompt's
             characters before its newest message (0-1; 0 for a first turn of one or two messages),
             what the engine that served its previous turn holds. None: not followed.
+        too_large: the body was above ``body_max_bytes`` and not read (:data:`BODY_TOO_LARGE`): a
+            request whose version its ``model`` would choose is refused (:func:`body_too_large`).
     """
 
     model: bytes | None = None
@@ -255,9 +273,12 @@ class BodyFields(NamedTuple):
     subset: frozenset[str] | None = None
     blocks: tuple[int, ...] = ()
     continued: float | None = None
+    too_large: bool = False
 
 
 NO_BODY = BodyFields()
+#: A body above ``body_max_bytes``: nothing read from it.
+BODY_TOO_LARGE = BodyFields(too_large=True)
 
 
 def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: BodyFields
@@ -385,6 +406,9 @@ def pick(
     position = session_hash(key) if key else None
 
     raw = headers.get(routing.version_header)
+    if not raw and body.too_large and (service.models or len(service.clusters) + len(service.mixes)
+                                       + len(service.unavailable) > 1):
+        return body_too_large(routing)
     where, param = f"header '{routing.version_header}'", routing.version_header
     if not raw and body.model and (service.models or _names_version(service, body.model)):
         raw, where, param = body.model, _BODY_MODEL, "model"

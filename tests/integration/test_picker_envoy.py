@@ -88,35 +88,45 @@ def test_version_from_the_json_body_reroutes(picker_stack: Stack):
 
 
 @pytest.mark.parametrize("size", [200_000, 3 * 1024 * 1024])
-def test_a_body_above_body_max_bytes_is_not_asked_for_and_is_served(picker_stack: Stack, size: int):
-    """A body whose ``content-length`` is above ``body_max_bytes`` is never asked for: the request is
-    routed by its headers (the default version, whatever the body names) and passes through, also
-    above Envoy's 1 MiB buffer limit (where a BUFFERED body got no answer)."""
+def test_a_body_above_body_max_bytes_is_not_asked_for(picker_stack: Stack, size: int):
+    """A body whose ``content-length`` is above ``body_max_bytes`` is never asked for, also above
+    Envoy's 1 MiB buffer limit (where a BUFFERED body got no answer). Its ``model`` is not read, so
+    without a version header it gets a 413 naming the way out (by its headers alone it would go to
+    the default version, whatever model it names); with one it is routed by it and passes through."""
     s = picker_stack
     body = b'{"model": "v2", "max_tokens": 4, "metadata": "' + b"x" * size + b'"}'   # large, and not a prompt
     before = body_errors("body-too-large")
     r = requests.post(f"{s.listener}/v1/chat/completions", data=body, timeout=10,
                       headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:200]
+    error = r.json()["error"]
+    assert error["code"] == "request_body_too_large" and error["message"].startswith("the request body is above")
+    assert "'model-version' header" in error["message"] and r.headers["content-type"] == "application/json"
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=body, timeout=10,
+                      headers={"content-type": "application/json", "model-version": "v2"})
     assert r.status_code == 200, r.text[:200]
-    assert r.headers["x-backend-version"] == "v1"
-    assert body_errors("body-too-large") == before + 1
+    assert r.headers["x-backend-version"] == "v2"
+    assert body_errors("body-too-large") == before + 2
 
 
 def test_a_chunked_body_is_held_whole_and_read_up_to_body_max_bytes(picker_stack: Stack):
     """Without a ``content-length`` the size is known only once Envoy has buffered the body."""
     s = picker_stack
 
-    def chunked(body: bytes) -> requests.Response:
+    def chunked(body: bytes, **headers: str) -> requests.Response:
         parts = iter([body[:10], body[10:]])
         return requests.post(f"{s.listener}/v1/chat/completions", data=parts, timeout=10,
-                             headers={"content-type": "application/json"})
+                             headers={"content-type": "application/json", **headers})
 
     r = chunked(b'{"model": "v2", "max_tokens": 4}')
     assert r.status_code == 200 and r.headers["x-backend-version"] == "v2"
     before = body_errors("body-unreadable")
-    r = chunked(b'{"model": "v2", "max_tokens": 4, "metadata": "' + b"x" * 200_000 + b'"}')
-    assert r.status_code == 200 and r.headers["x-backend-version"] == "v1"
-    assert body_errors("body-unreadable") == before + 1
+    large = b'{"model": "v2", "max_tokens": 4, "metadata": "' + b"x" * 200_000 + b'"}'
+    r = chunked(large)
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body is above")
+    r = chunked(large, **{"model-version": "v2"})
+    assert r.status_code == 200 and r.headers["x-backend-version"] == "v2"
+    assert body_errors("body-unreadable") == before + 2
 
 
 def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):

@@ -126,7 +126,7 @@ def test_handler_holds_headers_for_the_body_then_answers_the_body():
 @pytest.mark.parametrize("headers", [
     {"model_version": "v1", "x_session_id": "a", "x_inferlb_request_class": "small"},  # the headers say it all
     {"content_type": "text/plain"},  # not JSON
-    {"content_length": "4097"},  # above body_max_bytes: the picker would not read it
+    {"content_length": "4097", "model_version": "v1"},  # above body_max_bytes, the version in a header
 ])
 def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
     answer, end = handler().process(StreamState(), headers_msg(False, **headers))
@@ -141,6 +141,35 @@ def test_a_json_body_is_read_for_the_request_size_when_no_class_header_gives_it(
 def test_handler_decides_at_headers_without_a_body():
     answer, end = handler().process(StreamState(), headers_msg(True))
     assert end and not pb.ProcessingResponse.FromString(answer).HasField("mode_override")
+
+
+def _refusal(answer: bytes) -> str:
+    """The 413's message (Envoy's local reply mapper gives it the OpenAI shape: tests/integration)."""
+    response = pb.ProcessingResponse.FromString(answer)
+    assert response.WhichOneof("response") == "immediate_response"
+    assert response.immediate_response.status.code == 413
+    return response.immediate_response.body.decode()
+
+
+def test_a_body_too_large_to_read_is_refused_where_its_model_would_choose_the_version():
+    """Above body_max_bytes its ``model`` is not read: routed by headers alone it would go to the
+    default version (here the 90/10 mix) whatever model it names, so it gets a 413 saying so, at the
+    headers (content-length known) or after a chunked body Envoy buffered whole."""
+    text = _refusal(handler().process(StreamState(), headers_msg(False, content_length="4097"))[0])
+    assert "4096 bytes" in text and "'model'" in text and "'model-version' header" in text
+    h, stream = handler(), StreamState()
+    h.process(stream, headers_msg(False))  # chunked: no content-length, held for the body
+    answer, end = h.process(stream, message("request_body", body=b"{" + b" " * 5000 + b"}", end_of_stream=True))
+    assert end and "picker.body_max_bytes" in _refusal(answer)
+
+
+def test_a_body_too_large_to_read_still_goes_by_headers_where_the_body_could_not_choose():
+    """One version and no model names: the body's ``model`` could not change the version."""
+    single = ServiceRoute("llm", ("*",), "v1", {"v1": "llm-v1"}, affinity="soft")
+    h = PickerHandler(ViewHolder(EndpointView.build(ASSIGN, RoutingTable(services=(single,), body_max_bytes=4096))))
+    answer, end = h.process(StreamState(), headers_msg(False, content_length="4097"))
+    common = pb.ProcessingResponse.FromString(answer).request_headers.response
+    assert end and set_headers(common)["x-inferlb-cluster"] == b"llm-v1"
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"x" * 5000, b'{"model": 7, "user": null}'])
@@ -281,3 +310,25 @@ def test_read_json_refuses_what_json_refuses(data):
         json.loads(data)
     with pytest.raises(ValueError):
         read_json(data)
+
+
+def test_a_lone_surrogate_in_a_body_field_is_an_answer_not_a_failed_pick():
+    """JSON may carry a lone surrogate, which strict UTF-8 cannot encode: a ``user`` with one still
+    keys the session and the body's ``model`` still chooses the version; a ``model`` with one is no
+    version string (400, param ``model``). Before, the encode raised in the pick and Envoy's fallback
+    served the default version."""
+    h, stream = handler(), StreamState()
+    h.process(stream, headers_msg(False))
+    body = b'{"model": "v2", "user": "\\ud800", "messages": [{"role": "user", "content": "hi \\udfff"}]}'
+    answer, end = h.process(stream, message("request_body", body=body, end_of_stream=True))
+    assert end and set_headers(pb.ProcessingResponse.FromString(answer).request_body.response)[
+        "x-inferlb-cluster"] == b"llm-v2"
+    named = ServiceRoute("llm", ("*",), "stable", {"v1": "llm-v1", "v2": "llm-v2"}, mixes=MIXED.mixes,
+                         models=frozenset({b"sim-7b"}), affinity="soft")
+    h = PickerHandler(ViewHolder(EndpointView.build(ASSIGN, RoutingTable(services=(named,), body_max_bytes=4096))))
+    stream = StreamState()
+    h.process(stream, headers_msg(False))
+    answer, _ = h.process(stream, message("request_body", body=b'{"model": "\\u0000\\ud800"}', end_of_stream=True))
+    response = pb.ProcessingResponse.FromString(answer)
+    assert response.immediate_response.status.code == 400
+    assert json.loads(response.immediate_response.body)["error"]["param"] == "model"
