@@ -120,7 +120,8 @@ def validate(config_path: str) -> None:
 
 @main.command()
 @click.option("-c", "--config", "config_path", required=True, type=click.Path(), help="YAML config file.")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Log level of the process's log lines.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
               help="json: one JSON object per line (time, level, logger, message).")
 @click.option("--watch-config", "watch_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
@@ -285,7 +286,9 @@ def demo(duration: float, traffic: str, tokenizer: str | None, json_path: str | 
 @click.option("--xds", required=True, type=HostPort(dial=True), help="The control plane's ADS address.")
 @click.option("--listen", default="127.0.0.1:18080", show_default=True, type=HostPort(),
               help="Serve ext_proc here (port 0 = any free port).")
-@click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True)
+@click.option("--transport", type=click.Choice(["fast", "grpcio"]), default="fast", show_default=True,
+              help="The ext_proc server: fast (its own HTTP/2, less CPU per decision) or grpcio "
+                   "(the grpcio library's; docs/picker.md, Transports).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Picker processes sharing the port (SO_REUSEPORT); one per Envoy worker.")
 @click.option("--node-id", default=None, callback=_not_empty,
@@ -296,7 +299,8 @@ def demo(duration: float, traffic: str, tokenizer: str | None, json_path: str | 
 @click.option("--require-client-cert", is_flag=True,
               help="mTLS: refuse clients without a certificate (needs --tls-ca).")
 @click.option("--reuse-port", is_flag=True, help="Set SO_REUSEPORT (implied by --workers > 1).")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Log level of the process's log lines.")
 def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: str | None, tls_cert: str | None,
                  tls_key: str | None, tls_ca: str | None, require_client_cert: bool, reuse_port: bool,
                  log_level: str) -> None:
