@@ -316,6 +316,22 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
         return await handler(request)
 
 
+    @web.middleware
+    async def unrouted(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+        """A path no route serves (404 ``not_found``) or a method its route does not take (405
+        ``method_not_allowed``, with ``Allow``) as the error object every other answer uses (aiohttp's own is
+        plain text)."""
+        missed = request.match_info.http_exception
+        if isinstance(missed, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(missed.allowed_methods))
+            return _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; "
+                          f"allowed: {allowed}", headers={"Allow": allowed})
+        if missed is not None:
+            return _error(missed.status, "not_found", f"no admin API route at {request.path} (GET /openapi.json "
+                          "lists them)")
+        return await handler(request)
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -401,7 +417,7 @@ def make_admin_app(cp: ControlPlane, ads: AdsServicer, history: HistoryStore | N
     async def page(_: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    app = web.Application(middlewares=[strict_query], handler_args={"logger": RequestLog(server_logger)})
+    app = web.Application(middlewares=[unrouted, strict_query], handler_args={"logger": RequestLog(server_logger)})
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

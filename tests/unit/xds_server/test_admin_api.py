@@ -282,3 +282,15 @@ async def test_a_handler_bug_is_still_logged_with_its_traceback(caplog):
     store.close()
     errors = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno == logging.ERROR]
     assert errors and errors[0].exc_info[0] is ZeroDivisionError
+
+
+async def test_a_path_or_method_no_route_takes_is_an_error_object_too(client):
+    """aiohttp's own 404 and 405 are plain text; the admin API answers them as every other error."""
+    doc = await get(client, "/api/v1/nope", 404)
+    conforms(doc, "Error")
+    assert doc["error"]["code"] == "not_found" and "/openapi.json" in doc["error"]["message"]
+    r = await client.delete("/api/v1/weights")
+    assert r.status == 405 and r.headers["Allow"] == "GET, HEAD"
+    doc = await r.json()
+    conforms(doc, "Error")
+    assert doc["error"]["code"] == "method_not_allowed" and "DELETE" in doc["error"]["message"]
