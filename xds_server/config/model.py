@@ -63,11 +63,12 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_number_mixup(cls, value: Any, info: ValidationInfo) -> Any:
-        """A number field refuses ``true``/``false`` and a yes/no field refuses text (pydantic's lax
-        mode would read ``true`` as 1 and ``"yes"`` as true: a typo would pass as a setting)."""
+        """A number field refuses ``true``/``false`` and a yes/no field refuses text and numbers (pydantic's
+        lax mode would read ``true`` as 1, and ``"yes"`` or ``0`` as a switch: a typo would pass as a setting)."""
         if isinstance(value, bool) and (cls, info.field_name) in _NUMBER_FIELDS:
             raise ValueError(f"expected a number, got {str(value).lower()}")
-        if isinstance(value, str) and (cls, info.field_name) in _SWITCH_FIELDS:
+        if isinstance(value, str | int | float) and not isinstance(value, bool) and (
+                cls, info.field_name) in _SWITCH_FIELDS:
             raise ValueError(f"expected true or false, got {value!r}")
         return value
 

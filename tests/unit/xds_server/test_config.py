@@ -593,11 +593,12 @@ def with_endpoint_keys(*lines: str) -> str:
     ("max_concurrency: true", "max_concurrency: Value error, expected a number, got true"),
     ("gpu_memory_mib: false", "gpu_memory_mib: Value error, expected a number, got false"),
     ('drain: "yes"', "drain: Value error, expected true or false, got 'yes'"),
+    ("drain: 0", "drain: Value error, expected true or false, got 0"),
     ("max_concurrency: 99999999999999999999", "max_concurrency: Input should be less than or equal to 1000000"),
     ("gpu_memory_mib: 1.0e+30", "gpu_memory_mib: Input should be less than or equal to 16777216"),
 ])
 def test_a_typo_in_a_number_or_a_switch_is_refused(endpoint, problem):
-    """pydantic's lax mode would read true as 1 and "yes" as true; a value past any real node is a typo."""
+    """pydantic's lax mode would read true as 1 and "yes" or 0 as a switch; a value past any real node is a typo."""
     text = with_endpoint_keys(endpoint)
     assert one_error(text) == f"cfg.yaml:{text.count(chr(10))}: services[0].versions[0].endpoints[0].{problem}"
 
