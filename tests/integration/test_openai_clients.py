@@ -45,6 +45,17 @@ def test_models_lists_every_served_name(oa_stack: Stack):
     assert [(m.id, m.owned_by) for m in models] == [("sim-7b", "chat"), ("v1", "chat"), ("v2", "chat")]
 
 
+def test_each_listed_model_is_retrieved_and_another_is_a_404(oa_stack: Stack):
+    """OpenAI's retrieve, answered by Envoy for every name the list shows (a backend knows only its own)."""
+    c = client(oa_stack)
+    for name in ("sim-7b", "v1", "v2"):
+        model = c.models.retrieve(name)
+        assert (model.id, model.owned_by) == (name, "chat")
+    with pytest.raises(openai.NotFoundError) as caught:
+        c.models.retrieve("v9")
+    assert caught.value.code == "model_not_found" and caught.value.message.endswith("sim-7b, v1, v2")
+
+
 def test_a_shared_system_prompt_without_inferlb_headers_is_routed_by_its_prefix_key(oa_stack: Stack):
     s = oa_stack
     before = len(s.app.sampler.recent())

@@ -9,7 +9,8 @@ version header: the service's default version (or its default mix). A version wi
 now (``unavailable_versions``) is answered 503 by Envoy itself (a direct response), never routed
 to another version. Every route retries connect failures, resets, 5xx and per-try timeouts on
 another host (case C13). ``GET /v1/models`` is answered by Envoy itself: the service's served
-names as an OpenAI ``list`` object (:func:`models_list`), with the picker off for that route.
+names as an OpenAI ``list`` object (:func:`models_list`), with the picker off for that route; so is
+``GET /v1/models/{name}`` (the name's entry, or a 404 ``model_not_found``).
 """
 
 from __future__ import annotations
@@ -53,17 +54,32 @@ def models_list(s: ServiceConfig) -> dict:
         for name in served_names(s)]}
 
 
-def _models_route(s: ServiceConfig) -> dict:
-    """``GET /v1/models`` answered by Envoy (a direct response): no picker call (ext_proc disabled on
-    the route, so the request is neither decided nor counted in flight), no upstream."""
-    body = json.dumps(models_list(s), separators=(",", ":"))
-    return {"match": {"path": MODELS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
-            "direct_response": {"status": 200, "body": {"inline_string": body}},
+def _answered(match: dict, status: int, body: str) -> dict:
+    """A ``GET`` route (JSON form) Envoy answers itself with ``body`` (JSON): no picker call (ext_proc
+    disabled on the route, so the request is neither decided nor counted in flight), no upstream."""
+    return {"match": {**match, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+            "direct_response": {"status": status, "body": {"inline_string": body}},
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
                 "@type": TYPE_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
                 "disabled": True}}}
+
+
+def _models_routes(s: ServiceConfig) -> list[dict]:
+    """``GET /v1/models`` (:func:`models_list`), ``GET /v1/models/{name}`` for each name it lists (that
+    entry: OpenAI's retrieve), and a 404 ``model_not_found`` (``param`` ``model``) for any other name
+    under ``/v1/models/``, answered by Envoy. Before, a name the list showed was retrieved from a
+    backend, which knows only its own model name (a version's name got the backend's 404)."""
+    listed = models_list(s)
+    served = ", ".join(m["id"] for m in listed["data"])
+    return [
+        _answered({"path": MODELS_PATH}, 200, json.dumps(listed, separators=(",", ":"))),
+        *(_answered({"path": f"{MODELS_PATH}/{m['id']}"}, 200, json.dumps(m, separators=(",", ":")))
+          for m in listed["data"]),
+        _answered({"prefix": f"{MODELS_PATH}/"}, 404,
+                  error_json(404, "model_not_found", f"no such model here; served models: {served}", "model")),
+    ]
 
 
 def _unavailable(s: ServiceConfig, version: str, header: str | None = None) -> dict:
@@ -133,7 +149,8 @@ def retry_policy(cfg: Config) -> dict:
 def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
     """RDS ``inferlb``: one virtual host per service (its ``hosts`` as domains).
 
-    First, ``GET /v1/models``: the service's served names (:func:`models_list`), answered by Envoy.
+    First, ``GET /v1/models`` and ``GET /v1/models/{name}``: the service's served names
+    (:func:`models_list`), answered by Envoy.
     With the picker, a route follows the cluster header the picker set; without it (``envoy.picker:
     false``, or a picker that failed open), one route per version and per mix matches the version
     header exactly (a version with no endpoints now: a 503; a name of ``models``: the default
@@ -171,7 +188,7 @@ def build_route_config(cfg: Config) -> route_pb2.RouteConfiguration:
             "name": s.name,
             "domains": domains,
             "routes": [
-                _models_route(s),
+                *_models_routes(s),
                 *by_cluster_header,
                 *by_version,
                 {"match": {"prefix": "/"}, **_fallback(s, timeout, retry)},

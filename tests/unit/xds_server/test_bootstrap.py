@@ -163,6 +163,12 @@ def test_listener_binds_the_configured_address_and_takes_routes_over_ads():
 # --- the routes (RDS) -----------------------------------------------------------------------------
 
 
+def after_models(routes: list[dict]) -> list[dict]:
+    """The routes after the models' (``GET /v1/models``, each listed name, any other name)."""
+    other = next(i for i, r in enumerate(routes) if r["match"].get("prefix") == "/v1/models/")
+    return routes[other + 1:]
+
+
 def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_default_version():
     """Cluster header (the picker's) first; then the version header straight to its cluster (so versions
     don't mix while the picker is down); then any other version header value a 400; then the default
@@ -176,7 +182,8 @@ def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_de
     expected_versions = {"llm": {"v1": "llm-v1", "v2": "llm-v2"}, "embed": {"e1": "embed-e1"}}
     version_header = CFG.headers.version
     for vh in vhosts:
-        models, first, *by_version, unknown, last = vh["routes"]
+        models = vh["routes"][0]
+        first, *by_version, unknown, last = after_models(vh["routes"])
         assert models["match"]["path"] == "/v1/models" and models["direct_response"]["status"] == 200
         assert unknown["match"]["headers"] == [{"name": version_header, "present_match": True}]
         assert unknown["direct_response"]["status"] == 400 and "route" not in unknown
@@ -209,7 +216,7 @@ def test_a_version_with_no_endpoints_is_a_503_from_envoy_never_another_version()
     """Every node of the default version v2 left (discovery): without the picker, a request naming v2 or
     none gets Envoy's own 503 naming the version, not v1's model."""
     routes = as_dict(build_route_config(GONE))["virtual_hosts"][0]["routes"]
-    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in routes[2:-2]}
+    by_version = {r["match"]["headers"][0]["string_match"]["exact"]: r for r in after_models(routes)[1:-2]}
     assert routes[-2]["direct_response"]["status"] == 400   # any other version: unknown
     assert by_version["v1"]["route"]["cluster"] == "llm-v1"
     for v in ("v2", "v3"):

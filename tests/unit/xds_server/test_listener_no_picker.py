@@ -38,10 +38,14 @@ def test_without_picker_the_listener_has_no_ext_proc_filter_but_still_strips_rou
 
 def test_without_picker_one_route_per_version_by_exact_header_then_the_default():
     [vh] = as_dict(build_route_config(WITHOUT))["virtual_hosts"]
-    models, *by_version, unknown, last = vh["routes"]
+    served = len(json.loads(vh["routes"][0]["direct_response"]["body"]["inline_string"])["data"])
+    models, *by_name, other = vh["routes"][:served + 2]  # the list, each name's entry, any other name
+    *by_version, unknown, last = vh["routes"][served + 2:]
     assert unknown["match"]["headers"] == [{"name": "x-model-ver", "present_match": True}]
     assert unknown["direct_response"]["status"] == 400
-    assert models["match"]["path"] == "/v1/models"
+    assert models["match"]["path"] == "/v1/models" and served == 3
+    assert [r["match"]["path"] for r in by_name] == ["/v1/models/v1", "/v1/models/v2", "/v1/models/v3"]
+    assert other["match"]["prefix"] == "/v1/models/" and other["direct_response"]["status"] == 404
     assert [(r["match"]["headers"], r["route"]["cluster"]) for r in by_version] == [
         ([{"name": "x-model-ver", "string_match": {"exact": v}}], f"llm-{v}") for v in ("v1", "v2", "v3")
     ]
