@@ -816,9 +816,11 @@ class Picker(_Strict):
     request whose headers lack the version, the session or the size is held until Envoy buffers its
     body; ``model``, ``user``, the prompt (its prefix key and length) and ``max_tokens`` are read from
     bodies up to this size (bytes), so a client that sends only an OpenAI body is routed by it. A
-    body whose ``content-length`` is above it is not asked for (routed by headers, counted); a chunked
-    one (no ``content-length``) is, and above Envoy's buffer limit (1 MiB) Envoy 1.40 gave it no
-    answer: ``body_mode: streamed`` reads only its first chunk.
+    body whose ``content-length`` is above it is not asked for (routed by headers, counted; a 413
+    ``request_body_too_large`` when its ``model`` would have chosen the version: no version header, a
+    service with model names or more than one version or mix); a chunked one (no ``content-length``) is,
+    and above Envoy's buffer limit (1 MiB) Envoy 1.40 gave it no answer: ``body_mode: streamed`` reads
+    only its first chunk.
     ``admission`` (off by default): when a cluster's requests in flight reach the sum of its endpoints'
     ``max_concurrency``, hold new requests in a FIFO queue per cluster — at most ``max_queue``
     (0 = never queue), each at most ``queue_timeout_s`` (below ``envoy.ext_proc_timeout_s``) — and
