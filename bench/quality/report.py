@@ -430,64 +430,15 @@ def _fmt(key: str, v: float | None) -> str:
 INTRO = f"""\
 ## Decision quality: `inferlb bench quality`
 
-What each policy's decisions do to time to first token (TTFT), latency, prefix-cache hits, errors,
-OOMs, sessions and versions, on the same traffic. Per scenario, simulated GPU backends (`sim/`,
-time-compressed: `llm` engines, continuous batching as vLLM V1 schedules it on BLIS's fitted step
-times, with chunked prefill, KV blocks and prefix caching, for the LLM scenarios; the seed's
-per-request `job` engines for the memory traps, `uneven` and `multi_gateway`), a real
-Prometheus and a real Envoy 1.40 run as plain processes; the same seeded, open-loop trace of
-OpenAI chat requests (arrival times fixed in advance, so a slow policy cannot slow its own load
-down; most requests streamed, prompts resent whole every turn as chat apps do) is replayed against
-every policy. **The policies run interleaved in rounds:** every policy once per round, the order
-rotated by one each round, each run with a fresh Envoy (and a fresh `inferlb serve`), so a busy
-stretch of the shared machine does not land on one policy only; a figure is the median over the
-rounds, with the spread (min–max) below it when it differs. A ratio between two policies is only
-claimed when their spreads do not overlap. Session keys and prompt texts differ per run, so no run
-finds KV caches that another one warmed. Requests sent during the warm-up are not counted.
-
-Policies:
-- `round_robin`, `least_request`, `ring_hash`, `ring_hash_bounded`: what users would otherwise run —
-  one Envoy cluster over every node of the service with that `lb_policy` (`ring_hash` hashes the
-  `x-session-id` header; `ring_hash_bounded` adds Envoy's bounded loads, `hash_balance_factor`
-  150: a host above 1.5x the average load passes the request on along the ring; a request without
-  the header hashes to a random host), endpoints from a file (Envoy's filesystem EDS, rewritten on
-  scaling events), equal weights, no retries. **No version awareness:** v1 and v2 nodes sit in one
-  pool, as under one Kubernetes Service during a rolling upgrade, so their wrong-version rate is
-  what that costs (a hand-written route per version header would bring it to 0, and nothing else
-  changes).
-- `inferlb_eds`: inferlb's EDS weights and health from Prometheus, a route per `model-version`
-  value, no ext_proc picker (`envoy.picker: false`); Envoy's `least_request` fallback uses the weights.
-- `inferlb_full`: the same plus the ext_proc picker (version routing and session pinning by
-  consistent hashing).
-- Scenarios with several gateways (`multi_gateway`) run other policies: Envoy + standalone picker
-  (`inferlb ext-proc`) pairs against one `inferlb serve`, each pair with its own listener and
-  picker. `inferlb_one_gateway`: one pair takes all the traffic (the bound one gateway achieves);
-  `inferlb_shared_view`: the traffic split over the pairs (a session always through the same one),
-  the pickers deciding on one load view (the sum of every picker's requests in flight, a change
-  reported within 10 ms and pushed to every picker); `inferlb_no_shared_view`: the same with
-  `picker.shared_view: false`, each picker on its own Envoy's load alone;
-  `inferlb_shared_view_100ms`: the shared view with a change reported at most every 100 ms.
-
+What each policy's decisions do to TTFT, latency, prefix-cache hits, errors, OOMs, sessions and
+versions: per scenario one seeded, open-loop trace of OpenAI chat requests, replayed against every
+policy on simulated GPU backends behind a real Envoy 1.40 and a real Prometheus. The policies run
+interleaved in rounds; a figure is the median over the rounds, with the spread (min–max) under it,
+and a ratio between two policies is claimed only where their spreads do not overlap. How it runs,
+the policies and what each figure means: [docs/benchmarks.md](docs/benchmarks.md#decision-quality-benchmark).
 inferlb's loop runs compressed like the backends: Prometheus scrapes every
 {CONTROL['scrape_interval_s']:g} s, `window_s` {CONTROL['window_s']:g}, `interval_s` {CONTROL['interval_s']:g},
-`stale_after_s` {CONTROL['stale_after_s']:g}, `hysteresis` {CONTROL['hysteresis']:g}. inferlb has no
-discovery source yet: a node that joins is listed in its config from the start and counts while its
-`/metrics` answers (a node yet to join answers 503 there); a node that leaves is stopped, and inferlb
-notices it by its stale metrics.
-
-Figures (over the measured requests): TTFT = time to the first content chunk of successful
-streamed requests, TPOT = time per output token after it (client-side, ms); e2e = end-to-end
-latency of successful requests (ms); prefix hits = prompt tokens the backends found in their prefix
-caches / prompt tokens looked up (the backends' `vllm:prefix_cache_hits` and `..._queries`
-counters over the measured window); errors = requests without a 2xx (OOM = the sim's HTTP 500
-"CUDA out of memory", timeouts = the client gave up, both included in errors); preemptions = the
-backends' `vllm:num_preemptions` (llm engines: when their KV cache runs out); wrong version = 2xx
-answers from a node of another version than asked for (no header = the default, v1; – when all
-nodes serve one version); session hits = turns after a conversation's first answer served by a node
-that had served it before (where its KV cache is warm), with or without a session header;
-sessions moved = sessions answered both before and after the scale-up whose node changed
-(scaling only); req/s and output tok/s = successful requests and their output tokens per second
-of the measured window. – = does not apply.
+`stale_after_s` {CONTROL['stale_after_s']:g}, `hysteresis` {CONTROL['hysteresis']:g}.
 """
 
 
