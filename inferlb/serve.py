@@ -56,7 +56,8 @@ from xds_server.discovery.kubernetes import Discovered, KubernetesWatcher, compo
 from xds_server.engine.types import EndpointSpec, EndpointWeight
 from xds_server.engine.verdicts import Verdicts
 from xds_server.history.recorder import HistoryRecorder
-from xds_server.history.sqlite import open_store
+from xds_server.history.sqlite import check_path, open_store
+from xds_server.history.types import HistoryError
 from xds_server.loadview.service import add_load_view_servicer
 from xds_server.loadview.table import LoadTable
 from xds_server.metrics.build import build_sources
@@ -102,13 +103,18 @@ RESTART_ONLY = ("listen", "tls", "picker", "metrics", "prometheus", "history")
 def require_runtime(cfg: Config) -> None:
     """Refuse a config whose parts cannot run in this installation, before anything binds: the
     ``kubernetes`` package for ``discovery.kubernetes``; with ``picker.prefix_source: kv_events``,
-    ``pyzmq`` and ``msgpack`` and a loadable ``picker.kv_events.tokenizer``. ``inferlb validate`` and
-    ``inferlb serve`` both call it, so they refuse the same configs.
+    ``pyzmq`` and ``msgpack`` and a loadable ``picker.kv_events.tokenizer``; a ``history.path`` this
+    user could not create or write (:func:`xds_server.history.sqlite.check_path`). ``inferlb validate``
+    and ``inferlb serve`` both call it, so they refuse the same configs.
 
     Raises:
         ConfigError: naming what is missing and the setting that needs it.
     """
     require_client(cfg)
+    try:
+        check_path(cfg.history)
+    except HistoryError as err:
+        raise ConfigError(str(err)) from None
     if cfg.picker.prefix_source == "kv_events":
         try:
             check_feed(cfg.picker.kv_events.tokenizer, cfg.picker.kv_events.keys)

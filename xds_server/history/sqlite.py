@@ -261,6 +261,32 @@ class SqliteHistory:
                 self._conn = None
 
 
+def check_path(cfg: History) -> None:
+    """Refuse a ``history.path`` the store could not open, without creating anything: its nearest
+    existing folder must be a writable folder and the file, where it exists, a writable file
+    (``:memory:`` always passes). ``inferlb validate`` and ``inferlb serve`` both ask it.
+
+    Raises:
+        HistoryError: naming the path and what is wrong with it.
+    """
+    if cfg.path == ":memory:":
+        return
+    path = Path(cfg.path) if cfg.path is not None else default_path()
+    if path.exists():
+        if not path.is_file():
+            raise HistoryError(f"history.path {str(path)!r} is not a file")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise HistoryError(f"history.path {str(path)!r} is not writable by this user")
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise HistoryError(f"history.path {str(path)!r}: {str(folder)!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise HistoryError(f"history.path {str(path)!r}: cannot create it, {str(folder)!r} is not writable by this user")
+
+
 def open_store(cfg: History) -> SqliteHistory:
     """The store the ``history`` config section names (see :class:`xds_server.config.History`).
 

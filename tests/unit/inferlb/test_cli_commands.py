@@ -190,3 +190,19 @@ def test_serve_refuses_a_tokenizer_it_cannot_load_before_it_binds_anything(tmp_p
     assert result.exit_code == 2, result.output
     [line] = result.output.splitlines()
     assert line.startswith("inferlb serve: picker.kv_events.tokenizer:") and "nowhere/tokenizer.json" in line
+
+
+def test_validate_refuses_a_history_path_serve_could_not_open(tmp_path):
+    """A ``history.path`` under a file is refused by ``validate`` (as ``serve`` refuses it), naming the setting."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = tmp_path / "h.yaml"
+    services = ("services:\n  - name: chat\n    versions:\n      - name: v1\n"
+                "        endpoints: [{address: '127.0.0.1:8000'}]\n")
+    path.write_text(f"history: {{path: {blocker / 'h.sqlite3'}}}\n" + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "history.path" in result.output and "is not a folder" in result.output
+    path.write_text(f"history: {{path: {tmp_path / 'state' / 'h.sqlite3'}}}\n" + services)
+    result = CliRunner().invoke(main, ["validate", "-c", str(path)])
+    assert result.exit_code == 0, result.output

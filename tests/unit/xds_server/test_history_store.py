@@ -314,3 +314,20 @@ def test_rows_hold_what_the_verdicts_say_across_encoding_pieces():
         assert list(r.scores) == list(w.scores)
         assert r.scores == dict(zip(w.scores, rounded(list(w.scores.values()), 4), strict=True))
         assert r.reasons == w.reasons
+
+
+def test_check_path_refuses_what_the_store_could_not_open(tmp_path):
+    """``check_path`` refuses, without creating anything, the paths the store would fail on."""
+    from xds_server.history.sqlite import check_path
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(HistoryError, match=r"history.path .*file/sub/h.sqlite3.*is not a folder"):
+        check_path(History(path=str(blocker / "sub" / "h.sqlite3")))
+    with pytest.raises(HistoryError, match=r"history.path .* is not a file"):
+        check_path(History(path=str(tmp_path)))
+    check_path(History(path=str(tmp_path / "new" / "deeper" / "h.sqlite3")))
+    assert not (tmp_path / "new").exists()
+    check_path(History(path=":memory:"))
+    with pytest.raises(HistoryError):  # what the check refuses, the store refuses too
+        store(blocker / "sub" / "h.sqlite3")
