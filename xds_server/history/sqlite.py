@@ -284,7 +284,8 @@ def check_path(cfg: History) -> None:
     if not folder.is_dir():
         raise HistoryError(f"history.path {str(path)!r}: {str(folder)!r} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise HistoryError(f"history.path {str(path)!r}: cannot create it, {str(folder)!r} is not writable by this user")
+        raise HistoryError(f"history.path {str(path)!r}: cannot create it, {str(folder)!r} is not writable "
+                           "by this user")
 
 
 def open_store(cfg: History) -> SqliteHistory:
