@@ -477,7 +477,11 @@ class InferLB:
             return self._refused("invalid", f"config reload refused, the last good config keeps serving: {err!r}")
         if base.discovery != self.base_cfg.discovery:
             return self._refused("refused", "config reload refused: discovery cannot change without a restart")
-        applied, message = await self.apply_config(new)
+        try:
+            applied, message = await self.apply_config(new)
+        except Exception as err:  # as above: the watcher and the admin API get a refusal, the trace goes to the log
+            log.exception("config reload failed")
+            return self._refused("invalid", f"config reload refused, the last good config keeps serving: {err!r}")
         if applied:
             self.base_cfg = base
         return applied, message
@@ -498,8 +502,12 @@ class InferLB:
                 RELOAD_OK.set(1)
                 self.last_reload_error = None
                 return True, "config unchanged"
+            try:
+                routing = routing_table(new)  # before anything changes: a config it refuses leaves the last good one
+            except ValueError as err:
+                return self._refused("invalid", f"config reload refused: {err}; the last good config keeps serving")
             self.cfg = new
-            self.routing = routing_table(new)
+            self.routing = routing
             self.control.reconfigure(new)
             await self.control.refresh()
             RELOADS.labels("ok").inc()

@@ -639,6 +639,18 @@ class ServiceConfig(_Strict):
     picker_profile: str | None = None
     session_affinity: Literal["strict", "soft"] = "strict"
 
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        """At least one host, each a name once spaces and a trailing dot are taken off (``:authority``
+        is matched so, case-insensitively)."""
+        if not hosts:
+            raise ValueError("needs at least one host (\"*\" = any)")
+        for h in hosts:
+            if not h.strip().rstrip("."):
+                raise ValueError(f"{h!r} is not a host name (\"*\" = any)")
+        return hosts
+
     @model_validator(mode="after")
     def _default_version(self) -> ServiceConfig:
         names = [v.name for v in self.versions]

@@ -607,3 +607,11 @@ def test_a_real_switch_and_number_still_read():
     text = with_endpoint_keys("drain: true", "max_concurrency: 256", "gpu_memory_mib: 81920")
     e = parse_config(text).services[0].versions[0].endpoints[0]
     assert (e.drain, e.max_concurrency, e.gpu_memory_mib) == (True, 256, 81920.0)
+
+
+@pytest.mark.parametrize("hosts", ["[]", "['']", "['.']", "[' ']", "['api.example', '']"])
+def test_a_service_without_a_host_name_is_refused_naming_its_hosts(hosts):
+    text = MINIMAL.replace("  - name: llm\n", f"  - name: llm\n    hosts: {hosts}\n", 1)
+    assert "hosts:" in text
+    err = one_error(text)
+    assert "services[0].hosts" in err and ("host" in err), err
