@@ -486,8 +486,10 @@ class PickerHandler:
     @staticmethod
     def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
         """A JSON body may tell what the headers do not: the version, the session, or the request's
-        size (prompt and ``max_tokens``: its memory, its work and its prefix key)."""
-        if b"json" not in headers.get("content-type", b""):
+        size (prompt and ``max_tokens``: its memory, its work and its prefix key). A media type is
+        case-insensitive (RFC 9110 8.3.1): ``Application/JSON`` is JSON too."""
+        kind = headers.get("content-type", b"")
+        if b"json" not in kind and b"json" not in kind.lower():
             return False
         routing = view.routing
         if not headers.get(routing.version_header):
