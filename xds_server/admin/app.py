@@ -263,7 +263,10 @@ class WriteAuth:
                                                   "loopback and no admin.token (or INFERLB_ADMIN_TOKEN) is set")
         got = request.headers.get("Authorization", "")
         scheme, _, value = got.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token):
+        # aiohttp decodes header bytes as UTF-8 with surrogate escapes: a token that is not UTF-8 keeps its
+        # bytes (never equal to the configured token, which is text) instead of raising a 500
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("utf-8", "surrogateescape"),
+                                                              self._token):
             return None
         ADMIN_DENIED.labels("bad-token" if got else "no-token").inc()
         log.warning("admin write %s %s refused: %s bearer token from %s", request.method, request.path,

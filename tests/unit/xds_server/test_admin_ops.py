@@ -210,3 +210,13 @@ async def test_session_keys_never_reach_the_logs(caplog):
                 headers.headers.headers.add(key=name, raw_value=value.encode("utf-8", "surrogateescape"))
             picker.process(StreamState(), pb.ProcessingRequest(request_headers=headers).SerializeToString())
     assert not [r for r in caplog.records if key in r.getMessage()]
+
+
+def test_a_token_that_is_not_utf8_is_refused_not_a_500():
+    """aiohttp reads header bytes that are not UTF-8 as surrogate escapes; the check compares bytes."""
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(headers={"Authorization": "Bearer \udcff\udcfe"}, method="POST",
+                              path="/api/v1/reload", remote="10.0.0.9")
+    answer = WriteAuth(TOKEN, "0.0.0.0").check(request)
+    assert answer is not None and answer.status == 401
