@@ -20,13 +20,14 @@ pytestmark = pytest.mark.integration
 def oa_stack(tmp_path_factory) -> Iterator[Stack]:
     """v1: three llm backends, v2: one per-request server (``--engine job``: a 1 MB prompt, 250 000
     tokens, is past Llama-3.1-8B's 131 072-token context, which an llm engine refuses as vLLM does);
-    the service names its served model ``sim-7b``; the picker's config at its defaults but for
+    the service names its served models ``sim-7b`` and ``org/sim 7b`` (a Hugging Face style name, with a
+    space too: the client sends it percent-encoded); the picker's config at its defaults but for
     prefix_messages 1 (the key is the system prompt alone) and a small KV cost per token (a 1 MB
     prompt fits a simulated GPU), the job backend's alike."""
     s = start_stack(tmp_path_factory.mktemp("openai-clients"),
                     [("v1", "a100"), ("v1", "a100"), ("v1", "a100"), ("v2", "a100")],
                     backend_args={3: ["--engine", "job", "--kv-mib-per-token", "0.001"]},
-                    config={"services": [{"models": ["sim-7b"]}],
+                    config={"services": [{"models": ["sim-7b", "org/sim 7b"]}],
                             "picker": {"prefix_messages": 1, "kv_mib_per_token": 0.001}})
     s.app.sampler.every = 1   # keep every decision for the test to read
     yield s
@@ -42,18 +43,20 @@ SYSTEM = {"role": "system", "content": "You are the support assistant of a shop 
 
 def test_models_lists_every_served_name(oa_stack: Stack):
     models = client(oa_stack).models.list()
-    assert [(m.id, m.owned_by) for m in models] == [("sim-7b", "chat"), ("v1", "chat"), ("v2", "chat")]
+    assert sorted((m.id, m.owned_by) for m in models) == [("org/sim 7b", "chat"), ("sim-7b", "chat"), ("v1", "chat"),
+                                                         ("v2", "chat")]
 
 
 def test_each_listed_model_is_retrieved_and_another_is_a_404(oa_stack: Stack):
     """OpenAI's retrieve, answered by Envoy for every name the list shows (a backend knows only its own)."""
     c = client(oa_stack)
-    for name in ("sim-7b", "v1", "v2"):
+    for name in ("sim-7b", "org/sim 7b", "v1", "v2"):
         model = c.models.retrieve(name)
         assert (model.id, model.owned_by) == (name, "chat")
     with pytest.raises(openai.NotFoundError) as caught:
         c.models.retrieve("v9")
-    assert caught.value.code == "model_not_found" and caught.value.message.endswith("sim-7b, v1, v2")
+    assert caught.value.code == "model_not_found" and caught.value.message.endswith("v1, v2")
+    assert "org/sim 7b" in caught.value.message
 
 
 def test_a_shared_system_prompt_without_inferlb_headers_is_routed_by_its_prefix_key(oa_stack: Stack):
@@ -83,7 +86,7 @@ def test_an_unknown_model_is_a_404_naming_the_served_models(oa_stack: Stack):
     err = info.value
     assert err.status_code == 404 and err.code == "model_not_found" and err.param == "model"
     assert err.type == "invalid_request_error"
-    assert "'Qwen/Qwen3-0.6B'" in err.message and err.message.endswith("served models: sim-7b, v1, v2")
+    assert "'Qwen/Qwen3-0.6B'" in err.message and err.message.endswith("served models: org/sim 7b, sim-7b, v1, v2")
 
 
 def test_a_body_near_the_default_limit_is_still_read(oa_stack: Stack):

@@ -16,6 +16,7 @@ names as an OpenAI ``list`` object (:func:`models_list`), with the picker off fo
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 from envoy.config.route.v3 import route_pb2
 
@@ -66,6 +67,13 @@ def _answered(match: dict, status: int, body: str) -> dict:
                 "disabled": True}}}
 
 
+def _spellings(name: str) -> list[str]:
+    """The path segments a client may send for model ``name``: as it is, and percent-encoded (RFC 3986)
+    with ``/`` kept and escaped (the openai client sends ``Qwen%2FQwen3-0.6B``; Envoy matches the raw
+    path), each once."""
+    return list(dict.fromkeys((name, quote(name, safe="/"), quote(name, safe=""))))
+
+
 def _models_routes(s: ServiceConfig) -> list[dict]:
     """``GET /v1/models`` (:func:`models_list`), ``GET /v1/models/{name}`` for each name it lists (that
     entry: OpenAI's retrieve), and a 404 ``model_not_found`` (``param`` ``model``) for any other name
@@ -75,8 +83,8 @@ def _models_routes(s: ServiceConfig) -> list[dict]:
     served = ", ".join(m["id"] for m in listed["data"])
     return [
         _answered({"path": MODELS_PATH}, 200, json.dumps(listed, separators=(",", ":"))),
-        *(_answered({"path": f"{MODELS_PATH}/{m['id']}"}, 200, json.dumps(m, separators=(",", ":")))
-          for m in listed["data"]),
+        *(_answered({"path": f"{MODELS_PATH}/{path}"}, 200, json.dumps(m, separators=(",", ":")))
+          for m in listed["data"] for path in _spellings(m["id"])),
         _answered({"prefix": f"{MODELS_PATH}/"}, 404,
                   error_json(404, "model_not_found", f"no such model here; served models: {served}", "model")),
     ]
