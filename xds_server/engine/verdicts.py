@@ -318,12 +318,18 @@ def group_rows(columns: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.nd
 
 def unserved(verdicts: Verdicts) -> dict[str, str]:
     """``{cluster: why}`` for each cluster of ``verdicts`` with no HEALTHY endpoint left (Envoy answers
-    its requests 503 ``no healthy upstream``): "every endpoint is draining", or how many are draining
-    and how many unhealthy. Removed endpoints do not count. One numpy pass per cluster."""
+    its requests 503 ``no healthy upstream``): "every endpoint is draining", how many are draining
+    and how many unhealthy, or, when every endpoint it has was removed (drained until idle, or
+    past ``engine.drain_timeout_s``), "every endpoint was removed". Removed endpoints do not count
+    beside others. One numpy pass per cluster."""
     out = {}
     for part in verdicts.parts:
         health = part.health[~part.removed] if part.removed.any() else part.health
-        if len(health) == 0 or (health == HEALTH_CODE[HEALTHY]).any():
+        if len(health) == 0:
+            if len(part.health):  # endpoints it had, every one removed: Envoy has none to send to
+                out[part.cluster] = "every endpoint was removed (drained, or gone)"
+            continue
+        if (health == HEALTH_CODE[HEALTHY]).any():
             continue
         draining = int((health == HEALTH_CODE[DRAINING]).sum())
         out[part.cluster] = ("every endpoint is draining" if draining == len(health) else
