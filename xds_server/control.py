@@ -37,8 +37,8 @@ ROUNDS = Counter("inferlb_weight_rounds_total", "Weight-engine rounds, by outcom
 #: Most per-endpoint change lines logged per round.
 MAX_CHANGE_LINES = 200
 SNAPSHOTS = Counter("inferlb_snapshots_total", "New snapshots published")
-UNSERVED = Gauge("inferlb_cluster_unserved", "1 while a cluster has no healthy endpoint (every endpoint drained "
-                 "or unhealthy: Envoy answers 503 no healthy upstream)", ["cluster"])
+UNSERVED = Gauge("inferlb_cluster_unserved", "1 while a cluster has no healthy endpoint (every endpoint draining, "
+                 "removed or unhealthy)", ["cluster"])
 UNSERVED_TOTAL = Counter("inferlb_cluster_unserved_episodes_total",
                          "Times a cluster was left without a healthy endpoint", ["cluster"])
 
@@ -125,8 +125,9 @@ class ControlPlane:
         self.weights = Verdicts([])
         """The last round's verdicts (a ``Sequence[EndpointWeight]``)."""
         self.unserved: dict[str, str] = {}
-        """``{cluster: why}``: the clusters the last round left without a healthy endpoint
-        (:func:`~xds_server.engine.verdicts.unserved`; ``/readyz`` and ``/api/v1/weights`` show them)."""
+        """``{cluster: why, and what Envoy does with its requests}``: the clusters the last round left
+        without a healthy endpoint (:func:`~xds_server.engine.verdicts.unserved`; ``/readyz`` and
+        ``/api/v1/weights`` show them)."""
         self.metrics_ok: bool | None = None
         self.last_round_at: float | None = None
         self.stats_at: float | None = None
@@ -234,13 +235,24 @@ class ControlPlane:
                 for group, snap in per_group.items():  # node-specific views (config node_groups)
                     await self.cache.set(snap, group)
 
+    def _consequence(self, cluster: str, why: str) -> str:
+        """What Envoy does with ``cluster``'s requests while it has no healthy endpoint (``why``): 503 ``no
+        healthy upstream``, unless endpoints are left and the service's ``panic_threshold_percent`` is
+        above 0: then Envoy's panic mode sends them to those endpoints, draining ones included."""
+        panic = next((svc.panic_threshold_percent for svc in self.cfg.services
+                      if any(cluster_name(svc.name, v.name) == cluster for v in svc.versions)), 0.0)
+        if panic > 0 and not why.startswith("every endpoint was removed"):
+            return (f"{why}; Envoy's panic mode (panic_threshold_percent {panic:g}) still sends its requests to "
+                    f"them, 503 no healthy upstream once none is left (0 refuses them at once)")
+        return f"{why}; Envoy answers its requests 503 no healthy upstream"
+
     def _warn_unserved(self, now: dict[str, str]) -> None:
-        """Log, count and keep (:attr:`unserved`) each cluster left without a healthy endpoint, once
-        when it happens (a warning) and once when it ends."""
+        """Log, count and keep (:attr:`unserved`: ``{cluster: why and what Envoy does}``) each cluster left
+        without a healthy endpoint, once when it happens (a warning) and once when it ends."""
+        now = {cluster: self._consequence(cluster, why) for cluster, why in now.items()}
         for cluster, why in now.items():
             if cluster not in self.unserved:
-                log.warning("cluster %s has no healthy endpoint: %s; Envoy answers its requests 503 "
-                            "no healthy upstream", cluster, why)
+                log.warning("cluster %s has no healthy endpoint: %s", cluster, why)
                 UNSERVED_TOTAL.labels(cluster).inc()
             UNSERVED.labels(cluster).set(1)
         for cluster in self.unserved.keys() - now.keys():

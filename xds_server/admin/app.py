@@ -168,10 +168,11 @@ def weights_document(cp: ControlPlane) -> dict:
 
 
 def unserved_warning(cluster: str, why: str | None) -> str | None:
-    """The warning about ``cluster`` when it has no healthy endpoint (``why``), else None."""
+    """The warning about ``cluster`` when it has no healthy endpoint (``why``: and what Envoy does then,
+    :attr:`ControlPlane.unserved <xds_server.control.ControlPlane.unserved>`), else None."""
     if why is None:
         return None
-    return f"cluster {cluster} has no healthy endpoint ({why}): Envoy answers its requests 503 no healthy upstream"
+    return f"cluster {cluster} has no healthy endpoint: {why}"
 
 
 def warnings(cp: ControlPlane) -> list[dict]:
