@@ -1290,10 +1290,12 @@ class Config(_Strict):
         return self.model_copy(update={"services": services, "envoy": envoy})
     @model_validator(mode="after")
     def _queue_fits_envoy(self) -> Config:
-        if self.picker.admission and self.picker.queue_timeout_s >= self.envoy.ext_proc_timeout_s:
+        queues = self.picker.admission or self.picker.memory_queue  # either holds requests up to queue_timeout_s
+        if queues and self.picker.queue_timeout_s >= self.envoy.ext_proc_timeout_s:
             raise ValueError(
                 f"picker.queue_timeout_s ({self.picker.queue_timeout_s}) must be below envoy.ext_proc_timeout_s "
-                f"({self.envoy.ext_proc_timeout_s}): Envoy stops waiting for the picker then"
+                f"({self.envoy.ext_proc_timeout_s}) with picker.admission or picker.memory_queue: Envoy stops "
+                f"waiting for the picker then"
             )
         return self
 

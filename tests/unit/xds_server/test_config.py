@@ -615,3 +615,17 @@ def test_a_service_without_a_host_name_is_refused_naming_its_hosts(hosts):
     assert "hosts:" in text
     err = one_error(text)
     assert "services[0].hosts" in err and ("host" in err), err
+
+
+@pytest.mark.parametrize("picker,refused", [
+    ("{admission: true, queue_timeout_s: 0.5}", True),
+    ("{memory_queue: true, queue_timeout_s: 0.5}", True),   # the memory queue holds requests as long
+    ("{queue_timeout_s: 0.5}", False),                      # nothing queues: the timeout is never used
+    ("{memory_queue: true, queue_timeout_s: 0.2}", False),
+])
+def test_a_queue_timeout_envoy_would_not_wait_for_is_refused_whenever_requests_queue(picker, refused):
+    text = f"picker: {picker}\n" + MINIMAL
+    if refused:
+        assert "picker.queue_timeout_s (0.5) must be below envoy.ext_proc_timeout_s (0.25)" in one_error(text)
+    else:
+        parse_config(text)
