@@ -125,6 +125,9 @@ def normalize_endpoint_address(value: str) -> str:
     ip = ipaddress.ip_address(host.strip("[]"))
     if ip.version == 6 and not (host.startswith("[") and host.endswith("]")):
         raise ValueError(f"an IPv6 address needs brackets, e.g. [{ip.compressed}]:{int(port)}; got {value!r}")
+    if int(port) == 0 or ip.is_unspecified:  # Envoy would take it as a host and fail every connection to it
+        raise ValueError(f"an endpoint needs a port above 0 and an address other than {ip.compressed} (which "
+                         f"names no host to connect to); got {value!r}")
     return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip.compressed}:{int(port)}"
 
 
@@ -392,6 +395,18 @@ class Headers(_Strict):
         for name in v:
             cls._one(name)
         return v
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Headers:
+        """Each header has one role: the version header read as a session key, or the picker's
+        override-host header taken as a version, would route by the wrong value."""
+        roles: dict[str, str] = {}
+        for role, name in (("version", self.version), ("override_host", self.override_host),
+                           ("cluster", self.cluster), *(("session", n) for n in self.session)):
+            if name in roles:
+                raise ValueError(f"{role}: {name!r} is already headers.{roles[name]}; each header has one role")
+            roles[name] = role
+        return self
 
 
 class Engine(_Strict):
@@ -1212,10 +1227,11 @@ class Config(_Strict):
                 raise FieldProblem(("services", i, "name"), f"service {s.name!r} is defined twice")
             services[s.name] = i
             for h in s.hosts:
-                if h.lower() in hosts:
+                key = h.strip().lower().rstrip(".")  # as the picker matches :authority (ext_proc.view)
+                if key in hosts:
                     raise FieldProblem(("services", i, "hosts"),
-                                       f"host {h!r} is already taken by service {hosts[h.lower()]!r}")
-                hosts[h.lower()] = s.name
+                                       f"host {h!r} is already taken by service {hosts[key]!r}")
+                hosts[key] = s.name
             for j, v in enumerate(s.versions):
                 for k, e in enumerate(v.endpoints):
                     loc = ("services", i, "versions", j, "endpoints", k)

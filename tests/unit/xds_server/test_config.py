@@ -146,7 +146,8 @@ def test_hostname_endpoint_address_is_refused_with_path_and_line():
     assert "IP address" in err and "gpu-2.local:8000" in err
 
 
-@pytest.mark.parametrize("address", ["10.0.0.1", "10.0.0.1:70000", "10.0.0.1:http", ":8000", "10.0.0.300:80"])
+@pytest.mark.parametrize("address", ["10.0.0.1", "10.0.0.1:70000", "10.0.0.1:http", ":8000", "10.0.0.300:80",
+                                     "10.0.0.1:0", "0.0.0.0:8000", "'[::]:8000'"])
 def test_bad_endpoint_address_forms_are_refused(address):
     text = MINIMAL.replace("10.0.0.1:8000", address)
     err = one_error(text)
@@ -629,3 +630,20 @@ def test_a_queue_timeout_envoy_would_not_wait_for_is_refused_whenever_requests_q
         assert "picker.queue_timeout_s (0.5) must be below envoy.ext_proc_timeout_s (0.25)" in one_error(text)
     else:
         parse_config(text)
+
+
+@pytest.mark.parametrize("headers,role", [
+    ("{version: x-session-id}", "version"),
+    ("{override_host: model-version}", "override_host"),
+    ("{session: [x-a, x-a]}", "session"),
+])
+def test_a_header_given_two_roles_is_refused(headers, role):
+    err = one_error(f"headers: {headers}\n" + MINIMAL)
+    assert "headers" in err and "each header has one role" in err, err
+
+
+def test_hosts_that_differ_only_by_case_or_a_trailing_dot_are_one_host():
+    text = MINIMAL + "  - name: two\n    hosts: ['API.Example.']\n    versions:\n      - name: v1\n" \
+                     "        endpoints: [{address: '10.0.0.2:8000'}]\n"
+    text = text.replace("  - name: llm\n", "  - name: llm\n    hosts: [api.example]\n", 1)
+    assert "host 'API.Example.' is already taken by service 'llm'" in one_error(text)
