@@ -237,11 +237,13 @@ class ControlPlane:
 
     def _consequence(self, cluster: str, why: str) -> str:
         """What Envoy does with ``cluster``'s requests while it has no healthy endpoint (``why``): 503 ``no
-        healthy upstream``, unless endpoints are left and the service's ``panic_threshold_percent`` is
-        above 0: then Envoy's panic mode sends them to those endpoints, draining ones included."""
+        healthy upstream`` when every endpoint is draining (the assignment withdraws them:
+        :meth:`xds_server.resources.build.BuildMemo.assignment`) or was removed; with unhealthy ones
+        among them and the service's ``panic_threshold_percent`` above 0, Envoy's panic mode sends the
+        requests to the endpoints it still lists."""
         panic = next((svc.panic_threshold_percent for svc in self.cfg.services
                       if any(cluster_name(svc.name, v.name) == cluster for v in svc.versions)), 0.0)
-        if panic > 0 and not why.startswith("every endpoint was removed"):
+        if panic > 0 and why.startswith("no endpoint is healthy"):
             return (f"{why}; Envoy's panic mode (panic_threshold_percent {panic:g}) still sends its requests to "
                     f"them, 503 no healthy upstream once none is left (0 refuses them at once)")
         return f"{why}; Envoy answers its requests 503 no healthy upstream"

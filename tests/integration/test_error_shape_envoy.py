@@ -75,3 +75,34 @@ def test_envoys_503_when_every_endpoint_of_the_version_is_drained(s: Stack):
     finally:
         requests.delete(f"{s.admin}/api/v1/endpoints/{v2.address}/drain", timeout=5)
     assert requests.get(f"{s.admin}/readyz", timeout=5).json()["warnings"] == []
+
+
+def test_a_drained_versions_new_requests_get_503_at_once_while_its_requests_in_flight_finish(s: Stack):
+    """Every endpoint of v2 drained while a long streamed answer runs there: new v2 requests get Envoy's
+    503 within a second (the assignment withdraws the endpoints; listed as DRAINING, Envoy's panic mode
+    at the default panic_threshold_percent 1 kept sending them new requests until the endpoint was
+    idle), and the answer in flight runs to its end."""
+    [v2] = [b for b in s.backends if b.version == "v2"]
+    wait_until(lambda: requests.post(f"{s.listener}/v1/chat/completions", timeout=5,
+                                     json={"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+                                     headers={"model-version": "v2"}).status_code == 200, 15, 0.1,
+               "v2 to serve (undrained by the test before)")
+    stream = client(s).chat.completions.create(model="v2", max_tokens=400, stream=True,
+                                               extra_headers={"model-version": "v2"},
+                                               messages=[{"role": "user", "content": "tell a long story"}])
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices is not None
+    assert requests.post(f"{s.admin}/api/v1/endpoints/{v2.address}/drain", timeout=5).status_code == 200
+    try:
+        wait_until(lambda: requests.post(f"{s.listener}/v1/chat/completions", timeout=5, json={},
+                                         headers={"model-version": "v2"}).status_code == 503, 2.0, 0.05,
+                   "Envoy to refuse new v2 requests")
+        rest = list(chunks)
+        assert rest and rest[-1].choices[0].finish_reason == "length", rest[-1:]
+        ready = requests.get(f"{s.admin}/readyz", timeout=5).json()
+        [warning] = ready["warnings"]
+        assert warning["message"].endswith("every endpoint is draining; Envoy answers its requests 503 no healthy "
+                                           "upstream")
+    finally:
+        requests.delete(f"{s.admin}/api/v1/endpoints/{v2.address}/drain", timeout=5)

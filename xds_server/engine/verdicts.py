@@ -113,6 +113,10 @@ class ClusterVerdicts:
             self.reasons[index], self.reason_table, self.filters[index], self.filter_table, self.factors[index],
             self.factor_table)
 
+    def all_draining(self) -> bool:
+        """True when the cluster has endpoints and every one is DRAINING."""
+        return len(self.health) > 0 and bool((self.health == HEALTH_CODE[DRAINING]).all())
+
     def health_names(self) -> list[str]:
         """Each endpoint's health as its name (HEALTHY, UNHEALTHY or DRAINING)."""
         return np.array(HEALTH_STATES, dtype=object)[self.health].tolist()

@@ -57,7 +57,15 @@ class BuildMemo:
     def assignment(self, cluster: str, weights: ClusterVerdicts | None, limits: Mapping[str, int],
                    classes: Mapping[str, str] | None = None, tiers: Mapping[str, str] | None = None) -> Resource:
         """The assignment Resource of ``cluster`` for its verdicts ``weights`` (None: no endpoints; rebuilt
-        only when they differ); ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge)."""
+        only when they differ); ``tiers``: ``{address: "cloud"}`` of its cloud endpoints (the others are edge).
+
+        A cluster whose every endpoint is draining gets an empty assignment: listed as DRAINING, Envoy's
+        panic mode (the service's ``panic_threshold_percent`` above 0, when fewer hosts than that are
+        healthy) would still send them new requests until they are removed; withdrawn, Envoy answers
+        503 ``no healthy upstream`` at once, and the requests in flight finish on their connections
+        (Envoy drains a removed host's connection pools). One healthy endpoint left: listed as they are."""
+        if weights is not None and weights.all_draining():
+            weights = None
         addresses = weights.addresses if weights is not None else ()
         layout = self._layout(cluster, addresses, limits, classes or {}, tiers or {})
         values, health = (weights.weight.tolist(), weights.health_names()) if weights is not None else ([], [])

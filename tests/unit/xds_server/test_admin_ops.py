@@ -88,7 +88,8 @@ async def test_draining_a_whole_cluster_is_warned_in_the_log_readyz_and_the_weig
             [warning] = doc["warnings"]
             assert warning["cluster"] == "chat-v1" and warning["code"] == "no_healthy_endpoint"
             assert "every endpoint is draining" in warning["message"] and "503" in warning["message"]
-            assert "panic mode (panic_threshold_percent 1) still sends its requests to them" in warning["message"]
+            assert warning["message"].endswith("every endpoint is draining; Envoy answers its requests 503 no healthy "
+                                               "upstream")
             weights = await (await c.get("/api/v1/weights")).json()
             assert weights["warnings"] == doc["warnings"] and weights["clusters"][0]["warning"] == warning["message"]
             assert UNSERVED.labels("chat-v1")._value.get() == 1
@@ -224,11 +225,12 @@ def test_a_token_that_is_not_utf8_is_refused_not_a_500():
 
 
 async def test_what_envoy_does_with_an_unserved_cluster_follows_its_panic_threshold():
-    """Panic 0: 503 from the drain on; every endpoint removed: 503 whatever the threshold."""
+    """Every endpoint draining (withdrawn from EDS) or removed: 503. None healthy but some unhealthy:
+    Envoy's panic mode, unless the service's threshold is 0."""
     cp = await control_plane()
-    assert "Envoy's panic mode" in cp._consequence("chat-v1", "every endpoint is draining")
-    assert cp._consequence("chat-v1", "every endpoint was removed (drained, or gone)").endswith(
-        "Envoy answers its requests 503 no healthy upstream")
+    mixed = "no endpoint is healthy (1 draining, 1 unhealthy)"
+    assert "Envoy's panic mode (panic_threshold_percent 1) still sends" in cp._consequence("chat-v1", mixed)
+    for why in ("every endpoint is draining", "every endpoint was removed (drained, or gone)"):
+        assert cp._consequence("chat-v1", why) == f"{why}; Envoy answers its requests 503 no healthy upstream"
     cp.cfg = config([service("chat", [version("v1", [{"address": "10.1.0.1:8000"}])], panic_threshold_percent=0)])
-    assert cp._consequence("chat-v1", "every endpoint is draining") == (
-        "every endpoint is draining; Envoy answers its requests 503 no healthy upstream")
+    assert cp._consequence("chat-v1", mixed) == f"{mixed}; Envoy answers its requests 503 no healthy upstream"
