@@ -316,6 +316,9 @@ def ext_proc_cmd(xds: str, listen: str, transport: str, workers: int, node_id: s
         raise click.UsageError("--tls-cert and --tls-key go together; --tls-ca and --require-client-cert need them")
     if require_client_cert and not tls_ca:
         raise click.UsageError("--require-client-cert needs --tls-ca")
+    if workers > 1 and listen.rpartition(":")[2] == "0":
+        raise click.UsageError("--workers above 1 share one port: give --listen a port other than 0 (each worker "
+                               "would take its own)")
     if workers > 1:
         argv = ["--xds", xds, "--listen", listen, "--transport", transport, "--log-level", log_level]
         for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key), ("--tls-ca", tls_ca)):

@@ -104,6 +104,8 @@ def test_version_is_the_package_version():
     (["ext-proc", "--xds", "127.0.0.1:18000", "--listen", "127.0.0.1:99999"], "Invalid value for '--listen': "),
     (["ext-proc", "--xds", "127.0.0.1:18000", "--listen", "bad host:1"], "Invalid value for '--listen': "),
     (["ext-proc", "--xds", "127.0.0.1:18000", "--node-id", ""], "Invalid value for '--node-id': must not be empty"),
+    (["ext-proc", "--xds", "127.0.0.1:18000", "--listen", "127.0.0.1:0", "--workers", "2"],
+     "--workers above 1 share one port"),
     (["demo", "--duration", "-5"], "Invalid value for '--duration': -5.0 is not in the range x>0."),
     (["demo", "--duration", "0"], "Invalid value for '--duration': 0.0 is not in the range x>0."),
     (["demo", "--concurrency", "0"], "Invalid value for '--concurrency': 0 is not in the range x>=1."),
