@@ -513,7 +513,8 @@ class InferLB:
             RELOADS.labels("ok").inc()
             RELOAD_OK.set(1)
             self.last_reload_error = None
-            version = self.cache.snapshot.version if self.cache.snapshot else None
+            latest = self.cache.latest()  # the new one, published or still in its debounce window
+            version = latest.version if latest else None
             log.info("%s applied; snapshot %s", what or f"config from {self.config_path}", version)
             return True, f"config reloaded; snapshot {version}"
 
