@@ -39,6 +39,7 @@ from ext_proc.picker import (
 )
 from ext_proc.prefix_events import EventIndex
 from ext_proc.prefix_index import BLOCK_BYTES, MAX_BLOCKS, PrefixIndex, message_text, prompt_keys
+from ext_proc.recent import RecentEndpoints, pinnable
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
 from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
@@ -324,6 +325,7 @@ class PickerHandler:
             raise ValueError(f"pin_move_after must be >= 1, got {pin_move_after}")
         self.holder = holder
         self.inflight = inflight if inflight is not None else InFlight()
+        self._recent = RecentEndpoints(clock=self.inflight.now)  # whose prefix-cache state housekeeping keeps
         self.loads: InFlight | SharedLoad = self.inflight
         """What decisions read as the live load: ``inflight``, or with :meth:`share_load` the shared view."""
         self.shared: SharedLoad | None = None
@@ -875,10 +877,11 @@ class PickerHandler:
 
     def tick(self) -> None:
         """Housekeeping, about once a second: expire lost picks and failure holds, forget idle
-        sessions, refit the cost model, forget the prefix index of endpoints no longer pinnable."""
+        sessions, refit the cost model, forget the prefix index of endpoints not pinnable for
+        :data:`ext_proc.recent.KEEP_S` (a health flap keeps it)."""
+        kept = self._recent.update(pinnable(self.holder.current))
         if len(self.prefixes):
-            tiers = [t for p in self.holder.current.clusters.values() for t in (p, p.spill) if t is not None]
-            self.prefixes.retain([e for t in tiers for e in t.endpoints])
+            self.prefixes.retain(kept)
         self.inflight.expire()
         self.sessions.sweep()
         self.costs.refit()

@@ -36,6 +36,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from prometheus_client import Counter, Gauge
 from ext_proc.engine_keys import load_encoder, load_vllm_keys
 from ext_proc.own_keys import OwnKeys
 from ext_proc.prefix_events import EventIndex
+from ext_proc.recent import RecentEndpoints, pinnable
 from ext_proc.settings import PickerSettings
 from ext_proc.view import ViewHolder
 
@@ -367,20 +369,23 @@ class KvEventFeed:
         own: with ``picker.kv_events.keys: vllm``, the map of the engines' hashes to the picker's own
             keys (:func:`apply`); it forgets an endpoint as the feed drops it. None: the index holds
             the engines' hashes.
+        clock: monotonic seconds (tests pass a fake one), for how long an endpoint that left stays followed.
 
     :meth:`run` (a task on the picker's loop) starts the subscriber, follows the view every
     ``interval_s`` and stops the subscriber when cancelled. Counted: the publishers subscribed to
     (``inferlb_ext_proc_kv_event_publishers``), the batches applied and those from an endpoint that
-    had left (``inferlb_ext_proc_kv_event_batches_total{outcome}``). An endpoint that leaves the view is
-    unsubscribed; the index forgets it at the picker's next housekeeping (``PickerHandler.tick``).
+    had left (``inferlb_ext_proc_kv_event_batches_total{outcome}``). An endpoint that leaves the view's
+    pinnable endpoints is unsubscribed :data:`ext_proc.recent.KEEP_S` later (a health flap keeps it),
+    and the index forgets it then, at the picker's housekeeping (``PickerHandler.tick``).
 
     Raises:
         ImportError: at :meth:`run`, ``pyzmq`` or ``msgpack`` is not installed.
     """
 
     def __init__(self, index: EventIndex, holder: ViewHolder, template: str, topic: str = "",
-                 own: OwnKeys | None = None) -> None:
+                 own: OwnKeys | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
+        self._recent = RecentEndpoints(clock=clock)
         self.own = own
         self.holder = holder
         self.template = template
@@ -398,19 +403,17 @@ class KvEventFeed:
             KV_EVENT_BATCHES.labels("stale").inc()
 
     def follow(self) -> bool:
-        """Subscribe to exactly the current view's endpoints' publishers; True when that changed
+        """Subscribe to the publishers of the view's endpoints pinnable now or within
+        :data:`ext_proc.recent.KEEP_S` (a health flap keeps the subscription); True when that changed
         (an endpoint whose address the template cannot fill is logged and left out)."""
         wanted: dict[str, str] = {}
-        for primary in self.holder.current.clusters.values():
-            for tier in (primary, primary.spill):
-                for endpoint in tier.endpoints if tier is not None else ():
-                    if endpoint not in wanted:
-                        try:
-                            wanted[endpoint] = publisher_address(self.template, endpoint)
-                        except ValueError as exc:
-                            if endpoint not in self._unaddressable:
-                                self._unaddressable.add(endpoint)
-                                log.warning("kv events: no publisher for %s: %s", endpoint, exc)
+        for endpoint in sorted(self._recent.update(pinnable(self.holder.current))):
+            try:
+                wanted[endpoint] = publisher_address(self.template, endpoint)
+            except ValueError as exc:
+                if endpoint not in self._unaddressable:
+                    self._unaddressable.add(endpoint)
+                    log.warning("kv events: no publisher for %s: %s", endpoint, exc)
         if wanted == self.publishers:
             return False
         self.publishers = wanted

@@ -30,6 +30,7 @@ from ext_proc.kv_events import (
     start_feed,
 )
 from ext_proc.prefix_events import EventIndex
+from ext_proc.recent import KEEP_S
 from ext_proc.settings import PickerSettings
 from ext_proc.view import RoutingTable, ServiceRoute, ViewHolder
 from inferlb.devstack.stack import free_port
@@ -142,10 +143,13 @@ def _view(holder: ViewHolder, *hosts: str, tokenizer: str | None = None) -> None
 
 
 def test_the_feed_follows_the_view_and_applies_only_current_endpoints_changes():
+    """An endpoint that left the view's pinnable endpoints stays followed for KEEP_S (a health flap
+    must not lose its events), then is dropped and its late batches are stale."""
     holder = ViewHolder()
     _view(holder, "10.0.0.1", "10.0.0.2")
     index = EventIndex(pending_s=0.0)
-    feed = KvEventFeed(index, holder, "tcp://{host}:{port+1}")
+    now = [0.0]
+    feed = KvEventFeed(index, holder, "tcp://{host}:{port+1}", clock=lambda: now[0])
     applied, stale = batches("applied"), batches("stale")
     assert feed.follow() and feed.publishers == {"10.0.0.1:8000": "tcp://10.0.0.1:8001",
                                                  "10.0.0.2:8000": "tcp://10.0.0.2:8001"}
@@ -153,11 +157,15 @@ def test_the_feed_follows_the_view_and_applies_only_current_endpoints_changes():
     feed._deliver("10.0.0.2:8000", [(STORED, tuple(range(1, 151)), None)])
     assert index.held("10.0.0.2:8000") == 100  # bounded by prefix_cache_tokens / engine_block_size
     assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_publishers") == 2
-    _view(holder, "10.0.0.1")  # 10.0.0.2 left
+    _view(holder, "10.0.0.1")  # 10.0.0.2 left: unhealthy for a round, say
+    now[0] = KEEP_S
+    assert not feed.follow(), "still followed within KEEP_S"
+    feed._deliver("10.0.0.2:8000", [(STORED, tuple(range(200, 210)), None)])  # applied: not lost
+    now[0] = KEEP_S + 0.1
     assert feed.follow() and list(feed.publishers) == ["10.0.0.1:8000"]
     feed._deliver("10.0.0.2:8000", [(CLEARED,)])  # a batch that was on its way: not applied
     assert index.held("10.0.0.2:8000") == 100
-    assert (batches("applied") - applied, batches("stale") - stale) == (1, 1)
+    assert (batches("applied") - applied, batches("stale") - stale) == (2, 1)
     assert REGISTRY.get_sample_value("inferlb_ext_proc_kv_event_publishers") == 1
 
 

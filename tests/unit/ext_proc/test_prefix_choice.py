@@ -198,11 +198,26 @@ def test_requests_sharing_a_system_prompt_follow_the_first_that_sent_it():
     assert new != first  # cached nowhere: the least loaded's turn
 
 
-def test_the_index_forgets_endpoints_that_left_the_view():
+def test_the_index_forgets_endpoints_that_left_the_view_only_after_keep_s():
+    """A health flap (out of the view for a round) keeps the endpoint's keys: its KV cache is still there."""
+    from ext_proc.inflight import InFlight
+    from ext_proc.recent import KEEP_S
+
+    now = [0.0]
     holder = ViewHolder(EndpointView.build({"c": assignment("c", FOUR)}, routing(500_000)))
-    handler = PickerHandler(holder)
+    handler = PickerHandler(holder, InFlight(clock=lambda: now[0]))
     first = route(handler, body("q" * 2000), b"r0")
+    held = handler.prefixes.held(first)
+    handler.tick()
     holder.update({"c": assignment("c", [e for e in FOUR if e != first])}, routing(500_000))
+    now[0] = KEEP_S
+    handler.tick()
+    assert handler.prefixes.held(first) == held > 0, "kept through a flap"
+    holder.update({"c": assignment("c", FOUR)}, routing(500_000))
+    now[0] = 2 * KEEP_S - 1
+    handler.tick()   # back within KEEP_S: seen again now
+    holder.update({"c": assignment("c", [e for e in FOUR if e != first])}, routing(500_000))
+    now[0] = 3 * KEEP_S
     handler.tick()
     assert handler.prefixes.held(first) == 0 and len(handler.prefixes) == 0
 
