@@ -376,7 +376,8 @@ def test_when_every_node_of_the_default_version_leaves_its_requests_get_503_not_
         early: list[requests.Response] = []
         wait_until(lambda: (r := ask(**{"model-version": "v2"}), early.append(r))[0].headers.get("x-served-by")
                    == addr_b, 10, 0.1, "v2 serving requests that name it")
-        assert {(r.status_code, r.headers.get("x-served-by")) for r in early} <= {(200, addr_b), (400, None)}
+        assert {(r.status_code, r.headers.get("x-served-by")) for r in early} <= {(200, addr_b), (400, None)}, \
+            [(r.status_code, r.text[:200]) for r in early if r.status_code != 200]   # which answer, if one fails
         fault(addr_a, etcd="stop")   # a still serves, but its lease (2 s) expires
         seen: list[requests.Response] = []
         [gone] = wait_until(lambda: (r := ask(), seen.append(r))[0].status_code == 503 and [r], 10, 0.1,
