@@ -879,9 +879,8 @@ class PickerHandler:
         """Housekeeping, about once a second: expire lost picks and failure holds, forget idle
         sessions, refit the cost model, forget the prefix index of endpoints not pinnable for
         :data:`ext_proc.recent.KEEP_S` (a health flap keeps it)."""
-        kept = self._recent.update(pinnable(self.holder.current))
         if len(self.prefixes):
-            self.prefixes.retain(kept)
+            self.prefixes.retain(self._recent.update(pinnable(self.holder.current)))
         self.inflight.expire()
         self.sessions.sweep()
         self.costs.refit()
