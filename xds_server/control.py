@@ -24,7 +24,7 @@ from xds_server.engine import settings
 from xds_server.engine.builtin import BUILTIN
 from xds_server.engine.pipeline import compute_weights
 from xds_server.engine.types import EndpointSpec, EngineParams, EngineState
-from xds_server.engine.verdicts import Verdicts, unserved
+from xds_server.engine.verdicts import EVERY_DRAINING, EVERY_REMOVED, Verdicts, unserved
 from xds_server.metrics.source import MetricsSource, MetricsUnavailable
 from xds_server.metrics.stats import EndpointStats
 from xds_server.resources.build import BuildMemo, build_snapshot
@@ -243,7 +243,7 @@ class ControlPlane:
         requests to the endpoints it still lists."""
         panic = next((svc.panic_threshold_percent for svc in self.cfg.services
                       if any(cluster_name(svc.name, v.name) == cluster for v in svc.versions)), 0.0)
-        if panic > 0 and why.startswith("no endpoint is healthy"):
+        if panic > 0 and why not in (EVERY_DRAINING, EVERY_REMOVED):  # endpoints listed, none healthy
             return (f"{why}; Envoy's panic mode (panic_threshold_percent {panic:g}) still sends its requests to "
                     f"them, 503 no healthy upstream once none is left (0 refuses them at once)")
         return f"{why}; Envoy answers its requests 503 no healthy upstream"

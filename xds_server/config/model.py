@@ -131,6 +131,12 @@ def normalize_endpoint_address(value: str) -> str:
     return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip.compressed}:{int(port)}"
 
 
+def host_key(host: str) -> str:
+    """A service host as ``:authority`` is matched against it: without spaces and a trailing dot, lower
+    case (the picker's :class:`ext_proc.view.ServiceRoute` reads ``hosts`` so; "" is no host name)."""
+    return host.strip().lower().rstrip(".")
+
+
 #: Hosts that bind every address of the machine.
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
@@ -657,12 +663,11 @@ class ServiceConfig(_Strict):
     @field_validator("hosts")
     @classmethod
     def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
-        """At least one host, each a name once spaces and a trailing dot are taken off (``:authority``
-        is matched so, case-insensitively)."""
+        """At least one host, each a name once spaces and a trailing dot are taken off (:func:`host_key`)."""
         if not hosts:
             raise ValueError("needs at least one host (\"*\" = any)")
         for h in hosts:
-            if not h.strip().rstrip("."):
+            if not host_key(h):
                 raise ValueError(f"{h!r} is not a host name (\"*\" = any)")
         return hosts
 
@@ -1227,7 +1232,7 @@ class Config(_Strict):
                 raise FieldProblem(("services", i, "name"), f"service {s.name!r} is defined twice")
             services[s.name] = i
             for h in s.hosts:
-                key = h.strip().lower().rstrip(".")  # as the picker matches :authority (ext_proc.view)
+                key = host_key(h)
                 if key in hosts:
                     raise FieldProblem(("services", i, "hosts"),
                                        f"host {h!r} is already taken by service {hosts[key]!r}")

@@ -320,6 +320,11 @@ def group_rows(columns: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.nd
     return group.reshape(-1), first
 
 
+#: :func:`unserved`'s reasons where Envoy lists no endpoint of the cluster: every one draining (the assignment
+#: withdraws them: :meth:`xds_server.resources.build.BuildMemo.assignment`) or every one removed.
+EVERY_DRAINING, EVERY_REMOVED = "every endpoint is draining", "every endpoint was removed (drained, or gone)"
+
+
 def unserved(verdicts: Verdicts) -> dict[str, str]:
     """``{cluster: why}`` for each cluster of ``verdicts`` with no HEALTHY endpoint left (Envoy answers
     its requests 503 ``no healthy upstream``): "every endpoint is draining", how many are draining
@@ -331,11 +336,11 @@ def unserved(verdicts: Verdicts) -> dict[str, str]:
         health = part.health[~part.removed] if part.removed.any() else part.health
         if len(health) == 0:
             if len(part.health):  # endpoints it had, every one removed: Envoy has none to send to
-                out[part.cluster] = "every endpoint was removed (drained, or gone)"
+                out[part.cluster] = EVERY_REMOVED
             continue
         if (health == HEALTH_CODE[HEALTHY]).any():
             continue
         draining = int((health == HEALTH_CODE[DRAINING]).sum())
-        out[part.cluster] = ("every endpoint is draining" if draining == len(health) else
+        out[part.cluster] = (EVERY_DRAINING if draining == len(health) else
                              f"no endpoint is healthy ({draining} draining, {len(health) - draining} unhealthy)")
     return out
