@@ -10,8 +10,11 @@ one.
   the prompt's token ids as the engines' tokenizer makes them, in the engines' blocks, chained as the
   engine chains them), not the approximate index's byte blocks: the precise scorer tokenizes the
   prompt and computes the engine's block hashes (llm-d's ``llm-d-kv-cache``). They replace the body's
-  byte-block keys in :attr:`ext_proc.picker.BodyFields.blocks`; the handler's request path is
-  otherwise unchanged.
+  byte-block keys in :attr:`ext_proc.picker.BodyFields.blocks`, and the body follows no conversation
+  (:attr:`~ext_proc.picker.BodyFields.continued` None), as the handler's body reading gives it when the
+  index is keyed as the engine keys (``picker.engine_block_size``): the engines' events hold a
+  conversation's replies, which the approximate index infers. The handler's request path is otherwise
+  unchanged.
 - **Events.** Each engine's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` reach the index
   ``kv_event_delay_s`` after the engine published them (:attr:`bench.lab.policy.Needs.kv_event_delay_s`).
   Its bound per endpoint is the picker's ``prefix_cache_tokens`` in blocks (what an engine's KV cache
@@ -73,9 +76,9 @@ class InferlbPrecise(Inferlb):
 
     def _body(self, request: Request) -> Any:
         fields = super()._body(request)
-        if fields is NO_BODY or not fields.blocks:  # no body read, or the prefix index off (prefix_cache_tokens 0)
+        if fields is NO_BODY or not self.routing.prefix_cache_tokens:  # no body read, or the prefix index off
             return fields
-        return fields._replace(blocks=prompt_keys(request.prompt, self._block_size))
+        return fields._replace(blocks=prompt_keys(request.prompt, self._block_size), continued=None)
 
     def on_kv_events(self, events: Sequence[KvEvents]) -> None:
         index, capacity = self.index, self._capacity

@@ -8,6 +8,7 @@ from bench.lab.harness import RunSpec, run
 from bench.lab.policies.inferlb_precise import InferlbPrecise
 from bench.lab.policy import Answer, Request
 from bench.lab.workloads.shared_prefix import SharedPrefix
+from bench.lab.workloads.sharegpt_chat import ShareGptChat
 from bench.lab.workloads.tokens import prompt_keys
 from ext_proc.prefix_events import EventIndex
 
@@ -48,3 +49,14 @@ def test_a_shared_prefix_stays_on_the_engine_whose_events_hold_it() -> None:
 def test_the_precise_policy_is_deterministic() -> None:
     runs = [[(r.endpoint, r.first_s) for r in run(_spec(2.0), InferlbPrecise).records] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 50
+
+
+def test_conversations_are_routed_by_the_events_alone() -> None:
+    # The handler reads no conversation from a body keyed as the engines key it (the events hold the
+    # replies), so the precise index is never asked where a conversation's latest turn went: before,
+    # the lab's policy kept the approximate index's conversation, and the first chat turn crashed it.
+    policy = _Seen()
+    spec = RunSpec(Cluster(tuple(Node() for _ in range(4))), ShareGptChat(think_s=1.0), 2.0, 60.0, drain_s=30.0)
+    result = run(spec, lambda: policy)
+    assert len(result.records) > 50 and all(r.endpoint for r in result.records)
+    assert point_figures(result)["prefix_hit_rate"] > 0.5
