@@ -12,7 +12,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.picker import BodyFields, Decision, pick
+from ext_proc.body import BodyFields
+from ext_proc.picker import Decision, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, pinnable_endpoints
 
 HEALTHY = health_check_pb2.HEALTHY
