@@ -211,7 +211,7 @@ def _bad_version(where: str, param: str, raw: bytes, service: ServiceRoute) -> D
     if len(raw) > MAX_VERSION_BYTES:
         problem = f"is too long ({len(raw)} bytes, limit {MAX_VERSION_BYTES})"
     else:
-        problem = f"is not valid UTF-8 ({_quote(raw)!r})"
+        problem = f"is not valid UTF-8 ('{_quote(raw)}', its invalid bytes as \\x escapes)"
     return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}",
                    param)
 

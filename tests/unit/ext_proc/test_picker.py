@@ -347,6 +347,7 @@ def test_non_utf8_version_is_a_clear_400():
     assert d.status == 400 and d.reason == "invalid-version"
     message = json.loads(d.body)["error"]["message"]
     assert "not valid UTF-8" in message and "known versions: v1, v2" in message
+    assert "('\\xff\\xfe v1'," in message  # each invalid byte one escape, not escaped again by a repr
 
 
 def test_huge_version_is_a_clear_400():
