@@ -369,7 +369,9 @@ def pick(
                                        + len(service.unavailable) > 1):
         return body_too_large(routing)
     where, param = f"header '{routing.version_header}'", routing.version_header
-    if not raw and body.model and (service.models or _names_version(service, body.model)):
+    if not raw and body.model is not None and (service.models or _names_version(service, body.model)):
+        if not body.model:  # ``"model": ""`` names none of the served names (vLLM's server: 404 too)
+            return model_not_found(body.model, service)
         raw, where, param = body.model, _BODY_MODEL, "model"
     if not raw or raw in service.models:
         version, param = service.default_version, None   # the request named no version
