@@ -32,8 +32,9 @@ from typing import Any
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
+from ext_proc.body import BodyFields
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import BodyFields, pick
+from ext_proc.picker import pick
 from ext_proc.ring import key_hash
 from ext_proc.sessions import SessionTable, session_slot
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute

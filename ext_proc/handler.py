@@ -9,39 +9,35 @@ it keeps (requests in flight, sessions) is only touched from that loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 from collections.abc import Callable
-from typing import Any
 
-import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from ext_proc.accesslog import CompletionSink, record_completions
 from ext_proc.admission import ADMISSION, Admission, admit, settle
-from ext_proc.costmodel import CostModel
-from ext_proc.engine_keys import engine_keys
-from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
-from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import (
+from ext_proc.body import (
     BODY_TOO_LARGE,
+    MAX_JSON_DEPTH,
     NO_BODY,
     BodyFields,
-    Decision,
-    header_session_key,
-    overloaded,
-    pick,
-    too_deep,
-    too_large,
+    JsonTooDeep,
+    body_fields,
+    content_length,
+    partial_fields,
+    unread,
+    wants_body,
 )
+from ext_proc.costmodel import CostModel
+from ext_proc.gateway import SUBSET_EMPTY, EndpointPicker, Within, settle_destination
+from ext_proc.inflight import InFlight, MemorySamples
+from ext_proc.picker import Decision, header_session_key, overloaded, pick, too_deep, too_large
 from ext_proc.prefix_events import EventIndex
-from ext_proc.prefix_index import BLOCK_BYTES, MAX_BLOCKS, PrefixIndex, message_text, prompt_keys
+from ext_proc.prefix_index import PrefixIndex
 from ext_proc.recent import RecentEndpoints, pinnable
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, ResponseEncoder, headers_of
-from ext_proc.ring import key_hash
 from ext_proc.sampler import DecisionSampler
 from ext_proc.scheduling.affinity import STRICT_PLUGIN
 from ext_proc.sessions import SessionTable, pin_after
@@ -49,10 +45,10 @@ from ext_proc.settings import PickerSettings
 from ext_proc.shared_load import Others, SharedLoad, freed
 from ext_proc.telemetry import DECISION_SECONDS, OUTCOMES, SAMPLE_EVERY, ErrorReporter
 from ext_proc.transport.base import GRPC_INTERNAL, GRPC_INVALID_ARGUMENT, StreamError, StreamState
-from ext_proc.view import EndpointView, RoutingTable, ViewHolder
+from ext_proc.view import EndpointView, ViewHolder
 from ext_proc.wire import request_body, request_headers
 
-__all__ = ["MAX_JSON_DEPTH", "JsonTooDeep", "PickerHandler", "prefix_hash", "read_json"]
+__all__ = ["PickerHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +58,6 @@ _HOLD_FOR_BODY = {
     for mode in ("buffered", "streamed")
 }
 _BODY_OK = EMPTY_ANSWERS["request_body"]
-_FIELD = re.compile(rb'"(model|user|prompt_cache_key|max_tokens|max_completion_tokens)"\s*:\s*'
-                    rb'("(?:[^"\\]|\\.){0,1024}"|[0-9]{1,9})')
-_MESSAGES = re.compile(rb'"messages"\s*:\s*\[')
-_PROMPT = re.compile(rb'"prompt"\s*:\s*"')
-_DECODER = json.JSONDecoder()
 #: Without the memory queue, how long a request waits for the control plane's memory grant before
 #: it is decided locally (s). With it (``memory_queue`` and admission), a request waits until its
 #: deadline (``queue_timeout_s`` from its first grant request), then is refused like one the memory
@@ -78,213 +69,6 @@ GRANT_TIMEOUT_S = 0.05
 #: Grant refusals one request takes (each steering it off the refused endpoint) before it waits in
 #: the memory queue like a request no endpoint has room for.
 GRANT_TRIES = 3
-
-
-def prefix_hash(doc: dict, messages: int, max_bytes: int) -> int | None:
-    """The prefix key of an OpenAI body: a 64-bit hash of its leading prompt blocks, or None.
-
-    Chat: the role and text of the first ``messages`` messages (the system prompt and first turns),
-    at most ``max_bytes`` bytes of them; completions: the first ``max_bytes`` bytes of ``prompt``.
-    Requests that share that prefix (the same system prompt and opening) get the same key, hence
-    the same preferred endpoint, whose prefix cache then holds it. BLAKE2b over canonical bytes:
-    the same key in every picker process and replica. None when there is no prompt or
-    ``messages`` is 0.
-    """
-    if messages <= 0:
-        return None
-    parts: list[bytes] = []
-    size = 0
-    chat = doc.get("messages")
-    if isinstance(chat, list):
-        for message in chat[:messages]:
-            if not isinstance(message, dict):
-                continue
-            text = message_text(message.get("content"))
-            role = message.get("role")
-            part = f"{role if isinstance(role, str) else ''}\x1f{text}\x1e".encode("utf-8", "surrogatepass")
-            parts.append(part)
-            size += len(part)
-            if size >= max_bytes:
-                break
-    else:
-        prompt = doc.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            parts.append(prompt.encode("utf-8", "surrogatepass")[:max_bytes])
-    if not parts:
-        return None
-    return key_hash(b"".join(parts)[:max_bytes])
-
-
-MAX_JSON_DEPTH = 1024
-"""The deepest nesting of arrays and objects a request body may have (levels): orjson's limit (since
-orjson 3.9.15, CVE-2024-27454: a parser without one can be made to recurse until the process dies).
-A body nested deeper is answered 400 ``body_too_deep`` (:func:`ext_proc.picker.too_deep`): the
-picker cannot read its routing fields, and forwarded unread it would reach a backend that parses
-it with its own limit (Python's ``json`` stops at its recursion limit, ~1 000 levels)."""
-
-
-class JsonTooDeep(ValueError):
-    """A JSON document nested deeper than :data:`MAX_JSON_DEPTH` (or than ``json`` can read)."""
-
-
-def read_json(data: bytes) -> Any:
-    """``data`` parsed as JSON at orjson's speed (a 20 KiB chat body: 27 µs against ``json``'s 65 µs,
-    timed alone); what orjson refuses and ``json`` reads (``NaN``, ``Infinity``, a lone surrogate
-    escape) is handed to ``json``. One difference from :func:`json.loads` remains, and it changes no
-    field the picker reads (:func:`_body_fields`; a differential test checks it): an integer beyond
-    64 bits comes back as a float.
-
-    Raises:
-        JsonTooDeep: nested deeper than :data:`MAX_JSON_DEPTH` levels (orjson's limit), or, for a
-            body orjson refuses for another reason, deeper than ``json``'s recursion limit allows.
-        ValueError: not JSON (or not UTF-8).
-    """
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise JsonTooDeep(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
-
-
-def _body_fields(data: bytes, routing: RoutingTable, keyed: bool = False) -> BodyFields | None:
-    """The fields the picker uses from a JSON object body up to ``body_max_bytes``; None when unreadable.
-
-    ``keyed``: the request's headers give its session key (:func:`ext_proc.picker.header_session_key`),
-    so, as when the body names one (``user``, ``prompt_cache_key``), the prefix key would place
-    nothing and is not computed (``prefix`` None; a BLAKE2b of up to ``prefix_max_bytes``: 5 µs for
-    4 KiB).
-
-    Raises:
-        JsonTooDeep: see :func:`read_json`.
-    """
-    if len(data) > routing.body_max_bytes:
-        return None
-    try:
-        doc = read_json(data)
-    except JsonTooDeep:
-        raise
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    model, user, cache_key = doc.get("model"), doc.get("user"), doc.get("prompt_cache_key")
-    max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens"))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 < max_tokens < 10_000_000:
-        max_tokens = None
-    user = _utf8(user) if isinstance(user, str) else None
-    cache_key = _utf8(cache_key) if isinstance(cache_key, str) and cache_key else None
-    # The index's keys of the prompt's canonical bytes, unless it is off or keyed as the engine keys it.
-    own_keys = routing.prefix_cache_tokens and not routing.engine_block_size
-    keys, lead, chars = prompt_keys(doc, routing.prefix_messages, routing.prefix_max_bytes, BLOCK_BYTES,
-                                    MAX_BLOCKS if own_keys else 0)
-    prefix = key_hash(lead) if lead is not None and not (keyed or user or cache_key) else None
-    return BodyFields(
-        _utf8(model) if isinstance(model, str) else None,
-        user,
-        cache_key,
-        prefix,
-        chars / routing.chars_per_token if chars is not None else None,
-        max_tokens,
-        blocks=keys if own_keys else () if not routing.prefix_cache_tokens
-        else engine_keys(doc, routing.engine_block_size, routing.engine_tokenizer, routing.engine_keys),
-        continued=_continued(doc, chars) if own_keys and prefix is not None and len(lead) < routing.prefix_max_bytes
-        else None,
-    )
-
-
-def _unread(body: bytes, routing: RoutingTable) -> BodyFields:
-    """What a body :func:`_body_fields` could not read stands for: :data:`BODY_TOO_LARGE` above
-    ``body_max_bytes`` (a chunked body, whose size Envoy learns only once it has it all), else (not a
-    JSON object) :data:`NO_BODY`: routed by the headers, as the backend's own 400 answers the body."""
-    return BODY_TOO_LARGE if len(body) > routing.body_max_bytes else NO_BODY
-
-
-def _utf8(text: str) -> bytes:
-    """A JSON string field's UTF-8 bytes. JSON may carry a lone surrogate (``"\\ud800"``), which strict
-    UTF-8 cannot encode: it is kept as its surrogate's three bytes (``surrogatepass``), not valid UTF-8,
-    so a ``model`` with one is refused as an invalid version string (400, param ``model``) and a ``user``
-    or ``prompt_cache_key`` with one still hashes. Before, the strict encode raised inside the pick, and
-    the request went to the default version (Envoy's fallback)."""
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _continued(doc: dict, chars: int | None) -> float | None:
-    """The share of a chat prompt's ``chars`` characters before its newest message (0-1; 0 for one
-    or two messages: a conversation's first turn); None for a body without chat messages."""
-    messages = doc.get("messages")
-    if not isinstance(messages, list) or not chars:
-        return None
-    if len(messages) < 3:
-        return 0.0
-    newest = messages[-1]
-    return max(0.0, 1.0 - len(message_text(newest.get("content"))) / chars) if isinstance(newest, dict) else 0.0
-
-
-def _content_length(headers: dict[str, bytes]) -> int | None:
-    """The request's ``content-length`` (bytes); None when absent (chunked) or not a number."""
-    length = headers.get("content-length", b"")
-    return int(length) if length.isdigit() else None
-
-
-def _partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTable) -> BodyFields:
-    """What the first bytes of a longer JSON body tell (streamed body mode), never raising.
-
-    ``model``, ``user``, ``prompt_cache_key`` and ``max_tokens``: the first occurrence of each key
-    with a string (number) value in the chunk. The prefix key: the first ``prefix_messages`` chat
-    messages that are complete in the chunk, hashed exactly as :func:`prefix_hash` hashes them in a
-    whole body (so a request gets the same key whether its body came in one chunk or several);
-    a completion's ``prompt``: its first bytes. The prompt's tokens: the body's ``content-length``
-    (bytes) / ``chars_per_token``.
-
-    Raises:
-        JsonTooDeep: one of those first messages nests deeper than ``json`` reads.
-    """
-    found: dict[bytes, bytes] = {}
-    for m in _FIELD.finditer(chunk):
-        found.setdefault(m.group(1), m.group(2))
-
-    def text(key: bytes) -> bytes | None:
-        raw = found.get(key)
-        if raw is None or not raw.startswith(b'"'):
-            return None
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return None
-        return _utf8(value) if isinstance(value, str) and value else None
-
-    number = found.get(b"max_tokens") or found.get(b"max_completion_tokens")
-    max_tokens = int(number) if number is not None and number.isdigit() and int(number) > 0 else None
-    prefix = None
-    if routing.prefix_messages > 0:
-        m = _MESSAGES.search(chunk)
-        if m is not None:
-            text_ = chunk.decode("utf-8", "ignore")
-            pos = len(chunk[:m.end()].decode("utf-8", "ignore"))
-            messages: list = []
-            while len(messages) < routing.prefix_messages:
-                while pos < len(text_) and text_[pos] in " \t\r\n,":
-                    pos += 1
-                try:
-                    message, pos = _DECODER.raw_decode(text_, pos)
-                except RecursionError:
-                    raise JsonTooDeep(f"a chat message nested deeper than {MAX_JSON_DEPTH} levels") from None
-                except ValueError:
-                    break
-                messages.append(message)
-            if messages:
-                prefix = prefix_hash({"messages": messages}, routing.prefix_messages, routing.prefix_max_bytes)
-        else:
-            m = _PROMPT.search(chunk)
-            if m is not None:
-                prefix = key_hash(chunk[m.end(): m.end() + routing.prefix_max_bytes])
-    tokens = content_length / routing.chars_per_token if content_length else None
-    return BodyFields(text(b"model"), text(b"user"), text(b"prompt_cache_key"), prefix, tokens, max_tokens)
 
 
 class PickerHandler:
@@ -451,17 +235,11 @@ class PickerHandler:
             headers, stream.held = stream.held, None
             view = self.holder.current
             try:
-                if end_of_stream:  # the whole body (buffered, or one streamed chunk)
-                    routing = view.routing
-                    fields = _body_fields(body, routing, header_session_key(headers, routing) is not None)
-                    if fields is None:
-                        self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                        fields = _unread(body, routing)
-                    return self._route(headers, view, fields, "request_body"), True
-                # Streamed: decide on the first bytes; the later chunks pass unchanged.
-                stream.decided = True
-                fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
-                return self._route(headers, view, fields, "request_body"), False
+                # The whole body (buffered, or one streamed chunk); else decided on a streamed body's first
+                # bytes, and the later chunks pass unchanged.
+                stream.decided = not end_of_stream
+                fields = self._read(headers, view, body, end_of_stream)
+                return self._route(headers, view, fields, "request_body"), end_of_stream
             except JsonTooDeep:
                 refusal = too_deep(MAX_JSON_DEPTH)
                 self._count(refusal.reason)
@@ -472,8 +250,8 @@ class PickerHandler:
 
     def _headers(self, stream: StreamState, headers: dict[str, bytes], end_of_stream: bool) -> tuple[bytes, bool]:
         view = self.holder.current
-        if view.routing.body_max_bytes and not end_of_stream and self._wants_body(headers, view):
-            length = _content_length(headers)
+        if view.routing.body_max_bytes and not end_of_stream and wants_body(headers, view.routing):
+            length = content_length(headers)
             # A body the picker would not read is not asked for: Envoy would buffer it for nothing,
             # and a BUFFERED body above Envoy's buffer limit (1 MiB) got no answer on Envoy 1.40
             # (measured: none within 15 s). Streamed, the picker reads the first chunk of any body.
@@ -485,25 +263,21 @@ class PickerHandler:
             return self._route(headers, view, BODY_TOO_LARGE, "request_headers"), True
         return self._route(headers, view, NO_BODY, "request_headers"), True
 
-    @staticmethod
-    def _wants_body(headers: dict[str, bytes], view: EndpointView) -> bool:
-        """A JSON body may tell what the headers do not: the version, the session, or the request's
-        size (prompt and ``max_tokens``: its memory, its work and its prefix key). A media type is
-        case-insensitive (RFC 9110 8.3.1): ``Application/JSON`` is JSON too."""
-        kind = headers.get("content-type", b"")
-        if b"json" not in kind and b"json" not in kind.lower():
-            return False
+    def _read(self, headers: dict[str, bytes], view: EndpointView, body: bytes, whole: bool) -> BodyFields:
+        """The fields of a request's JSON body (``whole``: all of it; else its first bytes), what an
+        unreadable whole body stands for (reported: ``body-unreadable``).
+
+        Raises:
+            JsonTooDeep: the body (or one of a streamed body's first messages) nests too deep.
+        """
         routing = view.routing
-        if not headers.get(routing.version_header):
-            return True
-        for name in routing.session_headers:  # a loop, not any() over a generator: 0.3 µs less a request
-            if headers.get(name):
-                break
-        else:
-            return True
-        sized = headers.get(routing.request_class_header) or (
-            routing.request_memory_header is not None and headers.get(routing.request_memory_header))
-        return not sized
+        if not whole:
+            return partial_fields(body[:routing.body_max_bytes], content_length(headers), routing)
+        fields = body_fields(body, routing, header_session_key(headers, routing) is not None)
+        if fields is None:
+            self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
+            return unread(body, routing)
+        return fields
 
     def decide(self, headers: dict[str, bytes], view: EndpointView, body: bytes | None, whole: bool,
                subset: frozenset[str] | None, phase: str) -> bytes | asyncio.Future[bytes]:
@@ -512,15 +286,7 @@ class PickerHandler:
         go to (None: any), ``phase`` the message the answer is for. Returns the serialized answer, or
         a future of it (admission)."""
         try:
-            if body is None:
-                fields = NO_BODY
-            elif whole:
-                fields = _body_fields(body, view.routing, header_session_key(headers, view.routing) is not None)
-                if fields is None:
-                    self.errors.report("body-unreadable", "a held body was too large or not a JSON object")
-                    fields = _unread(body, view.routing)
-            else:
-                fields = _partial_fields(body[:view.routing.body_max_bytes], _content_length(headers), view.routing)
+            fields = NO_BODY if body is None else self._read(headers, view, body, whole)
         except JsonTooDeep:
             refusal = too_deep(MAX_JSON_DEPTH)
             self._count(refusal.reason)

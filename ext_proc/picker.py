@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
+from ext_proc.body import NO_BODY, BodyFields
 from ext_proc.errors import error_body
 from ext_proc.prefix_index import PrefixIndex
 from ext_proc.ring import key_hash, session_hash
@@ -20,7 +21,7 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["BODY_TOO_LARGE", "NO_BODY", "BodyFields", "Decision", "MAX_VERSION_BYTES", "body_too_large",
+__all__ = ["Decision", "MAX_VERSION_BYTES", "body_too_large",
            "header_session_key", "model_not_found", "overloaded", "pick", "request_need", "served_names",
            "session_cookie", "too_deep", "too_large"]
 
@@ -210,7 +211,7 @@ def _bad_version(where: str, param: str, raw: bytes, service: ServiceRoute) -> D
     if len(raw) > MAX_VERSION_BYTES:
         problem = f"is too long ({len(raw)} bytes, limit {MAX_VERSION_BYTES})"
     else:
-        problem = f"is not valid UTF-8 ({_quote(raw)!r})"
+        problem = f"is not valid UTF-8 ('{_quote(raw)}', its invalid bytes as \\x escapes)"
     return _reject(400, "invalid-version", f"model version in {where} {problem}; known versions: {_known(service)}",
                    param)
 
@@ -237,48 +238,6 @@ def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> b
     if routing.session_cookie is not None:
         return session_cookie(headers.get("cookie"), routing.session_cookie.encode())
     return None
-
-
-class BodyFields(NamedTuple):
-    """What the picker reads from an OpenAI-style JSON request body (a named tuple, built per read body:
-    1.1 µs, where a frozen dataclass of 8 fields cost 2.2 µs, timeit on a machine at load 8 from other jobs;
-    :meth:`_replace` for a copy with other fields).
-
-    Attributes:
-        model: the ``model`` field (a version, mix or model name), raw UTF-8 bytes, or None.
-        user: the ``user`` field (a session key), raw bytes, or None.
-        prompt_cache_key: OpenAI's ``prompt_cache_key`` (a session key), raw bytes, or None.
-        prefix: the prefix key's 64-bit hash (:func:`ext_proc.handler.prefix_hash`), or None (also
-            when the request has a session key, which places it instead: not computed then).
-        prompt_tokens: the prompt's estimated tokens, None when the body has no prompt.
-        max_tokens: ``max_tokens`` (or ``max_completion_tokens``), None when absent.
-        subset: the endpoints (``HOST:PORT``) the request may go to, from outside the body: a
-            gateway's subset hint (:mod:`ext_proc.gateway`); None: any endpoint.
-        blocks: the prompt's chained block keys (:func:`ext_proc.prefix_index.block_hashes`), empty
-            when the prefix index is off or the body has no prompt of a block.
-        continued: for a chat body the approximate prefix index follows as a conversation (its
-            ``prefix`` key whole, not cut at ``prefix_max_bytes``): the share of its prompt's
-            characters before its newest message (0-1; 0 for a first turn of one or two messages),
-            what the engine that served its previous turn holds. None: not followed.
-        too_large: the body was above ``body_max_bytes`` and not read (:data:`BODY_TOO_LARGE`): a
-            request whose version its ``model`` would choose is refused (:func:`body_too_large`).
-    """
-
-    model: bytes | None = None
-    user: bytes | None = None
-    prompt_cache_key: bytes | None = None
-    prefix: int | None = None
-    prompt_tokens: float | None = None
-    max_tokens: int | None = None
-    subset: frozenset[str] | None = None
-    blocks: tuple[int, ...] = ()
-    continued: float | None = None
-    too_large: bool = False
-
-
-NO_BODY = BodyFields()
-#: A body above ``body_max_bytes``: nothing read from it.
-BODY_TOO_LARGE = BodyFields(too_large=True)
 
 
 def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: BodyFields
@@ -410,7 +369,9 @@ def pick(
                                        + len(service.unavailable) > 1):
         return body_too_large(routing)
     where, param = f"header '{routing.version_header}'", routing.version_header
-    if not raw and body.model and (service.models or _names_version(service, body.model)):
+    if not raw and body.model is not None and (service.models or _names_version(service, body.model)):
+        if not body.model:  # ``"model": ""`` names none of the served names (vLLM's server: 404 too)
+            return model_not_found(body.model, service)
         raw, where, param = body.model, _BODY_MODEL, "model"
     if not raw or raw in service.models:
         version, param = service.default_version, None   # the request named no version

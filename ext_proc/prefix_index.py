@@ -108,7 +108,7 @@ def prompt_of(doc: Mapping[str, object], prefix_messages: int, prefix_max_bytes:
     """An OpenAI body's prompt read once: ``(canonical bytes, prefix bytes, characters)``.
 
     - canonical bytes: what :func:`prompt_bytes` gives;
-    - prefix bytes: what the prefix key hashes (``ext_proc.handler.prefix_hash``): the canonical
+    - prefix bytes: what the prefix key hashes (``ext_proc.body.prefix_hash``): the canonical
       bytes of the first ``prefix_messages`` chat messages, or a completion's prompt, at most
       ``prefix_max_bytes`` of them; None when there is no prefix key (``prefix_messages`` <= 0, no
       chat message among the first ones, no prompt string);

@@ -48,6 +48,17 @@ def _not_empty(_ctx: click.Context, _param: click.Parameter, value: str | None) 
     return value
 
 
+def _admin_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """Option callback: the admin API's base URL must be ``http://HOST[:PORT]`` or ``https://...``
+    (refused as a usage error otherwise, before anything is read)."""
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(value)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise click.BadParameter(f"expected a URL such as {DEFAULT_ADMIN}, got {value!r}")
+    return value
+
+
 def _setup_logging(level: str, fmt: str = "text") -> None:
     """Log to stderr as text lines, or (``fmt="json"``) one JSON object per line (python-json-logger:
     ``time``, ``level``, ``logger``, ``message`` and, on errors, ``exc_info``)."""
@@ -183,7 +194,7 @@ def bootstrap(config_path: str | None, node_id: str, node_cluster: str, admin_po
 
 
 @main.command()
-@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, callback=_admin_url, help="Admin API base URL.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON document.")
 def weights(admin: str, as_json: bool) -> None:
     """Show the current weights, health and reasons."""
@@ -199,7 +210,7 @@ def weights(admin: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, help="Admin API base URL.")
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, callback=_admin_url, help="Admin API base URL.")
 @click.option("--cluster", help="Cluster, e.g. chat-v1 (without it: the clusters to choose from).")
 @click.option("--endpoint", help="Only this endpoint (HOST:PORT).")
 @click.option("--since", default="10m", show_default=True, help="A duration ago (10m, 2h) or an RFC 3339 time.")

@@ -13,6 +13,7 @@ import openai
 import pytest
 import requests
 
+from ext_proc.transport.base import GRPC_INTERNAL, StreamError
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -24,7 +25,9 @@ def s(tmp_path_factory) -> Iterator[Stack]:
     # GPU memory is admitted against free memory; v1's llm engine holds a preallocated KV-cache pool.
     stack = start_stack(tmp_path_factory.mktemp("errors"), [("v1", "a100"), ("v2", "a100")],
                         backend_args={1: ["--engine", "job"]},
-                        config={"picker": {"request_memory_header": "x-sim-memory-mib"}})
+                        config={"picker": {"request_memory_header": "x-sim-memory-mib"},
+                                # a host list, so that a request for another host has no route
+                                "services": [{"hosts": ["127.0.0.1"]}]})
     yield stack
     stop_stack(stack)
 
@@ -51,6 +54,33 @@ def test_the_pickers_errors(s: Stack):
     e = ask(s, openai.InternalServerError, **{"x-sim-memory-mib": "900000", "model-version": "v2"})
     assert (e.status_code, e.code, e.type) == (503, "too_large", "server_error")
     assert "no endpoint with 900000 MiB of GPU memory" in e.body["message"]
+
+
+def test_a_host_no_service_serves_gets_404_naming_it_from_the_picker_or_from_envoy(s: Stack):
+    # The picker answers a host no service lists (unknown_service). When the picker fails open
+    # (failure_mode_allow), Envoy's route table answers: its 404 has no text of its own, and the
+    # mapper's message names the host.
+    def post() -> requests.Response:
+        return requests.post(f"{s.listener}/v1/chat/completions", headers={"host": "nowhere.example"}, timeout=10,
+                             json={"model": "v1", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+
+    r = post()
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (404, "unknown_service",
+                                                                                      ":authority")
+    handler = s.app.picker
+
+    def failing(stream, data):
+        raise StreamError(GRPC_INTERNAL, "picker broken (test)")
+
+    handler.process = failing
+    try:
+        r = post()
+    finally:
+        vars(handler).pop("process", None)
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+    assert r.json() == {"error": {"code": "no_route", "type": "invalid_request_error", "param": None,
+                                  "message": "no route for host 'nowhere.example': it matches none of the "
+                                             "services' hosts"}}
 
 
 def test_envoys_431_for_a_header_too_large(s: Stack):

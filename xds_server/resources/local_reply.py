@@ -4,21 +4,23 @@ Clients of an OpenAI-compatible API parse ``{"error": {"message", "type", "param
 (:mod:`xds_server.errors`; the picker's answers: ``ext_proc/errors.py``; vLLM's and SGLang's
 servers). Envoy's own local replies get that shape from the listener's ``local_reply_config``
 (:func:`local_reply_config`): each mapper matches one cause by Envoy's response flag or by a status
-the picker never answers, and rewrites the body with ``body_format_override`` (``%LOCAL_REPLY_BODY%``,
-Envoy's own text, is the message; ``code`` is stable). The picker's immediate responses are local
-replies too (ext_proc sends them with ``sendLocalReply``): they carry no response flag and their
-statuses (400, 404, 429, 503) are matched only together with a flag, so they keep their own body.
+the picker never answers, and rewrites the body with ``body_format_override`` (the message is
+``%LOCAL_REPLY_BODY%``, Envoy's own text, or where Envoy has none :data:`MESSAGES`'; ``code`` is
+stable). The picker's immediate responses are local replies too (ext_proc sends them with
+``sendLocalReply``): they carry no response flag and their statuses (400, 404, 429, 503) are matched
+only together with a flag, so they keep their own body.
 
 Response flags: https://www.envoyproxy.io/docs/envoy/latest/configuration/observability/access_log/usage
 (``%RESPONSE_FLAGS%``); the mapper fields: ``envoy.extensions.filters.network.http_connection_manager.v3
-.LocalReplyConfig`` (Envoy 1.40).
+.LocalReplyConfig`` (Envoy 1.40); command operators such as ``%REQ(:AUTHORITY)%`` in a JSON format:
+https://www.envoyproxy.io/docs/envoy/latest/configuration/observability/access_log/usage
 """
 
 from __future__ import annotations
 
 from xds_server.errors import error_type
 
-__all__ = ["LOCAL_REPLIES", "local_reply_config"]
+__all__ = ["LOCAL_REPLIES", "MESSAGES", "local_reply_config"]
 
 #: ``(code, status, match)`` of every Envoy local reply given the OpenAI shape, in match order:
 #: ``match`` is Envoy response flags (short names) or an HTTP status the picker never answers.
@@ -34,6 +36,15 @@ LOCAL_REPLIES: tuple[tuple[str, int, tuple[str, ...] | int], ...] = (
     ("invalid_http_request", 400, ("DPE",)),           # a request Envoy's codec refused
 )
 
+#: ``{code: message}`` for the replies whose Envoy text is empty (the route table's 404 has none), as
+#: Envoy's format string: ``%REQ(:AUTHORITY)%`` is the request's host. Every virtual host ends with a
+#: catch-all route (:mod:`xds_server.resources.routes`), so only a host no service lists finds no
+#: route; while the picker runs it answers that first (``unknown_service``), so Envoy's own 404 is
+#: seen when the picker failed open (``failure_mode_allow``).
+MESSAGES: dict[str, str] = {
+    "no_route": "no route for host '%REQ(:AUTHORITY)%': it matches none of the services' hosts",
+}
+
 
 def local_reply_config() -> dict:
     """The HCM's ``local_reply_config`` (JSON form): one mapper per :data:`LOCAL_REPLIES` entry."""
@@ -45,7 +56,8 @@ def local_reply_config() -> dict:
         else:
             when = {"response_flag_filter": {"flags": list(match)}}
         mappers.append({"filter": when, "body_format_override": {
-            "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type(status), "param": None,
+            "json_format": {"error": {"message": MESSAGES.get(code, "%LOCAL_REPLY_BODY%"),
+                                      "type": error_type(status), "param": None,
                                       "code": code}},
             "content_type": "application/json"}})
     return {"mappers": mappers}

@@ -9,8 +9,8 @@ the I/O around it.
   cost model (:class:`ext_proc.costmodel.CostModel`), built from the cluster's inferlb config by
   inferlb's own functions (:func:`inferlb.picker_config.routing_table`,
   :func:`inferlb.picker_config.picker_settings`), on the lab's clock. Each request goes through the
-  handler's own request path: the body fields as body routing reads them (the handler's
-  ``_wants_body`` and ``_body_fields``: the model, the session fields, the prefix key of the first
+  handler's own request path: the body fields as body routing reads them (:mod:`ext_proc.body`'s
+  ``wants_body`` and ``body_fields``: the model, the session fields, the prefix key of the first
   messages, the prompt's size), then ``_route`` (``pick``: the service's scheduling profile, by
   default ring affinity, weighted bounded loads and memory admission; the too-large check; the
   no-memory fallback; ``_commit``: the pick counted in flight, the session's pin moved or kept).
@@ -66,10 +66,11 @@ from bench.lab.loadview import ControlPlaneView, PickerLink
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
 from bench.lab.virtual_loop import VirtualLoop
 from ext_proc.admission import Admission
+from ext_proc.body import NO_BODY, body_fields, wants_body
 from ext_proc.costmodel import CostModel
-from ext_proc.handler import PickerHandler, _body_fields
+from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY, Decision
+from ext_proc.picker import Decision
 from ext_proc.sessions import SessionTable
 from ext_proc.shared_load import Others, SharedLoad
 from ext_proc.view import ViewHolder
@@ -197,8 +198,8 @@ class Inferlb(PolicyBase):
         handler = self.handler
         assert handler is not None
         view = handler.holder.current
-        if view.routing.body_max_bytes and handler._wants_body(request.headers, view):  # type: ignore[arg-type]
-            return _body_fields(request.body, view.routing) or NO_BODY
+        if view.routing.body_max_bytes and wants_body(request.headers, view.routing):
+            return body_fields(request.body, view.routing) or NO_BODY
         return NO_BODY
 
     def decide(self, request: Request) -> Answer:

@@ -32,7 +32,7 @@ from typing import Any
 from bench.lab.policies.inferlb import Inferlb
 from bench.lab.policy import Context, KvEvents, Request
 from bench.lab.workloads.tokens import prompt_keys
-from ext_proc.picker import NO_BODY
+from ext_proc.body import NO_BODY
 from ext_proc.prefix_events import PENDING_S, EventIndex
 from sim.engines.api import AllBlocksCleared, BlockRemoved, BlockStored
 

@@ -9,11 +9,11 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.admission import Admission
+from ext_proc.body import NO_BODY
 from ext_proc.grants import Grants
 from ext_proc.handler import GRANT_TIMEOUT_S, PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view
-from ext_proc.picker import NO_BODY
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 from protos import load_view_pb2, load_view_pb2_grpc

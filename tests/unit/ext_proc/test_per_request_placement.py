@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ext_proc.body import BodyFields
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import MemorySamples
-from ext_proc.picker import BodyFields, pick
+from ext_proc.picker import pick
 from ext_proc.settings import from_wire, to_wire
 from ext_proc.transport.base import StreamState
 from ext_proc.view import ServiceRoute, ViewHolder

@@ -12,7 +12,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.picker import BodyFields, Decision, pick
+from ext_proc.body import BodyFields
+from ext_proc.picker import Decision, pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder, pinnable_endpoints
 
 HEALTHY = health_check_pb2.HEALTHY
@@ -113,6 +114,10 @@ def test_a_model_name_of_the_service_means_its_default_version():
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
     # The version header is inferlb's own: an unknown one stays a 400 naming the versions.
     assert pick(req(model_version=b"gpt-4"), view).status == 400
+    # An empty model is no served name either (it went to the default version before).
+    d = pick(req(), view, body=BodyFields(model=b""))
+    assert (d.status, d.reason, json.loads(d.body)["error"]["param"]) == (404, "model-not-found", "model")
+    assert pick(req(model_version=b"v2"), view, body=BodyFields(model=b"")).cluster == "llm-v2"  # the header decides
 
 
 def test_a_service_that_lists_no_models_serves_any_body_model_from_its_default_version():
@@ -120,6 +125,7 @@ def test_a_service_that_lists_no_models_serves_any_body_model_from_its_default_v
     assert pick(req(), VIEW, body=BodyFields(model=b"whatever-7b")).cluster == "llm-v1"
     assert pick(req(), VIEW, body=BodyFields(model=b"v2")).cluster == "llm-v2"
     assert pick(req(), VIEW, body=BodyFields(model=b"\xff")).cluster == "llm-v1"
+    assert pick(req(), VIEW, body=BodyFields(model=b"")).cluster == "llm-v1"
 
 
 def test_the_404_leaves_out_names_not_served_now():
@@ -346,6 +352,7 @@ def test_non_utf8_version_is_a_clear_400():
     assert d.status == 400 and d.reason == "invalid-version"
     message = json.loads(d.body)["error"]["message"]
     assert "not valid UTF-8" in message and "known versions: v1, v2" in message
+    assert "('\\xff\\xfe v1'," in message  # each invalid byte one escape, not escaped again by a repr
 
 
 def test_huge_version_is_a_clear_400():

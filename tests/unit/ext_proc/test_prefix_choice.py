@@ -12,7 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.handler import PickerHandler, _body_fields
+from ext_proc.body import body_fields
+from ext_proc.handler import PickerHandler
 from ext_proc.prefix_choice import HIT_WORTH, choose_cached, hit_shares
 from ext_proc.prefix_index import PrefixIndex, block_hashes, prompt_bytes
 from ext_proc.settings import from_wire, to_wire
@@ -181,8 +182,8 @@ def route(handler: PickerHandler, data: bytes, request_id: bytes) -> str:
 
 def test_the_body_gives_the_prompt_blocks_only_with_the_index_on():
     data = body("q" * 1024)
-    assert _body_fields(data, routing(500_000)).blocks == block_hashes(prompt_bytes(json.loads(data)))
-    assert _body_fields(data, routing(0)).blocks == ()
+    assert body_fields(data, routing(500_000)).blocks == block_hashes(prompt_bytes(json.loads(data)))
+    assert body_fields(data, routing(0)).blocks == ()
 
 
 def test_requests_sharing_a_system_prompt_follow_the_first_that_sent_it():
@@ -245,22 +246,22 @@ def chat_turns(n: int, opening: str) -> list[bytes]:
 
 def test_the_body_says_how_much_of_a_conversation_its_previous_turn_left_cached():
     first, second = chat_turns(2, "Conversation 7.")
-    assert _body_fields(first, routing(500_000)).continued == 0.0
+    assert body_fields(first, routing(500_000)).continued == 0.0
     doc = json.loads(second)
     chars = sum(len(m["content"]) for m in doc["messages"])
-    assert _body_fields(second, routing(500_000)).continued == 1.0 - len("and 0?") / chars
+    assert body_fields(second, routing(500_000)).continued == 1.0 - len("and 0?") / chars
     # not followed: a session key places it; the prefix key cut (a system prompt over
     # prefix_max_bytes: every conversation with it would share one key); the engines' keys
     # (their KV events see the replies); the index off
     keyed = json.dumps({**doc, "user": "u1"}).encode()
-    assert _body_fields(keyed, routing(500_000)).continued is None
-    assert _body_fields(second, routing(500_000), keyed=True).continued is None
+    assert body_fields(keyed, routing(500_000)).continued is None
+    assert body_fields(second, routing(500_000), keyed=True).continued is None
     long_system = json.dumps({"messages": [{"role": "system", "content": "s" * 5000}, *doc["messages"][1:]]})
-    assert _body_fields(long_system.encode(), routing(500_000)).continued is None
+    assert body_fields(long_system.encode(), routing(500_000)).continued is None
     engine = RoutingTable(services=routing(500_000).services, body_max_bytes=1 << 20, prefix_cache_tokens=500_000,
                           engine_block_size=16)
-    assert _body_fields(second, engine).continued is None
-    assert _body_fields(second, routing(0)).continued is None
+    assert body_fields(second, engine).continued is None
+    assert body_fields(second, routing(0)).continued is None
 
 
 def test_a_conversations_turns_follow_it_though_its_opening_is_shorter_than_a_block():

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc import _wire  # built by pip install / scripts/setup.sh
-from ext_proc.handler import prefix_hash
+from ext_proc.body import prefix_hash
 from ext_proc.prefix_index import (
     BLOCK_BYTES,
     MAX_BLOCKS,

@@ -13,11 +13,12 @@ from envoy.service.accesslog.v3 import als_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.body import NO_BODY as NO_BODY_FIELDS
+from ext_proc.body import BodyFields, body_fields, prefix_hash
 from ext_proc.costmodel import CostModel
-from ext_proc.handler import PickerHandler, _body_fields, prefix_hash
+from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
-from ext_proc.picker import NO_BODY as NO_BODY_FIELDS
-from ext_proc.picker import BodyFields, pick, request_need
+from ext_proc.picker import pick, request_need
 from ext_proc.ring import HashRing
 from ext_proc.scheduling import build_profile
 from ext_proc.scheduling.plugins.bounded_load import under_bound
@@ -511,12 +512,12 @@ def test_prefix_key_is_a_function_of_the_leading_messages_only(messages):
 
 def test_requests_sharing_a_prefix_prefer_one_endpoint_across_processes():
     body = json.dumps(CHAT).encode()
-    fields = _body_fields(body, ROUTING)
+    fields = body_fields(body, ROUTING)
     assert fields.prefix is not None and fields.prompt_tokens == pytest.approx(len(
         CHAT["messages"][0]["content"] + CHAT["messages"][1]["content"]) / 4)
     first = {pick(headers(), view(), None, None, fields).endpoint for _ in range(3)}
     other_process = {pick(headers(), EndpointView.build({"c": cla("c", {e: 1 for e in FOUR})}, ROUTING), None,
-                          None, _body_fields(body, ROUTING)).endpoint for _ in range(3)}
+                          None, body_fields(body, ROUTING)).endpoint for _ in range(3)}
     assert len(first) == 1 and first == other_process
     assert pick(headers(), view(), None, None, fields).key == "prefix"
 
@@ -535,7 +536,7 @@ def test_a_request_with_a_session_key_decides_the_same_without_its_prefix_key(he
     routing = RoutingTable(services=ROUTING.services, body_max_bytes=1 << 20, prefix_cache_tokens=500_000)
     v = view(routing=routing)
     keyed = header_session_key(hs, routing) is not None
-    lean = _body_fields(body, routing, keyed)
+    lean = body_fields(body, routing, keyed)
     full = lean._replace(prefix=prefix_hash(doc, routing.prefix_messages, routing.prefix_max_bytes))
     assert full.prefix is not None
     body_key = any(isinstance(doc.get(k), str) and doc[k] for k in ("user", "prompt_cache_key"))
@@ -549,7 +550,7 @@ def test_a_request_with_a_session_key_decides_the_same_without_its_prefix_key(he
 
 
 def test_prompt_cache_key_is_a_session_key():
-    fields = _body_fields(json.dumps({**CHAT, "prompt_cache_key": "conv-9"}).encode(), ROUTING)
+    fields = body_fields(json.dumps({**CHAT, "prompt_cache_key": "conv-9"}).encode(), ROUTING)
     d = pick(headers(), view(), None, SessionTable(), fields)
     assert d.key == "session" and d.session is not None
 

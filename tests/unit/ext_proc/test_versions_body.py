@@ -12,8 +12,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.handler import MAX_JSON_DEPTH, JsonTooDeep, PickerHandler, StreamState, read_json
-from ext_proc.picker import BodyFields, pick
+from ext_proc.body import MAX_JSON_DEPTH, BodyFields, JsonTooDeep, read_json
+from ext_proc.handler import PickerHandler, StreamState
+from ext_proc.picker import pick
 from ext_proc.view import EndpointView, RoutingTable, ServiceRoute, ViewHolder
 from tests.unit.ext_proc.test_picker import HEALTHY, cla
 
@@ -226,13 +227,13 @@ def test_streamed_body_is_decided_on_its_first_chunk_and_later_chunks_pass_uncha
 
 
 def test_partial_and_whole_bodies_give_the_same_prefix_key():
-    from ext_proc.handler import _body_fields, _partial_fields
+    from ext_proc.body import body_fields, partial_fields
     doc = {"model": "v1", "messages": [{"role": "system", "content": "sys " * 50}, {"role": "user", "content": "q"},
                                        {"role": "assistant", "content": "a " * 500}]}
     raw = json.dumps(doc).encode()
     routing = VIEW.routing
-    whole = _body_fields(raw, RoutingTable(body_max_bytes=1 << 20))
-    partial = _partial_fields(raw[:400], len(raw), routing)
+    whole = body_fields(raw, RoutingTable(body_max_bytes=1 << 20))
+    partial = partial_fields(raw[:400], len(raw), routing)
     assert partial.prefix == whole.prefix is not None and partial.model == b"v1"
     assert partial.prompt_tokens == len(raw) / routing.chars_per_token
 
@@ -260,15 +261,15 @@ _BODY = st.fixed_dictionaries({}, optional={
 @settings(max_examples=400, deadline=None)
 @given(_BODY)
 def test_the_picker_reads_the_same_body_fields_as_with_json(body):
-    import ext_proc.handler as handler
+    import ext_proc.body as reader
     data = json.dumps(body).encode("utf-8", "surrogatepass")
     routing = RoutingTable(body_max_bytes=1 << 20)
-    fast = handler._body_fields(data, routing)
-    original, handler.read_json = handler.read_json, json.loads
+    fast = reader.body_fields(data, routing)
+    original, reader.read_json = reader.read_json, json.loads
     try:
-        assert fast == handler._body_fields(data, routing)
+        assert fast == reader.body_fields(data, routing)
     finally:
-        handler.read_json = original
+        reader.read_json = original
 
 
 @pytest.mark.parametrize("data", [

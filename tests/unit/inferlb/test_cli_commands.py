@@ -109,6 +109,9 @@ def test_version_is_the_package_version():
     (["demo", "--duration", "-5"], "Invalid value for '--duration': -5.0 is not in the range x>0."),
     (["demo", "--duration", "0"], "Invalid value for '--duration': 0.0 is not in the range x>0."),
     (["demo", "--concurrency", "0"], "Invalid value for '--concurrency': 0 is not in the range x>=1."),
+    (["weights", "--admin", "nonsense"], "Invalid value for '--admin': expected a URL such as http://127.0.0.1:18090"),
+    (["history", "--admin", "127.0.0.1:18090", "--cluster", "c"], "Invalid value for '--admin': expected a URL"),
+    (["history", "--admin", "http://", "--cluster", "c"], "Invalid value for '--admin': expected a URL"),
 ])
 def test_bad_options_are_refused_before_anything_runs(args, error):
     result = CliRunner().invoke(main, args)

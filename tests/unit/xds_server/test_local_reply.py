@@ -26,8 +26,10 @@ def test_every_envoy_reply_mapper_writes_the_error_object_with_its_code():
     for m, (code, status, _) in zip(mappers, local_reply.LOCAL_REPLIES, strict=True):
         body = m["body_format_override"]
         assert body["content_type"] == "application/json"
-        assert body["json_format"] == {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type(status),
+        message = local_reply.MESSAGES.get(code, "%LOCAL_REPLY_BODY%")
+        assert body["json_format"] == {"error": {"message": message, "type": error_type(status),
                                                  "param": None, "code": code}}
+    assert set(local_reply.MESSAGES) <= {code for code, _, _ in local_reply.LOCAL_REPLIES}
 
 
 def test_no_mapper_matches_a_status_the_picker_answers_by_status_alone():
