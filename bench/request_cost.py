@@ -97,7 +97,7 @@ def handler_for(endpoints: int, prefix_source: str = "routing") -> tuple[PickerH
     holder = ViewHolder()
     holder.update({cluster: cla}, routing)
     handler = PickerHandler.from_settings(holder, picker_settings(cfg))
-    handler.share_load()
+    handler.control.share_load()
     return handler, cluster
 
 
@@ -290,10 +290,10 @@ def main(argv: list[str] | None = None) -> None:
                          "prompt's steady state; without it no event ever came and each pick pends every key)")
     args = ap.parse_args(argv)
     handler, cluster = handler_for(args.endpoints, args.prefix_source)
-    if args.events_held and isinstance(handler.prefixes, EventIndex) and args.body_kb:
+    if args.events_held and isinstance(handler.control.prefixes, EventIndex) and args.body_kb:
         keys = engine_keys(json.loads(body_json(args.body_kb)), handler.holder.current.routing.engine_block_size)
         for endpoint in handler.holder.current.clusters[cluster].endpoints:
-            handler.prefixes.stored(endpoint, keys, None, handler.holder.current.routing.prefix_blocks)
+            handler.control.prefixes.stored(endpoint, keys, None, handler.holder.current.routing.prefix_blocks)
     client = Client(handler, cluster, args.body_kb)
     one_round(client, args.requests, args.batch)  # warm: sessions pinned, caches filled
     if args.profile:

@@ -6,7 +6,8 @@ memory and its work), the prefix key of its opening and the chained keys of its 
 (the prefix-cache index's). :func:`body_fields` reads a whole body, :func:`partial_fields` the first
 bytes of a streamed one; :func:`wants_body` says whether a request's headers leave anything for its
 body to tell. The result is one :class:`BodyFields`; the handler (:mod:`ext_proc.handler`) holds
-the stream, the picker (:mod:`ext_proc.picker`) decides on the fields.
+the stream, the request control (:mod:`ext_proc.requestcontrol`) and the picker (:mod:`ext_proc.picker`)
+decide on the fields.
 """
 
 from __future__ import annotations

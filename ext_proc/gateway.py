@@ -39,7 +39,7 @@ Header values are read and written in ``raw_value`` (docs/envoy-facts.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any, NamedTuple, Protocol
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -161,8 +161,6 @@ class _Picker(Protocol):
     def decide(self, headers: dict[str, bytes], view: EndpointView, body: bytes | None, whole: bool,
                subset: frozenset[str] | None, phase: str) -> bytes | asyncio.Future[bytes]: ...
 
-    def completed(self, request_id: bytes | None) -> None: ...
-
 
 class GatewayStream:
     """One ext_proc stream under the protocol: the body modes Envoy announced (its first message's
@@ -218,10 +216,18 @@ def _then(answer: bytes | asyncio.Future[bytes], more: list[bytes]) -> Answer | 
 
 class EndpointPicker:
     """The protocol's side of the picker: each ext_proc message of a stream in, the answers out
-    (:meth:`process`, the transports' ``Service.process`` contract)."""
+    (:meth:`process`, the transports' ``Service.process`` contract).
 
-    def __init__(self, picker: _Picker, holder: Any) -> None:
+    Args:
+        picker: decides each request (:meth:`ext_proc.handler.PickerHandler.decide`).
+        completed: called with a request's ``x-request-id`` (None: it had none) when its response
+            ended (:meth:`ext_proc.requestcontrol.RequestControl.completed`).
+        holder: where the current view is read.
+    """
+
+    def __init__(self, picker: _Picker, completed: Callable[[bytes | None], None], holder: Any) -> None:
         self.picker = picker
+        self.completed = completed
         self.holder = holder
 
     def process(self, stream: StreamState, data: bytes) -> tuple[Answer | asyncio.Future[Answer] | None, bool]:
@@ -266,17 +272,17 @@ class EndpointPicker:
             return _then(decided.answer, [*echo("request_body", body, False), trailers]), decided.rejected
         if phase == "response_headers":
             if request.response_headers.end_of_stream:
-                self.picker.completed(state.headers.get("x-request-id"))
+                self.completed(state.headers.get("x-request-id"))
             return EMPTY_ANSWERS["response_headers"], False
         if phase == "response_body":
             chunk = request.response_body
             if chunk.end_of_stream:
-                self.picker.completed(state.headers.get("x-request-id"))
+                self.completed(state.headers.get("x-request-id"))
             if state.response_mode == FULL_DUPLEX:
                 return echo("response_body", chunk.body, chunk.end_of_stream), False
             return EMPTY_ANSWERS["response_body"], False
         if phase == "response_trailers":
-            self.picker.completed(state.headers.get("x-request-id"))
+            self.completed(state.headers.get("x-request-id"))
             return EMPTY_ANSWERS["response_trailers"], False
         return None, False
 

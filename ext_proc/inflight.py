@@ -184,6 +184,11 @@ class InFlight:
         """True while at least one access-log stream is open (completions can arrive)."""
         return self.streams > 0
 
+    @property
+    def failure_hold_s(self) -> float:
+        """How long an endpoint whose connections fail is not picked (s, > 0; :meth:`failed_now`)."""
+        return self._hold
+
     def picked(self, cluster: str, endpoint: str | None, work: float = 1.0, mib: float = 0.0,
                prompt_tokens: float | None = None, output_tokens: float | None = None, gpu_class: str = "",
                request_id: bytes | None = None, miss: bool = True, uncached: float | None = None) -> None:

@@ -361,7 +361,7 @@ class KvEventFeed:
     of every endpoint of ``holder``'s view, applying their changes to ``index`` on the calling loop.
 
     Args:
-        index: the picker's index (``PickerHandler.prefixes`` with ``prefix_source: kv_events``).
+        index: the picker's index (``RequestControl.prefixes`` with ``prefix_source: kv_events``).
         holder: the picker's view; its endpoints (every cluster's, spill tiers too) are followed, and
             its routing table's ``prefix_blocks`` bounds each endpoint's held keys.
         template: the publishers' address template (:func:`publisher_address`).
@@ -376,7 +376,7 @@ class KvEventFeed:
     (``inferlb_ext_proc_kv_event_publishers``), the batches applied and those from an endpoint that
     had left (``inferlb_ext_proc_kv_event_batches_total{outcome}``). An endpoint that leaves the view's
     pinnable endpoints is unsubscribed :data:`ext_proc.recent.KEEP_S` later (a health flap keeps it),
-    and the index forgets it then, at the picker's housekeeping (``PickerHandler.tick``).
+    and the index forgets it then, at the picker's housekeeping (``RequestControl.tick``).
 
     Raises:
         ImportError: at :meth:`run`, ``pyzmq`` or ``msgpack`` is not installed.

@@ -92,7 +92,7 @@ def view_capacities(view: load_view_pb2.LoadView) -> dict[str, float]:
 def memory_of(view: load_view_pb2.LoadView, now: float) -> tuple[dict[str, float], MemorySamples]:
     """``(the others' memory in flight per endpoint at the samples, MiB; the samples)`` of ``view`` (pure):
     hand the first to :meth:`SharedLoad.free.rebase <ext_proc.shared_load.SharedLoad>`, then the
-    samples to the picker (:meth:`~ext_proc.handler.PickerHandler.set_samples`), with the picker's own
+    samples to the picker (:meth:`~ext_proc.requestcontrol.RequestControl.set_samples`), with the picker's own
     held counts where the view carries them (``MemorySample.held``: the control plane took the other
     pickers' requests out, so they hold this picker's alone: ``MemorySamples.own``)."""
     held = {m.endpoint: m.held for m in view.memory if m.HasField("held")}
@@ -176,7 +176,7 @@ async def run_load_view(target: str, picker: str, shared: SharedLoad, interval_s
     the slow loop's GPU memory samples each time a view brings a new round of them (a standalone
     picker's only source; None: ignored, the in-process picker gets them directly). ``on_view``:
     called after each view is taken, with the others' load before it
-    (:meth:`~ext_proc.handler.PickerHandler.others_changed`).
+    (:meth:`~ext_proc.requestcontrol.RequestControl.others_changed`).
     """
     inflight = shared.inflight
     grants = shared.grants

@@ -51,9 +51,9 @@ class Decision(NamedTuple):
             is ``reason`` with underscores), empty when routing.
         reason: why, a short stable label (a metrics label value): the scheduling profile's outcomes
             (:data:`ext_proc.scheduling.OUTCOMES`: "affinity", "spilled", "memory", "repinned",
-            "least-loaded", "no-memory"), the handler's "pin-moved" and memory grant outcomes
+            "least-loaded", "no-memory"), the request control's "pin-moved" and memory grant outcomes
             ("grant-granted", "grant-refused", "grant-unanswered"; counted beside the decision's
-            own reason, see :meth:`ext_proc.handler.PickerHandler._confirm`), and "no-healthy-endpoint",
+            own reason, see :meth:`ext_proc.requestcontrol.RequestControl._confirm`), and "no-healthy-endpoint",
             "unknown-service", "unknown-version", "model-not-found", "invalid-version", "version-unavailable",
             "not-ready", "overloaded", "too-large", "body-too-deep", "request-body-too-large".
         session: the session-table key (:func:`~ext_proc.sessions.session_slot`) when a

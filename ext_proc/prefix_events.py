@@ -171,7 +171,7 @@ class EventIndex:
     # --- the picker's own picks ---------------------------------------------------------------------
 
     def insert(self, endpoint: str, blocks: Sequence[int], capacity: int) -> None:
-        """Record that ``endpoint`` was sent a prompt of keys ``blocks`` (the handler's call, as for
+        """Record that ``endpoint`` was sent a prompt of keys ``blocks`` (the request control's call, as for
         :meth:`PrefixIndex.insert`): it counts for :meth:`last_sent`, and the keys it does not hold
         are pending until ``pending_s`` from now, at most ``capacity`` of them (expired ones go
         first, then the first recorded); it is one of the endpoint's :meth:`recent` prompts."""

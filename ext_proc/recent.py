@@ -7,7 +7,7 @@ endpoint came back. With ``picker.prefix_source: kv_events`` the loss is worse: 
 published meanwhile would be dropped, and with ``keys: vllm`` every block stored later on top of an
 unseen one is unmatchable. The case was seen in CI: one 1 s stale flag during
 ``tests/integration/test_kv_events_envoy.py`` left a prompt's blocks missing from the index for good.
-So :class:`ext_proc.handler.PickerHandler`'s housekeeping (the index) and
+So :class:`ext_proc.requestcontrol.RequestControl`'s housekeeping (the index) and
 :class:`ext_proc.kv_events.KvEventFeed` (the subscriptions) keep an endpoint for
 :data:`KEEP_S` after it was last pinnable. The pickers still choose among the pinnable endpoints
 only.

@@ -11,7 +11,7 @@ scheduler then reads, per endpoint and per cluster::
 
 :class:`SharedLoad` presents that sum under the attribute names the scheduler reads from an
 :class:`~ext_proc.inflight.InFlight` (``work``, ``cluster_work``, ``clusters``, ``free``,
-``failed``), so the one seam is which object the handler passes. No I/O and no locks: the view is
+``failed``), so the one seam is which object the request control passes. No I/O and no locks: the view is
 swapped by the client (:mod:`ext_proc.load_client`) on the same event loop, one assignment per map.
 
 Free GPU memory: an endpoint's estimate is the picker's own (last sample minus its own picks since)
@@ -201,7 +201,7 @@ class _Free(Mapping[str, float]):
 class SharedLoad:
     """The scheduler's loads with the shared view: ``inflight`` (own, live) + the others' (last view).
 
-    Attributes (what :func:`ext_proc.picker.pick` and the handler's admission read):
+    Attributes (what :func:`ext_proc.picker.pick` and the request control's admission read):
         work, cluster_work, clusters: own + others (mappings with ``get``).
         endpoints: ``{"HOST:PORT": requests in flight}``, own + others (the edge tier's load:
             :func:`ext_proc.tiers.tier_for`).

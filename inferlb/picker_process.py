@@ -120,12 +120,12 @@ async def run_picker(
         # The load view also brings the slow loop's memory samples; with ``shared_view`` off the picker
         # still reports (the admin API shows its share) but decides on its own load alone.
         s = first.result()
-        shared = handler.share_load() if s.shared_view else SharedLoad(handler.inflight)
+        shared = handler.control.share_load() if s.shared_view else SharedLoad(handler.control.inflight)
         tasks = [asyncio.create_task(handler.maintain()),
                  asyncio.create_task(run_load_view(xds, node_id, shared, s.shared_view_interval_s,
-                                                   s.shared_view_expiry_s, handler.set_samples,
-                                                   on_view=handler.others_changed))]
-        feed = start_feed(handler.prefixes, holder, s)
+                                                   s.shared_view_expiry_s, handler.control.set_samples,
+                                                   on_view=handler.control.others_changed))]
+        feed = start_feed(handler.control.prefixes, holder, s)
         if feed is not None:
             tasks.append(feed)
         try:

@@ -299,8 +299,8 @@ class InferLB:
             return samples, MemorySamples.of(samples, held), self._largest[1], held
 
         samples, split, largest, held = await asyncio.to_thread(read)
-        self.picker.set_samples(split)  # on the loop the picker runs on: O(requests in flight)
-        self.picker.set_largest_memory(largest)
+        self.picker.control.set_samples(split)  # on the loop the picker runs on: O(requests in flight)
+        self.picker.control.set_largest_memory(largest)
         await asyncio.sleep(0)  # the loop runs its other callbacks between the two: not one ~30 ms step
         self.load_view.set_memory(samples, held)  # and, with the load view, to every standalone picker
 
@@ -359,12 +359,12 @@ class InferLB:
         the sum over every picker in the shared load view while any reports (each gateway's Envoy
         sends a share of the traffic), else the in-process picker's own count. Waiting: the
         in-process picker's queue (the load reports carry no queue)."""
-        admission = self.picker.admission
+        admission = self.picker.control.admission
         queued = {} if admission is None else {c: admission.queued(c) for c in self.view.current.clusters}
         fleet = self.load_view.totals(time.monotonic())
         own_in_view = self._share_task is not None
         return fleet_in_flight({c: load.in_flight for c, load in fleet.clusters.items()}, fleet.pickers,
-                               self.picker.inflight.clusters, own_in_view), queued
+                               self.picker.control.inflight.clusters, own_in_view), queued
 
     def _current_weights(self):
         snap = self.cache.snapshot
@@ -395,7 +395,7 @@ class InferLB:
         auth = WriteAuth(token, host)
         app = make_admin_app(self.control, self.ads, self.recorder.store, self.sampler, auth=auth,
                              reload=self.reload, is_ready=lambda: self.control.ready.is_set() and not self.stopping,
-                             cost_model=self.picker.costs, load_view=self.load_view,
+                             cost_model=self.picker.control.costs, load_view=self.load_view,
                              live_load=self._live_load)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -411,14 +411,14 @@ class InferLB:
             self._scrape_task = asyncio.create_task(self.sources.scrape.run())
         self._loop_task = asyncio.create_task(self._run_loop())
         self._picker_task = asyncio.create_task(self.picker.maintain())
-        self._kv_task = start_feed(self.picker.prefixes, self.view, picker_settings(self.cfg))
+        self._kv_task = start_feed(self.picker.control.prefixes, self.view, picker_settings(self.cfg))
         if not tls:  # the in-process picker is one of the gateways too (its memory samples come directly)
             p = self.cfg.picker
-            shared = self.picker.share_load() if p.shared_view else SharedLoad(self.picker.inflight)
+            shared = self.picker.control.share_load() if p.shared_view else SharedLoad(self.picker.control.inflight)
             self._share_task = asyncio.create_task(run_load_view(
                 f"{_loopback(split_hostport(self.cfg.listen.xds)[0])}:{self.xds_port}",
                 f"inferlb-serve-{socket.gethostname()}-{os.getpid()}", shared,
-                p.shared_view_interval_s, p.shared_view_expiry_s, on_view=self.picker.others_changed))
+                p.shared_view_interval_s, p.shared_view_expiry_s, on_view=self.picker.control.others_changed))
         RELOAD_OK.set(1)  # the config in use is the file's, loaded and valid
         log.info("inferlb serving: xDS :%d, ext_proc :%d, admin :%d%s", self.xds_port, self.ext_proc_port,
                  self.admin_port, " (TLS)" if creds else "")

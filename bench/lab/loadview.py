@@ -25,7 +25,7 @@ gRPC stream and the asyncio tasks around it are swapped:
   (:func:`~ext_proc.load_client.apply_view`: the others' load, the grant answers), a memory round
   as ``run_load_view`` takes it (the capacities, the others' share as the baseline, the samples to
   the picker: :func:`~ext_proc.load_client.memory_of`), and the picker is told what the others'
-  load was before it (:meth:`~ext_proc.handler.PickerHandler.others_changed`) on its next turn: a
+  load was before it (:meth:`~ext_proc.requestcontrol.RequestControl.others_changed`) on its next turn: a
   view set off by another picker's report arrives in that picker's turn, and the harness wakes this
   one at the same virtual instant when its requests wait.
 
@@ -138,12 +138,12 @@ class PickerLink:
 
     Args:
         name: the picker's name in the control plane.
-        shared: the picker's :class:`~ext_proc.shared_load.SharedLoad` (``PickerHandler.share_load()``).
+        shared: the picker's :class:`~ext_proc.shared_load.SharedLoad` (``RequestControl.share_load()``).
         plane: the run's control plane.
         interval_s: ``picker.shared_view_interval_s`` (s): the report loop's tick.
         expiry_s: ``picker.shared_view_expiry_s`` (s): the keep-alive is a quarter of it.
-        on_samples: the picker's :meth:`~ext_proc.handler.PickerHandler.set_samples`.
-        on_view: the picker's :meth:`~ext_proc.handler.PickerHandler.others_changed`, called on the
+        on_samples: the picker's :meth:`~ext_proc.requestcontrol.RequestControl.set_samples`.
+        on_view: the picker's :meth:`~ext_proc.requestcontrol.RequestControl.others_changed`, called on the
             picker's next turn (:meth:`catch_up`) with the others' load before the first view it
             missed: a view comes in another picker's turn, whose report set it off.
     """

@@ -1,6 +1,6 @@
 """An asyncio event loop on the lab's virtual clock, for inferlb code that waits on futures and timers.
 
-The picker's memory grant wait (``PickerHandler._confirm``: :mod:`ext_proc.handler`) reads the
+The picker's memory grant wait (``RequestControl._confirm``: :mod:`ext_proc.requestcontrol`) reads the
 running event loop: its time, a future for the answer, a timer for the answer's timeout. The lab runs
 no event loop and no threads; :class:`VirtualLoop` gives that code the virtual clock instead: a future
 is an ordinary :class:`asyncio.Future` bound to it, a callback (a future's done callbacks, a timer) is

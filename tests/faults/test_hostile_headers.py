@@ -45,7 +45,7 @@ def settled_request(s: Stack, headers: list[tuple[str, bytes]]) -> tuple[int, by
     and a request another test left whose completion never came (an Envoy restart loses its
     access log) counts until the picker's expiry (130 s). Waiting for none failed 8 cases in one CI
     run, in a test order where such a request came first."""
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
     before = sum(inflight.clusters.values())
     out = raw_request(s, headers)
     wait_until(lambda: sum(inflight.clusters.values()) <= before, 5, 0.005, "the completion reached the picker")

@@ -128,7 +128,7 @@ def test_an_openai_client_with_a_shared_system_prompt_is_routed_by_its_prefix_th
     decisions = gateway.app.sampler.recent(len(gateway.app.sampler.recent()) - before)
     assert [d.key for d in decisions] == ["prefix"] * 6
     assert {d.endpoint for d in decisions} == served
-    wait_until(lambda: not any(gateway.app.picker.inflight.clusters.values()), 10,
+    wait_until(lambda: not any(gateway.app.picker.control.inflight.clusters.values()), 10,
                what="completions counted from the response on the ext_proc stream")
 
 

@@ -120,13 +120,13 @@ def keys_of(s: Stack, doc: dict) -> tuple[int, ...]:
 
 def matched(s: Stack, doc: dict) -> dict[str, int]:
     keys = keys_of(s, doc)
-    index = s.app.picker.prefixes
+    index = s.app.picker.control.prefixes
     return on_loop(s, lambda: index.matched(keys, [b.address for b in s.backends]))
 
 
 def test_a_prompt_cached_on_a_backend_by_its_events_goes_there_through_envoy(events_stack: Stack):
     s = events_stack
-    index = s.app.picker.prefixes
+    index = s.app.picker.control.prefixes
     assert isinstance(index, EventIndex)
     wait_until(lambda: all(e["weight"] > 0 for e in s.weights()["chat-v1"].values()), 30,
                what="both backends weighted")
@@ -175,7 +175,7 @@ def gaps(s: Stack) -> dict[str, int]:
     """Per backend, the blocks its engine holds in its prefix cache that the picker's index does not."""
     cached = {b.address: requests.get(f"http://{b.address}/sim/state", timeout=5).json()["kv_cache"]["cached_blocks"]
               for b in s.backends}
-    index = s.app.picker.prefixes
+    index = s.app.picker.control.prefixes
     held = on_loop(s, lambda: {e: index.held(e) for e in cached})
     return {e: cached[e] - held[e] for e in cached}
 

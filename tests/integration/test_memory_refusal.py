@@ -43,7 +43,7 @@ def _oom_total(s: Stack) -> float:
 def test_forty_requests_larger_than_any_endpoint_get_503_from_the_picker_and_no_endpoint_drops_out(
         memory_stack: Stack):
     s = memory_stack
-    wait_until(lambda: s.app.picker.largest_memory.get("chat-v1") == 81920, 15,
+    wait_until(lambda: s.app.picker.control.largest_memory.get("chat-v1") == 81920, 15,
                what="the endpoints' GPU memory in the picker")
     before = _oom_total(s)
 

@@ -76,7 +76,7 @@ def test_a_shared_system_prompt_without_inferlb_headers_is_routed_by_its_prefix_
     raw = client(s).chat.completions.with_raw_response.create(
         model="v2", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert raw.headers["x-backend-version"] == "v2"
-    wait_until(lambda: not any(s.app.picker.inflight.clusters.values()), 10, what="every completion counted")
+    wait_until(lambda: not any(s.app.picker.control.inflight.clusters.values()), 10, what="every completion counted")
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_models(oa_stack: Stack):

@@ -98,7 +98,7 @@ def test_openai_non_streaming_has_usage_and_routes_by_version_and_session(oa_sta
 
 def test_a_streamed_request_is_in_flight_until_its_last_byte(oa_stack: Stack):
     s = oa_stack
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
     s.send({"x-session-id": "warm-up"})
     wait_until(lambda: inflight.streams >= 1 and not inflight.clusters, 5, 0.02,
                "Envoy's access-log stream and the first completion")

@@ -131,7 +131,7 @@ def test_a_chunked_body_is_held_whole_and_read_up_to_body_max_bytes(picker_stack
 
 def test_session_from_the_json_body_user_pins_like_the_header(picker_stack: Stack):
     s = picker_stack
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
 
     def served(body: dict, headers: dict | None = None) -> str:
         """One request, then its completion back (bounded loads: nothing else weighs on the pin)."""
@@ -160,7 +160,7 @@ def test_canary_split_is_decided_per_session_and_never_flips(picker_stack: Stack
 
 def test_in_flight_counts_follow_envoy_access_log_completions(picker_stack: Stack):
     s = picker_stack
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
     s.send({"x-session-id": "warm-up"})
     wait_until(lambda: inflight.streams >= 1 and not inflight.clusters, 5, 0.02,
                "Envoy's access-log stream and the first completion")
@@ -194,7 +194,7 @@ def test_a_pick_envoy_stopped_waiting_for_is_released_by_its_request_id(picker_s
     headers. Its x-request-id releases the pick at once; before, it stayed in flight until the
     expiry (130 s), skewing the loads and admission."""
     s = picker_stack
-    handler, inflight = s.app.picker, s.app.picker.inflight
+    handler, inflight = s.app.picker, s.app.picker.control.inflight
     assert s.send({"x-session-id": "on-time"}).status_code == 200
     wait_until(lambda: not inflight.clusters and inflight.streams >= 1, 5, 0.02,
                "the access-log stream open, nothing in flight")
@@ -226,7 +226,7 @@ def test_admission_queues_one_then_refuses_with_429_and_retry_after(picker_stack
     v2 = next(b for b in s.backends if b.version == "v2")
     wait_until(lambda: s.app.view.current.clusters["chat-v2"].capacity == 1, 5, what="v2's capacity in the view")
     v2.fault(slow_factor=6)  # ~60 ms per request at time scale 0.04
-    admission, inflight = s.app.picker.admission, s.app.picker.inflight
+    admission, inflight = s.app.picker.control.admission, s.app.picker.control.inflight
     try:
         results: dict[int, requests.Response] = {}
 
@@ -362,7 +362,7 @@ def test_a_request_without_session_is_pinned_by_the_picker_and_a_failed_picker_f
     a, b = sorted(x.address for x in s.backends if x.version == "v1")
     endpoints = _v1_healthy(s)
     weights = {a: e["weight"] for a, e in endpoints.items()}
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
     before = _decisions(s, "least-loaded")
     inflight.picked("chat-v1", a, 50.0)  # as if 50 typical requests were running there
     try:
@@ -396,7 +396,7 @@ def test_a_dead_pinned_endpoint_costs_one_connect_failure_then_its_session_re_pi
     _v1_healthy(s)
     v1 = [b for b in s.backends if b.version == "v1"]
     victim = v1[0]
-    inflight = s.app.picker.inflight
+    inflight = s.app.picker.control.inflight
     key = next(k for k in (f"dead-{i}" for i in range(200))
                if s.send({"model-version": "v1", "x-session-id": k}).headers["x-served-by"] == victim.address)
     wait_until(lambda: not inflight.clusters.get("chat-v1"), 5, 0.01, "the completions")

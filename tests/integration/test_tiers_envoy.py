@@ -54,7 +54,7 @@ def test_the_picker_keeps_requests_on_the_edge_under_the_threshold_and_spills_at
     edge, cloud = [b.address for b in s.backends[:2]], s.backends[2].address
 
     def on_edge() -> int:
-        return sum(s.app.picker.inflight.endpoints.get(e, 0) for e in edge)
+        return sum(s.app.picker.control.inflight.endpoints.get(e, 0) for e in edge)
 
     # One at a time the edge is never above 1/4 of its capacity: the cloud gets nothing.
     seen = served_by(s, 20) + served_by(s, 10, {"x-session-id": "tiers-one"})

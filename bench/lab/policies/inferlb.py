@@ -11,17 +11,18 @@ the I/O around it.
   :func:`inferlb.picker_config.picker_settings`), on the lab's clock. Each request goes through the
   handler's own request path: the body fields as body routing reads them (:mod:`ext_proc.body`'s
   ``wants_body`` and ``body_fields``: the model, the session fields, the prefix key of the first
-  messages, the prompt's size), then ``_route`` (``pick``: the service's scheduling profile, by
+  messages, the prompt's size), then its request control's ``route``
+  (:class:`ext_proc.requestcontrol.RequestControl`; ``pick``: the service's scheduling profile, by
   default ring affinity, weighted bounded loads and memory admission; the too-large check; the
-  no-memory fallback; ``_commit``: the pick counted in flight, the session's pin moved or kept).
-  Only the wire encoding is swapped: the handler's response encoder is replaced by one that hands
-  back the :class:`~ext_proc.picker.Decision`.
-- **Requests that wait** wait in the handler's own code: the admission queue (``picker.admission``,
+  no-memory fallback; ``commit``: the pick counted in flight, the session's pin moved or kept).
+  Only the wire encoding is swapped: the request control's response encoder is replaced by one that
+  hands back the :class:`~ext_proc.picker.Decision`.
+- **Requests that wait** wait in the request control's own code: the admission queue (``picker.admission``,
   ``picker.memory_queue``: :class:`ext_proc.admission.Admission`, built as
   :meth:`PickerHandler.from_settings` builds it) and a memory grant's wait (``_confirm``), whose
   asyncio futures and timers run on a :class:`~bench.lab.virtual_loop.VirtualLoop` (the lab's clock;
   its due timers, a waiter's timeout, run when the harness calls the picker, and it asks to be
-  called then: :meth:`Inferlb.next_wake_s`). The queue is released where the handler releases it
+  called then: :meth:`Inferlb.next_wake_s`). The queue is released where the picker releases it
   (completions from the access log, memory samples, housekeeping); a request answered later is
   handed back through :meth:`Inferlb.poll`.
 - **The endpoint view** is built from the lab's EDS as ``inferlb serve`` builds it from its
@@ -37,7 +38,7 @@ the I/O around it.
   upstream address, status and connection-failure flags, and the times from the request's arrival:
   first upstream byte, last byte), fed to the handler's ``access_log`` (the real decoder and
   :func:`ext_proc.accesslog.record_completions`).
-- **Housekeeping** (:meth:`PickerHandler.tick`: expiries, session sweeps, the cost model's refit,
+- **Housekeeping** (:meth:`RequestControl.tick`: expiries, session sweeps, the cost model's refit,
   a queue release) runs once a virtual second, on the first call after each second.
 
 **The shared load view** (``picker.shared_view``, on by default). With one gateway the picker
@@ -82,7 +83,7 @@ from xds_server.resources.endpoints import build_assignment
 __all__ = ["Inferlb"]
 
 _PHASE = "request_headers"
-#: The handler's housekeeping period (:meth:`PickerHandler.maintain`'s default interval), s.
+#: The picker's housekeeping period (:meth:`PickerHandler.maintain`'s default interval), s.
 TICK_S = 1.0
 
 
@@ -131,14 +132,14 @@ class Inferlb(PolicyBase):
             Admission(s.max_queue, s.queue_timeout_s, s.retry_after_s) if queues else None,
             costs=CostModel(s.cost_forget, s.cost_min_samples), pin_move_after=s.pin_move_after,
             limit_concurrency=s.admission, memory_queue=s.memory_queue, retry_after_s=s.retry_after_s)
-        self.handler._encoder = _Decisions()  # type: ignore[assignment]
+        self.handler.control.encoder = _Decisions()  # type: ignore[assignment]
         self.handler.access_log_opened()  # Envoy's access-log stream is up: completions can arrive
-        self.handler.set_largest_memory(largest_memory(endpoint_specs(cfg)))
+        self.handler.control.set_largest_memory(largest_memory(endpoint_specs(cfg)))
         self._loop = VirtualLoop(ctx.clock)
         self._memory_count = cfg.picker.memory_count_in_sample
         if not s.shared_view:
             return
-        self._shared = self.handler.share_load()
+        self._shared = self.handler.control.share_load()
         if ctx.gateways == 1:
             # One picker with the shared load view on (inferlb serve's default): it decides on a SharedLoad
             # whose view, each round, counts no other picker (the control plane sums its report alone).
@@ -146,7 +147,8 @@ class Inferlb(PolicyBase):
         # Several gateways: standalone pickers on the control plane's load view (bench.lab.loadview).
         plane = ControlPlaneView.of(ctx.shared, s.shared_view_expiry_s, ctx.clock)
         self._link = PickerLink(f"gateway-{ctx.gateway}", self._shared, plane, s.shared_view_interval_s,
-                                s.shared_view_expiry_s, self.handler.set_samples, self.handler.others_changed)
+                                s.shared_view_expiry_s, self.handler.control.set_samples,
+                                self.handler.control.others_changed)
         with self._turn():
             self._link.start()
 
@@ -190,7 +192,7 @@ class Inferlb(PolicyBase):
             return
         if self._shared is not None:
             self._shared.set_others(Others(pickers=1), at=eds.at_s)
-        handler.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
+        handler.control.set_samples(MemorySamples.of(samples, held if self._memory_count else None))
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -213,7 +215,7 @@ class Inferlb(PolicyBase):
         view = handler.holder.current
         body = self._body(request)
         headers = request.headers
-        answer = handler._route(headers, view, body, _PHASE)  # type: ignore[arg-type]
+        answer = handler.control.route(headers, view, body, _PHASE)  # type: ignore[arg-type]
         if isinstance(answer, asyncio.Future):  # queued, or waiting for a memory grant
             self._settle()
             if not answer.done():
@@ -248,7 +250,7 @@ class Inferlb(PolicyBase):
 
     def next_wake_s(self) -> float | None:
         assert self._loop is not None and self.ctx is not None
-        link, admission = self._link, self.handler.admission if self.handler is not None else None
+        link, admission = self._link, self.handler.control.admission if self.handler is not None else None
         wakes = [] if link is None else [link.next_wake_s()]
         if link is not None and link.viewed is not None and admission is not None and admission.waiting():
             wakes.append(self.ctx.clock())  # a view came in another picker's turn: requests wait for it
@@ -328,9 +330,9 @@ class Inferlb(PolicyBase):
             handler.access_log(message.SerializeToString())
 
     def _tick(self) -> None:
-        """The handler's housekeeping, once per virtual second (on the first call after it)."""
+        """The request control's housekeeping, once per virtual second (on the first call after it)."""
         assert self.ctx is not None and self.handler is not None
         now = self.ctx.clock()
         if now >= self._next_tick:
-            self.handler.tick()
+            self.handler.control.tick()
             self._next_tick = (math.floor(now / TICK_S) + 1) * TICK_S

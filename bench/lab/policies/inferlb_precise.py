@@ -70,7 +70,7 @@ class InferlbPrecise(Inferlb):
         assert self.handler is not None
         self.needs = dataclasses.replace(self.needs, kv_events=True, kv_event_delay_s=self.kv_event_delay_s)
         self.index = EventIndex(self.pending_s, clock=ctx.clock)
-        self.handler.prefixes = self.index  # type: ignore[assignment]
+        self.handler.control.prefixes = self.index  # type: ignore[assignment]
         self._block_size = ctx.block_size
         self._capacity = self.routing.prefix_cache_tokens // ctx.block_size
 

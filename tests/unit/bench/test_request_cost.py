@@ -15,9 +15,9 @@ def test_every_request_is_decided_pinned_and_completed():
     assert us > 0 and client.requests == 24
     # each stream was answered with a decision naming an endpoint (Client raises otherwise), and
     # its completion came back on the access log: nothing left in flight
-    assert handler.inflight.clusters.get(cluster, 0) == 0
+    assert handler.control.inflight.clusters.get(cluster, 0) == 0
     # the bodies were read: their prompt blocks are in the prefix index, under the endpoints chosen
-    assert len(handler.prefixes) >= 1
+    assert len(handler.control.prefixes) >= 1
 
 
 def test_a_get_is_decided_on_its_headers(capsys):

@@ -57,7 +57,7 @@ def headers_msg(session: str) -> bytes:
 def make_handler(max_queue=2, timeout_s=0.2) -> PickerHandler:
     h = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)),
                       admission=Admission(max_queue, timeout_s, retry_after_s=3))
-    h.inflight.streams = 1  # an access-log stream is open
+    h.control.inflight.streams = 1  # an access-log stream is open
     return h
 
 
@@ -75,7 +75,7 @@ async def test_a_full_cluster_queues_then_admits_on_a_completion():
     assert isinstance(waiting, asyncio.Future) and end and not waiting.done()
     h.access_log(log_message(("llm-v1", None)))  # one request finished
     assert waiting.done() and kind(waiting.result()) == ("request_headers", None)
-    assert h.inflight.clusters == {"llm-v1": 2}
+    assert h.control.inflight.clusters == {"llm-v1": 2}
 
 
 async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_memory_for_it():
@@ -83,19 +83,19 @@ async def test_a_request_queued_for_a_slot_goes_only_once_an_endpoint_also_has_m
     alone, the request was forwarded unpinned (Envoy's blind choice: an OOM in the uneven bench)."""
     h = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": limited([1, 1])}, ROUTING)),
                       admission=Admission(4, 1.0, retry_after_s=3), memory_queue=True)
-    h.inflight.streams = 1
+    h.control.inflight.streams = 1
     endpoints = ["10.0.0.0:8000", "10.0.0.1:8000"]
-    h.set_samples(MemorySamples.of({e: (20_000.0, h.inflight.now()) for e in endpoints}))
+    h.control.set_samples(MemorySamples.of({e: (20_000.0, h.control.inflight.now()) for e in endpoints}))
     for i in range(2):
         answer, _ = h.process(StreamState(), headers_msg(f"s{i}"))
         assert kind(answer) == ("request_headers", None)
     waiting, _ = h.process(StreamState(), headers_msg("s2"))
     assert isinstance(waiting, asyncio.Future) and not waiting.done()  # the cluster is full
     # both running: no room left
-    h.set_samples(MemorySamples.of({e: (50.0, h.inflight.now() + 1.0) for e in endpoints}))
+    h.control.set_samples(MemorySamples.of({e: (50.0, h.control.inflight.now() + 1.0) for e in endpoints}))
     h.access_log(log_message(("llm-v1", None)))  # a slot frees, the memory does not
     assert not waiting.done()
-    h.set_samples(MemorySamples.of({e: (20_000.0, h.inflight.now() + 2.0) for e in endpoints}))
+    h.control.set_samples(MemorySamples.of({e: (20_000.0, h.control.inflight.now() + 2.0) for e in endpoints}))
     assert waiting.done()
     r = pb.ProcessingResponse.FromString(waiting.result())
     pins = {o.header.key for o in r.request_headers.response.header_mutation.set_headers}
@@ -143,7 +143,7 @@ async def test_queue_bound_and_timeout_answer_429_with_retry_after():
     assert extra["retry-after"] == b"3"
     assert "llm-v1" in json.loads(r.immediate_response.body)["error"]["message"]
     assert kind(await asyncio.wait_for(queued, 1)) == ("immediate_response", 429)  # timed out
-    assert h.inflight.clusters == {"llm-v1": 2}, "refused requests are not in flight"
+    assert h.control.inflight.clusters == {"llm-v1": 2}, "refused requests are not in flight"
 
 
 async def test_a_cancelled_waiter_gives_its_slot_to_the_next():
@@ -159,7 +159,7 @@ async def test_a_cancelled_waiter_gives_its_slot_to_the_next():
 
 async def test_without_an_access_log_stream_nothing_is_held():
     h = make_handler()
-    h.inflight.streams = 0
+    h.control.inflight.streams = 0
     for i in range(5):
         answer, _ = h.process(StreamState(), headers_msg(f"s{i}"))
         assert kind(answer) == ("request_headers", None)

@@ -101,7 +101,7 @@ async def test_session_request_sets_cluster_and_override_host(stub, handler):
     assert got["x-inferlb-cluster"] == b"llm-v2"
     assert got["x-gateway-destination-endpoint"].decode() in ENDPOINTS
     # Sticky across streams (once the first request completed: it no longer weighs on its endpoint).
-    handler.inflight.completed("llm-v2", got["x-gateway-destination-endpoint"].decode())
+    handler.control.inflight.completed("llm-v2", got["x-gateway-destination-endpoint"].decode())
     [again] = await exchange(stub, headers_request(model_version="v2", x_session_id="alice"))
     assert set_headers(again) == got
     assert counter("inferlb_ext_proc_decisions_total", outcome="affinity") == before + 2

@@ -229,20 +229,20 @@ def test_undecodable_message_is_invalid_argument():
 
 def test_access_log_stream_counts_completions_and_open_streams():
     handler = PickerHandler(holder())
-    handler.inflight.picked("llm-v1", "10.0.0.1:8000")
+    handler.control.inflight.picked("llm-v1", "10.0.0.1:8000")
     peer = Peer(handler)
     from tests.unit.ext_proc.test_inflight import log_message
     sid = peer.call([log_message(("llm-v1", "10.0.0.1:8000"))], path=ACCESS_LOG, end=False)
     peer.pump()
-    assert handler.inflight.streams == 1 and handler.inflight.endpoints == {}
+    assert handler.control.inflight.streams == 1 and handler.control.inflight.endpoints == {}
     peer.client.end_stream(sid)
     peer.pump()
-    assert peer.result(sid)[1][b"grpc-status"] == b"0" and handler.inflight.streams == 0
+    assert peer.result(sid)[1][b"grpc-status"] == b"0" and handler.control.inflight.streams == 0
     again = peer.call([], path=ACCESS_LOG, end=False)
     peer.pump()
-    assert handler.inflight.streams == 1 and again
+    assert handler.control.inflight.streams == 1 and again
     peer.server.lost()
-    assert handler.inflight.streams == 0
+    assert handler.control.inflight.streams == 0
 
 
 def test_client_goaway_and_server_drain():
@@ -319,8 +319,8 @@ def admission_handler(max_queue: int = 4) -> PickerHandler:
     h = ViewHolder()
     h.update({"llm-v1": limited([1])}, ROUTING)
     handler = PickerHandler(h, admission=Admission(max_queue, timeout_s=5.0, retry_after_s=1))
-    handler.inflight.streams = 1
-    handler.inflight.picked("llm-v1", None)  # the cluster is full
+    handler.control.inflight.streams = 1
+    handler.control.inflight.picked("llm-v1", None)  # the cluster is full
     return handler
 
 
@@ -329,7 +329,7 @@ async def test_a_waiting_answer_is_written_when_admitted():
     peer = Peer(handler, call_later=asyncio.get_running_loop().call_later)
     sid = peer.call([headers_request(x_session_id="w").SerializeToString()])
     peer.pump()
-    assert not peer.ended(sid) and handler.admission.queued("llm-v1") == 1
+    assert not peer.ended(sid) and handler.control.admission.queued("llm-v1") == 1
     from tests.unit.ext_proc.test_inflight import log_message
     handler.access_log(log_message(("llm-v1", None)))  # a slot frees: the answer goes out
     await asyncio.sleep(0)  # the future's callbacks run on the loop
@@ -345,7 +345,7 @@ async def test_grpc_timeout_ends_a_waiting_stream_with_deadline_exceeded():
     await asyncio.sleep(0.05)
     peer.pump()
     assert peer.result(sid)[1][b"grpc-status"] == b"4"
-    assert handler.admission.release(lambda c: True) == 0  # the waiter was cancelled
+    assert handler.control.admission.release(lambda c: True) == 0  # the waiter was cancelled
 
 
 async def test_a_reset_stream_drops_its_waiting_answer():
@@ -356,7 +356,7 @@ async def test_a_reset_stream_drops_its_waiting_answer():
     peer.client.reset_stream(sid)
     peer.pump()
     assert peer.server.active_streams == 0
-    assert handler.admission.release(lambda c: True) == 0
+    assert handler.control.admission.release(lambda c: True) == 0
 
 
 def test_an_answer_given_at_once_arms_no_deadline_timer():

@@ -108,7 +108,7 @@ def test_full_duplex_holds_the_headers_answer_until_the_body_ends_then_sends_it_
     first, *rest = parse(answers)
     assert first.WhichOneof("response") == "request_headers" and destination(first) in ENDPOINTS
     assert echoed(rest, "request_body") == (body, True)
-    assert h.inflight.clusters == {"chat-v1": 1}
+    assert h.control.inflight.clusters == {"chat-v1": 1}
     # The response: headers unchanged, each body chunk sent back as it comes, the end counted.
     [answer] = parse(h.process(stream, pb.ProcessingRequest(
         response_headers=pb.HttpHeaders()).SerializeToString())[0])
@@ -116,7 +116,7 @@ def test_full_duplex_holds_the_headers_answer_until_the_body_ends_then_sends_it_
     for part, last in ((b"data: {}\n\n", False), (b"data: [DONE]\n\n", True)):
         answers, end = h.process(stream, body_msg(part, last, "response_body"))
         assert echoed(parse(answers), "response_body") == (part, last) and not end
-    assert not h.inflight.clusters.get("chat-v1") and sum(h.inflight.work.values()) == 0
+    assert not h.control.inflight.clusters.get("chat-v1") and sum(h.control.inflight.work.values()) == 0
 
 
 def test_the_same_prompt_prefix_goes_to_the_same_endpoint_and_a_large_body_comes_back_in_chunks():
@@ -151,7 +151,7 @@ def test_a_subset_hint_with_nothing_eligible_is_a_503(subset):
     [response] = parse(answer)
     assert end and response.immediate_response.status.code == 503
     assert json.loads(response.immediate_response.body)["error"]["code"] == "subset_empty"
-    assert sum(h.inflight.clusters.values()) == 0
+    assert sum(h.control.inflight.clusters.values()) == 0
 
 
 def test_no_endpoint_yet_is_a_503_not_a_pass_through():

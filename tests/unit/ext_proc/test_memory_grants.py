@@ -11,9 +11,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.admission import Admission
 from ext_proc.body import NO_BODY
 from ext_proc.grants import Grants
-from ext_proc.handler import GRANT_TIMEOUT_S, GRANT_TRIES, PickerHandler
+from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view
+from ext_proc.requestcontrol import GRANT_TIMEOUT_S, GRANT_TRIES
 from ext_proc.shared_load import SharedLoad, freed, others_of
 from ext_proc.view import RoutingTable, ViewHolder
 from protos import load_view_pb2
@@ -155,7 +156,7 @@ def test_a_grant_is_asked_whenever_another_picker_decides_and_the_free_memory_is
 def contended_handler(free: float = 20000.0, admission: Admission | None = None
                       ) -> tuple[PickerHandler, SharedLoad]:
     handler = PickerHandler(ViewHolder(view(routing=MEMORY)), admission=admission)
-    shared = handler.share_load()
+    shared = handler.control.share_load()
     shared.set_others(others_of({}, {}, {}, {}, pickers=3))
     shared.inflight.set_samples(MemorySamples.of({e: (free, shared.inflight.now()) for e in FOUR}))
     return handler, shared
@@ -163,8 +164,8 @@ def contended_handler(free: float = 20000.0, admission: Admission | None = None
 
 async def test_a_contended_admission_waits_for_its_grant_then_commits():
     handler, shared = contended_handler()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     assert isinstance(answer, asyncio.Future) and not answer.done()
     [(request_id, cluster, endpoint, mib, room)] = list(shared.grants.outbox)
     assert (cluster, mib, room) == ("c", 8000.0, 12000.0)
@@ -177,7 +178,7 @@ async def test_a_contended_admission_waits_for_its_grant_then_commits():
 async def test_a_refused_admission_is_decided_again_off_the_refused_endpoint():
     handler, shared = contended_handler()
     h = headers(x_session_id=b"s1", x_mib=b"8000")
-    answer = handler._route(h, handler.holder.current, NO_BODY, "request_headers")
+    answer = handler.control.route(h, handler.holder.current, NO_BODY, "request_headers")
     [(first_id, _, refused, _, _)] = shared.grants.take_outbox()
     shared.grants.answer(first_id, 0, 16000.0)  # others took 16000 of the 20000 MiB unseen
     [(second_id, _, again, _, _)] = shared.grants.take_outbox()
@@ -189,20 +190,20 @@ async def test_a_refused_admission_is_decided_again_off_the_refused_endpoint():
 
 async def test_after_grant_tries_refusals_the_request_waits_for_memory_like_one_without_room():
     handler, shared = contended_handler(admission=Admission(4, 0.1, retry_after_s=1))
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     for _ in range(GRANT_TRIES):
         [(request_id, *_)] = shared.grants.take_outbox()
         shared.grants.answer(request_id, 0, 16000.0)
-    assert not answer.done() and handler.admission.queued("c") == 1 and not shared.grants.outbox
+    assert not answer.done() and handler.control.admission.queued("c") == 1 and not shared.grants.outbox
     response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 2.0))
     assert response.immediate_response.status.code == 429 and not shared.inflight.endpoints
 
 
 async def test_no_answer_in_time_is_decided_locally():
     handler, shared = contended_handler()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     await asyncio.wait_for(answer, GRANT_TIMEOUT_S * 20)
     assert sum(shared.inflight.endpoints.values()) == 1 and not shared.grants.held(A)
 
@@ -213,8 +214,8 @@ async def test_with_admission_no_answer_by_the_deadline_is_a_429_not_a_commit():
     handler, shared = contended_handler(admission=Admission(4, 0.1, retry_after_s=1))
     loop = asyncio.get_running_loop()
     start = loop.time()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     assert shared.grants.take_outbox(), "asked"
     response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 2.0))
     assert response.immediate_response.status.code == 429 and not shared.inflight.endpoints
@@ -225,8 +226,8 @@ async def test_with_admission_no_answer_by_the_deadline_is_a_429_not_a_commit():
 async def test_an_admission_commits_at_once_when_no_other_picker_decides():
     handler, shared = contended_handler()
     shared.set_others(others_of({}, {}, {}, {}, pickers=1))
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     assert isinstance(answer, bytes) and not shared.grants.outbox
 
 
@@ -262,15 +263,15 @@ async def test_two_pickers_cannot_both_take_the_same_room():
 
 async def test_a_request_released_from_the_queue_and_refused_waits_again():
     handler, shared = contended_handler(free=5000.0, admission=Admission(4, 1.0, retry_after_s=1))
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
-    assert handler.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
-    handler.set_samples(MemorySamples.of({e: (20000.0, shared.inflight.now()) for e in FOUR}))
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
+    assert handler.control.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
+    handler.control.set_samples(MemorySamples.of({e: (20000.0, shared.inflight.now()) for e in FOUR}))
     [(first, _, refused, _, _)] = shared.grants.take_outbox()
     shared.grants.answer(first, 0, 16000.0)  # the room it was released onto was taken by another picker
     await asyncio.sleep(0)
-    assert not answer.done() and handler.admission.queued("c") == 1, "back in the queue, not a 429"
-    handler.tick()  # any release (a completion, a sample, housekeeping) looks again
+    assert not answer.done() and handler.control.admission.queued("c") == 1, "back in the queue, not a 429"
+    handler.control.tick()  # any release (a completion, a sample, housekeeping) looks again
     [(second, _, other, _, _)] = shared.grants.take_outbox()
     assert other != refused
     shared.grants.answer(second, 5, 0.0)
@@ -292,18 +293,18 @@ async def test_a_view_that_shows_another_pickers_request_ended_releases_a_reques
     assert shared.free.get(A) == 20000.0  # the samples' baseline: the others had nothing there then
     held = {("c", e): (2, 2.0, 16000.0) for e in FOUR}
     shared.set_others(others_of(held, {"c": (8, 8.0)}, {}, {}, pickers=3))  # since: 16000 MiB on each
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
-    assert handler.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
+    assert handler.control.admission.queued("c") == 1 and not shared.grants.outbox, "no endpoint has the memory: queued"
     before = shared.others
     shared.set_others(others_of(held, {"c": (8, 8.0)}, {}, {}, pickers=3))  # a view: nothing ended
-    handler.others_changed(before)
-    assert handler.admission.queued("c") == 1 and not shared.grants.outbox
+    handler.control.others_changed(before)
+    assert handler.control.admission.queued("c") == 1 and not shared.grants.outbox
     before = shared.others
     shared.set_others(others_of({**held, ("c", B): (0, 0.0, 0.0)}, {"c": (6, 6.0)}, {}, {}, pickers=3))
-    handler.others_changed(before)  # another picker's requests on B ended: tried again now, onto B
+    handler.control.others_changed(before)  # another picker's requests on B ended: tried again now, onto B
     [(request_id, _, endpoint, _, _)] = shared.grants.take_outbox()
-    assert endpoint == B and handler.admission.queued("c") == 0
+    assert endpoint == B and handler.control.admission.queued("c") == 0
     shared.grants.answer(request_id, 7, 0.0)
     response = pb.ProcessingResponse.FromString(await asyncio.wait_for(answer, 1.0))
     assert not response.HasField("immediate_response") and shared.inflight.endpoints.get(B) == 1

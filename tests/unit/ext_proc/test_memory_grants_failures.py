@@ -11,9 +11,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.admission import Admission
 from ext_proc.body import NO_BODY
 from ext_proc.grants import Grants
-from ext_proc.handler import GRANT_TIMEOUT_S, PickerHandler
+from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
 from ext_proc.load_client import report_message, run_load_view
+from ext_proc.requestcontrol import GRANT_TIMEOUT_S
 from ext_proc.shared_load import NO_OTHERS, SharedLoad, others_of
 from ext_proc.view import EndpointView, RoutingTable, ViewHolder
 from protos import load_view_pb2, load_view_pb2_grpc
@@ -63,8 +64,8 @@ def limited_handler() -> tuple[PickerHandler, SharedLoad]:
     routing = RoutingTable(services=LIMITED_ROUTING.services, request_memory_header="x-mib")
     handler = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": limited([1, 1])}, routing)),
                             admission=Admission(8, 1.0, retry_after_s=1))
-    handler.inflight.streams = 1
-    shared = handler.share_load()
+    handler.control.inflight.streams = 1
+    shared = handler.control.share_load()
     shared.set_others(others_of({}, {}, {}, {}, pickers=3))
     shared.inflight.set_samples(MemorySamples.of({f"10.0.0.{i}:8000": (80000.0, shared.inflight.now())
                                                   for i in range(2)}))
@@ -75,9 +76,9 @@ async def test_requests_waiting_for_a_grant_take_no_concurrency_slot():
     """The cluster's capacity is 2; requests waiting for their grant are not in flight, so every one
     that arrives in those milliseconds is admitted: 5 requests run on 2 slots, none queued."""
     handler, shared = limited_handler()
-    answers = [handler._route(headers(x_session_id=f"s{i}".encode(), x_mib=b"1000"), handler.holder.current,
-                              NO_BODY, "request_headers") for i in range(5)]
-    queued = handler.admission.queued("llm-v1")
+    answers = [handler.control.route(headers(x_session_id=f"s{i}".encode(), x_mib=b"1000"), handler.holder.current,
+                                     NO_BODY, "request_headers") for i in range(5)]
+    queued = handler.control.admission.queued("llm-v1")
     for request_id, *_ in shared.grants.take_outbox():
         shared.grants.answer(request_id, request_id, 0.0)
     await asyncio.sleep(0)
@@ -96,16 +97,16 @@ async def test_the_worst_chain_of_grant_waits_exceeds_envoys_message_timeout():
     grants = shared.grants
     loop = asyncio.get_running_loop()
     start = loop.time()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
 
     async def control_plane() -> None:   # answers each request refused, 45 ms later
         while not answer.done():
             for request_id, *_ in grants.take_outbox():
                 loop.call_later(0.045, grants.answer, request_id, 0, 16000.0)
-            if handler.admission.queued("c") and loop.time() - start > 0.23:
+            if handler.control.admission.queued("c") and loop.time() - start > 0.23:
                 grants.viewed(grants.view + 1)   # a new view: the refusal notes go, the room is back
-                handler.tick()                    # and a completion releases the queue
+                handler.control.tick()                    # and a completion releases the queue
             await asyncio.sleep(0.002)
 
     task = asyncio.create_task(control_plane())
@@ -164,8 +165,8 @@ async def test_a_grant_answered_after_its_endpoint_left_the_view_does_not_pin_it
     from tests.unit.ext_proc.test_scheduler import FOUR, cla
 
     handler, shared = contended_handler()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     [(request_id, _, endpoint, _, _)] = shared.grants.take_outbox()
     handler.holder.current = EndpointView.build({"c": cla("c", {e: 1 for e in FOUR if e != endpoint})}, MEMORY)
     shared.grants.answer(request_id, 7, 0.0)
@@ -184,10 +185,10 @@ async def test_the_room_a_grant_request_sends_keeps_the_memory_margin():
 
     estimated = RoutingTable(services=ROUTING.services, default_request_mib=8000.0, memory_margin=0.2)
     handler = PickerHandler(ViewHolder(view(routing=estimated)))
-    shared = handler.share_load()
+    shared = handler.control.share_load()
     shared.set_others(others_of({}, {}, {}, {}, pickers=3))
     shared.inflight.set_samples(MemorySamples.of({e: (20000.0, shared.inflight.now()) for e in FOUR}))
-    answer = handler._route(headers(x_session_id=b"s1"), handler.holder.current, NO_BODY, "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1"), handler.holder.current, NO_BODY, "request_headers")
     [(_, _, endpoint, mib, room)] = shared.grants.take_outbox()
     ledger = GrantLedger(1.0)
     ledger.decide("other", endpoint, room, 0.0, {}, 0.0)      # another picker's unseen grant of `room` MiB
@@ -258,14 +259,14 @@ async def test_without_the_memory_queue_an_unanswered_grant_is_not_waited_out_th
     only later and elsewhere. Without a 429 to give, it is decided locally after GRANT_TIMEOUT_S."""
     handler = PickerHandler(ViewHolder(view(routing=MEMORY)), admission=Admission(4, 0.5, retry_after_s=1),
                             memory_queue=False)
-    shared = handler.share_load()
+    shared = handler.control.share_load()
     shared.set_others(others_of({}, {}, {}, {}, pickers=3))
     shared.inflight.set_samples(MemorySamples.of({e: (20000.0 + i, shared.inflight.now())
                                                   for i, e in enumerate(FOUR)}))   # FOUR[-1] has the most
     loop = asyncio.get_running_loop()
     start = loop.time()
-    answer = handler._route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
-                            "request_headers")
+    answer = handler.control.route(headers(x_session_id=b"s1", x_mib=b"8000"), handler.holder.current, NO_BODY,
+                                   "request_headers")
     [(_, _, asked, _, _)] = list(shared.grants.outbox)
     assert asked != FOUR[-1], "the session's endpoint is not the one with the most free memory"
     await asyncio.wait_for(answer, 2.0)

@@ -28,7 +28,7 @@ def turns(routing, n: int = 3, samples: dict[str, tuple[float, float]] | None = 
     """The endpoints of one session's ``n`` requests sent back to back (none finished)."""
     handler = PickerHandler(ViewHolder(view(routing=routing)))
     if samples is not None:
-        handler.set_samples(MemorySamples.of(samples))
+        handler.control.set_samples(MemorySamples.of(samples))
     return [_endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"s-1"))[0]) for _ in range(n)]
 
 

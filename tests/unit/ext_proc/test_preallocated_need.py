@@ -25,7 +25,7 @@ SAMPLES = {e: (8192.0, 0.0) for e in FOUR} | {FOUR[0]: (100.0, 0.0)}
 def pins(routing, samples=None) -> list[str]:
     handler = PickerHandler(ViewHolder(view(routing=routing)))
     if samples is not None:
-        handler.set_samples(MemorySamples.of(samples))
+        handler.control.set_samples(MemorySamples.of(samples))
     return [_endpoint(handler.process(StreamState(), _headers_msg(x_session_id=k))[0]) for k in KEYS]
 
 

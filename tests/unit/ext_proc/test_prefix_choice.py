@@ -189,7 +189,7 @@ def test_the_body_gives_the_prompt_blocks_only_with_the_index_on():
 def test_requests_sharing_a_system_prompt_follow_the_first_that_sent_it():
     handler = PickerHandler(ViewHolder(EndpointView.build({"c": assignment("c", FOUR)}, routing(500_000))))
     first = route(handler, body("first question " * 70), b"r0")
-    assert handler.prefixes.held(first) == 10
+    assert handler.control.prefixes.held(first) == 10
     others = [route(handler, body(f"question {i} " * 80), b"r%d" % (i + 1)) for i in range(2)]
     # 80 % of the prompt cached there, worth 0.8 x min_bound (2) requests: one more in flight is
     # worth less and the second follows; two more are worth more and the third goes elsewhere
@@ -208,19 +208,19 @@ def test_the_index_forgets_endpoints_that_left_the_view_only_after_keep_s():
     holder = ViewHolder(EndpointView.build({"c": assignment("c", FOUR)}, routing(500_000)))
     handler = PickerHandler(holder, InFlight(clock=lambda: now[0]))
     first = route(handler, body("q" * 2000), b"r0")
-    held = handler.prefixes.held(first)
-    handler.tick()
+    held = handler.control.prefixes.held(first)
+    handler.control.tick()
     holder.update({"c": assignment("c", [e for e in FOUR if e != first])}, routing(500_000))
     now[0] = KEEP_S
-    handler.tick()
-    assert handler.prefixes.held(first) == held > 0, "kept through a flap"
+    handler.control.tick()
+    assert handler.control.prefixes.held(first) == held > 0, "kept through a flap"
     holder.update({"c": assignment("c", FOUR)}, routing(500_000))
     now[0] = 2 * KEEP_S - 1
-    handler.tick()   # back within KEEP_S: seen again now
+    handler.control.tick()   # back within KEEP_S: seen again now
     holder.update({"c": assignment("c", [e for e in FOUR if e != first])}, routing(500_000))
     now[0] = 3 * KEEP_S
-    handler.tick()
-    assert handler.prefixes.held(first) == 0 and len(handler.prefixes) == 0
+    handler.control.tick()
+    assert handler.control.prefixes.held(first) == 0 and len(handler.control.prefixes) == 0
 
 
 def test_prefix_cache_tokens_reaches_the_picker_and_survives_the_wire():
@@ -273,7 +273,7 @@ def test_a_conversations_turns_follow_it_though_its_opening_is_shorter_than_a_bl
     for turn in range(4):
         for c, turns in enumerate(conversations):
             endpoint = route(handler, turns[turn], b"c%dt%d" % (c, turn))
-            assert handler.inflight.completed("c", endpoint)  # one turn at a time: no load builds up
+            assert handler.control.inflight.completed("c", endpoint)  # one turn at a time: no load builds up
             where[c].append(endpoint)
     assert all(len(set(ws)) == 1 for ws in where.values()), where
     assert len({ws[0] for ws in where.values()}) > 1  # and they are not all on one endpoint

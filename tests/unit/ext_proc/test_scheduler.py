@@ -110,7 +110,7 @@ def test_an_a10_gets_its_weight_share_of_pinned_traffic():
     handler = PickerHandler(ViewHolder(v))
     for i in range(450):
         handler.process(StreamState(), _headers_msg(x_session_id=b"s%d" % i))
-    counts = handler.inflight.endpoints
+    counts = handler.control.inflight.endpoints
     assert counts[endpoints[2]] <= 1.25 * 450 * 25 / 225 + 1
     assert counts[endpoints[0]] > 2 * counts[endpoints[2]]
 
@@ -321,17 +321,17 @@ def test_a_count_that_holds_another_pickers_requests_is_not_used_while_that_pick
 
     clock = [0.0]
     handler = PickerHandler(ViewHolder(view()))
-    handler.inflight = InFlight(clock=lambda: clock[0])
-    shared = handler.share_load()
+    handler.control.inflight = InFlight(clock=lambda: clock[0])
+    shared = handler.control.share_load()
     for _ in range(2):
         clock[0] = 9.99
-        handler.inflight.picked("c", FOUR[0], mib=4096.0)
+        handler.control.inflight.picked("c", FOUR[0], mib=4096.0)
     clock[0] = 10.5
     samples = {FOUR[0]: (20480.0, 10.0)}
 
     def estimate() -> float:
-        handler.set_samples(MemorySamples.of(dict(samples), {FOUR[0]: 2.0}))
-        return handler.inflight.free[FOUR[0]]
+        handler.control.set_samples(MemorySamples.of(dict(samples), {FOUR[0]: 2.0}))
+        return handler.control.inflight.free[FOUR[0]]
 
     assert estimate() == 20480.0 - 2 * 4096.0, "no view yet: the count is not used"
     shared.set_others(others_of({}, {}, {}, {}, pickers=2, idle=1))
@@ -405,7 +405,7 @@ async def test_a_request_nothing_can_hold_waits_then_gets_429_saying_why():
     from ext_proc.admission import Admission
     v = view({FOUR[0]: 1})
     handler = PickerHandler(ViewHolder(v), admission=Admission(4, 0.05, 2), limit_concurrency=False)
-    handler.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
+    handler.control.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
     answer, end = handler.process(StreamState(), _headers_msg())  # needs 2048 MiB + 20 %
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     response = pb.ProcessingResponse.FromString(await answer)
@@ -417,10 +417,10 @@ async def test_a_waiting_request_goes_once_a_sample_shows_memory():
     from ext_proc.admission import Admission
     v = view({FOUR[0]: 1})
     handler = PickerHandler(ViewHolder(v), admission=Admission(4, 2.0, 1), limit_concurrency=False)
-    handler.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
+    handler.control.set_samples(MemorySamples.of({FOUR[0]: (1000.0, 0.0)}))
     answer, _ = handler.process(StreamState(), _headers_msg())
     assert not answer.done()
-    handler.set_samples(MemorySamples.of({FOUR[0]: (30_000.0, 0.0)}))
+    handler.control.set_samples(MemorySamples.of({FOUR[0]: (30_000.0, 0.0)}))
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     response = pb.ProcessingResponse.FromString(await answer)
     assert response.WhichOneof("response") == "request_headers"
@@ -468,16 +468,16 @@ def test_a_burst_does_not_scatter_a_session_but_a_persistent_spill_moves_it():
     v = view()
     handler = PickerHandler(ViewHolder(v), pin_move_after=3)
     answer = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
-    slot = next(iter(handler.sessions._entries))
-    assert handler.sessions.get(slot) == answer
+    slot = next(iter(handler.control.sessions._entries))
+    assert handler.control.sessions.get(slot) == answer
     # The home endpoint is hot (other traffic): the next 2 requests spill, the pin stays.
     for _ in range(10):
-        handler.inflight.picked("c", answer, 1.0)
+        handler.control.inflight.picked("c", answer, 1.0)
     for _ in range(2):
         other = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
-        assert other != answer and handler.sessions.get(slot) == answer
+        assert other != answer and handler.control.sessions.get(slot) == answer
     third = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"alice"))[0])
-    assert handler.sessions.get(slot) == third != answer  # moved, and counted as pin-moved
+    assert handler.control.sessions.get(slot) == third != answer  # moved, and counted as pin-moved
 
 
 # --- prefix keys ---------------------------------------------------------------------------------
@@ -607,8 +607,8 @@ def test_completions_teach_the_cost_model_through_the_access_log():
         answer, _ = handler.process(stream, _body_msg(body))
         endpoint = _endpoint(answer, body=True)
         handler.access_log(_log(endpoint, duration_ms=100.0 + i, ttft_ms=20.0))
-    handler.tick()
-    fit = handler.costs.fits["a10"]
+    handler.control.tick()
+    fit = handler.control.costs.fits["a10"]
     assert fit.samples == 5 and fit.mean_ms == pytest.approx(102.0, rel=0.01)
 
 
@@ -738,14 +738,14 @@ def test_the_first_burst_before_any_access_log_stream_is_bounded():
     """50 new sessions that all hash to one endpoint, no access-log stream open: <= the bound each."""
     v = view()
     handler = PickerHandler(ViewHolder(v))
-    assert handler.inflight.streams == 0
+    assert handler.control.inflight.streams == 0
     p = v.clusters["c"]
     home = p.ring.lookup(b"k-0")
     keys = [b"k-%d" % i for i in range(5000) if p.ring.lookup(b"k-%d" % i) == home][:50]
     assert len(keys) == 50
     for k in keys:
         handler.process(StreamState(), _headers_msg(x_session_id=k))
-    counts = handler.inflight.endpoints
+    counts = handler.control.inflight.endpoints
     assert max(counts.values()) <= 16 and sum(counts.values()) == 50
 
 
@@ -759,19 +759,19 @@ def test_a_connect_failure_stops_pinning_there_and_re_pins_the_session_once():
     first = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
     survivor = next(e for e in FOUR if e != first)
     handler.access_log(_log(first, served_by=survivor, attempts=2))  # Envoy retried elsewhere: a 5xx, or broken?
-    assert first not in handler.inflight.failed
+    assert first not in handler.control.inflight.failed
     clock[0] = 1.0
     handler.access_log(_log(first, served_by=survivor, attempts=2))  # again within the hold: failing
-    assert first in handler.inflight.failed
+    assert first in handler.control.inflight.failed
     seen = set()
     for _ in range(3):  # one after the other, each completed before the next
         e = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
-        handler.inflight.completed("c", e)
+        handler.control.inflight.completed("c", e)
         seen.add(e)
     assert first not in seen and len(seen) == 1  # re-pinned once, and it stays there
     clock[0] = 7.0
-    handler.tick()
-    assert first not in handler.inflight.failed
+    handler.control.tick()
+    assert first not in handler.control.inflight.failed
     again = _endpoint(handler.process(StreamState(), _headers_msg(x_session_id=b"bob"))[0])
     assert again in seen  # the hold is over, but the session stays on its new endpoint
 
@@ -782,16 +782,16 @@ def test_retries_elsewhere_far_apart_never_mark_an_endpoint_failing():
     for _ in range(4):
         handler.access_log(_log(FOUR[0], served_by=FOUR[1], attempts=2))  # an OOM answer retried, say
         clock[0] += 6.0
-        handler.tick()
-        assert not handler.inflight.failed
+        handler.control.tick()
+        assert not handler.control.inflight.failed
 
 
 def test_when_every_endpoint_is_failing_requests_are_still_pinned_not_refused():
     handler = PickerHandler(ViewHolder(view()))
     for e in FOUR:
         handler.access_log(_log(e, flag="upstream_connection_failure", status=503))
-    assert set(handler.inflight.failed) == set(FOUR)
-    decision = pick(headers(x_session_id=b"s"), handler.holder.current, handler.inflight)
+    assert set(handler.control.inflight.failed) == set(FOUR)
+    decision = pick(headers(x_session_id=b"s"), handler.holder.current, handler.control.inflight)
     assert decision.endpoint in FOUR and decision.reason != "no-memory"
 
 
@@ -799,7 +799,7 @@ def test_upstream_connection_failure_flag_marks_the_pin_failing():
     handler = PickerHandler(ViewHolder(view()))
     e = _endpoint(handler.process(StreamState(), _headers_msg())[0])
     handler.access_log(_log(e, flag="upstream_connection_failure", status=503))
-    assert e in handler.inflight.failed
+    assert e in handler.control.inflight.failed
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -850,8 +850,8 @@ def _log(pin: str, served_by: str | None = None, attempts: int = 1, flag: str | 
 
 def test_without_the_memory_queue_a_request_nothing_can_hold_goes_to_the_most_free_endpoint():
     handler = PickerHandler(ViewHolder(view()))
-    handler.set_samples(MemorySamples.of({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0),
-                                          FOUR[3]: (10.0, 0.0)}))
+    handler.control.set_samples(MemorySamples.of({FOUR[0]: (100.0, 0.0), FOUR[1]: (1500.0, 0.0), FOUR[2]: (900.0, 0.0),
+                                                  FOUR[3]: (10.0, 0.0)}))
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) == FOUR[1]
 
 
@@ -871,19 +871,20 @@ def test_a_request_larger_than_every_endpoints_whole_memory_gets_a_503_that_says
     admission = Admission(8, 0.1, 1) if memory_queue else None
     handler = PickerHandler(ViewHolder(view()), admission=admission, limit_concurrency=False,
                             memory_queue=memory_queue)
-    handler.set_largest_memory({"c": 2000.0})
+    handler.control.set_largest_memory({"c": 2000.0})
     status, message, extra = _immediate(handler.process(StreamState(), _headers_msg())[0])
     assert status == 503 and "retry-after" not in extra
     assert "no endpoint with 2048 MiB" in message and "the largest has 2000 MiB" in message and "'c'" in message
-    assert not handler.inflight.clusters
+    assert not handler.control.inflight.clusters
 
 
 def test_a_request_that_fits_the_largest_endpoint_or_an_unknown_cluster_is_not_refused_as_too_large():
     handler = PickerHandler(ViewHolder(view()))
-    handler.set_samples(MemorySamples.of({e: (10.0, 0.0) for e in FOUR}))  # no room now: best effort, not a refusal
-    handler.set_largest_memory({"c": 4096.0})
+    # no room now: best effort, not a refusal
+    handler.control.set_samples(MemorySamples.of({e: (10.0, 0.0) for e in FOUR}))
+    handler.control.set_largest_memory({"c": 4096.0})
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) in FOUR
-    handler.set_largest_memory({"other": 1.0})
+    handler.control.set_largest_memory({"other": 1.0})
     assert _endpoint(handler.process(StreamState(), _headers_msg())[0]) in FOUR
 
 def test_at_low_load_the_bound_is_at_least_min_bound_so_a_next_turn_does_not_spill():

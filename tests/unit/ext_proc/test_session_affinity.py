@@ -73,14 +73,14 @@ def turn(handler: PickerHandler, session: bytes = b"alice") -> str:
     """One turn of ``session`` through the handler; it completes at once (the next turn sees only the
     load the test puts there)."""
     e = endpoint_of(handler.process(StreamState(), message(session))[0])
-    handler.inflight.completed("c", e)
+    handler.control.inflight.completed("c", e)
     return e
 
 
 def load(handler: PickerHandler, endpoint: str, n: int) -> None:
     """``n`` requests of other clients in flight on ``endpoint``."""
     for _ in range(n):
-        handler.inflight.picked("c", endpoint, 1.0)
+        handler.control.inflight.picked("c", endpoint, 1.0)
 
 
 def test_strict_keeps_every_turn_on_a_loaded_endpoint_and_names_the_contract():
@@ -101,10 +101,10 @@ def test_soft_spills_under_the_same_load_then_moves_the_session_as_today():
     load(h, home, 40)
     spills = [turn(h) for _ in range(2)]
     assert home not in spills  # two spills: the pin stays (pin_move_after 3)
-    slot = next(iter(h.sessions._entries))
-    assert h.sessions.get(slot) == home
+    slot = next(iter(h.control.sessions._entries))
+    assert h.control.sessions.get(slot) == home
     moved = turn(h)
-    assert moved != home and h.sessions.get(slot) == moved  # the third moves it
+    assert moved != home and h.control.sessions.get(slot) == moved  # the third moves it
 
 
 @pytest.mark.parametrize("health", [UNHEALTHY, DRAINING])
@@ -130,7 +130,7 @@ def test_strict_moves_a_session_whose_endpoint_refuses_connections():
                       inflight=InFlight(clock=lambda: 0.0, failure_hold_s=5.0))
     home = turn(h)
     h.access_log(access_log(home, flag="upstream_connection_failure", status=503))
-    assert home in h.inflight.failed
+    assert home in h.control.inflight.failed
     new = turn(h)
     assert new != home
     assert turn(h) == new
@@ -180,16 +180,16 @@ def test_strict_without_the_memory_queue_answers_429_when_the_pin_has_no_memory_
     h = handler_for("strict", memory_queue=False, retry_after_s=2)
     home = turn(h)
     others = {e: (50_000.0, 0.0) for e in FOUR if e != home}
-    h.set_samples(MemorySamples.of({home: (100.0, 0.0), **others}))  # the default need: 2048 MiB x 1.2
+    h.control.set_samples(MemorySamples.of({home: (100.0, 0.0), **others}))  # the default need: 2048 MiB x 1.2
     status, extra, message_ = _immediate(h.process(StreamState(), message(b"alice"))[0])
     assert status == 429 and extra["retry-after"] == b"2" and "session_affinity: strict" in message_
-    assert not h.inflight.clusters
-    h.set_samples(MemorySamples.of({home: (50_000.0, 1.0), **others}))
+    assert not h.control.inflight.clusters
+    h.control.set_samples(MemorySamples.of({home: (50_000.0, 1.0), **others}))
     assert turn(h) == home
     # soft, same case: the turn goes to an endpoint with memory
     s = handler_for("soft", memory_queue=False)
     home = turn(s)
-    s.set_samples(MemorySamples.of({home: (100.0, 0.0), **{e: (50_000.0, 0.0) for e in FOUR if e != home}}))
+    s.control.set_samples(MemorySamples.of({home: (100.0, 0.0), **{e: (50_000.0, 0.0) for e in FOUR if e != home}}))
     assert turn(s) != home
 
 
@@ -197,11 +197,11 @@ async def test_strict_with_the_memory_queue_waits_for_its_pin_to_have_memory():
     h = handler_for("strict", admission=Admission(8, 1.0, retry_after_s=1), memory_queue=True,
                     limit_concurrency=False)
     home = turn(h)
-    others = {e: (50_000.0, h.inflight.now()) for e in FOUR if e != home}
-    h.set_samples(MemorySamples.of({home: (100.0, h.inflight.now()), **others}))
+    others = {e: (50_000.0, h.control.inflight.now()) for e in FOUR if e != home}
+    h.control.set_samples(MemorySamples.of({home: (100.0, h.control.inflight.now()), **others}))
     waiting, _ = h.process(StreamState(), message(b"alice"))
     assert isinstance(waiting, asyncio.Future) and not waiting.done()  # others have memory: it still waits
-    h.set_samples(MemorySamples.of({home: (50_000.0, h.inflight.now() + 1.0), **others}))
+    h.control.set_samples(MemorySamples.of({home: (50_000.0, h.control.inflight.now() + 1.0), **others}))
     assert waiting.done() and endpoint_of(waiting.result()) == home
 
 

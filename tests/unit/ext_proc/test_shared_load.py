@@ -156,11 +156,11 @@ def test_the_second_picker_bounds_on_the_first_pickers_load():
     assert together.endpoint != owner and together.reason == "spilled"
 
 
-def test_share_load_is_the_one_seam_of_the_handler():
-    handler = PickerHandler(ViewHolder(view()))
-    assert handler.loads is handler.inflight
-    shared = handler.share_load()
-    assert handler.loads is shared and handler.share_load() is shared and shared.inflight is handler.inflight
+def test_share_load_is_the_one_seam_of_the_request_control():
+    control = PickerHandler(ViewHolder(view())).control
+    assert control.loads is control.inflight
+    shared = control.share_load()
+    assert control.loads is shared and control.share_load() is shared and shared.inflight is control.inflight
 
 
 def test_a_report_carries_the_live_load_and_picks_since_the_last_report():
@@ -386,22 +386,22 @@ def test_a_standalone_picker_settles_its_doubtful_requests_with_its_own_share_of
     plane (``MemorySample.held``), can, whoever decides: held 1, the sample held it."""
     clock = Clock()
     handler = PickerHandler(ViewHolder(view()), InFlight(expiry_s=100.0, clock=clock))
-    shared = handler.share_load()
+    shared = handler.control.share_load()
     shared.set_others(others_of({}, {}, {}, {}, pickers=3))
     assert not shared.alone()
-    handler.set_samples(MemorySamples.of({A: (24576.0, 99.0)}))  # known from before
-    handler.inflight.picked("c", A, mib=8192.0)
+    handler.control.set_samples(MemorySamples.of({A: (24576.0, 99.0)}))  # known from before
+    handler.control.inflight.picked("c", A, mib=8192.0)
     clock.now += 0.2
-    handler.inflight.completed("c", A)
+    handler.control.inflight.completed("c", A)
     clock.now += 1.0
     sample = {A: (10000.0, 100.0)}
-    handler.set_samples(MemorySamples.of(sample, {A: 1.0}))
+    handler.control.set_samples(MemorySamples.of(sample, {A: 1.0}))
     assert shared.free.get(A) == 10000.0, "the backend's whole count is not used while another picker decides"
     msg = load_view_pb2.LoadView(memory_round=1)
     msg.memory.add(endpoint=A, free_mib=10000.0, age_s=clock.now - 100.0, held=1.0)
     _, own = memory_of(msg, clock.now)
     assert own.own and own.held == {A: 1.0}
-    handler.set_samples(own)
+    handler.control.set_samples(own)
     assert shared.free.get(A) == 18192.0, "its own share settles it: the sample held the request"
     msg.memory[0].ClearField("held")
     assert memory_of(msg, clock.now)[1].held is None

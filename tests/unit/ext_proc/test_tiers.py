@@ -86,9 +86,9 @@ def test_the_cloud_gets_nothing_while_the_edge_stays_under_the_threshold():
 
 def test_admission_counts_both_tiers_capacity():
     handler = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": tiered()}, routing())))
-    assert handler._capacity(handler.holder.current, "llm-v1") == 20
+    assert handler.control._capacity(handler.holder.current, "llm-v1") == 20
     handler = PickerHandler(ViewHolder(EndpointView.build({"llm-v1": tiered(limit=None)}, routing())))
-    assert handler._capacity(handler.holder.current, "llm-v1") == 0
+    assert handler.control._capacity(handler.holder.current, "llm-v1") == 0
 
 
 def test_the_threshold_travels_over_xds():

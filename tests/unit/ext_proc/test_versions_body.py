@@ -223,7 +223,7 @@ def test_streamed_body_is_decided_on_its_first_chunk_and_later_chunks_pass_uncha
         assert end == last and pb.ProcessingResponse.FromString(answer) == pb.ProcessingResponse(
             request_body=pb.BodyResponse())
     # The session came from the first bytes ("user"): the same pin as by header.
-    assert h.sessions.get(next(iter(h.sessions._entries))) == pinned.decode()
+    assert h.control.sessions.get(next(iter(h.control.sessions._entries))) == pinned.decode()
 
 
 def test_partial_and_whole_bodies_give_the_same_prefix_key():

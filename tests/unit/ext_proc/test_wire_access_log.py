@@ -381,7 +381,7 @@ def test_bytes_protobuf_rejects_are_counted_and_logged_by_the_handler(caplog):
     from tests.unit.ext_proc.test_scheduler import view
 
     handler = PickerHandler(ViewHolder(view()))
-    handler.inflight.picked("c", None, request_id=b"r1")
+    handler.control.inflight.picked("c", None, request_id=b"r1")
     bad = ENVOY_BATCH[:-3]
     assert compiled(bad) is None and reference(bad) is DecodeError
     before = ERRORS.labels("access-log-decode")._value.get()
@@ -391,4 +391,4 @@ def test_bytes_protobuf_rejects_are_counted_and_logged_by_the_handler(caplog):
     message = als_pb2.StreamAccessLogsMessage()
     message.http_logs.log_entry.add().request.request_headers[handler.holder.current.routing.cluster_header] = "c"
     handler.access_log(message.SerializeToString())
-    assert handler.inflight.clusters == {}
+    assert handler.control.inflight.clusters == {}

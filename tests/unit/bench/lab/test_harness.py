@@ -216,9 +216,9 @@ def test_inferlb_pins_a_session_and_learns_completions_from_the_access_log() -> 
     assert handler is not None
     # every completion but those of the last flush reached the picker's cost model through the access log
     finished = sum(1 for r in result.records if r.status == 200)
-    observed = sum(s.n for s in handler.costs._sums.values())
+    observed = sum(s.n for s in handler.control.costs._sums.values())
     assert finished - 3 <= observed <= finished
-    assert sum(handler.inflight.endpoints.values()) <= 3
+    assert sum(handler.control.inflight.endpoints.values()) <= 3
 
 
 def test_quick_mode_is_a_small_cluster_and_a_minute() -> None:

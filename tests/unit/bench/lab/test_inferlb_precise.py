@@ -35,7 +35,7 @@ def test_a_shared_prefix_stays_on_the_engine_whose_events_hold_it() -> None:
     result = run(_spec(), lambda: policy)
     assert policy.needs.kv_events and policy.needs.kv_event_delay_s == 0.05
     index = policy.index
-    assert isinstance(index, EventIndex) and policy.handler is not None and policy.handler.prefixes is index
+    assert isinstance(index, EventIndex) and policy.handler is not None and policy.handler.control.prefixes is index
     served = {r.endpoint for r in result.records[3:]}
     assert len(served) == 1
     (endpoint,) = served

@@ -1,5 +1,5 @@
 """The lab's shared load view (bench.lab.loadview): the control plane's sum, the pickers' report loop,
-memory grants and memory rounds in virtual time, the virtual event loop the handler's waits run on,
+memory grants and memory rounds in virtual time, the virtual event loop the request control's waits run on,
 and a small multi-gateway lab run with and without the view."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _busy(clock: _Clock, *links: PickerLink) -> None:
 
 
 def test_the_ledger_refuses_a_room_another_pickers_unseen_grant_took():
-    """Two pickers ask at the same moment: a's request is granted and committed (as the handler commits
+    """Two pickers ask at the same moment: a's request is granted and committed (as the request control commits
     in the answer), and its pick goes out at once in a report of its own; b's request, asked on a view
     without it, is refused with a's unseen 18 GiB, and granted when asked again on the view that shows it."""
     clock, plane, (a, b), _, _ = _pickers()
@@ -198,11 +198,11 @@ def test_a_request_the_picker_commits_is_sent_at_that_moment_whatever_call_commi
     same virtual moment, not at the picker's next wake-up (355 requests of the full multi_gateway run
     went 10 ms or more after their commit, their memory held on no GPU meanwhile)."""
     from bench.lab import harness
-    from ext_proc.handler import PickerHandler
+    from ext_proc.requestcontrol import RequestControl
 
     committed: dict[bytes, float] = {}
     late: list[float] = []
-    commit, send = PickerHandler._commit, harness._Run.send
+    commit, send = RequestControl.commit, harness._Run.send
 
     def _commit(self, decision, view, headers, phase):
         committed[headers["x-request-id"]] = self.inflight.now()
@@ -214,7 +214,7 @@ def test_a_request_the_picker_commits_is_sent_at_that_moment_whatever_call_commi
             late.append(self.now - at)
         return send(self, g, rec, address)
 
-    monkeypatch.setattr(PickerHandler, "_commit", _commit)
+    monkeypatch.setattr(RequestControl, "commit", _commit)
     monkeypatch.setattr(harness._Run, "send", _send)
     figures = _oom(3)
     assert figures["requests"] > 400 and len(committed) > 400
