@@ -191,7 +191,7 @@ class PickerHandler:
                 # The whole body (buffered, or one streamed chunk); else decided on a streamed body's first
                 # bytes, and the later chunks pass unchanged.
                 stream.decided = not end_of_stream
-                fields = self._read(headers, view, body, end_of_stream)
+                fields = self.read_body(headers, view, body, end_of_stream)
                 return self._route(headers, view, fields, "request_body"), end_of_stream
             except JsonTooDeep:
                 return self.control.refused(too_deep(MAX_JSON_DEPTH), view, headers, "request_body"), True
@@ -214,9 +214,11 @@ class PickerHandler:
             return self._route(headers, view, BODY_TOO_LARGE, "request_headers"), True
         return self._route(headers, view, NO_BODY, "request_headers"), True
 
-    def _read(self, headers: dict[str, bytes], view: EndpointView, body: bytes, whole: bool) -> BodyFields:
-        """The fields of a request's JSON body (``whole``: all of it; else its first bytes), what an
-        unreadable whole body stands for (reported: ``body-unreadable``).
+    def read_body(self, headers: dict[str, bytes], view: EndpointView, body: bytes, whole: bool) -> BodyFields:
+        """The fields of a held request's JSON body, as the stream reads them (``whole``: all of it; else
+        its first bytes; the session headers say whether a prefix key is computed), or what an
+        unreadable whole body stands for (reported: ``body-unreadable``). The lab's ``inferlb`` policy
+        reads its requests' bodies here too.
 
         Raises:
             JsonTooDeep: the body (or one of a streamed body's first messages) nests too deep.
@@ -237,7 +239,7 @@ class PickerHandler:
         go to (None: any), ``phase`` the message the answer is for. Returns the serialized answer, or
         a future of it (admission)."""
         try:
-            fields = NO_BODY if body is None else self._read(headers, view, body, whole)
+            fields = NO_BODY if body is None else self.read_body(headers, view, body, whole)
         except JsonTooDeep:
             return self.control.refused(too_deep(MAX_JSON_DEPTH), view, headers, phase)
         if subset is not None:

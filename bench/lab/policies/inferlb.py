@@ -10,8 +10,9 @@ the I/O around it.
   inferlb's own functions (:func:`inferlb.picker_config.routing_table`,
   :func:`inferlb.picker_config.picker_settings`), on the lab's clock. Each request goes through the
   handler's own request path: the body fields as body routing reads them (:mod:`ext_proc.body`'s
-  ``wants_body`` and ``body_fields``: the model, the session fields, the prefix key of the first
-  messages, the prompt's size), then its request control's ``route``
+  ``wants_body``, the handler's ``read_body``: the model, the session fields, the prefix key of the
+  first messages unless a session header keys the request, the prompt's size), then its request
+  control's ``route``
   (:class:`ext_proc.requestcontrol.RequestControl`; ``pick``: the service's scheduling profile, by
   default ring affinity, weighted bounded loads and memory admission; the too-large check; the
   no-memory fallback; ``commit``: the pick counted in flight, the session's pin moved or kept).
@@ -67,7 +68,7 @@ from bench.lab.loadview import ControlPlaneView, PickerLink
 from bench.lab.policy import Answer, Context, Eds, Finished, Needs, PolicyBase, Progress, Reject, Request, Route, Wait
 from bench.lab.virtual_loop import VirtualLoop
 from ext_proc.admission import Admission
-from ext_proc.body import NO_BODY, body_fields, wants_body
+from ext_proc.body import NO_BODY, wants_body
 from ext_proc.costmodel import CostModel
 from ext_proc.handler import PickerHandler
 from ext_proc.inflight import InFlight, MemorySamples
@@ -201,7 +202,7 @@ class Inferlb(PolicyBase):
         assert handler is not None
         view = handler.holder.current
         if view.routing.body_max_bytes and wants_body(request.headers, view.routing):
-            return body_fields(request.body, view.routing) or NO_BODY
+            return handler.read_body(request.headers, view, request.body, True)  # type: ignore[arg-type]
         return NO_BODY
 
     def decide(self, request: Request) -> Answer:
