@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import requests
 
 from tests.integration.conftest import Stack, start_stack, stop_stack, wait_until
 
@@ -45,6 +46,20 @@ def test_models_lists_every_served_name(oa_stack: Stack):
     models = client(oa_stack).models.list()
     assert sorted((m.id, m.owned_by) for m in models) == [("org/sim 7b", "chat"), ("sim-7b", "chat"), ("v1", "chat"),
                                                          ("v2", "chat")]
+
+
+def test_head_reads_the_models_like_get_and_any_other_method_is_a_405_from_envoy(oa_stack: Stack):
+    """A backend knows only its own model name: no method under /v1/models reaches one."""
+    base = f"{oa_stack.listener}/v1/models"
+    got = requests.get(base, timeout=10)
+    head = requests.head(base, timeout=10)
+    assert (head.status_code, head.content, head.headers["content-type"]) == (200, b"", "application/json")
+    assert head.headers["content-length"] == got.headers["content-length"]   # GET's answer, without its body
+    for method, url in (("POST", base), ("DELETE", f"{base}/v1"), ("PUT", f"{base}/anything")):
+        r = requests.request(method, url, json={}, timeout=10)
+        assert (r.status_code, r.headers["allow"], r.json()["error"]["code"]) == (405, "GET, HEAD",
+                                                                                  "method_not_allowed"), method
+        assert "x-served-by" not in r.headers
 
 
 def test_each_listed_model_is_retrieved_and_another_is_a_404(oa_stack: Stack):

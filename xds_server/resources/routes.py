@@ -55,13 +55,18 @@ def models_list(s: ServiceConfig) -> dict:
         for name in served_names(s)]}
 
 
-def _answered(match: dict, status: int, body: str) -> dict:
-    """A ``GET`` route (JSON form) Envoy answers itself with ``body`` (JSON): no picker call (ext_proc
-    disabled on the route, so the request is neither decided nor counted in flight), no upstream."""
-    return {"match": {**match, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+def _answered(match: dict, status: int, body: str, reading: bool = True,
+              headers: tuple[tuple[str, str], ...] = ()) -> dict:
+    """A route (JSON form) Envoy answers itself with ``body`` (JSON) and ``headers``: no picker call
+    (ext_proc disabled on the route, so the request is neither decided nor counted in flight), no
+    upstream. ``reading``: only for ``GET`` and ``HEAD`` (Envoy sends a HEAD answer's headers alone);
+    False: for any method."""
+    methods = [{"name": ":method", "string_match": {"safe_regex": {"regex": "GET|HEAD"}}}] if reading else []
+    return {"match": {**match, **({"headers": methods} if methods else {})},
             "direct_response": {"status": status, "body": {"inline_string": body}},
-            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "response_headers_to_add": [
+                {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                for k, v in (("content-type", "application/json"), *headers)],
             "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
                 "@type": TYPE_PREFIX + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
                 "disabled": True}}}
@@ -76,17 +81,22 @@ def _spellings(name: str) -> list[str]:
 
 def _models_routes(s: ServiceConfig) -> list[dict]:
     """``GET /v1/models`` (:func:`models_list`), ``GET /v1/models/{name}`` for each name it lists (that
-    entry: OpenAI's retrieve), and a 404 ``model_not_found`` (``param`` ``model``) for any other name
-    under ``/v1/models/``, answered by Envoy. Before, a name the list showed was retrieved from a
-    backend, which knows only its own model name (a version's name got the backend's 404)."""
+    entry: OpenAI's retrieve), a 404 ``model_not_found`` (``param`` ``model``) for any other name
+    under ``/v1/models/``, and a 405 ``method_not_allowed`` (``Allow: GET, HEAD``) for another method
+    there (a backend would answer with its own view), answered by Envoy; ``HEAD`` as ``GET``. Before,
+    a name the list showed was retrieved from a backend, which knows only its own model name (a
+    version's name got the backend's 404)."""
     listed = models_list(s)
     served = ", ".join(m["id"] for m in listed["data"])
+    refused = error_json(405, "method_not_allowed", f"{MODELS_PATH} is read with GET or HEAD")
     return [
         _answered({"path": MODELS_PATH}, 200, json.dumps(listed, separators=(",", ":"))),
         *(_answered({"path": f"{MODELS_PATH}/{path}"}, 200, json.dumps(m, separators=(",", ":")))
           for m in listed["data"] for path in _spellings(m["id"])),
         _answered({"prefix": f"{MODELS_PATH}/"}, 404,
                   error_json(404, "model_not_found", f"no such model here; served models: {served}", "model")),
+        *(_answered(match, 405, refused, reading=False, headers=(("allow", "GET, HEAD"),))
+          for match in ({"path": MODELS_PATH}, {"prefix": f"{MODELS_PATH}/"})),
     ]
 
 

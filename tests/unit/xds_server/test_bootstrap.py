@@ -164,9 +164,10 @@ def test_listener_binds_the_configured_address_and_takes_routes_over_ads():
 
 
 def after_models(routes: list[dict]) -> list[dict]:
-    """The routes after the models' (``GET /v1/models``, each listed name, any other name)."""
-    other = next(i for i, r in enumerate(routes) if r["match"].get("prefix") == "/v1/models/")
-    return routes[other + 1:]
+    """The routes after the models' (``GET /v1/models``, each listed name, any other name, then any
+    other method)."""
+    last = max(i for i, r in enumerate(routes) if r["match"].get("prefix") == "/v1/models/")
+    return routes[last + 1:]
 
 
 def test_one_virtual_host_per_service_cluster_header_first_then_versions_then_default_version():
@@ -237,12 +238,21 @@ def test_get_v1_models_is_answered_by_envoy_with_every_served_name_and_no_picker
                           models=["llama-3-8b"], mixes={"stable": {"v1": 90, "v2": 10}})])
     [route, *_] = as_dict(build_route_config(cfg))["virtual_hosts"][0]["routes"]
     assert route["match"] == {"path": "/v1/models",
-                              "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]}
+                              "headers": [{"name": ":method", "string_match": {"safe_regex": {"regex": "GET|HEAD"}}}]}
     assert route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
     assert {"header": {"key": "content-type", "value": "application/json"},
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} in route["response_headers_to_add"]
     listed = json.loads(route["direct_response"]["body"]["inline_string"])
     assert listed["object"] == "list"
+    # Any other method under /v1/models: a 405 naming the two it takes, from Envoy, not a backend's view.
+    refusals = [r for r in as_dict(build_route_config(cfg))["virtual_hosts"][0]["routes"]
+                if r.get("direct_response", {}).get("status") == 405]
+    assert [r["match"] for r in refusals] == [{"path": "/v1/models"}, {"prefix": "/v1/models/"}]
+    for r in refusals:
+        assert {"header": {"key": "allow", "value": "GET, HEAD"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} in r["response_headers_to_add"]
+        assert r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+        assert json.loads(r["direct_response"]["body"]["inline_string"])["error"]["code"] == "method_not_allowed"
     assert [(m["id"], m["object"], m["owned_by"], m["root"]) for m in listed["data"]] == [
         ("llama-3-8b", "model", "llm", "v2"), ("v1", "model", "llm", "v1"), ("v2", "model", "llm", "v2"),
         ("stable", "model", "llm", "stable")]
