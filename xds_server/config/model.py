@@ -19,7 +19,11 @@ from xds_server.metrics.presets import GPU_MEMORY, PREALLOCATED, SAMPLE_TIME
 from xds_server.metrics.stats import SIGNAL_FIELDS
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9_.]*$"  # no '-': the cluster name "<service>-<version>" stays unique
+#: The longest version, mix or model name (bytes): the picker reads no longer version header or body
+#: ``model`` (``ext_proc.picker.MAX_VERSION_BYTES``), so a longer name could never be chosen.
+MAX_NAME_BYTES = 256
+# no '-': the cluster name "<service>-<version>" stays unique
+VERSION_RE = rf"^[A-Za-z0-9][A-Za-z0-9_.]{{0,{MAX_NAME_BYTES - 1}}}$"
 HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
 
 #: Per GPU class: relative capacity (throughput vs an A100) and GPU memory (MiB). Operators may override.
@@ -679,8 +683,8 @@ class ServiceConfig(_Strict):
                 raise ValueError(f"unavailable_versions: {gone!r} must be a version name ({VERSION_RE}) that is "
                                  f"neither a version with endpoints nor a mix")
         for model in self.models:
-            if not model.strip() or len(model.encode()) > 256:
-                raise ValueError(f"models: {model!r} must be a non-empty name of at most 256 bytes")
+            if not model.strip() or len(model.encode()) > MAX_NAME_BYTES:
+                raise ValueError(f"models: {model!r} must be a non-empty name of at most {MAX_NAME_BYTES} bytes")
             if model in names or model in self.mixes:
                 raise ValueError(f"models: {model!r} is already a version or mix name")
         if len(set(names)) != len(names):

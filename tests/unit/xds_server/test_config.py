@@ -221,6 +221,14 @@ def test_version_name_with_dash_is_refused():
     assert err.startswith(f"cfg.yaml:{line_of(text, 'v-1')}: services[0].versions[0].name: "), err
 
 
+def test_a_version_name_longer_than_the_picker_reads_is_refused():
+    """The picker reads at most 256 bytes of a version header or body ``model``: a longer name could
+    never be chosen."""
+    assert parse_config(MINIMAL.replace("name: v1", "name: v" + "1" * 255)).services[0].versions[0].name
+    text = MINIMAL.replace("name: v1", "name: v" + "1" * 256)
+    assert one_error(text).startswith(f"cfg.yaml:{line_of(text, 'v1111')}: services[0].versions[0].name: ")
+
+
 def test_service_name_pattern():
     text = MINIMAL.replace("name: llm", "name: -llm")
     assert one_error(text).startswith(f"cfg.yaml:{line_of(text, '-llm')}: services[0].name: ")
