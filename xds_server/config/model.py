@@ -141,6 +141,9 @@ def host_key(host: str) -> str:
     return host.strip().lower().rstrip(".")
 
 
+#: A service host (after :func:`host_key`): a DNS name or IPv4 address, or an IPv6 address in brackets.
+_HOST_RE = re.compile(r"[a-z0-9_]([a-z0-9_.-]*)|\[[0-9a-f:.]+\]")
+
 #: Hosts that bind every address of the machine.
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
@@ -617,7 +620,8 @@ class VersionConfig(_Strict):
 
 
 class ServiceConfig(_Strict):
-    """A model service reachable through the listener; ``hosts`` match ``:authority`` ("*" = any).
+    """A model service reachable through the listener; ``hosts`` match ``:authority``'s host name, any
+    port ("*" = any host; a name, an IPv4 address or a bracketed IPv6 address, case-insensitive).
 
     ``lb_policy``: Envoy's fallback policy for requests the picker does not pin (honours EDS weights).
     ``panic_threshold_percent``: Envoy's healthy panic threshold (Envoy rounds it to an integer):
@@ -667,11 +671,22 @@ class ServiceConfig(_Strict):
     @field_validator("hosts")
     @classmethod
     def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
-        """At least one host, each a name once spaces and a trailing dot are taken off (:func:`host_key`)."""
+        """At least one host, each "*" (any) or a name once spaces and a trailing dot are taken off
+        (:func:`host_key`): a DNS name, an IPv4 address or a bracketed IPv6 address, without a port
+        (the request's port is not matched) and without a wildcard (Envoy's route would take
+        ``*.example.com``, the picker, which matches whole names, would refuse every request)."""
         if not hosts:
             raise ValueError("needs at least one host (\"*\" = any)")
         for h in hosts:
-            if not host_key(h):
+            key = host_key(h)
+            if key == "*":
+                continue
+            if "*" in key:
+                raise ValueError(f"{h!r}: the only wildcard is \"*\" (any host); list each host name")
+            if ":" in key and not _HOST_RE.fullmatch(key):
+                raise ValueError(f"{h!r}: a host without its port (the request's port is not matched), an IPv6 "
+                                 f"address in brackets")
+            if not _HOST_RE.fullmatch(key):
                 raise ValueError(f"{h!r} is not a host name (\"*\" = any)")
         return hosts
 

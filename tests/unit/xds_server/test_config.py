@@ -650,6 +650,26 @@ def test_a_header_given_two_roles_is_refused(headers, role):
     assert "headers" in err and "each header has one role" in err, err
 
 
+@pytest.mark.parametrize(("host", "says"), [
+    ("*.example.com", "the only wildcard"), ("api.*", "the only wildcard"), ("gw.local:10000", "without its port"),
+    ("::1", "in brackets"), ("[::1]:8080", "without its port"), ("api example", "not a host name"),
+    ("http://api.example", "without its port"), ("api/v1", "not a host name"),
+])
+def test_a_host_the_picker_could_never_match_is_refused(host, says):
+    # Envoy's route took '*.example.com' and 'gw.local:10000' (its domains), while the picker matches the
+    # request's host name alone: every inference request got the picker's 404 unknown_service.
+    text = MINIMAL.replace("  - name: llm\n", f"  - name: llm\n    hosts: [{host!r}]\n", 1)
+    err = one_error(text)
+    assert "services[0].hosts" in err and says in err, err
+
+
+@pytest.mark.parametrize("host", ["*", "api.example.com", "API.Example.COM.", "10.0.0.1", "[::1]", "[fe80::1]",
+                                  "my_host-1"])
+def test_names_addresses_and_the_any_host_are_accepted(host):
+    text = MINIMAL.replace("  - name: llm\n", f"  - name: llm\n    hosts: [{host!r}]\n", 1)
+    assert parse_config(text).services[0].hosts == (host,)
+
+
 def test_hosts_that_differ_only_by_case_or_a_trailing_dot_are_one_host():
     text = MINIMAL + "  - name: two\n    hosts: ['API.Example.']\n    versions:\n      - name: v1\n" \
                      "        endpoints: [{address: '10.0.0.2:8000'}]\n"
