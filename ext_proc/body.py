@@ -56,7 +56,7 @@ class BodyFields(NamedTuple):
             characters before its newest message (0-1; 0 for a first turn of one or two messages),
             what the engine that served its previous turn holds. None: not followed.
         too_large: the body was above ``body_max_bytes`` and not read (:data:`BODY_TOO_LARGE`): a
-            request whose version its ``model`` would choose is refused (:func:`body_too_large`).
+            request whose version its ``model`` would choose is refused (:func:`ext_proc.picker.body_too_large`).
     """
 
     model: bytes | None = None

@@ -12,22 +12,23 @@ no session pin decides, among the candidate endpoints (healthy, not failing):
   second part is how many typical requests more than the least loaded candidate it would run,
   counted on an average endpoint (``share`` its weight's share, ``n`` candidates; with equal
   weights, plain work in flight): the queued work the request joins. ``value`` is what a
-  whole-prompt hit is worth in requests of imbalance: :data:`HIT_WORTH` times the candidates'
-  mean load, at least ``floor`` (the scheduler's ``min_bound``). On a continuous-batching engine
-  one more request in flight costs every request there a slightly longer decode step (A100,
+  whole-prompt hit is worth in requests of imbalance: :data:`HIT_WORTH` times the candidates' mean
+  load, at least ``floor`` (the scheduler's ``min_bound``). On a continuous-batching engine one
+  more request in flight costs every request there a slightly longer decode step (A100,
   Llama-3.1-8B: ~18 us on a ~16.5 ms step, ENGINE-PHYSICS.md), while a miss prefills the whole
   prompt again (6 000 tokens: ~0.3 s on the same GPU) and stores a second copy of it, evicting
-  another prompt's blocks; when the groups of a shared prefix get copies on several endpoints,
-  the caches overflow and the engines preempt (the lab's ``shared_prefix`` at 72 QPS under the
-  bounded loads of :mod:`ext_proc.scheduler`: 17 % of the requests spilled, 4 661 preemptions in
-  200 virtual s, TTFT p90 9.3 s). The peers make the same trade: llm-d's default profile weighs
-  its prefix scorer 3 against queue 2 and KV usage 2, SGLang's ``cache_aware`` keeps the cached
-  worker until the load gap passes 64 requests and 1.5x. Scaled by the mean load, a whole-prompt
-  hit stays until its endpoint runs an average endpoint's load more than the least loaded one,
-  at any load, and an endpoint that slows down (its requests pile up) loses new prompts once its
-  pile passes that. Tried and dropped: half the endpoint's max concurrency, which kept them on a
-  slow endpoint longer (the lab's ``long_tail``, 16 A100s at 64 QPS: TTFT p90 51.6 ms against
-  49.9 ms). The highest score wins (ties: the less loaded, then the rendezvous hash below).
+  another prompt's blocks; when the groups of a shared prefix get copies on several endpoints, the
+  caches overflow and the engines preempt (the lab's ``shared_prefix`` at 72 QPS under the bounded
+  loads of the ``bounded-load`` filter, then ``ext_proc/scheduler.py``: 17 % of the requests
+  spilled, 4 661 preemptions in 200 virtual s, TTFT p90 9.3 s). The peers make the same trade:
+  llm-d's default profile weighs its prefix scorer 3 against queue 2 and KV usage 2, SGLang's
+  ``cache_aware`` keeps the cached worker until the load gap passes 64 requests and 1.5x. Scaled
+  by the mean load, a whole-prompt hit stays until its endpoint runs an average endpoint's load
+  more than the least loaded one, at any load, and an endpoint that slows down (its requests pile
+  up) loses new prompts once its pile passes that. Tried and dropped: half the endpoint's max
+  concurrency, which kept them on a slow endpoint longer (the lab's ``long_tail``, 16 A100s at 64
+  QPS: TTFT p90 51.6 ms against 49.9 ms). The highest score wins (ties: the less loaded, then the
+  rendezvous hash below).
 - **A conversation's next turn.** The index holds the blocks of the prompts the picker sent, not
   the replies the engines generated and cached after them: a turn after a short prompt and a long
   reply found little or none of itself "cached" where its conversation's KV cache is, and went elsewhere

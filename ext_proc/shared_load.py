@@ -157,7 +157,7 @@ class _Free(Mapping[str, float]):
         self.others: Mapping[str, float] = _NONE
         self.capacity: Mapping[str, float] = _NONE
         """``{endpoint: GPU memory its requests can use, MiB}`` (the control plane's
-        :meth:`~xds_server.loadview.table.LoadTable.capacities`): the estimate never exceeds it less
+        ``RoundCounts.capacities`` in ``xds_server/loadview/rounds.py``): the estimate never exceeds it less
         the memory every picker has in flight there."""
         self._sample: Mapping[str, float] | None = None
         self._baseline: Mapping[str, float] = _NONE

@@ -93,11 +93,29 @@ def values(scores: Scores) -> Callable[[Sequence[str]], list[float]]:
     def totals(endpoints: Sequence[str]) -> list[float]:
         out = [0.0] * len(endpoints)
         for weight, score in scores:
-            for i, s in enumerate(score(endpoints)):
+            got = score(endpoints)
+            if len(got) != len(out) or not all(0.0 <= s <= 1.0 for s in got):
+                _broken(score, got, len(out))
+            for i, s in enumerate(got):
                 out[i] -= weight * s
         return out
 
     return totals
+
+
+def _broken(score: Score, got: Sequence[float], n: int) -> None:
+    """Raise for a scorer's answer that breaks the contract (one score in [0, 1] per endpoint; NaN is
+    none): the picker reports the failure (``pick-failed``, logged with this message) and Envoy's
+    failure mode routes the request, where the wrong scores would have decided it silently (a NaN
+    made every endpoint look refused: outcome ``no-memory``).
+
+    Raises:
+        ValueError: always, naming the plugin where the rule is its bound ``score``.
+    """
+    owner = getattr(getattr(score, "func", None), "__self__", None)
+    name = getattr(owner, "name", None) or getattr(score, "__qualname__", repr(score))
+    raise ValueError(f"scorer {name!r} gave {len(got)} scores for {n} endpoints, each must be in [0, 1]: "
+                     f"{list(got)[:8]}")
 
 
 def lowest(request: Request, profile: Any, scores: Scores, endpoints: Sequence[str], shares: Mapping[str, float],

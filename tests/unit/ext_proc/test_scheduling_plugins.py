@@ -273,3 +273,51 @@ def test_a_scorer_registered_from_a_module_outside_the_package_is_used_by_a_prof
     # A standalone picker gets the module's name over the wire and imports it before building the profile.
     back, _ = from_wire(to_wire(routing, picker_settings(cfg)))
     assert back.plugin_modules == ("my_rack_scorer",) and back.profiles["rack"] == routing.profiles["rack"]
+
+
+BROKEN = '''
+from ext_proc.scheduling import PluginParams, register
+
+
+class Params(PluginParams):
+    answer: str = "nan"
+
+
+@register
+class BrokenScores:
+    name = "broken-scores"
+    Params = Params
+    default_weight = 1.0
+
+    def __init__(self, params):
+        self.answer = params.answer
+
+    def score(self, request, endpoints):
+        if self.answer == "short":
+            return [1.0] * (len(endpoints) - 1)
+        return [float(self.answer)] * len(endpoints)
+'''
+
+
+@pytest.mark.parametrize(("answer", "shown"), [("nan", "[nan, nan"), ("short", "3 scores for 4"), ("1.5", "[1.5, 1.5")])
+def test_a_scorer_that_breaks_its_contract_fails_the_pick_naming_it(tmp_path, monkeypatch, answer, shown):
+    """One score in [0, 1] per endpoint: a NaN had made every endpoint look refused (outcome
+    ``no-memory``, the plugin's name dropped) and too few scores decided silently. The pick raises,
+    which the handler reports as ``pick-failed`` and Envoy's failure mode routes."""
+    from inferlb.picker_config import routing_table
+    from tests.support.factories import config, service, version
+
+    (tmp_path / "my_broken_scorer.py").write_text(textwrap.dedent(BROKEN))
+    monkeypatch.syspath_prepend(str(tmp_path))   # imported once per process: a class registers once
+    endpoints = [{"address": e} for e in FOUR]
+    steps = [{"plugin": "broken-scores", "params": {"answer": answer}}, {"plugin": "least-loaded"},
+             {"plugin": "max-score"}]
+    cfg = config([service("llm", [version("v1", endpoints)], picker_profile="broken")],
+                 picker={"plugin_modules": ["my_broken_scorer"], "profiles": {"broken": steps}})
+    from ext_proc.view import EndpointView
+    from tests.unit.ext_proc.test_scheduler import cla
+    routing = routing_table(cfg)
+    view = EndpointView.build({"llm-v1": cla("llm-v1", {e: 1 for e in FOUR})}, routing)
+    with pytest.raises(ValueError, match=r"scorer 'broken-scores' gave") as raised:
+        pick({":authority": b"x", "x-request-id": b"1"}, view, {})
+    assert shown in str(raised.value)
