@@ -285,10 +285,14 @@ def partial_fields(chunk: bytes, content_length: int | None, routing: RoutingTab
 
 def wants_body(headers: Mapping[str, bytes], routing: RoutingTable) -> bool:
     """A JSON body may tell what the headers do not: the version, the session, or the request's
-    size (prompt and ``max_tokens``: its memory, its work and its prefix key). A media type is
-    case-insensitive (RFC 9110 8.3.1): ``Application/JSON`` is JSON too."""
+    size (prompt and ``max_tokens``: its memory, its work and its prefix key). A body is read as
+    the OpenAI-compatible servers read it (vLLM's and SGLang's, on FastAPI): with a JSON media type,
+    in any case (RFC 9110 8.3.1: ``Application/JSON``, ``application/vnd.x+json``), or with no
+    ``content-type`` at all (FastAPI parses it as JSON); another media type is not JSON to them
+    either (FastAPI answers 422). Source: FastAPI's ``fastapi/routing.py``, its request handler's
+    body parsing (no ``content-type``, or ``application/json`` / ``application/*+json``: JSON)."""
     kind = headers.get("content-type", b"")
-    if b"json" not in kind and b"json" not in kind.lower():
+    if kind and b"json" not in kind and b"json" not in kind.lower():
         return False
     if not headers.get(routing.version_header):
         return True

@@ -85,6 +85,13 @@ def test_version_from_the_json_body_reroutes(picker_stack: Stack):
     r = requests.post(f"{s.listener}/v1/chat/completions", data=b"{not json", timeout=10,
                       headers={"content-type": "application/json"})
     assert r.headers["x-backend-version"] == "v1"
+    # No content type: JSON, as vLLM's FastAPI server reads it; another media type: not read.
+    body = b'{"model": "v2", "max_tokens": 4, "messages": []}'
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=body, timeout=10)
+    assert "content-type" not in r.request.headers and r.headers["x-backend-version"] == "v2"
+    r = requests.post(f"{s.listener}/v1/chat/completions", data=body, timeout=10,
+                      headers={"content-type": "text/plain"})
+    assert r.headers["x-backend-version"] == "v1"
 
 
 @pytest.mark.parametrize("size", [200_000, 3 * 1024 * 1024])

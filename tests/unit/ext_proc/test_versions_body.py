@@ -134,9 +134,11 @@ def test_handler_decides_at_headers_when_the_body_cannot_help(headers):
     assert end and pb.ProcessingResponse.FromString(answer).WhichOneof("response") == "request_headers"
 
 
-@pytest.mark.parametrize("kind", ["application/json", "Application/JSON", "APPLICATION/JSON; charset=utf-8"])
+@pytest.mark.parametrize("kind", ["application/json", "Application/JSON", "APPLICATION/JSON; charset=utf-8",
+                                  "application/vnd.api+json", ""])
 def test_a_json_media_type_is_json_in_any_case(kind):
-    """Media types are case-insensitive (RFC 9110 8.3.1): the body's ``model`` chooses the version."""
+    """Media types are case-insensitive (RFC 9110 8.3.1): the body's ``model`` chooses the version.
+    No content type (empty) is JSON too, as FastAPI (vLLM's, SGLang's server) parses it."""
     h, stream = handler(), StreamState()
     answer, end = h.process(stream, headers_msg(False, content_type=kind))
     assert not end and pb.ProcessingResponse.FromString(answer).HasField("mode_override")
@@ -144,6 +146,13 @@ def test_a_json_media_type_is_json_in_any_case(kind):
     answer, _ = h.process(stream, message("request_body", body=body, end_of_stream=True))
     common = pb.ProcessingResponse.FromString(answer).request_body.response
     assert set_headers(common)["x-inferlb-cluster"] == b"llm-v2"
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_of_another_media_type_is_not_read(kind):
+    """The backend does not parse it as JSON either (FastAPI: 422): routed by its headers."""
+    answer, end = handler().process(StreamState(), headers_msg(False, content_type=kind))
+    assert end and not pb.ProcessingResponse.FromString(answer).HasField("mode_override")
 
 
 def test_a_json_body_is_read_for_the_request_size_when_no_class_header_gives_it():
