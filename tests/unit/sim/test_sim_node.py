@@ -82,7 +82,8 @@ async def test_a_full_kv_cache_queues_requests_instead_of_failing():
 
 async def test_fifo_queue_beyond_max_concurrency_on_a_job_node():
     node = SimNode(BackendConfig(engine="job", max_concurrency=2, time_scale=0.1))
-    tasks = [asyncio.create_task(node.serve(_req(session="same"))) for _ in range(5)]
+    # long enough (256 tokens) that no job ends between the poll and the snapshot on a loaded machine
+    tasks = [asyncio.create_task(node.serve(_req(session="same", max_tokens=256))) for _ in range(5)]
     await _wait_until(lambda: node.stats().running == 2)
     assert node.stats().waiting == 3
     done = await asyncio.gather(*tasks)
