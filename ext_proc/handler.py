@@ -34,7 +34,7 @@ from ext_proc.body import (
 from ext_proc.costmodel import CostModel
 from ext_proc.gateway import EndpointPicker
 from ext_proc.inflight import InFlight
-from ext_proc.picker import header_session_key, too_deep
+from ext_proc.picker import header_session_key, size_header_problem, too_deep
 from ext_proc.prefix_events import EventIndex
 from ext_proc.requestcontrol import RequestControl
 from ext_proc.responses import EMPTY_ANSWERS, GATEWAY_API, headers_of
@@ -201,6 +201,7 @@ class PickerHandler:
 
     def _headers(self, stream: StreamState, headers: dict[str, bytes], end_of_stream: bool) -> tuple[bytes, bool]:
         view = self.holder.current
+        self._check_size_headers(headers, view)
         if view.routing.body_max_bytes and not end_of_stream and wants_body(headers, view.routing):
             length = content_length(headers)
             # A body the picker would not read is not asked for: Envoy would buffer it for nothing,
@@ -213,6 +214,14 @@ class PickerHandler:
                                "headers; 413 where its model would choose the version)")
             return self._route(headers, view, BODY_TOO_LARGE, "request_headers"), True
         return self._route(headers, view, NO_BODY, "request_headers"), True
+
+    def _check_size_headers(self, headers: dict[str, bytes], view: EndpointView) -> None:
+        """Count and log a size header the request cannot use (:func:`ext_proc.picker.size_header_problem`)."""
+        routing = view.routing
+        if routing.request_classes or routing.request_memory_header is not None:
+            problem = size_header_problem(headers, routing)
+            if problem is not None:
+                self.errors.report(*problem)
 
     def read_body(self, headers: dict[str, bytes], view: EndpointView, body: bytes, whole: bool) -> BodyFields:
         """The fields of a held request's JSON body, as the stream reads them (``whole``: all of it; else
@@ -238,6 +247,7 @@ class PickerHandler:
         (``whole``: all of it; else its first bytes; None: not read), ``subset`` the endpoints it may
         go to (None: any), ``phase`` the message the answer is for. Returns the serialized answer, or
         a future of it (admission)."""
+        self._check_size_headers(headers, view)
         try:
             fields = NO_BODY if body is None else self.read_body(headers, view, body, whole)
         except JsonTooDeep:

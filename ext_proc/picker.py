@@ -23,6 +23,7 @@ from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
 __all__ = ["Decision", "MAX_VERSION_BYTES", "body_too_large",
            "header_session_key", "model_not_found", "overloaded", "pick", "request_need", "served_names",
+           "size_header_problem",
            "session_cookie", "too_deep", "too_large"]
 
 
@@ -276,6 +277,32 @@ def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: Body
     else:
         mib = routing.default_request_mib
     return mib, prompt, output, False
+
+
+def size_header_problem(headers: Mapping[str, bytes], routing: RoutingTable) -> tuple[str, str] | None:
+    """``(kind, message)`` when a size header the request sent cannot be used, else None (pure): a
+    ``request_class_header`` naming none of the ``request_classes`` (when classes are configured), or a
+    ``request_memory_header`` that is not a number of MiB in [0, 1e9). :func:`request_need` then
+    goes on without it, as it always did; the handler counts and logs the problem
+    (``inferlb_ext_proc_errors_total{kind}``), so a client's misspelt class is not ignored
+    silently."""
+    if routing.request_classes:
+        name = headers.get(routing.request_class_header)
+        if name and name not in routing.request_classes:
+            known = ", ".join(sorted(k.decode("utf-8", "replace") for k in routing.request_classes))
+            return ("request-class-unknown", f"unknown request class '{_quote(name)}' in header "
+                    f"'{routing.request_class_header}' (sized by the body or the default); known: {known}")
+    if routing.request_memory_header is not None:
+        raw = headers.get(routing.request_memory_header)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not 0.0 <= value < 1e9:
+                return ("request-memory-invalid", f"header '{routing.request_memory_header}' must be MiB >= 0, "
+                        f"got '{_quote(raw)}' (sized by the body, the class or the default)")
+    return None
 
 
 class _Live(Protocol):

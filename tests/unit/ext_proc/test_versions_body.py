@@ -354,3 +354,30 @@ def test_a_lone_surrogate_in_a_body_field_is_an_answer_not_a_failed_pick():
     response = pb.ProcessingResponse.FromString(answer)
     assert response.immediate_response.status.code == 400
     assert json.loads(response.immediate_response.body)["error"]["param"] == "model"
+
+
+def test_a_size_header_the_picker_cannot_use_is_counted_and_logged_not_ignored_silently(caplog):
+    """A class no ``request_classes`` entry names, or a memory header that is no MiB: the request is
+    sized without it, as before, and the problem is counted by kind and logged naming the header."""
+    from prometheus_client import REGISTRY
+
+    from ext_proc.view import RequestClass
+
+    routing = RoutingTable(services=(MIXED,), body_max_bytes=0, request_memory_header="x-mem",
+                           request_classes={"small": RequestClass(1000.0, 100.0, 10.0)})
+    h = PickerHandler(ViewHolder(EndpointView.build(ASSIGN, routing)))
+
+    def count(kind: str) -> float:
+        return REGISTRY.get_sample_value("inferlb_ext_proc_errors_total", {"kind": kind}) or 0.0
+
+    before = count("request-class-unknown"), count("request-memory-invalid")
+    for headers in ({"x_inferlb_request_class": "small", "x_mem": "512"}, {}):   # usable, or none: no report
+        answer, end = h.process(StreamState(), headers_msg(True, **headers))
+        assert end
+    assert (count("request-class-unknown"), count("request-memory-invalid")) == before
+    h.process(StreamState(), headers_msg(True, x_inferlb_request_class="giant"))
+    h.process(StreamState(), headers_msg(True, x_mem="lots"))
+    h.process(StreamState(), headers_msg(True, x_mem="-1"))
+    assert (count("request-class-unknown"), count("request-memory-invalid")) == (before[0] + 1, before[1] + 2)
+    assert "unknown request class 'giant' in header 'x-inferlb-request-class'" in caplog.text
+    assert "known: small" in caplog.text and "header 'x-mem' must be MiB >= 0, got 'lots'" in caplog.text
