@@ -156,6 +156,10 @@ def test_a_prompt_cached_on_a_backend_by_its_events_goes_there_through_envoy(eve
         want = len(keys_of(s, warm))
         wait_until(lambda warm=warm, b=b, want=want: matched(s, warm).get(b.address) == want, 10,
                    what=f"prompt {i}'s {want} blocks in the index for {b.address}")
+        # Both pinnable (a loaded machine's late Prometheus scrape can mark one UNHEALTHY for a round,
+        # "stale metrics": then the picker rightly sends the turn elsewhere; health is not this test's subject).
+        wait_until(lambda: {x.address for x in s.backends} <= s.app.view.current.clusters["chat-v1"].members, 20,
+                   what="both backends pinnable")
         turn = body(i, "and a second question, through the gateway")
         r = requests.post(f"{s.listener}/v1/chat/completions", json=turn, timeout=10)
         assert r.status_code == 200, r.text
