@@ -21,10 +21,9 @@ from ext_proc.sessions import session_slot
 from ext_proc.tiers import tier_for
 from ext_proc.view import MIX_BUCKETS, EndpointView, RoutingTable, ServiceRoute
 
-__all__ = ["Decision", "MAX_VERSION_BYTES", "body_too_large",
-           "header_session_key", "model_not_found", "overloaded", "pick", "request_need", "served_names",
-           "size_header_problem",
-           "session_cookie", "too_deep", "too_large"]
+__all__ = ["Decision", "MAX_VERSION_BYTES", "body_too_large", "declared_mib", "header_session_key",
+           "model_not_found", "overloaded", "pick", "request_need", "served_names", "session_cookie",
+           "size_header_problem", "too_deep", "too_large"]
 
 
 class _Pins(Protocol):
@@ -241,6 +240,17 @@ def header_session_key(headers: Mapping[str, bytes], routing: RoutingTable) -> b
     return None
 
 
+def declared_mib(raw: bytes | None) -> float | None:
+    """A memory header's value: MiB in [0, 1e9), or None when absent, empty or not such a number."""
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 0.0 <= value < 1e9 else None
+
+
 def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: BodyFields
                  ) -> tuple[float, float | None, float | None, bool]:
     """A request's GPU memory need and tokens: ``(MiB, prompt tokens or None, output tokens or None,
@@ -262,14 +272,9 @@ def request_need(headers: Mapping[str, bytes], routing: RoutingTable, body: Body
     if cls is not None and prompt is None:
         prompt, output = cls.prompt_tokens, cls.output_tokens
     if routing.request_memory_header is not None:
-        raw = headers.get(routing.request_memory_header)
-        if raw:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = -1.0
-            if 0.0 <= value < 1e9:
-                return value, prompt, output, True
+        value = declared_mib(headers.get(routing.request_memory_header))
+        if value is not None:
+            return value, prompt, output, True
     if body.prompt_tokens is not None:
         mib = (prompt + output) * routing.kv_mib_per_token  # type: ignore[operator]
     elif cls is not None:
@@ -294,13 +299,8 @@ def size_header_problem(headers: Mapping[str, bytes], routing: RoutingTable) -> 
                     f"'{routing.request_class_header}' (sized by the body or the default); known: {known}")
     if routing.request_memory_header is not None:
         raw = headers.get(routing.request_memory_header)
-        if raw:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = -1.0
-            if not 0.0 <= value < 1e9:
-                return ("request-memory-invalid", f"header '{routing.request_memory_header}' must be MiB >= 0, "
+        if raw and declared_mib(raw) is None:
+            return ("request-memory-invalid", f"header '{routing.request_memory_header}' must be MiB >= 0, "
                         f"got '{_quote(raw)}' (sized by the body, the class or the default)")
     return None
 
